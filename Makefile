@@ -1,0 +1,28 @@
+# planetserve: everything goes through the project's own virtual environment.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PS := $(VENV)/bin/planetserve
+
+.PHONY: setup test lint localnet localnet-stop bench clean
+
+setup:
+	@bash scripts/setup.sh
+
+test: setup
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+localnet: setup
+	$(PS) localnet up
+
+localnet-stop: setup
+	$(PS) localnet down
+
+bench: setup
+	$(PY) bench/run_all.py
+
+clean:
+	rm -rf $(VENV) localnet/build

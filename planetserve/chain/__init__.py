@@ -1,0 +1,1 @@
+"""The replicated state machine (ABCI server, store, handlers) and its client side (RPC, light client)."""

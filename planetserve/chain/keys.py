@@ -1,0 +1,87 @@
+"""Key files for every role: an ed25519 identity key, plus VRF and X25519 keys for committee members.
+
+Keys are stored as hex seeds in a JSON file readable only by its owner; nothing here ever logs or
+prints a secret.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+from nacl.public import PrivateKey
+from nacl.signing import SigningKey, VerifyKey
+
+
+class KeyFileError(Exception):
+    """A key file is missing, unreadable or malformed."""
+
+
+@dataclass(frozen=True)
+class KeySet:
+    """The private keys of one participant; vrf and x25519 are used only by committee members."""
+
+    identity: SigningKey
+    vrf: SigningKey
+    x25519: PrivateKey
+
+    @classmethod
+    def generate(cls) -> KeySet:
+        return cls(
+            identity=SigningKey(secrets.token_bytes(32)),
+            vrf=SigningKey(secrets.token_bytes(32)),
+            x25519=PrivateKey(secrets.token_bytes(32)),
+        )
+
+    @property
+    def public(self) -> bytes:
+        """The identity public key: the account address on the ledger."""
+        return bytes(self.identity.verify_key)
+
+    def sign(self, message: bytes) -> bytes:
+        return self.identity.sign(message).signature
+
+    def public_summary(self) -> dict[str, str]:
+        return {
+            "identity": self.public.hex(),
+            "vrf": bytes(self.vrf.verify_key).hex(),
+            "x25519": bytes(self.x25519.public_key).hex(),
+        }
+
+    def save(self, path: Path) -> None:
+        """Write the key file with mode 0600, refusing to overwrite an existing one."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        body = {
+            "identity_seed": bytes(self.identity).hex(),
+            "vrf_seed": bytes(self.vrf).hex(),
+            "x25519_secret": bytes(self.x25519).hex(),
+        }
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            json.dump(body, fh, indent=2)
+
+    @classmethod
+    def load(cls, path: Path) -> KeySet:
+        try:
+            body = json.loads(Path(path).read_text())
+            return cls(
+                identity=SigningKey(bytes.fromhex(body["identity_seed"])),
+                vrf=SigningKey(bytes.fromhex(body["vrf_seed"])),
+                x25519=PrivateKey(bytes.fromhex(body["x25519_secret"])),
+            )
+        except FileNotFoundError as exc:
+            raise KeyFileError(f"no key file at {path}") from exc
+        except (ValueError, KeyError, TypeError) as exc:
+            raise KeyFileError(f"malformed key file {path}: {type(exc).__name__}") from exc
+
+
+def verify_signature(public_key: bytes, message: bytes, signature: bytes) -> bool:
+    """Check an ed25519 signature; any malformed key or signature is simply invalid."""
+    try:
+        VerifyKey(public_key).verify(message, signature)
+    except Exception:
+        return False
+    return True

@@ -1,0 +1,1 @@
+"""Building genesis files and validator homes."""

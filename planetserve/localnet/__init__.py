@@ -1,0 +1,1 @@
+"""Running a multi-validator network on one machine."""
