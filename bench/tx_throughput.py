@@ -1,0 +1,94 @@
+"""Registry transaction throughput and commit latency on a four-validator network, side by side
+with CometBFT's built-in kvstore app on the same layout, in the same run, with the same tx size.
+
+Each network is built fresh on this machine, loaded with pre-signed transactions broadcast to all
+validators, and measured from the first broadcast to the block that commits the last one. The two
+networks run one after the other, so they do not compete for the CPU.
+
+    .venv/bin/python bench/tx_throughput.py [--txs 3000] [--validators 4] [--timeout-commit 1s]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import secrets
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from loadgen import LoadResult, run_load  # noqa: E402
+
+from planetserve.chain import tx as txlib  # noqa: E402
+from planetserve.chain.keys import KeySet  # noqa: E402
+from planetserve.genesis.committee import app_state_builder  # noqa: E402
+from planetserve.genesis.network import build_network  # noqa: E402
+from planetserve.localnet.cluster import Cluster  # noqa: E402
+from planetserve.localnet.net import app_command  # noqa: E402
+
+
+def planetserve_txs(n: int, chain_id: str, region: str = "bench") -> list[bytes]:
+    return [
+        txlib.build(KeySet.generate(), chain_id, "register-user",
+                    {"address": f"10.{i // 65536 % 256}.{i // 256 % 256}.{i % 256}:9000",
+                     "region": region}, 0)
+        for i in range(n)
+    ]
+
+
+def kvstore_txs(n: int, size: int) -> list[bytes]:
+    out = []
+    for i in range(n):
+        key = f"k{i:08d}=".encode()
+        out.append(key + secrets.token_hex(size).encode()[: size - len(key)])
+    return out
+
+
+def measure(root: Path, name: str, validators: int, timeout_commit: str, txs_for, app: bool) -> LoadResult:
+    chain_id = f"bench-{name}"
+    spec = build_network(root / name, validators, chain_id, app_state_builder() if app else None,
+                         kvstore=not app, timeout_commit=timeout_commit)
+    with Cluster(spec, app_command if app else None, start_timeout=60.0) as cluster:
+        cluster.start()
+        cluster.wait_for_height(2, timeout=60.0)
+        txs = txs_for(chain_id)
+        return run_load([v.rpc_url for v in spec.validators], txs)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--txs", type=int, default=3000)
+    parser.add_argument("--validators", type=int, default=4)
+    parser.add_argument("--timeout-commit", default="1s")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+
+    size = len(planetserve_txs(1, "bench-planetserve")[0])
+    with tempfile.TemporaryDirectory(prefix="ps-bench-") as tmp:
+        root = Path(tmp)
+        kv = measure(root, "kvstore", args.validators, args.timeout_commit,
+                     lambda _cid: kvstore_txs(args.txs, size), app=False)
+        ps = measure(root, "planetserve", args.validators, args.timeout_commit,
+                     lambda cid: planetserve_txs(args.txs, cid), app=True)
+    rows = [("kvstore (CometBFT built-in)", kv), ("planetserve register-user", ps)]
+    if args.json:
+        print(json.dumps({name: {"txs": r.txs, "committed": r.committed, "seconds": r.seconds,
+                                 "tx_per_s": r.tx_per_s, "p50_ms": r.median_ms, "p95_ms": r.percentile(0.95)}
+                          for name, r in rows}, indent=2))
+        return
+    print(f"{args.validators} validators on 127.0.0.1, timeout_commit {args.timeout_commit}, "
+          f"{args.txs} txs of {size} bytes each")
+    print(f"{'app':30} {'committed':>9} {'seconds':>8} {'tx/s':>8} {'p50 ms':>8} {'p95 ms':>8}")
+    for name, r in rows:
+        print(f"{name:30} {r.committed:>9} {r.seconds:>8.2f} {r.tx_per_s:>8.1f} "
+              f"{r.median_ms:>8.0f} {r.percentile(0.95):>8.0f}")
+    ratio = ps.tx_per_s / kv.tx_per_s if kv.tx_per_s else float("nan")
+    print(f"planetserve / kvstore committed tx/s: {ratio:.2f} (target >= 0.50)")
+
+
+if __name__ == "__main__":
+    main()

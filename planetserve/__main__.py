@@ -1,0 +1,3 @@
+from planetserve.cli import main
+
+main()

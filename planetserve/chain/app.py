@@ -1,0 +1,283 @@
+"""The planetserve ABCI 2.0 application: deterministic execution of registry transactions.
+
+One batch holds the block being executed (from InitChain or FinalizeBlock until Commit); another
+holds mempool state for CheckTx and is rebuilt after every Commit. Only Commit writes to the store.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+
+from tendermint.abci import types_pb2 as abci
+from tendermint.crypto import keys_pb2, proof_pb2
+
+from planetserve.chain import state as layout
+from planetserve.chain.errors import CODESPACE, Code, TxError, from_registry
+from planetserve.chain.handlers import HANDLERS, Context
+from planetserve.chain.state import State, TxScope
+from planetserve.chain.store import Batch, StateStore
+from planetserve.chain.tx import Tx, decode
+from planetserve.registry import codec
+from planetserve.registry.errors import RegistryError
+from planetserve.registry.genesis import parse_app_state
+
+log = logging.getLogger(__name__)
+
+APP_VERSION = 1
+PROOF_OP_TYPE = "planetserve/prefix"
+BLOCK_TIME_META = "block_time"
+CHAIN_ID_META = "chain_id"
+
+
+@dataclass
+class Outcome:
+    code: Code
+    log: str
+    events: list[abci.Event]
+
+
+def _events(raw: list[tuple[str, dict[str, str]]]) -> list[abci.Event]:
+    return [
+        abci.Event(
+            type=kind,
+            attributes=[abci.EventAttribute(key=k, value=v, index=True) for k, v in sorted(attrs.items())],
+        )
+        for kind, attrs in raw
+    ]
+
+
+class Application:
+    def __init__(self, store: StateStore) -> None:
+        self.store = store
+        self.block: Batch | None = None
+        self.block_height = 0
+        self.block_time = 0
+        self.chain_id = (store.get_meta(CHAIN_ID_META) or b"").decode()
+        self.committed_time = int.from_bytes(store.get_meta(BLOCK_TIME_META) or b"", "big")
+        self.check = store.batch()
+
+    # -- handshake -------------------------------------------------------------------------------
+
+    def info(self, _req: abci.RequestInfo) -> abci.ResponseInfo:
+        return abci.ResponseInfo(
+            data="planetserve",
+            version="0.1.0",
+            app_version=APP_VERSION,
+            last_block_height=self.store.height,
+            last_block_app_hash=self.store.app_hash if self.store.height else b"",
+        )
+
+    def init_chain(self, req: abci.RequestInitChain) -> abci.ResponseInitChain:
+        """Load parameters, committee and models from genesis; refuse a genesis whose validator set
+        does not match its committee."""
+        app_state = parse_app_state(json.loads(req.app_state_bytes or b"{}"))
+        genesis_validators = sorted((v.pub_key.ed25519, v.power) for v in req.validators)
+        committee_validators = sorted((m.consensus_key, m.power) for m in app_state.committee)
+        if genesis_validators != committee_validators:
+            raise ValueError("genesis validators do not match the app_state committee")
+        self.chain_id = req.chain_id
+        self.block = self.store.batch()
+        st = State(self.block)
+        st.put_params(app_state.params)
+        for member in app_state.committee:
+            st.put_member(member)
+        for model in app_state.models:
+            st.put_model(model)
+        return abci.ResponseInitChain(app_hash=self.block.root())
+
+    # -- mempool ---------------------------------------------------------------------------------
+
+    def check_tx(self, req: abci.RequestCheckTx) -> abci.ResponseCheckTx:
+        outcome = self._execute(self.check, req.tx, self.store.height + 1, self.committed_time)
+        return abci.ResponseCheckTx(
+            code=outcome.code, log=outcome.log, codespace=CODESPACE if outcome.code else "", gas_wanted=1
+        )
+
+    # -- consensus -------------------------------------------------------------------------------
+
+    def prepare_proposal(self, req: abci.RequestPrepareProposal) -> abci.ResponsePrepareProposal:
+        """Propose, in mempool order, the transactions that decode, within the byte limit."""
+        limit = State(self.store.batch()).params().max_tx_bytes
+        chosen: list[bytes] = []
+        size = 0
+        for raw in req.txs:
+            if size + len(raw) > req.max_tx_bytes:
+                break
+            try:
+                decode(raw, limit)
+            except TxError:
+                continue
+            chosen.append(raw)
+            size += len(raw)
+        return abci.ResponsePrepareProposal(txs=chosen)
+
+    def process_proposal(self, req: abci.RequestProcessProposal) -> abci.ResponseProcessProposal:
+        """Reject a proposal carrying bytes that are not transaction envelopes."""
+        limit = State(self.store.batch()).params().max_tx_bytes
+        status = abci.ResponseProcessProposal.ACCEPT
+        for raw in req.txs:
+            try:
+                decode(raw, limit)
+            except TxError:
+                status = abci.ResponseProcessProposal.REJECT
+                break
+        return abci.ResponseProcessProposal(status=status)
+
+    def finalize_block(self, req: abci.RequestFinalizeBlock) -> abci.ResponseFinalizeBlock:
+        if self.block is None or self.block_height:
+            self.block = self.store.batch()
+        self.block_height = req.height
+        self.block_time = req.time.seconds
+        self._expire_users(self.block, self.block_time)
+        results: list[abci.ExecTxResult] = []
+        updates: dict[bytes, int] = {}
+        for raw in req.txs:
+            outcome = self._execute(self.block, raw, req.height, self.block_time, updates)
+            results.append(
+                abci.ExecTxResult(
+                    code=outcome.code,
+                    log=outcome.log,
+                    codespace=CODESPACE if outcome.code else "",
+                    events=outcome.events,
+                )
+            )
+        self._expire_proposals(self.block, req.height)
+        return abci.ResponseFinalizeBlock(
+            tx_results=results,
+            validator_updates=[
+                abci.ValidatorUpdate(pub_key=keys_pb2.PublicKey(ed25519=k), power=p)
+                for k, p in sorted(updates.items())
+            ],
+            app_hash=self.block.root(),
+        )
+
+    def commit(self, _req: abci.RequestCommit) -> abci.ResponseCommit:
+        if self.block is None or not self.block_height:
+            raise RuntimeError("Commit without a finalized block")
+        self.store.commit(
+            self.block,
+            self.block_height,
+            {BLOCK_TIME_META: self.block_time.to_bytes(8, "big"), CHAIN_ID_META: self.chain_id.encode()},
+        )
+        self.committed_time = self.block_time
+        self.block = None
+        self.block_height = 0
+        self.check = self.store.batch()
+        return abci.ResponseCommit()
+
+    # -- queries ---------------------------------------------------------------------------------
+
+    def query(self, req: abci.RequestQuery) -> abci.ResponseQuery:
+        """`/prefix` (data: a key prefix) answers every entry under it; `/key` (data: a key) one entry.
+        Both answer at the requested committed height (0: the latest) and carry a proof against
+        that height's app hash, which header height + 1 carries."""
+        if req.path not in ("/prefix", "/key"):
+            return self._query_error(Code.UNKNOWN_TYPE, f"unknown query path {req.path!r}")
+        height = req.height or self.store.height
+        prefix = req.data + b"\x00" if req.path == "/key" else req.data
+        max_entries = State(self.store.batch()).params().max_query_entries
+        try:
+            entries, proof = self.store.prove_prefix(prefix, max_entries, height)
+        except (TypeError, ValueError) as exc:
+            return self._query_error(Code.INVALID_FIELD, str(exc))
+        if req.path == "/key":
+            value = entries[0][1] if entries else b""
+        else:
+            value = codec.pack([[k, v] for k, v in entries])
+        op = proof_pb2.ProofOp(type=PROOF_OP_TYPE, key=req.data, data=proof.encode())
+        ops = proof_pb2.ProofOps(ops=[op])
+        return abci.ResponseQuery(
+            code=0,
+            key=req.data,
+            value=value,
+            height=height,
+            proof_ops=ops if req.prove else None,
+            info="found" if entries else "absent",
+        )
+
+    @staticmethod
+    def _query_error(code: Code, message: str) -> abci.ResponseQuery:
+        return abci.ResponseQuery(code=code, log=message, codespace=CODESPACE)
+
+    # -- execution -------------------------------------------------------------------------------
+
+    def _execute(
+        self,
+        batch: Batch,
+        raw: bytes,
+        height: int,
+        time: int,
+        updates: dict[bytes, int] | None = None,
+    ) -> Outcome:
+        """Run one transaction against a batch; a refused transaction changes nothing but, once its
+        envelope is valid, its sequence, so it cannot be replayed later."""
+        st = State(batch)
+        params = st.params()
+        try:
+            tx = decode(raw, params.max_tx_bytes)
+            self._check_envelope(st, tx)
+        except TxError as exc:
+            return Outcome(exc.code, exc.log, [])
+        st.put_int(layout.account_key(tx.signer), tx.sequence + 1)
+        handler = HANDLERS[tx.type]
+        scope = TxScope(batch)
+        ctx = Context(
+            state=State(scope),
+            signer=tx.signer,
+            height=height,
+            time=time,
+            chain_id=self.chain_id,
+            params=params,
+            committee=layout.members(batch),
+        )
+        try:
+            handler(ctx, tx.body)
+        except RegistryError as exc:
+            err = from_registry(exc)
+            return Outcome(err.code, err.log, [])
+        scope.apply()
+        if updates is not None:
+            updates.update(ctx.validator_updates)
+        return Outcome(Code.OK, "ok", _events([("tx", {"type": tx.type}), *ctx.events]))
+
+    def _check_envelope(self, st: State, tx: Tx) -> None:
+        if tx.chain_id != self.chain_id:
+            raise TxError(
+                Code.WRONG_CHAIN_ID, f"wrong chain id: {tx.chain_id!r}, this chain is {self.chain_id!r}"
+            )
+        if tx.type not in HANDLERS:
+            raise TxError(Code.UNKNOWN_TYPE, f"unknown transaction type {tx.type!r}")
+        if not tx.signature_valid():
+            raise TxError(Code.BAD_SIGNATURE, "bad signature: does not verify under the signer's key")
+        expected = st.sequence(tx.signer)
+        if tx.sequence != expected:
+            kind = "replayed" if tx.sequence < expected else "out of order"
+            raise TxError(Code.BAD_SEQUENCE, f"bad sequence ({kind}): got {tx.sequence}, expected {expected}")
+
+    @staticmethod
+    def _expire_users(batch: Batch, now: int) -> None:
+        """Remove every user whose time-to-live ran out at or before this block's time."""
+        st = State(batch)
+        expired = []
+        for k, _ in batch.iterate(layout.key("uexp", "")):
+            expires_at = int(k.split(b"/")[1])
+            if expires_at > now:
+                break
+            expired.append(bytes.fromhex(k.split(b"/")[2].decode()))
+        for pubkey in expired:
+            user = st.user(pubkey)
+            if user is not None:
+                st.delete_user(user)
+
+    @staticmethod
+    def _expire_proposals(batch: Batch, height: int) -> None:
+        st = State(batch)
+        stale = [
+            int(k.split(b"/")[1])
+            for k, v in batch.iterate(layout.key("proposal", ""))
+            if codec.unpack(v)["expires_height"] < height
+        ]
+        for proposal_id in stale:
+            st.delete_proposal(proposal_id)

@@ -1,0 +1,148 @@
+"""ABCI 2.0 socket server: unsigned-varint length-prefixed protobuf over the four connections
+CometBFT opens (consensus, mempool, query, snapshot).
+
+Requests on one connection are answered strictly in order; a Flush request is answered once every
+earlier response has been written out. The application is synchronous and the event loop runs one
+request at a time, so connections never interleave inside the application.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Callable
+
+from google.protobuf.message import DecodeError
+from tendermint.abci import types_pb2 as abci
+
+from planetserve.chain.app import Application
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 128 << 20
+
+
+class FramingError(Exception):
+    """The peer sent bytes that are not a valid length-prefixed message."""
+
+
+def encode_uvarint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+async def read_uvarint(reader: asyncio.StreamReader) -> int:
+    result = 0
+    for shift in range(0, 64, 7):
+        byte = (await reader.readexactly(1))[0]
+        result |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return result
+    raise FramingError("varint longer than 10 bytes")
+
+
+async def read_message(reader: asyncio.StreamReader) -> abci.Request:
+    size = await read_uvarint(reader)
+    if size > MAX_MESSAGE_BYTES:
+        raise FramingError(f"message of {size} bytes exceeds the limit of {MAX_MESSAGE_BYTES}")
+    request = abci.Request()
+    try:
+        request.ParseFromString(await reader.readexactly(size))
+    except DecodeError as exc:
+        raise FramingError(f"undecodable request: {exc}") from exc
+    return request
+
+
+def frame(response: abci.Response) -> bytes:
+    body = response.SerializeToString()
+    return encode_uvarint(len(body)) + body
+
+
+class AbciServer:
+    """Dispatches requests to the application. An exception in a consensus method stops the
+    server: answering with made-up state would fork the chain, stopping lets CometBFT replay."""
+
+    CONSENSUS = frozenset({"init_chain", "prepare_proposal", "process_proposal", "finalize_block", "commit"})
+
+    def __init__(self, app: Application) -> None:
+        self.app = app
+        self._handlers: dict[str, Callable] = {
+            "info": app.info,
+            "init_chain": app.init_chain,
+            "check_tx": app.check_tx,
+            "prepare_proposal": app.prepare_proposal,
+            "process_proposal": app.process_proposal,
+            "finalize_block": app.finalize_block,
+            "commit": app.commit,
+            "query": app.query,
+            "list_snapshots": lambda _r: abci.ResponseListSnapshots(),
+            "offer_snapshot": lambda _r: abci.ResponseOfferSnapshot(result=abci.ResponseOfferSnapshot.REJECT),
+            "load_snapshot_chunk": lambda _r: abci.ResponseLoadSnapshotChunk(),
+            "apply_snapshot_chunk": lambda _r: abci.ResponseApplySnapshotChunk(
+                result=abci.ResponseApplySnapshotChunk.ABORT
+            ),
+            "extend_vote": lambda _r: abci.ResponseExtendVote(),
+            "verify_vote_extension": lambda _r: abci.ResponseVerifyVoteExtension(
+                status=abci.ResponseVerifyVoteExtension.ACCEPT
+            ),
+        }
+        self.fatal: BaseException | None = None
+        self._server: asyncio.Server | None = None
+        self._stopped = asyncio.Event()
+
+    def respond(self, request: abci.Request) -> abci.Response:
+        kind = request.WhichOneof("value")
+        if kind == "echo":
+            return abci.Response(echo=abci.ResponseEcho(message=request.echo.message))
+        if kind == "flush":
+            return abci.Response(flush=abci.ResponseFlush())
+        handler = self._handlers.get(kind or "")
+        if handler is None:
+            return abci.Response(exception=abci.ResponseException(error=f"unknown request {kind!r}"))
+        result = handler(getattr(request, kind))
+        return abci.Response(**{kind: result})
+
+    async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        try:
+            while True:
+                request = await read_message(reader)
+                kind = request.WhichOneof("value")
+                try:
+                    response = self.respond(request)
+                except Exception as exc:
+                    if kind in self.CONSENSUS:
+                        log.exception("fatal error in %s; stopping", kind)
+                        self.fatal = exc
+                        self._stopped.set()
+                        return
+                    log.exception("error answering %s", kind)
+                    response = abci.Response(exception=abci.ResponseException(error=str(exc)))
+                writer.write(frame(response))
+                if kind == "flush":
+                    await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            log.debug("connection from %s closed", peer)
+        except FramingError as exc:
+            log.warning("dropping connection from %s: %s", peer, exc)
+        finally:
+            writer.close()
+
+    async def serve(self, host: str, port: int) -> None:
+        self._server = await asyncio.start_server(self._serve_connection, host, port)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stopped.set)
+        log.info("ABCI server listening on %s:%d", host, port)
+        async with self._server:
+            await self._stopped.wait()
+        if self.fatal is not None:
+            raise SystemExit(f"stopped after a fatal error: {self.fatal}")

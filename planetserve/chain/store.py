@@ -1,0 +1,686 @@
+"""The state store: the ledger's key/value state, its Merkle commitment (the app hash) and proofs.
+
+SQLAlchemy Core over SQLite (the default: `sqlite:///path`, WAL) or PostgreSQL
+(`postgresql+psycopg://…`; `postgresql://…` and `postgres://…` are mapped to psycopg).
+
+Tables
+    state_nodes  hash -> body of every trie node ever committed (content-addressed; leaf bodies
+                 carry their value, so the state at any earlier committed height stays provable)
+    state_kv     key -> value, the latest committed state (bytewise key order on both databases)
+    state_meta   name -> bytes: the committed height and app hash (names starting with "_"),
+                 plus the application's own named blobs, written in the same transaction
+    state_roots  height -> app hash of every committed height
+
+Writes go to a `Batch` (a buffer over the committed state); `StateStore.commit` applies one batch
+in one database transaction: new trie nodes, kv rows, meta and the root of the new height. The work
+of a commit is proportional to the number of keys the batch changes times the depth of the trie:
+only the nodes on the changed paths are read (one query per trie level, through a bounded LRU
+cache of node bodies), and only new nodes are written. Nothing here depends on wall-clock time,
+dict order or the database engine: the app hash is a function of the key/value set alone.
+
+One process owns a store; its methods are thread-safe (one lock).
+
+SQLite durability: WAL with synchronous=NORMAL. A transaction is in the WAL when commit() returns,
+so a killed process (SIGKILL) loses nothing; an operating-system crash or power cut may lose the
+last commits, which CometBFT replays from its block store at the next handshake. Pass
+`sqlite_synchronous="FULL"` to fsync every commit as well.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    LargeBinary,
+    MetaData,
+    String,
+    Table,
+    bindparam,
+    create_engine,
+    event,
+    func,
+    insert,
+    select,
+)
+from sqlalchemy.dialects import postgresql as pg_dialect
+from sqlalchemy.dialects import sqlite as sqlite_dialect
+from sqlalchemy.engine import URL, Connection, Engine, make_url
+from sqlalchemy.pool import StaticPool
+
+from planetserve.chain.trie import (
+    EMPTY_ROOT,
+    MAX_KEY_LEN,
+    NewNode,
+    NodeRecord,
+    PrefixProof,
+    TrieBuilder,
+    apply_changes,
+    check_key,
+    check_prefix,
+    collect_leaves,
+    make_prefix_proof,
+)
+
+__all__ = [
+    "Batch",
+    "StaleBatchError",
+    "StateStore",
+    "StoreError",
+    "TooManyEntriesError",
+    "normalise_url",
+]
+
+SCHEMA_VERSION = b"1"
+DEFAULT_MAX_ENTRIES = 10_000
+_HEIGHT = "_height"
+_APP_HASH = "_app_hash"
+_SCHEMA = "_schema"
+_MAX_META_NAME = 200
+_IN_CHUNK = 500  # hashes per `IN (...)` query
+_SCAN_PAGE = 256  # rows per page when iterating
+_SQLITE_SYNC = ("OFF", "NORMAL", "FULL", "EXTRA")
+
+_SQL_INS_NODES = "INSERT INTO state_nodes (id, body, left_id, right_id) VALUES (?, ?, ?, ?)"
+_SQL_UPSERT_KV = (
+    'INSERT INTO state_kv ("key", "value") VALUES (?, ?) '
+    'ON CONFLICT ("key") DO UPDATE SET "value" = excluded."value"'
+)
+_SQL_DEL_KV = 'DELETE FROM state_kv WHERE "key" = ?'
+
+_md = MetaData()
+nodes_table = Table(
+    "state_nodes",
+    _md,
+    Column("id", BigInteger, primary_key=True, autoincrement=False),
+    Column("body", LargeBinary, nullable=False),
+    Column("left_id", BigInteger, nullable=True),
+    Column("right_id", BigInteger, nullable=True),
+)
+kv_table = Table(
+    "state_kv",
+    _md,
+    Column("key", LargeBinary(MAX_KEY_LEN), primary_key=True),
+    Column("value", LargeBinary, nullable=False),
+    sqlite_with_rowid=False,
+)
+meta_table = Table(
+    "state_meta",
+    _md,
+    Column("name", String(_MAX_META_NAME), primary_key=True),
+    Column("value", LargeBinary, nullable=False),
+)
+roots_table = Table(
+    "state_roots",
+    _md,
+    Column("height", BigInteger, primary_key=True, autoincrement=False),
+    Column("app_hash", LargeBinary(32), nullable=False),
+    Column("root_id", BigInteger, nullable=True),
+)
+
+
+class StoreError(Exception):
+    """The store cannot do what was asked (wrong height, corrupt database, misuse)."""
+
+
+class StaleBatchError(StoreError):
+    """The batch was made before the latest commit (or was itself committed); make a new one."""
+
+
+class TooManyEntriesError(StoreError, ValueError):
+    """A prefix query matches more entries than the caller allows."""
+
+
+def normalise_url(url: str) -> URL:
+    """A SQLAlchemy URL for SQLite or PostgreSQL (psycopg); a bare path means a SQLite file."""
+    if "://" not in url:
+        return URL.create("sqlite", database=str(Path(url)))
+    u = make_url(url)
+    backend = u.get_backend_name()
+    if backend in ("postgresql", "postgres"):
+        if "+" in u.drivername and u.drivername.split("+", 1)[1] != "psycopg":
+            raise ValueError(f"unsupported PostgreSQL driver {u.drivername!r}: use postgresql+psycopg")
+        return u.set(drivername="postgresql+psycopg")
+    if backend == "sqlite":
+        if "+" in u.drivername and u.drivername != "sqlite+pysqlite":
+            raise ValueError(f"unsupported SQLite driver {u.drivername!r}")
+        return u
+    raise ValueError(f"unsupported database URL {u.render_as_string()!r}: use sqlite or postgresql")
+
+
+class _NodeCache:
+    """LRU of committed nodes by id, bounded by (approximate) bytes."""
+
+    _OVERHEAD = 200
+
+    def __init__(self, max_bytes: int) -> None:
+        self._d: OrderedDict[int, NodeRecord] = OrderedDict()
+        self._bytes = 0
+        self._max = max_bytes
+
+    def get(self, i: int) -> NodeRecord | None:
+        rec = self._d.get(i)
+        if rec is not None:
+            self._d.move_to_end(i)
+        return rec
+
+    def put(self, i: int, rec: NodeRecord) -> None:
+        d = self._d
+        if i in d:
+            d.move_to_end(i)
+            return
+        d[i] = rec
+        self._bytes += len(rec[0]) + self._OVERHEAD
+        while self._bytes > self._max and d:
+            _, old = d.popitem(last=False)
+            self._bytes -= len(old[0]) + self._OVERHEAD
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+
+def _without_value(body: bytes) -> bytes:
+    """A node body as the cache keeps it: a leaf without its value (the hash pre-image only)."""
+    if body[0] == 0:
+        return body[: 37 + int.from_bytes(body[1:5], "big")]
+    return body
+
+
+def _check_value(value: Any) -> bytes:
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, bytearray | memoryview):
+        return bytes(value)
+    raise TypeError(f"state value must be bytes, not {type(value).__name__}")
+
+
+def _check_meta(meta: Mapping[str, bytes]) -> dict[str, bytes]:
+    out: dict[str, bytes] = {}
+    for name, value in meta.items():
+        if not isinstance(name, str) or not name or len(name) > _MAX_META_NAME:
+            raise ValueError(f"meta name must be a non-empty string of at most {_MAX_META_NAME}")
+        if name.startswith("_"):
+            raise ValueError(f"meta names starting with '_' are reserved: {name!r}")
+        out[name] = _check_value(value)
+    return out
+
+
+def _check_iter_prefix(prefix: bytes) -> None:
+    if not isinstance(prefix, bytes):
+        raise TypeError(f"prefix must be bytes, not {type(prefix).__name__}")
+    if len(prefix) > MAX_KEY_LEN or not prefix.isascii() or b"\x00" in prefix:
+        raise ValueError(f"prefix {prefix[:80]!r} is not ASCII without NUL")
+
+
+class Batch:
+    """A write buffer over the committed state at the time it was made.
+
+    Reads see the buffer's own writes over the committed state. Nothing reaches the database before
+    `StateStore.commit(batch, …)`; dropping a batch discards it. A batch goes stale (every call
+    raises StaleBatchError) once any batch is committed: make a new one after each commit.
+    """
+
+    def __init__(self, store: StateStore, generation: int) -> None:
+        self._store = store
+        self._gen = generation
+        self._pending: dict[bytes, bytes | None] = {}
+        self._meta: dict[str, bytes] = {}
+        self._reads: dict[bytes, bytes | None] = {}
+        self._version = 0
+        self._computed: tuple[int, bytes, int | None, list[NewNode]] | None = None
+        self._done = False
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    def get(self, key: bytes) -> bytes | None:
+        check_key(key)
+        if key in self._pending:
+            return self._pending[key]
+        if key in self._reads:
+            self._store._check_fresh(self)
+            return self._reads[key]
+        value = self._store._read(self, key)
+        self._reads[key] = value
+        return value
+
+    def iterate(self, prefix: bytes = b"") -> Iterator[tuple[bytes, bytes]]:
+        """(key, value) for every key starting with `prefix`, in key order: the committed rows
+        merged with this batch's writes as they are when iterate() is called."""
+        _check_iter_prefix(prefix)
+        self._store._check_fresh(self)
+        pending = sorted((k, v) for k, v in self._pending.items() if k.startswith(prefix))
+        return self._merge(prefix, pending)
+
+    def _merge(
+        self, prefix: bytes, pending: list[tuple[bytes, bytes | None]]
+    ) -> Iterator[tuple[bytes, bytes]]:
+        i = 0
+        np = len(pending)
+        for key, value in self._store._scan(self, prefix):
+            while i < np and pending[i][0] < key:
+                pk, pv = pending[i]
+                i += 1
+                if pv is not None:
+                    yield pk, pv
+            if i < np and pending[i][0] == key:
+                pv = pending[i][1]
+                i += 1
+                if pv is not None:
+                    yield key, pv
+            else:
+                yield key, value
+        for pk, pv in pending[i:]:
+            if pv is not None:
+                yield pk, pv
+
+    # -- writes --------------------------------------------------------------------------------
+
+    def set(self, key: bytes, value: bytes) -> None:
+        check_key(key)
+        self._pending[key] = _check_value(value)
+        self._version += 1
+
+    def delete(self, key: bytes) -> None:
+        check_key(key)
+        self._pending[key] = None
+        self._version += 1
+
+    def set_meta(self, name: str, value: bytes) -> None:
+        """A named blob written to the meta table when this batch is committed."""
+        self._meta.update(_check_meta({name: value}))
+
+    @property
+    def changes(self) -> int:
+        """Number of keys this batch writes or deletes."""
+        return len(self._pending)
+
+    # -- commitment ----------------------------------------------------------------------------
+
+    def root(self) -> bytes:
+        """The app hash the committed state would have with this batch applied."""
+        return self._compute()[0]
+
+    def _compute(self) -> tuple[bytes, int | None, list[NewNode]]:
+        c = self._computed
+        if c is not None and c[0] == self._version:
+            self._store._check_fresh(self)
+            return c[1], c[2], c[3]
+        root, root_id, nodes = self._store._apply(self, sorted(self._pending.items()))
+        self._computed = (self._version, root, root_id, nodes)
+        return root, root_id, nodes
+
+
+class StateStore:
+    """The committed state; see the module docstring."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        cache_bytes: int = 128 << 20,
+        sqlite_synchronous: str = "NORMAL",
+        echo: bool = False,
+    ) -> None:
+        u = normalise_url(url)
+        self.url = u
+        self._lock = threading.RLock()
+        self._cache = _NodeCache(cache_bytes)
+        self._generation = 0
+        self._engine = self._make_engine(u, sqlite_synchronous.upper(), echo)
+        self._dialect = self._engine.dialect.name
+        _md.create_all(self._engine)
+        self._prepare_statements()
+        with self._engine.begin() as conn:
+            rows = dict(
+                conn.execute(
+                    select(meta_table.c.name, meta_table.c.value).where(
+                        meta_table.c.name.in_([_HEIGHT, _APP_HASH, _SCHEMA])
+                    )
+                ).all()
+            )
+            schema = rows.get(_SCHEMA)
+            if schema is None:
+                conn.execute(insert(meta_table), {"name": _SCHEMA, "value": SCHEMA_VERSION})
+            elif bytes(schema) != SCHEMA_VERSION:
+                raise StoreError(f"state schema {bytes(schema)!r}, this code reads {SCHEMA_VERSION!r}")
+            self._height = int.from_bytes(bytes(rows.get(_HEIGHT, b"")), "big")
+            self._app_hash = bytes(rows[_APP_HASH]) if _APP_HASH in rows else EMPTY_ROOT
+            self._root_id: int | None = None
+            if self._height:
+                self._root_id = conn.execute(
+                    select(roots_table.c.root_id).where(roots_table.c.height == self._height)
+                ).scalar()
+            self._next_id = (conn.execute(select(func.max(nodes_table.c.id))).scalar() or 0) + 1
+
+    @staticmethod
+    def _make_engine(u: URL, sync: str, echo: bool) -> Engine:
+        if u.get_backend_name() == "sqlite":
+            if sync not in _SQLITE_SYNC:
+                raise ValueError(f"sqlite_synchronous must be one of {_SQLITE_SYNC}")
+            if u.database in (None, "", ":memory:"):
+                engine = create_engine(
+                    u, poolclass=StaticPool, connect_args={"check_same_thread": False}, echo=echo
+                )
+            else:
+                Path(u.database).parent.mkdir(parents=True, exist_ok=True)
+                engine = create_engine(u, echo=echo)
+
+            @event.listens_for(engine, "connect")
+            def _pragmas(dbapi_conn: Any, _record: Any) -> None:
+                cur = dbapi_conn.cursor()
+                cur.execute("PRAGMA journal_mode=WAL")
+                cur.execute("PRAGMA synchronous=" + sync)
+                cur.execute("PRAGMA cache_size=-65536")
+                cur.execute("PRAGMA mmap_size=1073741824")
+                cur.execute("PRAGMA busy_timeout=30000")
+                cur.close()
+
+            return engine
+        return create_engine(u, pool_pre_ping=True, echo=echo)
+
+    def _prepare_statements(self) -> None:
+        ins: Any = pg_dialect.insert if self._dialect == "postgresql" else sqlite_dialect.insert
+        up = ins(kv_table)
+        self._upsert_kv = up.on_conflict_do_update(index_elements=["key"], set_={"value": up.excluded.value})
+        upm = ins(meta_table)
+        self._upsert_meta = upm.on_conflict_do_update(
+            index_elements=["name"], set_={"value": upm.excluded.value}
+        )
+        self._sel_value = select(kv_table.c.value).where(kv_table.c.key == bindparam("k"))
+        # The hot paths (thousands of rows per block) go straight to the DBAPI cursor: the same
+        # SQL on both databases but for the placeholder.
+        fix = (lambda q: q) if self._dialect == "sqlite" else (lambda q: q.replace("?", "%s"))
+        self._sql_ins_nodes = fix(_SQL_INS_NODES)
+        self._sql_upsert_kv = fix(_SQL_UPSERT_KV)
+        self._sql_del_kv = fix(_SQL_DEL_KV)
+
+    # -- committed state -----------------------------------------------------------------------
+
+    @property
+    def height(self) -> int:
+        """The last committed height (0 before the first commit)."""
+        return self._height
+
+    @property
+    def app_hash(self) -> bytes:
+        """The root of the committed state (EMPTY_ROOT at height 0)."""
+        return self._app_hash
+
+    def batch(self) -> Batch:
+        """A new write buffer over the committed state."""
+        return Batch(self, self._generation)
+
+    def get_meta(self, name: str) -> bytes | None:
+        """A committed named blob (see `commit(meta=…)`), or None."""
+        with self._lock, self._engine.connect() as conn:
+            v = conn.execute(select(meta_table.c.value).where(meta_table.c.name == name)).scalar()
+        return None if v is None else bytes(v)
+
+    def root_at(self, height: int) -> bytes | None:
+        """The app hash committed at `height` (EMPTY_ROOT at 0), or None if there is none."""
+        found = self._root_at(height)
+        return None if found is None else found[0]
+
+    def _root_at(self, height: int) -> tuple[bytes, int | None] | None:
+        if height == 0:
+            return EMPTY_ROOT, None
+        with self._lock:
+            if height == self._height:
+                return self._app_hash, self._root_id
+            with self._engine.connect() as conn:
+                row = conn.execute(
+                    select(roots_table.c.app_hash, roots_table.c.root_id).where(
+                        roots_table.c.height == height
+                    )
+                ).first()
+        return None if row is None else (bytes(row[0]), row[1])
+
+    def commit(self, batch: Batch, height: int, meta: Mapping[str, bytes] | None = None) -> bytes:
+        """Persist `batch` as the state of `height` (greater than the current height), with the
+        named blobs of `meta` (and of `batch.set_meta`), in one database transaction. Returns the
+        new app hash. Every other batch goes stale."""
+        if type(height) is not int:
+            raise TypeError("height must be an int")
+        with self._lock:
+            self._check_fresh(batch)
+            if height <= self._height:
+                raise StoreError(f"height {height} is not above the committed height {self._height}")
+            all_meta = dict(batch._meta)
+            all_meta.update(_check_meta(meta or {}))
+            root, root_id, new_nodes = batch._compute()
+            changes = sorted(batch._pending.items())
+            sets = [(k, v) for k, v in changes if v is not None]
+            dels = [(k,) for k, v in changes if v is None]
+            with self._engine.begin() as conn:
+                self._write_nodes(conn, new_nodes)
+                cur = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
+                if sets:
+                    cur.executemany(self._sql_upsert_kv, sets)
+                if dels:
+                    cur.executemany(self._sql_del_kv, dels)
+                cur.close()
+                self._write_head(conn, height, root, root_id, all_meta)
+            self._committed(height, root, root_id, len(new_nodes))
+            batch._done = True
+            cache = self._cache
+            for ref, _, body, left, right in new_nodes:
+                cache.put(ref, (_without_value(body), left, right))
+        return root
+
+    def bulk_load(
+        self,
+        entries: Iterable[tuple[bytes, bytes]],
+        height: int,
+        meta: Mapping[str, bytes] | None = None,
+        *,
+        chunk: int = 20_000,
+    ) -> bytes:
+        """Build the state from `entries` (sorted by key, distinct) in one pass and commit it as
+        `height`, in one transaction. Only on an empty store (height 0). Returns the app hash."""
+        if type(height) is not int or height <= 0:
+            raise ValueError("height must be a positive int")
+        checked_meta = _check_meta(meta or {})
+        with self._lock:
+            if self._height != 0 or self._app_hash != EMPTY_ROOT:
+                raise StoreError("bulk_load needs an empty store (height 0)")
+            ids = itertools.count(self._next_id)
+            builder = TrieBuilder(collect=True, new_ref=lambda _h: next(ids))
+            add_leaf = builder.add_leaf
+            kv_rows: list[dict[str, bytes]] = []
+            written = 0
+            prev = b""
+            with self._engine.begin() as conn:
+                for key, value in entries:
+                    check_key(key)
+                    value = _check_value(value)
+                    if key <= prev:
+                        raise ValueError(f"bulk_load entries not strictly increasing at {key!r}")
+                    prev = key
+                    add_leaf(key, value)
+                    kv_rows.append({"key": key, "value": value})
+                    if len(kv_rows) >= chunk:
+                        written += self._write_nodes(conn, builder.nodes or [])
+                        conn.execute(insert(kv_table), kv_rows)
+                        builder.nodes = []
+                        kv_rows = []
+                root = builder.finish()
+                written += self._write_nodes(conn, builder.nodes or [])
+                if kv_rows:
+                    conn.execute(insert(kv_table), kv_rows)
+                self._write_head(conn, height, root, builder.root_ref, checked_meta)
+            self._committed(height, root, builder.root_ref, written)
+        return root
+
+    def prove_prefix(
+        self,
+        prefix: bytes,
+        max_entries: int = DEFAULT_MAX_ENTRIES,
+        height: int | None = None,
+    ) -> tuple[list[tuple[bytes, bytes]], PrefixProof]:
+        """Every committed (key, value) whose key starts with `prefix` (a key followed by b"\\x00"
+        selects that key alone), in key order, and the proof against the app hash of `height`
+        (default: the latest). Raises TooManyEntriesError beyond `max_entries`, ValueError for an
+        invalid prefix or an unknown height."""
+        check_prefix(prefix)
+        with self._lock:
+            latest = height is None or height == self._height
+            found = self._root_at(self._height if height is None else height)
+            if found is None:
+                raise ValueError(f"no committed state at height {height}")
+            root, root_id = found
+            proof, subtree = make_prefix_proof(root, root_id, prefix, self._get_node)
+            if subtree is None:
+                return [], proof
+            if latest:
+                entries = self._select_prefix(prefix, max_entries + 1)
+                if len(entries) > max_entries:
+                    raise TooManyEntriesError(f"more than {max_entries} entries under {prefix!r}")
+                if not entries:
+                    raise StoreError("state_kv disagrees with the trie: the database is corrupt")
+            else:
+                try:
+                    entries = collect_leaves(subtree[1], self._load_full, max_entries)
+                except OverflowError:
+                    raise TooManyEntriesError(f"more than {max_entries} entries under {prefix!r}") from None
+        return entries, proof
+
+    def prove_key(self, key: bytes, height: int | None = None) -> tuple[bytes | None, PrefixProof]:
+        """The committed value of `key` (None if absent) and its proof."""
+        check_key(key)
+        entries, proof = self.prove_prefix(key + b"\x00", 1, height)
+        return (entries[0][1] if entries else None), proof
+
+    def close(self) -> None:
+        self._engine.dispose()
+
+    def __enter__(self) -> StateStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _committed(self, height: int, root: bytes, root_id: int | None, new_nodes: int) -> None:
+        self._height = height
+        self._app_hash = root
+        self._root_id = root_id
+        self._next_id += new_nodes
+        self._generation += 1
+
+    def _write_nodes(self, conn: Connection, nodes: list[NewNode]) -> int:
+        """Append new nodes (their ids are consecutive from `_next_id`, in order)."""
+        if nodes:
+            cur = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
+            cur.executemany(self._sql_ins_nodes, [(i, b, lf, rt) for i, _, b, lf, rt in nodes])
+            cur.close()
+        return len(nodes)
+
+    def _write_head(
+        self, conn: Connection, height: int, root: bytes, root_id: int | None, meta: dict[str, bytes]
+    ) -> None:
+        rows = [{"name": k, "value": meta[k]} for k in sorted(meta)]
+        rows.append({"name": _HEIGHT, "value": height.to_bytes(8, "big")})
+        rows.append({"name": _APP_HASH, "value": root})
+        conn.execute(self._upsert_meta, rows)
+        conn.execute(insert(roots_table), {"height": height, "app_hash": root, "root_id": root_id})
+
+    def _check_fresh(self, batch: Batch) -> None:
+        if batch._store is not self:
+            raise StoreError("batch belongs to another store")
+        if batch._done:
+            raise StaleBatchError("batch was already committed")
+        if batch._gen != self._generation:
+            raise StaleBatchError("batch predates the latest commit; make a new batch")
+
+    def _read(self, batch: Batch, key: bytes) -> bytes | None:
+        with self._lock:
+            self._check_fresh(batch)
+            with self._engine.connect() as conn:
+                v = conn.execute(self._sel_value, {"k": key}).scalar()
+        return None if v is None else bytes(v)
+
+    def _scan(self, batch: Batch, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
+        """Committed rows under `prefix` in key order, a page at a time (no connection is held
+        between pages, so the caller may stop at any point)."""
+        after: bytes | None = None
+        while True:
+            q = select(kv_table.c.key, kv_table.c.value).order_by(kv_table.c.key).limit(_SCAN_PAGE)
+            if prefix:
+                q = q.where(kv_table.c.key >= prefix, kv_table.c.key < prefix + b"\x80")
+            if after is not None:
+                q = q.where(kv_table.c.key > after)
+            with self._lock:
+                self._check_fresh(batch)
+                with self._engine.connect() as conn:
+                    rows = conn.execute(q).all()
+            for k, v in rows:
+                yield bytes(k), bytes(v)
+            if len(rows) < _SCAN_PAGE:
+                return
+            after = bytes(rows[-1][0])
+
+    def _select_prefix(self, prefix: bytes, limit: int) -> list[tuple[bytes, bytes]]:
+        q = select(kv_table.c.key, kv_table.c.value).order_by(kv_table.c.key).limit(limit)
+        if prefix.endswith(b"\x00"):
+            q = q.where(kv_table.c.key == prefix[:-1])
+        elif prefix:
+            q = q.where(kv_table.c.key >= prefix, kv_table.c.key < prefix + b"\x80")
+        with self._engine.connect() as conn:
+            return [(bytes(k), bytes(v)) for k, v in conn.execute(q)]
+
+    def _get_node(self, node_id: int) -> NodeRecord:
+        return self._load([node_id])[node_id]
+
+    def _load(self, ids: list[int]) -> dict[int, NodeRecord]:
+        """Committed nodes by id, from the cache or the database. Leaf bodies may come without
+        their value (the cache keeps them so); `_load_full` has the values."""
+        out: dict[int, NodeRecord] = {}
+        missing: list[int] = []
+        cache = self._cache
+        for i in ids:
+            rec = cache.get(i)
+            if rec is None:
+                missing.append(i)
+            else:
+                out[i] = rec
+        if missing:
+            for rec_id, rec in self._load_full(missing).items():
+                out[rec_id] = rec
+                cache.put(rec_id, (_without_value(rec[0]), rec[1], rec[2]))
+        return out
+
+    def _load_full(self, ids: list[int]) -> dict[int, NodeRecord]:
+        """Committed nodes by id from the database, one query per 500 ids."""
+        out: dict[int, NodeRecord] = {}
+        ids = sorted(ids)
+        sql = "SELECT id, body, left_id, right_id FROM state_nodes WHERE id "
+        with self._lock, self._engine.connect() as conn:
+            cur = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
+            for k in range(0, len(ids), _IN_CHUNK):
+                part = ids[k : k + _IN_CHUNK]
+                if self._dialect == "sqlite":
+                    cur.execute(sql + "IN (" + ",".join("?" * len(part)) + ")", part)
+                else:
+                    cur.execute(sql + "= ANY(%s)", (part,))
+                for i, body, left, right in cur.fetchall():
+                    out[i] = (bytes(body), left, right)
+            cur.close()
+        for i in ids:
+            if i not in out:
+                raise StoreError(f"trie node {i} is missing: the database is corrupt")
+        return out
+
+    def _apply(
+        self, batch: Batch, changes: list[tuple[bytes, bytes | None]]
+    ) -> tuple[bytes, int | None, list[NewNode]]:
+        with self._lock:
+            self._check_fresh(batch)
+            ids = itertools.count(self._next_id)
+            return apply_changes(self._app_hash, self._root_id, changes, self._load, lambda _h: next(ids))

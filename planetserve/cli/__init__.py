@@ -1,0 +1,66 @@
+"""`planetserve`: one command for every role. Human-readable output by default, `--json` for programs."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+def jsonable(value: Any) -> Any:
+    """Bytes as hex, containers recursively: the one JSON form of ledger records."""
+    if isinstance(value, bytes):
+        return value.hex()
+    if isinstance(value, dict):
+        return {k: jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    return value
+
+
+def emit_json(value: Any) -> None:
+    click.echo(json.dumps(jsonable(value), indent=2, sort_keys=True))
+
+
+def table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
+    t = Table(title=title)
+    for col in columns:
+        t.add_column(col)
+    for row in rows:
+        t.add_row(*(str(jsonable(c)) for c in row))
+    console.print(t)
+
+
+def fail(message: str, code: int = 1) -> None:
+    err_console.print(f"[bold red]error:[/] {message}")
+    sys.exit(code)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="planetserve")
+def main() -> None:
+    """Decentralized, privacy-preserving LLM serving on a CometBFT verification ledger.
+
+    \b
+    Roles:
+      validator   genesis init, chain start   (committee institutions)
+      anyone      keys, tx, query             (organisations, users, clients)
+      developer   localnet up|down|status     (four validators on this machine)
+    """
+
+
+def _register() -> None:
+    from planetserve.cli import chain_cmd, genesis_cmd, keys_cmd, localnet_cmd, query_cmd, tx_cmd
+
+    for module in (keys_cmd, genesis_cmd, chain_cmd, tx_cmd, query_cmd, localnet_cmd):
+        main.add_command(module.group)
+
+
+_register()

@@ -1,0 +1,49 @@
+"""Options and connection shared by the commands that talk to a running chain."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from planetserve.chain.client import LedgerClient
+from planetserve.chain.rpc import RpcClient
+
+DEFAULT_NODE = "http://127.0.0.1:26657"
+
+
+def ledger_options(verify: bool) -> Callable:
+    """Add --node (and, for reads, --genesis/--no-verify) and pass a ready LedgerClient as `ledger`."""
+
+    def decorate(fn: Callable) -> Callable:
+        @click.option("--node", envvar="PLANETSERVE_NODE", default=DEFAULT_NODE, show_default=True,
+                      help="CometBFT RPC endpoint (env PLANETSERVE_NODE).")
+        @functools.wraps(fn)
+        def wrapper(*args: Any, node: str, genesis: Path | None = None, no_verify: bool = False,
+                    **kwargs: Any) -> Any:
+            from planetserve.cli import fail
+
+            rpc = RpcClient(node)
+            verifier = None
+            if verify and not no_verify:
+                if genesis is None:
+                    fail("--genesis is required to verify answers (or pass --no-verify to trust the node)")
+                from planetserve.chain.lightclient import LightClient
+
+                verifier = LightClient.from_genesis_file(genesis, rpc)
+            with rpc:
+                return fn(*args, ledger=LedgerClient(rpc, verifier), **kwargs)
+
+        if verify:
+            wrapper = click.option("--no-verify", is_flag=True,
+                                   help="Trust the RPC endpoint instead of verifying its answers.")(wrapper)
+            wrapper = click.option("--genesis", envvar="PLANETSERVE_GENESIS",
+                                   type=click.Path(exists=True, dir_okay=False, path_type=Path),
+                                   help="Genesis file that answers are verified against "
+                                        "(env PLANETSERVE_GENESIS).")(wrapper)
+        return wrapper
+
+    return decorate

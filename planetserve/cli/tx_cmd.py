@@ -1,0 +1,205 @@
+"""`planetserve tx`: sign and submit registry and committee transactions."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from pathlib import Path
+from typing import Any
+
+import click
+
+from planetserve.chain.client import LedgerClient
+from planetserve.chain.errors import Code
+from planetserve.chain.handlers import node_pop_message
+from planetserve.chain.keys import KeyFileError, KeySet
+from planetserve.chain.rpc import RpcError
+from planetserve.cli import console, emit_json, fail
+from planetserve.cli.ledger import ledger_options
+
+
+def signer_option(fn):  # type: ignore[no-untyped-def]
+    return click.option("--keys", "keys_path", required=True,
+                        type=click.Path(exists=True, dir_okay=False, path_type=Path),
+                        help="Key file of the signing account.")(fn)
+
+
+def json_option(fn):  # type: ignore[no-untyped-def]
+    return click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")(fn)
+
+
+def load_keys(path: Path) -> KeySet:
+    try:
+        return KeySet.load(path)
+    except KeyFileError as exc:
+        fail(str(exc))
+    raise AssertionError("unreachable")
+
+
+def key_bytes(value: str, name: str) -> bytes:
+    """A 32-byte public key given as hex or base64 (CometBFT prints base64)."""
+    for decode in (bytes.fromhex, base64.b64decode):
+        try:
+            raw = decode(value)
+        except (ValueError, binascii.Error):
+            continue
+        if len(raw) == 32:
+            return raw
+    raise click.BadParameter(f"{value!r} is not a 32-byte key in hex or base64", param_hint=name)
+
+
+def submit(ledger: LedgerClient, keys: KeySet, tx_type: str, body: dict[str, Any], as_json: bool) -> None:
+    try:
+        done = ledger.submit(keys, tx_type, body)
+    except RpcError as exc:
+        fail(f"could not submit: {exc}")
+    result = {
+        "type": tx_type,
+        "hash": done.tx_hash.hex().upper(),
+        "height": done.height,
+        "code": done.outcome.code,
+        "log": done.outcome.log,
+    }
+    if as_json:
+        emit_json(result)
+    elif done.outcome.code == 0:
+        console.print(f"[green]committed[/] {tx_type} in block {done.height} (tx {result['hash']})")
+    if done.outcome.code != 0:
+        name = Code(done.outcome.code).name if done.outcome.code in Code._value2member_map_ else "?"
+        fail(f"{tx_type} refused with code {done.outcome.code} ({name}): {done.outcome.log}", code=2)
+
+
+@click.group("tx")
+def group() -> None:
+    """Sign and submit transactions (each waits until it is committed in a block)."""
+
+
+@group.command("register-org")
+@click.option("--org-id", required=True, help="Identifier of the organisation (letters, digits, . _ : / -).")
+@click.option("--name", required=True, help="Display name.")
+@signer_option
+@json_option
+@ledger_options(verify=False)
+def register_org(ledger: LedgerClient, keys_path: Path, org_id: str, name: str, as_json: bool) -> None:
+    """Register an organisation owned by the signing key."""
+    submit(ledger, load_keys(keys_path), "register-org", {"org_id": org_id, "name": name}, as_json)
+
+
+@group.command("register-user")
+@click.option("--address", required=True, help="host:port where this user relays traffic.")
+@click.option("--region", default="global", show_default=True)
+@signer_option
+@json_option
+@ledger_options(verify=False)
+def register_user(ledger: LedgerClient, keys_path: Path, address: str, region: str, as_json: bool) -> None:
+    """Register the signing key as a user relay (renew it with `tx heartbeat` before it expires)."""
+    submit(ledger, load_keys(keys_path), "register-user", {"address": address, "region": region}, as_json)
+
+
+@group.command("heartbeat")
+@click.option("--address", help="A new host:port, if it changed.")
+@click.option("--region", help="A new region, if it changed.")
+@signer_option
+@json_option
+@ledger_options(verify=False)
+def heartbeat(ledger: LedgerClient, keys_path: Path, address: str | None, region: str | None,
+              as_json: bool) -> None:
+    """Renew the signing user's registration for another time-to-live."""
+    body = {k: v for k, v in (("address", address), ("region", region)) if v is not None}
+    submit(ledger, load_keys(keys_path), "heartbeat", body, as_json)
+
+
+@group.command("register-model")
+@click.option("--model-id", required=True)
+@click.option("--name", required=True)
+@signer_option
+@json_option
+@ledger_options(verify=False)
+def register_model(ledger: LedgerClient, keys_path: Path, model_id: str, name: str, as_json: bool) -> None:
+    """Register a model that nodes may serve (committee members only)."""
+    submit(ledger, load_keys(keys_path), "register-model", {"model_id": model_id, "name": name}, as_json)
+
+
+@group.command("register-model-node")
+@click.option("--org-id", required=True, help="The organisation the signer owns.")
+@click.option("--node-keys", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="The model node's own key file (it proves the key is held).")
+@click.option("--model-id", required=True)
+@click.option("--address", required=True, help="host:port of the node's peer port.")
+@click.option("--hardware", required=True, help="Hardware class, e.g. 'A100-80GB'.")
+@click.option("--capacity", required=True, type=int, help="Concurrent requests it can serve.")
+@click.option("--region", default="global", show_default=True)
+@signer_option
+@json_option
+@ledger_options(verify=False)
+def register_model_node(ledger: LedgerClient, keys_path: Path, node_keys: Path, org_id: str,
+                        model_id: str, address: str, hardware: str, capacity: int, region: str,
+                        as_json: bool) -> None:
+    """Register a model node of the signer's organisation."""
+    node = load_keys(node_keys)
+    chain_id = ledger.rpc.status()["node_info"]["network"]
+    body = {
+        "org_id": org_id, "node_pubkey": node.public,
+        "pop": node.sign(node_pop_message(chain_id, org_id, node.public)),
+        "model_id": model_id, "address": address, "hardware": hardware, "capacity": capacity,
+        "region": region,
+    }
+    submit(ledger, load_keys(keys_path), "register-model-node", body, as_json)
+
+
+@group.command("update-model-node")
+@click.option("--node-pubkey", required=True, help="The node's identity key (hex).")
+@click.option("--address")
+@click.option("--capacity", type=int)
+@click.option("--region")
+@click.option("--status", type=click.Choice(["active", "inactive"]))
+@signer_option
+@json_option
+@ledger_options(verify=False)
+def update_model_node(ledger: LedgerClient, keys_path: Path, node_pubkey: str, as_json: bool,
+                      **changes: Any) -> None:
+    """Change a model node of the signer's organisation."""
+    body = {k: v for k, v in changes.items() if v is not None}
+    body["node_pubkey"] = key_bytes(node_pubkey, "--node-pubkey")
+    submit(ledger, load_keys(keys_path), "update-model-node", body, as_json)
+
+
+@group.command("propose-member")
+@click.option("--action", type=click.Choice(["add", "remove"]), default="add", show_default=True)
+@click.option("--operator", required=True, help="Candidate's identity key (hex).")
+@click.option("--consensus-key", help="Candidate's CometBFT validator key (hex or base64).")
+@click.option("--vrf-key", help="Candidate's VRF key (hex).")
+@click.option("--x25519-key", help="Candidate's X25519 key (hex).")
+@click.option("--credential", help="Who the candidate is and why it may verify.")
+@click.option("--power", type=int, default=10, show_default=True)
+@signer_option
+@json_option
+@ledger_options(verify=False)
+def propose_member(ledger: LedgerClient, keys_path: Path, action: str, operator: str,
+                   consensus_key: str | None, vrf_key: str | None, x25519_key: str | None,
+                   credential: str | None, power: int, as_json: bool) -> None:
+    """Propose admitting or removing a committee member (applied at >2/3 of voting power)."""
+    body: dict[str, Any] = {"action": action, "operator": key_bytes(operator, "--operator")}
+    if action == "add":
+        missing = [n for n, v in (("--consensus-key", consensus_key), ("--vrf-key", vrf_key),
+                                  ("--x25519-key", x25519_key), ("--credential", credential)) if not v]
+        if missing:
+            fail(f"adding a member needs {', '.join(missing)}")
+        body.update(consensus_key=key_bytes(consensus_key, "--consensus-key"),  # type: ignore[arg-type]
+                    vrf_key=key_bytes(vrf_key, "--vrf-key"),  # type: ignore[arg-type]
+                    x25519_key=key_bytes(x25519_key, "--x25519-key"),  # type: ignore[arg-type]
+                    credential=credential, power=power)
+    submit(ledger, load_keys(keys_path), "propose-member", body, as_json)
+
+
+@group.command("vote-member")
+@click.option("--proposal", "proposal_id", required=True, type=int)
+@click.option("--approve/--reject", default=True, show_default=True)
+@signer_option
+@json_option
+@ledger_options(verify=False)
+def vote_member(ledger: LedgerClient, keys_path: Path, proposal_id: int, approve: bool,
+                as_json: bool) -> None:
+    """Vote on a pending committee proposal."""
+    submit(ledger, load_keys(keys_path), "vote-member",
+           {"proposal_id": proposal_id, "approve": approve}, as_json)

@@ -1,0 +1,412 @@
+"""Validator homes and one shared genesis for an N-validator network on a single machine.
+
+`build_network` runs `cometbft init` once per validator, then replaces each home's genesis with one
+genesis that lists every genesis validator's consensus key, edits each `config.toml` (listen
+addresses on free localhost ports, persistent peers, consensus timing, log level) and writes the
+planetserve files next to CometBFT's own:
+
+- `config/planetserve_keys.json`: the validator's planetserve KeySet (identity, VRF, X25519);
+- `config/planetserve.json`: where its ABCI app listens, its database URL and the chain id.
+
+The whole layout is recorded in `<root>/network.json` so that other processes (the localnet CLI,
+tests) can reload it with `NetworkSpec.load(root)`.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tomllib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from planetserve.chain.keys import KeySet
+
+SPEC_FILE = "network.json"
+KEYS_FILE = "planetserve_keys.json"
+APP_CONFIG_FILE = "planetserve.json"
+DEFAULT_MAX_BLOCK_BYTES = 4 * 1024 * 1024
+
+
+class NetworkBuildError(Exception):
+    """The network could not be built (missing binary, existing home, bad argument)."""
+
+
+@dataclass(frozen=True)
+class Ports:
+    """The localhost TCP ports of one validator."""
+
+    rpc: int
+    p2p: int
+    abci: int
+
+
+@dataclass(frozen=True)
+class ValidatorInfo:
+    """One node of the network. `power` is its voting power in genesis (0: a full node at genesis)."""
+
+    index: int
+    moniker: str
+    home: Path
+    pub_key: bytes  # ed25519 consensus public key, from priv_validator_key.json
+    power: int
+    node_id: str  # hex of the first 20 bytes of sha256(node key's public key)
+    ports: Ports
+    keys: dict[str, str] = field(default_factory=dict)  # KeySet.public_summary(): hex strings
+    db_url: str = ""
+
+    @property
+    def address(self) -> bytes:
+        """The consensus address: the first 20 bytes of sha256(pubkey)."""
+        return hashlib.sha256(self.pub_key).digest()[:20]
+
+    @property
+    def rpc_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports.rpc}"
+
+    @property
+    def p2p_address(self) -> str:
+        return f"{self.node_id}@127.0.0.1:{self.ports.p2p}"
+
+    @property
+    def abci_listen(self) -> str:
+        return f"127.0.0.1:{self.ports.abci}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "moniker": self.moniker,
+            "home": str(self.home),
+            "pub_key": self.pub_key.hex(),
+            "power": self.power,
+            "node_id": self.node_id,
+            "ports": {"rpc": self.ports.rpc, "p2p": self.ports.p2p, "abci": self.ports.abci},
+            "keys": dict(self.keys),
+            "db_url": self.db_url,
+        }
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> ValidatorInfo:
+        return cls(
+            index=int(body["index"]),
+            moniker=str(body["moniker"]),
+            home=Path(body["home"]),
+            pub_key=bytes.fromhex(body["pub_key"]),
+            power=int(body["power"]),
+            node_id=str(body["node_id"]),
+            ports=Ports(**{k: int(v) for k, v in body["ports"].items()}),
+            keys=dict(body.get("keys", {})),
+            db_url=str(body.get("db_url", "")),
+        )
+
+
+@dataclass(frozen=True)
+class NetworkSpec:
+    """Everything needed to run and address the network built under `root`."""
+
+    root: Path
+    chain_id: str
+    genesis_time: str
+    validators: list[ValidatorInfo]
+    kvstore: bool  # proxy_app = "kvstore": cometbft's built-in application
+
+    @property
+    def genesis_path(self) -> Path:
+        return self.validators[0].home / "config" / "genesis.json"
+
+    def save(self) -> Path:
+        path = self.root / SPEC_FILE
+        body = {
+            "chain_id": self.chain_id,
+            "genesis_time": self.genesis_time,
+            "kvstore": self.kvstore,
+            "validators": [v.to_json() for v in self.validators],
+        }
+        path.write_text(json.dumps(body, indent=2) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, root: Path) -> NetworkSpec:
+        root = Path(root)
+        body = json.loads((root / SPEC_FILE).read_text())
+        return cls(
+            root=root,
+            chain_id=body["chain_id"],
+            genesis_time=body["genesis_time"],
+            validators=[ValidatorInfo.from_json(v) for v in body["validators"]],
+            kvstore=bool(body["kvstore"]),
+        )
+
+
+def cometbft_binary() -> str:
+    """The cometbft binary: $PLANETSERVE_COMETBFT, the one next to this Python, or one on PATH."""
+    env = os.environ.get("PLANETSERVE_COMETBFT")
+    if env:
+        return env
+    beside = Path(sys.executable).parent / "cometbft"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    found = shutil.which("cometbft")
+    if found:
+        return found
+    raise NetworkBuildError("cometbft binary not found (run scripts/setup.sh)")
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct TCP ports on 127.0.0.1 that were free a moment ago."""
+    socks = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def node_id_from_key_file(path: Path) -> str:
+    """The p2p node id: hex of the first 20 bytes of sha256 of the node's ed25519 public key."""
+    priv = base64.b64decode(json.loads(path.read_text())["priv_key"]["value"])
+    if len(priv) != 64:
+        raise NetworkBuildError(f"unexpected node key length in {path}")
+    return hashlib.sha256(priv[32:]).digest()[:20].hex()
+
+
+def consensus_pubkey(home: Path) -> bytes:
+    body = json.loads((home / "config" / "priv_validator_key.json").read_text())
+    if body["pub_key"]["type"] != "tendermint/PubKeyEd25519":
+        raise NetworkBuildError(f"unsupported consensus key type {body['pub_key']['type']}")
+    return base64.b64decode(body["pub_key"]["value"])
+
+
+def format_time(t: datetime) -> str:
+    """RFC 3339 in UTC with a Z, as CometBFT writes genesis times."""
+    t = t.astimezone(UTC)
+    frac = f".{t.microsecond:06d}".rstrip("0").rstrip(".")
+    return t.strftime("%Y-%m-%dT%H:%M:%S") + frac + "Z"
+
+
+# --- config.toml editing ------------------------------------------------------------------------
+
+_SECTION = re.compile(r"^\s*\[([^\[\]]+)\]\s*(#.*)?$")
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a TOML basic string for the plain values written here
+    raise TypeError(f"unsupported TOML value {value!r}")
+
+
+def edit_toml(text: str, edits: dict[str, dict[str, Any]]) -> str:
+    """Set `key = value` inside `[section]` ("" = the top-level table), line by line.
+
+    Existing keys are replaced in place (keeping the file's comments); missing keys are appended to
+    their section. The result is re-parsed to make sure it is valid and holds the new values.
+    """
+    lines = text.splitlines()
+    pending = {sec: dict(kv) for sec, kv in edits.items()}
+    section = ""
+    section_end: dict[str, int] = {}  # section -> index after its last line
+    for i, line in enumerate(lines):
+        m = _SECTION.match(line)
+        if m:
+            section = m.group(1).strip()
+            section_end.setdefault(section, i + 1)
+            continue
+        section_end[section] = i + 1
+        todo = pending.get(section)
+        if not todo:
+            continue
+        key = line.split("=", 1)[0].strip() if "=" in line and not line.lstrip().startswith("#") else None
+        if key in todo:
+            lines[i] = f"{key} = {_toml_value(todo.pop(key))}"
+    # Append keys that were not found, after the last line of their section, last section first
+    for sec in sorted(pending, key=lambda s: section_end.get(s, len(lines)), reverse=True):
+        rest = pending[sec]
+        if not rest:
+            continue
+        new = [f"{k} = {_toml_value(v)}" for k, v in rest.items()]
+        if sec in section_end:
+            at = section_end[sec]
+            lines[at:at] = new
+        elif sec == "":
+            lines[0:0] = new
+        else:
+            lines += ["", f"[{sec}]", *new]
+    out = "\n".join(lines) + "\n"
+    parsed = tomllib.loads(out)
+    for sec, kv in edits.items():
+        table = parsed
+        for part in filter(None, sec.split(".")):
+            table = table[part]
+        for k, v in kv.items():
+            if table.get(k) != v:
+                raise NetworkBuildError(f"config edit [{sec}] {k} did not take")
+    return out
+
+
+# --- the builder --------------------------------------------------------------------------------
+
+
+def build_network(
+    root: Path,
+    n: int,
+    chain_id: str,
+    app_state_fn: Callable[[list[ValidatorInfo]], dict] | None = None,
+    *,
+    kvstore: bool | None = None,
+    genesis_time: str | datetime | None = None,
+    timeout_commit: str = "500ms",
+    power: int | Sequence[int] = 10,
+    n_genesis: int | None = None,
+    db_urls: Sequence[str] | None = None,
+    log_level: str = "state:info,*:error",
+    max_block_bytes: int = DEFAULT_MAX_BLOCK_BYTES,
+    extra_config: dict[str, dict[str, Any]] | None = None,
+) -> NetworkSpec:
+    """Create `root/v0 … root/v{n-1}` and a genesis shared by all of them.
+
+    - `app_state_fn(infos)` gives the genesis `app_state`; when it is None and `kvstore` is not
+      False, the nodes use cometbft's built-in kvstore app (proxy_app = "kvstore").
+    - Only the first `n_genesis` nodes (default: all) are genesis validators; the others start as
+      full nodes (power 0 in their ValidatorInfo) and can be added later by a validator update.
+    - `power` is one voting power for everyone or one per node; `db_urls` one URL per node.
+    - `extra_config` maps a config.toml section ("" for the top level) to keys to set.
+    """
+    root = Path(root).absolute()
+    if n < 1:
+        raise NetworkBuildError("a network needs at least one node")
+    n_genesis = n if n_genesis is None else n_genesis
+    if not 1 <= n_genesis <= n:
+        raise NetworkBuildError(f"n_genesis must be within 1..{n}")
+    powers = [power] * n if isinstance(power, int) else list(power)
+    if len(powers) != n or any(p <= 0 for p in powers):
+        raise NetworkBuildError("power must be positive, one value or one per node")
+    if db_urls is not None and len(db_urls) != n:
+        raise NetworkBuildError("db_urls needs one URL per node")
+    use_kvstore = (app_state_fn is None) if kvstore is None else kvstore
+    if isinstance(genesis_time, datetime):
+        genesis_time = format_time(genesis_time)
+    elif genesis_time is None:
+        genesis_time = format_time(datetime.now(UTC).replace(microsecond=0))
+    binary = cometbft_binary()
+
+    root.mkdir(parents=True, exist_ok=True)
+    ports = free_ports(3 * n)
+    infos: list[ValidatorInfo] = []
+    for i in range(n):
+        home = root / f"v{i}"
+        if home.exists() and any(home.iterdir()):
+            raise NetworkBuildError(f"{home} already exists and is not empty")
+        res = subprocess.run(
+            [binary, "init", "--home", str(home)], capture_output=True, text=True, timeout=60
+        )
+        if res.returncode != 0:
+            raise NetworkBuildError(f"cometbft init failed for {home}: {res.stderr.strip()[-500:]}")
+        keyset = KeySet.generate()
+        keyset.save(home / "config" / KEYS_FILE)
+        infos.append(
+            ValidatorInfo(
+                index=i,
+                moniker=f"v{i}",
+                home=home,
+                pub_key=consensus_pubkey(home),
+                power=powers[i] if i < n_genesis else 0,
+                node_id=node_id_from_key_file(home / "config" / "node_key.json"),
+                ports=Ports(rpc=ports[3 * i], p2p=ports[3 * i + 1], abci=ports[3 * i + 2]),
+                keys=keyset.public_summary(),
+                db_url=db_urls[i] if db_urls else f"sqlite:///{home}/data/planetserve.db",
+            )
+        )
+
+    genesis = genesis_doc(chain_id, genesis_time, infos, max_block_bytes)
+    if app_state_fn is not None:
+        genesis["app_state"] = app_state_fn(infos)
+    genesis_text = json.dumps(genesis, indent=2) + "\n"
+
+    for info in infos:
+        cfg = info.home / "config"
+        (cfg / "genesis.json").write_text(genesis_text)
+        peers = ",".join(o.p2p_address for o in infos if o.index != info.index)
+        edits: dict[str, dict[str, Any]] = {
+            "": {
+                "moniker": info.moniker,
+                "proxy_app": "kvstore" if use_kvstore else f"tcp://{info.abci_listen}",
+                "log_level": log_level,
+            },
+            "rpc": {"laddr": f"tcp://127.0.0.1:{info.ports.rpc}", "pprof_laddr": ""},
+            "p2p": {
+                "laddr": f"tcp://127.0.0.1:{info.ports.p2p}",
+                "persistent_peers": peers,
+                "addr_book_strict": False,
+                "allow_duplicate_ip": True,
+                "pex": False,
+            },
+            "consensus": {"timeout_commit": timeout_commit, "create_empty_blocks": True},
+            "instrumentation": {"prometheus": False},
+        }
+        for sec, kv in (extra_config or {}).items():
+            edits.setdefault(sec, {}).update(kv)
+        toml_path = cfg / "config.toml"
+        toml_path.write_text(edit_toml(toml_path.read_text(), edits))
+        app_cfg = {"abci_listen": info.abci_listen, "db": info.db_url, "chain_id": chain_id}
+        (cfg / APP_CONFIG_FILE).write_text(json.dumps(app_cfg, indent=2) + "\n")
+        (info.home / "logs").mkdir(exist_ok=True)
+
+    spec = NetworkSpec(
+        root=root, chain_id=chain_id, genesis_time=genesis_time, validators=infos, kvstore=use_kvstore
+    )
+    spec.save()
+    return spec
+
+
+def genesis_doc(
+    chain_id: str, genesis_time: str, infos: Sequence[ValidatorInfo], max_block_bytes: int
+) -> dict[str, Any]:
+    """The genesis document (without app_state) for the validators with positive power."""
+    return {
+        "genesis_time": genesis_time,
+        "chain_id": chain_id,
+        "initial_height": "1",
+        "consensus_params": {
+            "block": {"max_bytes": str(max_block_bytes), "max_gas": "-1"},
+            "evidence": {
+                "max_age_num_blocks": "100000",
+                "max_age_duration": "172800000000000",
+                "max_bytes": "1048576",
+            },
+            "validator": {"pub_key_types": ["ed25519"]},
+            "version": {"app": "0"},
+            "abci": {"vote_extensions_enable_height": "0"},
+        },
+        "validators": [
+            {
+                "address": info.address.hex().upper(),
+                "pub_key": {
+                    "type": "tendermint/PubKeyEd25519",
+                    "value": base64.b64encode(info.pub_key).decode(),
+                },
+                "power": str(info.power),
+                "name": info.moniker,
+            }
+            for info in infos
+            if info.power > 0
+        ],
+        "app_hash": "",
+    }

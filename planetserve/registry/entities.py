@@ -1,0 +1,93 @@
+"""The registry's entities; records are plain dicts of ints, strings and bytes (canonical msgpack)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Self
+
+NODE_STATUSES = ("active", "inactive")
+MEMBER_ACTIONS = ("add", "remove")
+
+
+class Record:
+    """Conversion between an entity and its stored record."""
+
+    def to_record(self) -> dict[str, Any]:
+        return {
+            f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v
+            for f in dataclasses.fields(self)  # type: ignore[arg-type]
+        }
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> Self:
+        values = {}
+        for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+            value = record[f.name]
+            values[f.name] = tuple(value) if isinstance(value, list) else value
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class Organisation(Record):
+    org_id: str
+    name: str
+    owner: bytes
+    registered_at: int
+
+
+@dataclass(frozen=True)
+class User(Record):
+    """A user relay; it disappears from the ledger when expires_at (block time, seconds) passes."""
+
+    pubkey: bytes
+    address: str
+    region: str
+    registered_at: int
+    expires_at: int
+
+
+@dataclass(frozen=True)
+class Model(Record):
+    model_id: str
+    name: str
+    registered_at: int
+
+
+@dataclass(frozen=True)
+class ModelNode(Record):
+    pubkey: bytes
+    org_id: str
+    model_id: str
+    address: str
+    hardware: str
+    capacity: int
+    region: str
+    status: str
+    registered_at: int
+
+
+@dataclass(frozen=True)
+class Member(Record):
+    """A verification-committee member: an institution running a validator."""
+
+    operator: bytes
+    consensus_key: bytes
+    vrf_key: bytes
+    x25519_key: bytes
+    credential: str
+    power: int
+
+
+@dataclass(frozen=True)
+class Proposal(Record):
+    """A pending admission or removal: approved at more than 2/3 of the power, rejected at 1/3 or more."""
+
+    proposal_id: int
+    action: str
+    member: dict[str, Any]
+    proposer: bytes
+    votes: tuple[bytes, ...]
+    rejections: tuple[bytes, ...]
+    created_height: int
+    expires_height: int

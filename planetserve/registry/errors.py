@@ -1,0 +1,27 @@
+"""Why a registry rule refuses an action; the chain maps each kind to a numbered result code."""
+
+
+class RegistryError(Exception):
+    """Base class: the action is refused and changes nothing."""
+
+
+class InvalidField(RegistryError):
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"field {field!r}: {reason}")
+        self.field = field
+
+
+class UnknownEntity(RegistryError):
+    """The action refers to an organisation, model, node, user, member or proposal that does not exist."""
+
+
+class AlreadyExists(RegistryError):
+    """The key or identifier is already registered."""
+
+
+class Unauthorized(RegistryError):
+    """The signer may not perform this action on this entity."""
+
+
+class Expired(RegistryError):
+    """The entity's time-to-live has run out."""

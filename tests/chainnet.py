@@ -1,0 +1,43 @@
+"""A real planetserve network for tests: N validators (cometbft + the ABCI app) on free ports."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from planetserve.chain.client import LedgerClient
+from planetserve.chain.keys import KeySet
+from planetserve.chain.lightclient import LightClient
+from planetserve.chain.rpc import RpcClient
+from planetserve.genesis.committee import app_state_builder
+from planetserve.genesis.network import KEYS_FILE, build_network
+from planetserve.localnet.cluster import Cluster
+from planetserve.localnet.net import app_command
+
+MODELS = (("gt", "reference model"), ("small", "smaller model"))
+
+
+def start_network(root: Path, n: int = 4, db_urls: Sequence[str] | None = None,
+                  timeout_commit: str = "300ms") -> Cluster:
+    spec = build_network(root, n, "planetserve-test", app_state_builder(MODELS),
+                         timeout_commit=timeout_commit, db_urls=db_urls)
+    cluster = Cluster(spec, app_command, start_timeout=60.0)
+    cluster.start()
+    cluster.wait_for_height(2, timeout=60.0)
+    return cluster
+
+
+def ledger(cluster: Cluster, i: int = 0, url: str | None = None) -> LedgerClient:
+    rpc = RpcClient(url or cluster.rpc_url(i))
+    return LedgerClient(rpc, LightClient.from_genesis_file(cluster.spec.genesis_path, rpc))
+
+
+def member_keys(cluster: Cluster, i: int) -> KeySet:
+    return KeySet.load(cluster.spec.validators[i].home / "config" / KEYS_FILE)
+
+
+def assert_same_app_hashes(cluster: Cluster, up_to: int, validators: Sequence[int] | None = None) -> None:
+    """Every listed validator has the same app hash at every height 1..up_to."""
+    for height in range(1, up_to + 1):
+        hashes = cluster.app_hashes(height, validators)
+        assert len(set(hashes.values())) == 1, f"app hashes differ at height {height}: {hashes}"

@@ -1,0 +1,56 @@
+"""Shared pytest fixtures."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+# -- PostgreSQL (state store) ----------------------------------------------------------------------
+# `pg_url`: a SQLAlchemy URL of the test server (env PLANETSERVE_TEST_PG, written to
+# build/postgres.url by scripts/postgres.sh) whose search_path is a fresh schema of its own, dropped
+# after the test, so tests never see each other's data. Without the variable a test marked
+# `postgres` (or using `pg_url`) is skipped, except under CI (CI=true), where it fails.
+
+PG_ENV = "PLANETSERVE_TEST_PG"
+
+
+def _pg_base_url() -> str:
+    url = os.environ.get(PG_ENV, "").strip()
+    if url:
+        return url
+    reason = f"{PG_ENV} is not set (run scripts/postgres.sh, then export {PG_ENV}=$(cat build/postgres.url))"
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(f"PostgreSQL tests cannot be skipped under CI=true: {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Tests marked `postgres` skip (or, under CI, fail) without a server, fixture or not."""
+    if item.get_closest_marker("postgres") is not None:
+        _pg_base_url()
+
+
+@pytest.fixture
+def pg_url() -> Iterator[str]:
+    from sqlalchemy import create_engine, text
+
+    from planetserve.chain.store import normalise_url
+
+    base = normalise_url(_pg_base_url())
+    schema = f"t_{uuid.uuid4().hex[:16]}"
+    admin = create_engine(base)
+    try:
+        with admin.begin() as conn:
+            conn.execute(text(f'CREATE SCHEMA "{schema}"'))
+        url = base.update_query_dict({"options": f"-csearch_path={schema}"})
+        yield url.render_as_string(hide_password=False)
+    finally:
+        with admin.begin() as conn:
+            conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
+        admin.dispose()
+
+
+# -- end PostgreSQL --------------------------------------------------------------------------------

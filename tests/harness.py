@@ -1,0 +1,76 @@
+"""Drive the real Application in-process, block by block, as CometBFT would."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from google.protobuf.timestamp_pb2 import Timestamp
+from planetserve.chain.store import StateStore
+from tendermint.abci import types_pb2 as abci
+from tendermint.crypto import keys_pb2
+
+from planetserve.chain import tx as txlib
+from planetserve.chain.app import Application
+from planetserve.chain.keys import KeySet
+from planetserve.registry.entities import Member, Model
+from planetserve.registry.genesis import AppState
+from planetserve.registry.params import Params
+
+CHAIN_ID = "planetserve-test"
+GENESIS_TIME = 1_700_000_000
+
+
+class AppHarness:
+    def __init__(self, db_url: str, members: int = 1, params: Params | None = None,
+                 models: tuple[tuple[str, str], ...] = (("gt", "reference"),)) -> None:
+        self.store = StateStore(db_url)
+        self.app = Application(self.store)
+        self.members = [KeySet.generate() for _ in range(members)]
+        self.consensus = [KeySet.generate() for _ in range(members)]
+        self.sequences: dict[bytes, int] = {}
+        self.height = 0
+        self.time = GENESIS_TIME
+        state = AppState(
+            params=params or Params(),
+            committee=tuple(
+                Member(m.public, c.public, bytes(m.vrf.verify_key), bytes(m.x25519.public_key),
+                       f"member {i}", 10)
+                for i, (m, c) in enumerate(zip(self.members, self.consensus, strict=True))
+            ),
+            models=tuple(Model(i, n, 0) for i, n in models),
+        )
+        self.app.init_chain(abci.RequestInitChain(
+            chain_id=CHAIN_ID,
+            validators=[abci.ValidatorUpdate(pub_key=keys_pb2.PublicKey(ed25519=c.public), power=10)
+                        for c in self.consensus],
+            app_state_bytes=json.dumps(state.to_json()).encode(),
+            initial_height=1,
+        ))
+
+    def tx(self, keys: KeySet, tx_type: str, body: dict[str, Any], sequence: int | None = None,
+           chain_id: str = CHAIN_ID) -> bytes:
+        """A signed transaction with the signer's next sequence (tracked locally)."""
+        seq = self.sequences.get(keys.public, 0) if sequence is None else sequence
+        if sequence is None:
+            self.sequences[keys.public] = seq + 1
+        return txlib.build(keys, chain_id, tx_type, body, seq)
+
+    def check(self, raw: bytes) -> abci.ResponseCheckTx:
+        return self.app.check_tx(abci.RequestCheckTx(tx=raw))
+
+    def block(self, *txs: bytes, seconds: int = 5) -> abci.ResponseFinalizeBlock:
+        self.height += 1
+        self.time += seconds
+        result = self.app.finalize_block(abci.RequestFinalizeBlock(
+            txs=list(txs), height=self.height, time=Timestamp(seconds=self.time)))
+        self.app.commit(abci.RequestCommit())
+        return result
+
+    def query(self, path: str, data: bytes) -> abci.ResponseQuery:
+        return self.app.query(abci.RequestQuery(path=path, data=data, prove=True))
+
+
+def sqlite_url(tmp_path: Path, name: str = "state.db") -> str:
+    return f"sqlite:///{tmp_path / name}"

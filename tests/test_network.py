@@ -1,0 +1,264 @@
+"""A real four-validator network: agreement, crash and restart of validators and apps."""
+
+from __future__ import annotations
+
+import base64
+import signal
+import threading
+import time
+
+import pytest
+from chainnet import assert_same_app_hashes, ledger, member_keys, start_network
+from tamper import TamperProxy
+
+from planetserve.chain.client import QueryRefused
+from planetserve.chain.handlers import node_pop_message
+from planetserve.chain.keys import KeySet
+from planetserve.chain.lightclient import VerificationError
+from planetserve.registry import codec
+
+pytestmark = pytest.mark.network
+
+
+@pytest.fixture(scope="module")
+def net(tmp_path_factory):
+    cluster = start_network(tmp_path_factory.mktemp("net"))
+    yield cluster
+    cluster.close()
+
+
+def register_org_and_nodes(client, org_id: str, count: int) -> list[KeySet]:
+    owner = KeySet.generate()
+    assert client.submit(owner, "register-org", {"org_id": org_id, "name": org_id}).outcome.code == 0
+    chain_id = client.rpc.status()["node_info"]["network"]
+    nodes = []
+    for i in range(count):
+        node = KeySet.generate()
+        done = client.submit(owner, "register-model-node", {
+            "org_id": org_id, "node_pubkey": node.public,
+            "pop": node.sign(node_pop_message(chain_id, org_id, node.public)),
+            "model_id": "gt", "address": f"127.0.0.1:{7000 + i}", "hardware": "cpu", "capacity": 2,
+            "region": "local",
+        })
+        assert done.outcome.code == 0, done.outcome.log
+        nodes.append(node)
+    return nodes
+
+
+def test_registry_txs_commit_and_all_app_hashes_agree(net):
+    clients = [ledger(net, i) for i in range(4)]
+    nodes = register_org_and_nodes(clients[0], "org-a", 2)
+    user = KeySet.generate()
+    assert clients[2].submit(user, "register-user", {"address": "127.0.0.1:9100", "region": "eu"}).outcome.code == 0
+    for client in clients:  # every validator answers the same verified lists
+        listing, listed = client.nodes("gt")
+        assert listing.verified
+        assert sorted(n.pubkey for n in listed) == sorted(k.public for k in nodes)
+        _, users = client.users("eu")
+        assert [u.pubkey for u in users] == [user.public]
+    height = min(net.wait_for_height(0).values())
+    assert_same_app_hashes(net, height)
+
+
+def test_refused_tx_reports_its_code_over_rpc(net):
+    client = ledger(net, 1)
+    stranger = KeySet.generate()
+    done = client.submit(stranger, "register-model", {"model_id": "m", "name": "n"})
+    assert done.outcome.code == 10 and "committee" in done.outcome.log
+
+
+def test_one_down_continues_two_down_halts(net):
+    client = ledger(net, 0)
+    net.stop(3)
+    start = max(net.wait_for_height(0, validators=[0, 1, 2]).values())
+    net.wait_for_height(start + 3, validators=[0, 1, 2], timeout=30)
+    owner = KeySet.generate()
+    assert client.submit(owner, "register-org", {"org_id": "while-down", "name": "x"}).outcome.code == 0
+    net.start(3)
+    caught_up = max(net.wait_for_height(0, validators=[0]).values())
+    net.wait_for_height(caught_up, validators=[3], timeout=60)
+    assert_same_app_hashes(net, caught_up, validators=[0, 3])
+
+    net.stop(2)
+    net.stop(3)
+    time.sleep(1.5)
+    stalled = max(net.wait_for_height(0, validators=[0, 1]).values())
+    time.sleep(3)
+    assert max(net.wait_for_height(0, validators=[0, 1]).values()) <= stalled + 1, "blocks without 2/3"
+    net.start(2)
+    net.start(3)
+    net.wait_for_height(stalled + 3, timeout=60)
+    assert client.org("while-down") is not None
+    assert_same_app_hashes(net, stalled + 2)
+
+
+def test_sigkill_app_under_load_recovers_same_app_hash(net):
+    client = ledger(net, 0)
+    stop = threading.Event()
+    codes: list[int] = []
+
+    def load() -> None:
+        while not stop.is_set():
+            user = KeySet.generate()
+            try:
+                codes.append(client.submit(user, "register-user", {"address": "127.0.0.1:1", "region": "load"},
+                                           timeout=20).outcome.code)
+            except Exception:  # the load only has to keep blocks busy; failures are counted below
+                codes.append(-1)
+
+    worker = threading.Thread(target=load, daemon=True)
+    worker.start()
+    time.sleep(2)
+    net.stop(2, sig=signal.SIGKILL, part="app")
+    time.sleep(2)
+    net.stop(2, part="cometbft")
+    time.sleep(1)
+    net.start(2)
+    time.sleep(2)
+    stop.set()
+    worker.join(30)
+    top = max(net.wait_for_height(0, validators=[0]).values())
+    net.wait_for_height(top, validators=[2], timeout=60)
+    assert_same_app_hashes(net, top, validators=[0, 2])
+    assert codes.count(0) >= 3
+    _, users = client.users("load")
+    assert len(users) == codes.count(0)
+
+
+def test_member_admission_becomes_a_validator_update(net):
+    client = ledger(net, 0)
+    candidate, consensus = KeySet.generate(), KeySet.generate()
+    body = {"action": "add", "operator": candidate.public, "consensus_key": consensus.public,
+            "vrf_key": bytes(candidate.vrf.verify_key), "x25519_key": bytes(candidate.x25519.public_key),
+            "credential": "Institute of Tests", "power": 1}
+    assert client.submit(member_keys(net, 0), "propose-member", body).outcome.code == 0
+    for i in (1, 2):
+        done = client.submit(member_keys(net, i), "vote-member", {"proposal_id": 1, "approve": True})
+        assert done.outcome.code == 0, done.outcome.log
+    height = client.rpc.latest_height()
+    net.wait_for_height(height + 3)
+    _, validators = client.rpc.validators(height + 3)
+    assert len(validators) == 5
+    _, committee = client.committee()
+    assert {m.credential for m in committee} >= {"Institute of Tests"}
+    # a light client following the changed set still verifies the latest lists
+    fresh = ledger(net, 1)
+    listing, _ = fresh.nodes("gt")
+    assert listing.verified and listing.height >= height + 2
+
+
+def _rewrite_query(mutate):
+    """A proxy rewrite that applies `mutate(response_dict)` to abci_query answers only."""
+
+    def rewrite(method, params, answer):
+        if method == "abci_query" and "result" in answer:
+            mutate(answer["result"]["response"])
+        return answer
+
+    return rewrite
+
+
+def _entries(response):
+    return codec.unpack(base64.b64decode(response["value"]))
+
+
+def _set_entries(response, entries):
+    response["value"] = base64.b64encode(codec.pack(entries)).decode()
+
+
+def alter_entry(response):
+    entries = _entries(response)
+    record = codec.unpack(entries[0][1])
+    record["address"] = "203.0.113.66:7000"
+    entries[0][1] = codec.pack(record)
+    _set_entries(response, entries)
+
+
+def drop_entry(response):
+    _set_entries(response, _entries(response)[1:])
+
+
+def add_entry(response):
+    entries = _entries(response)
+    fake = codec.unpack(entries[0][1])
+    fake["pubkey"] = b"\x07" * 32
+    entries.append([entries[0][0][:-64] + b"f" * 64, codec.pack(fake)])
+    _set_entries(response, entries)
+
+
+def corrupt_proof(response):
+    op = response["proofOps"]["ops"][0]
+    raw = bytearray(base64.b64decode(op["data"]))
+    raw[len(raw) // 2] ^= 0x01
+    op["data"] = base64.b64encode(bytes(raw)).decode()
+
+
+def strip_proof(response):
+    response["proofOps"] = None
+
+
+def older_height(response):
+    """Claim the answer is from height 2, before any node was registered."""
+    response["height"] = "2"
+
+
+@pytest.mark.parametrize(
+    ("mutate", "words"),
+    [
+        (alter_entry, "does not match the committed app hash"),
+        (drop_entry, "does not match the committed app hash"),
+        (add_entry, "does not match the committed app hash"),
+        (corrupt_proof, "malformed proof|does not match the committed app hash"),
+        (strip_proof, "proof missing"),
+        (older_height, "does not match the committed app hash"),
+    ],
+)
+def test_lying_endpoint_cannot_alter_the_node_list(net, mutate, words):
+    honest = ledger(net, 0)
+    if len(honest.nodes("gt")[1]) < 2:
+        register_org_and_nodes(honest, f"org-{mutate.__name__}", 2)
+    proxy = TamperProxy(net.rpc_url(1))
+    try:
+        client = ledger(net, url=proxy.url)
+        assert len(client.nodes("gt")[1]) >= 2  # honest pass-through verifies
+        proxy.rewrite = _rewrite_query(mutate)
+        with pytest.raises(QueryRefused, match=words):
+            client.nodes("gt")
+    finally:
+        proxy.close()
+
+
+def test_lying_endpoint_cannot_hide_an_entity(net):
+    honest = ledger(net, 0)
+    (node,) = register_org_and_nodes(honest, "org-hidden", 1)
+    proxy = TamperProxy(net.rpc_url(1))
+
+    def claim_absent(response):
+        response["info"] = "absent"
+        response["value"] = None
+
+    try:
+        client = ledger(net, url=proxy.url)
+        assert client.node(node.public) is not None
+        proxy.rewrite = _rewrite_query(claim_absent)
+        with pytest.raises(QueryRefused, match="does not match the committed app hash"):
+            client.node(node.public)
+    finally:
+        proxy.close()
+
+
+def test_lying_endpoint_cannot_forge_the_commit(net):
+    proxy = TamperProxy(net.rpc_url(1))
+
+    def forge_app_hash(method, params, answer):
+        if method == "commit" and "result" in answer:
+            answer["result"]["signed_header"]["header"]["app_hash"] = "AB" * 32
+        return answer
+
+    try:
+        client = ledger(net, url=proxy.url)
+        proxy.rewrite = forge_app_hash
+        with pytest.raises(VerificationError, match="mismatch|hash"):
+            client.nodes("gt")
+    finally:
+        proxy.close()

@@ -1,0 +1,91 @@
+"""ABCI queries: lists and entries with proofs against the committed app hash, and their refusals."""
+
+from __future__ import annotations
+
+import pytest
+from harness import CHAIN_ID, AppHarness, sqlite_url
+from tendermint.abci import types_pb2 as abci
+
+from planetserve.chain import state as layout
+from planetserve.chain import trie
+from planetserve.chain.errors import Code
+from planetserve.chain.handlers import node_pop_message
+from planetserve.chain.keys import KeySet
+from planetserve.registry import codec
+from planetserve.registry.params import Params
+
+
+@pytest.fixture
+def h(tmp_path):
+    h = AppHarness(sqlite_url(tmp_path), params=Params(max_query_entries=5))
+    owner = KeySet.generate()
+    txs = [h.tx(owner, "register-org", {"org_id": "org1", "name": "O"})]
+    for i in range(4):
+        node = KeySet.generate()
+        txs.append(h.tx(owner, "register-model-node", {
+            "org_id": "org1", "node_pubkey": node.public,
+            "pop": node.sign(node_pop_message(CHAIN_ID, "org1", node.public)),
+            "model_id": "gt", "address": f"10.0.0.{i}:7000", "hardware": "A100", "capacity": 4,
+            "region": "eu" if i % 2 else "us",
+        }))
+    for i in range(7):
+        txs.append(h.tx(KeySet.generate(), "register-user", {"address": f"10.1.0.{i}:9000", "region": "eu"}))
+    results = h.block(*txs)
+    assert all(r.code == 0 for r in results.tx_results)
+    return h
+
+
+def verified_list(h: AppHarness, prefix: bytes) -> list[tuple[bytes, bytes]]:
+    res = h.query("/prefix", prefix)
+    assert res.code == 0, res.log
+    assert res.height == h.store.height
+    (op,) = res.proof_ops.ops
+    entries = [(k, v) for k, v in codec.unpack(res.value)]
+    trie.verify_prefix(h.store.app_hash, prefix, entries, trie.PrefixProof.decode(op.data))
+    return entries
+
+
+def test_node_lists_per_model_and_region(h):
+    assert len(verified_list(h, layout.node_list_prefix("gt"))) == 4
+    eu = verified_list(h, layout.node_list_prefix("gt", "eu"))
+    assert len(eu) == 2 and all(codec.unpack(v)["region"] == "eu" for _, v in eu)
+    assert verified_list(h, layout.node_list_prefix("unknown-model")) == []
+
+
+def test_key_present_and_absent(h):
+    res = h.query("/key", layout.org_key("org1"))
+    assert res.info == "found"
+    trie.verify_key(h.store.app_hash, layout.org_key("org1"), res.value,
+                    trie.PrefixProof.decode(res.proof_ops.ops[0].data))
+    res = h.query("/key", layout.org_key("nobody"))
+    assert res.info == "absent"
+    trie.verify_key(h.store.app_hash, layout.org_key("nobody"), None,
+                    trie.PrefixProof.decode(res.proof_ops.ops[0].data))
+
+
+def test_historical_height_is_proven_against_its_own_root(h):
+    old_height, old_root = h.store.height, h.store.app_hash
+    h.block(h.tx(KeySet.generate(), "register-user", {"address": "10.9.9.9:1", "region": "us"}))
+    res = h.app.query(abci.RequestQuery(
+        path="/prefix", data=layout.user_list_prefix("us"), height=old_height, prove=True))
+    assert res.code == 0 and res.height == old_height
+    trie.verify_prefix(old_root, layout.user_list_prefix("us"), [],
+                       trie.PrefixProof.decode(res.proof_ops.ops[0].data))
+
+
+@pytest.mark.parametrize(
+    ("path", "data", "code", "words"),
+    [
+        ("/nope", b"x", Code.UNKNOWN_TYPE, "unknown query path"),
+        ("/prefix", "é".encode(), Code.INVALID_FIELD, "ASCII"),
+        ("/prefix", layout.user_list_prefix("eu"), Code.INVALID_FIELD, "more than 5"),
+    ],
+)
+def test_query_refusals(h, path, data, code, words):
+    res = h.query(path, data)
+    assert res.code == code and words in res.log and res.codespace == "planetserve"
+
+
+def test_unknown_height_is_refused(h):
+    res = h.app.query(abci.RequestQuery(path="/prefix", data=b"org/", height=999, prove=True))
+    assert res.code == Code.INVALID_FIELD and "no committed state at height 999" in res.log

@@ -1,0 +1,492 @@
+"""The state store on SQLite and PostgreSQL: commitment, atomicity, isolation, proofs."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from planetserve.chain import trie
+from planetserve.chain.store import (
+    StaleBatchError,
+    StateStore,
+    StoreError,
+    TooManyEntriesError,
+    normalise_url,
+)
+from planetserve.chain.trie import EMPTY_ROOT, ProofError, subtree_root, verify_key, verify_prefix
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'state.db'}"
+    return str(request.getfixturevalue("pg_url"))
+
+
+@pytest.fixture
+def store(store_url: str) -> Iterator[StateStore]:
+    s = StateStore(store_url)
+    yield s
+    s.close()
+
+
+def all_entries(s: StateStore) -> list[tuple[bytes, bytes]]:
+    return list(s.batch().iterate())
+
+
+# -- basics --------------------------------------------------------------------------------------
+
+
+def test_empty_store(store: StateStore) -> None:
+    assert store.height == 0
+    assert store.app_hash == EMPTY_ROOT
+    assert store.batch().root() == EMPTY_ROOT
+    assert store.get_meta("anything") is None
+    entries, proof = store.prove_prefix(b"")
+    assert entries == []
+    verify_prefix(EMPTY_ROOT, b"", [], proof)
+
+
+def test_commit_and_reopen(store_url: str) -> None:
+    s = StateStore(store_url)
+    b = s.batch()
+    b.set(b"user/a", b"1")
+    b.set(b"user/b", b"")
+    b.set(b"node/x", b"\x00\xff" * 100)
+    b.set_meta("chain_id", b"test-chain")
+    root = s.commit(b, 1, {"block_time": (123).to_bytes(8, "big")})
+    assert root == s.app_hash == subtree_root(sorted(all_entries(s)))
+    s.close()
+    s2 = StateStore(store_url)
+    assert s2.height == 1 and s2.app_hash == root
+    assert s2.get_meta("chain_id") == b"test-chain"
+    assert s2.get_meta("block_time") == (123).to_bytes(8, "big")
+    assert s2.batch().get(b"user/b") == b""
+    assert s2.batch().get(b"node/x") == b"\x00\xff" * 100
+    assert s2.root_at(1) == root and s2.root_at(0) == EMPTY_ROOT and s2.root_at(2) is None
+    s2.close()
+
+
+def test_nothing_visible_before_commit(store_url: str) -> None:
+    s = StateStore(store_url)
+    b = s.batch()
+    b.set(b"k/1", b"v")
+    assert b.root() != EMPTY_ROOT
+    other = StateStore(store_url)
+    assert other.batch().get(b"k/1") is None
+    assert s.batch().get(b"k/1") is None
+    assert list(s.batch().iterate()) == []
+    assert other.height == 0 and other.app_hash == EMPTY_ROOT
+    assert s.prove_prefix(b"k/")[0] == []
+    other.close()
+    s.commit(b, 1)
+    assert s.batch().get(b"k/1") == b"v"
+    s.close()
+
+
+def test_failed_commit_writes_nothing(store_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    s = StateStore(store_url)
+    b = s.batch()
+    b.set(b"a", b"1")
+    s.commit(b, 1)
+    b = s.batch()
+    b.set(b"a", b"2")
+    b.set(b"b", b"3")
+
+    def boom(*_a: object, **_k: object) -> None:
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(s, "_write_head", boom)
+    with pytest.raises(RuntimeError):
+        s.commit(b, 2)
+    monkeypatch.undo()
+    assert s.height == 1
+    fresh = StateStore(store_url)
+    assert fresh.height == 1
+    assert all_entries(fresh) == [(b"a", b"1")]
+    assert fresh.app_hash == subtree_root([(b"a", b"1")])
+    fresh.close()
+    # the batch survived and can still be committed
+    assert s.commit(b, 2) == subtree_root([(b"a", b"2"), (b"b", b"3")])
+    s.close()
+
+
+def test_heights_must_increase(store: StateStore) -> None:
+    store.commit(store.batch(), 5)
+    with pytest.raises(StoreError):
+        store.commit(store.batch(), 5)
+    with pytest.raises(StoreError):
+        store.commit(store.batch(), 3)
+    store.commit(store.batch(), 6)
+    assert store.height == 6
+
+
+def test_meta_names(store: StateStore) -> None:
+    with pytest.raises(ValueError, match="reserved"):
+        store.commit(store.batch(), 1, {"_height": b"x"})
+    with pytest.raises(ValueError):
+        store.batch().set_meta("", b"x")
+    store.commit(store.batch(), 1, {"a": b"1"})
+    store.commit(store.batch(), 2, {"a": b"2"})
+    assert store.get_meta("a") == b"2"
+    assert store.get_meta("_height") == (2).to_bytes(8, "big")
+
+
+def test_invalid_writes(store: StateStore) -> None:
+    b = store.batch()
+    for key in (b"", b"a\x00", "é".encode(), b"x" * (trie.MAX_KEY_LEN + 1)):
+        with pytest.raises(ValueError):
+            b.set(key, b"v")
+    with pytest.raises(TypeError):
+        b.set(b"a", "text")  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        b.get("a")  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        list(b.iterate(b"a\x00"))
+
+
+def test_delete_and_reinsert(store: StateStore) -> None:
+    b = store.batch()
+    for i in range(50):
+        b.set(b"k/%03d" % i, b"v%d" % i)
+    r1 = store.commit(b, 1)
+    b = store.batch()
+    for i in range(0, 50, 2):
+        b.delete(b"k/%03d" % i)
+    b.delete(b"k/nonexistent")
+    r2 = store.commit(b, 2)
+    assert r2 != r1
+    assert [k for k, _ in all_entries(store)] == [b"k/%03d" % i for i in range(1, 50, 2)]
+    assert r2 == subtree_root(all_entries(store))
+    b = store.batch()
+    for i in range(0, 50, 2):
+        b.set(b"k/%03d" % i, b"v%d" % i)
+    assert store.commit(b, 3) == r1
+    b = store.batch()
+    b.set(b"k/x", b"1")
+    b.delete(b"k/x")
+    assert b.get(b"k/x") is None
+    assert store.commit(b, 4) == r1
+    b = store.batch()
+    for k, _ in all_entries(store):
+        b.delete(k)
+    assert store.commit(b, 5) == EMPTY_ROOT
+    assert all_entries(store) == []
+
+
+def test_batch_isolation_and_staleness(store: StateStore) -> None:
+    base = store.batch()
+    base.set(b"a", b"0")
+    store.commit(base, 1)
+    block = store.batch()
+    check = store.batch()
+    block.set(b"a", b"block")
+    check.set(b"a", b"check")
+    check.set(b"c", b"check")
+    assert block.get(b"a") == b"block" and check.get(b"a") == b"check"
+    assert block.get(b"c") is None
+    assert list(block.iterate()) == [(b"a", b"block")]
+    assert block.root() != check.root()
+    store.commit(block, 2)
+    for call in (
+        lambda: check.get(b"zz"),
+        lambda: list(check.iterate()),
+        check.root,
+        lambda: store.commit(check, 3),
+        lambda: store.commit(block, 3),
+    ):
+        with pytest.raises(StaleBatchError):
+            call()
+    assert store.batch().get(b"a") == b"block"
+    assert store.batch().get(b"c") is None
+
+
+def test_root_is_cached(store: StateStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    b = store.batch()
+    b.set(b"a", b"1")
+    r = b.root()
+    calls = []
+    original = store._apply
+    monkeypatch.setattr(store, "_apply", lambda *a: calls.append(1) or original(*a))
+    assert b.root() == r
+    assert store.commit(b, 1) == r
+    assert calls == []
+
+
+def test_iterate_merges_pending(store: StateStore) -> None:
+    b = store.batch()
+    for k in (b"p/a", b"p/c", b"p/e", b"q/a", b"p", b"o/z"):
+        b.set(k, b"old")
+    store.commit(b, 1)
+    b = store.batch()
+    b.set(b"p/b", b"new")
+    b.set(b"p/c", b"new")
+    b.delete(b"p/e")
+    b.set(b"p/f", b"new")
+    b.set(b"r", b"new")
+    assert list(b.iterate(b"p/")) == [
+        (b"p/a", b"old"),
+        (b"p/b", b"new"),
+        (b"p/c", b"new"),
+        (b"p/f", b"new"),
+    ]
+    assert [k for k, _ in b.iterate(b"p")] == [b"p", b"p/a", b"p/b", b"p/c", b"p/f"]
+    assert [k for k, _ in b.iterate()] == [
+        b"o/z",
+        b"p",
+        b"p/a",
+        b"p/b",
+        b"p/c",
+        b"p/f",
+        b"q/a",
+        b"r",
+    ]
+    it = b.iterate(b"p/")
+    assert next(it) == (b"p/a", b"old")  # stopping early is fine
+
+
+def test_iterate_many_pages(store: StateStore) -> None:
+    b = store.batch()
+    keys = sorted(b"x/%05d" % i for i in range(1000))
+    for k in keys:
+        b.set(k, k)
+    store.commit(b, 1)
+    b = store.batch()
+    b.delete(keys[300])
+    b.set(b"x/00300a", b"n")
+    got = [k for k, _ in b.iterate(b"x/")]
+    want = sorted([*keys[:300], *keys[301:], b"x/00300a"])
+    assert got == want
+
+
+# -- proofs from the store -----------------------------------------------------------------------
+
+
+def test_prove_prefix_and_key(store: StateStore) -> None:
+    rnd = random.Random(3)
+    b = store.batch()
+    state = {}
+    for _ in range(300):
+        k = f"{rnd.choice(['user', 'node', 'ulist/eu', 'ulist/us'])}/{rnd.getrandbits(64):016x}"
+        state[k.encode()] = rnd.randbytes(rnd.randrange(0, 50))
+    for k, v in state.items():
+        b.set(k, v)
+    root = store.commit(b, 1)
+    for prefix in (b"", b"user/", b"ulist/", b"ulist/eu/", b"u", b"zzz", b"node/0", b"user/\x7f"):
+        entries, proof = store.prove_prefix(prefix, 1000)
+        assert entries == sorted((k, v) for k, v in state.items() if k.startswith(prefix))
+        verify_prefix(root, prefix, entries, trie.PrefixProof.decode(proof.encode()))
+    for key in list(state)[:20] + [b"user/absent", b"a"]:
+        value, proof = store.prove_key(key)
+        assert value == state.get(key)
+        verify_key(root, key, value, proof)
+    with pytest.raises(TooManyEntriesError):
+        store.prove_prefix(b"", 10)
+    with pytest.raises(ValueError):  # the app maps ValueError to a query error
+        store.prove_prefix(b"", 10)
+    with pytest.raises(ValueError):
+        store.prove_prefix(b"a\x00b")
+
+
+def test_proofs_at_earlier_heights(store: StateStore) -> None:
+    b = store.batch()
+    for i in range(100):
+        b.set(b"k/%02d" % i, b"one")
+    r1 = store.commit(b, 1)
+    b = store.batch()
+    for i in range(0, 100, 3):
+        b.set(b"k/%02d" % i, b"two")
+    b.delete(b"k/01")
+    r2 = store.commit(b, 2)
+    entries, proof = store.prove_prefix(b"k/0", height=1)
+    assert entries == [(b"k/%02d" % i, b"one") for i in range(10)]
+    verify_prefix(r1, b"k/0", entries, proof)
+    with pytest.raises(ProofError):
+        verify_prefix(r2, b"k/0", entries, proof)
+    value, proof = store.prove_key(b"k/01", height=1)
+    assert value == b"one"
+    verify_key(r1, b"k/01", value, proof)
+    value, proof = store.prove_key(b"k/01")
+    assert value is None
+    verify_key(r2, b"k/01", None, proof)
+    with pytest.raises(TooManyEntriesError):
+        store.prove_prefix(b"k/", 50, height=1)
+    with pytest.raises(ValueError):
+        store.prove_prefix(b"k/", height=7)
+
+
+# -- the store agrees with the pure trie ---------------------------------------------------------
+
+key_st = st.one_of(
+    st.text(alphabet="ab/", min_size=1, max_size=8),
+    st.text(alphabet=st.characters(min_codepoint=1, max_codepoint=127), min_size=1, max_size=4),
+).map(str.encode)
+block_st = st.dictionaries(key_st, st.one_of(st.none(), st.binary(max_size=8)), max_size=25)
+
+
+@settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(st.lists(block_st, min_size=1, max_size=5))
+def test_store_root_matches_subtree_root(blocks: list[dict[bytes, bytes | None]]) -> None:
+    s = StateStore("sqlite://")
+    model: dict[bytes, bytes] = {}
+    for h, block in enumerate(blocks, start=1):
+        b = s.batch()
+        for k, v in block.items():
+            if v is None:
+                b.delete(k)
+                model.pop(k, None)
+            else:
+                b.set(k, v)
+                model[k] = v
+        root = s.commit(b, h)
+        assert root == subtree_root(sorted(model.items()))
+        assert all_entries(s) == sorted(model.items())
+    s.close()
+
+
+def _random_blocks(seed: int, n_blocks: int = 6) -> list[dict[bytes, bytes | None]]:
+    rnd = random.Random(seed)
+    keys = [f"{rnd.choice(['user', 'node', 'a', 'ab'])}/{rnd.getrandbits(32):x}".encode() for _ in range(400)]
+    blocks = []
+    for _ in range(n_blocks):
+        block: dict[bytes, bytes | None] = {}
+        for _ in range(rnd.randrange(1, 150)):
+            k = rnd.choice(keys)
+            block[k] = None if rnd.random() < 0.2 else rnd.randbytes(rnd.randrange(0, 30))
+        blocks.append(block)
+    return blocks
+
+
+def _run_blocks(s: StateStore, blocks: list[dict[bytes, bytes | None]]) -> list[bytes]:
+    roots = []
+    for h, block in enumerate(blocks, start=1):
+        b = s.batch()
+        for k, v in block.items():
+            if v is None:
+                b.delete(k)
+            else:
+                b.set(k, v)
+        roots.append(s.commit(b, h, {"n": bytes([h])}))
+    return roots
+
+
+@pytest.mark.postgres
+def test_sqlite_and_postgres_agree(pg_url: str, tmp_path: Path) -> None:
+    blocks = _random_blocks(11)
+    lite = StateStore(f"sqlite:///{tmp_path / 'a.db'}")
+    pg = StateStore(pg_url)
+    assert _run_blocks(lite, blocks) == _run_blocks(pg, blocks)
+    assert all_entries(lite) == all_entries(pg)
+    for prefix in (b"user/", b"a", b"ab/", b"zz"):
+        assert lite.prove_prefix(prefix) == pg.prove_prefix(prefix)
+    # bytewise key order on both: b"a/..." < b"ab/..." < b"node/..." ("/" is 0x2f)
+    keys = [k for k, _ in all_entries(pg)]
+    assert keys == sorted(keys)
+    lite.close()
+    pg.close()
+
+
+def test_small_cache_gives_same_roots(tmp_path: Path) -> None:
+    blocks = _random_blocks(5)
+    big = StateStore(f"sqlite:///{tmp_path / 'big.db'}")
+    tiny = StateStore(f"sqlite:///{tmp_path / 'tiny.db'}", cache_bytes=1)
+    assert _run_blocks(big, blocks) == _run_blocks(tiny, blocks)
+
+
+# -- bulk load -----------------------------------------------------------------------------------
+
+
+def test_bulk_load(store_url: str) -> None:
+    rnd = random.Random(9)
+    entries = sorted(
+        {f"user/{rnd.getrandbits(64):016x}".encode(): rnd.randbytes(40) for _ in range(5000)}.items()
+    )
+    s = StateStore(store_url)
+    root = s.bulk_load(iter(entries), 1, {"origin": b"bulk"}, chunk=700)
+    assert root == subtree_root(entries) and s.height == 1
+    assert s.get_meta("origin") == b"bulk"
+    with pytest.raises(StoreError):
+        s.bulk_load([], 2)
+    # incremental updates continue from the bulk-loaded trie
+    b = s.batch()
+    b.set(entries[0][0], b"changed")
+    b.delete(entries[1][0])
+    b.set(b"user/new", b"x")
+    r2 = s.commit(b, 2)
+    expected = dict(entries)
+    expected[entries[0][0]] = b"changed"
+    del expected[entries[1][0]]
+    expected[b"user/new"] = b"x"
+    assert r2 == subtree_root(sorted(expected.items()))
+    s.close()
+    reopened = StateStore(store_url)
+    assert reopened.app_hash == r2
+    reopened.close()
+
+
+def test_bulk_load_rejects_unsorted(tmp_path: Path) -> None:
+    s = StateStore(f"sqlite:///{tmp_path / 'x.db'}")
+    with pytest.raises(ValueError):
+        s.bulk_load([(b"b", b"1"), (b"a", b"1")], 1)
+    assert s.height == 0
+    assert StateStore(f"sqlite:///{tmp_path / 'x.db'}").batch().get(b"b") is None
+
+
+# -- durability ----------------------------------------------------------------------------------
+
+
+def test_sigkill_after_commit_loses_nothing(tmp_path: Path) -> None:
+    db = tmp_path / "kill.db"
+    script = textwrap.dedent(f"""
+        import sys, time
+        from planetserve.chain.store import StateStore
+        s = StateStore({str(db)!r})
+        for h in range(1, 4):
+            b = s.batch()
+            for i in range(200):
+                b.set(b"k/%d/%d" % (h, i), b"v" * 100)
+            root = s.commit(b, h)
+        print(root.hex(), flush=True)
+        time.sleep(60)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        root_hex = proc.stdout.readline().strip()
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    s = StateStore(str(db))
+    assert s.height == 3
+    assert s.app_hash.hex() == root_hex
+    assert len(all_entries(s)) == 600
+    assert s.app_hash == subtree_root(all_entries(s))
+
+
+# -- URLs ----------------------------------------------------------------------------------------
+
+
+def test_urls() -> None:
+    assert normalise_url("postgresql://u:p@h/db").drivername == "postgresql+psycopg"
+    assert normalise_url("postgres://u:p@h/db").drivername == "postgresql+psycopg"
+    assert normalise_url("postgresql+psycopg://u:p@h/db").drivername == "postgresql+psycopg"
+    assert normalise_url("sqlite:///x.db").database == "x.db"
+    assert normalise_url("/tmp/state.db").database == "/tmp/state.db"
+    for bad in ("mysql://u@h/db", "postgresql+asyncpg://u@h/db"):
+        with pytest.raises(ValueError):
+            normalise_url(bad)

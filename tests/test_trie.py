@@ -1,0 +1,521 @@
+"""The Merkle trie: canonical roots, prefix proofs, and that no tampering gets through."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import random
+import time
+
+import msgpack
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from planetserve.chain import trie
+from planetserve.chain.trie import (
+    EMPTY_ROOT,
+    InnerOpening,
+    LeafOpening,
+    MemoryNodes,
+    PrefixProof,
+    ProofError,
+    ProofKind,
+    apply_changes,
+    make_prefix_proof,
+    subtree_root,
+    verify_key,
+    verify_prefix,
+)
+
+# Small alphabets make long shared prefixes, keys that are prefixes of others, and deep tries.
+key_st = st.one_of(
+    st.text(alphabet="ab", min_size=1, max_size=10),
+    st.text(alphabet="a/\x01\x7f0", min_size=1, max_size=6),
+    st.text(alphabet=st.characters(min_codepoint=1, max_codepoint=127), min_size=1, max_size=5),
+).map(lambda s: s.encode())
+value_st = st.binary(max_size=12)
+state_st = st.dictionaries(key_st, value_st, max_size=40)
+SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+# -- an independent reference implementation of the documented hashing ----------------------------
+
+
+def _bits(b: bytes) -> str:
+    return "".join(f"{x:08b}" for x in b)
+
+
+def _ref_root(items: dict[bytes, bytes]) -> bytes:
+    """Recursive, by the module docstring: split the terminated keys at their first differing bit."""
+    if not items:
+        return hashlib.sha256(b"\x02").digest()
+
+    def node(keys: list[bytes]) -> bytes:
+        if len(keys) == 1:
+            k = keys[0]
+            vh = hashlib.sha256(items[k]).digest()
+            return hashlib.sha256(b"\x00" + len(k).to_bytes(4, "big") + k + vh).digest()
+        bits = [_bits(k + b"\x00") for k in keys]
+        n = 0
+        while all(b[n] == bits[0][n] for b in bits):
+            n += 1
+        left = [k for k, b in zip(keys, bits, strict=True) if b[n] == "0"]
+        right = [k for k, b in zip(keys, bits, strict=True) if b[n] == "1"]
+        prefix_bits = bits[0][:n]
+        padded = prefix_bits + "0" * (-n % 8)
+        packed = int(padded, 2).to_bytes(len(padded) // 8, "big") if padded else b""
+        return hashlib.sha256(b"\x01" + n.to_bytes(2, "big") + packed + node(left) + node(right)).digest()
+
+    return node(sorted(items))
+
+
+class MemTrie:
+    """Nodes in a dict, updated through apply_changes as the store does."""
+
+    def __init__(self) -> None:
+        self.nodes = MemoryNodes()
+        self.root = EMPTY_ROOT
+        self.state: dict[bytes, bytes] = {}
+        self.loads = 0
+
+    def load(self, hashes: list[bytes]) -> dict[bytes, trie.NodeRecord]:
+        self.loads += 1
+        return self.nodes.load(hashes)
+
+    def apply(self, changes: dict[bytes, bytes | None]) -> bytes:
+        self.root, ref, new = apply_changes(self.root, self.root, sorted(changes.items()), self.load)
+        assert self.root == EMPTY_ROOT or ref == self.root  # refs are hashes here
+        self.nodes.add(new)
+        for k, v in changes.items():
+            if v is None:
+                self.state.pop(k, None)
+            else:
+                self.state[k] = v
+        return self.root
+
+    def prove(self, prefix: bytes) -> tuple[list[tuple[bytes, bytes]], PrefixProof]:
+        proof, sub = make_prefix_proof(self.root, self.root, prefix, self.nodes.record)
+        entries = trie.collect_leaves(sub[1], self.load) if sub is not None else []
+        return entries, proof
+
+    def expected(self, prefix: bytes) -> list[tuple[bytes, bytes]]:
+        return sorted((k, v) for k, v in self.state.items() if (k + b"\x00").startswith(prefix))
+
+
+def mem_trie(state: dict[bytes, bytes]) -> MemTrie:
+    t = MemTrie()
+    t.apply(dict(state))
+    return t
+
+
+def prefixes_for(state: dict[bytes, bytes], rnd: random.Random) -> list[bytes]:
+    out = {b"", b"a", b"b", b"ab", b"zz", b"a/", b"\x7f", b"q\x00"}
+    for k in list(state)[:12]:
+        out.add(k + b"\x00")
+        for i in range(1, len(k) + 1):
+            out.add(k[:i])
+        out.add(k + b"a")
+        out.add(k[:-1] + bytes([(k[-1] % 127) + 1]))
+    for _ in range(5):
+        out.add(bytes(rnd.randrange(1, 128) for _ in range(rnd.randrange(1, 4))))
+    return sorted(out)
+
+
+# -- canonical roots ------------------------------------------------------------------------------
+
+
+def test_empty_root_constant() -> None:
+    assert hashlib.sha256(b"\x02").digest() == EMPTY_ROOT
+    assert subtree_root([]) == EMPTY_ROOT
+
+
+def test_known_answer() -> None:
+    """Pins the encodings: any change to them changes these hashes."""
+    leaf = hashlib.sha256(b"\x00\x00\x00\x00\x01a" + hashlib.sha256(b"1").digest()).digest()
+    assert subtree_root([(b"a", b"1")]) == leaf
+    assert subtree_root([(b"a", b"1"), (b"b", b"2")]) == _ref_root({b"a": b"1", b"b": b"2"})
+    root = subtree_root([(b"a", b"1"), (b"ab", b"2"), (b"b", b"3")])
+    assert root.hex() == _ref_root({b"a": b"1", b"ab": b"2", b"b": b"3"}).hex()
+    assert root.hex() == "845178ac2d87d043d7100eeaff2a9a54e26ee98a51d15211f0dfe07eb9bd64e0"
+
+
+@SETTINGS
+@given(state_st)
+def test_builder_matches_reference(state: dict[bytes, bytes]) -> None:
+    assert subtree_root(sorted(state.items())) == _ref_root(state)
+
+
+@SETTINGS
+@given(state_st, st.randoms(use_true_random=False))
+def test_root_independent_of_insertion_order(state: dict[bytes, bytes], rnd: random.Random) -> None:
+    expected = subtree_root(sorted(state.items()))
+    items = list(state.items())
+    rnd.shuffle(items)
+    t = MemTrie()
+    while items:
+        cut = rnd.randrange(1, len(items) + 1)
+        t.apply(dict(items[:cut]))
+        items = items[cut:]
+    assert t.root == expected
+    # detours: insert junk, delete it again, delete and re-insert real keys
+    junk = {k + b"~": b"junk" for k in list(state)[:5] if len(k) < trie.MAX_KEY_LEN}
+    junk = {k: v for k, v in junk.items() if k not in state}
+    t.apply(dict(junk))
+    t.apply({k: None for k in junk})
+    some = list(state)[:7]
+    t.apply({k: None for k in some})
+    t.apply({k: state[k] for k in some})
+    assert t.root == expected
+
+
+@SETTINGS
+@given(state_st, st.dictionaries(key_st, st.one_of(st.none(), value_st), max_size=30))
+def test_apply_changes_matches_rebuild(state: dict[bytes, bytes], changes: dict[bytes, bytes | None]) -> None:
+    t = mem_trie(state)
+    t.apply(changes)
+    final = dict(state)
+    for k, v in changes.items():
+        if v is None:
+            final.pop(k, None)
+        else:
+            final[k] = v
+    assert t.root == subtree_root(sorted(final.items())) == _ref_root(final)
+
+
+def test_apply_changes_loads_one_query_per_level() -> None:
+    rnd = random.Random(7)
+    state = {f"user/{rnd.getrandbits(128):032x}".encode(): b"v" for _ in range(3000)}
+    t = mem_trie(state)
+    t.loads = 0
+    t.apply({k: b"w" for k in list(state)[:50]})
+    assert t.loads < 40  # one per level of the trie, not one per node
+    assert t.root == subtree_root(sorted({**state, **{k: b"w" for k in list(state)[:50]}}.items()))
+
+
+def test_delete_everything() -> None:
+    t = mem_trie({b"a": b"1", b"ab": b"2", b"b": b""})
+    assert t.apply({b"a": None, b"ab": None, b"b": None, b"zz": None}) == EMPTY_ROOT
+
+
+# -- inputs --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "key", [b"", b"a\x00b", b"\x00", "é".encode(), b"\xff", b"a" * (trie.MAX_KEY_LEN + 1)]
+)
+def test_invalid_keys(key: bytes) -> None:
+    with pytest.raises(ValueError):
+        trie.check_key(key)
+    with pytest.raises(ValueError):
+        subtree_root([(key, b"v")])
+
+
+def test_key_must_be_bytes() -> None:
+    with pytest.raises(TypeError):
+        trie.check_key("abc")  # type: ignore[arg-type]
+
+
+def test_subtree_root_rejects_unsorted_and_duplicates() -> None:
+    with pytest.raises(ValueError, match="increasing"):
+        subtree_root([(b"b", b"1"), (b"a", b"2")])
+    with pytest.raises(ValueError, match="increasing"):
+        subtree_root([(b"a", b"1"), (b"a", b"2")])
+    with pytest.raises(ValueError):
+        apply_changes(EMPTY_ROOT, None, [(b"b", b"1"), (b"a", b"2")], dict)
+
+
+@pytest.mark.parametrize("prefix", [b"a\x00b", b"\x00", b"\x80", b"ab\x00\x00"])
+def test_invalid_prefixes(prefix: bytes) -> None:
+    with pytest.raises(ValueError):
+        verify_prefix(EMPTY_ROOT, prefix, [], PrefixProof(ProofKind.EMPTY))
+
+
+# -- proofs verify -------------------------------------------------------------------------------
+
+
+@SETTINGS
+@given(state_st, st.randoms(use_true_random=False))
+def test_prefix_proofs_verify(state: dict[bytes, bytes], rnd: random.Random) -> None:
+    t = mem_trie(state)
+    for prefix in prefixes_for(state, rnd):
+        entries, proof = t.prove(prefix)
+        assert entries == t.expected(prefix)
+        decoded = PrefixProof.decode(proof.encode())
+        assert decoded == proof
+        verify_prefix(t.root, prefix, entries, decoded)
+        if prefix.endswith(b"\x00"):
+            key = prefix[:-1]
+            verify_key(t.root, key, state.get(key), decoded)
+        if proof.kind is ProofKind.SUBTREE:
+            # the subtree is the highest one under the prefix: its parent's prefix is shorter
+            assert not proof.steps or proof.steps[-1][0] < 8 * len(prefix)
+
+
+def test_empty_trie_and_single_key() -> None:
+    t = MemTrie()
+    for prefix in (b"", b"a", b"a\x00"):
+        entries, proof = t.prove(prefix)
+        assert entries == [] and proof.kind is ProofKind.EMPTY
+        verify_prefix(EMPTY_ROOT, prefix, [], proof)
+        with pytest.raises(ProofError):
+            verify_prefix(EMPTY_ROOT, prefix, [(b"a", b"1")], proof)
+    t.apply({b"key": b"value"})
+    for prefix, want in [
+        (b"", 1),
+        (b"k", 1),
+        (b"key", 1),
+        (b"key\x00", 1),
+        (b"kez", 0),
+        (b"keyx", 0),
+        (b"j", 0),
+        (b"ke", 1),
+    ]:
+        entries, proof = t.prove(prefix)
+        assert len(entries) == want
+        verify_prefix(t.root, prefix, entries, proof)
+    _, proof = t.prove(b"kez")
+    assert proof.kind is ProofKind.LEAF_OPENING
+    with pytest.raises(ProofError, match="does not diverge"):
+        verify_prefix(t.root, b"key", [], proof)
+
+
+def test_verify_10k_entries_is_fast() -> None:
+    rnd = random.Random(1)
+    state = {f"node/{rnd.getrandbits(256):064x}".encode(): rnd.randbytes(200) for _ in range(10_000)}
+    state.update({f"user/{rnd.getrandbits(256):064x}".encode(): b"u" for _ in range(2_000)})
+    t = mem_trie(state)
+    entries, proof = t.prove(b"node/")
+    assert len(entries) == 10_000
+    encoded = proof.encode()
+    best = min(
+        _timed(lambda: verify_prefix(t.root, b"node/", entries, PrefixProof.decode(encoded)))
+        for _ in range(3)
+    )
+    assert best < 0.5  # typically ~30 ms; generous for slow CI machines
+
+
+def _timed(fn) -> float:  # type: ignore[no-untyped-def]
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+# -- soundness: nothing else verifies ------------------------------------------------------------
+
+
+@SETTINGS
+@given(state_st, st.randoms(use_true_random=False))
+def test_proofs_only_verify_the_true_answer(state: dict[bytes, bytes], rnd: random.Random) -> None:
+    """Cross every proof with every prefix and every candidate answer: whenever verification
+    passes, the answer is exactly the true one for that prefix."""
+    t = mem_trie(state)
+    prefixes = prefixes_for(state, rnd)[:14]
+    proofs = [t.prove(p)[1] for p in prefixes]
+    answers = {tuple(t.expected(p)) for p in prefixes}
+    answers.add(())
+    for prefix in prefixes:
+        truth = t.expected(prefix)
+        for proof in proofs:
+            for answer in answers:
+                try:
+                    verify_prefix(t.root, prefix, list(answer), proof)
+                except ProofError:
+                    continue
+                assert list(answer) == truth, (prefix, answer, proof)
+
+
+def _tamper_entries(entries: list[tuple[bytes, bytes]], prefix: bytes, rnd: random.Random):  # type: ignore[no-untyped-def]
+    out = []
+    if entries:
+        i = rnd.randrange(len(entries))
+        out.append(("drop", entries[:i] + entries[i + 1 :]))
+        k, v = entries[i]
+        out.append(("value", entries[:i] + [(k, v + b"!")] + entries[i + 1 :]))
+        out.append(("dup", entries[: i + 1] + entries[i:]))
+        if len(entries) > 1:
+            j = (i + 1) % len(entries)
+            swapped = list(entries)
+            swapped[i], swapped[j] = swapped[j], swapped[i]
+            out.append(("reorder", swapped))
+        out.append(("outside", [*entries, (b"\x7f" * 3 + b"zz", b"x")]))
+    if not prefix.endswith(b"\x00") and len(prefix) < trie.MAX_KEY_LEN:
+        extra = prefix + b"\x01\x01new"
+        if all(k != extra for k, _ in entries):
+            out.append(("add", sorted([*entries, (extra, b"x")])))
+    return out
+
+
+def _tamper_proof(proof: PrefixProof, rnd: random.Random) -> list[PrefixProof]:
+    out = []
+    steps = list(proof.steps)
+    if steps:
+        i = rnd.randrange(len(steps))
+        nb, sib = steps[i]
+        flipped = bytes([sib[0] ^ 1]) + sib[1:]
+        out.append(
+            PrefixProof(proof.kind, tuple(steps[:i] + [(nb, flipped)] + steps[i + 1 :]), proof.opening)
+        )
+        out.append(PrefixProof(proof.kind, tuple(steps[:i] + steps[i + 1 :]), proof.opening))
+        for d in (-1, 1):
+            if 0 <= nb + d < trie.MAX_KEY_BITS:
+                moved = (*steps[:i], (nb + d, sib), *steps[i + 1 :])
+                out.append(PrefixProof(proof.kind, moved, proof.opening))
+    op = proof.opening
+    if isinstance(op, InnerOpening):
+        out.append(PrefixProof(proof.kind, proof.steps, InnerOpening(op.nbits, op.prefix, op.right, op.left)))
+        out.append(
+            PrefixProof(proof.kind, proof.steps, InnerOpening(op.nbits, op.prefix, bytes(32), op.right))
+        )
+    if isinstance(op, LeafOpening):
+        out.append(PrefixProof(proof.kind, proof.steps, LeafOpening(op.key + b"x", op.value_hash)))
+        out.append(PrefixProof(proof.kind, proof.steps, LeafOpening(op.key, bytes(32))))
+    if proof.kind is not ProofKind.EMPTY:
+        out.append(PrefixProof(ProofKind.EMPTY, (), None))
+    return out
+
+
+@SETTINGS
+@given(state_st, st.randoms(use_true_random=False))
+def test_tampering_fails(state: dict[bytes, bytes], rnd: random.Random) -> None:
+    t = mem_trie(state)
+    for prefix in prefixes_for(state, rnd)[:10]:
+        entries, proof = t.prove(prefix)
+        for what, bad in _tamper_entries(entries, prefix, rnd):
+            with pytest.raises(ProofError):
+                verify_prefix(t.root, prefix, bad, proof)
+            assert what
+        for bad_proof in _tamper_proof(proof, rnd):
+            with pytest.raises(ProofError):
+                verify_prefix(t.root, prefix, entries, bad_proof)
+        # a wrong app hash
+        with pytest.raises(ProofError, match="does not match app hash"):
+            verify_prefix(hashlib.sha256(t.root).digest(), prefix, entries, proof)
+        # truncated encodings never decode
+        encoded = proof.encode()
+        for cut in {0, 1, len(encoded) // 2, len(encoded) - 1}:
+            with pytest.raises(ProofError):
+                PrefixProof.decode(encoded[:cut])
+        # extra bytes
+        with pytest.raises(ProofError):
+            PrefixProof.decode(encoded + b"\x00")
+
+
+@SETTINGS
+@given(state_st)
+def test_absence_of_present_key_cannot_be_proven(state: dict[bytes, bytes]) -> None:
+    assume(state)
+    t = mem_trie(state)
+    absent = [k + b"\x01zz" for k in state if k + b"\x01zz" not in state][:5]
+    proofs = [t.prove(k + b"\x00")[1] for k in absent] + [t.prove(b"\x7f\x7f")[1]]
+    for key in list(state)[:10]:
+        for proof in proofs:
+            with pytest.raises(ProofError):
+                verify_key(t.root, key, None, proof)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200))
+def test_random_bytes_are_not_a_proof(data: bytes) -> None:
+    t = mem_trie({b"a": b"1", b"ab": b"2", b"b": b"3"})
+    try:
+        proof = PrefixProof.decode(data)
+    except ProofError:
+        return
+    for prefix, truth in [(b"a", [(b"a", b"1"), (b"ab", b"2")]), (b"c", [])]:
+        try:
+            verify_prefix(t.root, prefix, truth, proof)
+        except ProofError:
+            continue
+        # a random proof that verifies must at least be a real one
+        assert proof == t.prove(prefix)[1]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.recursive(
+        st.one_of(
+            st.none(),
+            st.booleans(),
+            st.integers(-(2**63), 2**64 - 1),
+            st.binary(max_size=40),
+            st.text(max_size=5),
+        ),
+        lambda inner: st.lists(inner, max_size=5),
+        max_leaves=12,
+    )
+)
+def test_random_msgpack_shapes_are_rejected_cleanly(obj: object) -> None:
+    data = msgpack.packb(obj, use_bin_type=True)
+    with contextlib.suppress(ProofError):
+        PrefixProof.decode(data)
+
+
+def test_decode_strictness() -> None:
+    t = mem_trie({b"a": b"1", b"ab": b"2", b"b": b"3"})
+    _, proof = t.prove(b"ab")
+    good = proof.encode()
+    assert PrefixProof.decode(good) == proof
+    version, kind, steps, opening = msgpack.unpackb(good)
+    cases = [
+        [2, kind, steps, opening],  # unknown version
+        [version, 9, steps, opening],  # unknown kind
+        [version, kind, steps + b"\x00", opening],  # partial step
+        [version, kind, steps, [1, b"\x80", bytes(32), bytes(32)]],  # opening on a subtree proof
+        [version, kind, steps],  # wrong arity
+        [True, kind, steps, opening],  # bool for int
+        [version, kind, steps.hex(), opening],  # str for bin
+        {"v": 1},
+    ]
+    for case in cases:
+        with pytest.raises(ProofError):
+            PrefixProof.decode(msgpack.packb(case, use_bin_type=True))
+    # the same value, non-canonically encoded (uint8 for a positive fixint)
+    non_canonical = b"\x94\xcc\x01" + good[2:]
+    with pytest.raises(ProofError, match="canonical"):
+        PrefixProof.decode(non_canonical)
+    with pytest.raises(ProofError, match="too|more than"):
+        PrefixProof.decode(b"\x00" * (trie.MAX_PROOF_BYTES + 1))
+    with pytest.raises(ProofError):
+        PrefixProof.decode("text")  # type: ignore[arg-type]
+    # steps must strictly increase
+    bad_steps = (b"\x00\x05" + bytes(32)) * 2
+    with pytest.raises(ProofError, match="increasing"):
+        PrefixProof.decode(msgpack.packb([1, 0, bad_steps, None], use_bin_type=True))
+    # inner opening with dirty padding bits
+    with pytest.raises(ProofError, match="padding"):
+        PrefixProof.decode(msgpack.packb([1, 2, b"", [3, b"\xff", bytes(32), bytes(32)]], use_bin_type=True))
+
+
+def test_error_messages_are_specific() -> None:
+    t = mem_trie({b"user/a": b"1", b"user/b": b"2", b"node/x": b"3"})
+    entries, proof = t.prove(b"user/")
+    with pytest.raises(ProofError, match="entry key outside prefix"):
+        verify_prefix(t.root, b"user/", [*entries, (b"vser", b"x")], proof)
+    with pytest.raises(ProofError, match="recomputed root does not match app hash"):
+        verify_prefix(t.root, b"user/", entries[:1], proof)
+    absent = t.prove(b"nodf")[1]
+    assert absent.kind is ProofKind.LEAF_OPENING
+    with pytest.raises(ProofError, match="absence proof does not diverge from prefix"):
+        verify_prefix(t.root, b"node/", [], absent)
+    with pytest.raises(ProofError, match="not in strictly increasing"):
+        verify_prefix(t.root, b"user/", entries[::-1], proof)
+    with pytest.raises(ProofError, match="subtree proof with no entries"):
+        verify_prefix(t.root, b"user/", [], proof)
+
+
+def test_changes_shorter_than_the_trie_keys() -> None:
+    """Node prefixes and leaf keys longer than every changed key (the W-bit alignment edge)."""
+    state = {b"a" * 40 + bytes([c]): b"v" for c in range(33, 60)}
+    state.update({b"b" * 30: b"w", b"a" * 41: b"x"})
+    for changes in (
+        {b"a": b"1"},
+        {b"b": b"2", b"a" * 40 + b"!": None},
+        {b"aa": None, b"c": b"3", b"a" * 39: b"4"},
+        {b"b" * 30: None, b"b": b"5"},
+    ):
+        t = mem_trie(state)
+        t.apply(dict(changes))
+        final = {**state, **changes}
+        expected = {k: v for k, v in final.items() if v is not None}
+        assert t.root == subtree_root(sorted(expected.items()))

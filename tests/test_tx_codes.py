@@ -1,0 +1,210 @@
+"""Every refusal of CheckTx and FinalizeBlock has its own code and a readable log; nothing changes."""
+
+from __future__ import annotations
+
+import pytest
+from harness import CHAIN_ID, AppHarness, sqlite_url
+
+from planetserve.chain import state as layout
+from planetserve.chain import tx as txlib
+from planetserve.chain.errors import Code
+from planetserve.chain.handlers import node_pop_message
+from planetserve.chain.keys import KeySet
+from planetserve.registry import codec
+from planetserve.registry.params import Params
+
+
+@pytest.fixture
+def h(tmp_path):
+    return AppHarness(sqlite_url(tmp_path), params=Params(user_ttl_seconds=60))
+
+
+def code(h: AppHarness, raw: bytes, seconds: int = 5) -> int:
+    """The result code of a block holding one transaction."""
+    return h.block(raw, seconds=seconds).tx_results[0].code
+
+
+def registry_state(h: AppHarness) -> dict[bytes, bytes]:
+    """All committed entries except account sequences."""
+    batch = h.store.batch()
+    return {k: v for k, v in batch.iterate(b"") if not k.startswith(b"acct/")}
+
+
+def node_body(h: AppHarness, node: KeySet, org_id: str = "org1", **overrides):
+    body = {
+        "org_id": org_id, "node_pubkey": node.public,
+        "pop": node.sign(node_pop_message(CHAIN_ID, org_id, node.public)),
+        "model_id": "gt", "address": "10.0.0.1:7000", "hardware": "A100", "capacity": 4,
+        "region": "eu",
+    }
+    body.update(overrides)
+    return body
+
+
+def test_valid_registrations_commit(h):
+    owner, node, user = KeySet.generate(), KeySet.generate(), KeySet.generate()
+    result = h.block(
+        h.tx(owner, "register-org", {"org_id": "org1", "name": "Org One"}),
+        h.tx(owner, "register-model-node", node_body(h, node)),
+        h.tx(user, "register-user", {"address": "10.0.0.9:9000", "region": "eu"}),
+    )
+    assert [r.code for r in result.tx_results] == [0, 0, 0]
+    st = layout.State(h.store.batch())
+    assert st.org("org1").owner == owner.public
+    assert st.node(node.public).model_id == "gt"
+    assert st.user(user.public).expires_at == h.time + 60
+    assert h.store.app_hash == result.app_hash
+
+
+@pytest.mark.parametrize(
+    ("raw", "code", "words"),
+    [
+        (b"\xc1garbage", Code.UNDECODABLE, "undecodable"),
+        (codec.pack([1, "x"]), Code.UNDECODABLE, "7-element"),
+        (b"\x00" * 20_000, Code.OVERSIZE, "exceeds the limit"),
+    ],
+)
+def test_envelope_refusals(h, raw, code, words):
+    res = h.check(raw)
+    assert res.code == code and words in res.log
+
+
+def test_non_canonical_encoding_is_refused(h):
+    keys = KeySet.generate()
+    raw = txlib.build(keys, CHAIN_ID, "register-org", {"org_id": "o", "name": "n"}, 0)
+    # the same array, but the sequence 0 spelled as a 2-byte uint8 instead of a fixint
+    fields = codec.unpack(raw)
+    loose = b"\x97" + b"".join(codec.pack(f) for f in fields[:4]) + b"\xcc\x00"
+    loose += b"".join(codec.pack(f) for f in fields[5:])
+    assert codec.unpack(raw) == fields
+    res = h.check(loose)
+    assert res.code == Code.UNDECODABLE and "canonical" in res.log
+
+
+def test_signature_chain_sequence_and_type(h):
+    keys, other = KeySet.generate(), KeySet.generate()
+    body = {"org_id": "org1", "name": "Org One"}
+    good = txlib.Tx("register-org", body, keys.public, 0, CHAIN_ID)
+    forged = txlib.Tx("register-org", body, keys.public, 0, CHAIN_ID, other.sign(good.sign_bytes())).encode()
+    assert h.check(forged).code == Code.BAD_SIGNATURE
+    assert h.check(h.tx(keys, "register-org", body, sequence=0, chain_id="other")).code == Code.WRONG_CHAIN_ID
+    assert h.check(h.tx(keys, "no-such-type", {}, sequence=0)).code == Code.UNKNOWN_TYPE
+    res = h.check(h.tx(keys, "register-org", body, sequence=3))
+    assert res.code == Code.BAD_SEQUENCE and "out of order" in res.log
+    first = h.tx(keys, "register-org", body)
+    assert h.block(first).tx_results[0].code == 0
+    res = h.check(first)
+    assert res.code == Code.BAD_SEQUENCE and "replayed" in res.log
+    assert h.block(first).tx_results[0].code == Code.BAD_SEQUENCE
+
+
+def test_field_entity_and_authorization_refusals(h):
+    owner, stranger, node = KeySet.generate(), KeySet.generate(), KeySet.generate()
+    assert h.block(h.tx(owner, "register-org", {"org_id": "org1", "name": "Org One"})).tx_results[0].code == 0
+    before = registry_state(h)
+    cases = [
+        (owner, "register-org", {"org_id": "org2"}, Code.INVALID_FIELD, "'name': missing"),
+        (owner, "register-org", {"org_id": "org2", "name": "x", "extra": 1}, Code.INVALID_FIELD, "unknown field"),
+        (owner, "register-org", {"org_id": "bad id!", "name": "x"}, Code.INVALID_FIELD, "'org_id'"),
+        (owner, "register-org", {"org_id": "org1", "name": "again"}, Code.ALREADY_EXISTS, "already registered"),
+        (stranger, "register-user", {"address": "nohost", "region": "eu"}, Code.INVALID_FIELD, "host:port"),
+        (stranger, "heartbeat", {}, Code.UNKNOWN_ENTITY, "not registered"),
+        (owner, "register-model-node", node_body(h, node, org_id="missing"), Code.UNKNOWN_ENTITY, "organisation"),
+        (stranger, "register-model-node", node_body(h, node), Code.UNAUTHORIZED, "does not own"),
+        (owner, "register-model-node", node_body(h, node, model_id="nope"), Code.UNKNOWN_ENTITY, "model"),
+        (owner, "register-model-node", node_body(h, node, pop=b"\x01" * 64), Code.INVALID_FIELD, "pop"),
+        (owner, "register-model-node", node_body(h, node, capacity=0), Code.INVALID_FIELD, "capacity"),
+        (stranger, "register-model", {"model_id": "m2", "name": "x"}, Code.UNAUTHORIZED, "committee"),
+        (stranger, "vote-member", {"proposal_id": 1, "approve": True}, Code.UNAUTHORIZED, "committee"),
+    ]
+    for signer, tx_type, body, code, words in cases:
+        raw = h.tx(signer, tx_type, body)
+        res = h.check(raw)
+        assert (res.code, words in res.log) == (code, True), (tx_type, res.code, res.log)
+        assert res.codespace == "planetserve"
+        result = h.block(raw).tx_results[0]
+        assert result.code == code, (tx_type, result.log)
+    assert registry_state(h) == before
+
+
+def test_user_expiry_and_heartbeat(h):
+    user = KeySet.generate()
+    register = {"address": "1.2.3.4:5", "region": "eu"}
+    assert code(h, h.tx(user, "register-user", register)) == 0
+    assert code(h, h.tx(user, "register-user", register)) == Code.ALREADY_EXISTS
+    assert code(h, h.tx(user, "heartbeat", {"region": "us"}), seconds=30) == 0
+    st = layout.State(h.store.batch())
+    assert st.user(user.public).region == "us"
+    assert st.user(user.public).expires_at == h.time + 60
+    h.block(seconds=61)
+    assert layout.State(h.store.batch()).user(user.public) is None
+    assert not list(h.store.batch().iterate(layout.user_list_prefix()))
+    assert code(h, h.tx(user, "heartbeat", {})) == Code.UNKNOWN_ENTITY
+    assert code(h, h.tx(user, "register-user", register)) == 0
+
+
+def test_expired_user_in_mempool_gets_expired_code(h):
+    user = KeySet.generate()
+    h.block(h.tx(user, "register-user", {"address": "1.2.3.4:5", "region": "eu"}))
+    h.block(seconds=59)
+    # The mempool checks against the last committed block time; advance it past expiry without a sweep.
+    h.app.committed_time += 10
+    res = h.check(h.tx(user, "heartbeat", {}))
+    assert res.code == Code.EXPIRED and "expired" in res.log
+
+
+def test_non_owner_cannot_update_node(h):
+    owner, stranger, node = KeySet.generate(), KeySet.generate(), KeySet.generate()
+    h.block(h.tx(owner, "register-org", {"org_id": "org1", "name": "O"}),
+            h.tx(owner, "register-model-node", node_body(h, node)))
+    res = h.block(h.tx(stranger, "update-model-node", {"node_pubkey": node.public, "capacity": 9}))
+    assert res.tx_results[0].code == Code.UNAUTHORIZED
+    res = h.block(h.tx(owner, "update-model-node", {"node_pubkey": node.public, "status": "inactive"}))
+    assert res.tx_results[0].code == 0
+    assert not list(h.store.batch().iterate(layout.node_list_prefix("gt")))
+    again = h.block(h.tx(owner, "register-model-node", node_body(h, node)))
+    assert again.tx_results[0].code == Code.ALREADY_EXISTS
+
+
+def test_committee_admission_needs_more_than_two_thirds(tmp_path):
+    h = AppHarness(sqlite_url(tmp_path), members=4)
+    candidate, consensus = KeySet.generate(), KeySet.generate()
+    body = {"action": "add", "operator": candidate.public, "consensus_key": consensus.public,
+            "vrf_key": bytes(candidate.vrf.verify_key), "x25519_key": bytes(candidate.x25519.public_key),
+            "credential": "University X", "power": 10}
+    res = h.block(h.tx(h.members[0], "propose-member", body))
+    assert res.tx_results[0].code == 0 and not res.validator_updates
+    res = h.block(h.tx(h.members[1], "vote-member", {"proposal_id": 1, "approve": True}))
+    assert not res.validator_updates  # 20 of 40 is not more than 2/3
+    again = h.block(h.tx(h.members[1], "vote-member", {"proposal_id": 1, "approve": True}))
+    assert again.tx_results[0].code == Code.ALREADY_EXISTS
+    res = h.block(h.tx(h.members[2], "vote-member", {"proposal_id": 1, "approve": True}))
+    assert [(u.pub_key.ed25519, u.power) for u in res.validator_updates] == [(consensus.public, 10)]
+    assert layout.State(h.store.batch()).member(candidate.public).credential == "University X"
+    late = h.block(h.tx(h.members[3], "vote-member", {"proposal_id": 1, "approve": True}))
+    assert late.tx_results[0].code == Code.UNKNOWN_ENTITY
+    # removal: 5 members of power 10; 4 yes votes (40 of 50) are needed
+    res = h.block(h.tx(h.members[0], "propose-member", {"action": "remove", "operator": h.members[3].public}))
+    for voter in (h.members[1], h.members[2]):
+        assert not h.block(h.tx(voter, "vote-member", {"proposal_id": 2, "approve": True})).validator_updates
+    res = h.block(h.tx(candidate, "vote-member", {"proposal_id": 2, "approve": True}))
+    assert [(u.pub_key.ed25519, u.power) for u in res.validator_updates] == [(h.consensus[3].public, 0)]
+
+
+def test_rejection_by_a_third_drops_the_proposal(tmp_path):
+    h = AppHarness(sqlite_url(tmp_path), members=3)
+    body = {"action": "remove", "operator": h.members[2].public}
+    h.block(h.tx(h.members[0], "propose-member", body))
+    res = h.block(h.tx(h.members[2], "vote-member", {"proposal_id": 1, "approve": False}))
+    assert res.tx_results[0].code == 0
+    assert layout.State(h.store.batch()).proposal(1) is None
+
+
+def test_failed_tx_consumes_only_its_sequence(h):
+    keys = KeySet.generate()
+    h.block()
+    before = registry_state(h)
+    bad = h.tx(keys, "register-org", {"org_id": "org1"})
+    assert h.block(bad).tx_results[0].code == Code.INVALID_FIELD
+    assert registry_state(h) == before
+    assert layout.State(h.store.batch()).sequence(keys.public) == 1
