@@ -96,7 +96,8 @@ class AbciServer:
         }
         self.fatal: BaseException | None = None
         self._server: asyncio.Server | None = None
-        self._stopped = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopped: asyncio.Event | None = None
 
     def respond(self, request: abci.Request) -> abci.Response:
         kind = request.WhichOneof("value")
@@ -122,7 +123,7 @@ class AbciServer:
                     if kind in self.CONSENSUS:
                         log.exception("fatal error in %s; stopping", kind)
                         self.fatal = exc
-                        self._stopped.set()
+                        self.stop()
                         return
                     log.exception("error answering %s", kind)
                     response = abci.Response(exception=abci.ResponseException(error=str(exc)))
@@ -136,13 +137,26 @@ class AbciServer:
         finally:
             writer.close()
 
-    async def serve(self, host: str, port: int) -> None:
+    async def serve(self, host: str, port: int, handle_signals: bool = True,
+                    ready: Callable[[int], None] | None = None) -> None:
+        """Serve until SIGTERM/SIGINT (when handled here), `stop()`, or a fatal error.
+        `ready(port)` is called once listening (port 0 picks a free one)."""
+        self._loop = asyncio.get_running_loop()
+        self._stopped = asyncio.Event()
         self._server = await asyncio.start_server(self._serve_connection, host, port)
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self._stopped.set)
-        log.info("ABCI server listening on %s:%d", host, port)
+        bound = self._server.sockets[0].getsockname()[1]
+        if handle_signals:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._loop.add_signal_handler(sig, self._stopped.set)
+        log.info("ABCI server listening on %s:%d", host, bound)
+        if ready is not None:
+            ready(bound)
         async with self._server:
             await self._stopped.wait()
         if self.fatal is not None:
             raise SystemExit(f"stopped after a fatal error: {self.fatal}")
+
+    def stop(self) -> None:
+        """Stop serving; safe to call from any thread."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._stopped.set)

@@ -1,0 +1,90 @@
+"""Client verification of a 10,000-entry signed list, end to end from RPC (target: under 100 ms).
+
+Builds a four-validator planetserve network, registers N users in one region, then times what a
+client holding only the genesis file does to obtain the verified user list: the ABCI query over
+RPC, the light-client verification of the header that carries the app hash, and the Merkle proof
+check that recomputes the list's subtree root. Cold = a fresh light client (verifies from genesis);
+warm = the same client again (its trusted store already holds a recent header).
+
+    .venv/bin/python bench/list_verify.py [--users 10000] [--repeat 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from loadgen import run_load  # noqa: E402
+from tx_throughput import planetserve_txs  # noqa: E402
+
+from planetserve.chain import state as layout  # noqa: E402
+from planetserve.chain import trie  # noqa: E402
+from planetserve.chain.client import LedgerClient  # noqa: E402
+from planetserve.chain.lightclient import LightClient  # noqa: E402
+from planetserve.chain.rpc import RpcClient  # noqa: E402
+from planetserve.genesis.committee import app_state_builder  # noqa: E402
+from planetserve.genesis.network import build_network  # noqa: E402
+from planetserve.localnet.cluster import Cluster  # noqa: E402
+from planetserve.localnet.net import app_command  # noqa: E402
+from planetserve.registry import codec  # noqa: E402
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1000:8.1f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--users", type=int, default=10_000)
+    parser.add_argument("--repeat", type=int, default=5)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="ps-bench-") as tmp:
+        spec = build_network(Path(tmp), 4, "bench-list", app_state_builder(), timeout_commit="1s")
+        with Cluster(spec, app_command, start_timeout=60.0) as cluster:
+            cluster.start()
+            cluster.wait_for_height(2, timeout=60.0)
+            load = run_load([v.rpc_url for v in spec.validators], planetserve_txs(args.users, "bench-list"))
+            print(f"registered {load.committed} users in {load.seconds:.1f}s")
+            cluster.wait_for_height(cluster.height(0) + 1)
+            url = spec.validators[0].rpc_url
+            prefix = layout.user_list_prefix("bench")
+
+            rows = []
+            for label in ["cold"] + ["warm"] * args.repeat:
+                if label == "cold":
+                    rpc = RpcClient(url, timeout=30)
+                    light = LightClient.from_genesis_file(spec.genesis_path, rpc)
+                t0 = time.perf_counter()
+                answer = rpc.abci_query("/prefix", prefix, prove=True)
+                t1 = time.perf_counter()
+                entries = [(bytes(k), bytes(v)) for k, v in codec.unpack(answer.value, max_size=64 << 20)]
+                proof = trie.PrefixProof.decode(answer.proof_ops[0].data)
+                t2 = time.perf_counter()
+                app_hash = light.verified_app_hash(answer.height)
+                t3 = time.perf_counter()
+                trie.verify_prefix(app_hash, prefix, entries, proof)
+                t4 = time.perf_counter()
+                rows.append((label, len(entries), t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0))
+            t0 = time.perf_counter()
+            _, users = LedgerClient(rpc, light).users("bench")
+            whole = time.perf_counter() - t0
+
+    print(f"{'run':6} {'entries':>8} {'rpc ms':>8} {'decode':>8} {'header':>8} {'proof':>8} {'total':>8}")
+    for label, n, *times in rows:
+        print(f"{label:6} {n:>8} " + " ".join(ms(t) for t in times))
+    warm_total = statistics.median(r[-1] for r in rows[1:])
+    print(f"LedgerClient.users() incl. record decoding: {whole * 1000:.1f} ms for {len(users)} users")
+    print(f"median warm end-to-end: {warm_total * 1000:.1f} ms (target < 100 ms); "
+          f"cold: {rows[0][-1] * 1000:.1f} ms; ratio warm/target {warm_total * 1000 / 100:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""The ABCI socket server: framing, ordering, Flush, and bad peers that must not take it down."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+
+import pytest
+from harness import AppHarness, sqlite_url
+from hypothesis import given
+from hypothesis import strategies as st
+from tendermint.abci import types_pb2 as abci
+
+from planetserve.chain.server import MAX_MESSAGE_BYTES, AbciServer, encode_uvarint, frame, read_uvarint
+
+
+@given(st.integers(min_value=0, max_value=2**63))
+def test_uvarint_round_trip(value):
+    async def decode() -> int:
+        reader = asyncio.StreamReader()
+        reader.feed_data(encode_uvarint(value))
+        return await read_uvarint(reader)
+
+    assert asyncio.run(decode()) == value
+
+
+@pytest.fixture
+def server(tmp_path):
+    harness = AppHarness(sqlite_url(tmp_path))
+    harness.block()
+    srv = AbciServer(harness.app)
+    ports: list[int] = []
+    ready = threading.Event()
+
+    def on_ready(port: int) -> None:
+        ports.append(port)
+        ready.set()
+
+    thread = threading.Thread(
+        target=asyncio.run, args=(srv.serve("127.0.0.1", 0, handle_signals=False, ready=on_ready),), daemon=True
+    )
+    thread.start()
+    assert ready.wait(10)
+    yield ports[0], harness
+    srv.stop()
+    thread.join(10)
+
+
+def recv_response(sock: socket.socket) -> abci.Response:
+    size, shift = 0, 0
+    while True:
+        byte = sock.recv(1)[0]
+        size |= (byte & 0x7F) << shift
+        shift += 7
+        if not byte & 0x80:
+            break
+    body = b""
+    while len(body) < size:
+        body += sock.recv(size - len(body))
+    response = abci.Response()
+    response.ParseFromString(body)
+    return response
+
+
+def test_responses_in_request_order_and_flush(server):
+    port, harness = server
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        requests = [
+            abci.Request(echo=abci.RequestEcho(message="one")),
+            abci.Request(info=abci.RequestInfo()),
+            abci.Request(check_tx=abci.RequestCheckTx(tx=b"junk")),
+            abci.Request(query=abci.RequestQuery(path="/key", data=b"params")),
+            abci.Request(flush=abci.RequestFlush()),
+        ]
+        sock.sendall(b"".join(frame(r) for r in requests))
+        kinds = [recv_response(sock).WhichOneof("value") for _ in requests]
+        assert kinds == ["echo", "info", "check_tx", "query", "flush"]
+
+
+def test_info_reports_committed_height_and_hash(server):
+    port, harness = server
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(frame(abci.Request(info=abci.RequestInfo())) + frame(abci.Request(flush=abci.RequestFlush())))
+        info = recv_response(sock).info
+        assert info.last_block_height == harness.store.height
+        assert info.last_block_app_hash == harness.store.app_hash
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [encode_uvarint(MAX_MESSAGE_BYTES + 1), encode_uvarint(3) + b"\xff\xff\xff", b"\xff" * 11],
+    ids=["oversize", "undecodable", "varint-too-long"],
+)
+def test_bad_peer_is_dropped_and_server_keeps_serving(server, garbage):
+    port, _ = server
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as bad:
+        bad.sendall(garbage)
+        assert bad.recv(1) == b""  # the server closed this connection
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as good:
+        good.sendall(frame(abci.Request(echo=abci.RequestEcho(message="still here"))) +
+                     frame(abci.Request(flush=abci.RequestFlush())))
+        assert recv_response(good).echo.message == "still here"
+
+
+def test_error_in_a_consensus_method_stops_the_server(tmp_path):
+    """Commit without a finalized block is a bug or a confused peer: stop, never answer made-up state."""
+    harness = AppHarness(sqlite_url(tmp_path))
+    srv = AbciServer(harness.app)
+    outcome: list[BaseException] = []
+    ready = threading.Event()
+    ports: list[int] = []
+
+    def run() -> None:
+        try:
+            asyncio.run(srv.serve("127.0.0.1", 0, handle_signals=False,
+                                  ready=lambda p: (ports.append(p), ready.set())))
+        except SystemExit as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    assert ready.wait(10)
+    with socket.create_connection(("127.0.0.1", ports[0]), timeout=10) as sock:
+        sock.sendall(frame(abci.Request(commit=abci.RequestCommit())) + frame(abci.Request(flush=abci.RequestFlush())))
+        assert sock.recv(1) == b""
+    thread.join(10)
+    assert not thread.is_alive()
+    assert outcome and "Commit without a finalized block" in str(outcome[0])

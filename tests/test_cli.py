@@ -1,0 +1,143 @@
+"""The `planetserve` command end to end: localnet up/status/down, keys, transactions and queries."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from planetserve.chain.rpc import RpcClient, RpcError
+from planetserve.cli import main
+
+pytestmark = pytest.mark.network
+
+
+def run(*args: str, code: int = 0) -> str:
+    result = CliRunner().invoke(main, list(args), catch_exceptions=False)
+    assert result.exit_code == code, result.output
+    return result.output
+
+
+@pytest.fixture(scope="module")
+def localnet(tmp_path_factory):
+    root = tmp_path_factory.mktemp("localnet") / "build"
+    up = json.loads(run("localnet", "up", "--root", str(root), "--json"))
+    yield root, up
+    run("localnet", "down", "--root", str(root))
+
+
+def test_localnet_up_prints_a_verified_node_list(localnet):
+    _, up = localnet
+    assert len(up["rpc"]) == 4
+    assert len(up["nodes"]) == 2 and {n["org_id"] for n in up["nodes"]} == {"demo-org"}
+
+
+def test_localnet_up_twice_resumes_and_status_reports_health(localnet):
+    root, first = localnet
+    again = json.loads(run("localnet", "up", "--root", str(root), "--json"))
+    assert again["rpc"] == first["rpc"]
+    assert [n["pubkey"] for n in again["nodes"]] == [n["pubkey"] for n in first["nodes"]]
+    status = json.loads(run("localnet", "status", "--root", str(root), "--json"))
+    assert all(v["app_running"] and v["cometbft_running"] and v["height"] >= 2 for v in status)
+    assert "up" in run("localnet", "status", "--root", str(root))
+
+
+def test_keys_new_and_show(tmp_path):
+    path = tmp_path / "k.json"
+    created = json.loads(run("keys", "new", str(path), "--json"))
+    assert json.loads(run("keys", "show", str(path), "--json")) == created
+    assert "already exists" in run("keys", "new", str(path), code=1)
+    assert "seed" not in run("keys", "show", str(path))
+    (tmp_path / "bad.json").write_text("{}")
+    assert "malformed key file" in run("keys", "show", str(tmp_path / "bad.json"), code=1)
+
+
+def test_transactions_and_verified_queries(localnet, tmp_path):
+    _, up = localnet
+    node, genesis = up["rpc"][1], up["genesis"]
+    owner, model_node, user = (tmp_path / f"{n}.json" for n in ("owner", "node", "user"))
+    for path in (owner, model_node, user):
+        run("keys", "new", str(path))
+    run("tx", "register-org", "--org-id", "acme", "--name", "ACME", "--keys", str(owner), "--node", node)
+    done = json.loads(run("tx", "register-model-node", "--org-id", "acme", "--node-keys", str(model_node),
+                          "--model-id", "gt", "--address", "127.0.0.1:7201", "--hardware", "cpu",
+                          "--capacity", "2", "--region", "eu", "--keys", str(owner), "--node", node, "--json"))
+    assert done["code"] == 0 and done["height"] > 0
+    run("tx", "register-user", "--address", "127.0.0.1:9301", "--region", "eu", "--keys", str(user),
+        "--node", node)
+    nodes = json.loads(run("query", "nodes", "--model", "gt", "--region", "eu", "--genesis", genesis,
+                           "--node", node, "--json"))
+    assert nodes["verified"] and [n["org_id"] for n in nodes["nodes"]] == ["acme"]
+    users = json.loads(run("query", "users", "--region", "eu", "--genesis", genesis, "--node", node, "--json"))
+    assert len(users["users"]) == 1
+    pubkey = nodes["nodes"][0]["pubkey"]
+    assert json.loads(run("query", "node", pubkey, "--genesis", genesis, "--node", node, "--json"))["org_id"] == "acme"
+    assert "no model node" in run("query", "node", "00" * 32, "--genesis", genesis, "--node", node, code=3)
+    params = json.loads(run("query", "params", "--genesis", genesis, "--node", node, "--json"))
+    assert params["max_tx_bytes"] == 16384
+    committee = json.loads(run("query", "committee", "--genesis", genesis, "--node", node, "--json"))
+    assert len(committee["committee"]) == 4
+    unverified = json.loads(run("query", "nodes", "--no-verify", "--node", node, "--json"))
+    assert not unverified["verified"] and len(unverified["nodes"]) == 3
+    assert json.loads(run("query", "status", "--node", node, "--json"))["chain_id"] == "planetserve-localnet"
+
+
+def test_cli_errors_are_clear(localnet, tmp_path):
+    _, up = localnet
+    node, genesis = up["rpc"][0], up["genesis"]
+    keys = tmp_path / "k.json"
+    run("keys", "new", str(keys))
+    out = run("tx", "heartbeat", "--keys", str(keys), "--node", node, code=2)
+    assert "code 8 (UNKNOWN_ENTITY)" in out and "not registered" in out
+    assert "--genesis is required" in run("query", "nodes", "--node", node, code=1)
+    assert "--region needs --model" in run("query", "nodes", "--region", "eu", "--genesis", genesis,
+                                           "--node", node, code=1)
+    out = run("query", "nodes", "--genesis", genesis, "--node", "http://127.0.0.1:1", code=1)
+    assert "127.0.0.1:1" in out
+    out = run("tx", "register-org", "--org-id", "x", "--name", "y", "--keys", str(keys),
+              "--node", "http://127.0.0.1:1", code=1)
+    assert "could not submit" in out
+    assert "MODEL_ID=NAME" in run("genesis", "init", str(tmp_path / "g"), "--model", "nonsense", code=2)
+
+
+def test_genesis_init_builds_homes(tmp_path):
+    out = json.loads(run("genesis", "init", str(tmp_path / "net"), "-n", "2", "--model", "gt=Reference",
+                         "--chain-id", "c1", "--json"))
+    genesis = json.loads(Path(out["genesis"]).read_text())
+    assert genesis["chain_id"] == "c1" and len(genesis["validators"]) == 2
+    assert [m["model_id"] for m in genesis["app_state"]["models"]] == ["gt"]
+    assert len(genesis["app_state"]["committee"]) == 2
+    assert "already" in run("genesis", "init", str(tmp_path / "net"), "-n", "2", code=1).lower()
+
+
+def test_chain_start_runs_app_and_cometbft_until_terminated(tmp_path):
+    spec = json.loads(run("genesis", "init", str(tmp_path / "one"), "-n", "1", "--timeout-commit", "200ms", "--json"))
+    home = spec["validators"][0]["home"]
+    rpc = RpcClient(f"http://127.0.0.1:{spec['validators'][0]['ports']['rpc']}")
+    proc = subprocess.Popen([sys.executable, "-m", "planetserve", "chain", "start", "--home", home],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        height = 0
+        while height < 3 and time.monotonic() < deadline:
+            with contextlib.suppress(RpcError):
+                height = rpc.latest_height()
+            time.sleep(0.2)
+        assert height >= 3
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out.decode()
+    with pytest.raises(RpcError):
+        rpc.latest_height()
+
+
+def test_chain_app_refuses_a_home_without_config(tmp_path):
+    assert "planetserve genesis init" in run("chain", "app", "--home", str(tmp_path), code=1)
