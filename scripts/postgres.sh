@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # A PostgreSQL server for the tests (Debian 12, run as root). Idempotent: installs PostgreSQL only
-# when its binaries are missing, creates (or reuses) a dedicated cluster "planetserve" listening on
-# 127.0.0.1, (re)creates the role and the database planetserve_test, and writes the SQLAlchemy URL
-# to build/postgres.url. Test-only settings: fsync off (the data is throw-away).
+# when its binaries are missing, creates (or reuses, starting it if stopped) a dedicated cluster
+# "planetserve" listening on 127.0.0.1, (re)creates the role and the database planetserve_test, and
+# writes the SQLAlchemy URL to build/postgres.url.
+# Port: the first from $PLANETSERVE_PG_PORT (default 5432) that nothing listens on and no other
+# cluster is configured for. Test-only settings: fsync off (the data is throw-away).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

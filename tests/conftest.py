@@ -49,6 +49,7 @@ def pg_url() -> Iterator[str]:
         yield url.render_as_string(hide_password=False)
     finally:
         with admin.begin() as conn:
+            conn.execute(text("SET LOCAL lock_timeout = '20s'"))  # a store left open must not hang
             conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
         admin.dispose()
 

@@ -490,3 +490,97 @@ def test_urls() -> None:
     for bad in ("mysql://u@h/db", "postgresql+asyncpg://u@h/db"):
         with pytest.raises(ValueError):
             normalise_url(bad)
+
+
+def test_bulk_load_failure_then_retry(tmp_path: Path) -> None:
+    """A failed bulk load leaves nothing behind, not even cached nodes under reused ids."""
+    url = f"sqlite:///{tmp_path / 'retry.db'}"
+    s = StateStore(url)
+    good = [(b"k/%04d" % i, b"v%d" % i) for i in range(3000)]
+
+    def bad() -> Iterator[tuple[bytes, bytes]]:
+        yield from [(b"j/%04d" % i, b"w") for i in range(2500)]
+        raise RuntimeError("source failed")
+
+    with pytest.raises(RuntimeError):
+        s.bulk_load(bad(), 1, chunk=500)
+    assert s.height == 0 and s.app_hash == EMPTY_ROOT
+    root = s.bulk_load(good, 1, chunk=500)
+    assert root == subtree_root(good)
+    b = s.batch()
+    b.set(b"k/0001", b"changed")
+    b.delete(b"k/0002")
+    expected = dict(good)
+    expected[b"k/0001"] = b"changed"
+    del expected[b"k/0002"]
+    assert s.commit(b, 2) == subtree_root(sorted(expected.items()))
+    s.close()
+
+
+def test_reopen_and_continue(store_url: str) -> None:
+    blocks = _random_blocks(21, 8)
+    s = StateStore(store_url)
+    roots = _run_blocks(s, blocks[:4])
+    s.close()
+    s = StateStore(store_url)
+    model: dict[bytes, bytes] = {}
+    for block in blocks[:4]:
+        for k, v in block.items():
+            if v is None:
+                model.pop(k, None)
+            else:
+                model[k] = v
+    assert s.app_hash == roots[-1] == subtree_root(sorted(model.items()))
+    for h, block in enumerate(blocks[4:], start=5):
+        b = s.batch()
+        for k, v in block.items():
+            if v is None:
+                b.delete(k)
+                model.pop(k, None)
+            else:
+                b.set(k, v)
+                model[k] = v
+        assert s.commit(b, h) == subtree_root(sorted(model.items()))
+    for prefix in (b"user/", b"a", b""):
+        entries, proof = s.prove_prefix(prefix, 10_000)
+        verify_prefix(s.app_hash, prefix, entries, proof)
+        entries, proof = s.prove_prefix(prefix, 10_000, height=3)
+        verify_prefix(roots[2], prefix, entries, proof)
+    s.close()
+
+
+def test_proofs_while_committing(tmp_path: Path) -> None:
+    """Queries from another thread always get an answer consistent with one committed root."""
+    import threading
+
+    s = StateStore(f"sqlite:///{tmp_path / 'threads.db'}")
+    roots = {0: EMPTY_ROOT}
+    stop = threading.Event()
+    failures: list[BaseException] = []
+
+    def query() -> None:
+        while not stop.is_set():
+            try:
+                h = s.height
+                entries, proof = s.prove_prefix(b"k/", 100_000, height=h)
+                verify_prefix(roots[h], b"k/", entries, proof)
+            except BaseException as exc:  # reported below
+                failures.append(exc)
+                return
+
+    t = threading.Thread(target=query)
+    t.start()
+    try:
+        for h in range(1, 30):
+            b = s.batch()
+            for i in range(40):
+                b.set(b"k/%d/%d" % (h, i), b"v")
+            if h > 2:
+                b.delete(b"k/%d/0" % (h - 2))
+            roots[h] = b.root()
+            s.commit(b, h)
+    finally:
+        stop.set()
+        t.join()
+    assert not failures, failures
+    s.close()

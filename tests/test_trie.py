@@ -519,3 +519,18 @@ def test_changes_shorter_than_the_trie_keys() -> None:
         final = {**state, **changes}
         expected = {k: v for k, v in final.items() if v is not None}
         assert t.root == subtree_root(sorted(expected.items()))
+
+
+@SETTINGS
+@given(state_st, st.lists(st.tuples(key_st, st.one_of(st.none(), value_st)), max_size=25))
+def test_single_key_updates(state: dict[bytes, bytes], ops: list[tuple[bytes, bytes | None]]) -> None:
+    """One change per update: the single-path fast path, including deletes that collapse a node."""
+    t = mem_trie(state)
+    model = dict(state)
+    for key, value in ops:
+        t.apply({key: value})
+        if value is None:
+            model.pop(key, None)
+        else:
+            model[key] = value
+        assert t.root == subtree_root(sorted(model.items()))

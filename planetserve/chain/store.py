@@ -4,33 +4,40 @@ SQLAlchemy Core over SQLite (the default: `sqlite:///path`, WAL) or PostgreSQL
 (`postgresql+psycopg://…`; `postgresql://…` and `postgres://…` are mapped to psycopg).
 
 Tables
-    state_nodes  hash -> body of every trie node ever committed (content-addressed; leaf bodies
-                 carry their value, so the state at any earlier committed height stays provable)
+    state_nodes  id -> body, left id, right id: every trie node ever committed. Ids are handed out
+                 in commit order, so a block's new nodes are appended (a hash-keyed table would
+                 put each new node on a random B-tree page); a parent row holds its children's
+                 ids, and its body (the hash pre-image) their hashes. Leaf bodies carry their value,
+                 so the state at any earlier committed height stays provable.
     state_kv     key -> value, the latest committed state (bytewise key order on both databases)
     state_meta   name -> bytes: the committed height and app hash (names starting with "_"),
                  plus the application's own named blobs, written in the same transaction
-    state_roots  height -> app hash of every committed height
+    state_roots  height -> app hash and root node id of every committed height
 
 Writes go to a `Batch` (a buffer over the committed state); `StateStore.commit` applies one batch
 in one database transaction: new trie nodes, kv rows, meta and the root of the new height. The work
 of a commit is proportional to the number of keys the batch changes times the depth of the trie:
-only the nodes on the changed paths are read (one query per trie level, through a bounded LRU
-cache of node bodies), and only new nodes are written. Nothing here depends on wall-clock time,
-dict order or the database engine: the app hash is a function of the key/value set alone.
+only the nodes on the changed paths are read (one query per trie level, through a bounded cache of
+inner nodes), and only new nodes are written; old nodes are never rewritten (nor yet pruned).
+Nothing here depends on wall-clock time, dict order or the database engine: the app hash is a
+function of the key/value set alone.
 
 One process owns a store; its methods are thread-safe (one lock).
 
 SQLite durability: WAL with synchronous=NORMAL. A transaction is in the WAL when commit() returns,
 so a killed process (SIGKILL) loses nothing; an operating-system crash or power cut may lose the
 last commits, which CometBFT replays from its block store at the next handshake. Pass
-`sqlite_synchronous="FULL"` to fsync every commit as well.
+`sqlite_synchronous="FULL"` to fsync every commit as well. Checkpoints (copying the WAL into the
+database file) run in a background thread, not inside commit().
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
+import sqlite3
 import threading
-from collections import OrderedDict
+import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -38,11 +45,11 @@ from typing import Any
 from sqlalchemy import (
     BigInteger,
     Column,
+    Integer,
     LargeBinary,
     MetaData,
     String,
     Table,
-    bindparam,
     create_engine,
     event,
     func,
@@ -77,7 +84,7 @@ __all__ = [
     "normalise_url",
 ]
 
-SCHEMA_VERSION = b"1"
+SCHEMA_VERSION = b"2"
 DEFAULT_MAX_ENTRIES = 10_000
 _HEIGHT = "_height"
 _APP_HASH = "_app_hash"
@@ -93,12 +100,23 @@ _SQL_UPSERT_KV = (
     'ON CONFLICT ("key") DO UPDATE SET "value" = excluded."value"'
 )
 _SQL_DEL_KV = 'DELETE FROM state_kv WHERE "key" = ?'
+_SQL_INS_KV = 'INSERT INTO state_kv ("key", "value") VALUES (?, ?)'
+_SQL_GET = 'SELECT "value" FROM state_kv WHERE "key" = ?'
+_SQL_GET_KV = 'SELECT "key", "value" FROM state_kv WHERE "key" = ?'
+_SQL_SCAN_FIRST = 'SELECT "key", "value" FROM state_kv WHERE "key" >= ? AND "key" < ? ORDER BY "key" LIMIT ?'
+_SQL_SCAN_NEXT = 'SELECT "key", "value" FROM state_kv WHERE "key" > ? AND "key" < ? ORDER BY "key" LIMIT ?'
+_SQL_NODES = "SELECT id, body, left_id, right_id FROM state_nodes WHERE id "
+
+log = logging.getLogger(__name__)
+
+# INTEGER PRIMARY KEY makes the id SQLite's rowid (no separate index; appends stay sequential).
+_ID = BigInteger().with_variant(Integer, "sqlite")
 
 _md = MetaData()
 nodes_table = Table(
     "state_nodes",
     _md,
-    Column("id", BigInteger, primary_key=True, autoincrement=False),
+    Column("id", _ID, primary_key=True, autoincrement=False),
     Column("body", LargeBinary, nullable=False),
     Column("left_id", BigInteger, nullable=True),
     Column("right_id", BigInteger, nullable=True),
@@ -119,7 +137,7 @@ meta_table = Table(
 roots_table = Table(
     "state_roots",
     _md,
-    Column("height", BigInteger, primary_key=True, autoincrement=False),
+    Column("height", _ID, primary_key=True, autoincrement=False),
     Column("app_hash", LargeBinary(32), nullable=False),
     Column("root_id", BigInteger, nullable=True),
 )
@@ -154,42 +172,91 @@ def normalise_url(url: str) -> URL:
     raise ValueError(f"unsupported database URL {u.render_as_string()!r}: use sqlite or postgresql")
 
 
-class _NodeCache:
-    """LRU of committed nodes by id, bounded by (approximate) bytes."""
+class _Checkpointer:
+    """Copies the SQLite WAL back into the database file in a background thread, on its own
+    connection (PRAGMA wal_checkpoint(PASSIVE) after each commit), so that commits never wait for
+    checkpoints. Durability does not depend on it: a commit is complete once it is in the WAL."""
 
-    _OVERHEAD = 200
+    def __init__(self, path: str) -> None:
+        self._path = path
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="state-checkpoint", daemon=True)
+        self._thread.start()
+
+    def poke(self) -> None:
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout=60)
+
+    def _run(self) -> None:
+        conn = sqlite3.connect(self._path, check_same_thread=False, isolation_level=None)
+        try:
+            conn.execute("PRAGMA busy_timeout=30000")
+            while True:
+                self._wake.wait()
+                self._wake.clear()
+                try:
+                    conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+                except sqlite3.Error as exc:  # retried after the next commit
+                    log.warning("state store checkpoint failed: %s", exc)
+                if self._stopping:
+                    break
+        finally:
+            conn.close()
+
+
+class _NodeCache:
+    """A bounded cache of committed inner nodes by id (leaves are read from the database: each
+    is touched once per change of its key, while inner nodes near the root are shared by every
+    block). Two generations of plain dicts approximate LRU at O(1) per call: hits move entries
+    into the young generation; when it is full the old one is dropped. Entries are packed as
+    body || left id || right id (8 bytes each) to keep the per-node footprint small."""
+
+    OVERHEAD = 100
+    """Approximate Python overhead per entry (dict slot, int key, bytes header)."""
 
     def __init__(self, max_bytes: int) -> None:
-        self._d: OrderedDict[int, NodeRecord] = OrderedDict()
+        self._young: dict[int, bytes] = {}
+        self._old: dict[int, bytes] = {}
         self._bytes = 0
-        self._max = max_bytes
+        self._half = max(max_bytes // 2, 1)
 
-    def get(self, i: int) -> NodeRecord | None:
-        rec = self._d.get(i)
-        if rec is not None:
-            self._d.move_to_end(i)
-        return rec
+    def get_many(self, ids: list[int], out: dict[int, NodeRecord]) -> list[int]:
+        """Fill `out` with the cached ones of `ids`; return the others."""
+        missing = []
+        young = self._young
+        for i in ids:
+            v = young.get(i)
+            if v is None:
+                v = self._old.pop(i, None)
+                if v is None:
+                    missing.append(i)
+                    continue
+                self._insert(i, v)
+                young = self._young
+            out[i] = (v[:-16], int.from_bytes(v[-16:-8], "big"), int.from_bytes(v[-8:], "big"))
+        return missing
 
-    def put(self, i: int, rec: NodeRecord) -> None:
-        d = self._d
-        if i in d:
-            d.move_to_end(i)
+    def put(self, i: int, body: bytes, left: int, right: int) -> None:
+        if body[0] != 1 or i in self._young:
             return
-        d[i] = rec
-        self._bytes += len(rec[0]) + self._OVERHEAD
-        while self._bytes > self._max and d:
-            _, old = d.popitem(last=False)
-            self._bytes -= len(old[0]) + self._OVERHEAD
+        self._old.pop(i, None)
+        self._insert(i, body + left.to_bytes(8, "big") + right.to_bytes(8, "big"))
+
+    def _insert(self, i: int, v: bytes) -> None:
+        self._young[i] = v
+        self._bytes += len(v) + self.OVERHEAD
+        if self._bytes > self._half:
+            self._old = self._young
+            self._young = {}
+            self._bytes = 0
 
     def __len__(self) -> int:
-        return len(self._d)
-
-
-def _without_value(body: bytes) -> bytes:
-    """A node body as the cache keeps it: a leaf without its value (the hash pre-image only)."""
-    if body[0] == 0:
-        return body[: 37 + int.from_bytes(body[1:5], "big")]
-    return body
+        return len(self._young) + len(self._old)
 
 
 def _check_value(value: Any) -> bytes:
@@ -323,16 +390,20 @@ class StateStore:
         self,
         url: str,
         *,
-        cache_bytes: int = 128 << 20,
+        cache_bytes: int = 384 << 20,
         sqlite_synchronous: str = "NORMAL",
         echo: bool = False,
     ) -> None:
         u = normalise_url(url)
         self.url = u
         self._lock = threading.RLock()
+        self._cache_bytes = cache_bytes
         self._cache = _NodeCache(cache_bytes)
         self._generation = 0
         self._engine = self._make_engine(u, sqlite_synchronous.upper(), echo)
+        self._rconn: Connection | None = None
+        self._rcur: Any = None
+        self._checkpointer: _Checkpointer | None = None
         self._dialect = self._engine.dialect.name
         _md.create_all(self._engine)
         self._prepare_statements()
@@ -357,6 +428,9 @@ class StateStore:
                     select(roots_table.c.root_id).where(roots_table.c.height == self._height)
                 ).scalar()
             self._next_id = (conn.execute(select(func.max(nodes_table.c.id))).scalar() or 0) + 1
+        if u.get_backend_name() == "sqlite" and u.database not in (None, "", ":memory:"):
+            self._checkpointer = _Checkpointer(u.database)
+            weakref.finalize(self, self._checkpointer.stop)
 
     @staticmethod
     def _make_engine(u: URL, sync: str, echo: bool) -> Engine:
@@ -378,6 +452,7 @@ class StateStore:
                 cur.execute("PRAGMA synchronous=" + sync)
                 cur.execute("PRAGMA cache_size=-65536")
                 cur.execute("PRAGMA mmap_size=1073741824")
+                cur.execute("PRAGMA wal_autocheckpoint=0")  # see _Checkpointer
                 cur.execute("PRAGMA busy_timeout=30000")
                 cur.close()
 
@@ -392,13 +467,17 @@ class StateStore:
         self._upsert_meta = upm.on_conflict_do_update(
             index_elements=["name"], set_={"value": upm.excluded.value}
         )
-        self._sel_value = select(kv_table.c.value).where(kv_table.c.key == bindparam("k"))
         # The hot paths (thousands of rows per block) go straight to the DBAPI cursor: the same
         # SQL on both databases but for the placeholder.
         fix = (lambda q: q) if self._dialect == "sqlite" else (lambda q: q.replace("?", "%s"))
         self._sql_ins_nodes = fix(_SQL_INS_NODES)
         self._sql_upsert_kv = fix(_SQL_UPSERT_KV)
         self._sql_del_kv = fix(_SQL_DEL_KV)
+        self._sql_ins_kv = fix(_SQL_INS_KV)
+        self._sql_get = fix(_SQL_GET)
+        self._sql_get_kv = fix(_SQL_GET_KV)
+        self._sql_scan_first = fix(_SQL_SCAN_FIRST)
+        self._sql_scan_next = fix(_SQL_SCAN_NEXT)
 
     # -- committed state -----------------------------------------------------------------------
 
@@ -468,9 +547,10 @@ class StateStore:
                 self._write_head(conn, height, root, root_id, all_meta)
             self._committed(height, root, root_id, len(new_nodes))
             batch._done = True
-            cache = self._cache
+            put = self._cache.put
             for ref, _, body, left, right in new_nodes:
-                cache.put(ref, (_without_value(body), left, right))
+                if left is not None:
+                    put(ref, body, left, right)
         return root
 
     def bulk_load(
@@ -489,33 +569,61 @@ class StateStore:
         with self._lock:
             if self._height != 0 or self._app_hash != EMPTY_ROOT:
                 raise StoreError("bulk_load needs an empty store (height 0)")
-            ids = itertools.count(self._next_id)
-            builder = TrieBuilder(collect=True, new_ref=lambda _h: next(ids))
-            add_leaf = builder.add_leaf
-            kv_rows: list[dict[str, bytes]] = []
-            written = 0
-            prev = b""
-            with self._engine.begin() as conn:
-                for key, value in entries:
-                    check_key(key)
-                    value = _check_value(value)
-                    if key <= prev:
-                        raise ValueError(f"bulk_load entries not strictly increasing at {key!r}")
-                    prev = key
-                    add_leaf(key, value)
-                    kv_rows.append({"key": key, "value": value})
-                    if len(kv_rows) >= chunk:
-                        written += self._write_nodes(conn, builder.nodes or [])
-                        conn.execute(insert(kv_table), kv_rows)
-                        builder.nodes = []
-                        kv_rows = []
-                root = builder.finish()
-                written += self._write_nodes(conn, builder.nodes or [])
-                if kv_rows:
-                    conn.execute(insert(kv_table), kv_rows)
-                self._write_head(conn, height, root, builder.root_ref, checked_meta)
-            self._committed(height, root, builder.root_ref, written)
+            try:
+                root, root_id, written = self._bulk_load_tx(entries, height, checked_meta, chunk)
+            except BaseException:
+                # the cache was warmed with ids that the rolled-back nodes had: forget them
+                self._cache = _NodeCache(self._cache_bytes)
+                raise
+            self._committed(height, root, root_id, written)
+            self.checkpoint()
         return root
+
+    def checkpoint(self) -> None:
+        """SQLite: copy the whole WAL into the database file now and truncate it (bulk_load does
+        this; commits leave it to the background thread). No-op on PostgreSQL."""
+        if self._dialect != "sqlite":
+            return
+        with self._lock, self._engine.connect() as conn:
+            conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+
+    def _bulk_load_tx(
+        self,
+        entries: Iterable[tuple[bytes, bytes]],
+        height: int,
+        meta: dict[str, bytes],
+        chunk: int,
+    ) -> tuple[bytes, int | None, int]:
+        ids = itertools.count(self._next_id)
+        builder = TrieBuilder(collect=True, new_ref=lambda _h: next(ids))
+        add_leaf = builder.add_leaf
+        kv_rows: list[tuple[bytes, bytes]] = []
+        written = 0
+        prev = b""
+        with self._engine.begin() as conn:
+            cur = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
+            for key, value in entries:
+                check_key(key)
+                value = _check_value(value)
+                if key <= prev:
+                    raise ValueError(f"bulk_load entries not strictly increasing at {key!r}")
+                prev = key
+                add_leaf(key, value)
+                kv_rows.append((key, value))
+                if len(kv_rows) >= chunk:
+                    self._warm(builder.nodes or [])
+                    written += self._write_nodes(conn, builder.nodes or [])
+                    cur.executemany(self._sql_ins_kv, kv_rows)
+                    builder.nodes = []
+                    kv_rows = []
+            root = builder.finish()
+            self._warm(builder.nodes or [])
+            written += self._write_nodes(conn, builder.nodes or [])
+            if kv_rows:
+                cur.executemany(self._sql_ins_kv, kv_rows)
+            cur.close()
+            self._write_head(conn, height, root, builder.root_ref, meta)
+        return root, builder.root_ref, written
 
     def prove_prefix(
         self,
@@ -557,6 +665,11 @@ class StateStore:
         return (entries[0][1] if entries else None), proof
 
     def close(self) -> None:
+        with self._lock:
+            self._close_reader()
+        if self._checkpointer is not None:
+            self._checkpointer.stop()
+            self._checkpointer = None
         self._engine.dispose()
 
     def __enter__(self) -> StateStore:
@@ -573,6 +686,8 @@ class StateStore:
         self._root_id = root_id
         self._next_id += new_nodes
         self._generation += 1
+        if self._checkpointer is not None:
+            self._checkpointer.poke()
 
     def _write_nodes(self, conn: Connection, nodes: list[NewNode]) -> int:
         """Append new nodes (their ids are consecutive from `_next_id`, in order)."""
@@ -599,79 +714,100 @@ class StateStore:
         if batch._gen != self._generation:
             raise StaleBatchError("batch predates the latest commit; make a new batch")
 
+    def _query(self, sql: str, params: Any) -> list[Any]:
+        """Run one read on the reader connection (autocommit, held open: a pool checkout per
+        read would cost more than the read). Rows are always fetched to the end, so that no
+        statement keeps a SQLite read snapshot open. A dropped connection is reopened once."""
+        with self._lock:
+            for attempt in (1, 2):
+                try:
+                    if self._rcur is None:
+                        conn = self._engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+                        self._rconn = conn
+                        self._rcur = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
+                    self._rcur.execute(sql, params)
+                    return list(self._rcur.fetchall())
+                except Exception:
+                    self._close_reader()
+                    if attempt == 2:
+                        raise
+        raise AssertionError("unreachable")
+
+    def _close_reader(self) -> None:
+        if self._rconn is not None:
+            try:
+                self._rconn.close()
+            except Exception:  # already broken
+                log.debug("closing the reader connection failed", exc_info=True)
+        self._rconn = None
+        self._rcur = None
+
     def _read(self, batch: Batch, key: bytes) -> bytes | None:
         with self._lock:
             self._check_fresh(batch)
-            with self._engine.connect() as conn:
-                v = conn.execute(self._sel_value, {"k": key}).scalar()
-        return None if v is None else bytes(v)
+            rows = self._query(self._sql_get, (key,))
+        return bytes(rows[0][0]) if rows else None
 
     def _scan(self, batch: Batch, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
-        """Committed rows under `prefix` in key order, a page at a time (no connection is held
-        between pages, so the caller may stop at any point)."""
-        after: bytes | None = None
+        """Committed rows under `prefix` in key order, a page at a time (nothing is held between
+        pages, so the caller may stop at any point). Keys are ASCII, so every key starting with
+        `prefix` lies in [prefix, prefix + 0x80)."""
+        hi = prefix + b"\x80"
+        sql, params = self._sql_scan_first, (prefix, hi, _SCAN_PAGE)
         while True:
-            q = select(kv_table.c.key, kv_table.c.value).order_by(kv_table.c.key).limit(_SCAN_PAGE)
-            if prefix:
-                q = q.where(kv_table.c.key >= prefix, kv_table.c.key < prefix + b"\x80")
-            if after is not None:
-                q = q.where(kv_table.c.key > after)
             with self._lock:
                 self._check_fresh(batch)
-                with self._engine.connect() as conn:
-                    rows = conn.execute(q).all()
+                rows = self._query(sql, params)
             for k, v in rows:
                 yield bytes(k), bytes(v)
             if len(rows) < _SCAN_PAGE:
                 return
-            after = bytes(rows[-1][0])
+            sql, params = self._sql_scan_next, (bytes(rows[-1][0]), hi, _SCAN_PAGE)
 
     def _select_prefix(self, prefix: bytes, limit: int) -> list[tuple[bytes, bytes]]:
-        q = select(kv_table.c.key, kv_table.c.value).order_by(kv_table.c.key).limit(limit)
         if prefix.endswith(b"\x00"):
-            q = q.where(kv_table.c.key == prefix[:-1])
-        elif prefix:
-            q = q.where(kv_table.c.key >= prefix, kv_table.c.key < prefix + b"\x80")
-        with self._engine.connect() as conn:
-            return [(bytes(k), bytes(v)) for k, v in conn.execute(q)]
+            rows = self._query(self._sql_get_kv, (prefix[:-1],))
+        else:
+            rows = self._query(self._sql_scan_first, (prefix, prefix + b"\x80", limit))
+        return [(bytes(k), bytes(v)) for k, v in rows]
+
+    def _warm(self, nodes: list[NewNode]) -> None:
+        """Cache inner nodes being bulk-loaded (the cache keeps the last, i.e. the top, ones).
+        bulk_load empties the cache again if its transaction fails, since the ids get reused."""
+        put = self._cache.put
+        for ref, _, body, left, right in nodes:
+            if left is not None:
+                put(ref, body, left, right)
 
     def _get_node(self, node_id: int) -> NodeRecord:
         return self._load([node_id])[node_id]
 
     def _load(self, ids: list[int]) -> dict[int, NodeRecord]:
-        """Committed nodes by id, from the cache or the database. Leaf bodies may come without
-        their value (the cache keeps them so); `_load_full` has the values."""
+        """Committed nodes by id, from the cache or the database."""
         out: dict[int, NodeRecord] = {}
-        missing: list[int] = []
         cache = self._cache
-        for i in ids:
-            rec = cache.get(i)
-            if rec is None:
-                missing.append(i)
-            else:
-                out[i] = rec
+        missing = cache.get_many(ids, out)
         if missing:
+            put = cache.put
             for rec_id, rec in self._load_full(missing).items():
                 out[rec_id] = rec
-                cache.put(rec_id, (_without_value(rec[0]), rec[1], rec[2]))
+                if rec[1] is not None:
+                    put(rec_id, rec[0], rec[1], rec[2])
         return out
 
     def _load_full(self, ids: list[int]) -> dict[int, NodeRecord]:
         """Committed nodes by id from the database, one query per 500 ids."""
         out: dict[int, NodeRecord] = {}
         ids = sorted(ids)
-        sql = "SELECT id, body, left_id, right_id FROM state_nodes WHERE id "
-        with self._lock, self._engine.connect() as conn:
-            cur = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
-            for k in range(0, len(ids), _IN_CHUNK):
-                part = ids[k : k + _IN_CHUNK]
-                if self._dialect == "sqlite":
-                    cur.execute(sql + "IN (" + ",".join("?" * len(part)) + ")", part)
-                else:
-                    cur.execute(sql + "= ANY(%s)", (part,))
-                for i, body, left, right in cur.fetchall():
-                    out[i] = (bytes(body), left, right)
-            cur.close()
+        sqlite = self._dialect == "sqlite"
+        for k in range(0, len(ids), _IN_CHUNK):
+            part = ids[k : k + _IN_CHUNK]
+            if sqlite:
+                rows = self._query(_SQL_NODES + "IN (" + ",".join("?" * len(part)) + ")", part)
+            else:
+                rows = self._query(_SQL_NODES + "= ANY(%s)", (part,))
+            for i, body, left, right in rows:
+                out[i] = (bytes(body), left, right)
         for i in ids:
             if i not in out:
                 raise StoreError(f"trie node {i} is missing: the database is corrupt")

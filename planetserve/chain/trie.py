@@ -23,9 +23,13 @@ Hashes (SHA-256, H; integers big-endian; "||" is concatenation)
     EMPTY_ROOT = H(0x02)                                         (the root of the empty trie)
     The root hash is the app hash.
 
-Node bodies (what the store keeps, content-addressed by hash)
+Node bodies (what a node store keeps)
     inner: exactly the inner hash pre-image above, so hash = H(body);
     leaf:  the leaf hash pre-image followed by the value itself, so hash = H(body[:37 + len(key)]).
+    Where a body is stored is the node store's business: the trie code passes opaque node
+    references (`Ref`) around, loads nodes through a `Loader` and returns new nodes with their
+    children's refs (`NewNode`). `MemoryNodes` is a content-addressed store (ref = hash) in a dict;
+    the state store uses row ids.
 
 Prefix queries
     The answer to "every entry whose key starts with P" is the leaf set of one subtree: the
@@ -421,11 +425,10 @@ def apply_changes(
             need = [r for r, _, _ in frontier if r not in records]
             if need:
                 got = load(need)
-                for r in need:
-                    try:
-                        records[r] = got[r]
-                    except KeyError:
-                        raise LookupError(f"trie node {r!r} is missing") from None
+                records.update(got)
+                if len(got) != len(need) and any(r not in got for r in need):
+                    missing = next(r for r in need if r not in got)
+                    raise LookupError(f"trie node {missing!r} is missing")
             nxt = []
             for r, lo, hi in frontier:
                 body, left_ref, right_ref = records[r]
@@ -435,7 +438,17 @@ def apply_changes(
                     packed = body[3 : 3 + nb]
                     qi = int.from_bytes(packed, "big") >> (8 * nb - L)
                     shift = W - L
-                    if shift > 0:
+                    if hi - lo == 1:  # one change: compare its bits directly
+                        x = ints[lo]
+                        top = x >> shift if shift > 0 else -1
+                        if top == qi:
+                            a, b = lo, hi
+                            mid = lo if (x >> (shift - 1)) & 1 else hi
+                        elif (top if shift > 0 else x) < (qi if shift > 0 else qi >> -shift):
+                            a = b = mid = hi
+                        else:
+                            a = b = mid = lo
+                    elif shift > 0:
                         a = bisect_left(ints, qi << shift, lo, hi)
                         b = bisect_left(ints, (qi + 1) << shift, a, hi)
                         mid = bisect_left(ints, ((qi << 1) | 1) << (shift - 1), a, b)
@@ -480,6 +493,51 @@ def apply_changes(
             return inside
         return merge([*(leaf(i) for i in range(lo, a)), inside, *(leaf(i) for i in range(b, hi))])
 
+    def single(h: bytes, ref: Ref, i: int) -> Item | None:
+        """A region holding the one change i: walk down its path, then rehash back up."""
+        path = []
+        while True:
+            sp = splits.get(ref)
+            if sp is None:  # a leaf
+                body = records[ref][0]
+                tk = body[5 : 5 + int.from_bytes(body[1:5], "big")] + b"\x00"
+                if tk == tks[i]:
+                    bottom = leaf(i)
+                else:
+                    old: Item = (tk, 8 * len(tk), h, ref)
+                    bottom = merge([leaf(i), old] if tks[i] < tk else [old, leaf(i)])
+                break
+            L, packed, lh, rh, qi, a, mid, b = sp
+            if a == b:  # the change lies outside this node's prefix
+                node_item: Item = (packed, L, h, ref)
+                bottom = merge([leaf(i), node_item] if a == i + 1 else [node_item, leaf(i)])
+                break
+            _, left_ref, right_ref = records[ref]
+            if mid == a:
+                path.append((L, packed, qi, lh, left_ref, 1))
+                h, ref = rh, right_ref
+            else:
+                path.append((L, packed, qi, rh, right_ref, 0))
+                h, ref = lh, left_ref
+        cur = bottom
+        for L, packed, qi, sib, sib_ref, side in reversed(path):
+            if cur is None:  # the changed side is gone: the sibling takes this node's place
+                nb = (L + 8) >> 3
+                rep = (((qi << 1) | (1 - side)) << (8 * nb - L - 1)).to_bytes(nb, "big")
+                cur = (rep, L + 1, sib, sib_ref)
+                continue
+            if side:
+                body = b"\x01" + L.to_bytes(2, "big") + packed + sib + cur[2]
+                lr, rr = sib_ref, cur[3]
+            else:
+                body = b"\x01" + L.to_bytes(2, "big") + packed + cur[2] + sib
+                lr, rr = cur[3], sib_ref
+            nh = _sha256(body).digest()
+            nref = new_ref(nh)
+            nodes.append((nref, nh, body, lr, rr))
+            cur = (packed, L, nh, nref)
+        return cur
+
     if root == EMPTY_ROOT:
         result = merge([leaf(i) for i in range(n)])
         if result is None:
@@ -509,6 +567,9 @@ def apply_changes(
         _, h, ref, lo, hi, rep, nbits = op
         if lo == hi:
             results.append((rep, nbits, h, ref))
+            continue
+        if hi - lo == 1:
+            results.append(single(h, ref, lo))
             continue
         sp = splits.get(ref)
         if sp is not None:
