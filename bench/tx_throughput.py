@@ -28,6 +28,8 @@ from planetserve.genesis.network import build_network  # noqa: E402
 from planetserve.localnet.cluster import Cluster  # noqa: E402
 from planetserve.localnet.net import app_command  # noqa: E402
 
+MEMPOOL_SIZE = 50_000  # both networks: room for the whole load, so nothing is refused as "mempool full"
+
 
 def planetserve_txs(n: int, chain_id: str, region: str = "bench") -> list[bytes]:
     return [
@@ -49,7 +51,8 @@ def kvstore_txs(n: int, size: int) -> list[bytes]:
 def measure(root: Path, name: str, validators: int, timeout_commit: str, txs_for, app: bool) -> LoadResult:
     chain_id = f"bench-{name}"
     spec = build_network(root / name, validators, chain_id, app_state_builder() if app else None,
-                         kvstore=not app, timeout_commit=timeout_commit)
+                         kvstore=not app, timeout_commit=timeout_commit,
+                         extra_config={"mempool": {"size": MEMPOOL_SIZE, "cache_size": 2 * MEMPOOL_SIZE}})
     with Cluster(spec, app_command if app else None, start_timeout=60.0) as cluster:
         cluster.start()
         cluster.wait_for_height(2, timeout=60.0)

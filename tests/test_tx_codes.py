@@ -208,3 +208,19 @@ def test_failed_tx_consumes_only_its_sequence(h):
     assert h.block(bad).tx_results[0].code == Code.INVALID_FIELD
     assert registry_state(h) == before
     assert layout.State(h.store.batch()).sequence(keys.public) == 1
+
+
+def test_recheck_validates_the_envelope_and_sequence_only(h):
+    from tendermint.abci import types_pb2 as abci
+
+    a, b = KeySet.generate(), KeySet.generate()
+    first = h.tx(a, "register-org", {"org_id": "same", "name": "A"})
+    second = h.tx(b, "register-org", {"org_id": "same", "name": "B"})
+    assert h.check(first).code == 0 and h.check(second).code == Code.ALREADY_EXISTS
+    h.block(first)
+    recheck = abci.RequestCheckTx(tx=first, type=abci.RECHECK)
+    res = h.app.check_tx(recheck)
+    assert res.code == Code.BAD_SEQUENCE and "replayed" in res.log
+    pending = h.tx(b, "register-org", {"org_id": "same", "name": "B"}, sequence=0)
+    assert h.app.check_tx(abci.RequestCheckTx(tx=pending, type=abci.RECHECK)).code == 0
+    assert code(h, pending) == Code.ALREADY_EXISTS

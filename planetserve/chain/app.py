@@ -6,8 +6,10 @@ holds mempool state for CheckTx and is rebuilt after every Commit. Only Commit w
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from tendermint.abci import types_pb2 as abci
@@ -22,6 +24,7 @@ from planetserve.chain.tx import Tx, decode
 from planetserve.registry import codec
 from planetserve.registry.errors import RegistryError
 from planetserve.registry.genesis import parse_app_state
+from planetserve.registry.params import Params
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +32,7 @@ APP_VERSION = 1
 PROOF_OP_TYPE = "planetserve/prefix"
 BLOCK_TIME_META = "block_time"
 CHAIN_ID_META = "chain_id"
+VERIFIED_CACHE = 100_000
 
 
 @dataclass
@@ -57,6 +61,15 @@ class Application:
         self.chain_id = (store.get_meta(CHAIN_ID_META) or b"").decode()
         self.committed_time = int.from_bytes(store.get_meta(BLOCK_TIME_META) or b"", "big")
         self.check = store.batch()
+        self._verified: OrderedDict[bytes, None] = OrderedDict()
+        self._params: Params | None = None
+
+    @property
+    def params(self) -> Params:
+        """Parameters are fixed at genesis, so they are read once."""
+        if self._params is None:
+            self._params = State(self.block or self.store.batch()).params()
+        return self._params
 
     # -- handshake -------------------------------------------------------------------------------
 
@@ -81,6 +94,7 @@ class Application:
         self.block = self.store.batch()
         st = State(self.block)
         st.put_params(app_state.params)
+        self._params = app_state.params
         for member in app_state.committee:
             st.put_member(member)
         for model in app_state.models:
@@ -90,7 +104,13 @@ class Application:
     # -- mempool ---------------------------------------------------------------------------------
 
     def check_tx(self, req: abci.RequestCheckTx) -> abci.ResponseCheckTx:
-        outcome = self._execute(self.check, req.tx, self.store.height + 1, self.committed_time)
+        """A new transaction runs in full against the mempool state. A recheck after a block only
+        re-validates the envelope and takes the sequence: a transaction the block made invalid in
+        other ways is refused with its code in FinalizeBlock, as any block may contain such."""
+        outcome = self._execute(
+            self.check, req.tx, self.store.height + 1, self.committed_time,
+            envelope_only=req.type == abci.RECHECK,
+        )
         return abci.ResponseCheckTx(
             code=outcome.code, log=outcome.log, codespace=CODESPACE if outcome.code else "", gas_wanted=1
         )
@@ -99,7 +119,7 @@ class Application:
 
     def prepare_proposal(self, req: abci.RequestPrepareProposal) -> abci.ResponsePrepareProposal:
         """Propose, in mempool order, the transactions that decode, within the byte limit."""
-        limit = State(self.store.batch()).params().max_tx_bytes
+        limit = self.params.max_tx_bytes
         chosen: list[bytes] = []
         size = 0
         for raw in req.txs:
@@ -115,7 +135,7 @@ class Application:
 
     def process_proposal(self, req: abci.RequestProcessProposal) -> abci.ResponseProcessProposal:
         """Reject a proposal carrying bytes that are not transaction envelopes."""
-        limit = State(self.store.batch()).params().max_tx_bytes
+        limit = self.params.max_tx_bytes
         status = abci.ResponseProcessProposal.ACCEPT
         for raw in req.txs:
             try:
@@ -177,7 +197,7 @@ class Application:
             return self._query_error(Code.UNKNOWN_TYPE, f"unknown query path {req.path!r}")
         height = req.height or self.store.height
         prefix = req.data + b"\x00" if req.path == "/key" else req.data
-        max_entries = State(self.store.batch()).params().max_query_entries
+        max_entries = self.params.max_query_entries
         try:
             entries, proof = self.store.prove_prefix(prefix, max_entries, height)
         except (TypeError, ValueError) as exc:
@@ -210,17 +230,20 @@ class Application:
         height: int,
         time: int,
         updates: dict[bytes, int] | None = None,
+        envelope_only: bool = False,
     ) -> Outcome:
         """Run one transaction against a batch; a refused transaction changes nothing but, once its
         envelope is valid, its sequence, so it cannot be replayed later."""
         st = State(batch)
-        params = st.params()
+        params = self.params
         try:
             tx = decode(raw, params.max_tx_bytes)
-            self._check_envelope(st, tx)
+            self._check_envelope(st, tx, raw)
         except TxError as exc:
             return Outcome(exc.code, exc.log, [])
         st.put_int(layout.account_key(tx.signer), tx.sequence + 1)
+        if envelope_only:
+            return Outcome(Code.OK, "ok", [])
         handler = HANDLERS[tx.type]
         scope = TxScope(batch)
         ctx = Context(
@@ -230,7 +253,7 @@ class Application:
             time=time,
             chain_id=self.chain_id,
             params=params,
-            committee=layout.members(batch),
+            load_committee=lambda: layout.members(batch),
         )
         try:
             handler(ctx, tx.body)
@@ -242,14 +265,27 @@ class Application:
             updates.update(ctx.validator_updates)
         return Outcome(Code.OK, "ok", _events([("tx", {"type": tx.type}), *ctx.events]))
 
-    def _check_envelope(self, st: State, tx: Tx) -> None:
+    def _signature_valid(self, tx: Tx, raw: bytes) -> bool:
+        """Signature validity is a pure function of the bytes, so a transaction verified once (in
+        CheckTx) is not verified again on recheck or in FinalizeBlock."""
+        digest = hashlib.sha256(raw).digest()
+        if digest in self._verified:
+            return True
+        if not tx.signature_valid():
+            return False
+        self._verified[digest] = None
+        if len(self._verified) > VERIFIED_CACHE:
+            self._verified.popitem(last=False)
+        return True
+
+    def _check_envelope(self, st: State, tx: Tx, raw: bytes) -> None:
         if tx.chain_id != self.chain_id:
             raise TxError(
                 Code.WRONG_CHAIN_ID, f"wrong chain id: {tx.chain_id!r}, this chain is {self.chain_id!r}"
             )
         if tx.type not in HANDLERS:
             raise TxError(Code.UNKNOWN_TYPE, f"unknown transaction type {tx.type!r}")
-        if not tx.signature_valid():
+        if not self._signature_valid(tx, raw):
             raise TxError(Code.BAD_SIGNATURE, "bad signature: does not verify under the signer's key")
         expected = st.sequence(tx.signer)
         if tx.sequence != expected:

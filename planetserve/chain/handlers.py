@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any
 
 from planetserve.chain.keys import verify_signature
@@ -42,9 +43,15 @@ class Context:
     time: int
     chain_id: str
     params: Params
-    committee: dict[bytes, Member]
+    load_committee: Callable[[], dict[bytes, Member]]
     validator_updates: list[tuple[bytes, int]] = field(default_factory=list)
     events: list[tuple[str, dict[str, str]]] = field(default_factory=list)
+
+    @cached_property
+    def committee(self) -> dict[bytes, Member]:
+        """Read only by the handlers that need it: loading it for every transaction would cost
+        a scan per transaction."""
+        return self.load_committee()
 
     def emit(self, kind: str, **attributes: str) -> None:
         self.events.append((kind, attributes))

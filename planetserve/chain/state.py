@@ -193,8 +193,9 @@ class State:
         if old is not None:
             self.kv.delete(user_list_key(old))
             self.kv.delete(expiry_key(old.expires_at, old.pubkey))
-        self._put(user_key(user.pubkey), user)
-        self._put(user_list_key(user), user)
+        record = codec.pack(user.to_record())
+        self.kv.set(user_key(user.pubkey), record)
+        self.kv.set(user_list_key(user), record)
         self.kv.set(expiry_key(user.expires_at, user.pubkey), b"")
 
     def delete_user(self, user: User) -> None:
@@ -210,9 +211,10 @@ class State:
         old = self.node(node.pubkey)
         if old is not None:
             self.kv.delete(node_list_key(old))
-        self._put(node_key(node.pubkey), node)
+        record = codec.pack(node.to_record())
+        self.kv.set(node_key(node.pubkey), record)
         if node.status == "active":
-            self._put(node_list_key(node), node)
+            self.kv.set(node_list_key(node), record)
 
     def member(self, operator: bytes) -> Member | None:
         return self._load(member_key(operator), Member)

@@ -38,6 +38,7 @@ import logging
 import sqlite3
 import threading
 import weakref
+from bisect import bisect_left, insort
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -297,6 +298,7 @@ class Batch:
         self._store = store
         self._gen = generation
         self._pending: dict[bytes, bytes | None] = {}
+        self._pending_order: list[bytes] = []  # the keys of _pending, sorted, for prefix scans
         self._meta: dict[str, bytes] = {}
         self._reads: dict[bytes, bytes | None] = {}
         self._version = 0
@@ -321,7 +323,13 @@ class Batch:
         merged with this batch's writes as they are when iterate() is called."""
         _check_iter_prefix(prefix)
         self._store._check_fresh(self)
-        pending = sorted((k, v) for k, v in self._pending.items() if k.startswith(prefix))
+        order = self._pending_order
+        pending = []
+        for i in range(bisect_left(order, prefix), len(order)):
+            key = order[i]
+            if not key.startswith(prefix):
+                break
+            pending.append((key, self._pending[key]))
         return self._merge(prefix, pending)
 
     def _merge(
@@ -350,12 +358,16 @@ class Batch:
 
     def set(self, key: bytes, value: bytes) -> None:
         check_key(key)
-        self._pending[key] = _check_value(value)
-        self._version += 1
+        self._write(key, _check_value(value))
 
     def delete(self, key: bytes) -> None:
         check_key(key)
-        self._pending[key] = None
+        self._write(key, None)
+
+    def _write(self, key: bytes, value: bytes | None) -> None:
+        if key not in self._pending:
+            insort(self._pending_order, key)
+        self._pending[key] = value
         self._version += 1
 
     def set_meta(self, name: str, value: bytes) -> None:

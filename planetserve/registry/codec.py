@@ -19,21 +19,22 @@ class CodecError(ValueError):
 
 
 def _canonical(value: Any, depth: int = 0) -> Any:
-    if depth > MAX_DEPTH:
-        raise CodecError("nesting too deep")
-    if isinstance(value, bool) or value is None or isinstance(value, (str, bytes)):
+    kind = type(value)
+    if kind is str or kind is bytes or kind is bool or value is None:
         return value
-    if isinstance(value, int):
+    if kind is int:
         if not -(2**63) <= value < 2**64:
             raise CodecError("integer out of range")
         return value
-    if isinstance(value, (list, tuple)):
+    if depth >= MAX_DEPTH:
+        raise CodecError("nesting too deep")
+    if kind is list or kind is tuple:
         return [_canonical(item, depth + 1) for item in value]
-    if isinstance(value, dict):
-        if not all(isinstance(k, str) for k in value):
+    if kind is dict:
+        if not all(type(k) is str for k in value):
             raise CodecError("map keys must be strings")
         return {k: _canonical(value[k], depth + 1) for k in sorted(value)}
-    raise CodecError(f"type {type(value).__name__} is not allowed (no floats)")
+    raise CodecError(f"type {kind.__name__} is not allowed (no floats)")
 
 
 def pack(value: Any) -> bytes:
