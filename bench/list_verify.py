@@ -3,7 +3,9 @@
 Builds a four-validator planetserve network, registers N users in one region, then times what a
 client holding only the genesis file does to obtain the verified user list: the ABCI query over
 RPC, the light-client verification of the header that carries the app hash, and the Merkle proof
-check that recomputes the list's subtree root. Cold = a fresh light client (verifies from genesis);
+check that recomputes the list's subtree root. As `LedgerClient` does, the client first verifies
+the latest header L and asks for the state at height L-1, whose app hash L carries.
+Cold = a fresh light client (verifies from genesis);
 warm = the same client again (its trusted store already holds a recent header).
 
     .venv/bin/python bench/list_verify.py [--users 10000] [--repeat 5]
@@ -25,14 +27,13 @@ from tx_throughput import planetserve_txs  # noqa: E402
 
 from planetserve.chain import state as layout  # noqa: E402
 from planetserve.chain import trie  # noqa: E402
-from planetserve.chain.client import LedgerClient  # noqa: E402
+from planetserve.chain.client import LedgerClient, decode_entries  # noqa: E402
 from planetserve.chain.lightclient import LightClient  # noqa: E402
 from planetserve.chain.rpc import RpcClient  # noqa: E402
 from planetserve.genesis.committee import app_state_builder  # noqa: E402
 from planetserve.genesis.network import build_network  # noqa: E402
 from planetserve.localnet.cluster import Cluster  # noqa: E402
 from planetserve.localnet.net import app_command  # noqa: E402
-from planetserve.registry import codec  # noqa: E402
 
 
 def ms(seconds: float) -> str:
@@ -63,21 +64,22 @@ def main() -> None:
                     rpc = RpcClient(url, timeout=30)
                     light = LightClient.from_genesis_file(spec.genesis_path, rpc)
                 t0 = time.perf_counter()
-                answer = rpc.abci_query("/prefix", prefix, prove=True)
+                latest = light.verified_light_block()
                 t1 = time.perf_counter()
-                entries = [(bytes(k), bytes(v)) for k, v in codec.unpack(answer.value, max_size=64 << 20)]
-                proof = trie.PrefixProof.decode(answer.proof_ops[0].data)
+                answer = rpc.abci_query("/prefix", prefix, height=latest.height - 1, prove=True)
                 t2 = time.perf_counter()
-                app_hash = light.verified_app_hash(answer.height)
+                entries = decode_entries(answer.value)
+                proof = trie.PrefixProof.decode(answer.proof_ops[0].data)
                 t3 = time.perf_counter()
-                trie.verify_prefix(app_hash, prefix, entries, proof)
+                trie.verify_prefix(latest.header.app_hash, prefix, entries, proof)
                 t4 = time.perf_counter()
                 rows.append((label, len(entries), t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0))
             t0 = time.perf_counter()
             _, users = LedgerClient(rpc, light).users("bench")
             whole = time.perf_counter() - t0
 
-    print(f"{'run':6} {'entries':>8} {'rpc ms':>8} {'decode':>8} {'header':>8} {'proof':>8} {'total':>8}")
+    columns = ("header", "query", "decode", "proof", "total")
+    print(f"{'run':6} {'entries':>8} " + " ".join(f"{c:>8}" for c in columns) + "  (ms)")
     for label, n, *times in rows:
         print(f"{label:6} {n:>8} " + " ".join(ms(t) for t in times))
     warm_total = statistics.median(r[-1] for r in rows[1:])

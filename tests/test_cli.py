@@ -70,12 +70,14 @@ def test_transactions_and_verified_queries(localnet, tmp_path):
                           "--model-id", "gt", "--address", "127.0.0.1:7201", "--hardware", "cpu",
                           "--capacity", "2", "--region", "eu", "--keys", str(owner), "--node", node, "--json"))
     assert done["code"] == 0 and done["height"] > 0
-    run("tx", "register-user", "--address", "127.0.0.1:9301", "--region", "eu", "--keys", str(user),
-        "--node", node)
+    registered = json.loads(run("tx", "register-user", "--address", "127.0.0.1:9301", "--region", "eu",
+                                "--keys", str(user), "--node", node, "--json"))
+    after = str(registered["height"])
     nodes = json.loads(run("query", "nodes", "--model", "gt", "--region", "eu", "--genesis", genesis,
-                           "--node", node, "--json"))
+                           "--node", node, "--min-height", after, "--json"))
     assert nodes["verified"] and [n["org_id"] for n in nodes["nodes"]] == ["acme"]
-    users = json.loads(run("query", "users", "--region", "eu", "--genesis", genesis, "--node", node, "--json"))
+    users = json.loads(run("query", "users", "--region", "eu", "--genesis", genesis, "--node", node,
+                           "--min-height", after, "--json"))
     assert len(users["users"]) == 1
     pubkey = nodes["nodes"][0]["pubkey"]
     assert json.loads(run("query", "node", pubkey, "--genesis", genesis, "--node", node, "--json"))["org_id"] == "acme"

@@ -89,3 +89,19 @@ def test_query_refusals(h, path, data, code, words):
 def test_unknown_height_is_refused(h):
     res = h.app.query(abci.RequestQuery(path="/prefix", data=b"org/", height=999, prove=True))
     assert res.code == Code.INVALID_FIELD and "no committed state at height 999" in res.log
+
+
+@pytest.mark.parametrize(
+    ("value", "words"),
+    [
+        (b"\xc1", "malformed list"),
+        (codec.pack([["k", b"v"]]), "must be bytes"),
+        (codec.pack([[b"k"]]), "malformed list"),
+        (codec.pack(7), "malformed list"),
+    ],
+)
+def test_malformed_list_answers_are_refused(value, words):
+    from planetserve.chain.client import QueryRefused, decode_entries
+
+    with pytest.raises(QueryRefused, match=words):
+        decode_entries(value)

@@ -11,10 +11,13 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
+import msgpack
+
 from planetserve.chain import state as layout
 from planetserve.chain import trie
 from planetserve.chain.app import PROOF_OP_TYPE
 from planetserve.chain.keys import KeySet
+from planetserve.chain.lightclient import LightBlock
 from planetserve.chain.rpc import AbciQuery, RpcClient, RpcResponseError, TxOutcome
 from planetserve.chain.tx import build
 from planetserve.registry import codec
@@ -22,13 +25,17 @@ from planetserve.registry.entities import Member, Model, ModelNode, Organisation
 from planetserve.registry.params import Params
 
 R = TypeVar("R", bound=Record)
+MAX_ANSWER_BYTES = 64 << 20
 
 
 class QueryRefused(Exception):
     """The RPC answer could not be verified, or the application refused the query."""
 
 
-class AppHashSource(Protocol):
+class Verifier(Protocol):
+    """What a LedgerClient needs of a light client."""
+
+    def verified_light_block(self, height: int | None = None) -> LightBlock: ...
     def verified_app_hash(self, height: int) -> bytes: ...
 
 
@@ -46,19 +53,51 @@ class Submitted:
     outcome: TxOutcome
 
 
+def decode_entries(value: bytes) -> list[tuple[bytes, bytes]]:
+    """The (key, value) pairs of a `/prefix` answer. Not held to canonical form: the proof, not
+    the encoding, is what makes an answer trustworthy."""
+    if len(value) > MAX_ANSWER_BYTES:
+        raise QueryRefused(f"answer of {len(value)} bytes exceeds the limit of {MAX_ANSWER_BYTES}")
+    try:
+        raw = msgpack.unpackb(value, raw=False, use_list=False) if value else ()
+        entries = [(k, v) for k, v in raw]
+    except Exception as exc:
+        raise QueryRefused(f"malformed list in the answer: {type(exc).__name__}") from exc
+    if not all(type(k) is bytes and type(v) is bytes for k, v in entries):
+        raise QueryRefused("malformed list in the answer: keys and values must be bytes")
+    return entries
+
+
 class LedgerClient:
-    def __init__(self, rpc: RpcClient, verifier: AppHashSource | None) -> None:
+    def __init__(self, rpc: RpcClient, verifier: Verifier | None, min_height: int = 0) -> None:
         self.rpc = rpc
         self.verifier = verifier
+        # Reads are of this height or later: submit() raises it to the height of each committed
+        # transaction, so a client reads its own writes.
+        self.min_height = min_height
 
     # -- verified reads --------------------------------------------------------------------------
 
-    def _query(self, path: str, data: bytes) -> tuple[AbciQuery, trie.PrefixProof | None]:
-        answer = self.rpc.abci_query(path, data, prove=self.verifier is not None)
-        if not answer.ok:
-            raise QueryRefused(f"query {path} refused (code {answer.code}): {answer.log}")
-        if self.verifier is None:
-            return answer, None
+    def _query(
+        self, path: str, data: bytes, verify: bool = True
+    ) -> tuple[AbciQuery, trie.PrefixProof | None, bytes]:
+        """Ask for the state whose app hash the latest verified header carries (height L-1 for
+        header L), so a verified answer never waits for the next block."""
+        if self.verifier is None or not verify:
+            answer = self.rpc.abci_query(path, data, prove=False)
+            self._check_answer(path, answer)
+            return answer, None, b""
+        latest = self.verifier.verified_light_block()
+        height = latest.height - 1
+        if height >= max(1, self.min_height):
+            app_hash = latest.header.app_hash
+        else:  # reading our own write, or only genesis exists: wait for the header after it
+            height = max(1, self.min_height)
+            app_hash = self.verifier.verified_app_hash(height)
+        answer = self.rpc.abci_query(path, data, height=height, prove=True)
+        self._check_answer(path, answer)
+        if answer.height != height:
+            raise QueryRefused(f"answer is for height {answer.height}, asked for height {height}")
         ops = [op for op in answer.proof_ops if op.type == PROOF_OP_TYPE]
         if len(ops) != 1 or ops[0].key != data:
             raise QueryRefused(f"proof missing or for another key in the answer to {path}")
@@ -66,35 +105,32 @@ class LedgerClient:
             proof = trie.PrefixProof.decode(ops[0].data)
         except trie.ProofError as exc:
             raise QueryRefused(f"malformed proof: {exc}") from exc
-        return answer, proof
+        return answer, proof, app_hash
 
-    def _app_hash(self, height: int) -> bytes:
-        assert self.verifier is not None
-        return self.verifier.verified_app_hash(height)
+    @staticmethod
+    def _check_answer(path: str, answer: AbciQuery) -> None:
+        if not answer.ok:
+            raise QueryRefused(f"query {path} refused (code {answer.code}): {answer.log}")
 
     def entries(self, prefix: bytes) -> Listing:
         """Every entry under a key prefix, complete and unaltered when verified."""
-        answer, proof = self._query("/prefix", prefix)
+        answer, proof, app_hash = self._query("/prefix", prefix)
         height = answer.height
-        try:
-            raw = codec.unpack(answer.value, max_size=64 << 20)
-            entries = [(bytes(k), bytes(v)) for k, v in raw]
-        except (codec.CodecError, TypeError, ValueError) as exc:
-            raise QueryRefused(f"malformed list in the answer: {exc}") from exc
+        entries = decode_entries(answer.value)
         if proof is not None:
             try:
-                trie.verify_prefix(self._app_hash(height), prefix, entries, proof)
+                trie.verify_prefix(app_hash, prefix, entries, proof)
             except trie.ProofError as exc:
                 raise QueryRefused(f"list does not match the committed app hash: {exc}") from exc
         return Listing(height, entries, proof is not None)
 
     def value(self, key: bytes) -> tuple[int, bytes | None]:
         """One entry, or None when absent; a verified absence is proven too."""
-        answer, proof = self._query("/key", key)
+        answer, proof, app_hash = self._query("/key", key)
         claimed = answer.value if answer.info == "found" else None
         if proof is not None:
             try:
-                trie.verify_key(self._app_hash(answer.height), key, claimed, proof)
+                trie.verify_key(app_hash, key, claimed, proof)
             except trie.ProofError as exc:
                 raise QueryRefused(f"value does not match the committed app hash: {exc}") from exc
         return answer.height, claimed
@@ -136,8 +172,10 @@ class LedgerClient:
         return params
 
     def sequence(self, account: bytes) -> int:
-        _, raw = self.value(layout.account_key(account))
-        return 0 if raw is None else int(codec.unpack(raw))
+        """The account's next sequence in the latest state, on the endpoint's word: a wrong
+        answer can only make the transaction fail, and the verified state lags one block."""
+        answer, _, _ = self._query("/key", layout.account_key(account), verify=False)
+        return int(codec.unpack(answer.value)) if answer.info == "found" else 0
 
     # -- writes ----------------------------------------------------------------------------------
 
@@ -153,6 +191,7 @@ class LedgerClient:
         while True:
             try:
                 found = self.rpc.tx(checked.hash)
+                self.min_height = max(self.min_height, found.height)
                 return Submitted(checked.hash, found.height, found.result)
             except RpcResponseError:
                 if time.monotonic() > deadline:

@@ -23,7 +23,7 @@ def ledger_options(verify: bool) -> Callable:
                       help="CometBFT RPC endpoint (env PLANETSERVE_NODE).")
         @functools.wraps(fn)
         def wrapper(*args: Any, node: str, genesis: Path | None = None, no_verify: bool = False,
-                    **kwargs: Any) -> Any:
+                    min_height: int = 0, **kwargs: Any) -> Any:
             from planetserve.cli import fail
 
             rpc = RpcClient(node)
@@ -35,9 +35,12 @@ def ledger_options(verify: bool) -> Callable:
 
                 verifier = LightClient.from_genesis_file(genesis, rpc)
             with rpc:
-                return fn(*args, ledger=LedgerClient(rpc, verifier), **kwargs)
+                return fn(*args, ledger=LedgerClient(rpc, verifier, min_height), **kwargs)
 
         if verify:
+            wrapper = click.option("--min-height", type=click.IntRange(min=0), default=0,
+                                   help="Read state of this height or later, e.g. the height a "
+                                        "transaction was committed in (waits for it).")(wrapper)
             wrapper = click.option("--no-verify", is_flag=True,
                                    help="Trust the RPC endpoint instead of verifying its answers.")(wrapper)
             wrapper = click.option("--genesis", envvar="PLANETSERVE_GENESIS",
