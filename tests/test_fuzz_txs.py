@@ -7,6 +7,8 @@ from harness import AppHarness, sqlite_url
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from planetserve.chain.errors import Code
+from planetserve.chain.handlers import HANDLERS
 from planetserve.chain.keys import KeySet
 
 KEYS = KeySet.generate()
@@ -58,3 +60,30 @@ def test_mutations_of_valid_transactions(h, data):
     else:
         del raw[pos]
     assert_refused_without_change(h, bytes(raw))
+
+
+FIELD_NAMES = ["org_id", "name", "address", "region", "model_id", "node_pubkey", "pop", "hardware",
+               "capacity", "status", "action", "operator", "consensus_key", "vrf_key", "x25519_key",
+               "credential", "power", "proposal_id", "approve", "extra"]
+values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.text(max_size=80) | st.binary(max_size=80),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=8,
+)
+
+
+@settings_
+@given(st.sampled_from(sorted(HANDLERS)),
+       st.dictionaries(st.sampled_from(FIELD_NAMES), values, max_size=9))
+def test_signed_random_bodies_never_crash_and_refusals_change_nothing(h, tx_type, body):
+    signer = h.members[0] if tx_type in ("register-model", "propose-member", "vote-member") else KEYS
+    root = h.store.app_hash
+    before = {k: v for k, v in h.store.batch().iterate(b"") if not k.startswith(b"acct/")}
+    result = h.block(h.tx(signer, tx_type, body)).tx_results[0]
+    assert result.code in {c.value for c in Code}
+    if result.code != 0:
+        assert result.code != Code.INTERNAL, result.log
+        after = {k: v for k, v in h.store.batch().iterate(b"") if not k.startswith(b"acct/")}
+        assert after == before
+    else:
+        assert h.store.app_hash != root

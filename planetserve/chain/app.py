@@ -12,6 +12,7 @@ import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from sqlalchemy.exc import SQLAlchemyError
 from tendermint.abci import types_pb2 as abci
 from tendermint.crypto import keys_pb2, proof_pb2
 
@@ -19,7 +20,7 @@ from planetserve.chain import state as layout
 from planetserve.chain.errors import CODESPACE, Code, TxError, from_registry
 from planetserve.chain.handlers import HANDLERS, Context
 from planetserve.chain.state import State, TxScope
-from planetserve.chain.store import Batch, StateStore
+from planetserve.chain.store import Batch, StateStore, StoreError
 from planetserve.chain.tx import Tx, decode
 from planetserve.registry import codec
 from planetserve.registry.errors import RegistryError
@@ -260,6 +261,11 @@ class Application:
         except RegistryError as exc:
             err = from_registry(exc)
             return Outcome(err.code, err.log, [])
+        except (StoreError, SQLAlchemyError):
+            raise  # the database failed, not the transaction: stop rather than diverge
+        except Exception as exc:  # a handler bug is deterministic: every validator refuses alike
+            log.exception("handler %s failed", tx.type)
+            return Outcome(Code.INTERNAL, f"internal: {tx.type} failed ({type(exc).__name__})", [])
         scope.apply()
         if updates is not None:
             updates.update(ctx.validator_updates)

@@ -22,6 +22,7 @@ class Code(IntEnum):
     ALREADY_EXISTS = 9
     UNAUTHORIZED = 10
     EXPIRED = 11
+    INTERNAL = 12
 
 
 class TxError(Exception):
