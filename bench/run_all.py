@@ -1,0 +1,25 @@
+"""Run every benchmark of bench/ with its default settings, one after the other."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHES = ["commit_cost.py", "tx_throughput.py", "list_verify.py", "lightclient_verify.py"]
+
+
+def main() -> int:
+    here = Path(__file__).parent
+    failed = []
+    for name in BENCHES:
+        print(f"\n=== {name} ===", flush=True)
+        if subprocess.run([sys.executable, str(here / name)], check=False).returncode != 0:
+            failed.append(name)
+    if failed:
+        print(f"failed: {', '.join(failed)}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
