@@ -68,7 +68,7 @@ def main() -> None:
                 t1 = time.perf_counter()
                 answer = rpc.abci_query("/prefix", prefix, height=latest.height - 1, prove=True)
                 t2 = time.perf_counter()
-                entries = decode_entries(answer.value)
+                entries = decode_entries(answer.value, prefix)
                 proof = trie.PrefixProof.decode(answer.proof_ops[0].data)
                 t3 = time.perf_counter()
                 trie.verify_prefix(latest.header.app_hash, prefix, entries, proof)

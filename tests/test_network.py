@@ -6,6 +6,7 @@ import base64
 import signal
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 from chainnet import assert_same_app_hashes, ledger, member_keys, start_network
@@ -16,6 +17,7 @@ from planetserve.chain.handlers import node_pop_message
 from planetserve.chain.keys import KeySet
 from planetserve.chain.lightclient import VerificationError
 from planetserve.registry import codec
+from planetserve.registry.entities import ModelNode
 
 pytestmark = pytest.mark.network
 
@@ -170,9 +172,8 @@ def _set_entries(response, entries):
 
 def alter_entry(response):
     entries = _entries(response)
-    record = codec.unpack(entries[0][1])
-    record["address"] = "203.0.113.66:7000"
-    entries[0][1] = codec.pack(record)
+    node = ModelNode.decode(entries[0][1])
+    entries[0][1] = replace(node, address="203.0.113.66:7000").encode()
     _set_entries(response, entries)
 
 
@@ -182,9 +183,8 @@ def drop_entry(response):
 
 def add_entry(response):
     entries = _entries(response)
-    fake = codec.unpack(entries[0][1])
-    fake["pubkey"] = b"\x07" * 32
-    entries.append([entries[0][0][:-64] + b"f" * 64, codec.pack(fake)])
+    fake = replace(ModelNode.decode(entries[0][1]), pubkey=b"\x07" * 32)
+    entries.append([entries[0][0][:-64] + b"f" * 64, fake.encode()])
     _set_entries(response, entries)
 
 

@@ -8,10 +8,12 @@ from tendermint.abci import types_pb2 as abci
 
 from planetserve.chain import state as layout
 from planetserve.chain import trie
+from planetserve.chain.client import QueryRefused, decode_entries
 from planetserve.chain.errors import Code
 from planetserve.chain.handlers import node_pop_message
 from planetserve.chain.keys import KeySet
 from planetserve.registry import codec
+from planetserve.registry.entities import ModelNode
 from planetserve.registry.params import Params
 
 
@@ -40,7 +42,7 @@ def verified_list(h: AppHarness, prefix: bytes) -> list[tuple[bytes, bytes]]:
     assert res.code == 0, res.log
     assert res.height == h.store.height
     (op,) = res.proof_ops.ops
-    entries = [(k, v) for k, v in codec.unpack(res.value)]
+    entries = decode_entries(res.value, prefix)
     trie.verify_prefix(h.store.app_hash, prefix, entries, trie.PrefixProof.decode(op.data))
     return entries
 
@@ -48,7 +50,7 @@ def verified_list(h: AppHarness, prefix: bytes) -> list[tuple[bytes, bytes]]:
 def test_node_lists_per_model_and_region(h):
     assert len(verified_list(h, layout.node_list_prefix("gt"))) == 4
     eu = verified_list(h, layout.node_list_prefix("gt", "eu"))
-    assert len(eu) == 2 and all(codec.unpack(v)["region"] == "eu" for _, v in eu)
+    assert len(eu) == 2 and all(ModelNode.decode(v).region == "eu" for _, v in eu)
     assert verified_list(h, layout.node_list_prefix("unknown-model")) == []
 
 
@@ -101,7 +103,5 @@ def test_unknown_height_is_refused(h):
     ],
 )
 def test_malformed_list_answers_are_refused(value, words):
-    from planetserve.chain.client import QueryRefused, decode_entries
-
     with pytest.raises(QueryRefused, match=words):
-        decode_entries(value)
+        decode_entries(value, b"nlist/")

@@ -12,6 +12,7 @@ import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import msgpack
 from sqlalchemy.exc import SQLAlchemyError
 from tendermint.abci import types_pb2 as abci
 from tendermint.crypto import keys_pb2, proof_pb2
@@ -22,7 +23,7 @@ from planetserve.chain.handlers import HANDLERS, Context
 from planetserve.chain.state import State, TxScope
 from planetserve.chain.store import Batch, StateStore, StoreError
 from planetserve.chain.tx import Tx, decode
-from planetserve.registry import codec
+from planetserve.registry.entities import Proposal
 from planetserve.registry.errors import RegistryError
 from planetserve.registry.genesis import parse_app_state
 from planetserve.registry.params import Params
@@ -191,7 +192,8 @@ class Application:
     # -- queries ---------------------------------------------------------------------------------
 
     def query(self, req: abci.RequestQuery) -> abci.ResponseQuery:
-        """`/prefix` (data: a key prefix) answers every entry under it; `/key` (data: a key) one entry.
+        """`/prefix` (data: a key prefix) answers every entry under it, as msgpack [[key without the
+        prefix, value], ...]; `/key` (data: a key) one value.
         Both answer at the requested committed height (0: the latest) and carry a proof against
         that height's app hash, which header height + 1 carries."""
         if req.path not in ("/prefix", "/key"):
@@ -205,8 +207,9 @@ class Application:
             return self._query_error(Code.INVALID_FIELD, str(exc))
         if req.path == "/key":
             value = entries[0][1] if entries else b""
-        else:
-            value = codec.pack([[k, v] for k, v in entries])
+        else:  # keys without the prefix the client asked for: it knows that part
+            cut = len(req.data)
+            value = msgpack.packb([[k[cut:], v] for k, v in entries], use_bin_type=True)
         op = proof_pb2.ProofOp(type=PROOF_OP_TYPE, key=req.data, data=proof.encode())
         ops = proof_pb2.ProofOps(ops=[op])
         return abci.ResponseQuery(
@@ -319,7 +322,7 @@ class Application:
         stale = [
             int(k.split(b"/")[1])
             for k, v in batch.iterate(layout.key("proposal", ""))
-            if codec.unpack(v)["expires_height"] < height
+            if Proposal.decode(v).expires_height < height
         ]
         for proposal_id in stale:
             st.delete_proposal(proposal_id)

@@ -53,19 +53,19 @@ class Submitted:
     outcome: TxOutcome
 
 
-def decode_entries(value: bytes) -> list[tuple[bytes, bytes]]:
-    """The (key, value) pairs of a `/prefix` answer. Not held to canonical form: the proof, not
-    the encoding, is what makes an answer trustworthy."""
+def decode_entries(value: bytes, prefix: bytes) -> list[tuple[bytes, bytes]]:
+    """The (key, value) pairs of a `/prefix` answer, which sends keys without the prefix. Not held
+    to canonical form: the proof, not the encoding, is what makes an answer trustworthy."""
     if len(value) > MAX_ANSWER_BYTES:
         raise QueryRefused(f"answer of {len(value)} bytes exceeds the limit of {MAX_ANSWER_BYTES}")
     try:
         raw = msgpack.unpackb(value, raw=False, use_list=False) if value else ()
-        entries = [(k, v) for k, v in raw]
+        pairs = [(k, v) for k, v in raw]
     except Exception as exc:
         raise QueryRefused(f"malformed list in the answer: {type(exc).__name__}") from exc
-    if not all(type(k) is bytes and type(v) is bytes for k, v in entries):
+    if not all(type(k) is bytes and type(v) is bytes for k, v in pairs):
         raise QueryRefused("malformed list in the answer: keys and values must be bytes")
-    return entries
+    return [(prefix + k, v) for k, v in pairs]
 
 
 class LedgerClient:
@@ -116,7 +116,7 @@ class LedgerClient:
         """Every entry under a key prefix, complete and unaltered when verified."""
         answer, proof, app_hash = self._query("/prefix", prefix)
         height = answer.height
-        entries = decode_entries(answer.value)
+        entries = decode_entries(answer.value, prefix)
         if proof is not None:
             try:
                 trie.verify_prefix(app_hash, prefix, entries, proof)
@@ -137,7 +137,7 @@ class LedgerClient:
 
     def _entity(self, key: bytes, cls: type[R]) -> R | None:
         _, raw = self.value(key)
-        return None if raw is None else cls.from_record(codec.unpack(raw))
+        return None if raw is None else cls.decode(raw)
 
     def nodes(
         self, model_id: str | None = None, region: str | None = None

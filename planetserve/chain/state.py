@@ -20,7 +20,7 @@ or region can never match another (model ids may contain '/').
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 from urllib.parse import quote
 
 from planetserve.registry import codec
@@ -150,10 +150,10 @@ class State:
 
     def _load(self, k: bytes, cls: type[R]) -> R | None:
         raw = self.kv.get(k)
-        return None if raw is None else cls.from_record(codec.unpack(raw))
+        return None if raw is None else cls.decode(raw)
 
     def _put(self, k: bytes, entity: Record) -> None:
-        self.kv.set(k, codec.pack(entity.to_record()))
+        self.kv.set(k, entity.encode())
 
     def get_int(self, k: bytes) -> int:
         raw = self.kv.get(k)
@@ -193,7 +193,7 @@ class State:
         if old is not None:
             self.kv.delete(user_list_key(old))
             self.kv.delete(expiry_key(old.expires_at, old.pubkey))
-        record = codec.pack(user.to_record())
+        record = user.encode()
         self.kv.set(user_key(user.pubkey), record)
         self.kv.set(user_list_key(user), record)
         self.kv.set(expiry_key(user.expires_at, user.pubkey), b"")
@@ -211,7 +211,7 @@ class State:
         old = self.node(node.pubkey)
         if old is not None:
             self.kv.delete(node_list_key(old))
-        record = codec.pack(node.to_record())
+        record = node.encode()
         self.kv.set(node_key(node.pubkey), record)
         if node.status == "active":
             self.kv.set(node_list_key(node), record)
@@ -244,13 +244,9 @@ def members(kv: IterableKV) -> dict[bytes, Member]:
     """The committee, keyed by operator key, in key order."""
     return {
         m.operator: m
-        for m in (Member.from_record(codec.unpack(v)) for _, v in kv.iterate(MEMBER_PREFIX))
+        for m in (Member.decode(v) for _, v in kv.iterate(MEMBER_PREFIX))
     }
 
 
 def decode_entries(entries: list[tuple[bytes, bytes]], cls: type[R]) -> list[R]:
-    return [cls.from_record(codec.unpack(v)) for _, v in entries]
-
-
-def record_of(value: bytes) -> dict[str, Any]:
-    return codec.unpack(value)
+    return [cls.decode(v) for _, v in entries]

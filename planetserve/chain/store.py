@@ -286,6 +286,22 @@ def _check_iter_prefix(prefix: bytes) -> None:
         raise ValueError(f"prefix {prefix[:80]!r} is not ASCII without NUL")
 
 
+def _rewind(
+    entries: list[tuple[bytes, bytes]], undo: Mapping[bytes, bytes | None], prefix: bytes
+) -> list[tuple[bytes, bytes]]:
+    """The entries under `prefix` one height back: the latest rows with the last commit undone."""
+    body = prefix[:-1] if prefix.endswith(b"\x00") else prefix
+    exact = prefix.endswith(b"\x00")
+    rows = dict(entries)
+    for key, old in undo.items():
+        if key == body if exact else key.startswith(body):
+            if old is None:
+                rows.pop(key, None)
+            else:
+                rows[key] = old
+    return sorted(rows.items())
+
+
 class Batch:
     """A write buffer over the committed state at the time it was made.
 
@@ -433,6 +449,9 @@ class StateStore:
             elif bytes(schema) != SCHEMA_VERSION:
                 raise StoreError(f"state schema {bytes(schema)!r}, this code reads {SCHEMA_VERSION!r}")
             self._height = int.from_bytes(bytes(rows.get(_HEIGHT, b"")), "big")
+            # The previous values of the keys the last commit changed: serves the state one
+            # height back (what a client verifies against the latest header) without a trie walk.
+            self._undo: tuple[int, dict[bytes, bytes | None]] | None = None
             self._app_hash = bytes(rows[_APP_HASH]) if _APP_HASH in rows else EMPTY_ROOT
             self._root_id: int | None = None
             if self._height:
@@ -542,10 +561,12 @@ class StateStore:
             self._check_fresh(batch)
             if height <= self._height:
                 raise StoreError(f"height {height} is not above the committed height {self._height}")
+            previous = self._height
             all_meta = dict(batch._meta)
             all_meta.update(_check_meta(meta or {}))
             root, root_id, new_nodes = batch._compute()
             changes = sorted(batch._pending.items())
+            undo = {k: self._committed_value(batch, k) for k, _ in changes}
             sets = [(k, v) for k, v in changes if v is not None]
             dels = [(k,) for k, v in changes if v is None]
             with self._engine.begin() as conn:
@@ -558,6 +579,7 @@ class StateStore:
                 cur.close()
                 self._write_head(conn, height, root, root_id, all_meta)
             self._committed(height, root, root_id, len(new_nodes))
+            self._undo = (previous, undo)
             batch._done = True
             put = self._cache.put
             for ref, _, body, left, right in new_nodes:
@@ -657,8 +679,11 @@ class StateStore:
             proof, subtree = make_prefix_proof(root, root_id, prefix, self._get_node)
             if subtree is None:
                 return [], proof
-            if latest:
-                entries = self._select_prefix(prefix, max_entries + 1)
+            undo = self._undo[1] if self._undo and self._undo[0] == height else None
+            if latest or undo is not None:
+                entries = self._select_prefix(prefix, max_entries + 1 + len(undo or ()))
+                if undo is not None:
+                    entries = _rewind(entries, undo, prefix)
                 if len(entries) > max_entries:
                     raise TooManyEntriesError(f"more than {max_entries} entries under {prefix!r}")
                 if not entries:
@@ -775,6 +800,13 @@ class StateStore:
             if len(rows) < _SCAN_PAGE:
                 return
             sql, params = self._sql_scan_next, (bytes(rows[-1][0]), hi, _SCAN_PAGE)
+
+    def _committed_value(self, batch: Batch, key: bytes) -> bytes | None:
+        """The committed value of `key` before `batch` (reads the batch already made are reused)."""
+        if key in batch._reads:
+            return batch._reads[key]
+        rows = self._query(self._sql_get_kv, (key,))
+        return bytes(rows[0][1]) if rows else None
 
     def _select_prefix(self, prefix: bytes, limit: int) -> list[tuple[bytes, bytes]]:
         if prefix.endswith(b"\x00"):

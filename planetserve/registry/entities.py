@@ -6,12 +6,15 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Self
 
+from planetserve.registry import codec
+
 NODE_STATUSES = ("active", "inactive")
 MEMBER_ACTIONS = ("add", "remove")
 
 
 class Record:
-    """Conversion between an entity and its stored record."""
+    """Conversion between an entity and its record: a dict for people and JSON, and, in state, the
+    canonical msgpack array of its fields in declaration order (no field names on the wire)."""
 
     def to_record(self) -> dict[str, Any]:
         return {
@@ -26,6 +29,18 @@ class Record:
             value = record[f.name]
             values[f.name] = tuple(value) if isinstance(value, list) else value
         return cls(**values)
+
+    def encode(self) -> bytes:
+        return codec.pack([getattr(self, f.name) for f in dataclasses.fields(self)])  # type: ignore[arg-type]
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Self:
+        """Decode a stored record; raises CodecError for bytes of another shape."""
+        values = codec.unpack(raw)
+        names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+        if not isinstance(values, list) or len(values) != len(names):
+            raise codec.CodecError(f"not a {cls.__name__} record")
+        return cls(**{n: tuple(v) if isinstance(v, list) else v for n, v in zip(names, values, strict=True)})
 
 
 @dataclass(frozen=True)
