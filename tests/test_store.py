@@ -587,13 +587,12 @@ def test_proofs_while_committing(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("seed", [3, 5, 8])
-def test_previous_height_from_undo_matches_the_trie_walk(tmp_path: Path, seed: int) -> None:
+def test_previous_height_from_undo_matches_the_trie_walk(store_url: str, seed: int) -> None:
     """The state one height back is served from the latest rows with the last commit undone; it
     must equal what walking that height's trie gives (a reopened store has no undo)."""
-    path = tmp_path / "s.db"
-    live = StateStore(f"sqlite:///{path}")
+    live = StateStore(store_url)
     roots = _run_blocks(live, _random_blocks(seed, n_blocks=5))
-    reopened = StateStore(f"sqlite:///{path}")
+    reopened = StateStore(store_url)
     previous = live.height - 1
     for prefix in (b"user/", b"a", b"ab/", b"node/", b"zz", b"u"):
         fast = live.prove_prefix(prefix, 1000, previous)

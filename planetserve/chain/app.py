@@ -63,7 +63,7 @@ class Application:
         self.chain_id = (store.get_meta(CHAIN_ID_META) or b"").decode()
         self.committed_time = int.from_bytes(store.get_meta(BLOCK_TIME_META) or b"", "big")
         self.check = store.batch()
-        self._verified: OrderedDict[bytes, None] = OrderedDict()
+        self._verified: OrderedDict[bytes, Tx] = OrderedDict()
         self._params: Params | None = None
 
     @property
@@ -128,7 +128,7 @@ class Application:
             if size + len(raw) > req.max_tx_bytes:
                 break
             try:
-                decode(raw, limit)
+                self._decode(raw, limit)
             except TxError:
                 continue
             chosen.append(raw)
@@ -141,7 +141,7 @@ class Application:
         status = abci.ResponseProcessProposal.ACCEPT
         for raw in req.txs:
             try:
-                decode(raw, limit)
+                self._decode(raw, limit)
             except TxError:
                 status = abci.ResponseProcessProposal.REJECT
                 break
@@ -241,8 +241,8 @@ class Application:
         st = State(batch)
         params = self.params
         try:
-            tx = decode(raw, params.max_tx_bytes)
-            self._check_envelope(st, tx, raw)
+            tx, digest = self._decode(raw, params.max_tx_bytes)
+            self._check_envelope(st, tx, digest)
         except TxError as exc:
             return Outcome(exc.code, exc.log, [])
         st.put_int(layout.account_key(tx.signer), tx.sequence + 1)
@@ -274,27 +274,32 @@ class Application:
             updates.update(ctx.validator_updates)
         return Outcome(Code.OK, "ok", _events([("tx", {"type": tx.type}), *ctx.events]))
 
-    def _signature_valid(self, tx: Tx, raw: bytes) -> bool:
-        """Signature validity is a pure function of the bytes, so a transaction verified once (in
-        CheckTx) is not verified again on recheck or in FinalizeBlock."""
+    def _decode(self, raw: bytes, max_bytes: int) -> tuple[Tx, bytes]:
+        """Decoding and signature validity are pure functions of the bytes, so a transaction seen
+        once (in CheckTx) is neither decoded nor verified again on recheck, in proposals or in
+        FinalizeBlock: the cache holds the decoded transactions whose signature verified."""
         digest = hashlib.sha256(raw).digest()
+        cached = self._verified.get(digest) if len(raw) <= max_bytes else None
+        return (cached if cached is not None else decode(raw, max_bytes)), digest
+
+    def _signature_valid(self, tx: Tx, digest: bytes) -> bool:
         if digest in self._verified:
             return True
         if not tx.signature_valid():
             return False
-        self._verified[digest] = None
+        self._verified[digest] = tx
         if len(self._verified) > VERIFIED_CACHE:
             self._verified.popitem(last=False)
         return True
 
-    def _check_envelope(self, st: State, tx: Tx, raw: bytes) -> None:
+    def _check_envelope(self, st: State, tx: Tx, digest: bytes) -> None:
         if tx.chain_id != self.chain_id:
             raise TxError(
                 Code.WRONG_CHAIN_ID, f"wrong chain id: {tx.chain_id!r}, this chain is {self.chain_id!r}"
             )
         if tx.type not in HANDLERS:
             raise TxError(Code.UNKNOWN_TYPE, f"unknown transaction type {tx.type!r}")
-        if not self._signature_valid(tx, raw):
+        if not self._signature_valid(tx, digest):
             raise TxError(Code.BAD_SIGNATURE, "bad signature: does not verify under the signer's key")
         expected = st.sequence(tx.signer)
         if tx.sequence != expected:

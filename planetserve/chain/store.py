@@ -566,7 +566,7 @@ class StateStore:
             all_meta.update(_check_meta(meta or {}))
             root, root_id, new_nodes = batch._compute()
             changes = sorted(batch._pending.items())
-            undo = {k: self._committed_value(batch, k) for k, _ in changes}
+            undo = self._committed_values(batch, [k for k, _ in changes])
             sets = [(k, v) for k, v in changes if v is not None]
             dels = [(k,) for k, v in changes if v is None]
             with self._engine.begin() as conn:
@@ -801,12 +801,18 @@ class StateStore:
                 return
             sql, params = self._sql_scan_next, (bytes(rows[-1][0]), hi, _SCAN_PAGE)
 
-    def _committed_value(self, batch: Batch, key: bytes) -> bytes | None:
-        """The committed value of `key` before `batch` (reads the batch already made are reused)."""
-        if key in batch._reads:
-            return batch._reads[key]
-        rows = self._query(self._sql_get_kv, (key,))
-        return bytes(rows[0][1]) if rows else None
+    def _committed_values(self, batch: Batch, keys: list[bytes]) -> dict[bytes, bytes | None]:
+        """The committed values of `keys` before `batch`: the batch's own reads, the rest in a
+        few IN queries."""
+        out = {k: batch._reads[k] for k in keys if k in batch._reads}
+        rest = [k for k in keys if k not in out]
+        for i in range(0, len(rest), _IN_CHUNK):
+            chunk = rest[i : i + _IN_CHUNK]
+            marks = ", ".join(["%s" if self._dialect == "postgresql" else "?"] * len(chunk))
+            sql = f'SELECT "key", "value" FROM state_kv WHERE "key" IN ({marks})'  # noqa: S608 (placeholders only)
+            found = {bytes(k): bytes(v) for k, v in self._query(sql, chunk)}
+            out.update({k: found.get(k) for k in chunk})
+        return out
 
     def _select_prefix(self, prefix: bytes, limit: int) -> list[tuple[bytes, bytes]]:
         if prefix.endswith(b"\x00"):
