@@ -7,13 +7,13 @@ from pathlib import Path
 from typing import Any
 
 from google.protobuf.timestamp_pb2 import Timestamp
-from planetserve.chain.store import StateStore
 from tendermint.abci import types_pb2 as abci
 from tendermint.crypto import keys_pb2
 
 from planetserve.chain import tx as txlib
 from planetserve.chain.app import Application
 from planetserve.chain.keys import KeySet
+from planetserve.chain.store import StateStore
 from planetserve.registry.entities import Member, Model
 from planetserve.registry.genesis import AppState
 from planetserve.registry.params import Params
