@@ -12,7 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from tendermint.abci import types_pb2 as abci
 
-from planetserve.chain.server import MAX_MESSAGE_BYTES, AbciServer, encode_uvarint, frame, read_uvarint
+from planetserve.chain.server import MAX_MESSAGE_BYTES, AbciServer, frame, read_uvarint
+from planetserve.chain.varint import encode_uvarint
 
 
 @given(st.integers(min_value=0, max_value=2**63))

@@ -14,21 +14,9 @@ from planetserve.genesis.network import (
     NetworkBuildError,
     NetworkSpec,
     build_network,
-    cometbft_binary,
     edit_toml,
 )
 from planetserve.localnet.cluster import Cluster, ClusterError, stop_all
-
-
-def _have_cometbft() -> bool:
-    try:
-        cometbft_binary()
-    except NetworkBuildError:
-        return False
-    return True
-
-
-needs_cometbft = pytest.mark.skipif(not _have_cometbft(), reason="cometbft binary not installed")
 
 
 def test_edit_toml_replaces_in_section_and_adds_missing_keys() -> None:
@@ -50,7 +38,6 @@ def test_edit_toml_replaces_in_section_and_adds_missing_keys() -> None:
     assert "# the address" in out
 
 
-@needs_cometbft
 def test_build_with_app_state_and_failing_app(tmp_path) -> None:
     spec = build_network(
         tmp_path / "net",
@@ -96,7 +83,6 @@ def cluster(tmp_path_factory):
 
 
 @pytest.mark.network
-@needs_cometbft
 def test_homes_share_one_genesis_and_match_running_nodes(cluster: Cluster) -> None:
     spec = cluster.spec
     assert NetworkSpec.load(spec.root) == spec
@@ -124,7 +110,6 @@ def test_homes_share_one_genesis_and_match_running_nodes(cluster: Cluster) -> No
 
 
 @pytest.mark.network
-@needs_cometbft
 def test_pids_and_logs_are_recorded(cluster: Cluster) -> None:
     for v in cluster.spec.validators:
         pids = json.loads((v.home / "pids.json").read_text())
@@ -134,7 +119,6 @@ def test_pids_and_logs_are_recorded(cluster: Cluster) -> None:
 
 
 @pytest.mark.network
-@needs_cometbft
 def test_app_hashes_agree(cluster: Cluster) -> None:
     h = max(cluster.wait_for_height(2).values())
     cluster.rpc(0).broadcast_tx_commit(b"cluster=test")
@@ -143,14 +127,12 @@ def test_app_hashes_agree(cluster: Cluster) -> None:
 
 
 @pytest.mark.network
-@needs_cometbft
 def test_wait_for_height_timeout_names_every_validator(cluster: Cluster) -> None:
     with pytest.raises(TimeoutError, match=r"height 1000000 not reached .*v0=\d+, v1=\d+, v2=\d+"):
         cluster.wait_for_height(1_000_000, timeout=0.2)
 
 
 @pytest.mark.network
-@needs_cometbft
 def test_stop_restart_and_kill_validators(cluster: Cluster) -> None:
     cluster.stop(3)
     assert cluster.running(3) == {"app": False, "cometbft": False}
@@ -170,7 +152,6 @@ def test_stop_restart_and_kill_validators(cluster: Cluster) -> None:
 
 
 @pytest.mark.network
-@needs_cometbft
 def test_stop_all_works_from_the_files_alone(cluster: Cluster) -> None:
     stop_all(cluster.spec.root)
     for v in cluster.spec.validators:

@@ -541,18 +541,6 @@ def test_trust_level_bounds() -> None:
 # --- against a real CometBFT network ------------------------------------------------------------
 
 
-def _have_cometbft() -> bool:
-    from planetserve.genesis.network import NetworkBuildError, cometbft_binary
-
-    try:
-        cometbft_binary()
-    except NetworkBuildError:
-        return False
-    return True
-
-
-needs_cometbft = pytest.mark.skipif(not _have_cometbft(), reason="cometbft binary not installed")
-
 
 @dataclass
 class Net:
@@ -626,7 +614,6 @@ def net(tmp_path_factory):
 
 
 @pytest.mark.network
-@needs_cometbft
 def test_headers_verify_and_hash_like_cometbft(net: Net) -> None:
     lc = net.client()
     for h in (1, 2, net.kv_height, net.s2_from - 1):
@@ -638,7 +625,6 @@ def test_headers_verify_and_hash_like_cometbft(net: Net) -> None:
 
 
 @pytest.mark.network
-@needs_cometbft
 def test_verified_app_hash_is_from_the_next_header(net: Net) -> None:
     lc = net.client()
     app_hash = lc.verified_app_hash(net.kv_height)
@@ -650,7 +636,6 @@ def test_verified_app_hash_is_from_the_next_header(net: Net) -> None:
 
 
 @pytest.mark.network
-@needs_cometbft
 def test_skipping_bisects_across_validator_set_changes(net: Net) -> None:
     lc = net.client()
     header = lc.verified_header(net.top)
@@ -665,7 +650,6 @@ def test_skipping_bisects_across_validator_set_changes(net: Net) -> None:
 
 
 @pytest.mark.network
-@needs_cometbft
 def test_sequential_follows_every_validator_set_change(net: Net) -> None:
     lc = net.client(rpc=net.cluster.rpc(3), sequential=True)
     header = lc.verified_header(net.top)
@@ -674,7 +658,6 @@ def test_sequential_follows_every_validator_set_change(net: Net) -> None:
 
 
 @pytest.mark.network
-@needs_cometbft
 def test_trusted_store_resumes_from_latest_trusted(net: Net, tmp_path) -> None:
     path = tmp_path / "trusted.json"
     net.client(store_path=path).verified_header(net.s3_from)
@@ -685,7 +668,6 @@ def test_trusted_store_resumes_from_latest_trusted(net: Net, tmp_path) -> None:
 
 
 @pytest.mark.network
-@needs_cometbft
 def test_unreachable_endpoint_is_a_provider_error(net: Net) -> None:
     from planetserve.genesis.network import free_ports
 
@@ -771,7 +753,6 @@ def garbage(method: str, params: dict[str, Any], answer: dict[str, Any]) -> byte
 
 
 @pytest.mark.network
-@needs_cometbft
 @pytest.mark.parametrize(
     ("rewrite", "error", "message"),
     [
@@ -801,7 +782,6 @@ def test_lying_endpoint_is_refused(net: Net, proxy: TamperProxy, rewrite, error,
 
 
 @pytest.mark.network
-@needs_cometbft
 def test_lying_about_a_changed_set_is_refused(net: Net, proxy: TamperProxy) -> None:
     """After the set changed, serving the older (genesis) set for a later height fails."""
     stale = net.rpc.validators(2)[1]

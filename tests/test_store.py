@@ -344,15 +344,7 @@ def test_store_root_matches_subtree_root(blocks: list[dict[bytes, bytes | None]]
     s = StateStore("sqlite://")
     model: dict[bytes, bytes] = {}
     for h, block in enumerate(blocks, start=1):
-        b = s.batch()
-        for k, v in block.items():
-            if v is None:
-                b.delete(k)
-                model.pop(k, None)
-            else:
-                b.set(k, v)
-                model[k] = v
-        root = s.commit(b, h)
+        root = _commit_block(s, h, block, model)
         assert root == subtree_root(sorted(model.items()))
         assert all_entries(s) == sorted(model.items())
     s.close()
@@ -369,6 +361,19 @@ def _random_blocks(seed: int, n_blocks: int = 6) -> list[dict[bytes, bytes | Non
             block[k] = None if rnd.random() < 0.2 else rnd.randbytes(rnd.randrange(0, 30))
         blocks.append(block)
     return blocks
+
+
+def _commit_block(s: StateStore, height: int, block: dict[bytes, bytes | None], model: dict[bytes, bytes]) -> bytes:
+    """Commit one block of writes (None deletes) and apply it to `model` as well."""
+    b = s.batch()
+    for k, v in block.items():
+        if v is None:
+            b.delete(k)
+            model.pop(k, None)
+        else:
+            b.set(k, v)
+            model[k] = v
+    return s.commit(b, height)
 
 
 def _run_blocks(s: StateStore, blocks: list[dict[bytes, bytes | None]]) -> list[bytes]:
@@ -532,15 +537,7 @@ def test_reopen_and_continue(store_url: str) -> None:
                 model[k] = v
     assert s.app_hash == roots[-1] == subtree_root(sorted(model.items()))
     for h, block in enumerate(blocks[4:], start=5):
-        b = s.batch()
-        for k, v in block.items():
-            if v is None:
-                b.delete(k)
-                model.pop(k, None)
-            else:
-                b.set(k, v)
-                model[k] = v
-        assert s.commit(b, h) == subtree_root(sorted(model.items()))
+        assert _commit_block(s, h, block, model) == subtree_root(sorted(model.items()))
     for prefix in (b"user/", b"a", b""):
         entries, proof = s.prove_prefix(prefix, 10_000)
         verify_prefix(s.app_hash, prefix, entries, proof)

@@ -49,6 +49,7 @@ from tendermint.types import canonical_pb2, types_pb2, validator_pb2
 from tendermint.version import types_pb2 as version_pb2
 
 from planetserve.chain.rpc import RpcClient, RpcError
+from planetserve.chain.varint import encode_uvarint
 
 BLOCK_PROTOCOL = 11
 MAX_CHAIN_ID_LEN = 50
@@ -94,17 +95,6 @@ def merkle_root(items: Sequence[bytes]) -> bytes:
     k = 1 << ((n - 1).bit_length() - 1)
     return _sha256(b"\x01" + merkle_root(items[:k]) + merkle_root(items[k:]))
 
-
-def _uvarint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(b | 0x80)
-        else:
-            out.append(b)
-            return bytes(out)
 
 
 def address_of(pub_key: bytes) -> bytes:
@@ -432,7 +422,7 @@ class Commit:
         vote.timestamp.nanos = sig.timestamp.nanos
         vote.timestamp.SetInParent()  # non-nullable stdtime: always encoded
         body = vote.SerializeToString()
-        return _uvarint(len(body)) + body
+        return encode_uvarint(len(body)) + body
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from google.protobuf.message import DecodeError
 from tendermint.abci import types_pb2 as abci
 
 from planetserve.chain.app import Application
+from planetserve.chain.varint import encode_uvarint
 
 log = logging.getLogger(__name__)
 
@@ -27,17 +28,6 @@ OUTPUT_BUFFER = 1 << 20
 class FramingError(Exception):
     """The peer sent bytes that are not a valid length-prefixed message."""
 
-
-def encode_uvarint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte = value & 0x7F
-        value >>= 7
-        if value:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
 
 
 async def read_uvarint(reader: asyncio.StreamReader) -> int:
