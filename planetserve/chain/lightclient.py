@@ -27,7 +27,6 @@ Every failure raises `VerificationError` (`ProviderError` when the endpoint gave
 from __future__ import annotations
 
 import base64
-import binascii
 import calendar
 import hashlib
 import json
@@ -48,7 +47,7 @@ from tendermint.crypto import keys_pb2
 from tendermint.types import canonical_pb2, types_pb2, validator_pb2
 from tendermint.version import types_pb2 as version_pb2
 
-from planetserve.chain.rpc import RpcClient, RpcError
+from planetserve.chain.rpc import RpcClient, RpcError, RpcMalformed, b64, hexb
 from planetserve.chain.varint import encode_uvarint
 
 BLOCK_PROTOCOL = 11
@@ -164,13 +163,9 @@ def _int(v: Any, what: str) -> int:
 
 
 def _hex(v: Any, what: str, size: int | None = None) -> bytes:
-    if v is None:
-        v = ""
-    if not isinstance(v, str):
-        raise VerificationError(f"malformed {what}: not a hex string")
     try:
-        out = bytes.fromhex(v)
-    except ValueError as exc:
+        out = hexb(v, what)
+    except RpcMalformed as exc:
         raise VerificationError(f"malformed {what}: not a hex string") from exc
     if size is not None and out and len(out) != size:
         raise VerificationError(f"malformed {what}: {len(out)} bytes, expected {size}")
@@ -178,13 +173,9 @@ def _hex(v: Any, what: str, size: int | None = None) -> bytes:
 
 
 def _b64(v: Any, what: str) -> bytes:
-    if v is None or v == "":
-        return b""
-    if not isinstance(v, str):
-        raise VerificationError(f"malformed {what}: not a base64 string")
     try:
-        return base64.b64decode(v, validate=True)
-    except (binascii.Error, ValueError) as exc:
+        return b64(v, what)
+    except RpcMalformed as exc:
         raise VerificationError(f"malformed {what}: not base64") from exc
 
 
