@@ -270,8 +270,9 @@ class Application:
             log.exception("handler %s failed", tx.type)
             return Outcome(Code.INTERNAL, f"internal: {tx.type} failed ({type(exc).__name__})", [])
         scope.apply()
-        if updates is not None:
-            updates.update(ctx.validator_updates)
+        if updates is None:  # a mempool check: its events would be thrown away
+            return Outcome(Code.OK, "ok", [])
+        updates.update(ctx.validator_updates)
         return Outcome(Code.OK, "ok", _events([("tx", {"type": tx.type}), *ctx.events]))
 
     def _decode(self, raw: bytes, max_bytes: int) -> tuple[Tx, bytes]:
