@@ -12,18 +12,44 @@ from hypothesis import given
 from hypothesis import strategies as st
 from tendermint.abci import types_pb2 as abci
 
-from planetserve.chain.server import MAX_MESSAGE_BYTES, AbciServer, frame, read_uvarint
+from planetserve.chain.server import (
+    MAX_MESSAGE_BYTES,
+    AbciServer,
+    FrameReader,
+    FramingError,
+    frame,
+    parse_uvarint,
+)
 from planetserve.chain.varint import encode_uvarint
 
 
 @given(st.integers(min_value=0, max_value=2**63))
 def test_uvarint_round_trip(value):
-    async def decode() -> int:
-        reader = asyncio.StreamReader()
-        reader.feed_data(encode_uvarint(value))
-        return await read_uvarint(reader)
+    raw = encode_uvarint(value)
+    assert parse_uvarint(b"x" + raw, 1) == (value, len(raw) + 1)
+    assert parse_uvarint(raw[:-1], 0) is None
 
-    assert asyncio.run(decode()) == value
+
+def test_overlong_uvarint_is_a_framing_error():
+    with pytest.raises(FramingError, match="longer than 10 bytes"):
+        parse_uvarint(b"\xff" * 11, 0)
+
+
+def test_requests_split_across_reads_and_packed_into_one():
+    """Frames arrive in arbitrary pieces; the reader must reassemble each one exactly."""
+    requests = [abci.Request(echo=abci.RequestEcho(message="m" * n)) for n in (0, 1, 200, 70_000)]
+    stream = b"".join(frame(r) for r in requests)
+
+    async def read_all(pieces: list[bytes]) -> list[abci.Request]:
+        reader = asyncio.StreamReader()
+        for piece in pieces:
+            reader.feed_data(piece)
+        reader.feed_eof()
+        frames = FrameReader(reader)
+        return [await frames.next() for _ in requests]
+
+    for pieces in ([stream], [stream[i : i + 7] for i in range(0, len(stream), 7)]):
+        assert asyncio.run(read_all(pieces)) == requests
 
 
 @pytest.fixture

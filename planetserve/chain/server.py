@@ -30,26 +30,56 @@ class FramingError(Exception):
 
 
 
-async def read_uvarint(reader: asyncio.StreamReader) -> int:
+def parse_uvarint(data: bytes | bytearray, pos: int) -> tuple[int, int] | None:
+    """(value, position after it) of the varint at `pos`, or None if `data` ends inside it."""
     result = 0
-    for shift in range(0, 64, 7):
-        byte = (await reader.readexactly(1))[0]
+    for shift in range(0, 70, 7):
+        if pos >= len(data):
+            return None
+        byte = data[pos]
+        pos += 1
         result |= (byte & 0x7F) << shift
         if not byte & 0x80:
-            return result
+            return result, pos
     raise FramingError("varint longer than 10 bytes")
 
 
-async def read_message(reader: asyncio.StreamReader) -> abci.Request:
-    size = await read_uvarint(reader)
-    if size > MAX_MESSAGE_BYTES:
-        raise FramingError(f"message of {size} bytes exceeds the limit of {MAX_MESSAGE_BYTES}")
-    request = abci.Request()
-    try:
-        request.ParseFromString(await reader.readexactly(size))
-    except DecodeError as exc:
-        raise FramingError(f"undecodable request: {exc}") from exc
-    return request
+class FrameReader:
+    """Length-prefixed requests from a stream, read in large chunks rather than byte by byte."""
+
+    CHUNK = 1 << 16
+
+    def __init__(self, reader: asyncio.StreamReader) -> None:
+        self._reader = reader
+        self._buf = bytearray()
+        self._pos = 0
+
+    async def _fill(self) -> None:
+        chunk = await self._reader.read(self.CHUNK)
+        if not chunk:
+            raise asyncio.IncompleteReadError(bytes(self._buf[self._pos :]), None)
+        if self._pos:
+            del self._buf[: self._pos]
+            self._pos = 0
+        self._buf += chunk
+
+    async def next(self) -> abci.Request:
+        while (head := parse_uvarint(self._buf, self._pos)) is None:
+            await self._fill()
+        size, start = head
+        if size > MAX_MESSAGE_BYTES:
+            raise FramingError(f"message of {size} bytes exceeds the limit of {MAX_MESSAGE_BYTES}")
+        while len(self._buf) - start < size:
+            before = start - self._pos
+            await self._fill()
+            start = self._pos + before
+        request = abci.Request()
+        try:
+            request.ParseFromString(bytes(self._buf[start : start + size]))
+        except DecodeError as exc:
+            raise FramingError(f"undecodable request: {exc}") from exc
+        self._pos = start + size
+        return request
 
 
 def frame(response: abci.Response) -> bytes:
@@ -107,9 +137,10 @@ class AbciServer:
         one write per batch instead of one system call per response."""
         peer = writer.get_extra_info("peername")
         output = bytearray()
+        frames = FrameReader(reader)
         try:
             while True:
-                request = await read_message(reader)
+                request = await frames.next()
                 kind = request.WhichOneof("value")
                 try:
                     response = self.respond(request)
