@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from planetserve.chain.rpc import RpcClient
+from planetserve.chain.rpc import RpcClient, RpcUnreachable
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,14 @@ def run_load(
         nonlocal rejected
         raw = txs[i]
         t = time.monotonic()
-        answer = clients[i % len(clients)].broadcast_tx_sync(raw)
+        for attempt in range(3):  # a connection reset under load is retried, not counted as a refusal
+            try:
+                answer = clients[i % len(clients)].broadcast_tx_sync(raw)
+                break
+            except RpcUnreachable:
+                if attempt == 2:
+                    raise
+                time.sleep(0.1)
         with lock:
             if answer.code == 0:
                 submitted[hashlib.sha256(raw).digest()] = t
