@@ -34,6 +34,7 @@ def h(tmp_path):
         txs.append(h.tx(KeySet.generate(), "register-user", {"address": f"10.1.0.{i}:9000", "region": "eu"}))
     results = h.block(*txs)
     assert all(r.code == 0 for r in results.tx_results)
+    h.owner = owner
     return h
 
 
@@ -105,3 +106,19 @@ def test_unknown_height_is_refused(h):
 def test_malformed_list_answers_are_refused(value, words):
     with pytest.raises(QueryRefused, match=words):
         decode_entries(value, b"nlist/")
+
+
+def test_repeated_queries_are_answered_alike_and_latest_moves_on(h):
+    prefix = layout.node_list_prefix("gt", "eu")
+    first = h.app.query(abci.RequestQuery(path="/prefix", data=prefix, prove=True, height=0))
+    again = h.app.query(abci.RequestQuery(path="/prefix", data=prefix, prove=True, height=0))
+    assert first.code == 0 and again == first
+    owner, node = h.owner, KeySet.generate()
+    h.block(h.tx(owner, "register-model-node", {
+        "org_id": "org1", "node_pubkey": node.public,
+        "pop": node.sign(node_pop_message(CHAIN_ID, "org1", node.public)),
+        "model_id": "gt", "address": "10.0.9.9:7000", "hardware": "A100", "capacity": 4, "region": "eu",
+    }))
+    later = h.app.query(abci.RequestQuery(path="/prefix", data=prefix, prove=True, height=0))
+    assert later.height == first.height + 1
+    assert len(decode_entries(later.value, prefix)) == len(decode_entries(first.value, prefix)) + 1

@@ -35,6 +35,8 @@ PROOF_OP_TYPE = "planetserve/prefix"
 BLOCK_TIME_META = "block_time"
 CHAIN_ID_META = "chain_id"
 VERIFIED_CACHE = 100_000
+ANSWER_CACHE_ENTRIES = 16
+ANSWER_CACHE_MAX_BYTES = 8 << 20
 
 
 @dataclass
@@ -65,6 +67,8 @@ class Application:
         self.check = store.batch()
         self._verified: OrderedDict[bytes, Tx] = OrderedDict()
         self._params: Params | None = None
+        # Many clients read the same signed list at the same height: keep the latest answers.
+        self._answers: OrderedDict[tuple[str, bytes, int, bool], abci.ResponseQuery] = OrderedDict()
 
     @property
     def params(self) -> Params:
@@ -199,6 +203,11 @@ class Application:
         if req.path not in ("/prefix", "/key"):
             return self._query_error(Code.UNKNOWN_TYPE, f"unknown query path {req.path!r}")
         height = req.height or self.store.height
+        cache_key = (req.path, req.data, height, req.prove)
+        cached = self._answers.get(cache_key)
+        if cached is not None:
+            self._answers.move_to_end(cache_key)
+            return cached
         prefix = req.data + b"\x00" if req.path == "/key" else req.data
         max_entries = self.params.max_query_entries
         try:
@@ -212,7 +221,7 @@ class Application:
             value = msgpack.packb([[k[cut:], v] for k, v in entries], use_bin_type=True)
         op = proof_pb2.ProofOp(type=PROOF_OP_TYPE, key=req.data, data=proof.encode())
         ops = proof_pb2.ProofOps(ops=[op])
-        return abci.ResponseQuery(
+        answer = abci.ResponseQuery(
             code=0,
             key=req.data,
             value=value,
@@ -220,6 +229,11 @@ class Application:
             proof_ops=ops if req.prove else None,
             info="found" if entries else "absent",
         )
+        if len(value) <= ANSWER_CACHE_MAX_BYTES:  # a committed height's answer never changes
+            self._answers[cache_key] = answer
+            if len(self._answers) > ANSWER_CACHE_ENTRIES:
+                self._answers.popitem(last=False)
+        return answer
 
     @staticmethod
     def _query_error(code: Code, message: str) -> abci.ResponseQuery:
