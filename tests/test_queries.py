@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from harness import CHAIN_ID, AppHarness, sqlite_url
 from tendermint.abci import types_pb2 as abci
+from tendermint.crypto import keys_pb2
 
 from planetserve.chain import state as layout
 from planetserve.chain import trie
+from planetserve.chain.app import Application
 from planetserve.chain.client import QueryRefused, decode_entries
 from planetserve.chain.errors import Code
 from planetserve.chain.handlers import node_pop_message
 from planetserve.chain.keys import KeySet
+from planetserve.chain.store import StateStore
 from planetserve.registry import codec
 from planetserve.registry.entities import ModelNode
 from planetserve.registry.params import Params
@@ -122,3 +127,16 @@ def test_repeated_queries_are_answered_alike_and_latest_moves_on(h):
     later = h.app.query(abci.RequestQuery(path="/prefix", data=prefix, prove=True, height=0))
     assert later.height == first.height + 1
     assert len(decode_entries(later.value, prefix)) == len(decode_entries(first.value, prefix)) + 1
+
+
+def test_genesis_whose_validators_differ_from_the_committee_is_refused(tmp_path):
+    app = Application(StateStore(sqlite_url(tmp_path, "b.db")))
+    stranger = KeySet.generate()
+    with pytest.raises(ValueError, match="do not match the app_state committee"):
+        app.init_chain(abci.RequestInitChain(
+            chain_id=CHAIN_ID,
+            validators=[abci.ValidatorUpdate(pub_key=keys_pb2.PublicKey(ed25519=stranger.public), power=10)],
+            app_state_bytes=json.dumps({"committee": [{
+                "operator": "11" * 32, "consensus_key": "22" * 32, "vrf_key": "33" * 32,
+                "x25519_key": "44" * 32, "credential": "c", "power": 10}]}).encode(),
+        ))
