@@ -143,15 +143,15 @@ class LedgerClient:
         self, model_id: str | None = None, region: str | None = None
     ) -> tuple[Listing, list[ModelNode]]:
         listing = self.entries(layout.node_list_prefix(model_id, region))
-        return listing, layout.decode_entries(listing.entries, ModelNode)
+        return listing, layout.decode_records(listing.entries, ModelNode)
 
     def users(self, region: str | None = None) -> tuple[Listing, list[User]]:
         listing = self.entries(layout.user_list_prefix(region))
-        return listing, layout.decode_entries(listing.entries, User)
+        return listing, layout.decode_records(listing.entries, User)
 
     def committee(self) -> tuple[Listing, list[Member]]:
         listing = self.entries(layout.MEMBER_PREFIX)
-        return listing, layout.decode_entries(listing.entries, Member)
+        return listing, layout.decode_records(listing.entries, Member)
 
     def node(self, pubkey: bytes) -> ModelNode | None:
         return self._entity(layout.node_key(pubkey), ModelNode)

@@ -248,5 +248,5 @@ def members(kv: IterableKV) -> dict[bytes, Member]:
     }
 
 
-def decode_entries(entries: list[tuple[bytes, bytes]], cls: type[R]) -> list[R]:
+def decode_records(entries: list[tuple[bytes, bytes]], cls: type[R]) -> list[R]:
     return [cls.decode(v) for _, v in entries]

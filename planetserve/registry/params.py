@@ -15,7 +15,6 @@ class Params(Record):
     user_ttl_seconds: int = 600
     proposal_ttl_blocks: int = 1_000
     max_query_entries: int = 20_000
-    max_nodes_per_org: int = 10_000
 
     @classmethod
     def from_genesis(cls, raw: dict[str, Any] | None) -> Self:
