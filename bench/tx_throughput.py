@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import secrets
 import statistics
 import sys
@@ -49,6 +50,24 @@ def kvstore_txs(n: int, size: int) -> list[bytes]:
     return out
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, from /proc (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_by_role(spec) -> dict[str, float]:
+    """CPU seconds so far of all validators' processes, summed per role (app, cometbft)."""
+    out: dict[str, float] = {}
+    for v in spec.validators:
+        for role, entry in json.loads((v.home / "pids.json").read_text()).items():
+            out[role] = out.get(role, 0.0) + process_cpu_seconds(entry["pid"])
+    return out
+
+
+CPU: dict[str, dict[str, float]] = {}  # network name -> role -> CPU ms per committed tx per validator
+
+
 def measure(root: Path, name: str, validators: int, timeout_commit: str, txs_for, app: bool) -> LoadResult:
     chain_id = f"bench-{name}"
     spec = build_network(root / name, validators, chain_id, app_state_builder() if app else None,
@@ -58,7 +77,14 @@ def measure(root: Path, name: str, validators: int, timeout_commit: str, txs_for
         cluster.start()
         cluster.wait_for_height(2, timeout=60.0)
         txs = txs_for(chain_id)
-        return run_load([v.rpc_url for v in spec.validators], txs)
+        before = cpu_by_role(spec)
+        result = run_load([v.rpc_url for v in spec.validators], txs)
+        after = cpu_by_role(spec)
+    per_tx = 1000 / max(result.committed, 1) / validators
+    for role in after:
+        CPU.setdefault(name, {}).setdefault(role, 0.0)
+        CPU[name][role] += (after[role] - before[role]) * per_tx
+    return result
 
 
 def main() -> None:
@@ -95,6 +121,10 @@ def main() -> None:
         label = "kvstore (CometBFT built-in)" if name == "kvstore" else "planetserve register-user"
         print(f"{r:>5} {label:28} {res.committed:>9} {res.seconds:>8.2f} {res.tx_per_s:>8.1f} "
               f"{res.median_ms:>8.0f} {res.percentile(0.95):>8.0f}")
+    print("CPU ms per committed tx per validator (mean over rounds):")
+    for name, roles in CPU.items():
+        shown = ", ".join(f"{role} {ms / args.rounds:.2f}" for role, ms in sorted(roles.items()))
+        print(f"  {name:12} {shown}")
     shown = ", ".join(f"{x:.2f}" for x in ratios)
     print(f"planetserve / kvstore committed tx/s per round: {shown}; median {statistics.median(ratios):.2f} "
           "(target >= 0.50)")
