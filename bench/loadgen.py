@@ -59,10 +59,13 @@ class BlockWatcher(threading.Thread):
 
 
 def run_load(
-    rpc_urls: Sequence[str], txs: Sequence[bytes], threads: int = 8, timeout: float = 300.0
+    rpc_urls: Sequence[str], txs: Sequence[bytes], threads: int = 8, timeout: float = 300.0,
+    wait_check: bool = False,
 ) -> LoadResult:
     """Broadcast every tx (round-robin over the endpoints, from `threads` workers) and wait until all
-    are committed or the timeout passes."""
+    are committed or the timeout passes. By default the load is open-loop (broadcast_tx_async):
+    with `wait_check` each worker waits for CheckTx's answer (broadcast_tx_sync), which ties the
+    offered load to the ABCI round trip (over a socket, CometBFT flushes requests every 20 ms)."""
     start_height = RpcClient(rpc_urls[0]).latest_height()
     watcher = BlockWatcher(rpc_urls[0], start_height)
     watcher.start()
@@ -77,7 +80,8 @@ def run_load(
         t = time.monotonic()
         for attempt in range(3):  # a connection reset under load is retried, not counted as a refusal
             try:
-                answer = clients[i % len(clients)].broadcast_tx_sync(raw)
+                client = clients[i % len(clients)]
+                answer = client.broadcast_tx_sync(raw) if wait_check else client.broadcast_tx_async(raw)
                 break
             except RpcUnreachable:
                 if attempt == 2:

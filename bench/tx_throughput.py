@@ -3,9 +3,14 @@ with CometBFT's built-in kvstore app on the same layout, in the same run, with t
 
 Each network is built fresh on this machine, loaded with pre-signed transactions broadcast to all
 validators, and measured from the first broadcast to the block that commits the last one. The two
-networks run one after the other, so they do not compete for the CPU.
+networks run one after the other, alternating over rounds, so they do not compete for the CPU.
 
-    .venv/bin/python bench/tx_throughput.py [--txs 3000] [--validators 4] [--timeout-commit 1s]
+The load is open loop by default (broadcast_tx_async: the offered load does not depend on the
+app's answer time), which measures the chain's committed capacity. With --wait-check, 8 senders
+each wait for CheckTx (broadcast_tx_sync); over CometBFT's ABCI socket client, requests are flushed
+every 20 ms, so that mode measures the senders' round trips as much as the chain.
+
+    .venv/bin/python bench/tx_throughput.py [--txs 10000] [--rounds 2] [--wait-check]
 """
 
 from __future__ import annotations
@@ -68,7 +73,8 @@ def cpu_by_role(spec) -> dict[str, float]:
 CPU: dict[str, dict[str, float]] = {}  # network name -> role -> CPU ms per committed tx per validator
 
 
-def measure(root: Path, name: str, validators: int, timeout_commit: str, txs_for, app: bool) -> LoadResult:
+def measure(root: Path, name: str, validators: int, timeout_commit: str, txs_for, app: bool,
+            wait_check: bool) -> LoadResult:
     chain_id = f"bench-{name}"
     spec = build_network(root / name, validators, chain_id, app_state_builder() if app else None,
                          kvstore=not app, timeout_commit=timeout_commit,
@@ -78,7 +84,7 @@ def measure(root: Path, name: str, validators: int, timeout_commit: str, txs_for
         cluster.wait_for_height(2, timeout=60.0)
         txs = txs_for(chain_id)
         before = cpu_by_role(spec)
-        result = run_load([v.rpc_url for v in spec.validators], txs)
+        result = run_load([v.rpc_url for v in spec.validators], txs, wait_check=wait_check)
         after = cpu_by_role(spec)
     per_tx = 1000 / max(result.committed, 1) / validators
     for role in after:
@@ -95,6 +101,8 @@ def main() -> None:
     parser.add_argument("--validators", type=int, default=4)
     parser.add_argument("--timeout-commit", default="1s")
     parser.add_argument("--rounds", type=int, default=2, help="alternating kvstore/planetserve runs")
+    parser.add_argument("--wait-check", action="store_true",
+                        help="closed loop: each sender waits for CheckTx (broadcast_tx_sync)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
@@ -104,9 +112,11 @@ def main() -> None:
         for r in range(args.rounds):
             root = Path(tmp) / f"round{r}"
             runs.append((r, "kvstore", measure(root, "kvstore", args.validators, args.timeout_commit,
-                                               lambda _cid: kvstore_txs(args.txs, size), app=False)))
+                                               lambda _cid: kvstore_txs(args.txs, size), app=False,
+                                               wait_check=args.wait_check)))
             runs.append((r, "planetserve", measure(root, "planetserve", args.validators, args.timeout_commit,
-                                                   lambda cid: planetserve_txs(args.txs, cid), app=True)))
+                                                   lambda cid: planetserve_txs(args.txs, cid), app=True,
+                                                   wait_check=args.wait_check)))
     ratios = [ps.tx_per_s / kv.tx_per_s for (_, _, kv), (_, _, ps) in zip(runs[::2], runs[1::2], strict=True)]
     if args.json:
         print(json.dumps({"runs": [{"round": r, "app": name, "txs": res.txs, "committed": res.committed,
@@ -114,8 +124,9 @@ def main() -> None:
                                     "p95_ms": res.percentile(0.95)} for r, name, res in runs],
                           "ratios": ratios}, indent=2))
         return
+    load = "closed loop: 8 senders wait for CheckTx" if args.wait_check else "open loop (broadcast_tx_async)"
     print(f"{args.validators} validators on 127.0.0.1, timeout_commit {args.timeout_commit}, "
-          f"{args.txs} txs of {size} bytes each, {args.rounds} alternating rounds")
+          f"{args.txs} txs of {size} bytes each, {args.rounds} alternating rounds, {load}")
     print(f"{'round':>5} {'app':28} {'committed':>9} {'seconds':>8} {'tx/s':>8} {'p50 ms':>8} {'p95 ms':>8}")
     for r, name, res in runs:
         label = "kvstore (CometBFT built-in)" if name == "kvstore" else "planetserve register-user"

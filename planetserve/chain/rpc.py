@@ -375,7 +375,15 @@ class RpcClient:
         )
 
     def broadcast_tx_sync(self, tx: bytes) -> BroadcastResult:
-        r = obj(self.call("broadcast_tx_sync", tx=base64.b64encode(tx).decode()), "broadcast")
+        """Submit and wait for CheckTx's answer."""
+        return self._broadcast("broadcast_tx_sync", tx)
+
+    def broadcast_tx_async(self, tx: bytes) -> BroadcastResult:
+        """Submit without waiting for CheckTx (the code is always 0: refusals are not reported)."""
+        return self._broadcast("broadcast_tx_async", tx)
+
+    def _broadcast(self, method: str, tx: bytes) -> BroadcastResult:
+        r = obj(self.call(method, tx=base64.b64encode(tx).decode()), "broadcast")
         return BroadcastResult(
             hash=hexb(r.get("hash"), "broadcast.hash"),
             code=integer(r.get("code", 0), "broadcast.code"),
