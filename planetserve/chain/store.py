@@ -38,7 +38,7 @@ import logging
 import sqlite3
 import threading
 import weakref
-from bisect import bisect_left, insort
+from bisect import bisect_left
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -314,7 +314,8 @@ class Batch:
         self._store = store
         self._gen = generation
         self._pending: dict[bytes, bytes | None] = {}
-        self._pending_order: list[bytes] = []  # the keys of _pending, sorted, for prefix scans
+        self._pending_order: list[bytes] = []  # the keys of _pending, sorted when a scan needs them
+        self._order_stale = False
         self._meta: dict[str, bytes] = {}
         self._reads: dict[bytes, bytes | None] = {}
         self._version = 0
@@ -339,6 +340,9 @@ class Batch:
         merged with this batch's writes as they are when iterate() is called."""
         _check_iter_prefix(prefix)
         self._store._check_fresh(self)
+        if self._order_stale:  # sorted once per scan after writes, not on every write
+            self._pending_order = sorted(self._pending)
+            self._order_stale = False
         order = self._pending_order
         pending = []
         for i in range(bisect_left(order, prefix), len(order)):
@@ -382,7 +386,7 @@ class Batch:
 
     def _write(self, key: bytes, value: bytes | None) -> None:
         if key not in self._pending:
-            insort(self._pending_order, key)
+            self._order_stale = True
         self._pending[key] = value
         self._version += 1
 
