@@ -34,7 +34,7 @@ from planetserve.chain.rpc import RpcClient  # noqa: E402
 from planetserve.genesis.committee import app_state_builder  # noqa: E402
 from planetserve.genesis.network import build_network  # noqa: E402
 from planetserve.localnet.cluster import Cluster  # noqa: E402
-from planetserve.localnet.net import app_command  # noqa: E402
+from planetserve.localnet.net import cluster_app  # noqa: E402
 
 
 def ms(seconds: float) -> str:
@@ -50,7 +50,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="ps-bench-") as tmp:
         spec = build_network(Path(tmp), 4, "bench-list", app_state_builder(), timeout_commit="1s")
-        with Cluster(spec, app_command, start_timeout=60.0) as cluster:
+        with Cluster(spec, cluster_app, start_timeout=60.0) as cluster:
             cluster.start()
             cluster.wait_for_height(2, timeout=60.0)
             load = run_load([v.rpc_url for v in spec.validators], planetserve_txs(args.users, "bench-list"))

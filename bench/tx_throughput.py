@@ -34,7 +34,7 @@ from planetserve.chain.keys import KeySet  # noqa: E402
 from planetserve.genesis.committee import app_state_builder  # noqa: E402
 from planetserve.genesis.network import build_network  # noqa: E402
 from planetserve.localnet.cluster import Cluster  # noqa: E402
-from planetserve.localnet.net import app_command  # noqa: E402
+from planetserve.localnet.net import cluster_app  # noqa: E402
 
 BATCH = 100  # transactions per JSON-RPC batch request (both networks allow it)
 MEMPOOL_SIZE = 50_000  # both networks: room for the whole load, so nothing is refused as "mempool full"
@@ -82,7 +82,7 @@ def measure(root: Path, name: str, validators: int, timeout_commit: str, txs_for
                          kvstore=not app, timeout_commit=timeout_commit,
                          extra_config={"mempool": {"size": MEMPOOL_SIZE, "cache_size": 2 * MEMPOOL_SIZE},
                                        "rpc": {"max_request_batch_size": BATCH}})
-    with Cluster(spec, app_command if app else None, start_timeout=60.0) as cluster:
+    with Cluster(spec, cluster_app if app else None, start_timeout=60.0) as cluster:
         cluster.start()
         cluster.wait_for_height(2, timeout=60.0)
         txs = txs_for(chain_id)

@@ -12,7 +12,7 @@ from planetserve.chain.rpc import RpcClient
 from planetserve.genesis.committee import app_state_builder
 from planetserve.genesis.network import KEYS_FILE, build_network
 from planetserve.localnet.cluster import Cluster
-from planetserve.localnet.net import app_command
+from planetserve.localnet.net import cluster_app
 
 MODELS = (("gt", "reference model"), ("small", "smaller model"))
 
@@ -21,7 +21,7 @@ def start_network(root: Path, n: int = 4, db_urls: Sequence[str] | None = None,
                   timeout_commit: str = "300ms") -> Cluster:
     spec = build_network(root, n, "planetserve-test", app_state_builder(MODELS),
                          timeout_commit=timeout_commit, db_urls=db_urls)
-    cluster = Cluster(spec, app_command, start_timeout=60.0)
+    cluster = Cluster(spec, cluster_app, start_timeout=60.0)
     cluster.start()
     cluster.wait_for_height(2, timeout=60.0)
     return cluster

@@ -13,7 +13,6 @@ from chainnet import assert_same_app_hashes, ledger, member_keys, start_network
 from tamper import TamperProxy
 
 from planetserve.chain.client import QueryRefused
-from planetserve.chain.handlers import node_pop_message
 from planetserve.chain.keys import KeySet
 from planetserve.chain.lightclient import VerificationError
 from planetserve.registry import codec
@@ -32,16 +31,12 @@ def net(tmp_path_factory):
 def register_org_and_nodes(client, org_id: str, count: int) -> list[KeySet]:
     owner = KeySet.generate()
     assert client.submit(owner, "register-org", {"org_id": org_id, "name": org_id}).outcome.code == 0
-    chain_id = client.rpc.status()["node_info"]["network"]
     nodes = []
     for i in range(count):
         node = KeySet.generate()
-        done = client.submit(owner, "register-model-node", {
-            "org_id": org_id, "node_pubkey": node.public,
-            "pop": node.sign(node_pop_message(chain_id, org_id, node.public)),
-            "model_id": "gt", "address": f"127.0.0.1:{7000 + i}", "hardware": "cpu", "capacity": 2,
-            "region": "local",
-        })
+        done = client.submit(owner, "register-model-node", client.model_node_body(
+            org_id, node, model_id="gt", address=f"127.0.0.1:{7000 + i}", hardware="cpu", capacity=2,
+            region="local"))
         assert done.outcome.code == 0, done.outcome.log
         nodes.append(node)
     return nodes

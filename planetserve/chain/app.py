@@ -326,7 +326,7 @@ class Application:
         """Remove every user whose time-to-live ran out at or before this block's time."""
         st = State(batch)
         expired = []
-        for k, _ in batch.iterate(layout.key("uexp", "")):
+        for k, _ in batch.iterate(layout.EXPIRY_PREFIX):
             expires_at = int(k.split(b"/")[1])
             if expires_at > now:
                 break
@@ -341,7 +341,7 @@ class Application:
         st = State(batch)
         stale = [
             int(k.split(b"/")[1])
-            for k, v in batch.iterate(layout.key("proposal", ""))
+            for k, v in batch.iterate(layout.PROPOSAL_PREFIX)
             if Proposal.decode(v).expires_height < height
         ]
         for proposal_id in stale:

@@ -16,6 +16,7 @@ import msgpack
 from planetserve.chain import state as layout
 from planetserve.chain import trie
 from planetserve.chain.app import PROOF_OP_TYPE
+from planetserve.chain.handlers import node_pop_message
 from planetserve.chain.keys import KeySet
 from planetserve.chain.lightclient import LightBlock
 from planetserve.chain.rpc import AbciQuery, RpcClient, RpcResponseError, TxOutcome
@@ -179,10 +180,17 @@ class LedgerClient:
 
     # -- writes ----------------------------------------------------------------------------------
 
+    def chain_id(self) -> str:
+        return self.rpc.status()["node_info"]["network"]
+
+    def model_node_body(self, org_id: str, node: KeySet, **fields: Any) -> dict[str, Any]:
+        """The body of register-model-node for `node`, with its proof of possession signed."""
+        return {"org_id": org_id, "node_pubkey": node.public,
+                "pop": node.sign(node_pop_message(self.chain_id(), org_id, node.public)), **fields}
+
     def submit(self, keys: KeySet, tx_type: str, body: dict[str, Any], timeout: float = 30.0) -> Submitted:
         """Sign with the account's next sequence, broadcast, and wait until the tx is in a block."""
-        chain_id = self.rpc.status()["node_info"]["network"]
-        raw = build(keys, chain_id, tx_type, body, self.sequence(keys.public))
+        raw = build(keys, self.chain_id(), tx_type, body, self.sequence(keys.public))
         checked = self.rpc.broadcast_tx_sync(raw)
         if not checked.ok:
             return Submitted(checked.hash, 0, TxOutcome(code=checked.code, data=b"", log=checked.log,

@@ -76,8 +76,11 @@ def user_list_key(user: User) -> bytes:
     return user_list_prefix(user.region) + user.pubkey.hex().encode()
 
 
+EXPIRY_PREFIX = key("uexp", "")
+
+
 def expiry_key(expires_at: int, pubkey: bytes) -> bytes:
-    return key("uexp", f"{expires_at:012d}", pubkey.hex())
+    return EXPIRY_PREFIX + f"{expires_at:012d}/{pubkey.hex()}".encode()
 
 
 def model_key(model_id: str) -> bytes:
@@ -107,8 +110,11 @@ def member_key(operator: bytes) -> bytes:
 MEMBER_PREFIX = key("member", "")
 
 
+PROPOSAL_PREFIX = key("proposal", "")
+
+
 def proposal_key(proposal_id: int) -> bytes:
-    return key("proposal", f"{proposal_id:012d}")
+    return PROPOSAL_PREFIX + f"{proposal_id:012d}".encode()
 
 
 PARAMS_KEY = key("params")

@@ -8,7 +8,6 @@ import json
 import logging
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import click
 
 from planetserve.cli import console, fail
 from planetserve.genesis.network import APP_CONFIG_FILE, cometbft_binary
+from planetserve.localnet.net import app_command
 
 
 def app_config(home: Path) -> dict:
@@ -27,10 +27,6 @@ def app_config(home: Path) -> dict:
     except json.JSONDecodeError as exc:
         fail(f"{path} is not valid JSON: {exc}")
     raise AssertionError("unreachable")
-
-
-def app_command(home: Path) -> list[str]:
-    return [sys.executable, "-m", "planetserve", "chain", "app", "--home", str(home)]
 
 
 @click.group("chain")

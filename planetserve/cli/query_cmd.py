@@ -7,15 +7,11 @@ from typing import Any
 import click
 
 from planetserve.chain.client import LedgerClient, Listing, QueryRefused
+from planetserve.chain.lightclient import VerificationError
 from planetserve.chain.rpc import RpcError
 from planetserve.cli import console, emit_json, fail, table
 from planetserve.cli.ledger import ledger_options
 from planetserve.cli.tx_cmd import key_bytes
-
-try:
-    from planetserve.chain.lightclient import VerificationError
-except ImportError:  # pragma: no cover
-    VerificationError = QueryRefused  # type: ignore[misc,assignment]
 
 FAILURES = (QueryRefused, RpcError, VerificationError)
 

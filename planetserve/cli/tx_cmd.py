@@ -11,7 +11,6 @@ import click
 
 from planetserve.chain.client import LedgerClient
 from planetserve.chain.errors import Code
-from planetserve.chain.handlers import node_pop_message
 from planetserve.chain.keys import KeyFileError, KeySet
 from planetserve.chain.rpc import RpcError
 from planetserve.cli import console, emit_json, fail
@@ -136,14 +135,8 @@ def register_model_node(ledger: LedgerClient, keys_path: Path, node_keys: Path, 
                         model_id: str, address: str, hardware: str, capacity: int, region: str,
                         as_json: bool) -> None:
     """Register a model node of the signer's organisation."""
-    node = load_keys(node_keys)
-    chain_id = ledger.rpc.status()["node_info"]["network"]
-    body = {
-        "org_id": org_id, "node_pubkey": node.public,
-        "pop": node.sign(node_pop_message(chain_id, org_id, node.public)),
-        "model_id": model_id, "address": address, "hardware": hardware, "capacity": capacity,
-        "region": region,
-    }
+    body = ledger.model_node_body(org_id, load_keys(node_keys), model_id=model_id, address=address,
+                                  hardware=hardware, capacity=capacity, region=region)
     submit(ledger, load_keys(keys_path), "register-model-node", body, as_json)
 
 

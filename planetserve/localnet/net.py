@@ -7,11 +7,11 @@ stopped processes are restarted, running ones are left alone.
 from __future__ import annotations
 
 import contextlib
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from planetserve.chain.client import LedgerClient
-from planetserve.chain.handlers import node_pop_message
 from planetserve.chain.keys import KeySet
 from planetserve.chain.lightclient import LightClient
 from planetserve.chain.rpc import RpcClient, RpcError
@@ -27,10 +27,14 @@ DEMO_ORG = "demo-org"
 DEMO_NODES = (("gt", "127.0.0.1:7101", "cpu-2core", "local"), ("gt", "127.0.0.1:7102", "cpu-2core", "local"))
 
 
-def app_command(info: ValidatorInfo) -> list[str]:
-    import sys
+def app_command(home: Path) -> list[str]:
+    """The command line of a validator's ABCI app."""
+    return [sys.executable, "-m", "planetserve", "chain", "app", "--home", str(home)]
 
-    return [sys.executable, "-m", "planetserve", "chain", "app", "--home", str(info.home)]
+
+def cluster_app(info: ValidatorInfo) -> list[str]:
+    """`app_command` in the form a Cluster asks for."""
+    return app_command(info.home)
 
 
 @dataclass(frozen=True)
@@ -53,7 +57,7 @@ def up(root: Path = DEFAULT_ROOT, validators: int = 4) -> tuple[NetworkSpec, lis
     """Start (or resume) the network, register the demo organisation and nodes once, and return
     the verified node list of model gt with the height it was verified at."""
     spec = load_or_build(root.absolute(), validators)
-    cluster = Cluster(spec, app_command, start_timeout=60.0)
+    cluster = Cluster(spec, cluster_app, start_timeout=60.0)
     cluster.start()
     cluster.wait_for_height(2, timeout=90.0)
     ledger = ledger_for(spec)
@@ -80,17 +84,13 @@ def seed_demo(root: Path, ledger: LedgerClient) -> None:
     org_keys = _keys(root / "keys" / "demo-org.json")
     if ledger.org(DEMO_ORG) is None:
         ledger.submit(org_keys, "register-org", {"org_id": DEMO_ORG, "name": "Demo organisation"})
-    chain_id = ledger.rpc.status()["node_info"]["network"]
     for i, (model_id, address, hardware, region) in enumerate(DEMO_NODES):
         node = _keys(root / "keys" / f"demo-node-{i}.json")
         if ledger.node(node.public) is not None:
             continue
-        ledger.submit(org_keys, "register-model-node", {
-            "org_id": DEMO_ORG, "node_pubkey": node.public,
-            "pop": node.sign(node_pop_message(chain_id, DEMO_ORG, node.public)),
-            "model_id": model_id, "address": address, "hardware": hardware, "capacity": 8,
-            "region": region,
-        })
+        ledger.submit(org_keys, "register-model-node", ledger.model_node_body(
+            DEMO_ORG, node, model_id=model_id, address=address, hardware=hardware, capacity=8,
+            region=region))
 
 
 def down(root: Path = DEFAULT_ROOT) -> bool:
@@ -103,7 +103,7 @@ def down(root: Path = DEFAULT_ROOT) -> bool:
 
 def status(root: Path = DEFAULT_ROOT) -> list[ValidatorStatus]:
     spec = NetworkSpec.load(root.absolute())
-    cluster = Cluster(spec, app_command)
+    cluster = Cluster(spec, cluster_app)
     out = []
     for v in spec.validators:
         running = cluster.running(v.index)
