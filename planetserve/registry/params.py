@@ -8,6 +8,8 @@ from typing import Any, Self
 from planetserve.registry.entities import Record
 from planetserve.registry.errors import InvalidField
 
+PPM = 1_000_000
+
 
 @dataclass(frozen=True)
 class Params(Record):
@@ -15,6 +17,26 @@ class Params(Record):
     user_ttl_seconds: int = 600
     proposal_ttl_blocks: int = 1_000
     max_query_entries: int = 20_000
+    # Verification epochs (blocks). Offsets within an epoch: the leader's results are due before
+    # results_blocks; the VRF window and the plan window are the epoch's last blocks.
+    epoch_blocks: int = 100
+    results_blocks: int = 50
+    vrf_window_blocks: int = 10
+    plan_window_blocks: int = 10
+    max_plan_nodes: int = 10_000
+    response_slack_seconds: int = 120
+    credibility_tolerance_ppm: int = 50_000
+    # Reputation (seed planetserve.md 3.4), parts per million.
+    reputation_alpha_ppm: int = 400_000
+    reputation_beta_ppm: int = 600_000
+    reputation_window: int = 5
+    reputation_gamma_ppm: int = 200_000
+    abnormal_threshold_ppm: int = 400_000
+    untrusted_threshold_ppm: int = 400_000
+    initial_reputation_ppm: int = 500_000
+    # Deployments paid with contribution credits.
+    max_deployment_nodes: int = 1_000
+    max_deployment_seconds: int = 90 * 86_400
 
     @classmethod
     def from_genesis(cls, raw: dict[str, Any] | None) -> Self:
@@ -26,4 +48,17 @@ class Params(Record):
                 raise InvalidField(name, "unknown parameter")
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise InvalidField(name, "must be a positive integer")
-        return cls(**raw)
+        params = cls(**raw)
+        params.check()
+        return params
+
+    def check(self) -> None:
+        """Relations between parameters that every block relies on."""
+        if self.results_blocks >= self.epoch_blocks:
+            raise InvalidField("results_blocks", "must be less than epoch_blocks")
+        for name in ("vrf_window_blocks", "plan_window_blocks"):
+            if getattr(self, name) >= self.epoch_blocks:
+                raise InvalidField(name, "must be less than epoch_blocks")
+        for f in fields(self):
+            if f.name.endswith("_ppm") and getattr(self, f.name) > PPM:
+                raise InvalidField(f.name, f"must be at most {PPM} (parts per million)")
