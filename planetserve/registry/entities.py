@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any, Self
 
@@ -10,6 +11,11 @@ from planetserve.registry import codec
 
 NODE_STATUSES = ("active", "inactive")
 MEMBER_ACTIONS = ("add", "remove")
+
+
+@functools.cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
 
 
 class Record:
@@ -31,13 +37,13 @@ class Record:
         return cls(**values)
 
     def encode(self) -> bytes:
-        return codec.pack([getattr(self, f.name) for f in dataclasses.fields(self)])  # type: ignore[arg-type]
+        return codec.pack([getattr(self, name) for name in _field_names(type(self))])
 
     @classmethod
     def decode(cls, raw: bytes) -> Self:
         """Decode a stored record; raises CodecError for bytes of another shape."""
-        values = codec.unpack(raw)
-        names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+        values = codec.unpack_stored(raw)
+        names = _field_names(cls)
         if not isinstance(values, list) or len(values) != len(names):
             raise codec.CodecError(f"not a {cls.__name__} record")
         return cls(**{n: tuple(v) if isinstance(v, list) else v for n, v in zip(names, values, strict=True)})
