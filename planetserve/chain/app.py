@@ -17,9 +17,12 @@ from sqlalchemy.exc import SQLAlchemyError
 from tendermint.abci import types_pb2 as abci
 from tendermint.crypto import keys_pb2, proof_pb2
 
+from planetserve.chain import epochs
 from planetserve.chain import state as layout
+from planetserve.chain.credit_handlers import CREDIT_HANDLERS, expire_deployments
+from planetserve.chain.epoch_handlers import EPOCH_HANDLERS
 from planetserve.chain.errors import CODESPACE, Code, TxError, from_registry
-from planetserve.chain.handlers import HANDLERS, Context
+from planetserve.chain.handlers import REGISTRY_HANDLERS, Context
 from planetserve.chain.state import State, TxScope
 from planetserve.chain.store import Batch, StateStore, StoreError
 from planetserve.chain.tx import Tx, decode
@@ -37,6 +40,7 @@ CHAIN_ID_META = "chain_id"
 VERIFIED_CACHE = 100_000
 ANSWER_CACHE_ENTRIES = 16
 ANSWER_CACHE_MAX_BYTES = 8 << 20
+HANDLERS = {**REGISTRY_HANDLERS, **EPOCH_HANDLERS, **CREDIT_HANDLERS}
 
 
 @dataclass
@@ -105,6 +109,9 @@ class Application:
             st.put_member(member)
         for model in app_state.models:
             st.put_model(model)
+        for hardware, rate in app_state.prices:
+            st.put_int(layout.price_key(hardware), rate)
+        epochs.genesis(st, req.chain_id, list(app_state.committee))
         return abci.ResponseInitChain(app_hash=self.block.root())
 
     # -- mempool ---------------------------------------------------------------------------------
@@ -157,6 +164,8 @@ class Application:
         self.block_height = req.height
         self.block_time = req.time.seconds
         self._expire_users(self.block, self.block_time)
+        expire_deployments(self.block, self.block_time)
+        epochs.begin_block(self.block, self.params, req.height, self.block_time, self.store.app_hash)
         results: list[abci.ExecTxResult] = []
         updates: dict[bytes, int] = {}
         for raw in req.txs:
@@ -170,6 +179,7 @@ class Application:
                 )
             )
         self._expire_proposals(self.block, req.height)
+        epochs.end_block(self.block, self.params, req.height, self.block_time)
         return abci.ResponseFinalizeBlock(
             tx_results=results,
             validator_updates=[

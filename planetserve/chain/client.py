@@ -22,7 +22,9 @@ from planetserve.chain.lightclient import LightBlock
 from planetserve.chain.rpc import AbciQuery, RpcClient, RpcResponseError, TxOutcome
 from planetserve.chain.tx import build
 from planetserve.registry import codec
+from planetserve.registry.credits import Credits, Deployment
 from planetserve.registry.entities import Member, Model, ModelNode, Organisation, Record, User
+from planetserve.registry.epochs import Epoch, Fault, PlanEntry, Reputation, Schedule
 from planetserve.registry.params import Params
 
 R = TypeVar("R", bound=Record)
@@ -165,6 +167,34 @@ class LedgerClient:
 
     def model(self, model_id: str) -> Model | None:
         return self._entity(layout.model_key(model_id), Model)
+
+    def epoch(self, number: int | None = None) -> Epoch | None:
+        """One epoch's record; without a number, the epoch of the latest verified state."""
+        if number is None:
+            height, raw = self.value(layout.PARAMS_KEY)
+            if raw is None:
+                raise QueryRefused("the chain has no parameters yet (no block committed)")
+            number = Schedule.from_params(Params.decode(raw)).epoch_of(max(height, 1))
+        return self._entity(layout.epoch_key(number), Epoch)
+
+    def reputation(self, node: bytes) -> Reputation | None:
+        return self._entity(layout.reputation_key(node), Reputation)
+
+    def faults(self, operator: bytes | None = None) -> tuple[Listing, list[Fault]]:
+        listing = self.entries(layout.fault_prefix(operator))
+        return listing, layout.decode_records(listing.entries, Fault)
+
+    def credits(self, org_id: str) -> Credits:
+        account = self._entity(layout.credits_key(org_id), Credits)
+        return account if account is not None else Credits(org_id, 0, 0, 0)
+
+    def deployments(self) -> tuple[Listing, list[Deployment]]:
+        listing = self.entries(layout.DEPLOYMENT_PREFIX)
+        return listing, layout.decode_records(listing.entries, Deployment)
+
+    def plan(self, number: int) -> tuple[Listing, list[PlanEntry]]:
+        listing = self.entries(layout.plan_prefix(number))
+        return listing, layout.decode_records(listing.entries, PlanEntry)
 
     def params(self) -> Params:
         params = self._entity(layout.PARAMS_KEY, Params)

@@ -23,6 +23,9 @@ class Code(IntEnum):
     UNAUTHORIZED = 10
     EXPIRED = 11
     INTERNAL = 12
+    LOW_REPUTATION = 13
+    INSUFFICIENT_CREDITS = 14
+    UNAVAILABLE = 15
 
 
 class TxError(Exception):
@@ -40,6 +43,9 @@ _REGISTRY_CODES: dict[type[registry_errors.RegistryError], Code] = {
     registry_errors.AlreadyExists: Code.ALREADY_EXISTS,
     registry_errors.Unauthorized: Code.UNAUTHORIZED,
     registry_errors.Expired: Code.EXPIRED,
+    registry_errors.LowReputation: Code.LOW_REPUTATION,
+    registry_errors.InsufficientCredits: Code.INSUFFICIENT_CREDITS,
+    registry_errors.Unavailable: Code.UNAVAILABLE,
 }
 
 

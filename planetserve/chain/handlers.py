@@ -120,7 +120,7 @@ def register_model(ctx: Context, body: dict[str, Any]) -> None:
     ctx.emit("register_model", model_id=model_id)
 
 
-def _owned_org(ctx: Context, org_id: str) -> Organisation:
+def owned_org(ctx: Context, org_id: str) -> Organisation:
     org = ctx.state.org(org_id)
     if org is None:
         raise UnknownEntity(f"organisation {org_id!r} is not registered")
@@ -152,7 +152,7 @@ def register_model_node(ctx: Context, body: dict[str, Any]) -> None:
         status="active",
         registered_at=ctx.time,
     )
-    _owned_org(ctx, org_id)
+    owned_org(ctx, org_id)
     _known_model(ctx, node.model_id)
     if not verify_signature(node_pubkey, node_pop_message(ctx.chain_id, org_id, node_pubkey), pop):
         raise InvalidField("pop", "is not a signature by node_pubkey over the registration")
@@ -170,7 +170,7 @@ def update_model_node(ctx: Context, body: dict[str, Any]) -> None:
     node = ctx.state.node(node_pubkey)
     if node is None:
         raise UnknownEntity("model node is not registered")
-    _owned_org(ctx, node.org_id)
+    owned_org(ctx, node.org_id)
     updated = replace(
         node,
         address=fields.address(body) if "address" in body else node.address,
@@ -273,7 +273,7 @@ def _settle(ctx: Context, proposal: Proposal) -> None:
         ctx.state.put_proposal(proposal)
 
 
-HANDLERS: dict[str, Callable[[Context, dict[str, Any]], None]] = {
+REGISTRY_HANDLERS: dict[str, Callable[[Context, dict[str, Any]], None]] = {
     "register-org": register_org,
     "register-user": register_user,
     "heartbeat": heartbeat,

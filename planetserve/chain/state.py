@@ -15,6 +15,26 @@ or region can never match another (model ids may contain '/').
     member/<operator hex>                   Member
     proposal/<id:012d>                      Proposal
     next/proposal                           int
+
+Verification epochs (<e> is the epoch number as %010d):
+    epoch/<e>                               Epoch
+    vrf/<e>/<operator hex>                  VrfEntry        (proofs electing the leader of e)
+    plan/<e>/<node hex>                     PlanEntry
+    pcom/<e>/<commitment hex>               node pubkey     (no commitment twice in an epoch)
+    rch/<e>/<node hex>/<member hex>         Rechallenge
+    res/<e>/<node hex>/<submitter hex>      ChallengeResult
+    att/<e>/<node hex>/<submitter hex>      [[member, credibility ppm], ...] sorted by member
+    inv/<e>/<node hex>                      [member, ...]   (reports of no valid response)
+    fault/<operator hex>/<e>/<n:04d>        Fault
+    rep/<node hex>                          Reputation
+
+Contribution credits and deployments:
+    price/<hardware>                        credits per server-hour (int)
+    credit/<org>                            Credits         (credit-seconds)
+    deploy/<id:012d>                        Deployment
+    dnode/<node hex>                        deployment id   (nodes serving a deployment)
+    dexp/<expires_at:012d>/<id:012d>        b""             (expiry index, swept every block)
+    next/deployment                         int
 """
 
 from __future__ import annotations
@@ -24,6 +44,7 @@ from typing import Protocol, TypeVar
 from urllib.parse import quote
 
 from planetserve.registry import codec
+from planetserve.registry.credits import Credits, Deployment
 from planetserve.registry.entities import (
     Member,
     Model,
@@ -32,6 +53,15 @@ from planetserve.registry.entities import (
     Proposal,
     Record,
     User,
+)
+from planetserve.registry.epochs import (
+    ChallengeResult,
+    Epoch,
+    Fault,
+    PlanEntry,
+    Rechallenge,
+    Reputation,
+    VrfEntry,
 )
 from planetserve.registry.params import Params
 
@@ -117,6 +147,96 @@ def proposal_key(proposal_id: int) -> bytes:
     return PROPOSAL_PREFIX + f"{proposal_id:012d}".encode()
 
 
+def _e(epoch: int) -> str:
+    return f"{epoch:010d}"
+
+
+def epoch_key(epoch: int) -> bytes:
+    return key("epoch", _e(epoch))
+
+
+def vrf_prefix(epoch: int) -> bytes:
+    return key("vrf", _e(epoch), "")
+
+
+def plan_prefix(epoch: int) -> bytes:
+    return key("plan", _e(epoch), "")
+
+
+def plan_key(epoch: int, node: bytes) -> bytes:
+    return plan_prefix(epoch) + node.hex().encode()
+
+
+def commitment_key(epoch: int, commitment: bytes) -> bytes:
+    return key("pcom", _e(epoch), commitment.hex())
+
+
+def rechallenge_key(epoch: int, node: bytes, member: bytes) -> bytes:
+    return key("rch", _e(epoch), node.hex(), member.hex())
+
+
+def result_prefix(epoch: int, node: bytes | None = None) -> bytes:
+    return key("res", _e(epoch), node.hex(), "") if node else key("res", _e(epoch), "")
+
+
+def result_key(epoch: int, node: bytes, submitter: bytes) -> bytes:
+    return result_prefix(epoch, node) + submitter.hex().encode()
+
+
+def attestation_prefix(epoch: int) -> bytes:
+    return key("att", _e(epoch), "")
+
+
+def attestation_key(epoch: int, node: bytes, submitter: bytes) -> bytes:
+    return attestation_prefix(epoch) + f"{node.hex()}/{submitter.hex()}".encode()
+
+
+def report_prefix(epoch: int) -> bytes:
+    return key("inv", _e(epoch), "")
+
+
+def report_key(epoch: int, node: bytes) -> bytes:
+    return report_prefix(epoch) + node.hex().encode()
+
+
+def fault_prefix(operator: bytes | None = None) -> bytes:
+    return key("fault", operator.hex(), "") if operator else key("fault", "")
+
+
+REPUTATION_PREFIX = key("rep", "")
+
+
+def reputation_key(node: bytes) -> bytes:
+    return REPUTATION_PREFIX + node.hex().encode()
+
+
+def price_key(hardware: str) -> bytes:
+    return key("price", _c(hardware))
+
+
+def credits_key(org_id: str) -> bytes:
+    return key("credit", _c(org_id))
+
+
+DEPLOYMENT_PREFIX = key("deploy", "")
+ASSIGNED_PREFIX = key("dnode", "")
+DEPLOYMENT_EXPIRY_PREFIX = key("dexp", "")
+NEXT_DEPLOYMENT_KEY = key("next", "deployment")
+
+
+def deployment_key(deployment_id: int) -> bytes:
+    return DEPLOYMENT_PREFIX + f"{deployment_id:012d}".encode()
+
+
+def assigned_key(node: bytes) -> bytes:
+    return ASSIGNED_PREFIX + node.hex().encode()
+
+
+def deployment_expiry_key(expires_at: int, deployment_id: int) -> bytes:
+    return DEPLOYMENT_EXPIRY_PREFIX + f"{expires_at:012d}/{deployment_id:012d}".encode()
+
+
+NODE_PREFIX = key("node", "")
 PARAMS_KEY = key("params")
 NEXT_PROPOSAL_KEY = key("next", "proposal")
 
@@ -124,7 +244,7 @@ NEXT_PROPOSAL_KEY = key("next", "proposal")
 class TxScope:
     """Writes of one transaction, applied to the block's batch only if the transaction succeeds."""
 
-    def __init__(self, base: KV) -> None:
+    def __init__(self, base: IterableKV) -> None:
         self._base = base
         self._writes: dict[bytes, bytes | None] = {}
 
@@ -139,6 +259,17 @@ class TxScope:
     def delete(self, k: bytes) -> None:
         self._writes[k] = None
 
+    def iterate(self, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
+        merged = dict(self._base.iterate(prefix))
+        for k, value in self._writes.items():
+            if k.startswith(prefix):
+                if value is None:
+                    merged.pop(k, None)
+                else:
+                    merged[k] = value
+        for k in sorted(merged):
+            yield k, merged[k]
+
     def apply(self) -> None:
         for k in sorted(self._writes):
             value = self._writes[k]
@@ -151,8 +282,12 @@ class TxScope:
 class State:
     """Typed reads and writes of registry entities over any key-value view."""
 
-    def __init__(self, kv: KV) -> None:
+    def __init__(self, kv: IterableKV) -> None:
         self.kv = kv
+
+    def iterate_nodes(self) -> Iterator[ModelNode]:
+        for _, value in self.kv.iterate(NODE_PREFIX):
+            yield ModelNode.decode(value)
 
     def _load(self, k: bytes, cls: type[R]) -> R | None:
         raw = self.kv.get(k)
@@ -163,7 +298,7 @@ class State:
 
     def get_int(self, k: bytes) -> int:
         raw = self.kv.get(k)
-        return 0 if raw is None else int(codec.unpack(raw))
+        return 0 if raw is None else int(codec.unpack_stored(raw))
 
     def put_int(self, k: bytes, value: int) -> None:
         self.kv.set(k, codec.pack(value))
@@ -212,14 +347,18 @@ class State:
     def node(self, pubkey: bytes) -> ModelNode | None:
         return self._load(node_key(pubkey), ModelNode)
 
-    def put_node(self, node: ModelNode) -> None:
-        """Store a model node with its list entry; only active nodes are listed."""
+    def put_node(self, node: ModelNode, trusted: bool | None = None) -> None:
+        """Store a model node with its list entry: only active, trusted nodes are listed.
+        `trusted` is the node's reputation verdict when the caller already knows it."""
         old = self.node(node.pubkey)
         if old is not None:
             self.kv.delete(node_list_key(old))
         record = node.encode()
         self.kv.set(node_key(node.pubkey), record)
-        if node.status == "active":
+        if trusted is None:
+            rep = self.reputation(node.pubkey)
+            trusted = rep is None or rep.trusted
+        if node.status == "active" and trusted:
             self.kv.set(node_list_key(node), record)
 
     def member(self, operator: bytes) -> Member | None:
@@ -239,6 +378,100 @@ class State:
 
     def delete_proposal(self, proposal_id: int) -> None:
         self.kv.delete(proposal_key(proposal_id))
+
+    def epoch(self, number: int) -> Epoch | None:
+        return self._load(epoch_key(number), Epoch)
+
+    def put_epoch(self, epoch: Epoch) -> None:
+        self._put(epoch_key(epoch.number), epoch)
+
+    def vrf_entry(self, epoch: int, operator: bytes) -> VrfEntry | None:
+        return self._load(vrf_prefix(epoch) + operator.hex().encode(), VrfEntry)
+
+    def put_vrf_entry(self, epoch: int, entry: VrfEntry) -> None:
+        self._put(vrf_prefix(epoch) + entry.operator.hex().encode(), entry)
+
+    def plan_entry(self, epoch: int, node: bytes) -> PlanEntry | None:
+        return self._load(plan_key(epoch, node), PlanEntry)
+
+    def put_plan_entry(self, epoch: int, entry: PlanEntry) -> None:
+        self._put(plan_key(epoch, entry.node), entry)
+
+    def commitment_used(self, epoch: int, commitment: bytes) -> bool:
+        return self.kv.get(commitment_key(epoch, commitment)) is not None
+
+    def use_commitment(self, epoch: int, commitment: bytes, node: bytes) -> None:
+        self.kv.set(commitment_key(epoch, commitment), node)
+
+    def rechallenge(self, epoch: int, node: bytes, member: bytes) -> Rechallenge | None:
+        return self._load(rechallenge_key(epoch, node, member), Rechallenge)
+
+    def put_rechallenge(self, epoch: int, entry: Rechallenge) -> None:
+        self._put(rechallenge_key(epoch, entry.node, entry.member), entry)
+
+    def result(self, epoch: int, node: bytes, submitter: bytes) -> ChallengeResult | None:
+        return self._load(result_key(epoch, node, submitter), ChallengeResult)
+
+    def put_result(self, epoch: int, result: ChallengeResult) -> None:
+        self._put(result_key(epoch, result.node, result.submitter), result)
+
+    def attestations(self, epoch: int, node: bytes, submitter: bytes) -> list[list]:
+        raw = self.kv.get(attestation_key(epoch, node, submitter))
+        return [] if raw is None else codec.unpack_stored(raw)
+
+    def put_attestations(self, epoch: int, node: bytes, submitter: bytes, scores: list[list]) -> None:
+        self.kv.set(attestation_key(epoch, node, submitter), codec.pack(sorted(scores)))
+
+    def reports(self, epoch: int, node: bytes) -> list[bytes]:
+        raw = self.kv.get(report_key(epoch, node))
+        return [] if raw is None else codec.unpack_stored(raw)
+
+    def put_reports(self, epoch: int, node: bytes, members: list[bytes]) -> None:
+        self.kv.set(report_key(epoch, node), codec.pack(sorted(members)))
+
+    def add_fault(self, fault: Fault) -> None:
+        """Faults of one operator are numbered in the order the chain recorded them."""
+        counter = key("next", "fault", fault.operator.hex())
+        n = self.get_int(counter)
+        self.put_int(counter, n + 1)
+        self._put(fault_prefix(fault.operator) + f"{_e(fault.epoch)}/{n:04d}".encode(), fault)
+
+    def reputation(self, node: bytes) -> Reputation | None:
+        return self._load(reputation_key(node), Reputation)
+
+    def put_reputation(self, rep: Reputation) -> None:
+        self._put(reputation_key(rep.node), rep)
+
+    def price(self, hardware: str) -> int:
+        """Credits per server-hour of a hardware class; 0 when the class has no price."""
+        return self.get_int(price_key(hardware))
+
+    def credits(self, org_id: str) -> Credits:
+        loaded = self._load(credits_key(org_id), Credits)
+        return loaded if loaded is not None else Credits(org_id, 0, 0, 0)
+
+    def put_credits(self, account: Credits) -> None:
+        self._put(credits_key(account.org_id), account)
+
+    def deployment(self, deployment_id: int) -> Deployment | None:
+        return self._load(deployment_key(deployment_id), Deployment)
+
+    def put_deployment(self, deployment: Deployment) -> None:
+        self._put(deployment_key(deployment.deployment_id), deployment)
+        for node in deployment.nodes:
+            self.put_int(assigned_key(node), deployment.deployment_id)
+        self.kv.set(deployment_expiry_key(deployment.expires_at, deployment.deployment_id), b"")
+
+    def delete_deployment(self, deployment: Deployment) -> None:
+        self.kv.delete(deployment_key(deployment.deployment_id))
+        for node in deployment.nodes:
+            self.kv.delete(assigned_key(node))
+        self.kv.delete(deployment_expiry_key(deployment.expires_at, deployment.deployment_id))
+
+    def next_deployment_id(self) -> int:
+        value = self.get_int(NEXT_DEPLOYMENT_KEY) + 1
+        self.put_int(NEXT_DEPLOYMENT_KEY, value)
+        return value
 
     def next_proposal_id(self) -> int:
         value = self.get_int(NEXT_PROPOSAL_KEY) + 1

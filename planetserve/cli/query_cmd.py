@@ -12,6 +12,7 @@ from planetserve.chain.rpc import RpcError
 from planetserve.cli import console, emit_json, fail, table
 from planetserve.cli.ledger import ledger_options
 from planetserve.cli.tx_cmd import key_bytes
+from planetserve.registry.credits import format_credits
 
 FAILURES = (QueryRefused, RpcError, VerificationError)
 
@@ -95,6 +96,85 @@ def node(ledger: LedgerClient, pubkey: str, as_json: bool) -> None:
     if record is None:
         fail(f"no model node with key {pubkey}", code=3)
     show_record(record.to_record(), as_json)
+
+
+@group.command("epoch")
+@click.argument("number", type=click.IntRange(min=0), required=False)
+@json_option
+@ledger_options(verify=True)
+def epoch(ledger: LedgerClient, number: int | None, as_json: bool) -> None:
+    """A verification epoch: its leader and how it was elected, its plan, and, once finalized, how
+    many nodes it scored and how many faults it recorded. Without NUMBER, the current epoch."""
+    try:
+        record = ledger.epoch(number)
+    except FAILURES as exc:
+        fail(str(exc))
+    if record is None:
+        fail(f"epoch {number} has no record yet (epochs are created near the end of the one before)", code=3)
+    show_record(record.to_record(), as_json)
+
+
+@group.command("reputation")
+@click.argument("node_key", metavar="NODE")
+@json_option
+@ledger_options(verify=True)
+def reputation(ledger: LedgerClient, node_key: str, as_json: bool) -> None:
+    """A model node's reputation (parts per million; untrusted below the threshold in `query params`)
+    and its window of recent credibilities. A node never scored has the initial reputation."""
+    pubkey = key_bytes(node_key, "NODE")
+    try:
+        record = ledger.reputation(pubkey)
+        if record is not None:
+            show_record(record.to_record(), as_json)
+            return
+        if ledger.node(pubkey) is None:
+            fail(f"no model node with key {node_key}", code=3)
+        params = ledger.params()
+    except FAILURES as exc:
+        fail(str(exc))
+    value = params.initial_reputation_ppm
+    show_record({"node": pubkey, "value": value, "window": [], "epochs": 0, "last_epoch": None,
+                 "trusted": value >= params.untrusted_threshold_ppm}, as_json)
+
+
+@group.command("faults")
+@click.argument("member", required=False)
+@json_option
+@ledger_options(verify=True)
+def faults(ledger: LedgerClient, member: str | None, as_json: bool) -> None:
+    """Faults the chain recorded against committee members (all, or one operator key)."""
+    try:
+        listing, records = ledger.faults(key_bytes(member, "MEMBER") if member else None)
+    except FAILURES as exc:
+        fail(str(exc))
+    show_list("faults", listing, records, ["operator", "epoch", "kind", "node", "detail"], as_json)
+
+
+@group.command("credits")
+@click.argument("org_id", metavar="ORG")
+@json_option
+@ledger_options(verify=True)
+def credits_(ledger: LedgerClient, org_id: str, as_json: bool) -> None:
+    """An organisation's contribution credits (earned by its verified, trusted nodes' serving time,
+    spent on deployments) and its deployments. Amounts are credits; one credit buys one server-hour
+    at a price of 1 (prices per hardware class are in the genesis)."""
+    try:
+        if ledger.org(org_id) is None:
+            fail(f"no organisation {org_id!r}", code=3)
+        account = ledger.credits(org_id)
+        _, deployments = ledger.deployments()
+    except FAILURES as exc:
+        fail(str(exc))
+    mine = [d.to_record() for d in deployments if d.org_id == org_id]
+    summary = {"org_id": org_id, "balance": format_credits(account.balance),
+               "earned": format_credits(account.earned), "spent": format_credits(account.spent)}
+    if as_json:
+        emit_json({**summary, "deployments": mine})
+        return
+    show_record(summary, as_json)
+    columns = ["deployment_id", "model_id", "hardware", "nodes", "expires_at"]
+    rows = [[len(d[c]) if c == "nodes" else d[c] for c in columns] for d in mine]
+    table(f"deployments ({len(mine)})", columns, rows)
 
 
 @group.command("params")

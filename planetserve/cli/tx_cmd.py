@@ -196,3 +196,23 @@ def vote_member(ledger: LedgerClient, keys_path: Path, proposal_id: int, approve
     """Vote on a pending committee proposal."""
     submit(ledger, load_keys(keys_path), "vote-member",
            {"proposal_id": proposal_id, "approve": approve}, as_json)
+
+
+@group.command("deploy-model")
+@click.option("--org-id", required=True, help="The organisation the signer owns; it pays.")
+@click.option("--model-id", required=True, help="A registered model to serve.")
+@click.option("--hardware", required=True, help="Hardware class of the servers (priced in genesis).")
+@click.option("--nodes", required=True, type=click.IntRange(min=1), help="How many servers.")
+@click.option("--days", required=True, type=click.FloatRange(min=0, min_open=True),
+              help="For how long (fractions allowed; at least one minute).")
+@signer_option
+@json_option
+@ledger_options(verify=False)
+def deploy_model(ledger: LedgerClient, keys_path: Path, org_id: str, model_id: str, hardware: str, nodes: int,
+                 days: float, as_json: bool) -> None:
+    """Spend the organisation's contribution credits to have a model served by NODES servers of a
+    hardware class for DAYS. The organisation's reputation must clear the trust threshold; the chain
+    picks the servers and ends the deployment when its time is up. See `query credits ORG`."""
+    body = {"org_id": org_id, "model_id": model_id, "hardware": hardware, "nodes": nodes,
+            "seconds": round(days * 86_400)}
+    submit(ledger, load_keys(keys_path), "deploy-model", body, as_json)

@@ -25,3 +25,15 @@ class Unauthorized(RegistryError):
 
 class Expired(RegistryError):
     """The entity's time-to-live has run out."""
+
+
+class LowReputation(RegistryError):
+    """The organisation's reputation is below what the action needs."""
+
+
+class InsufficientCredits(RegistryError):
+    """The organisation has not earned enough contribution credits."""
+
+
+class Unavailable(RegistryError):
+    """Not enough trusted, unassigned model nodes of the requested kind."""

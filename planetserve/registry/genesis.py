@@ -3,7 +3,8 @@
     {"params": {...},
      "committee": [{"operator": hex, "consensus_key": hex, "vrf_key": hex, "x25519_key": hex,
                     "credential": str, "power": int}, ...],
-     "models": [{"model_id": str, "name": str}, ...]}
+     "models": [{"model_id": str, "name": str}, ...],
+     "prices": {hardware class: credits per server-hour, ...}}     (default: credits.DEFAULT_PRICES)
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from planetserve.registry import fields
+from planetserve.registry.credits import DEFAULT_PRICES
 from planetserve.registry.entities import Member, Model
 from planetserve.registry.errors import AlreadyExists, InvalidField
 from planetserve.registry.params import Params
@@ -24,6 +26,7 @@ class AppState:
     params: Params
     committee: tuple[Member, ...]
     models: tuple[Model, ...]
+    prices: tuple[tuple[str, int], ...] = tuple(sorted(DEFAULT_PRICES.items()))
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -34,6 +37,7 @@ class AppState:
                 for m in self.committee
             ],
             "models": [{"model_id": m.model_id, "name": m.name} for m in self.models],
+            "prices": dict(self.prices),
         }
 
 
@@ -49,7 +53,7 @@ def parse_app_state(raw: dict[str, Any]) -> AppState:
     """Validate genesis app_state; an invalid genesis stops the chain from starting, with the reason."""
     if not isinstance(raw, dict):
         raise InvalidField("app_state", "must be a JSON object")
-    fields.check_keys(raw, {"committee"}, frozenset({"params", "models"}))
+    fields.check_keys(raw, {"committee"}, frozenset({"params", "models", "prices"}))
     params = Params.from_genesis(raw.get("params"))
     committee: list[Member] = []
     for entry in raw["committee"]:
@@ -71,4 +75,13 @@ def parse_app_state(raw: dict[str, Any]) -> AppState:
         models.append(Model(fields.ident(entry, "model_id"), fields.text(entry, "name", 128), 0))
     if len({m.model_id for m in models}) != len(models):
         raise AlreadyExists("duplicate model in genesis")
-    return AppState(params, tuple(committee), tuple(models))
+    return AppState(params, tuple(committee), tuple(models), _prices(raw.get("prices", DEFAULT_PRICES)))
+
+
+def _prices(raw: Any) -> tuple[tuple[str, int], ...]:
+    if not isinstance(raw, dict):
+        raise InvalidField("prices", "must map hardware classes to credits per server-hour")
+    for hardware, rate in raw.items():
+        fields.hardware({"hardware": hardware})
+        fields.integer({"prices": rate}, "prices", 1, 10**9)
+    return tuple(sorted(raw.items()))

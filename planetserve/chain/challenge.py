@@ -1,0 +1,72 @@
+"""Client side of challenges: committing and sealing prompts for the committee, signing and checking
+model nodes' responses. Used by committee members, model nodes and tests alike, so the bytes the
+chain checks are made in one place."""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+
+from nacl.exceptions import CryptoError
+from nacl.public import PrivateKey, PublicKey, SealedBox
+
+from planetserve.chain.keys import KeySet, verify_signature
+from planetserve.registry import codec, epochs
+from planetserve.registry.entities import Member
+from planetserve.registry.epochs import PlanEntry, SignedResponse
+
+
+class SealedPromptError(Exception):
+    """A plan's sealed prompt cannot be opened by this member or does not match its commitment."""
+
+
+@dataclass(frozen=True)
+class Challenge:
+    prompt: str
+    salt: bytes
+
+    @classmethod
+    def new(cls, prompt: str) -> Challenge:
+        return cls(prompt, secrets.token_bytes(32))
+
+    @property
+    def commitment(self) -> bytes:
+        return epochs.commitment(self.prompt, self.salt)
+
+    def plan_entry(self, node: bytes, committee: list[Member]) -> dict:
+        """A commit-plan entry: the commitment, and the prompt sealed to every member's X25519 key."""
+        plaintext = codec.pack([self.prompt, self.salt])
+        sealed = sorted([m.operator, SealedBox(PublicKey(m.x25519_key)).encrypt(plaintext)]
+                        for m in committee)
+        return {"node": node, "commitment": self.commitment, "sealed": sealed}
+
+    def reveal(self, response: SignedResponse) -> dict:
+        """A submit-results entry (without the leader's proposed credibility)."""
+        return {"node": response.node, "prompt": self.prompt, "salt": self.salt,
+                "response": response.to_record()}
+
+
+def open_plan_entry(entry: PlanEntry, operator: bytes, key: PrivateKey) -> Challenge:
+    """Decrypt this member's copy of a planned prompt and check it against the commitment."""
+    box = next((sealed for member, sealed in entry.sealed if member == operator), None)
+    if box is None:
+        raise SealedPromptError("the plan entry holds no prompt sealed to this member")
+    try:
+        prompt, salt = codec.unpack(SealedBox(key).decrypt(box))
+    except (CryptoError, codec.CodecError, ValueError, TypeError) as exc:
+        raise SealedPromptError(f"sealed prompt does not open: {type(exc).__name__}") from exc
+    challenge = Challenge(prompt, salt)
+    if challenge.commitment != entry.commitment:
+        raise SealedPromptError("sealed prompt does not match the plan's commitment")
+    return challenge
+
+
+def sign_response(keys: KeySet, prompt: str, token_ids: list[int], text: str, model_id: str, time: int,
+                  address: str) -> SignedResponse:
+    unsigned = SignedResponse(keys.public, epochs.prompt_hash(prompt), tuple(token_ids), text, model_id,
+                              time, address, b"")
+    return SignedResponse(**{**unsigned.__dict__, "signature": keys.sign(unsigned.sign_bytes())})
+
+
+def response_valid(response: SignedResponse) -> bool:
+    return verify_signature(response.node, response.sign_bytes(), response.signature)

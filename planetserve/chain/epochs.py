@@ -1,0 +1,126 @@
+"""The epoch timeline as block hooks: epochs open, next epochs get their seed, epochs finalize.
+
+Called by the application inside FinalizeBlock: `begin_block` before the block's transactions,
+`end_block` after them. Both read and write only the block's batch, in key order.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import replace
+
+from planetserve.chain import state as layout
+from planetserve.chain.state import State
+from planetserve.chain.store import Batch
+from planetserve.registry import codec, credits, epochs, finalization, reputation
+from planetserve.registry.entities import Member, ModelNode
+from planetserve.registry.epochs import PLAN_COMMITTED, PLAN_NONE, ChallengeResult, Epoch, Fault, Schedule
+from planetserve.registry.params import Params
+
+
+def genesis(st: State, chain_id: str, committee: list[Member]) -> None:
+    """Epoch 0 has no plan; its leader, chosen by the fallback rule, commits the plan of epoch 1."""
+    seed = epochs.genesis_seed(chain_id)
+    leader = epochs.fallback_leader(seed, [m.operator for m in committee])
+    st.put_epoch(Epoch(0, 1, 0, seed, leader, b"", "genesis", b"", PLAN_NONE, 0, 0, False, 0, 0))
+
+
+def begin_block(batch: Batch, params: Params, height: int, time: int, previous_app_hash: bytes) -> None:
+    schedule = Schedule.from_params(params)
+    st = State(batch)
+    number = schedule.epoch_of(height)
+    if height == schedule.start(number):
+        current = st.epoch(number)
+        if current is not None:
+            st.put_epoch(replace(current, start_time=time))
+    if height == schedule.setup_height(number):
+        leader = st.epoch(number)
+        st.put_epoch(Epoch(
+            number=number + 1, start_height=schedule.start(number + 1), start_time=0,
+            seed=epochs.epoch_seed(previous_app_hash, number + 1), leader=b"", leader_output=b"",
+            election="pending", plan_leader=leader.leader if leader else b"", plan_status=PLAN_NONE,
+            plan_nodes=0, plan_cutoff=time, finalized=False, scored=0, faults=0,
+        ))
+
+
+def end_block(batch: Batch, params: Params, height: int, time: int) -> None:
+    schedule = Schedule.from_params(params)
+    number = schedule.epoch_of(height)
+    if height != schedule.end(number):
+        return
+    st = State(batch)
+    committee = layout.members(batch)
+    current = st.epoch(number)
+    if current is not None:
+        _finalize(batch, st, params, current, committee, time)
+    upcoming = st.epoch(number + 1)
+    if upcoming is None:
+        return
+    if not upcoming.leader:
+        upcoming = replace(upcoming, election="fallback",
+                           leader=epochs.fallback_leader(upcoming.seed, sorted(committee)))
+    st.put_epoch(upcoming)
+    if upcoming.plan_status != PLAN_COMMITTED and upcoming.plan_leader in committee:
+        st.add_fault(Fault(upcoming.plan_leader, number, "no-plan", b"",
+                           f"did not commit the plan of epoch {number + 1}"))
+
+
+def _evidence(batch: Batch, epoch: Epoch, committee: dict[bytes, Member], params: Params
+              ) -> finalization.Evidence:
+    n = epoch.number
+    plan = [bytes.fromhex(k.rsplit(b"/", 1)[1].decode()) for k, _ in batch.iterate(layout.plan_prefix(n))]
+    results: dict[bytes, list[ChallengeResult]] = defaultdict(list)
+    for _, value in batch.iterate(layout.result_prefix(n)):
+        result = ChallengeResult.decode(value)
+        results[result.node].append(result)
+    attestations = {}
+    for k, value in batch.iterate(layout.attestation_prefix(n)):
+        node_hex, submitter_hex = k.decode().rsplit("/", 2)[1:]
+        attestations[(bytes.fromhex(node_hex), bytes.fromhex(submitter_hex))] = [
+            (m, c) for m, c in codec.unpack_stored(value)]
+    reports = {bytes.fromhex(k.rsplit(b"/", 1)[1].decode()): tuple(codec.unpack_stored(v))
+               for k, v in batch.iterate(layout.report_prefix(n))}
+    return finalization.Evidence(
+        leader=epoch.leader, plan_nodes=plan, results=dict(results), attestations=attestations,
+        reports=reports, power={m.operator: m.power for m in committee.values()},
+        tolerance=params.credibility_tolerance_ppm,
+    )
+
+
+def _finalize(batch: Batch, st: State, params: Params, epoch: Epoch, committee: dict[bytes, Member],
+              time: int) -> None:
+    """Apply the epoch's verdicts to reputations, credit the organisations of verified, trusted
+    nodes for their serving time in the epoch, and record the epoch's faults."""
+    verdicts: list[finalization.Verdict] = []
+    findings: list[finalization.Finding] = []
+    if epoch.plan_status == PLAN_COMMITTED:
+        verdicts, findings = finalization.decide(_evidence(batch, epoch, committee, params))
+    rule = reputation.ReputationRule.from_params(params)
+    batch.prefetch([k for v in verdicts for k in (layout.node_key(v.node), layout.reputation_key(v.node))])
+    earnings: dict[str, int] = defaultdict(int)
+    for verdict in verdicts:
+        raw = batch.get(layout.node_key(verdict.node))
+        if raw is None:
+            continue
+        previous = st.reputation(verdict.node)
+        value, window = reputation.update(
+            rule, previous.value if previous else rule.initial, verdict.credibility,
+            previous.window if previous else ())
+        trusted = reputation.is_trusted(rule, value)
+        was_trusted = previous.trusted if previous else reputation.is_trusted(rule, rule.initial)
+        st.put_reputation(epochs.Reputation(verdict.node, value, window,
+                                            (previous.epochs if previous else 0) + 1, epoch.number, trusted))
+        node = ModelNode.decode(raw)
+        if trusted != was_trusted:
+            st.put_node(node, trusted)
+        if trusted and verdict.scored and verdict.credibility >= rule.abnormal:
+            serving = time - max(epoch.start_time, node.registered_at)
+            earnings[node.org_id] += credits.earned(st.price(node.hardware), serving)
+    for org_id in sorted(earnings):
+        if earnings[org_id]:
+            account = st.credits(org_id)
+            st.put_credits(replace(account, balance=account.balance + earnings[org_id],
+                                   earned=account.earned + earnings[org_id]))
+    for finding in findings:
+        st.add_fault(Fault(finding.operator, epoch.number, finding.kind, finding.node, finding.detail))
+    st.put_epoch(replace(epoch, finalized=True, scored=len(verdicts), faults=epoch.faults + len(findings)))

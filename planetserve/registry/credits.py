@@ -1,0 +1,74 @@
+"""Contribution credits (seed planetserve.md 2.2): organisations earn credits for the time their
+verified, trusted model nodes serve, at their hardware class's rate, and spend them to have their own
+model served. Rates are credits per server-hour, proportional to public-cloud hourly prices; amounts
+are kept exactly, in credit-seconds (rate × seconds; 3,600 credit-seconds are one credit), so that
+5 servers for 30 days earn precisely what 30 servers for 5 days cost.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from planetserve.registry.entities import Record
+
+CREDIT_SECONDS = 3_600
+
+# Credits per server-hour, roughly US cents of public-cloud on-demand prices per accelerator (2025).
+# A genesis may set its own table; a hardware class without a price earns nothing and cannot be
+# asked for in a deployment.
+DEFAULT_PRICES: dict[str, int] = {
+    "H200": 1_000,
+    "H100": 700,
+    "A100": 400,
+    "L40S": 190,
+    "A10G": 120,
+    "L4": 80,
+    "T4": 50,
+    "cpu": 10,
+}
+
+
+@dataclass(frozen=True)
+class Credits(Record):
+    """An organisation's account, in credit-seconds."""
+
+    org_id: str
+    balance: int
+    earned: int
+    spent: int
+
+
+@dataclass(frozen=True)
+class Deployment(Record):
+    deployment_id: int
+    org_id: str
+    model_id: str
+    hardware: str
+    nodes: tuple[bytes, ...]
+    created_at: int
+    expires_at: int
+    cost: int
+
+
+def earned(rate: int, serving_seconds: int) -> int:
+    """Credit-seconds for one node serving `serving_seconds` at `rate` credits per server-hour."""
+    return rate * max(serving_seconds, 0)
+
+
+def cost(rate: int, nodes: int, seconds: int) -> int:
+    """Credit-seconds a deployment of `nodes` servers for `seconds` costs."""
+    return rate * nodes * seconds
+
+
+def assign_nodes(deployment_id: int, available: list[bytes], count: int) -> tuple[bytes, ...]:
+    """The `count` available nodes with the lowest sha256(deployment id || key): spread over
+    organisations and regions by chance, the same on every validator, and not the deployer's pick."""
+    tag = deployment_id.to_bytes(8, "big")
+    ranked = sorted(available, key=lambda n: hashlib.sha256(tag + n).digest())
+    return tuple(sorted(ranked[:count]))
+
+
+def format_credits(credit_seconds: int) -> str:
+    whole, rest = divmod(credit_seconds, CREDIT_SECONDS)
+    return f"{whole}.{rest * 1000 // CREDIT_SECONDS:03d}"

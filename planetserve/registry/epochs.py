@@ -1,0 +1,202 @@
+"""Verification epochs: the block schedule and the records the committee's work leaves in state.
+
+Epoch e covers heights [e*L + 1, (e+1)*L] for L = epoch_blocks. Offsets count from 0 at its first
+block. In epoch e:
+
+    offsets [0, results_blocks)            the leader of e submits the results of e's plan
+    offsets [0, L)                         members attest, report invalid responses, re-challenge
+    the last vrf_window_blocks blocks      members submit VRF proofs electing the leader of e+1
+    the last plan_window_blocks blocks     the leader of e commits the challenge plan of e+1
+    the last block, after its txs          e is finalized; e+1's leader is fixed
+
+The record of e+1 is created when the first of the two windows opens: its seed is then fixed, from
+the app hash the committee signed for the block before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from planetserve.registry import codec
+from planetserve.registry.entities import Record
+from planetserve.registry.params import Params
+
+SEED_DOMAIN = "planetserve/epoch-seed/v1"
+COMMIT_DOMAIN = "planetserve/challenge/v1"
+RESPONSE_DOMAIN = "planetserve/response/v1"
+
+PLAN_NONE, PLAN_PARTIAL, PLAN_COMMITTED = "none", "partial", "committed"
+RESULT_KINDS = ("leader", "rechallenge")
+VALID, INVALID, FAULTY = "valid", "invalid", "faulty"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    epoch_blocks: int
+    results_blocks: int
+    vrf_window_blocks: int
+    plan_window_blocks: int
+
+    @classmethod
+    def from_params(cls, params: Params) -> Schedule:
+        return cls(params.epoch_blocks, params.results_blocks, params.vrf_window_blocks,
+                   params.plan_window_blocks)
+
+    def epoch_of(self, height: int) -> int:
+        return (height - 1) // self.epoch_blocks
+
+    def start(self, epoch: int) -> int:
+        return epoch * self.epoch_blocks + 1
+
+    def end(self, epoch: int) -> int:
+        return (epoch + 1) * self.epoch_blocks
+
+    def offset(self, height: int) -> int:
+        return (height - 1) % self.epoch_blocks
+
+    def in_results(self, height: int) -> bool:
+        return self.offset(height) < self.results_blocks
+
+    def in_vrf_window(self, height: int) -> bool:
+        return self.offset(height) >= self.epoch_blocks - self.vrf_window_blocks
+
+    def in_plan_window(self, height: int) -> bool:
+        return self.offset(height) >= self.epoch_blocks - self.plan_window_blocks
+
+    def setup_height(self, epoch: int) -> int:
+        """The block of epoch `epoch` at which the record of epoch + 1 is created."""
+        return self.end(epoch) - max(self.vrf_window_blocks, self.plan_window_blocks) + 1
+
+
+def epoch_seed(previous_app_hash: bytes, epoch: int) -> bytes:
+    return hashlib.sha256(codec.pack([SEED_DOMAIN, previous_app_hash, epoch])).digest()
+
+
+def genesis_seed(chain_id: str) -> bytes:
+    return hashlib.sha256(codec.pack([SEED_DOMAIN, chain_id])).digest()
+
+
+def fallback_leader(seed: bytes, operators: list[bytes]) -> bytes:
+    """Without a valid VRF proof the leader is the operator (in key order) at index
+    sha256(seed) mod n: as unpredictable as the seed, and the same on every validator."""
+    ordered = sorted(operators)
+    index = int.from_bytes(hashlib.sha256(seed).digest(), "big") % len(ordered)
+    return ordered[index]
+
+
+def sample_nodes(seed: bytes, nodes: list[bytes], cap: int) -> list[bytes]:
+    """The nodes a plan must cover: all of them, or, above the cap, the `cap` whose
+    sha256(seed || key) is lowest, so the leader cannot choose."""
+    if len(nodes) <= cap:
+        return sorted(nodes)
+    ranked = sorted(nodes, key=lambda n: hashlib.sha256(seed + n).digest())
+    return sorted(ranked[:cap])
+
+
+def commitment(prompt: str, salt: bytes) -> bytes:
+    """What a plan records for a challenge: H(prompt || salt), unambiguously encoded."""
+    return hashlib.sha256(codec.pack([COMMIT_DOMAIN, prompt, salt])).digest()
+
+
+def prompt_hash(prompt: str) -> bytes:
+    return hashlib.sha256(prompt.encode()).digest()
+
+
+@dataclass(frozen=True)
+class Epoch(Record):
+    number: int
+    start_height: int
+    start_time: int
+    seed: bytes
+    leader: bytes
+    leader_output: bytes
+    election: str
+    plan_leader: bytes
+    plan_status: str
+    plan_nodes: int
+    plan_cutoff: int
+    finalized: bool
+    scored: int
+    faults: int
+
+
+@dataclass(frozen=True)
+class VrfEntry(Record):
+    operator: bytes
+    proof: bytes
+    output: bytes
+
+
+@dataclass(frozen=True)
+class PlanEntry(Record):
+    """One challenge of a plan; `sealed` holds [member operator, sealed box of [prompt, salt]]."""
+
+    node: bytes
+    commitment: bytes
+    sealed: tuple[list, ...]
+
+
+@dataclass(frozen=True)
+class SignedResponse(Record):
+    """A model node's answer to a prompt, signed with its registered key."""
+
+    node: bytes
+    prompt_hash: bytes
+    token_ids: tuple[int, ...]
+    text: str
+    model_id: str
+    time: int
+    address: str
+    signature: bytes
+
+    def sign_bytes(self) -> bytes:
+        return codec.pack([RESPONSE_DOMAIN, self.node, self.prompt_hash, list(self.token_ids), self.text,
+                           self.model_id, self.time, self.address])
+
+
+@dataclass(frozen=True)
+class ChallengeResult(Record):
+    """A challenge's outcome as submitted by the leader or by a member who re-challenged.
+    status: valid (signed and consistent), invalid (no valid response claimed), faulty (the
+    submission itself contradicts the plan or the signature; the submitter is recorded faulty)."""
+
+    node: bytes
+    submitter: bytes
+    kind: str
+    status: str
+    reason: str
+    prompt: str
+    salt: bytes
+    response: dict
+    credibility: int
+    height: int
+
+
+@dataclass(frozen=True)
+class Rechallenge(Record):
+    node: bytes
+    member: bytes
+    commitment: bytes
+    time: int
+
+
+@dataclass(frozen=True)
+class Fault(Record):
+    operator: bytes
+    epoch: int
+    kind: str
+    node: bytes
+    detail: str
+
+
+@dataclass(frozen=True)
+class Reputation(Record):
+    """A model node's reputation (ppm) and its window of the last W credibilities."""
+
+    node: bytes
+    value: int
+    window: tuple[int, ...]
+    epochs: int
+    last_epoch: int
+    trusted: bool

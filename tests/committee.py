@@ -1,0 +1,134 @@
+"""A scripted committee and scripted model nodes driving epochs through the real Application."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from harness import CHAIN_ID, AppHarness
+
+from planetserve.chain import state as layout
+from planetserve.chain import vrf
+from planetserve.chain.challenge import Challenge, open_plan_entry, sign_response
+from planetserve.chain.handlers import node_pop_message
+from planetserve.chain.keys import KeySet
+from planetserve.chain.state import State
+from planetserve.registry.epochs import Epoch, Fault, PlanEntry, Schedule, SignedResponse
+from planetserve.registry.params import Params
+
+EPOCH_PARAMS = Params(epoch_blocks=10, results_blocks=4, vrf_window_blocks=3, plan_window_blocks=3)
+NODE_ADDRESS = "10.0.0.7:7000"
+
+
+class Script:
+    """Four members, one organisation and its model nodes on an in-process chain."""
+
+    def __init__(self, h: AppHarness, nodes: int = 2, model_id: str = "gt") -> None:
+        self.h = h
+        self.schedule = Schedule.from_params(EPOCH_PARAMS)
+        self.owner = KeySet.generate()
+        self.nodes = {k.public: k for k in sorted((KeySet.generate() for _ in range(nodes)),
+                                                  key=lambda k: k.public)}
+        self.members = {m.public: m for m in h.members}
+        txs = [h.tx(self.owner, "register-org", {"org_id": "org1", "name": "Org One"})]
+        for node in self.nodes.values():
+            txs.append(h.tx(self.owner, "register-model-node", {
+                "org_id": "org1", "node_pubkey": node.public,
+                "pop": node.sign(node_pop_message(CHAIN_ID, "org1", node.public)),
+                "model_id": model_id, "address": NODE_ADDRESS, "hardware": "A100", "capacity": 4,
+                "region": "eu"}))
+        assert all(r.code == 0 for r in h.block(*txs).tx_results)
+
+    # -- reading ---------------------------------------------------------------------------------
+
+    @property
+    def state(self) -> State:
+        return State(self.h.store.batch())
+
+    def epoch(self, number: int) -> Epoch:
+        record = self.state.epoch(number)
+        assert record is not None, f"no record of epoch {number}"
+        return record
+
+    def leader(self, number: int) -> KeySet:
+        return self.members[self.epoch(number).leader]
+
+    def reputation(self, node: bytes) -> int | None:
+        rep = self.state.reputation(node)
+        return None if rep is None else rep.value
+
+    def faults(self, operator: bytes) -> list[str]:
+        batch = self.h.store.batch()
+        return [f.kind for f in layout.decode_records(list(batch.iterate(layout.fault_prefix(operator))),
+                                                      Fault)]
+
+    # -- blocks ----------------------------------------------------------------------------------
+
+    def block(self, *txs: bytes) -> list[tuple[int, str]]:
+        return [(r.code, r.log) for r in self.h.block(*txs).tx_results]
+
+    def run_to(self, height: int) -> None:
+        """Empty blocks until the next block is `height`."""
+        while self.h.height < height - 1:
+            self.h.block()
+
+    def tx(self, signer: KeySet, tx_type: str, body: dict[str, Any]) -> bytes:
+        return self.h.tx(signer, tx_type, body)
+
+    # -- committee actions ------------------------------------------------------------------------
+
+    def vrf_txs(self, target: int, members: list[KeySet] | None = None) -> list[bytes]:
+        seed = self.epoch(target).seed
+        return [self.tx(m, "submit-vrf", {"epoch": target, "proof": vrf.prove(bytes(m.vrf), seed)})
+                for m in (members if members is not None else list(self.members.values()))]
+
+    def plan(self, target: int, nodes: list[bytes] | None = None) -> tuple[dict, dict[bytes, Challenge]]:
+        """A final commit-plan body for `nodes` (default: all), and the challenges it commits."""
+        committee = list(layout.members(self.h.store.batch()).values())
+        challenges = {n: Challenge.new(f"Question {i} for epoch {target}: why is the sky blue?")
+                      for i, n in enumerate(nodes if nodes is not None else self.nodes)}
+        entries = [c.plan_entry(n, committee) for n, c in challenges.items()]
+        return {"epoch": target, "entries": entries, "final": True}, challenges
+
+    def plan_tx(self, target: int) -> tuple[bytes, dict[bytes, Challenge]]:
+        body, challenges = self.plan(target)
+        return self.tx(self.leader(target - 1), "commit-plan", body), challenges
+
+    def planned(self, number: int, node: bytes, member: KeySet) -> Challenge:
+        """What a member reads from the plan: its sealed copy of the node's prompt."""
+        entry: PlanEntry | None = self.state.plan_entry(number, node)
+        assert entry is not None
+        return open_plan_entry(entry, member.public, member.x25519)
+
+    def answer(self, node: bytes, prompt: str, model_id: str = "gt", time: int | None = None,
+               text: str = "Because of Rayleigh scattering.") -> SignedResponse:
+        return sign_response(self.nodes[node], prompt, [11, 12, 13], text, model_id,
+                             self.h.time if time is None else time, NODE_ADDRESS)
+
+    def leader_results(self, number: int, credibility: int, nodes: list[bytes] | None = None,
+                       ) -> dict[str, Any]:
+        """Honest leader results: each planned prompt answered by its node."""
+        leader = self.leader(number)
+        entries = []
+        for node in nodes if nodes is not None else list(self.nodes):
+            challenge = self.planned(number, node, leader)
+            entries.append({**challenge.reveal(self.answer(node, challenge.prompt)),
+                            "credibility": credibility})
+        return {"epoch": number, "kind": "leader", "results": entries}
+
+    def attest_txs(self, number: int, submitter: bytes, scores: dict[bytes, int],
+                   members: list[KeySet] | None = None) -> list[bytes]:
+        return [self.tx(m, "attest", {"epoch": number,
+                                      "scores": [[n, submitter, c] for n, c in sorted(scores.items())]})
+                for m in (members if members is not None else list(self.members.values()))]
+
+    def run_election_and_plan(self, number: int) -> dict[bytes, Challenge]:
+        """Through epoch number-1's windows: every member submits its VRF proof and the leader of
+        number-1 commits the plan of `number`; returns the planned challenges."""
+        assert self.h.height < self.schedule.setup_height(number - 1), "too late to elect and plan"
+        self.run_to(self.schedule.setup_height(number - 1))
+        self.h.block()  # the setup block creates the record of `number`
+        plan_tx, challenges = self.plan_tx(number)
+        results = self.block(plan_tx, *self.vrf_txs(number))
+        assert all(code == 0 for code, _ in results), results
+        self.run_to(self.schedule.start(number))
+        return challenges

@@ -1,0 +1,115 @@
+"""Contribution credits: earned per finalized epoch by verified, trusted nodes' organisations, spent
+on deployments (the seed's 5 servers x 30 days = 30 servers x 5 days), and every refusal."""
+
+from __future__ import annotations
+
+import pytest
+from committee import EPOCH_PARAMS, Script
+from harness import CHAIN_ID, AppHarness, sqlite_url
+
+from planetserve.chain import state as layout
+from planetserve.chain.errors import Code
+from planetserve.chain.handlers import node_pop_message
+from planetserve.chain.keys import KeySet
+from planetserve.registry import credits
+
+DAY = 86_400
+A100 = credits.DEFAULT_PRICES["A100"]
+
+
+def test_five_servers_for_thirty_days_buy_thirty_servers_for_five_days():
+    assert credits.earned(A100, 30 * DAY) * 5 == credits.cost(A100, 30, 5 * DAY)
+    assert credits.format_credits(credits.cost(A100, 1, 3600)) == f"{A100}.000"
+
+
+def test_assignment_is_deterministic_and_not_the_callers_order():
+    nodes = [bytes([i]) * 32 for i in range(20)]
+    chosen = credits.assign_nodes(7, nodes, 5)
+    assert chosen == credits.assign_nodes(7, list(reversed(nodes)), 5)
+    assert len(set(chosen)) == 5 and set(chosen) <= set(nodes)
+    assert chosen != credits.assign_nodes(8, nodes, 5)
+
+
+@pytest.fixture
+def s(tmp_path) -> Script:
+    return Script(AppHarness(sqlite_url(tmp_path), members=4, params=EPOCH_PARAMS), nodes=5)
+
+
+def register_other_org(s: Script, org_id: str, count: int) -> KeySet:
+    owner = KeySet.generate()
+    txs = [s.tx(owner, "register-org", {"org_id": org_id, "name": org_id})]
+    for i in range(count):
+        node = KeySet.generate()
+        txs.append(s.tx(owner, "register-model-node", {
+            "org_id": org_id, "node_pubkey": node.public,
+            "pop": node.sign(node_pop_message(CHAIN_ID, org_id, node.public)), "model_id": "gt",
+            "address": f"10.0.1.{i}:7000", "hardware": "A100", "capacity": 1, "region": "us"}))
+    assert all(c == 0 for c, _ in s.block(*txs))
+    return owner
+
+
+def deploy(s: Script, owner: KeySet, org_id: str = "org1", **overrides) -> tuple[int, str]:
+    body = {"org_id": org_id, "model_id": "gt", "hardware": "A100", "nodes": 30, "seconds": 5 * DAY}
+    return s.block(s.tx(owner, "deploy-model", {**body, **overrides}))[0]
+
+
+def test_credits_are_earned_then_spent_on_a_deployment_that_expires(s):
+    s.run_election_and_plan(1)
+    other = register_other_org(s, "org2", 30)  # after epoch 1's cutoff: not in its plan
+    start = s.epoch(1).start_time
+    leader = s.epoch(1).leader
+    assert s.block(s.tx(s.leader(1), "submit-results", s.leader_results(1, 800_000))) == [(0, "ok")]
+    assert all(c == 0 for c, _ in s.block(*s.attest_txs(1, leader, dict.fromkeys(s.nodes, 800_000))))
+    s.run_to(s.schedule.end(1))
+    s.h.block(seconds=start + 30 * DAY - s.h.time)  # the epoch's last block: 30 days after its first
+    assert s.epoch(1).finalized
+    account = s.state.credits("org1")
+    assert account.balance == account.earned == 5 * credits.earned(A100, 30 * DAY)
+    assert s.state.credits("org2").balance == 0
+
+    refusals = {
+        "unknown model": (deploy(s, s.owner, model_id="nope"), Code.UNKNOWN_ENTITY, "not registered"),
+        "unpriced class": (deploy(s, s.owner, hardware="TPU9"), Code.INVALID_FIELD, "no price"),
+        "too many": (deploy(s, s.owner, nodes=1_001), Code.INVALID_FIELD, "nodes"),
+        "too long": (deploy(s, s.owner, seconds=91 * DAY), Code.INVALID_FIELD, "seconds"),
+        "not owner": (deploy(s, other), Code.UNAUTHORIZED, "does not own"),
+        "over-ask": (deploy(s, s.owner, nodes=36, seconds=60), Code.UNAVAILABLE, "35 trusted"),
+        "no credits": (deploy(s, other, org_id="org2", nodes=1, seconds=60), Code.INSUFFICIENT_CREDITS,
+                       "has 0.000"),
+        "over budget": (deploy(s, s.owner, seconds=5 * DAY + 1), Code.INSUFFICIENT_CREDITS, "costs"),
+    }
+    for name, ((code, log), want, words) in refusals.items():
+        assert code == want and words in log, (name, code, log)
+    assert s.state.credits("org1") == account  # refusals spent nothing
+
+    code, log = deploy(s, s.owner)
+    assert code == 0, log
+    account = s.state.credits("org1")
+    assert account.balance == 0 and account.spent == account.earned
+    deployment = s.state.deployment(1)
+    assert deployment.org_id == "org1" and len(deployment.nodes) == 30
+    assigned = [k for k, _ in s.h.store.batch().iterate(layout.ASSIGNED_PREFIX)]
+    assert len(assigned) == 30
+
+    s.h.block(seconds=5 * DAY)
+    assert s.state.deployment(1) is None
+    assert list(s.h.store.batch().iterate(layout.ASSIGNED_PREFIX)) == []
+
+
+def test_an_organisation_without_trusted_nodes_cannot_deploy(s):
+    owner = KeySet.generate()
+    assert s.block(s.tx(owner, "register-org", {"org_id": "empty", "name": "No nodes"})) == [(0, "ok")]
+    code, log = deploy(s, owner, org_id="empty", nodes=1, seconds=60)
+    assert code == Code.LOW_REPUTATION and "below" in log
+
+
+def test_dishonest_nodes_earn_nothing_and_block_their_organisation(s):
+    s.run_election_and_plan(1)
+    leader = s.epoch(1).leader
+    assert s.block(s.tx(s.leader(1), "submit-results", s.leader_results(1, 100_000))) == [(0, "ok")]
+    assert all(c == 0 for c, _ in s.block(*s.attest_txs(1, leader, dict.fromkeys(s.nodes, 100_000))))
+    s.run_to(s.schedule.end(1) + 1)
+    assert s.epoch(1).finalized
+    assert s.state.credits("org1").earned == 0
+    code, log = deploy(s, s.owner, nodes=1, seconds=60)
+    assert code == Code.LOW_REPUTATION

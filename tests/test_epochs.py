@@ -1,0 +1,283 @@
+"""Verification epochs through the real Application: election, plans, results, attestations,
+finalization, and each of the leader's attacks of seed section 4.4, with a scripted committee."""
+
+from __future__ import annotations
+
+import pytest
+from committee import EPOCH_PARAMS, Script
+from harness import AppHarness, sqlite_url
+
+from planetserve.chain import state as layout
+from planetserve.chain import vrf
+from planetserve.chain.challenge import Challenge
+from planetserve.chain.errors import Code
+from planetserve.registry import epochs, reputation
+from planetserve.registry.entities import ModelNode
+
+RULE = reputation.ReputationRule.from_params(EPOCH_PARAMS)
+HONEST = 800_000
+
+
+@pytest.fixture
+def s(tmp_path) -> Script:
+    return Script(AppHarness(sqlite_url(tmp_path), members=4, params=EPOCH_PARAMS))
+
+
+def expected(*credibilities: int) -> int:
+    value, window = RULE.initial, ()
+    for c in credibilities:
+        value, window = reputation.update(RULE, value, c, window)
+    return value
+
+
+def others(s: Script, number: int) -> list:
+    leader = s.epoch(number).leader
+    return [m for k, m in s.members.items() if k != leader]
+
+
+def finish(s: Script, number: int) -> None:
+    """To the end of the epoch, electing and planning the next one on the way."""
+    s.run_election_and_plan(number + 1)
+    assert s.epoch(number).finalized
+
+
+def honest_epoch(s: Script, number: int, scores: dict[bytes, int]) -> None:
+    """Results and attestations of `scores` for a planned epoch, then on to the next."""
+    leader = s.epoch(number).leader
+    assert s.block(s.tx(s.leader(number), "submit-results",
+                        s.leader_results(number, HONEST))) == [(0, "ok")]
+    assert all(c == 0 for c, _ in s.block(*s.attest_txs(number, leader, scores)))
+    finish(s, number)
+
+
+def test_honest_epoch(s):
+    s.run_election_and_plan(1)
+    epoch = s.epoch(1)
+    seed = epoch.seed
+    outputs = {m.public: vrf.proof_to_hash(vrf.prove(bytes(m.vrf), seed)) for m in s.members.values()}
+    assert epoch.election == "vrf"
+    assert epoch.leader == min(outputs, key=lambda k: (outputs[k], k))
+    assert epoch.plan_status == epochs.PLAN_COMMITTED and epoch.plan_nodes == 2
+    assert s.block(s.tx(s.leader(1), "submit-results", s.leader_results(1, HONEST))) == [(0, "ok")]
+    attested = dict(zip(sorted(s.members), (790_000, 800_000, 810_000, 805_000), strict=True))
+    txs = [s.tx(m, "attest", {"epoch": 1, "scores": [[n, epoch.leader, attested[m.public]] for n in s.nodes]})
+           for m in s.members.values()]
+    assert all(c == 0 for c, _ in s.block(*txs))
+    finish(s, 1)
+    median = reputation.median(list(attested.values()))
+    assert median == 802_500
+    for node in s.nodes:
+        assert s.reputation(node) == expected(median) == 681_500
+        assert s.state.reputation(node).window == (median,)
+    assert s.epoch(1).scored == 2 and s.epoch(1).faults == 0
+    assert all(s.faults(m) == [] for m in s.members)
+
+
+def test_plain_words_of_the_seed_formula(s):
+    """R(T) = 0.4 R(T-1) + 0.6 C(T) from R = 0.5: C = 1.0 gives 0.8."""
+    s.run_election_and_plan(1)
+    honest_epoch(s, 1, dict.fromkeys(s.nodes, 1_000_000))
+    assert [s.reputation(n) for n in s.nodes] == [800_000, 800_000]
+
+
+def test_altered_prompt_is_the_leaders_fault(s):
+    s.run_election_and_plan(1)
+    leader = s.leader(1)
+    node0, node1 = list(s.nodes)
+    body = s.leader_results(1, HONEST)
+    challenge = s.planned(1, node0, leader)
+    altered = s.answer(node0, challenge.prompt + " Answer in one word.")
+    body["results"][0] = {**challenge.reveal(altered), "credibility": HONEST}
+    assert s.block(s.tx(leader, "submit-results", body)) == [(0, "ok")]
+    result = s.state.result(1, node0, leader.public)
+    assert result.status == epochs.FAULTY and "different prompt" in result.reason
+    assert s.faults(leader.public) == ["altered-prompt"]
+    # the faulty result cannot be attested; the other one can
+    code, log = s.block(*s.attest_txs(1, leader.public, {node0: HONEST}, [leader]))[0]
+    assert code == Code.UNKNOWN_ENTITY and "no valid result" in log
+    assert all(c == 0 for c, _ in s.block(*s.attest_txs(1, leader.public, {node1: HONEST})))
+    finish(s, 1)
+    assert s.reputation(node0) is None  # nothing counted against the honest node
+    assert s.reputation(node1) == expected(HONEST)
+
+
+def test_altered_response_is_the_leaders_fault(s):
+    s.run_election_and_plan(1)
+    leader = s.leader(1)
+    node0 = next(iter(s.nodes))
+    body = s.leader_results(1, HONEST, [node0])
+    body["results"][0]["response"]["text"] = "I am a very bad model."
+    assert s.block(s.tx(leader, "submit-results", body)) == [(0, "ok")]
+    assert s.state.result(1, node0, leader.public).status == epochs.FAULTY
+    finish(s, 1)
+    assert s.faults(leader.public) == ["altered-response", "skipped-node"]
+    assert s.reputation(node0) is None
+
+
+def test_skipped_node_is_rechallenged_by_members(s):
+    s.run_election_and_plan(1)
+    leader = s.leader(1)
+    node0, node1 = list(s.nodes)
+    assert s.block(s.tx(leader, "submit-results", s.leader_results(1, HONEST, [node1]))) == [(0, "ok")]
+    members = others(s, 1)
+    own = {m.public: Challenge.new(f"Member {i} asks: how do tides work?") for i, m in enumerate(members)}
+    commits = [s.tx(m, "commit-rechallenge", {"epoch": 1, "node": node0, "commitment": own[m.public].commitment})
+               for m in members]
+    assert all(c == 0 for c, _ in s.block(*commits))
+    reveals = [s.tx(m, "submit-results", {"epoch": 1, "kind": "rechallenge", "results": [
+        own[m.public].reveal(s.answer(node0, own[m.public].prompt))]}) for m in members]
+    assert all(c == 0 for c, _ in s.block(*reveals))
+    first = min(m.public for m in members)
+    assert all(c == 0 for c, _ in s.block(*s.attest_txs(1, first, {node0: 700_000})))
+    assert all(c == 0 for c, _ in s.block(*s.attest_txs(1, leader.public, {node1: HONEST})))
+    finish(s, 1)
+    assert s.faults(leader.public) == ["skipped-node"]
+    assert s.reputation(node0) == expected(700_000)
+    assert s.reputation(node1) == expected(HONEST)
+
+
+def test_false_invalid_report_is_detected(s):
+    s.run_election_and_plan(1)
+    leader = s.leader(1)
+    node0, node1 = list(s.nodes)
+    body = s.leader_results(1, HONEST, [node1])
+    body["results"].append({"node": node0, "invalid": "no response within 60 s"})
+    assert s.block(s.tx(leader, "submit-results", body)) == [(0, "ok")]
+    assert s.state.reports(1, node0) == [leader.public]
+    members = others(s, 1)
+    own = {m.public: Challenge.new(f"Member {i}: what is a prime number?") for i, m in enumerate(members)}
+    assert all(c == 0 for c, _ in s.block(*[
+        s.tx(m, "commit-rechallenge", {"epoch": 1, "node": node0, "commitment": own[m.public].commitment})
+        for m in members]))
+    assert all(c == 0 for c, _ in s.block(*[
+        s.tx(m, "submit-results", {"epoch": 1, "kind": "rechallenge",
+                                   "results": [own[m.public].reveal(s.answer(node0, own[m.public].prompt))]})
+        for m in members]))
+    finish(s, 1)
+    assert s.faults(leader.public) == ["false-invalid-report"]
+    assert s.reputation(node0) is None  # one report (the leader's) is not more than 1/3
+
+
+def test_withheld_results_change_nothing_and_the_next_epoch_proceeds(s):
+    s.run_election_and_plan(1)
+    leader1 = s.epoch(1).leader
+    finish(s, 1)
+    assert s.faults(leader1) == ["withheld-results"]
+    assert all(s.reputation(n) is None for n in s.nodes)
+    assert s.epoch(1).scored == 0
+    honest_epoch(s, 2, dict.fromkeys(s.nodes, HONEST))
+    assert s.epoch(2).election == "vrf"
+    assert [s.reputation(n) for n in s.nodes] == [expected(HONEST)] * 2
+
+
+def test_silent_node_loses_reputation_only_past_a_third_of_the_committee(s):
+    s.run_election_and_plan(1)
+    leader = s.leader(1)
+    node0, node1 = list(s.nodes)
+    body = s.leader_results(1, HONEST, [node1])
+    body["results"].append({"node": node0, "invalid": "no response"})
+    assert s.block(s.tx(leader, "submit-results", body)) == [(0, "ok")]
+    finish(s, 1)
+    assert s.reputation(node0) is None  # the leader alone: 1/4 of the power
+    leader = s.leader(2)
+    body = s.leader_results(2, HONEST, [node1])
+    body["results"].append({"node": node0, "invalid": "no response"})
+    reporter = others(s, 2)[0]
+    assert all(c == 0 for c, _ in s.block(
+        s.tx(leader, "submit-results", body),
+        s.tx(reporter, "report-invalid", {"epoch": 2, "node": node0, "reason": "timed out"})))
+    code, log = s.block(s.tx(reporter, "report-invalid", {"epoch": 2, "node": node0, "reason": "again"}))[0]
+    assert code == Code.ALREADY_EXISTS
+    finish(s, 2)
+    assert s.reputation(node0) == expected(0)  # 2/4 of the power reported it
+
+
+@pytest.mark.parametrize(("attesting", "finalized"), [(3, True), (2, False)])
+def test_offline_members(s, attesting, finalized):
+    s.run_election_and_plan(1)
+    leader = s.leader(1)
+    assert s.block(s.tx(leader, "submit-results", s.leader_results(1, HONEST))) == [(0, "ok")]
+    online = [leader, *others(s, 1)][:attesting]
+    assert all(c == 0 for c, _ in s.block(*s.attest_txs(1, leader.public, dict.fromkeys(s.nodes, HONEST),
+                                                         online)))
+    finish(s, 1)
+    assert [s.reputation(n) for n in s.nodes] == [expected(HONEST) if finalized else None] * 2
+
+
+def test_dishonest_node_leaves_the_list_and_honest_node_stays(s):
+    node0, node1 = list(s.nodes)
+    s.run_election_and_plan(1)
+    for number in range(1, 4):
+        honest_epoch(s, number, {node0: 100_000, node1: HONEST})
+    assert s.reputation(node0) == expected(100_000, 100_000, 100_000) < RULE.untrusted
+    assert s.reputation(node1) == expected(HONEST, HONEST, HONEST) >= RULE.untrusted
+    listed = [ModelNode.decode(v).pubkey for _, v in s.h.store.batch().iterate(layout.node_list_prefix())]
+    assert listed == [node1]
+    assert s.state.node(node0).status == "active"  # still registered, still challenged: it may return
+    # a fixed node returns once good answers outweigh the abnormal ones in its window
+    number = 4
+    while not s.state.reputation(node0).trusted:
+        honest_epoch(s, number, {node0: 900_000, node1: HONEST})
+        number += 1
+    listed = [ModelNode.decode(v).pubkey for _, v in s.h.store.batch().iterate(layout.node_list_prefix())]
+    assert listed == [node0, node1]
+    assert number - 4 == 3
+
+
+def test_without_vrf_the_fallback_leader_is_deterministic(s):
+    s.run_to(s.schedule.end(0) + 1)
+    epoch = s.epoch(1)
+    assert epoch.election == "fallback"
+    assert epoch.leader == epochs.fallback_leader(epoch.seed, sorted(s.members))
+    assert s.faults(s.epoch(0).leader) == ["no-plan"]
+
+
+def test_refusals(s):
+    number = 1
+    leader0 = s.leader(0)
+    outsider = type(leader0).generate()
+    seed_less = s.tx(leader0, "submit-vrf", {"epoch": number, "proof": b"\x00" * 80})
+    code, log = s.block(seed_less)[0]
+    assert code == Code.EXPIRED and "VRF window" in log
+    s.run_to(s.schedule.setup_height(0) + 1)
+    member = s.members[sorted(s.members)[1]]
+    seed = s.epoch(1).seed
+    good = vrf.prove(bytes(member.vrf), seed)
+    wrong_alpha = vrf.prove(bytes(member.vrf), seed + b"x")
+    body, _ = s.plan(1)
+    partial, _ = s.plan(1, list(s.nodes)[:1])
+    repeated, _ = s.plan(1)
+    repeated["entries"][1]["commitment"] = repeated["entries"][0]["commitment"]
+    results = s.block(
+        s.tx(member, "submit-vrf", {"epoch": 1, "proof": wrong_alpha}),
+        s.tx(member, "submit-vrf", {"epoch": 1, "proof": good}),
+        s.tx(member, "submit-vrf", {"epoch": 1, "proof": good}),
+        s.tx(outsider, "submit-vrf", {"epoch": 1, "proof": good}),
+        s.tx(member if member.public != leader0.public else s.members[sorted(s.members)[2]],
+             "commit-plan", body),
+        s.tx(leader0, "commit-plan", partial),
+        s.tx(leader0, "commit-plan", repeated),
+        s.tx(leader0, "commit-plan", {**body, "epoch": 2}),
+    )
+    codes = [c for c, _ in results]
+    assert codes == [Code.INVALID_FIELD, 0, Code.ALREADY_EXISTS, Code.UNAUTHORIZED, Code.UNAUTHORIZED,
+                     Code.INVALID_FIELD, Code.ALREADY_EXISTS, Code.EXPIRED], results
+    assert "does not verify" in results[0][1]
+    assert "omits 1 node" in results[5][1]
+    assert "repeats" in results[6][1]
+    body, challenges = s.plan(1)
+    (ok, _), (code, log) = s.block(s.tx(leader0, "commit-plan", body), s.tx(leader0, "commit-plan", body))
+    assert ok == 0 and code == Code.ALREADY_EXISTS and "already committed" in log
+    s.run_to(s.schedule.start(1))
+    leader = s.leader(1)
+    node0 = next(iter(s.nodes))
+    code, log = s.block(*s.attest_txs(1, leader.public, {node0: HONEST}, [leader]))[0]
+    assert code == Code.UNKNOWN_ENTITY
+    wrong_model = s.leader_results(1, HONEST, [node0])
+    wrong_model["results"][0]["response"] = s.answer(
+        node0, challenges[node0].prompt, model_id="small").to_record()
+    assert s.block(s.tx(leader, "submit-results", wrong_model)) == [(0, "ok")]
+    assert s.state.result(1, node0, leader.public).status == epochs.INVALID
+    s.run_to(s.schedule.start(1) + EPOCH_PARAMS.results_blocks)
+    code, log = s.block(s.tx(leader, "submit-results", s.leader_results(1, HONEST)))[0]
+    assert code == Code.EXPIRED and "due before" in log
