@@ -6,7 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCHES = ["commit_cost.py", "tx_throughput.py", "list_verify.py", "lightclient_verify.py"]
+BENCHES = ["commit_cost.py", "tx_throughput.py", "list_verify.py", "lightclient_verify.py", "vrf_speed.py",
+           "epoch_finalization.py"]
 
 
 def main() -> int:
