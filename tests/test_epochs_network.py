@@ -1,6 +1,6 @@
-"""An honest verification epoch on a real four-validator network, the committee scripted here:
-every member proves its VRF over RPC, the leader plans, results and attestations commit, and every
-validator ends with the same reputations and app hashes."""
+"""Verification epochs on a real four-validator network, the committee scripted here: every member
+proves its VRF over RPC, the leader plans, results and attestations commit, and every validator ends
+with the same reputations and app hashes, also with members offline and a leader that cheats."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from click.testing import CliRunner
 
 from planetserve.chain import vrf
 from planetserve.chain.challenge import Challenge, open_plan_entry, sign_response
+from planetserve.chain.client import LedgerClient
 from planetserve.chain.keys import KeySet
 from planetserve.cli import main
 from planetserve.registry import epochs, reputation
@@ -23,96 +24,162 @@ pytestmark = pytest.mark.network
 
 PARAMS = Params(epoch_blocks=40, results_blocks=15, vrf_window_blocks=15, plan_window_blocks=15)
 SCHEDULE = epochs.Schedule.from_params(PARAMS)
+RULE = reputation.ReputationRule.from_params(PARAMS)
 CREDIBILITY = 750_000
 
 
-@pytest.fixture(scope="module")
-def net(tmp_path_factory):
-    cluster = start_network(tmp_path_factory.mktemp("epochs"), params=PARAMS)
+@pytest.fixture
+def net(tmp_path):
+    cluster = start_network(tmp_path / "net", params=PARAMS)
     yield cluster
     cluster.close()
 
 
-def in_parallel(fn, items):
-    with ThreadPoolExecutor(len(items)) as pool:
-        return list(pool.map(fn, items))
+class Committee:
+    """The four members' keys and ledger clients, and one organisation's two model nodes."""
+
+    def __init__(self, net) -> None:
+        self.net = net
+        self.clients = [ledger(net, i) for i in range(4)]
+        self.members = [member_keys(net, i) for i in range(4)]
+        self.owner, self.nodes = KeySet.generate(), [KeySet.generate() for _ in range(2)]
+        client = self.clients[0]
+        assert client.submit(self.owner, "register-org", {"org_id": "org-e", "name": "Org E"}).outcome.code == 0
+        for i, node in enumerate(self.nodes):
+            done = client.submit(self.owner, "register-model-node", client.model_node_body(
+                "org-e", node, model_id="gt", address=f"127.0.0.1:{7100 + i}", hardware="cpu", capacity=2,
+                region="local"))
+            assert done.outcome.code == 0, done.outcome.log
+
+    def index(self, operator: bytes) -> int:
+        return next(i for i, m in enumerate(self.members) if m.public == operator)
+
+    def own(self, member: KeySet) -> LedgerClient:
+        """A member submits through its own validator, whose state has its latest sequence."""
+        return self.clients[self.index(member.public)]
+
+    def client(self, online: list[int]) -> LedgerClient:
+        return self.clients[online[0]]
+
+    def submit_all(self, online: list[int], tx_type: str, body_of) -> None:
+        with ThreadPoolExecutor(len(online)) as pool:
+            outcomes = list(pool.map(
+                lambda i: self.clients[i].submit(self.members[i], tx_type, body_of(i)), online))
+        assert [o.outcome.code for o in outcomes] == [0] * len(online), [o.outcome.log for o in outcomes]
+
+    def elect_and_plan(self, number: int, online: list[int]) -> None:
+        """In epoch number-1's windows: VRF proofs of the online members, the plan of its leader."""
+        self.net.wait_for_height(SCHEDULE.setup_height(number - 1), validators=online, timeout=120)
+        client = self.client(online)
+        client.min_height = SCHEDULE.setup_height(number - 1)
+        seed = client.epoch(number).seed
+        planner = self.members[self.index(client.epoch(number - 1).leader)]
+        _, committee = client.committee()
+        plan = {"epoch": number, "final": True, "entries": [
+            Challenge.new(f"Epoch {number} asks node {i}: what makes bread rise?").plan_entry(n.public, committee)
+            for i, n in enumerate(self.nodes)]}
+        self.submit_all(online, "submit-vrf",
+                        lambda i: {"epoch": number, "proof": vrf.prove(bytes(self.members[i].vrf), seed)})
+        done = self.own(planner).submit(planner, "commit-plan", plan)
+        assert done.outcome.code == 0, done.outcome.log
+        self.net.wait_for_height(SCHEDULE.start(number), validators=online, timeout=120)
+
+    def leader_results(self, number: int, online: list[int], alter: bytes = b"") -> KeySet:
+        """The elected leader answers its sealed prompts through the nodes (altering the prompt to
+        node `alter`) and submits the results; returns the leader's keys."""
+        client = self.client(online)
+        client.min_height = SCHEDULE.start(number)
+        epoch = client.epoch(number)
+        leader = self.members[self.index(epoch.leader)]
+        _, planned = client.plan(number)
+        results = []
+        for entry in planned:
+            challenge = open_plan_entry(entry, leader.public, leader.x25519)
+            node = next(n for n in self.nodes if n.public == entry.node)
+            asked = challenge.prompt + (" Answer in one word." if node.public == alter else "")
+            response = sign_response(node, asked, [5, 6, 7], "Yeast makes gas.", "gt", int(time.time()),
+                                     "127.0.0.1:7100")
+            results.append({**challenge.reveal(response), "credibility": CREDIBILITY})
+        done = self.own(leader).submit(leader, "submit-results",
+                                       {"epoch": number, "kind": "leader", "results": results})
+        assert done.outcome.code == 0, done.outcome.log
+        return leader
+
+    def attest(self, number: int, online: list[int], leader: KeySet, nodes: list[KeySet]) -> None:
+        scores = [[n.public, leader.public, CREDIBILITY] for n in nodes]
+        self.submit_all(online, "attest", lambda i: {"epoch": number, "scores": scores})
 
 
 def test_an_honest_epoch_end_to_end(net):
-    clients = [ledger(net, i) for i in range(4)]
-    members = [member_keys(net, i) for i in range(4)]
-    by_key = {m.public: m for m in members}
-    owner, nodes = KeySet.generate(), [KeySet.generate() for _ in range(2)]
-    client = clients[0]
-    assert client.submit(owner, "register-org", {"org_id": "org-e", "name": "Org E"}).outcome.code == 0
-    for i, node in enumerate(nodes):
-        done = client.submit(owner, "register-model-node", client.model_node_body(
-            "org-e", node, model_id="gt", address=f"127.0.0.1:{7100 + i}", hardware="cpu", capacity=2,
-            region="local"))
-        assert done.outcome.code == 0, done.outcome.log
-
-    # epoch 0's windows: VRF proofs from every member, the plan of epoch 1 from epoch 0's leader
-    net.wait_for_height(SCHEDULE.setup_height(0), timeout=120)
-    client.min_height = SCHEDULE.setup_height(0)
-    seed = client.epoch(1).seed
-    leader0 = by_key[client.epoch(0).leader]
-    _, committee = client.committee()
-    challenges = {n.public: Challenge.new(f"Epoch one asks node {i}: what makes bread rise?")
-                  for i, n in enumerate(nodes)}
-    plan = {"epoch": 1, "final": True,
-            "entries": [c.plan_entry(n, committee) for n, c in sorted(challenges.items())]}
-    outcomes = in_parallel(
-        lambda i: clients[i].submit(members[i], "submit-vrf",
-                                    {"epoch": 1, "proof": vrf.prove(bytes(members[i].vrf), seed)}),
-        range(4))
-    assert [o.outcome.code for o in outcomes] == [0] * 4, [o.outcome.log for o in outcomes]
-    done = client.submit(leader0, "commit-plan", plan)
-    assert done.outcome.code == 0, done.outcome.log
-
-    # epoch 1: the elected leader reads its sealed prompts, challenges the nodes, submits results
-    net.wait_for_height(SCHEDULE.start(1), timeout=120)
-    client.min_height = SCHEDULE.start(1)
-    epoch1 = client.epoch(1)
-    outputs = {m.public: vrf.proof_to_hash(vrf.prove(bytes(m.vrf), seed)) for m in members}
+    c = Committee(net)
+    everyone = [0, 1, 2, 3]
+    c.elect_and_plan(1, everyone)
+    seed = c.clients[0].epoch(1).seed
+    outputs = {m.public: vrf.proof_to_hash(vrf.prove(bytes(m.vrf), seed)) for m in c.members}
+    epoch1 = c.clients[0].epoch(1)
     assert epoch1.election == "vrf" and epoch1.leader == min(outputs, key=lambda k: (outputs[k], k))
-    leader = by_key[epoch1.leader]
-    _, planned = client.plan(1)
-    assert sorted(p.node for p in planned) == sorted(challenges)
-    results = []
-    for entry in planned:
-        challenge = open_plan_entry(entry, leader.public, leader.x25519)
-        node = next(n for n in nodes if n.public == entry.node)
-        response = sign_response(node, challenge.prompt, [5, 6, 7], "Yeast makes gas.", "gt",
-                                 int(time.time()), "127.0.0.1:7100")
-        results.append({**challenge.reveal(response), "credibility": CREDIBILITY})
-    done = client.submit(leader, "submit-results", {"epoch": 1, "kind": "leader", "results": results})
-    assert done.outcome.code == 0, done.outcome.log
-    scores = [[n.public, leader.public, CREDIBILITY] for n in nodes]
-    outcomes = in_parallel(
-        lambda i: clients[i].submit(members[i], "attest", {"epoch": 1, "scores": scores}), range(4))
-    assert [o.outcome.code for o in outcomes] == [0] * 4, [o.outcome.log for o in outcomes]
+    leader = c.leader_results(1, everyone)
+    c.attest(1, everyone, leader, c.nodes)
 
-    # the end of epoch 1 finalizes it: every validator verifies the same reputations
     end = SCHEDULE.end(1)
     net.wait_for_height(end + 1, timeout=120)
-    rule = reputation.ReputationRule.from_params(PARAMS)
-    value, _ = reputation.update(rule, rule.initial, CREDIBILITY, ())
-    for c in clients:
-        c.min_height = end
-        assert c.epoch(1).finalized and c.epoch(1).scored == 2
-        assert [c.reputation(n.public).value for n in nodes] == [value, value]
+    value, _ = reputation.update(RULE, RULE.initial, CREDIBILITY, ())
+    for client in c.clients:  # every validator serves the same verified reputations
+        client.min_height = end
+        assert client.epoch(1).finalized and client.epoch(1).scored == 2
+        assert [client.reputation(n.public).value for n in c.nodes] == [value, value]
     assert_same_app_hashes(net, end)
 
     runner = CliRunner()
-    shown = runner.invoke(main, ["query", "reputation", nodes[0].public.hex(), "--node", net.rpc_url(1),
-                                 "--genesis", str(net.spec.genesis_path), "--json"])
+    genesis = ["--genesis", str(net.spec.genesis_path)]
+    shown = runner.invoke(main, ["query", "reputation", c.nodes[0].public.hex(), "--node", net.rpc_url(1),
+                                 *genesis, "--json"])
     assert shown.exit_code == 0, shown.output
     assert f'"value": {value}' in shown.output
-    shown = runner.invoke(main, ["query", "epoch", "1", "--node", net.rpc_url(2),
-                                 "--genesis", str(net.spec.genesis_path)])
+    shown = runner.invoke(main, ["query", "epoch", "1", "--node", net.rpc_url(2), *genesis])
     assert shown.exit_code == 0 and "vrf" in shown.output and epoch1.leader.hex() in shown.output
-    shown = runner.invoke(main, ["query", "credits", "org-e", "--node", net.rpc_url(3),
-                                 "--genesis", str(net.spec.genesis_path), "--json"])
+    shown = runner.invoke(main, ["query", "credits", "org-e", "--node", net.rpc_url(3), *genesis, "--json"])
     assert shown.exit_code == 0, shown.output
-    account = clients[3].credits("org-e")
-    assert account.earned > 0 and account.spent == 0 and f'"earned": "{format_credits(account.earned)}"' in shown.output
+    account = c.clients[3].credits("org-e")
+    assert account.earned > 0 and account.spent == 0
+    assert f'"earned": "{format_credits(account.earned)}"' in shown.output
+
+
+def test_members_offline_and_a_cheating_leader(net):
+    """One validator down: the epoch finalizes with three attestations. Next epoch the leader alters
+    a prompt (recorded as its fault, no honest node harmed); a second validator stops, the chain
+    halts and nothing finalizes; both return, the epoch finalizes and all app hashes agree."""
+    c = Committee(net)
+    planner = c.index(c.clients[0].epoch(0).leader)
+    down = next(i for i in range(4) if i != planner)
+    net.stop(down)
+    online = [i for i in range(4) if i != down]
+    c.elect_and_plan(1, online)
+    leader = c.leader_results(1, online)
+    c.attest(1, online, leader, c.nodes)
+    c.elect_and_plan(2, online)
+    value, _ = reputation.update(RULE, RULE.initial, CREDIBILITY, ())
+    client = c.client(online)
+    client.min_height = SCHEDULE.end(1)
+    assert client.epoch(1).finalized and [client.reputation(n.public).value for n in c.nodes] == [value] * 2
+
+    cheat = c.leader_results(2, online, alter=c.nodes[0].public)
+    second = next(i for i in online if c.members[i].public != cheat.public)
+    net.stop(second)
+    still = [i for i in online if i != second]
+    halted = max(net.wait_for_height(0, validators=still).values())
+    time.sleep(3)
+    assert max(net.wait_for_height(0, validators=still).values()) <= halted + 1  # no quorum: no blocks
+    net.start([down, second])
+    net.wait_for_height(halted + 1, timeout=120)  # the returning validators catch up first
+    c.attest(2, [0, 1, 2, 3], cheat, c.nodes[1:])
+    end = SCHEDULE.end(2)
+    net.wait_for_height(end + 1, timeout=180)
+    for client in c.clients:
+        client.min_height = end
+        assert client.epoch(2).finalized
+        assert client.reputation(c.nodes[0].public).value == value  # unchanged by the altered prompt
+        _, faults = client.faults(cheat.public)
+        # and, since this script plans no epoch 3, the leader of epoch 2 also failed to plan it
+        assert [f.kind for f in faults] == ["altered-prompt", "no-plan"]
+    assert_same_app_hashes(net, end)
