@@ -84,29 +84,55 @@ class Committee:
         assert done.outcome.code == 0, done.outcome.log
         self.net.wait_for_height(SCHEDULE.start(number), validators=online, timeout=120)
 
-    def leader_results(self, number: int, online: list[int], alter: bytes = b"") -> KeySet:
-        """The elected leader answers its sealed prompts through the nodes (altering the prompt to
-        node `alter`) and submits the results; returns the leader's keys."""
+    def leader_of(self, number: int, online: list[int]) -> KeySet:
         client = self.client(online)
         client.min_height = SCHEDULE.start(number)
-        epoch = client.epoch(number)
-        leader = self.members[self.index(epoch.leader)]
-        _, planned = client.plan(number)
+        return self.members[self.index(client.epoch(number).leader)]
+
+    def leader_results(self, number: int, online: list[int], alter: bytes = b"", tamper: bytes = b"",
+                       skip: bytes = b"", claim_invalid: bytes = b"",
+                       credibility: dict[bytes, int] | None = None) -> KeySet:
+        """The elected leader answers its sealed prompts through the nodes and submits the results;
+        it may alter the prompt to one node, tamper with one response, skip one node or claim one
+        gave no valid response. Returns the leader's keys."""
+        leader = self.leader_of(number, online)
+        _, planned = self.client(online).plan(number)
         results = []
         for entry in planned:
+            if entry.node == skip:
+                continue
+            if entry.node == claim_invalid:
+                results.append({"node": entry.node, "invalid": "no response within 60 s"})
+                continue
             challenge = open_plan_entry(entry, leader.public, leader.x25519)
-            node = next(n for n in self.nodes if n.public == entry.node)
-            asked = challenge.prompt + (" Answer in one word." if node.public == alter else "")
-            response = sign_response(node, asked, [5, 6, 7], "Yeast makes gas.", "gt", int(time.time()),
-                                     "127.0.0.1:7100")
-            results.append({**challenge.reveal(response), "credibility": CREDIBILITY})
+            asked = challenge.prompt + (" Answer in one word." if entry.node == alter else "")
+            result = {**challenge.reveal(self.answer(entry.node, asked)),
+                      "credibility": (credibility or {}).get(entry.node, CREDIBILITY)}
+            if entry.node == tamper:
+                result["response"]["text"] = "I am a very bad model."
+            results.append(result)
         done = self.own(leader).submit(leader, "submit-results",
                                        {"epoch": number, "kind": "leader", "results": results})
         assert done.outcome.code == 0, done.outcome.log
         return leader
 
-    def attest(self, number: int, online: list[int], leader: KeySet, nodes: list[KeySet]) -> None:
-        scores = [[n.public, leader.public, CREDIBILITY] for n in nodes]
+    def answer(self, node_key: bytes, prompt: str):
+        node = next(n for n in self.nodes if n.public == node_key)
+        return sign_response(node, prompt, [5, 6, 7], "Yeast makes gas.", "gt", int(time.time()),
+                             "127.0.0.1:7100")
+
+    def rechallenge(self, number: int, members: list[int], node: bytes) -> None:
+        """Each member commits its own prompt for the node, has it answered, and reveals it."""
+        own = {i: Challenge.new(f"Member {i} asks in epoch {number}: how do tides work?") for i in members}
+        self.submit_all(members, "commit-rechallenge",
+                        lambda i: {"epoch": number, "node": node, "commitment": own[i].commitment})
+        self.submit_all(members, "submit-results", lambda i: {
+            "epoch": number, "kind": "rechallenge",
+            "results": [own[i].reveal(self.answer(node, own[i].prompt))]})
+
+    def attest(self, number: int, online: list[int], submitter: KeySet, nodes: list[KeySet],
+               credibility: dict[bytes, int] | None = None) -> None:
+        scores = [[n.public, submitter.public, (credibility or {}).get(n.public, CREDIBILITY)] for n in nodes]
         self.submit_all(online, "attest", lambda i: {"epoch": number, "scores": scores})
 
 
@@ -182,4 +208,56 @@ def test_members_offline_and_a_cheating_leader(net):
         _, faults = client.faults(cheat.public)
         # and, since this script plans no epoch 3, the leader of epoch 2 also failed to plan it
         assert [f.kind for f in faults] == ["altered-prompt", "no-plan"]
+    assert_same_app_hashes(net, end)
+
+
+def test_each_leader_attack_is_detected_and_a_dishonest_node_is_delisted(net):
+    """Epoch by epoch: a tampered response, a skipped node, a false "invalid response", withheld
+    results. Node 1 answers badly throughout; node 0 is honest and never loses reputation."""
+    c = Committee(net)
+    everyone = [0, 1, 2, 3]
+    honest, dishonest = c.nodes
+    bad = {dishonest.public: 100_000}
+    c.elect_and_plan(1, everyone)
+
+    leader = c.leader_results(1, everyone, tamper=honest.public, credibility=bad)
+    c.attest(1, everyone, leader, [dishonest], bad)
+    c.elect_and_plan(2, everyone)
+    expect = {1: (leader.public, ["altered-response"])}
+
+    leader = c.leader_results(2, everyone, skip=honest.public, credibility=bad)
+    others = [i for i in everyone if c.members[i].public != leader.public]
+    c.rechallenge(2, others, honest.public)
+    first = min((c.members[i] for i in others), key=lambda m: m.public)
+    c.attest(2, everyone, first, [honest])
+    c.attest(2, everyone, leader, [dishonest], bad)
+    c.elect_and_plan(3, everyone)
+    expect[2] = (leader.public, ["skipped-node"])
+
+    leader = c.leader_results(3, everyone, claim_invalid=honest.public, credibility=bad)
+    others = [i for i in everyone if c.members[i].public != leader.public]
+    c.rechallenge(3, others, honest.public)
+    c.attest(3, everyone, leader, [dishonest], bad)
+    c.elect_and_plan(4, everyone)
+    expect[3] = (leader.public, ["false-invalid-report"])
+
+    expect[4] = (c.leader_of(4, everyone).public, ["withheld-results"])
+    end = SCHEDULE.end(4)
+    net.wait_for_height(end + 1, timeout=180)
+    client = c.clients[2]
+    client.min_height = end
+    _, faults = client.faults()
+    recorded: dict[int, list[str]] = {}
+    for f in faults:
+        if f.kind != "no-plan":
+            recorded.setdefault(f.epoch, []).append(f.kind)
+            assert f.operator == expect[f.epoch][0], f
+    assert recorded == {e: kinds for e, (_, kinds) in expect.items()}
+
+    honest_rep = client.reputation(honest.public)
+    assert honest_rep.trusted and honest_rep.window == (CREDIBILITY,)  # scored once, by re-challenge
+    dishonest_rep = client.reputation(dishonest.public)
+    assert not dishonest_rep.trusted and dishonest_rep.window == (100_000,) * 3
+    listing, listed = client.nodes("gt")
+    assert listing.verified and [n.pubkey for n in listed] == [honest.public]
     assert_same_app_hashes(net, end)
