@@ -41,13 +41,15 @@ class AppHarness:
             ),
             models=tuple(Model(i, n, 0) for i, n in models),
         )
-        self.app.init_chain(abci.RequestInitChain(
+        self.genesis = abci.RequestInitChain(
             chain_id=CHAIN_ID,
             validators=[abci.ValidatorUpdate(pub_key=keys_pb2.PublicKey(ed25519=c.public), power=10)
                         for c in self.consensus],
             app_state_bytes=json.dumps(state.to_json()).encode(),
             initial_height=1,
-        ))
+        )
+        self.app.init_chain(self.genesis)
+        self.blocks: list[tuple[abci.RequestFinalizeBlock, bytes]] = []  # each with its app hash
 
     def tx(self, keys: KeySet, tx_type: str, body: dict[str, Any], sequence: int | None = None,
            chain_id: str = CHAIN_ID) -> bytes:
@@ -63,10 +65,22 @@ class AppHarness:
     def block(self, *txs: bytes, seconds: int = 5) -> abci.ResponseFinalizeBlock:
         self.height += 1
         self.time += seconds
-        result = self.app.finalize_block(abci.RequestFinalizeBlock(
-            txs=list(txs), height=self.height, time=Timestamp(seconds=self.time)))
+        request = abci.RequestFinalizeBlock(txs=list(txs), height=self.height, time=Timestamp(seconds=self.time))
+        result = self.app.finalize_block(request)
         self.app.commit(abci.RequestCommit())
+        self.blocks.append((request, result.app_hash))
         return result
+
+    def replay(self, db_url: str) -> list[tuple[bytes, bytes]]:
+        """Run the same genesis and blocks on a fresh store; (app hash here, app hash there) per block."""
+        with StateStore(db_url) as store:
+            app = Application(store)
+            app.init_chain(self.genesis)
+            pairs = []
+            for request, app_hash in self.blocks:
+                pairs.append((app_hash, app.finalize_block(request).app_hash))
+                app.commit(abci.RequestCommit())
+            return pairs
 
     def query(self, path: str, data: bytes) -> abci.ResponseQuery:
         return self.app.query(abci.RequestQuery(path=path, data=data, prove=True))

@@ -281,3 +281,28 @@ def test_refusals(s):
     s.run_to(s.schedule.start(1) + EPOCH_PARAMS.results_blocks)
     code, log = s.block(s.tx(leader, "submit-results", s.leader_results(1, HONEST)))[0]
     assert code == Code.EXPIRED and "due before" in log
+
+
+@pytest.mark.postgres
+def test_the_same_epochs_give_the_same_app_hashes_on_postgresql(s, pg_url):
+    """Election, plans, an altered prompt, re-challenges, reports, finalizations with trust flips and
+    credits, replayed block by block on PostgreSQL."""
+    s.run_election_and_plan(1)
+    leader = s.leader(1)
+    node0, node1 = list(s.nodes)
+    body = s.leader_results(1, 100_000)
+    challenge = s.planned(1, node0, leader)
+    body["results"][0] = {**challenge.reveal(s.answer(node0, challenge.prompt + "!")), "credibility": 1}
+    assert s.block(s.tx(leader, "submit-results", body)) == [(0, "ok")]
+    members = others(s, 1)
+    assert all(c == 0 for c, _ in s.block(*s.attest_txs(1, leader.public, {node1: 100_000}),
+                                          s.tx(members[0], "report-invalid",
+                                               {"epoch": 1, "node": node0, "reason": "x"})))
+    finish(s, 1)
+    honest_epoch(s, 2, {node0: HONEST, node1: 200_000})
+    assert s.faults(leader.public)[0] == "altered-prompt"
+    assert not s.state.reputation(node1).trusted
+    pairs = s.h.replay(pg_url)
+    assert len(pairs) == s.h.height
+    assert all(here == there for here, there in pairs), next(
+        i for i, (here, there) in enumerate(pairs, 1) if here != there)
