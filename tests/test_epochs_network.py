@@ -164,6 +164,7 @@ def test_an_honest_epoch_end_to_end(net):
     assert f'"value": {value}' in shown.output
     shown = runner.invoke(main, ["query", "epoch", "1", "--node", net.rpc_url(2), *genesis])
     assert shown.exit_code == 0 and "vrf" in shown.output and epoch1.leader.hex() in shown.output
+    assert f"{SCHEDULE.start(1)}-{SCHEDULE.end(1)}" in shown.output  # the epoch's heights
     shown = runner.invoke(main, ["query", "credits", "org-e", "--node", net.rpc_url(3), *genesis, "--json"])
     assert shown.exit_code == 0, shown.output
     account = c.clients[3].credits("org-e")

@@ -13,6 +13,7 @@ from planetserve.cli import console, emit_json, fail, table
 from planetserve.cli.ledger import ledger_options
 from planetserve.cli.tx_cmd import key_bytes
 from planetserve.registry.credits import format_credits
+from planetserve.registry.epochs import Schedule
 
 FAILURES = (QueryRefused, RpcError, VerificationError)
 
@@ -107,11 +108,19 @@ def epoch(ledger: LedgerClient, number: int | None, as_json: bool) -> None:
     many nodes it scored and how many faults it recorded. Without NUMBER, the current epoch."""
     try:
         record = ledger.epoch(number)
+        schedule = Schedule.from_params(ledger.params())
     except FAILURES as exc:
         fail(str(exc))
     if record is None:
         fail(f"epoch {number} has no record yet (epochs are created near the end of the one before)", code=3)
-    show_record(record.to_record(), as_json)
+    end = schedule.end(record.number)
+    timeline = {
+        "heights": f"{record.start_height}-{end}",
+        "results_due_by": record.start_height + schedule.results_blocks - 1,
+        "vrf_window": f"{end - schedule.vrf_window_blocks + 1}-{end}",
+        "plan_window": f"{end - schedule.plan_window_blocks + 1}-{end}",
+    }
+    show_record({**record.to_record(), **timeline}, as_json)
 
 
 @group.command("reputation")
