@@ -49,7 +49,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="ps-bench-") as tmp:
-        spec = build_network(Path(tmp), 4, "bench-list", app_state_builder(), timeout_commit="1s")
+        room = {"mempool": {"size": 2 * args.users, "cache_size": 4 * args.users}}  # never "mempool full"
+        spec = build_network(Path(tmp), 4, "bench-list", app_state_builder(), timeout_commit="1s",
+                             extra_config=room)
         with Cluster(spec, cluster_app, start_timeout=60.0) as cluster:
             cluster.start()
             cluster.wait_for_height(2, timeout=60.0)
