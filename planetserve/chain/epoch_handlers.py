@@ -317,30 +317,30 @@ def _add_report(ctx: Context, epoch: int, node: bytes) -> None:
     ctx.state.put_reports(epoch, node, [*reporters, ctx.signer])
 
 
-def report_invalid(ctx: Context, body: dict[str, Any]) -> None:
-    """A member's report that a planned node gave no valid response."""
-    fields.check_keys(body, {"epoch", "node", "reason"})
+def _planned_node(ctx: Context, body: dict[str, Any], field: str) -> tuple[int, bytes]:
+    """The current epoch and the body's node, which a member may act on only if it is planned."""
+    fields.check_keys(body, {"epoch", "node", field})
     ctx.require_member()
     number, _ = _current(ctx)
     _epoch_field(ctx, body, number)
     node = fields.key32(body, "node")
-    fields.text(body, "reason", 256)
     if ctx.state.plan_entry(number, node) is None:
         raise UnknownEntity(f"node {node.hex()} is not in the plan of epoch {number}")
+    return number, node
+
+
+def report_invalid(ctx: Context, body: dict[str, Any]) -> None:
+    """A member's report that a planned node gave no valid response."""
+    number, node = _planned_node(ctx, body, "reason")
+    fields.text(body, "reason", 256)
     _add_report(ctx, number, node)
     ctx.emit("report_invalid", epoch=str(number), node=node.hex())
 
 
 def commit_rechallenge(ctx: Context, body: dict[str, Any]) -> None:
     """A member commits H(prompt || salt) of its own challenge to a planned node before sending it."""
-    fields.check_keys(body, {"epoch", "node", "commitment"})
-    ctx.require_member()
-    number, _ = _current(ctx)
-    _epoch_field(ctx, body, number)
-    node = fields.key32(body, "node")
+    number, node = _planned_node(ctx, body, "commitment")
     commitment = fields.key32(body, "commitment")
-    if ctx.state.plan_entry(number, node) is None:
-        raise UnknownEntity(f"node {node.hex()} is not in the plan of epoch {number}")
     if ctx.state.rechallenge(number, node, ctx.signer) is not None:
         raise AlreadyExists(f"signer already re-challenges node {node.hex()} in epoch {number}")
     if ctx.state.commitment_used(number, commitment):
