@@ -206,7 +206,7 @@ class Evidence:
         prev = self.previous[i]
         value, window = reputation.update(
             self.rule, prev.value if prev else self.rule.initial, credibility, prev.window if prev else ())
-        before = prev.trusted if prev else reputation.is_trusted(self.rule, self.rule.initial)
+        before = prev.trusted if prev else reputation.never_scored_trusted(self.rule)
         return credibility, value, window, reputation.is_trusted(self.rule, value), before
 
     def attested(self, i: int) -> list[int]:

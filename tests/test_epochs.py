@@ -3,6 +3,8 @@ finalization, and each of the leader's attacks of seed section 4.4, with a scrip
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from committee import EPOCH_PARAMS, Script
 from harness import AppHarness, sqlite_url
@@ -33,6 +35,11 @@ def expected(*credibilities: int) -> int:
 def others(s: Script, number: int) -> list:
     leader = s.epoch(number).leader
     return [m for k, m in s.members.items() if k != leader]
+
+
+def listed(s: Script) -> list[bytes]:
+    """The nodes on the signed node list."""
+    return [ModelNode.decode(v).pubkey for _, v in s.h.store.batch().iterate(layout.node_list_prefix())]
 
 
 def finish(s: Script, number: int) -> None:
@@ -212,16 +219,14 @@ def test_dishonest_node_leaves_the_list_and_honest_node_stays(s):
         honest_epoch(s, number, {node0: 100_000, node1: HONEST})
     assert s.reputation(node0) == expected(100_000, 100_000, 100_000) < RULE.untrusted
     assert s.reputation(node1) == expected(HONEST, HONEST, HONEST) >= RULE.untrusted
-    listed = [ModelNode.decode(v).pubkey for _, v in s.h.store.batch().iterate(layout.node_list_prefix())]
-    assert listed == [node1]
+    assert listed(s) == [node1]
     assert s.state.node(node0).status == "active"  # still registered, still challenged: it may return
     # a fixed node returns once good answers outweigh the abnormal ones in its window
     number = 4
     while not s.state.reputation(node0).trusted:
         honest_epoch(s, number, {node0: 900_000, node1: HONEST})
         number += 1
-    listed = [ModelNode.decode(v).pubkey for _, v in s.h.store.batch().iterate(layout.node_list_prefix())]
-    assert listed == [node0, node1]
+    assert listed(s) == [node0, node1]
     assert number - 4 == 3
 
 
@@ -307,3 +312,14 @@ def test_the_same_epochs_give_the_same_app_hashes_on_postgresql(s, pg_url):
     assert len(pairs) == s.h.height
     assert all(here == there for here, there in pairs), next(
         i for i, (here, there) in enumerate(pairs, 1) if here != there)
+
+
+def test_a_new_node_below_the_threshold_is_listed_only_once_it_earns_trust(tmp_path):
+    params = replace(EPOCH_PARAMS, initial_reputation_ppm=300_000)
+    s = Script(AppHarness(sqlite_url(tmp_path), members=4, params=params))
+    assert listed(s) == []  # registered at 0.3, below the 0.4 threshold
+    s.run_election_and_plan(1)
+    node0, node1 = list(s.nodes)
+    honest_epoch(s, 1, {node0: 1_000_000, node1: 100_000})
+    assert listed(s) == [node0]
+    assert not s.state.reputation(node1).trusted

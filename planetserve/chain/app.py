@@ -335,14 +335,8 @@ class Application:
     def _expire_users(batch: Batch, now: int) -> None:
         """Remove every user whose time-to-live ran out at or before this block's time."""
         st = State(batch)
-        expired = []
-        for k, _ in batch.iterate(layout.EXPIRY_PREFIX):
-            expires_at = int(k.split(b"/")[1])
-            if expires_at > now:
-                break
-            expired.append(bytes.fromhex(k.split(b"/")[2].decode()))
-        for pubkey in expired:
-            user = st.user(pubkey)
+        for ident in layout.due(batch, layout.EXPIRY_PREFIX, now):
+            user = st.user(bytes.fromhex(ident.decode()))
             if user is not None:
                 st.delete_user(user)
 

@@ -5,7 +5,7 @@ chain checks are made in one place."""
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from nacl.exceptions import CryptoError
 from nacl.public import PrivateKey, PublicKey, SealedBox
@@ -65,7 +65,7 @@ def sign_response(keys: KeySet, prompt: str, token_ids: list[int], text: str, mo
                   address: str) -> SignedResponse:
     unsigned = SignedResponse(keys.public, epochs.prompt_hash(prompt), tuple(token_ids), text, model_id,
                               time, address, b"")
-    return SignedResponse(**{**unsigned.__dict__, "signature": keys.sign(unsigned.sign_bytes())})
+    return replace(unsigned, signature=keys.sign(unsigned.sign_bytes()))
 
 
 def response_valid(response: SignedResponse) -> bool:

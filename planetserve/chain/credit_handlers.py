@@ -35,13 +35,15 @@ def _organisation_reputation(ctx: Context, org_id: str, rule: reputation.Reputat
         for n in ctx.state.iterate_nodes() if n.org_id == org_id)
 
 
-def _available(ctx: Context, hardware: str, reps: dict[bytes, Reputation]) -> list[bytes]:
+def _available(ctx: Context, hardware: str, rule: reputation.ReputationRule,
+               reps: dict[bytes, Reputation]) -> list[bytes]:
     """Active, trusted nodes of the class that serve no other deployment."""
     assigned = {k for k, _ in ctx.state.kv.iterate(layout.ASSIGNED_PREFIX)}
+    fresh = reputation.never_scored_trusted(rule)
     return [n.pubkey for n in ctx.state.iterate_nodes()
             if n.hardware == hardware and n.status == "active"
             and layout.assigned_key(n.pubkey) not in assigned
-            and (n.pubkey not in reps or reps[n.pubkey].trusted)]
+            and (reps[n.pubkey].trusted if n.pubkey in reps else fresh)]
 
 
 def deploy_model(ctx: Context, body: dict[str, Any]) -> None:
@@ -70,7 +72,7 @@ def deploy_model(ctx: Context, body: dict[str, Any]) -> None:
     if account.balance < price:
         raise InsufficientCredits(f"deployment costs {credits.format_credits(price)} credits, organisation "
                                   f"{org_id!r} has {credits.format_credits(account.balance)}")
-    available = _available(ctx, hardware, reps)
+    available = _available(ctx, hardware, rule, reps)
     if len(available) < count:
         raise Unavailable(f"asks for {count} {hardware} node(s); {len(available)} trusted, unassigned "
                           f"ones exist")
@@ -85,14 +87,8 @@ def deploy_model(ctx: Context, body: dict[str, Any]) -> None:
 def expire_deployments(batch: Batch, now: int) -> None:
     """Remove every deployment whose time ran out at or before this block's time."""
     st = State(batch)
-    ended = []
-    for k, _ in batch.iterate(layout.DEPLOYMENT_EXPIRY_PREFIX):
-        _, expires_at, deployment_id = k.split(b"/")
-        if int(expires_at) > now:
-            break
-        ended.append(int(deployment_id))
-    for deployment_id in ended:
-        deployment = st.deployment(deployment_id)
+    for ident in layout.due(batch, layout.DEPLOYMENT_EXPIRY_PREFIX, now):
+        deployment = st.deployment(int(ident))
         if deployment is not None:
             st.delete_deployment(deployment)
 

@@ -50,7 +50,7 @@ def _current(ctx: Context) -> tuple[int, Epoch]:
     return number, epoch
 
 
-def _epoch_field(ctx: Context, body: dict[str, Any], expected: int) -> None:
+def _epoch_field(body: dict[str, Any], expected: int) -> None:
     got = fields.integer(body, "epoch", 0, 2**62)
     if got != expected:
         raise Expired(f"epoch {got} is not open for this transaction; it is for epoch {expected} now")
@@ -85,7 +85,7 @@ def submit_vrf(ctx: Context, body: dict[str, Any]) -> None:
     fields.check_keys(body, {"epoch", "proof"})
     member = ctx.require_member()
     current, _ = _current(ctx)
-    _epoch_field(ctx, body, current + 1)
+    _epoch_field(body, current + 1)
     if not _schedule(ctx).in_vrf_window(ctx.height):
         raise Expired(f"the VRF window of epoch {current} is not open at height {ctx.height}")
     target = ctx.state.epoch(current + 1)
@@ -136,7 +136,7 @@ def commit_plan(ctx: Context, body: dict[str, Any]) -> None:
     fields.check_keys(body, {"epoch", "entries", "final"})
     ctx.require_member()
     current, _ = _current(ctx)
-    _epoch_field(ctx, body, current + 1)
+    _epoch_field(body, current + 1)
     target = ctx.state.epoch(current + 1)
     if target is None or not _schedule(ctx).in_plan_window(ctx.height):
         raise Expired(f"the plan window of epoch {current} is not open at height {ctx.height}")
@@ -204,7 +204,7 @@ def _response(value: Any) -> SignedResponse:
     )
 
 
-def _inconsistency(ctx: Context, epoch: Epoch, node_model: str, node: bytes, commitment: bytes,
+def _inconsistency(ctx: Context, node_model: str, node: bytes, commitment: bytes,
                    prompt: str, salt: bytes, response: SignedResponse, since: int) -> tuple[str, str] | None:
     """Why a submitted challenge contradicts the plan or the node's signature, if it does."""
     slack = ctx.params.response_slack_seconds
@@ -227,7 +227,7 @@ def submit_results(ctx: Context, body: dict[str, Any]) -> None:
     fields.check_keys(body, {"epoch", "kind", "results"})
     ctx.require_member()
     number, epoch = _current(ctx)
-    _epoch_field(ctx, body, number)
+    _epoch_field(body, number)
     kind = fields.choice(body, "kind", epochs.RESULT_KINDS)
     if kind == "leader":
         if ctx.signer != epoch.leader:
@@ -270,7 +270,7 @@ def _submit_one(ctx: Context, epoch: Epoch, kind: str, entry: dict[str, Any]) ->
         credibility = fields.integer(entry, "credibility", 0, PPM) if kind == "leader" else -1
         if kind == "leader" and "credibility" not in entry:
             raise InvalidField("credibility", "the leader proposes a credibility per node")
-        problem = _inconsistency(ctx, epoch, model_id, node, commitment, prompt, salt, response, since)
+        problem = _inconsistency(ctx, model_id, node, commitment, prompt, salt, response, since)
         status, reason = VALID, ""
         if problem is not None:
             fault_kind, reason = problem
@@ -292,7 +292,7 @@ def attest(ctx: Context, body: dict[str, Any]) -> None:
     fields.check_keys(body, {"epoch", "scores"})
     ctx.require_member()
     number, _ = _current(ctx)
-    _epoch_field(ctx, body, number)
+    _epoch_field(body, number)
     for raw in _entries(body, "scores"):
         if not isinstance(raw, list) or len(raw) != 3:
             raise InvalidField("scores", "entries must be [node, submitter, credibility]")
@@ -322,7 +322,7 @@ def _planned_node(ctx: Context, body: dict[str, Any], field: str) -> tuple[int, 
     fields.check_keys(body, {"epoch", "node", field})
     ctx.require_member()
     number, _ = _current(ctx)
-    _epoch_field(ctx, body, number)
+    _epoch_field(body, number)
     node = fields.key32(body, "node")
     if ctx.state.plan_entry(number, node) is None:
         raise UnknownEntity(f"node {node.hex()} is not in the plan of epoch {number}")

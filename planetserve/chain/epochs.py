@@ -34,11 +34,11 @@ def begin_block(batch: Batch, params: Params, height: int, time: int, previous_a
         if current is not None:
             st.put_epoch(replace(current, start_time=time))
     if height == schedule.setup_height(number):
-        leader = st.epoch(number)
+        current = st.epoch(number)
         st.put_epoch(Epoch(
             number=number + 1, start_height=schedule.start(number + 1), start_time=0,
             seed=epochs.epoch_seed(previous_app_hash, number + 1), leader=b"", leader_output=b"",
-            election="pending", plan_leader=leader.leader if leader else b"", plan_status=PLAN_NONE,
+            election="pending", plan_leader=current.leader if current else b"", plan_status=PLAN_NONE,
             plan_nodes=0, plan_cutoff=time, finalized=False, scored=0, faults=0,
         ))
 
@@ -107,7 +107,7 @@ def _finalize(batch: Batch, st: State, params: Params, epoch: Epoch, committee: 
             rule, previous.value if previous else rule.initial, verdict.credibility,
             previous.window if previous else ())
         trusted = reputation.is_trusted(rule, value)
-        was_trusted = previous.trusted if previous else reputation.is_trusted(rule, rule.initial)
+        was_trusted = previous.trusted if previous else reputation.never_scored_trusted(rule)
         st.put_reputation(epochs.Reputation(verdict.node, value, window,
                                             (previous.epochs if previous else 0) + 1, epoch.number, trusted))
         node = ModelNode.decode(raw)

@@ -43,7 +43,7 @@ from collections.abc import Iterator
 from typing import Protocol, TypeVar
 from urllib.parse import quote
 
-from planetserve.registry import codec
+from planetserve.registry import codec, reputation
 from planetserve.registry.credits import Credits, Deployment
 from planetserve.registry.entities import (
     Member,
@@ -356,8 +356,7 @@ class State:
         record = node.encode()
         self.kv.set(node_key(node.pubkey), record)
         if trusted is None:
-            rep = self.reputation(node.pubkey)
-            trusted = rep is None or rep.trusted
+            trusted = self.trusted(node.pubkey)
         if node.status == "active" and trusted:
             self.kv.set(node_list_key(node), record)
 
@@ -439,6 +438,13 @@ class State:
     def reputation(self, node: bytes) -> Reputation | None:
         return self._load(reputation_key(node), Reputation)
 
+    def trusted(self, node: bytes) -> bool:
+        """Whether a node may be listed: its recorded verdict, or the initial reputation's."""
+        rep = self.reputation(node)
+        if rep is not None:
+            return rep.trusted
+        return reputation.never_scored_trusted(reputation.ReputationRule.from_params(self.params()))
+
     def put_reputation(self, rep: Reputation) -> None:
         self._put(reputation_key(rep.node), rep)
 
@@ -485,6 +491,18 @@ def members(kv: IterableKV) -> dict[bytes, Member]:
         m.operator: m
         for m in (Member.decode(v) for _, v in kv.iterate(MEMBER_PREFIX))
     }
+
+
+def due(kv: IterableKV, prefix: bytes, now: int) -> list[bytes]:
+    """The identifiers in an expiry index (keys prefix + <time:012d>/<id>) whose time is at or
+    before `now`, in index order: the index is sorted by time, so the scan stops at the first later one."""
+    out = []
+    for k, _ in kv.iterate(prefix):
+        expires_at, _, ident = k[len(prefix):].partition(b"/")
+        if int(expires_at) > now:
+            break
+        out.append(ident)
+    return out
 
 
 def decode_records(entries: list[tuple[bytes, bytes]], cls: type[R]) -> list[R]:

@@ -14,6 +14,7 @@ from planetserve.cli.ledger import ledger_options
 from planetserve.cli.tx_cmd import key_bytes
 from planetserve.registry.credits import format_credits
 from planetserve.registry.epochs import Schedule
+from planetserve.registry.reputation import ReputationRule, never_scored_trusted
 
 FAILURES = (QueryRefused, RpcError, VerificationError)
 
@@ -141,9 +142,9 @@ def reputation(ledger: LedgerClient, node_key: str, as_json: bool) -> None:
         params = ledger.params()
     except FAILURES as exc:
         fail(str(exc))
-    value = params.initial_reputation_ppm
-    show_record({"node": pubkey, "value": value, "window": [], "epochs": 0, "last_epoch": None,
-                 "trusted": value >= params.untrusted_threshold_ppm}, as_json)
+    rule = ReputationRule.from_params(params)
+    show_record({"node": pubkey, "value": rule.initial, "window": [], "epochs": 0, "last_epoch": None,
+                 "trusted": never_scored_trusted(rule)}, as_json)
 
 
 @group.command("faults")

@@ -7,9 +7,9 @@ are kept exactly, in credit-seconds (rate × seconds; 3,600 credit-seconds are o
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
+from planetserve.registry import rules
 from planetserve.registry.entities import Record
 
 CREDIT_SECONDS = 3_600
@@ -64,9 +64,7 @@ def cost(rate: int, nodes: int, seconds: int) -> int:
 def assign_nodes(deployment_id: int, available: list[bytes], count: int) -> tuple[bytes, ...]:
     """The `count` available nodes with the lowest sha256(deployment id || key): spread over
     organisations and regions by chance, the same on every validator, and not the deployer's pick."""
-    tag = deployment_id.to_bytes(8, "big")
-    ranked = sorted(available, key=lambda n: hashlib.sha256(tag + n).digest())
-    return tuple(sorted(ranked[:count]))
+    return tuple(rules.hash_sample(deployment_id.to_bytes(8, "big"), available, count))
 
 
 def format_credits(credit_seconds: int) -> str:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-from planetserve.registry import codec
+from planetserve.registry import codec, rules
 from planetserve.registry.entities import Record
 from planetserve.registry.params import Params
 
@@ -88,10 +88,7 @@ def fallback_leader(seed: bytes, operators: list[bytes]) -> bytes:
 def sample_nodes(seed: bytes, nodes: list[bytes], cap: int) -> list[bytes]:
     """The nodes a plan must cover: all of them, or, above the cap, the `cap` whose
     sha256(seed || key) is lowest, so the leader cannot choose."""
-    if len(nodes) <= cap:
-        return sorted(nodes)
-    ranked = sorted(nodes, key=lambda n: hashlib.sha256(seed + n).digest())
-    return sorted(ranked[:cap])
+    return rules.hash_sample(seed, nodes, cap)
 
 
 def commitment(prompt: str, salt: bytes) -> bytes:

@@ -89,6 +89,11 @@ def update(rule: ReputationRule, previous: int, credibility: int,
     return min(reputation, PPM), new_window
 
 
+def never_scored_trusted(rule: ReputationRule) -> bool:
+    """A node without a reputation record stands at the initial reputation."""
+    return is_trusted(rule, rule.initial)
+
+
 def is_trusted(rule: ReputationRule, reputation: int) -> bool:
     """Trusted at or above the threshold, so a node exactly at it keeps serving."""
     return reputation >= rule.untrusted

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable
 
 from planetserve.registry.entities import Member, User
@@ -19,6 +20,13 @@ def blocking_minority(no_power: int, total_power: int) -> bool:
 
 def voting_power(voters: Iterable[bytes], members: dict[bytes, Member]) -> int:
     return sum(members[v].power for v in set(voters) if v in members)
+
+
+def hash_sample(tag: bytes, keys: list[bytes], count: int) -> list[bytes]:
+    """The `count` keys with the lowest sha256(tag || key), in key order: a choice that no
+    participant makes, the same on every validator."""
+    ranked = sorted(keys, key=lambda k: hashlib.sha256(tag + k).digest())
+    return sorted(ranked[:count])
 
 
 def user_expiry(now: int, ttl_seconds: int) -> int:
