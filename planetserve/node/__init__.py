@@ -1,0 +1,1 @@
+"""The overlay: model nodes, serving engines, HR-tree forwarding and cache-state sync."""

@@ -1,0 +1,1 @@
+"""Serving engines behind one interface: the built-in torch engine and an OpenAI-compatible server."""

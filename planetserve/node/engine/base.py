@@ -1,0 +1,99 @@
+"""The interface every serving engine offers a model node: streamed generation over token ids, its
+load, and its prefix-cache state as a stream of block events (vLLM's KV-event vocabulary)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class EngineError(Exception):
+    """A request the engine cannot serve (too long, bad parameters, engine stopped)."""
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+    temperature: float = 0.0
+    """0 is greedy decoding; above 0, sampling seeded by `seed` (or fresh randomness)."""
+    seed: int | None = None
+    stop_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class TokenChunk:
+    """Newly generated token ids; the last chunk of a generation has `finish_reason` set."""
+
+    token_ids: tuple[int, ...]
+    finish_reason: str | None = None
+    """None while generating, then "stop" (a stop id was produced) or "length" (max_tokens reached)."""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    """Prompt tokens whose KV came from the prefix cache (reported on the first chunk)."""
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    running: int
+    queued: int
+    capacity: int
+    """How many sequences the engine decodes concurrently."""
+
+
+@dataclass(frozen=True)
+class BlockStored:
+    """Full KV blocks entered the prefix cache: a chain of block hashes, the parent of the first
+    (None at the root), and the token ids they hold (block_size per hash)."""
+
+    block_hashes: tuple[int, ...]
+    parent_block_hash: int | None
+    token_ids: tuple[int, ...]
+    block_size: int
+
+
+@dataclass(frozen=True)
+class BlockRemoved:
+    block_hashes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class AllBlocksCleared:
+    pass
+
+
+CacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass
+class CacheListeners:
+    """Callbacks for cache events; engines call `emit` from whatever thread mutates the cache."""
+
+    callbacks: list[Callable[[list[CacheEvent]], None]] = field(default_factory=list)
+
+    def add(self, callback: Callable[[list[CacheEvent]], None]) -> None:
+        self.callbacks.append(callback)
+
+    def emit(self, events: list[CacheEvent]) -> None:
+        if events:
+            for callback in self.callbacks:
+                callback(events)
+
+
+class Engine(Protocol):
+    model_id: str
+    block_size: int
+    max_model_len: int
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[TokenChunk]:
+        """Stream the generation; raises EngineError before the first chunk for a bad request."""
+        ...
+
+    def load(self) -> EngineLoad: ...
+
+    def on_cache_events(self, callback: Callable[[list[CacheEvent]], None]) -> None:
+        """Register for cache events; a new listener first receives the current cache as BlockStored."""
+        ...
+
+    async def close(self) -> None: ...
