@@ -1,0 +1,343 @@
+"""TLS 1.3 between peers whose identity is an ed25519 key registered on the ledger.
+
+Each peer presents a certificate self-signed with its registered key; the dialler pins it by checking
+that the certificate's key is the one the verified list names (no certificate authority is
+involved). The dialler then proves its own key by signing the listener's fresh nonce together with
+the listener's key, inside the encrypted channel, so a signature made for one listener is useless at
+another. Frames are length-prefixed msgpack with a hard size limit; one connection per peer pair
+carries many concurrent streams (request id multiplexing), and writes wait for the socket to drain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import hmac
+import itertools
+import logging
+import secrets
+import ssl
+import struct
+import tempfile
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgpack
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.x509.oid import NameOID
+
+from planetserve.chain.keys import KeySet, verify_signature
+
+log = logging.getLogger(__name__)
+
+MAX_FRAME = 4 * 1024 * 1024
+HANDSHAKE_TIMEOUT = 10.0
+STREAM_QUEUE = 64
+HELLO_DOMAIN = b"planetserve/peer-hello/v1"
+_LENGTH = struct.Struct(">I")
+
+
+class TransportError(Exception):
+    """A peer connection failed: unreachable, wrong identity, refused, malformed or oversized frame."""
+
+
+class RemoteError(TransportError):
+    """The peer answered a request with an error."""
+
+
+def _certificate(keys: KeySet) -> tuple[bytes, bytes]:
+    """A self-signed certificate (PEM) over the identity key, and the key in PKCS#8 PEM."""
+    private = Ed25519PrivateKey.from_private_bytes(bytes(keys.identity))
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, keys.public.hex())])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(private.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=3650))
+        .sign(private, algorithm=None)
+    )
+    key_pem = private.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                    serialization.NoEncryption())
+    return cert.public_bytes(serialization.Encoding.PEM), key_pem
+
+
+def _context(keys: KeySet, side: int) -> ssl.SSLContext:
+    """A TLS 1.3-only context presenting our certificate; peer verification is our own pinning."""
+    ctx = ssl.SSLContext(side)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    cert_pem, key_pem = _certificate(keys)
+    with tempfile.TemporaryDirectory() as tmp:  # ssl loads key material from files only
+        cert_file, key_file = Path(tmp, "cert.pem"), Path(tmp, "key.pem")
+        cert_file.write_bytes(cert_pem)
+        key_file.touch(mode=0o600)
+        key_file.write_bytes(key_pem)
+        ctx.load_cert_chain(cert_file, key_file)
+    return ctx
+
+
+def certificate_key(der: bytes | None) -> bytes:
+    """The raw ed25519 key of a peer certificate, or TransportError."""
+    if not der:
+        raise TransportError("peer presented no certificate")
+    public = x509.load_der_x509_certificate(der).public_key()
+    if not isinstance(public, Ed25519PublicKey):
+        raise TransportError("peer certificate key is not ed25519")
+    return public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+
+
+async def read_frame(reader: asyncio.StreamReader, limit: int = MAX_FRAME) -> Any:
+    """One frame's decoded value; TransportError on a short read, oversize or bad msgpack."""
+    try:
+        header = await reader.readexactly(_LENGTH.size)
+        (size,) = _LENGTH.unpack(header)
+        if size > limit:
+            raise TransportError(f"frame of {size} bytes exceeds the limit of {limit}")
+        body = await reader.readexactly(size)
+    except asyncio.IncompleteReadError as exc:
+        raise TransportError("connection closed mid-frame" if exc.partial else "connection closed") from exc
+    try:
+        return msgpack.unpackb(body, raw=False, strict_map_key=True)
+    except Exception as exc:
+        raise TransportError(f"malformed frame: {type(exc).__name__}") from exc
+
+
+async def write_frame(writer: asyncio.StreamWriter, value: Any, limit: int = MAX_FRAME) -> None:
+    body = msgpack.packb(value, use_bin_type=True)
+    if len(body) > limit:
+        raise TransportError(f"frame of {len(body)} bytes exceeds the limit of {limit}")
+    writer.write(_LENGTH.pack(len(body)) + body)
+    await writer.drain()
+
+
+def _hello_message(listener: bytes, nonce: bytes) -> bytes:
+    return HELLO_DOMAIN + listener + nonce
+
+
+# A handler gets (peer key, message type, body) and returns one reply, or an async iterator of
+# replies for a streamed answer; None for a one-way message.
+Handler = Callable[[bytes, str, Any], Awaitable[Any]]
+
+
+@dataclass
+class Connection:
+    """One authenticated connection; requests in both directions are multiplexed by stream id."""
+
+    peer: bytes
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+    handler: Handler
+    limit: int = MAX_FRAME
+    streams: dict[int, asyncio.Queue] = field(default_factory=dict)
+    ids: Any = field(default_factory=lambda: itertools.count(1))
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    closed: asyncio.Event = field(default_factory=asyncio.Event)
+    tasks: set[asyncio.Task] = field(default_factory=set)
+
+    async def send(self, frame: list) -> None:
+        if self.closed.is_set():
+            raise TransportError("connection closed")
+        async with self.lock:
+            await write_frame(self.writer, frame, self.limit)
+
+    async def notify(self, msg_type: str, body: Any) -> None:
+        """A one-way message."""
+        await self.send(["msg", 0, msg_type, body])
+
+    async def request(self, msg_type: str, body: Any) -> AsyncIterator[Any]:
+        """Send a request and yield its replies until the peer ends the stream."""
+        stream = next(self.ids)
+        queue: asyncio.Queue = asyncio.Queue(STREAM_QUEUE)
+        self.streams[stream] = queue
+        try:
+            await self.send(["req", stream, msg_type, body])
+            while True:
+                kind, payload = await queue.get()
+                if kind == "rep":
+                    yield payload
+                elif kind == "end":
+                    return
+                else:
+                    raise RemoteError(str(payload))
+        finally:
+            self.streams.pop(stream, None)
+
+    async def call(self, msg_type: str, body: Any) -> Any:
+        """A request with exactly one reply."""
+        replies = [reply async for reply in self.request(msg_type, body)]
+        if len(replies) != 1:
+            raise TransportError(f"expected one reply to {msg_type}, got {len(replies)}")
+        return replies[0]
+
+    async def run(self) -> None:
+        """Read frames until the connection ends; fail every open stream then."""
+        try:
+            while True:
+                frame = await read_frame(self.reader, self.limit)
+                if not (isinstance(frame, list) and len(frame) == 4 and isinstance(frame[0], str)
+                        and isinstance(frame[1], int) and isinstance(frame[2], str)):
+                    raise TransportError("malformed frame: not [kind, stream, type, body]")
+                await self._dispatch(*frame)
+        except (TransportError, ConnectionError, ssl.SSLError) as exc:
+            log.debug("connection to %s ended: %s", self.peer.hex()[:16], exc)
+        finally:
+            self.closed.set()
+            for queue in self.streams.values():
+                with contextlib.suppress(asyncio.QueueFull):
+                    queue.put_nowait(("err", "connection closed"))
+            for task in self.tasks:
+                task.cancel()
+            self.writer.close()
+
+    async def _dispatch(self, kind: str, stream: int, msg_type: str, body: Any) -> None:
+        if kind in ("rep", "end", "err"):
+            queue = self.streams.get(stream)
+            if queue is not None:
+                await queue.put((kind, body))  # a slow consumer slows this connection: backpressure
+        elif kind in ("msg", "req"):
+            task = asyncio.create_task(self._serve(kind, stream, msg_type, body))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+        else:
+            raise TransportError(f"unknown frame kind {kind!r}")
+
+    async def _serve(self, kind: str, stream: int, msg_type: str, body: Any) -> None:
+        try:
+            result = await self.handler(self.peer, msg_type, body)
+            if kind == "msg":
+                return
+            if hasattr(result, "__aiter__"):
+                async for reply in result:
+                    await self.send(["rep", stream, msg_type, reply])
+            else:
+                await self.send(["rep", stream, msg_type, result])
+            await self.send(["end", stream, msg_type, None])
+        except TransportError:
+            return
+        except Exception as exc:
+            log.info("peer %s: %s failed: %s", self.peer.hex()[:16], msg_type, exc)
+            if kind == "req":
+                with contextlib.suppress(TransportError, ConnectionError):
+                    await self.send(["err", stream, msg_type, str(exc) or type(exc).__name__])
+
+    async def close(self) -> None:
+        self.writer.close()
+        with contextlib.suppress(Exception):
+            await self.writer.wait_closed()
+        self.closed.set()
+
+
+class Peering:
+    """Our side of the peer network: a listener and a pool of outgoing connections, both limited to
+    the keys `authorize` accepts (the verified list's members)."""
+
+    def __init__(self, keys: KeySet, handler: Handler, authorize: Callable[[bytes], bool],
+                 limit: int = MAX_FRAME) -> None:
+        self.keys = keys
+        self.handler = handler
+        self.authorize = authorize
+        self.limit = limit
+        self.server_ctx = _context(keys, ssl.PROTOCOL_TLS_SERVER)
+        self.client_ctx = _context(keys, ssl.PROTOCOL_TLS_CLIENT)
+        self.connections: dict[bytes, Connection] = {}
+        self.server: asyncio.Server | None = None
+        self.runners: set[asyncio.Task] = set()
+        self._dialling: dict[bytes, asyncio.Lock] = {}
+
+    async def listen(self, host: str, port: int) -> int:
+        self.server = await asyncio.start_server(self._accept, host, port, ssl=self.server_ctx,
+                                                 ssl_handshake_timeout=HANDSHAKE_TIMEOUT)
+        return self.server.sockets[0].getsockname()[1]
+
+    def _adopt(self, conn: Connection) -> None:
+        old = self.connections.get(conn.peer)
+        self.connections[conn.peer] = conn
+        task = asyncio.create_task(conn.run())
+        self.runners.add(task)
+        task.add_done_callback(self.runners.discard)
+        task.add_done_callback(lambda _t: self._forget(conn))
+        if old is not None and old is not conn:
+            task.get_loop().create_task(old.close())
+
+    def _forget(self, conn: Connection) -> None:
+        if self.connections.get(conn.peer) is conn:
+            del self.connections[conn.peer]
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            nonce = secrets.token_bytes(32)
+            await write_frame(writer, [self.keys.public, nonce], self.limit)
+            hello = await asyncio.wait_for(read_frame(reader, 1024), HANDSHAKE_TIMEOUT)
+            if not (isinstance(hello, list) and len(hello) == 2 and all(type(v) is bytes for v in hello)):
+                raise TransportError("malformed hello")
+            peer, signature = hello
+            if not verify_signature(peer, _hello_message(self.keys.public, nonce), signature):
+                raise TransportError("hello signature does not verify")
+            if not self.authorize(peer):
+                raise TransportError(f"peer {peer.hex()[:16]} is not in the verified list")
+        except (TransportError, TimeoutError, ConnectionError, ssl.SSLError) as exc:
+            log.info("refused a peer connection: %s", exc)
+            writer.close()
+            return
+        self._adopt(Connection(peer, reader, writer, self.handler, self.limit))
+
+    async def connect(self, peer: bytes, address: str) -> Connection:
+        """The live connection to `peer`, dialling `address` (host:port) if there is none."""
+        conn = self.connections.get(peer)
+        if conn is not None and not conn.closed.is_set():
+            return conn
+        lock = self._dialling.setdefault(peer, asyncio.Lock())
+        async with lock:
+            conn = self.connections.get(peer)
+            if conn is not None and not conn.closed.is_set():
+                return conn
+            conn = await self._dial(peer, address)
+            self._adopt(conn)
+            return conn
+
+    async def _dial(self, peer: bytes, address: str) -> Connection:
+        if not self.authorize(peer):
+            raise TransportError(f"peer {peer.hex()[:16]} is not in the verified list")
+        host, _, port = address.rpartition(":")
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(host, int(port), ssl=self.client_ctx, server_hostname=None),
+                HANDSHAKE_TIMEOUT)
+        except (OSError, ValueError, TimeoutError, ssl.SSLError) as exc:
+            raise TransportError(f"cannot reach {address}: {exc}") from exc
+        try:
+            presented = certificate_key(writer.get_extra_info("ssl_object").getpeercert(binary_form=True))
+            if not hmac.compare_digest(presented, peer):
+                raise TransportError(f"{address} presented key {presented.hex()[:16]}, "
+                                     f"expected {peer.hex()[:16]}")
+            greeting = await asyncio.wait_for(read_frame(reader, 1024), HANDSHAKE_TIMEOUT)
+            if not (isinstance(greeting, list) and len(greeting) == 2
+                    and greeting[0] == peer and type(greeting[1]) is bytes):
+                raise TransportError("malformed greeting")
+            signature = self.keys.sign(_hello_message(peer, greeting[1]))
+            await write_frame(writer, [self.keys.public, signature], self.limit)
+        except (TransportError, TimeoutError, ConnectionError) as exc:
+            writer.close()
+            raise TransportError(f"handshake with {address} failed: {exc}") from exc
+        return Connection(peer, reader, writer, self.handler, self.limit)
+
+    async def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        for conn in list(self.connections.values()):
+            await conn.close()
+        for task in list(self.runners):
+            task.cancel()
+        if self.server is not None:
+            with contextlib.suppress(Exception):
+                await self.server.wait_closed()

@@ -1,0 +1,178 @@
+"""The peer transport over real TLS sockets on loopback: pinning, mutual authentication, framing,
+streams, limits and failure handling."""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import struct
+
+import pytest
+
+from planetserve.chain.keys import KeySet
+from planetserve.node.transport import MAX_FRAME, Peering, RemoteError, TransportError, read_frame
+
+
+async def echo_handler(peer: bytes, msg_type: str, body):
+    if msg_type == "echo":
+        return {"from": peer, "body": body}
+    if msg_type == "count":
+        async def stream():
+            for i in range(body):
+                yield i
+        return stream()
+    if msg_type == "boom":
+        raise ValueError("handler refused the request")
+    return None
+
+
+def peers(allowed_for_a=None, allowed_for_b=None):
+    a_keys, b_keys = KeySet.generate(), KeySet.generate()
+    a = Peering(a_keys, echo_handler, allowed_for_a or (lambda key: key == b_keys.public))
+    b = Peering(b_keys, echo_handler, allowed_for_b or (lambda key: key == a_keys.public))
+    return a, b
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+def test_call_stream_and_reuse():
+    async def main():
+        a, b = peers()
+        port = await b.listen("127.0.0.1", 0)
+        conn = await a.connect(b.keys.public, f"127.0.0.1:{port}")
+        assert await conn.call("echo", [1, "x", b"y"]) == {"from": a.keys.public, "body": [1, "x", b"y"]}
+        assert [v async for v in conn.request("count", 5)] == [0, 1, 2, 3, 4]
+        # concurrent streams over the one connection
+        results = await asyncio.gather(*(conn.call("echo", i) for i in range(20)))
+        assert [r["body"] for r in results] == list(range(20))
+        assert await a.connect(b.keys.public, f"127.0.0.1:{port}") is conn
+        # the listener can use the same connection in the other direction
+        await asyncio.sleep(0.05)
+        back = b.connections[a.keys.public]
+        assert (await back.call("echo", "back"))["from"] == b.keys.public
+        await a.close()
+        await b.close()
+
+    run(main())
+
+
+def test_remote_error_is_reported_and_connection_survives():
+    async def main():
+        a, b = peers()
+        port = await b.listen("127.0.0.1", 0)
+        conn = await a.connect(b.keys.public, f"127.0.0.1:{port}")
+        with pytest.raises(RemoteError, match="handler refused the request"):
+            await conn.call("boom", None)
+        assert (await conn.call("echo", 7))["body"] == 7
+        await a.close()
+        await b.close()
+
+    run(main())
+
+
+def test_pinning_refuses_a_listener_with_another_key():
+    async def main():
+        a, b = peers()
+        impostor = KeySet.generate()
+        port = await b.listen("127.0.0.1", 0)
+        trusting = Peering(a.keys, echo_handler, lambda key: True)
+        with pytest.raises(TransportError, match="presented key"):
+            await trusting.connect(impostor.public, f"127.0.0.1:{port}")
+        await b.close()
+
+    run(main())
+
+
+def test_listener_refuses_unlisted_dialler():
+    async def main():
+        a, b = peers(allowed_for_b=lambda key: False)
+        port = await b.listen("127.0.0.1", 0)
+        with pytest.raises(TransportError):
+            conn = await a.connect(b.keys.public, f"127.0.0.1:{port}")
+            await conn.call("echo", 1)
+        assert b.connections == {}
+        await a.close()
+        await b.close()
+
+    run(main())
+
+
+def test_dialler_refuses_unlisted_peer_before_connecting():
+    async def main():
+        a, _ = peers(allowed_for_a=lambda key: False)
+        with pytest.raises(TransportError, match="not in the verified list"):
+            await a.connect(KeySet.generate().public, "127.0.0.1:1")
+
+    run(main())
+
+
+def test_unreachable_peer_is_a_clear_error():
+    async def main():
+        a = Peering(KeySet.generate(), echo_handler, lambda key: True)
+        with pytest.raises(TransportError, match="cannot reach"):
+            await a.connect(KeySet.generate().public, "127.0.0.1:1")
+
+    run(main())
+
+
+def test_oversized_and_garbage_frames_close_only_that_connection():
+    async def main():
+        a, b = peers()
+        port = await b.listen("127.0.0.1", 0)
+        conn = await a.connect(b.keys.public, f"127.0.0.1:{port}")
+        # a frame header announcing more than the limit
+        conn.writer.write(struct.pack(">I", MAX_FRAME + 1))
+        await conn.writer.drain()
+        await asyncio.wait_for(conn.closed.wait(), 5)
+        # the listener keeps serving new connections
+        conn2 = await a.connect(b.keys.public, f"127.0.0.1:{port}")
+        assert conn2 is not conn
+        assert (await conn2.call("echo", 1))["body"] == 1
+        # a well-sized frame of garbage
+        conn2.writer.write(struct.pack(">I", 3) + b"\xc1\xc1\xc1")
+        await conn2.writer.drain()
+        await asyncio.wait_for(conn2.closed.wait(), 5)
+        conn3 = await a.connect(b.keys.public, f"127.0.0.1:{port}")
+        assert (await conn3.call("echo", 2))["body"] == 2
+        await a.close()
+        await b.close()
+
+    run(main())
+
+
+def test_plain_tcp_and_silent_clients_are_refused():
+    async def main():
+        _, b = peers()
+        port = await b.listen("127.0.0.1", 0)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET / HTTP/1.0\r\n\r\n")
+        await writer.drain()
+        assert await asyncio.wait_for(reader.read(), 15) == b""
+        # a TLS client whose hello is malformed is dropped
+        ctx = ssl.create_default_context()
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+        reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=ctx)
+        greeting = await read_frame(reader)
+        assert greeting[0] == b.keys.public and len(greeting[1]) == 32
+        writer.write(struct.pack(">I", 2) + b"\x92\x01")  # a hello of the wrong shape
+        await writer.drain()
+        assert await asyncio.wait_for(reader.read(), 15) == b""
+        assert b.connections == {}
+        await b.close()
+
+    run(main())
+
+
+def test_tls_is_1_3():
+    async def main():
+        a, b = peers()
+        port = await b.listen("127.0.0.1", 0)
+        conn = await a.connect(b.keys.public, f"127.0.0.1:{port}")
+        assert conn.writer.get_extra_info("ssl_object").version() == "TLSv1.3"
+        await a.close()
+        await b.close()
+
+    run(main())
