@@ -1,0 +1,148 @@
+"""Load balancing and the forwarding decision (seed planetserve.md 3.3 and Algorithm 2).
+
+F_LB = L·(Q/C): L the moving average of a node's per-request latency, Q its queued requests, C how
+many requests it serves concurrently. Candidates are ranked by the key (F_LB, L, not-self, node id):
+
+- Q = 0 makes F_LB = 0 for every idle node whatever its latency, so L breaks the tie and the faster
+  idle node wins (a node with no latency sample yet reports L = 0, so new nodes get the requests they
+  need to earn a reputation);
+- on a full tie the receiving node keeps the request (no needless hop), then the node id decides, so
+  every node ranks the same candidates the same way.
+
+Everything here is pure: the caller passes the candidates (its node table) and gets a `Decision` that
+says why, for logs and tests.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Protocol
+
+ALPHA = 1 / 8
+
+
+@dataclass
+class LatencyEWMA:
+    """SRTT-style smoothing (α = 1/8, as TCP's RTT estimator): one slow request barely moves L."""
+
+    alpha: float = ALPHA
+    value: float | None = None
+
+    def observe(self, sample: float) -> float:
+        if not math.isfinite(sample) or sample < 0:
+            raise ValueError(f"latency sample must be a finite non-negative number, got {sample}")
+        self.value = sample if self.value is None else (1 - self.alpha) * self.value + self.alpha * sample
+        return self.value
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What a node broadcasts about its load."""
+
+    latency: float
+    """L, seconds per request (EWMA); 0 before the first sample."""
+    queued: int
+    capacity: int
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.latency) or self.latency < 0:
+            raise ValueError(f"latency must be a finite non-negative number, got {self.latency}")
+        if self.queued < 0 or self.capacity < 1:
+            raise ValueError(f"need queued >= 0 and capacity >= 1, got {self.queued}, {self.capacity}")
+
+    @property
+    def lb_factor(self) -> float:
+        return self.latency * self.queued / self.capacity
+
+    @property
+    def queue_ratio(self) -> float:
+        return self.queued / self.capacity
+
+
+class Candidate(Protocol):
+    """A model node as the node table knows it (hrtree.NodeEntry is one)."""
+
+    @property
+    def node_id(self) -> str: ...
+
+    @property
+    def trusted(self) -> bool: ...
+
+    @property
+    def load(self) -> LoadReport | None: ...
+
+
+@dataclass(frozen=True)
+class BalancePolicy:
+    max_queue_ratio: float = 1.0
+    """A node is overloaded once Q >= max_queue_ratio · C: its queue alone is a full round of service."""
+
+    def overloaded(self, load: LoadReport) -> bool:
+        return load.queued >= self.max_queue_ratio * load.capacity
+
+
+class Reason(StrEnum):
+    ALREADY_FORWARDED = "already-forwarded"
+    AFFINITY = "affinity"
+    HIT = "hit"
+    HIT_OVERLOADED = "hit-overloaded"
+    MISS = "miss"
+    NO_CANDIDATES = "no-candidates"
+
+
+@dataclass(frozen=True)
+class Decision:
+    target: str
+    reason: Reason
+    forward: bool
+    detail: str = ""
+
+
+def rank_key(load: LoadReport, node_id: str, self_id: str) -> tuple[float, float, bool, str]:
+    return (load.lb_factor, load.latency, node_id != self_id, node_id)
+
+
+def route(self_id: str, candidates: Iterable[Candidate], *, holders: Collection[str] = (),
+          forwarded: bool = False, affinity: str | None = None,
+          policy: BalancePolicy | None = None) -> Decision:
+    """Algorithm 2 for one request at node `self_id`.
+
+    `holders` are the nodes the HR-tree matched (empty on a miss); `forwarded` says the request already
+    took its one forwarding hop; `affinity` is the node a session's follow-up asks for. Only trusted
+    candidates with a known load are ever chosen (the receiving node included); with none, it serves
+    the request itself.
+    """
+    policy = policy or BalancePolicy()
+    if forwarded:
+        return Decision(self_id, Reason.ALREADY_FORWARDED, False, "a request is forwarded at most once")
+    eligible = {c.node_id: c.load for c in candidates if c.trusted and c.load is not None}
+    notes: list[str] = []
+    if affinity is not None:
+        load = eligible.get(affinity)
+        if load is not None and not policy.overloaded(load):
+            return _decide(self_id, affinity, Reason.AFFINITY, "session affinity")
+        notes.append(f"affinity {affinity} " + ("overloaded" if load else "not a trusted candidate"))
+    if not eligible:
+        return Decision(self_id, Reason.NO_CANDIDATES, False, "; ".join([*notes, "no trusted candidate"]))
+
+    def best(ids: Iterable[str]) -> str:
+        return min(ids, key=lambda n: rank_key(eligible[n], n, self_id))
+
+    if holders:
+        trusted_holders = [h for h in holders if h in eligible]
+        if trusted_holders:
+            holder = best(trusted_holders)
+            if not policy.overloaded(eligible[holder]):
+                return _decide(self_id, holder, Reason.HIT, "; ".join([*notes, "least-loaded holder"]))
+            notes.append(f"holder {holder} overloaded")
+            return _decide(self_id, best(eligible), Reason.HIT_OVERLOADED,
+                           "; ".join([*notes, "least-loaded overall"]))
+        notes.append("no trusted holder")
+    return _decide(self_id, best(eligible), Reason.MISS, "; ".join([*notes, "least-loaded overall"]))
+
+
+def _decide(self_id: str, target: str, reason: Reason, detail: str) -> Decision:
+    return Decision(target, reason, target != self_id, detail)

@@ -1,0 +1,380 @@
+"""The built-in engine: a transformers causal LM served with a block prefix cache and continuous
+batching (iteration-level scheduling) on one worker thread.
+
+Each iteration admits queued requests up to capacity, prefills each (only the part of the prompt the
+prefix cache does not hold), then runs one decode step over every running sequence. The running
+sequences share one left-padded KV batch: a sequence's KV is always the rightmost `kv_len` columns of
+its row, the padding is masked out and each row gets its own position ids, so a batched greedy
+decode gives the same tokens as decoding that sequence alone.
+
+Only full-attention decoder models fit: the cache keeps every position's KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import math
+import secrets
+import threading
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import PreTrainedModel
+from transformers.cache_utils import DynamicCache
+
+from planetserve.node.engine.base import CacheEvent, EngineError, EngineLoad, GenerationRequest, TokenChunk
+from planetserve.node.engine.kvcache import PrefixCache
+
+log = logging.getLogger(__name__)
+
+
+def prefill(
+    model: PreTrainedModel, token_ids: Sequence[int], cached: torch.Tensor | None
+) -> tuple[torch.Tensor, DynamicCache]:
+    """Logits after the last token and the KV of all tokens, computing only the positions `cached`
+    ([layers, 2, kv_heads, n, head_dim], the KV of the first n tokens) does not cover."""
+    device = model.device
+    n = 0 if cached is None else cached.shape[3]
+    past = DynamicCache() if cached is None else DynamicCache(
+        ddp_cache_data=[(layer[0].unsqueeze(0), layer[1].unsqueeze(0)) for layer in cached]
+    )
+    out = model(
+        input_ids=torch.tensor([token_ids[n:]], device=device),
+        position_ids=torch.arange(n, len(token_ids), device=device).unsqueeze(0),
+        past_key_values=past,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    return out.logits[0, -1], out.past_key_values
+
+
+def decode_step(
+    model: PreTrainedModel, past: DynamicCache, last: torch.Tensor, lengths: torch.Tensor
+) -> torch.Tensor:
+    """Feed each row's last token ([B]) to a left-padded batch whose rows hold `lengths` real positions;
+    the batch grows by one column. Returns the next-token logits [B, vocab]."""
+    width = past.get_seq_length()
+    columns = torch.arange(width + 1, device=last.device)
+    mask = (columns.unsqueeze(0) >= (width - lengths).unsqueeze(1)).long()
+    out = model(
+        input_ids=last.unsqueeze(1),
+        attention_mask=mask,
+        position_ids=lengths.unsqueeze(1),
+        past_key_values=past,
+        use_cache=True,
+    )
+    return out.logits[:, -1]
+
+
+def merge_batches(parts: Sequence[DynamicCache]) -> DynamicCache:
+    """Stack KV batches row-wise, left-padding each to the widest."""
+    width = max(p.get_seq_length() for p in parts)
+    data = []
+    for layers in zip(*(p.layers for p in parts), strict=True):
+        keys = [F.pad(layer.keys, (0, 0, width - layer.keys.shape[2], 0)) for layer in layers]
+        values = [F.pad(layer.values, (0, 0, width - layer.values.shape[2], 0)) for layer in layers]
+        data.append((torch.cat(keys), torch.cat(values)))
+    return DynamicCache(ddp_cache_data=data)
+
+
+def select_rows(past: DynamicCache, rows: Sequence[int], width: int) -> DynamicCache:
+    """Keep `rows`, dropping the leading columns beyond `width` that are padding in all of them."""
+    index = torch.tensor(rows, device=past.layers[0].keys.device)
+    return DynamicCache(ddp_cache_data=[
+        (layer.keys[index, :, -width:], layer.values[index, :, -width:]) for layer in past.layers
+    ])
+
+
+def block_reader(past: DynamicCache, row: int, kv_len: int, block_size: int) -> Callable[[int], torch.Tensor]:
+    """Block i of the sequence in `row` (its KV being the rightmost `kv_len` columns) in the prefix
+    cache's layout [layers, 2, kv_heads, block_size, head_dim]."""
+    start = past.get_seq_length() - kv_len
+
+    def read(i: int) -> torch.Tensor:
+        a = start + i * block_size
+        return torch.stack([
+            torch.stack([layer.keys[row, :, a : a + block_size], layer.values[row, :, a : a + block_size]])
+            for layer in past.layers
+        ])
+
+    return read
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    prefill_tokens: int
+    """Prompt tokens computed (cache misses)."""
+    decode_tokens: int
+    cached_tokens: int
+    """Prompt tokens whose KV came from the prefix cache."""
+    cache_hits: int
+    cache_misses: int
+    evictions: int
+    cached_blocks: int
+    steps: int
+
+    @property
+    def computed_tokens(self) -> int:
+        return self.prefill_tokens + self.decode_tokens
+
+
+@dataclass(eq=False)
+class _Sequence:
+    request: GenerationRequest
+    loop: asyncio.AbstractEventLoop
+    inbox: asyncio.Queue[TokenChunk | EngineError]
+    stop_ids: frozenset[int]
+    generator: torch.Generator | None
+    tokens: list[int] = field(default_factory=list)
+    kv_len: int = 0
+    cached_tokens: int = 0
+    pinned: list[int] = field(default_factory=list)
+    finished: bool = False
+    cancelled: bool = False
+    """The consumer went away; written by its thread, read by the worker."""
+
+    def deliver(self, item: TokenChunk | EngineError) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.inbox.put_nowait, item)
+        except RuntimeError:  # the caller's event loop is closed: nobody is listening
+            self.cancelled = True
+
+
+class BuiltinEngine:
+    """Serves one model. Cache-event callbacks run on the worker thread (the initial snapshot on the
+    registering one), so they must be quick and thread-safe.
+
+    Stop ids (the request's and `eos_ids`) end a generation and are included in its output."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        model_id: str,
+        eos_ids: Iterable[int] = (),
+        *,
+        block_size: int = 16,
+        max_batch: int = 8,
+        cache_capacity_tokens: int = 16384,
+        max_model_len: int | None = None,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        config = model.config.get_text_config()
+        if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
+            raise ValueError("the built-in engine needs a model whose layers all use full attention")
+        if max_batch < 1:
+            raise ValueError("max_batch must be >= 1")
+        self.device = torch.device(device)
+        self.model = model.to(self.device)
+        if self.device.type == "cpu":
+            self.model = self.model.float()
+        self.model.eval()
+        self.model_id = model_id
+        self.block_size = block_size
+        self.max_batch = max_batch
+        self.max_model_len = max_model_len or config.max_position_embeddings
+        self.vocab_size = model.get_input_embeddings().num_embeddings
+        self.eos_ids = frozenset(eos_ids)
+        self.cache = PrefixCache(block_size, cache_capacity_tokens)
+        self._cond = threading.Condition()
+        self._queue: collections.deque[_Sequence] = collections.deque()
+        self._running: list[_Sequence] = []
+        self._batch: DynamicCache | None = None
+        self._outbox: list[tuple[_Sequence, TokenChunk]] = []
+        self._closed = False
+        self._prefill_tokens = self._cached_tokens = self._decode_tokens = self._steps = 0
+        self._thread = threading.Thread(target=self._run, name=f"engine-{model_id}", daemon=True)
+        self._thread.start()
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenChunk]:
+        seq = self._submit(request)
+        try:
+            while True:
+                item = await seq.inbox.get()
+                if isinstance(item, EngineError):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            self._cancel(seq)
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(running=len(self._running), queued=len(self._queue), capacity=self.max_batch)
+
+    def on_cache_events(self, callback: Callable[[list[CacheEvent]], None]) -> None:
+        self.cache.subscribe(callback)
+
+    def stats(self) -> EngineStats:
+        s = self.cache.stats
+        return EngineStats(
+            prefill_tokens=self._prefill_tokens, decode_tokens=self._decode_tokens,
+            cached_tokens=self._cached_tokens, cache_hits=s.hits, cache_misses=s.misses,
+            evictions=s.evictions, cached_blocks=len(self.cache), steps=self._steps,
+        )
+
+    async def close(self) -> None:
+        """Stop the worker; requests still queued or running fail with EngineError."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        await asyncio.to_thread(self._thread.join)
+
+    def _submit(self, request: GenerationRequest) -> _Sequence:
+        prompt = request.prompt_ids
+        if self._closed:
+            raise EngineError("engine is closed")
+        if not prompt:
+            raise EngineError("empty prompt")
+        if request.max_tokens < 1:
+            raise EngineError("max_tokens must be >= 1")
+        if not math.isfinite(request.temperature) or request.temperature < 0:
+            raise EngineError("temperature must be a finite number >= 0")
+        if request.seed is not None and not 0 <= request.seed < 1 << 64:
+            raise EngineError("seed must lie in [0, 2**64)")
+        if any(not 0 <= t < self.vocab_size for t in prompt):
+            raise EngineError(f"prompt token ids must lie in [0, {self.vocab_size})")
+        if len(prompt) + request.max_tokens > self.max_model_len:
+            raise EngineError(
+                f"prompt ({len(prompt)}) + max_tokens ({request.max_tokens}) exceeds {self.max_model_len}"
+            )
+        generator = None
+        if request.temperature > 0:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(secrets.randbits(63) if request.seed is None else request.seed)
+        seq = _Sequence(
+            request, asyncio.get_running_loop(), asyncio.Queue(),
+            frozenset(request.stop_ids) | self.eos_ids, generator, list(prompt),
+        )
+        with self._cond:
+            if self._closed:
+                raise EngineError("engine is closed")
+            self._queue.append(seq)
+            self._cond.notify()
+        return seq
+
+    def _cancel(self, seq: _Sequence) -> None:
+        with self._cond:
+            seq.cancelled = True
+            if seq in self._queue:
+                self._queue.remove(seq)
+
+    def _run(self) -> None:
+        failure = "engine closed"
+        admitted: list[_Sequence] = []
+        try:
+            with torch.inference_mode():
+                while True:
+                    with self._cond:
+                        while not (self._closed or self._queue or self._running):
+                            self._cond.wait()
+                        if self._closed:
+                            break
+                        room = min(len(self._queue), self.max_batch - len(self._running))
+                        admitted = [self._queue.popleft() for _ in range(room)]
+                    self._step(admitted)
+                    self._publish()
+        except Exception as exc:
+            log.exception("engine %s failed", self.model_id)
+            failure = f"engine failed: {exc!r}"
+        with self._cond:
+            self._closed = True
+            # the admitted of a step that failed are in neither list yet
+            pending = [s for s in dict.fromkeys([*admitted, *self._running, *self._queue]) if not s.finished]
+            self._queue.clear()
+        self._publish()
+        for seq in pending:
+            seq.deliver(EngineError(failure))
+            self.cache.unpin(seq.pinned)
+        self._running, self._batch = [], None
+        self.cache.clear()
+        self.cache.flush()
+
+    def _publish(self) -> None:
+        """Cache events first, then tokens: a consumer that sees a token can rely on the cache events
+        of the step that made it having been emitted."""
+        self.cache.flush()
+        for seq, chunk in self._outbox:
+            seq.deliver(chunk)
+        self._outbox = []
+
+    def _step(self, admitted: list[_Sequence]) -> None:
+        self._retire_ended()  # consumers that went away since the last step
+        fresh: list[DynamicCache] = []
+        for seq in admitted:
+            if seq.cancelled:
+                continue
+            past = self._prefill(seq)
+            if seq.finished:
+                self._retire(seq, past, 0)
+            else:
+                self._running.append(seq)
+                fresh.append(past)
+        if fresh:
+            self._batch = merge_batches([self._batch, *fresh] if self._batch is not None else fresh)
+        if self._batch is not None:
+            self._decode(self._batch)
+            self._retire_ended()
+
+    def _prefill(self, seq: _Sequence) -> DynamicCache:
+        prompt = seq.request.prompt_ids
+        hit = self.cache.lookup(prompt)
+        # a fully cached prompt still needs its last token run, for the logits
+        seq.cached_tokens = min(len(hit) * self.block_size, len(prompt) - 1)
+        cached = torch.cat([b.kv for b in hit], dim=3)[:, :, :, : seq.cached_tokens] if hit else None
+        logits, past = prefill(self.model, prompt, cached)
+        seq.kv_len = len(prompt)
+        seq.pinned = self.cache.insert(prompt, block_reader(past, 0, seq.kv_len, self.block_size), pin=True)
+        self._prefill_tokens += len(prompt) - seq.cached_tokens
+        self._cached_tokens += seq.cached_tokens
+        self._emit(seq, self._pick(logits.unsqueeze(0), [seq])[0], first=True)
+        return past
+
+    def _decode(self, batch: DynamicCache) -> None:
+        last = torch.tensor([seq.tokens[-1] for seq in self._running], device=self.device)
+        lengths = torch.tensor([seq.kv_len for seq in self._running], device=self.device)
+        logits = decode_step(self.model, batch, last, lengths)
+        self._steps += 1
+        self._decode_tokens += len(self._running)
+        for seq, token in zip(self._running, self._pick(logits, self._running), strict=True):
+            seq.kv_len += 1
+            self._emit(seq, token, first=False)
+
+    @staticmethod
+    def _pick(logits: torch.Tensor, seqs: list[_Sequence]) -> list[int]:
+        tokens = logits.argmax(dim=-1).tolist()
+        for i, seq in enumerate(seqs):
+            if seq.generator is not None:
+                probs = torch.softmax(logits[i].float() / seq.request.temperature, dim=-1)
+                tokens[i] = int(torch.multinomial(probs, 1, generator=seq.generator))
+        return tokens
+
+    def _emit(self, seq: _Sequence, token: int, first: bool) -> None:
+        seq.tokens.append(token)
+        produced = len(seq.tokens) - len(seq.request.prompt_ids)
+        finish = "stop" if token in seq.stop_ids else "length" if produced >= seq.request.max_tokens else None
+        seq.finished = finish is not None
+        usage = (len(seq.request.prompt_ids), seq.cached_tokens) if first else (0, 0)
+        self._outbox.append((seq, TokenChunk((token,), finish, *usage)))
+
+    def _retire_ended(self) -> None:
+        """Drop finished and abandoned sequences from the batch."""
+        rows = [i for i, seq in enumerate(self._running) if seq.finished or seq.cancelled]
+        if not rows or self._batch is None:
+            return
+        for row in rows:
+            self._retire(self._running[row], self._batch, row)
+        gone = set(rows)
+        keep = [i for i in range(len(self._running)) if i not in gone]
+        self._running = [self._running[i] for i in keep]
+        width = max((seq.kv_len for seq in self._running), default=0)
+        self._batch = select_rows(self._batch, keep, width) if keep else None
+
+    def _retire(self, seq: _Sequence, past: DynamicCache, row: int) -> None:
+        """Cache what the sequence computed (its generated blocks too) and release its pins."""
+        self.cache.insert(seq.tokens[: seq.kv_len], block_reader(past, row, seq.kv_len, self.block_size))
+        self.cache.unpin(seq.pinned)
+        seq.pinned = []

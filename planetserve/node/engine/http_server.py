@@ -1,0 +1,264 @@
+"""Serves any Engine through the OpenAI-compatible API the way `vllm serve` does, so a RemoteEngine (or
+any OpenAI client) cannot tell the two apart; optionally publishes the engine's cache events on ZMQ in
+vLLM's format. Tests use it to stand in for vLLM."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from planetserve.node.engine.base import Engine, EngineError, GenerationRequest, TokenChunk
+from planetserve.node.engine.kvevents import KVEventPublisher
+from planetserve.node.openai_api import (
+    DEFAULT_LIMITS,
+    SSE_DONE,
+    ApiError,
+    ApiLimits,
+    ApiRequest,
+    Endpoint,
+    ResponseMeta,
+    TextAssembler,
+    Tokenizer,
+    build_generation,
+    check_model,
+    chunk_body,
+    models_body,
+    overloaded,
+    parse_request,
+    render_prompt,
+    response_body,
+    sse,
+    too_large,
+    usage_body,
+    usage_chunk,
+)
+
+log = logging.getLogger(__name__)
+
+
+def _json(body: dict[str, Any], status: int = 200) -> web.Response:
+    return web.Response(body=json.dumps(body).encode(), status=status, content_type="application/json")
+
+
+class Generation:
+    """One request's stream of engine chunks turned into text and token ids, cut at stop strings."""
+
+    def __init__(self, request: ApiRequest, prompt_ids: Sequence[int], tokenizer: Tokenizer) -> None:
+        self.request = request
+        self.prompt_tokens = len(prompt_ids)
+        self.cached_tokens = 0
+        self.token_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self._text = TextAssembler(tokenizer, request.stop)
+
+    def step(self, chunk: TokenChunk, first: bool) -> tuple[str, list[int]]:
+        if first:
+            self.prompt_tokens = chunk.prompt_tokens or self.prompt_tokens
+            self.cached_tokens = chunk.cached_tokens
+        before = self._text.consumed
+        text = self._text.push(chunk.token_ids)
+        ids = list(chunk.token_ids[: self._text.consumed - before])
+        self.token_ids += ids
+        self.finish_reason = "stop" if self._text.stopped else chunk.finish_reason
+        if self.finish_reason is not None:
+            text += self._text.finish()
+        return text, ids
+
+    def usage(self) -> dict[str, Any]:
+        return usage_body(self.prompt_tokens, len(self.token_ids), self.cached_tokens)
+
+    @property
+    def text(self) -> str:
+        """The whole answer so far (complete once finish_reason is set)."""
+        return self._text.text
+
+
+async def _no_extension(_: Generation) -> dict[str, Any] | None:
+    return None
+
+
+@dataclass(frozen=True)
+class Production:
+    """A request's token stream, and what to attach to its answer once the text is complete (the
+    `planetserve` extension of a model node's signed answers)."""
+
+    chunks: AsyncIterator[TokenChunk]
+    finish: Callable[[Generation], Awaitable[dict[str, Any] | None]] = _no_extension
+
+
+class EngineServer:
+    """An aiohttp app over one engine: /v1/models, /v1/completions, /v1/chat/completions (streamed or
+    not), /health, and /load (the engine's load, and vLLM's `server_load`)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer: Tokenizer,
+        *,
+        model_name: str | None = None,
+        limits: ApiLimits = DEFAULT_LIMITS,
+        kv_publisher: KVEventPublisher | None = None,
+        max_queued: int | None = None,
+        vocab_size: int | None = None,
+        eos_token_ids: Sequence[int] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name or engine.model_id
+        self.limits = limits
+        self.max_queued = max_queued
+        self.vocab_size = vocab_size if vocab_size is not None else len(tokenizer)
+        eos = getattr(tokenizer, "eos_token_id", None)
+        default_eos = () if eos is None else (eos,)
+        self.eos_token_ids = tuple(eos_token_ids) if eos_token_ids is not None else default_eos
+        if kv_publisher is not None:
+            engine.on_cache_events(kv_publisher.publish)
+        self.app = web.Application(client_max_size=limits.max_body_bytes)
+        self.app.router.add_get("/health", self._health)
+        self.app.router.add_get("/load", self._load)
+        self.app.router.add_get("/v1/models", self._models)
+        self.app.router.add_post("/v1/completions", self._completions)
+        self.app.router.add_post("/v1/chat/completions", self._chat)
+        self._runner: web.AppRunner | None = None
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Listen; returns the base URL (with the port chosen when `port` is 0)."""
+        self._runner = web.AppRunner(self.app, access_log=None)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, host, port).start()
+        return f"http://{host}:{self._runner.addresses[0][1]}"
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def _health(self, _: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def _load(self, _: web.Request) -> web.Response:
+        load = self.engine.load()
+        return _json({"server_load": load.running + load.queued, "running": load.running,
+                      "queued": load.queued, "capacity": load.capacity})
+
+    async def _models(self, _: web.Request) -> web.Response:
+        return _json(models_body([self.model_name], max_model_len=self.engine.max_model_len))
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, "completions")
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, "chat")
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        limit = self.limits.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise too_large(f"Request body of {request.content_length} bytes exceeds the limit of {limit}.")
+        body = bytearray()
+        while chunk := await request.content.readany():
+            body += chunk
+            if len(body) > limit:
+                raise too_large(f"Request body exceeds the limit of {limit} bytes.")
+        return bytes(body)
+
+    async def _serve(self, http: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+        try:
+            request = parse_request(endpoint, await self._read_body(http), self.limits)
+            model = check_model(request, [self.model_name])
+            if self.max_queued is not None and self.engine.load().queued >= self.max_queued:
+                raise overloaded()
+            prompt_ids = render_prompt(request, self.tokenizer)
+            generation = build_generation(
+                request, prompt_ids, max_model_len=self.engine.max_model_len, vocab_size=self.vocab_size,
+                eos_token_ids=self.eos_token_ids,
+            )
+            production = await self.produce(request, prompt_ids, generation)
+            chunks = production.chunks
+            try:
+                first = await anext(chunks)
+            except StopAsyncIteration:
+                raise ApiError(500, "The engine produced no output.", type="server_error") from None
+        except ApiError as exc:
+            return _json(exc.body(), exc.status)
+        except EngineError as exc:
+            return _json(ApiError(400, f"The engine rejected the request: {exc}").body(), 400)
+        meta = ResponseMeta.new(endpoint, model)
+        state = Generation(request, prompt_ids, self.tokenizer)
+        try:
+            if request.stream:
+                return await self._stream(http, meta, state, first, production, prompt_ids)
+            return await self._whole(meta, state, first, production, prompt_ids)
+        finally:
+            aclose = getattr(chunks, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    async def produce(self, request: ApiRequest, prompt_ids: Sequence[int],
+                      generation: GenerationRequest) -> Production:
+        """Where a request's tokens come from: here, the engine. A model node overrides this to route
+        the request and to sign the answer."""
+        return Production(self.engine.generate(generation))
+
+    async def _whole(self, meta: ResponseMeta, state: Generation, first: TokenChunk,
+                     production: Production, prompt_ids: Sequence[int]) -> web.Response:
+        chunks = production.chunks
+        parts = [state.step(first, True)[0]]
+        try:
+            while state.finish_reason is None:
+                parts.append(state.step(await anext(chunks), False)[0])
+            extension = await production.finish(state)
+        except StopAsyncIteration:
+            return _json(ApiError(500, "The engine stream ended early.", type="server_error").body(), 500)
+        except EngineError as exc:
+            return _json(ApiError(500, f"Generation failed: {exc}", type="server_error").body(), 500)
+        want = state.request.return_token_ids
+        body = response_body(
+            meta, text="".join(parts), finish_reason=state.finish_reason, usage=state.usage(),
+            prompt_token_ids=prompt_ids if want else None, token_ids=state.token_ids if want else None,
+        )
+        if extension is not None:
+            body["planetserve"] = extension
+        return _json(body)
+
+    async def _stream(self, http: web.Request, meta: ResponseMeta, state: Generation, first: TokenChunk,
+                      production: Production, prompt_ids: Sequence[int]) -> web.StreamResponse:
+        chunks = production.chunks
+        request = state.request
+        headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        response = web.StreamResponse(headers=headers)
+        await response.prepare(http)
+        chunk: TokenChunk | None = first
+        is_first = True
+        try:
+            while chunk is not None:
+                text, ids = state.step(chunk, is_first)
+                if text or ids or state.finish_reason is not None or is_first:
+                    body = chunk_body(
+                        meta, text=text, finish_reason=state.finish_reason, first=is_first,
+                        token_ids=ids if request.return_token_ids else None,
+                        prompt_token_ids=prompt_ids if request.return_token_ids and is_first else None,
+                        usage=state.usage() if request.continuous_usage else None,
+                    )
+                    if state.finish_reason is not None and (extension := await production.finish(state)):
+                        body["planetserve"] = extension
+                    await response.write(sse(body))
+                is_first = False
+                chunk = None if state.finish_reason is not None else await anext(chunks, None)
+            if state.finish_reason is None:
+                raise EngineError("the engine stream ended early")
+            if request.include_usage:
+                await response.write(sse(usage_chunk(meta, state.usage())))
+        except EngineError as exc:
+            error = ApiError(500, f"Generation failed: {exc}", type="server_error")
+            await response.write(sse(error.body()))
+        except ConnectionResetError:
+            log.debug("client went away during %s", meta.id)
+            return response
+        await response.write(SSE_DONE)
+        await response.write_eof()
+        return response

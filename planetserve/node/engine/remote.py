@@ -1,0 +1,321 @@
+"""An Engine backed by an OpenAI-compatible server such as `vllm serve`.
+
+Generation goes through /v1/completions with the prompt as token ids and vLLM's `return_token_ids`, so
+token ids pass through untouched; the prefix-cache state comes from the server's KV-event stream
+(`--kv-events-config`). The server is trusted to compute, not to be well-formed: every answer is
+size-bounded and checked, and anything off becomes a RemoteEngineError.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+
+from planetserve.node.engine.base import (
+    AllBlocksCleared,
+    CacheEvent,
+    EngineError,
+    EngineLoad,
+    GenerationRequest,
+    TokenChunk,
+)
+from planetserve.node.engine.kvevents import KVEventBatch, KVEventSubscriber, PrefixMirror
+from planetserve.node.openai_api import MAX_TOKEN_ID, SSEDecoder, SSEError, error_message
+
+FINISH_REASONS = (None, "stop", "length")
+
+
+class RemoteEngineError(EngineError):
+    """`status` is the server's HTTP status when it answered with one (503: overloaded)."""
+
+    def __init__(self, message: str, status: int | None = None, code: Any = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+
+
+def _count(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise RemoteEngineError(f"remote engine sent a malformed {what}")
+    return value
+
+
+def _ids(value: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(value, list):
+        raise RemoteEngineError(f"remote engine sent no {what} (does it support return_token_ids?)")
+    for t in value:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= MAX_TOKEN_ID:
+            raise RemoteEngineError(f"remote engine sent malformed {what}")
+    return tuple(value)
+
+
+class RemoteEngine:
+    """Engine Protocol over HTTP. `capacity` is how many requests the server decodes at once; load() is
+    this client's own count of requests in flight, split into running (up to capacity) and queued.
+    With `max_queued`, requests beyond capacity + max_queued are refused here, before any HTTP.
+    Cache-event callbacks run on the event loop that runs the KV-event subscriber."""
+
+    def __init__(
+        self,
+        base_url: str,
+        model_id: str,
+        *,
+        max_model_len: int,
+        block_size: int = 16,
+        capacity: int = 8,
+        max_queued: int | None = None,
+        kv_events_endpoint: str | None = None,
+        kv_events_replay_endpoint: str | None = None,
+        kv_events_topic: str = "kv-events",
+        api_key: str | None = None,
+        connect_timeout: float = 5.0,
+        read_timeout: float = 120.0,
+        max_event_bytes: int = 8 << 20,
+        client: httpx.AsyncClient | None = None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.model_id = model_id
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.capacity = capacity
+        self.max_queued = max_queued
+        self.max_event_bytes = max_event_bytes
+        self.mirror = PrefixMirror()
+        headers = {"Accept-Encoding": "identity", **_auth(api_key)}
+        self._own_client = client is None
+        self._client = client or httpx.AsyncClient(
+            timeout=httpx.Timeout(read_timeout, connect=connect_timeout), headers=headers
+        )
+        self._inflight = 0
+        self._lock = threading.RLock()
+        self._listeners: list[Callable[[list[CacheEvent]], None]] = []
+        self._subscriber = None if kv_events_endpoint is None else KVEventSubscriber(
+            kv_events_endpoint, replay_endpoint=kv_events_replay_endpoint, topic=kv_events_topic,
+            on_batch=self._on_batch, on_resync=self._on_resync,
+        )
+
+    @classmethod
+    async def connect(cls, base_url: str, model_id: str | None = None, **options: Any) -> RemoteEngine:
+        """Ask /v1/models for the model (the first one unless named) and its context length, then start."""
+        headers = {"Accept-Encoding": "identity", **_auth(options.get("api_key"))}
+        async with httpx.AsyncClient(timeout=options.get("connect_timeout", 5.0), headers=headers) as probe:
+            try:
+                async with probe.stream("GET", base_url.rstrip("/") + "/v1/models") as response:
+                    raw = await _read_limited(response, 1 << 20)
+            except httpx.HTTPError as exc:
+                raise RemoteEngineError(f"remote engine unreachable: {type(exc).__name__}") from None
+        if response.status_code != 200:
+            raise RemoteEngineError(f"/v1/models answered HTTP {response.status_code}", response.status_code)
+        try:
+            cards = json.loads(raw)["data"]
+            card = next(c for c in cards if model_id is None or c["id"] == model_id)
+            name = card["id"]
+        except (ValueError, KeyError, TypeError, StopIteration):
+            raise RemoteEngineError(f"remote engine does not serve model {model_id!r}") from None
+        if "max_model_len" not in options:
+            options["max_model_len"] = _count(card.get("max_model_len"), "max_model_len")
+        engine = cls(base_url, name, **options)
+        engine.start()
+        return engine
+
+    def start(self) -> None:
+        """Start following the KV-event stream (needs a running event loop)."""
+        if self._subscriber is not None:
+            self._subscriber.start()
+
+    async def close(self) -> None:
+        if self._subscriber is not None:
+            await self._subscriber.close()
+        if self._own_client:
+            await self._client.aclose()
+
+    def load(self) -> EngineLoad:
+        inflight = self._inflight
+        return EngineLoad(min(inflight, self.capacity), max(0, inflight - self.capacity), self.capacity)
+
+    def on_cache_events(self, callback: Callable[[list[CacheEvent]], None]) -> None:
+        with self._lock:
+            snapshot = self.mirror.snapshot_events()
+            if snapshot:
+                callback(list(snapshot))
+            self._listeners.append(callback)
+
+    def _on_batch(self, _seq: int, batch: KVEventBatch) -> None:
+        if batch.events:
+            self._dispatch(list(batch.events))
+
+    def _on_resync(self, _reason: str) -> None:
+        """State was lost: forget it all rather than advertise prefixes that may be gone."""
+        self._dispatch([AllBlocksCleared()])
+
+    def _dispatch(self, events: list[CacheEvent]) -> None:
+        with self._lock:
+            self.mirror.apply(events)
+            for callback in self._listeners:
+                callback(events)
+
+    def _check(self, request: GenerationRequest) -> None:
+        if not request.prompt_ids:
+            raise RemoteEngineError("empty prompt")
+        if request.max_tokens < 1:
+            raise RemoteEngineError("max_tokens must be at least 1")
+        if len(request.prompt_ids) + request.max_tokens > self.max_model_len:
+            raise RemoteEngineError(
+                f"prompt ({len(request.prompt_ids)}) plus max_tokens ({request.max_tokens}) exceeds the "
+                f"context length {self.max_model_len}")
+        if self.max_queued is not None and self._inflight >= self.capacity + self.max_queued:
+            raise RemoteEngineError("remote engine queue is full", status=503, code="overloaded")
+
+    def _body(self, request: GenerationRequest) -> dict[str, Any]:
+        """Plain sampling exactly as the Engine Protocol means it: only `stop_ids` end a generation
+        (ignore_eos), and neutral values override any sampling defaults from the model's config."""
+        body: dict[str, Any] = {
+            "model": self.model_id,
+            "prompt": list(request.prompt_ids),
+            "max_tokens": request.max_tokens,
+            "temperature": request.temperature,
+            "top_p": 1.0,
+            "top_k": -1,
+            "min_p": 0.0,
+            "repetition_penalty": 1.0,
+            "stop_token_ids": list(request.stop_ids),
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            "return_token_ids": True,
+        }
+        if request.seed is not None:
+            body["seed"] = request.seed
+        return body
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenChunk]:
+        """Yields chunks as they stream. The last chunk (finish_reason set) is held until the trailing
+        usage arrives, so it carries prompt_tokens and cached_tokens as the server counted them; the
+        first chunk carries them too, with cached_tokens only if the server reports it per chunk."""
+        self._check(request)
+        self._inflight += 1
+        try:
+            async for chunk in self._stream(request):
+                yield chunk
+        finally:
+            self._inflight -= 1
+
+    async def _stream(self, request: GenerationRequest) -> AsyncIterator[TokenChunk]:
+        url = self.base_url + "/v1/completions"
+        try:
+            async with self._client.stream("POST", url, json=self._body(request)) as response:
+                if response.status_code != 200:
+                    raise await _http_error(response)
+                if response.headers.get("content-encoding", "identity") != "identity":
+                    raise RemoteEngineError("remote engine compressed its stream (only identity is accepted)")
+                content_type = response.headers.get("content-type", "")
+                if not content_type.startswith("text/event-stream"):
+                    raise RemoteEngineError(f"remote engine answered {content_type or 'no content type'}, "
+                                            "not an event stream")
+                async for chunk in self._chunks(request, response):
+                    yield chunk
+        except httpx.TimeoutException as exc:
+            raise RemoteEngineError(f"remote engine timed out ({type(exc).__name__})") from None
+        except httpx.HTTPError as exc:
+            raise RemoteEngineError(f"remote engine connection failed: {type(exc).__name__}: {exc}") from None
+
+    async def _chunks(
+        self, request: GenerationRequest, response: httpx.Response
+    ) -> AsyncIterator[TokenChunk]:
+        decoder = SSEDecoder(self.max_event_bytes)
+        prompt_tokens = len(request.prompt_ids)
+        cached = 0
+        generated = 0
+        events = 0
+        first = True
+        final: tuple[tuple[int, ...], str] | None = None
+        async for data in response.aiter_raw():
+            try:
+                batch = decoder.feed(data)
+            except SSEError as exc:
+                raise RemoteEngineError(f"remote engine sent a malformed stream: {exc}") from None
+            for event in batch:
+                if event == "[DONE]":
+                    if final is None:
+                        raise RemoteEngineError("remote engine stream ended without a finish reason")
+                    yield TokenChunk(final[0], final[1], prompt_tokens, cached)
+                    return
+                events += 1
+                if events > request.max_tokens + 8:
+                    raise RemoteEngineError("remote engine sent more stream events than tokens requested")
+                obj = _parse_event(event)
+                usage = obj.get("usage")
+                if isinstance(usage, dict):
+                    prompt_tokens = _count(usage.get("prompt_tokens", prompt_tokens), "usage")
+                    details = usage.get("prompt_tokens_details")
+                    if isinstance(details, dict) and details.get("cached_tokens") is not None:
+                        cached = _count(details["cached_tokens"], "usage")
+                for choice in _choices(obj):
+                    if final is not None:
+                        raise RemoteEngineError("remote engine sent tokens after the finish reason")
+                    if "prompt_token_ids" in choice and choice["prompt_token_ids"] is not None and \
+                            _ids(choice["prompt_token_ids"], "prompt token ids") != request.prompt_ids:
+                        raise RemoteEngineError("remote engine reports a different prompt than was sent")
+                    ids = _ids(choice.get("token_ids"), "token ids")
+                    generated += len(ids)
+                    if generated > request.max_tokens:
+                        raise RemoteEngineError("remote engine generated more tokens than max_tokens")
+                    reason = choice.get("finish_reason")
+                    if reason not in FINISH_REASONS:
+                        raise RemoteEngineError(f"remote engine finished with {str(reason)[:40]!r}")
+                    if reason is not None:
+                        final = (ids, reason)
+                    elif ids:
+                        yield TokenChunk(ids, None, prompt_tokens if first else 0, cached if first else 0)
+                        first = False
+        raise RemoteEngineError("remote engine stream ended before [DONE]")
+
+
+def _auth(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def _parse_event(event: str) -> dict[str, Any]:
+    try:
+        obj = json.loads(event)
+    except (ValueError, RecursionError):
+        raise RemoteEngineError("remote engine sent an event that is not JSON") from None
+    if not isinstance(obj, dict):
+        raise RemoteEngineError("remote engine sent an event that is not a JSON object")
+    if "error" in obj:
+        message, _, code = error_message(obj)
+        raise RemoteEngineError(f"remote engine failed mid-stream: {message}", code=code)
+    return obj
+
+
+def _choices(obj: dict[str, Any]) -> list[dict[str, Any]]:
+    choices = obj.get("choices")
+    if not isinstance(choices, list):
+        raise RemoteEngineError("remote engine sent a chunk without choices")
+    for choice in choices:
+        if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+            raise RemoteEngineError("remote engine sent a choice other than index 0")
+    return choices
+
+
+async def _read_limited(response: httpx.Response, limit: int) -> bytes:
+    body = bytearray()
+    async for data in response.aiter_raw():
+        body += data
+        if len(body) > limit:
+            raise RemoteEngineError(f"remote engine answer exceeds {limit} bytes", response.status_code)
+    return bytes(body)
+
+
+async def _http_error(response: httpx.Response) -> RemoteEngineError:
+    raw = await _read_limited(response, 64 << 10)
+    try:
+        message, _, code = error_message(json.loads(raw))
+    except (ValueError, RecursionError):
+        message, code = raw[:200].decode(errors="replace"), None
+    return RemoteEngineError(f"remote engine answered HTTP {response.status_code}: {message}",
+                             response.status_code, code)

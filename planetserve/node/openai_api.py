@@ -1,0 +1,667 @@
+"""The OpenAI-compatible HTTP surface (as `vllm serve` speaks it), as pure functions over JSON values.
+
+Both the engine server and the model node use it: request parsing with specific errors, prompt
+rendering through a transformers tokenizer, response and SSE chunk builders, an SSE reader, and
+incremental detokenisation with stop strings. vLLM extensions kept: `return_token_ids` (per-choice
+`token_ids`, `prompt_token_ids` per completion choice / per chat response, on the first stream chunk),
+`stop_token_ids`, `ignore_eos`, `stream_options.continuous_usage_stats`, prompts as token-id lists.
+Our own extension is the optional `planetserve` object (see PlanetServeOptions).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from planetserve.node.engine.base import GenerationRequest
+
+Endpoint = Literal["completions", "chat"]
+
+MAX_TOKEN_ID = (1 << 31) - 1
+INT64 = 1 << 63
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant"})
+SESSION_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+MAX_HOPS = 16
+
+
+class ApiError(Exception):
+    """An error answer in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 code: str | None = None, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.code = code
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+def model_not_found(model: str) -> ApiError:
+    return ApiError(404, f"The model `{model[:200]}` does not exist.", type="not_found_error",
+                    code="model_not_found", param="model")
+
+
+def too_large(message: str, code: str = "request_too_large") -> ApiError:
+    return ApiError(413, message, code=code)
+
+
+def overloaded(message: str = "The server is overloaded; retry later.") -> ApiError:
+    return ApiError(503, message, type="server_error", code="overloaded")
+
+
+@dataclass(frozen=True)
+class ApiLimits:
+    """Bounds on a request, enforced before any tokenisation or generation."""
+
+    max_body_bytes: int = 4 << 20
+    max_prompt_token_ids: int = 1 << 20
+    max_messages: int = 1024
+    max_stop: int = 16
+    max_stop_chars: int = 256
+    max_stop_token_ids: int = 128
+    max_temperature: float = 2.0
+
+
+DEFAULT_LIMITS = ApiLimits()
+
+
+@dataclass(frozen=True)
+class PlanetServeOptions:
+    """The `planetserve` request extension; every field optional, unknown fields rejected.
+
+    session_id: requests sharing it prefer the node that served the previous ones (its KV cache).
+    hops: how many model nodes have forwarded this request already; a node refuses past MAX_HOPS.
+    no_forward: serve on the receiving node or fail, never forward."""
+
+    session_id: str | None = None
+    hops: int = 0
+    no_forward: bool = False
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    content: str
+    name: str | None = None
+
+
+@dataclass(frozen=True)
+class ApiRequest:
+    endpoint: Endpoint
+    model: str | None
+    prompt: str | tuple[int, ...] | None = None
+    messages: tuple[ChatMessage, ...] = ()
+    max_tokens: int | None = None
+    """None: as many as the context allows (chat's default; completions default to 16 like OpenAI)."""
+    temperature: float = 1.0
+    seed: int | None = None
+    stream: bool = False
+    include_usage: bool = False
+    continuous_usage: bool = False
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    return_token_ids: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    planetserve: PlanetServeOptions = field(default_factory=PlanetServeOptions)
+
+
+# -- parsing ----------------------------------------------------------------------------------------
+
+
+def parse_json_body(raw: bytes, limits: ApiLimits = DEFAULT_LIMITS) -> dict[str, Any]:
+    if len(raw) > limits.max_body_bytes:
+        raise too_large(f"Request body of {len(raw)} bytes exceeds the limit of {limits.max_body_bytes}.")
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise bad_request(f"Request body is not valid JSON: {str(exc)[:200]}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad_request("Request body must be a JSON object.", code="invalid_json")
+    return body
+
+
+def _bool(body: dict[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad_request(f"`{name}` must be a boolean.", name)
+    return value
+
+
+def _int(body: dict[str, Any], name: str, lo: int, hi: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad_request(f"`{name}` must be an integer.", name)
+    if not lo <= value <= hi:
+        raise bad_request(f"`{name}` must be between {lo} and {hi}, got {value}.", name)
+    return value
+
+
+def _number(body: dict[str, Any], name: str) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise bad_request(f"`{name}` must be a finite number.", name)
+    return float(value)
+
+
+def _token_ids(value: Any, name: str, limit: int, *, allow_empty: bool = False) -> tuple[int, ...]:
+    if not isinstance(value, list):
+        raise bad_request(f"`{name}` must be a list of token ids.", name)
+    if not value and not allow_empty:
+        raise bad_request(f"`{name}` must not be empty.", name)
+    if len(value) > limit:
+        raise too_large(f"`{name}` has {len(value)} token ids; at most {limit} are accepted.")
+    for t in value:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= MAX_TOKEN_ID:
+            raise bad_request(f"`{name}` must contain only non-negative integer token ids.", name)
+    return tuple(value)
+
+
+def _unsupported(body: dict[str, Any], name: str, *neutral: Any) -> None:
+    """Options we do not implement are accepted only at a value that changes nothing."""
+    value = body.get(name)
+    if value is not None and value not in neutral:
+        raise bad_request(f"`{name}` is not supported by this server.", name, code="unsupported_parameter")
+
+
+def _stop(body: dict[str, Any], limits: ApiLimits) -> tuple[str, ...]:
+    value = body.get("stop")
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise bad_request("`stop` must be a string or a list of strings.", "stop")
+    if len(stops) > limits.max_stop:
+        raise bad_request(f"`stop` has {len(stops)} entries; at most {limits.max_stop}.", "stop")
+    if any(not s or len(s) > limits.max_stop_chars for s in stops):
+        raise bad_request(f"Each stop string must have 1 to {limits.max_stop_chars} characters.", "stop")
+    return tuple(stops)
+
+
+def _planetserve(value: Any) -> PlanetServeOptions:
+    if value is None:
+        return PlanetServeOptions()
+    if not isinstance(value, dict):
+        raise bad_request("`planetserve` must be an object.", "planetserve")
+    unknown = set(value) - {"session_id", "hops", "no_forward"}
+    if unknown:
+        names = ", ".join(sorted(unknown))[:200]
+        raise bad_request(f"Unknown `planetserve` field(s): {names}.", "planetserve")
+    session = value.get("session_id")
+    if session is not None and (not isinstance(session, str) or not SESSION_ID.fullmatch(session)):
+        raise bad_request("`planetserve.session_id` must be 1-128 characters of [A-Za-z0-9._:-].",
+                          "planetserve.session_id")
+    hops = _int(value, "hops", 0, MAX_HOPS)
+    return PlanetServeOptions(session, hops or 0, _bool(value, "no_forward", False))
+
+
+def _common(body: dict[str, Any], endpoint: Endpoint, limits: ApiLimits) -> dict[str, Any]:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad_request("`model` must be a string.", "model")
+    for name in ("n", "best_of"):
+        _unsupported(body, name, 1)
+    for name in ("presence_penalty", "frequency_penalty", "min_p"):
+        _unsupported(body, name, 0, 0.0)
+    _unsupported(body, "repetition_penalty", 1, 1.0)
+    _unsupported(body, "top_p", 1, 1.0)
+    _unsupported(body, "top_k", -1, 0)
+    _unsupported(body, "logit_bias", {})
+    _unsupported(body, "echo", False)
+    temperature = _number(body, "temperature")
+    if temperature is not None and not 0 <= temperature <= limits.max_temperature:
+        raise bad_request(f"`temperature` must be between 0 and {limits.max_temperature}.", "temperature")
+    stream = _bool(body, "stream", False)
+    options = body.get("stream_options")
+    if options is not None:
+        if not stream:
+            raise bad_request("`stream_options` is only allowed when `stream` is true.", "stream_options")
+        if not isinstance(options, dict):
+            raise bad_request("`stream_options` must be an object.", "stream_options")
+    options = options or {}
+    stop_ids = body.get("stop_token_ids")
+    return {
+        "endpoint": endpoint,
+        "model": model,
+        "temperature": 1.0 if temperature is None else temperature,
+        "seed": _int(body, "seed", -INT64, INT64 - 1),
+        "stream": stream,
+        "include_usage": _bool(options, "include_usage", False),
+        "continuous_usage": _bool(options, "continuous_usage_stats", False),
+        "stop": _stop(body, limits),
+        "stop_token_ids": () if stop_ids is None else _token_ids(
+            stop_ids, "stop_token_ids", limits.max_stop_token_ids, allow_empty=True),
+        "ignore_eos": _bool(body, "ignore_eos", False),
+        "return_token_ids": _bool(body, "return_token_ids", False),
+        "planetserve": _planetserve(body.get("planetserve")),
+    }
+
+
+def parse_completion_request(body: dict[str, Any], limits: ApiLimits = DEFAULT_LIMITS) -> ApiRequest:
+    """/v1/completions: one prompt, as text or as token ids."""
+    fields = _common(body, "completions", limits)
+    _unsupported(body, "logprobs", 0)
+    _unsupported(body, "suffix", "")
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise bad_request("`prompt` is required.", "prompt", code="missing_required_parameter")
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
+        raise bad_request("Batched prompts are not supported; send one prompt per request.", "prompt")
+    if not isinstance(prompt, str):
+        prompt = _token_ids(prompt, "prompt", limits.max_prompt_token_ids)
+    max_tokens = _int(body, "max_tokens", 1, INT64 - 1)
+    return ApiRequest(prompt=prompt, max_tokens=16 if max_tokens is None else max_tokens, **fields)
+
+
+def _message(raw: Any, index: int) -> ChatMessage:
+    where = f"messages[{index}]"
+    if not isinstance(raw, dict):
+        raise bad_request(f"`{where}` must be an object.", where)
+    role = raw.get("role")
+    if role not in CHAT_ROLES:
+        raise bad_request(f"`{where}.role` must be one of {', '.join(sorted(CHAT_ROLES))}.", f"{where}.role")
+    if raw.get("tool_calls") or raw.get("function_call"):
+        raise bad_request(f"`{where}`: tool calls are not supported.", where, code="unsupported_parameter")
+    content = raw.get("content")
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            is_text = isinstance(part, dict) and part.get("type") == "text"
+            if not is_text or not isinstance(part.get("text"), str):
+                raise bad_request(f"`{where}.content` parts must be text parts.", f"{where}.content")
+            texts.append(part["text"])
+        content = "".join(texts)
+    if not isinstance(content, str):
+        raise bad_request(f"`{where}.content` must be a string or a list of text parts.", f"{where}.content")
+    name = raw.get("name")
+    if name is not None and not isinstance(name, str):
+        raise bad_request(f"`{where}.name` must be a string.", f"{where}.name")
+    return ChatMessage(role, content, name)
+
+
+def parse_chat_request(body: dict[str, Any], limits: ApiLimits = DEFAULT_LIMITS) -> ApiRequest:
+    """/v1/chat/completions: text messages, rendered later with the model's chat template."""
+    fields = _common(body, "chat", limits)
+    _unsupported(body, "logprobs", False)
+    _unsupported(body, "tools", [])
+    _unsupported(body, "chat_template")
+    _unsupported(body, "chat_template_kwargs", {})
+    _unsupported(body, "response_format", {"type": "text"})
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("`messages` must be a non-empty list.", "messages")
+    if len(messages) > limits.max_messages:
+        raise too_large(f"`messages` has {len(messages)} entries; at most {limits.max_messages}.")
+    parsed = tuple(_message(m, i) for i, m in enumerate(messages))
+    max_tokens = _int(body, "max_completion_tokens", 1, INT64 - 1)
+    if max_tokens is None:
+        max_tokens = _int(body, "max_tokens", 1, INT64 - 1)
+    add_generation_prompt = _bool(body, "add_generation_prompt", True)
+    continue_final = _bool(body, "continue_final_message", False)
+    if add_generation_prompt and continue_final:
+        raise bad_request("`continue_final_message` requires `add_generation_prompt` false.",
+                          "continue_final_message")
+    return ApiRequest(messages=parsed, max_tokens=max_tokens, add_generation_prompt=add_generation_prompt,
+                      continue_final_message=continue_final, **fields)
+
+
+def parse_request(endpoint: Endpoint, raw: bytes, limits: ApiLimits = DEFAULT_LIMITS) -> ApiRequest:
+    body = parse_json_body(raw, limits)
+    return parse_chat_request(body, limits) if endpoint == "chat" else parse_completion_request(body, limits)
+
+
+def check_model(request: ApiRequest, served: Iterable[str]) -> str:
+    """The served model a request names (or the first one, when it names none, as vLLM does)."""
+    names = list(served)
+    if request.model is None:
+        return names[0]
+    if request.model not in names:
+        raise model_not_found(request.model)
+    return request.model
+
+
+# -- prompts ----------------------------------------------------------------------------------------
+
+
+class Tokenizer(Protocol):
+    """The part of a transformers tokenizer used here."""
+
+    chat_template: str | None
+
+    def __len__(self) -> int: ...
+
+    def __call__(self, text: str, add_special_tokens: bool = ...) -> Any: ...
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
+
+    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any: ...
+
+
+def prompt_text(request: ApiRequest, tokenizer: Tokenizer) -> tuple[str, bool]:
+    """A text prompt as the model reads it, and whether tokenising it adds special tokens: a
+    completion prompt as given (with special tokens, as vLLM does), chat messages rendered with the
+    tokenizer's chat template (which adds its own). Model nodes sign responses over this text."""
+    if isinstance(request.prompt, str):
+        return request.prompt, True
+    if request.prompt is not None:
+        raise bad_request("Send the prompt as text: answers are signed over it.", "prompt",
+                          code="text_required")
+    if not getattr(tokenizer, "chat_template", None):
+        raise bad_request("This model has no chat template; use /v1/completions.", "messages",
+                          code="no_chat_template")
+    conversation = [
+        {"role": m.role, "content": m.content, **({"name": m.name} if m.name is not None else {})}
+        for m in request.messages
+    ]
+    try:
+        text = tokenizer.apply_chat_template(
+            conversation, tokenize=False, add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+        )
+    except Exception as exc:  # the template is model-supplied Jinja and may reject a conversation
+        reason = str(exc)[:200]
+        raise bad_request(f"The chat template rejected these messages: {reason}", "messages") from None
+    return text, False
+
+
+def render_prompt(request: ApiRequest, tokenizer: Tokenizer) -> tuple[int, ...]:
+    """The prompt's token ids: given, or tokenised from its text (see prompt_text)."""
+    if isinstance(request.prompt, tuple):
+        return request.prompt
+    text, special = prompt_text(request, tokenizer)
+    return tuple(tokenizer(text, add_special_tokens=special)["input_ids"])
+
+
+def build_generation(
+    request: ApiRequest,
+    prompt_ids: Sequence[int],
+    *,
+    max_model_len: int,
+    vocab_size: int,
+    eos_token_ids: Iterable[int] = (),
+) -> GenerationRequest:
+    """The engine request, after the checks that need the model: vocabulary and context length."""
+    if not prompt_ids:
+        raise bad_request("The prompt is empty.", "prompt")
+    if any(t >= vocab_size for t in prompt_ids):
+        raise bad_request(f"Prompt token ids must be below the vocabulary size {vocab_size}.", "prompt")
+    if any(t >= vocab_size for t in request.stop_token_ids):
+        raise bad_request(f"Stop token ids must be below the vocabulary size {vocab_size}.", "stop_token_ids")
+    room = max_model_len - len(prompt_ids)
+    if room < 1:
+        raise too_large(
+            f"This model's maximum context length is {max_model_len} tokens; the prompt has "
+            f"{len(prompt_ids)} tokens, leaving no room to generate.", code="context_length_exceeded")
+    max_tokens = room if request.max_tokens is None else request.max_tokens
+    if max_tokens > room:
+        raise too_large(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the prompt, {max_tokens} for "
+            f"the completion).", code="context_length_exceeded")
+    stops = dict.fromkeys(request.stop_token_ids)
+    if not request.ignore_eos:
+        stops.update(dict.fromkeys(eos_token_ids))
+    return GenerationRequest(tuple(prompt_ids), max_tokens, request.temperature, request.seed, tuple(stops))
+
+
+# -- responses --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ResponseMeta:
+    endpoint: Endpoint
+    id: str
+    created: int
+    model: str
+
+    @classmethod
+    def new(cls, endpoint: Endpoint, model: str) -> ResponseMeta:
+        prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
+        return cls(endpoint, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), model)
+
+    def envelope(self, stream: bool) -> dict[str, Any]:
+        kind = {("chat", False): "chat.completion", ("chat", True): "chat.completion.chunk"}
+        obj = kind.get((self.endpoint, stream), "text_completion")
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+
+def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def response_body(
+    meta: ResponseMeta,
+    *,
+    text: str,
+    finish_reason: str,
+    usage: dict[str, Any],
+    prompt_token_ids: Sequence[int] | None = None,
+    token_ids: Sequence[int] | None = None,
+) -> dict[str, Any]:
+    """A whole (non-streamed) answer; token id lists only when the request asked for them."""
+    choice: dict[str, Any] = {"index": 0}
+    if meta.endpoint == "chat":
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice["text"] = text
+    choice.update({"logprobs": None, "finish_reason": finish_reason, "stop_reason": None})
+    body = {**meta.envelope(False), "choices": [choice], "usage": usage}
+    if token_ids is not None:
+        choice["token_ids"] = list(token_ids)
+    if prompt_token_ids is not None:
+        (body if meta.endpoint == "chat" else choice)["prompt_token_ids"] = list(prompt_token_ids)
+    return body
+
+
+def chunk_body(
+    meta: ResponseMeta,
+    *,
+    text: str = "",
+    finish_reason: str | None = None,
+    first: bool = False,
+    token_ids: Sequence[int] | None = None,
+    prompt_token_ids: Sequence[int] | None = None,
+    usage: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One streamed chunk; chat's first chunk announces the assistant role, its last has an empty delta."""
+    choice: dict[str, Any] = {"index": 0}
+    if meta.endpoint == "chat":
+        delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        if text or (first and finish_reason is None):
+            delta["content"] = text
+        choice["delta"] = delta
+    else:
+        choice["text"] = text
+    choice.update({"logprobs": None, "finish_reason": finish_reason, "stop_reason": None})
+    if token_ids is not None:
+        choice["token_ids"] = list(token_ids)
+    body = {**meta.envelope(True), "choices": [choice], "usage": usage}
+    if prompt_token_ids is not None:
+        (body if meta.endpoint == "chat" else choice)["prompt_token_ids"] = list(prompt_token_ids)
+    return body
+
+
+def usage_chunk(meta: ResponseMeta, usage: dict[str, Any]) -> dict[str, Any]:
+    """The trailing chunk of `stream_options.include_usage`: no choices, only usage."""
+    return {**meta.envelope(True), "choices": [], "usage": usage}
+
+
+def models_body(models: Iterable[str], *, max_model_len: int, created: int | None = None) -> dict[str, Any]:
+    stamp = int(time.time()) if created is None else created
+    return {
+        "object": "list",
+        "data": [
+            {"id": m, "object": "model", "created": stamp, "owned_by": "planetserve", "root": m,
+             "parent": None, "max_model_len": max_model_len}
+            for m in models
+        ],
+    }
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def error_message(body: Any) -> tuple[str, str | None, Any]:
+    """(message, type, code) from an error body: OpenAI's {"error": {...}} or older vLLM's flat
+    {"object": "error", "message": ...}."""
+    inner = body.get("error") if isinstance(body, dict) else None
+    if isinstance(inner, dict):
+        body = inner
+    if isinstance(body, dict) and isinstance(body.get("message"), str):
+        kind = body.get("type")
+        return body["message"][:500], kind if isinstance(kind, str) else None, body.get("code")
+    if isinstance(inner, str):
+        return inner[:500], None, None
+    return "unrecognised error body", None, None
+
+
+# -- SSE reading ------------------------------------------------------------------------------------
+
+
+class SSEError(ValueError):
+    pass
+
+
+class SSEDecoder:
+    """Splits a byte stream into server-sent events' data, holding at most `max_event_bytes`."""
+
+    def __init__(self, max_event_bytes: int = 8 << 20) -> None:
+        self.max_event_bytes = max_event_bytes
+        self._buffer = bytearray()
+        self._data: list[bytes] = []
+        self._size = 0
+
+    def feed(self, chunk: bytes) -> list[str]:
+        self._buffer += chunk
+        events: list[str] = []
+        while True:
+            end = self._buffer.find(b"\n")
+            if end < 0:
+                break
+            line = bytes(self._buffer[:end]).rstrip(b"\r")
+            del self._buffer[: end + 1]
+            if not line:
+                if self._data:
+                    events.append(self._take())
+                continue
+            name, _, value = line.partition(b":")
+            if name == b"data":
+                value = value[1:] if value.startswith(b" ") else value
+                self._size += len(value) + 1
+                self._data.append(value)
+            if self._size > self.max_event_bytes:
+                raise SSEError(f"a server-sent event exceeds {self.max_event_bytes} bytes")
+        if len(self._buffer) + self._size > self.max_event_bytes:
+            raise SSEError(f"a server-sent event exceeds {self.max_event_bytes} bytes")
+        return events
+
+    @property
+    def pending(self) -> bool:
+        """Whether a partial event is buffered (a stream that ends here was cut off)."""
+        return bool(self._buffer.strip() or self._data)
+
+    def _take(self) -> str:
+        data = b"\n".join(self._data)
+        self._data.clear()
+        self._size = 0
+        try:
+            return data.decode()
+        except UnicodeDecodeError as exc:
+            raise SSEError("a server-sent event is not UTF-8") from exc
+
+
+# -- detokenisation ---------------------------------------------------------------------------------
+
+
+class TextAssembler:
+    """Turns generated token ids into text deltas, one token at a time, the way vLLM does: a token's
+    text is released once it is stable (not a partial UTF-8 sequence), and text that could still
+    become a stop string is held back. On a stop string the text ends before it and `stopped` is set;
+    `consumed` then says how many of the pushed tokens were needed to reach it."""
+
+    def __init__(
+        self, tokenizer: Tokenizer, stop: Sequence[str] = (), skip_special_tokens: bool = True
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._stop = tuple(stop)
+        self._holdback = max((len(s) for s in self._stop), default=1) - 1
+        self._skip = skip_special_tokens
+        self._ids: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self.text = ""
+        self._released = 0
+        self.stopped = False
+        self.consumed = 0
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        for token in token_ids:
+            if self.stopped:
+                break
+            self.consumed += 1
+            self._ids.append(token)
+            self._append(self._decode_step(final=False))
+        return self._release(final=False)
+
+    def finish(self) -> str:
+        """The text still held back, once generation has ended."""
+        if not self.stopped:
+            self._append(self._decode_step(final=True))
+        return self._release(final=True)
+
+    def _decode_step(self, final: bool) -> str:
+        prefix = self._tokenizer.decode(self._ids[self._prefix_offset : self._read_offset],
+                                        skip_special_tokens=self._skip)
+        full = self._tokenizer.decode(self._ids[self._prefix_offset :], skip_special_tokens=self._skip)
+        if len(full) <= len(prefix) or (full.endswith("\ufffd") and not final):
+            return ""
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        return full[len(prefix) :]
+
+    def _append(self, delta: str) -> None:
+        if not delta:
+            return
+        start = max(0, len(self.text) - self._holdback)
+        self.text += delta
+        hits = [at for at in (self.text.find(s, start) for s in self._stop) if at >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            self.stopped = True
+
+    def _release(self, final: bool) -> str:
+        end = len(self.text)
+        if not (final or self.stopped):
+            end = max(self._released, end - self._holdback)
+        out = self.text[self._released : end]
+        self._released = end
+        return out

@@ -1,0 +1,416 @@
+"""vLLM's KV-event wire format (both shapes, int and bytes hashes), rejection of malformed payloads, the
+ZMQ publisher/subscriber with gap detection and replay, and the prefix mirror built from the events."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import math
+from collections.abc import Awaitable, Callable
+
+import msgpack
+import pytest
+
+from planetserve.node.engine.base import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent
+from planetserve.node.engine.kvevents import (
+    HASH_MASK,
+    KVEventBatch,
+    KVEventError,
+    KVEventLimits,
+    KVEventPublisher,
+    KVEventSubscriber,
+    PrefixChange,
+    PrefixMirror,
+    decode_batch,
+    decode_frames,
+    encode_batch,
+    encode_frames,
+    normalise_hash,
+)
+
+LOOPBACK = "tcp://127.0.0.1:*"
+TOKENS = tuple(range(100, 132))
+EVENTS: list[CacheEvent] = [
+    BlockStored((11, 12), None, TOKENS, 16),
+    BlockStored((13,), 12, tuple(range(16)), 16),
+    BlockRemoved((13, 12)),
+    AllBlocksCleared(),
+]
+
+
+def pack(obj: object) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+# -- wire format ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("form", ["array", "map"])
+def test_round_trip(form: str) -> None:
+    batch = decode_batch(encode_batch(EVENTS, ts=12.5, data_parallel_rank=3, form=form))  # type: ignore[arg-type]
+    assert batch == KVEventBatch(12.5, tuple(EVENTS), 3)
+
+
+def test_array_form_matches_vllm_field_order() -> None:
+    raw = msgpack.unpackb(encode_batch(EVENTS[:3], ts=1.0, data_parallel_rank=0))
+    assert raw == [
+        1.0,
+        [
+            ["BlockStored", [11, 12], None, list(TOKENS), 16, None, "GPU", None],
+            ["BlockStored", [13], 12, list(range(16)), 16, None, "GPU", None],
+            ["BlockRemoved", [13, 12], "GPU"],
+        ],
+        0,
+    ]
+
+
+def test_map_form_matches_vllm_field_names() -> None:
+    raw = msgpack.unpackb(encode_batch(EVENTS[2:], ts=1.0, form="map"))
+    assert raw == {
+        "ts": 1.0,
+        "events": [{"type": "BlockRemoved", "block_hashes": [13, 12], "medium": "GPU"}, {"type": "AllBlocksCleared"}],
+        "data_parallel_rank": 0,
+    }
+
+
+def test_legacy_vllm_payload_without_medium_or_rank() -> None:
+    """vLLM 0.9: [ts, events] and BlockStored ending at lora_id."""
+    payload = pack([1.5, [["BlockStored", [7, 8], None, list(range(8)), 4, None], ["BlockRemoved", [8]],
+                          ["AllBlocksCleared"]]])
+    batch = decode_batch(payload)
+    assert batch.data_parallel_rank is None
+    assert batch.events == (BlockStored((7, 8), None, tuple(range(8)), 4), BlockRemoved((8,)), AllBlocksCleared())
+
+
+def test_vllm_026_payload_array_batch_with_map_events() -> None:
+    """As captured from vLLM 0.26 (volcano-sh/kthena#1535): map events with the newest fields, a hash
+    above 2**63, inside a still positional batch."""
+    tokens = [151644, 872, 198, 9064, 374, 279, 6722, 315, 5616, 30, 151645, 198, 151644, 77091, 198, 151667]
+    event = {
+        "type": "BlockStored", "block_hashes": [15760518052499183552], "parent_block_hash": None,
+        "token_ids": tokens, "block_size": 16, "lora_id": None, "medium": "GPU", "lora_name": None,
+        "extra_keys": [None], "group_idx": 0, "kv_cache_spec_kind": "full_attention",
+    }
+    batch = decode_batch(pack([1789095808.8378847, [event], 0]))
+    assert batch.events == (BlockStored((15760518052499183552,), None, tuple(tokens), 16),)
+    assert batch.data_parallel_rank == 0 and batch.skipped == 0
+
+
+def test_bytes_hashes_normalise_like_vllm_int_mode() -> None:
+    """Without VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES vLLM sends the digest; with it, the digest's low 64
+    bits as an int. Both must give the same mirror keys."""
+    digests = [hashlib.sha256(bytes([i])).digest() for i in range(3)]
+    as_int = [int.from_bytes(d, "big") & HASH_MASK for d in digests]
+    payload = pack([0.0, [["BlockStored", digests[1:], digests[0], list(range(8)), 4, None, "GPU", None],
+                          ["BlockRemoved", [digests[2]], "GPU"]], 0])
+    batch = decode_batch(payload)
+    assert batch.events == (BlockStored(tuple(as_int[1:]), as_int[0], tuple(range(8)), 4), BlockRemoved((as_int[2],)))
+    assert normalise_hash(as_int[0]) == normalise_hash(digests[0])
+
+
+def test_negative_hashes_from_old_vllm_wrap_to_unsigned() -> None:
+    assert normalise_hash(-1) == HASH_MASK
+    with pytest.raises(KVEventError, match="outside 64 bits"):
+        normalise_hash(1 << 64)
+    batch = decode_batch(pack([0.0, [["BlockRemoved", [-2]]]]))
+    assert batch.events == (BlockRemoved((HASH_MASK - 1,)),)
+
+
+def test_map_batch_form() -> None:
+    payload = pack({"ts": 2, "events": [{"type": "AllBlocksCleared"}]})
+    assert decode_batch(payload) == KVEventBatch(2.0, (AllBlocksCleared(),), None)
+
+
+def test_untracked_caches_are_skipped() -> None:
+    """LoRA blocks, offloaded copies and other KV groups are not the base model's device prefix cache."""
+    stored = ["BlockStored", [1], None, [0, 1], 2]
+    payload = pack([0.0, [
+        [*stored, 5, "GPU", None],
+        [*stored, None, "GPU", "my-lora"],
+        [*stored, None, "CPU", None],
+        {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": [0, 1],
+         "block_size": 2, "group_idx": 1},
+        ["BlockRemoved", [1], "CPU"],
+        [*stored, None, "GPU", None],
+    ]])
+    batch = decode_batch(payload)
+    assert batch.events == (BlockStored((1,), None, (0, 1), 2),)
+    assert batch.skipped == 5
+
+
+GARBAGE: list[tuple[str, bytes, str]] = [
+    ("not msgpack", b"\xc1\x00", "not valid msgpack"),
+    ("truncated", encode_batch(EVENTS)[:-3], "not valid msgpack"),
+    ("trailing bytes", encode_batch(EVENTS) + b"\x00", "trailing bytes"),
+    ("scalar batch", pack(5), "batch must be an array or a map"),
+    ("short batch", pack([1.0]), r"\[ts, events, dp_rank\?\]"),
+    ("map batch without events", pack({"ts": 1.0}), "needs 'ts' and 'events'"),
+    ("ts is a bool", pack([True, []]), "finite number"),
+    ("ts is NaN", pack([math.nan, []]), "finite number"),
+    ("events not an array", pack([1.0, {"a": 1}]), "events must be an array"),
+    ("negative dp rank", pack([1.0, [], -1]), "data_parallel_rank"),
+    ("event is a number", pack([1.0, [3]]), "event 0: must be an array or a map"),
+    ("untagged array event", pack([1.0, [[1, 2]]]), "must start with its type name"),
+    ("unknown tag", pack([1.0, [["BlockMoved", [1]]]]), "unknown event type 'BlockMoved'"),
+    ("map event without type", pack([1.0, [{"block_hashes": [1]}]]), "needs a string 'type'"),
+    ("map event missing field", pack([1.0, [{"type": "BlockStored", "block_hashes": [1], "block_size": 1}]]),
+     "missing field 'parent_block_hash'"),
+    ("too few fields", pack([1.0, [["BlockStored", [1], None, [0]]]]), "3 fields, needs 4"),
+    ("empty hash list", pack([1.0, [["BlockRemoved", []]]]), "non-empty array"),
+    ("hash is a string", pack([1.0, [["BlockRemoved", ["ab"]]]]), "int or bytes, got str"),
+    ("hash bytes too long", pack([1.0, [["BlockRemoved", [b"x" * 65]]]]), "65 bytes"),
+    ("block size zero", pack([1.0, [["BlockStored", [1], None, [], 0, None]]]), "block_size 0 outside"),
+    ("token count mismatch", pack([1.0, [["BlockStored", [1, 2], None, [0, 1, 2], 2, None]]]),
+     r"3 token ids for 2 blocks of 2 \(expected 4\)"),
+    ("negative token id", pack([1.0, [["BlockStored", [1], None, [-1, 0], 2, None]]]), r"\[0, 2\*\*32\)"),
+    ("repeated hash", pack([1.0, [["BlockStored", [1, 1], None, [0, 1], 1, None]]]), "repeats"),
+    ("parent inside chain", pack([1.0, [["BlockStored", [1, 2], 2, [0, 1], 1, None]]]), "repeats"),
+    ("medium not a string", pack([1.0, [["BlockRemoved", [1], 7]]]), "medium must be a string"),
+]
+
+
+@pytest.mark.parametrize(("payload", "message"), [(p, m) for _, p, m in GARBAGE], ids=[n for n, _, _ in GARBAGE])
+def test_garbage_is_rejected_with_a_specific_error(payload: bytes, message: str) -> None:
+    with pytest.raises(KVEventError, match=message):
+        decode_batch(payload)
+
+
+def test_size_limits() -> None:
+    with pytest.raises(KVEventError, match="payload of 553 bytes exceeds 64"):
+        decode_batch(pack([1.0, [["AllBlocksCleared"]] * 30]), KVEventLimits(max_payload_bytes=64))
+    small = KVEventLimits(max_events=2, max_hashes_per_event=2, max_tokens_per_event=4)
+    with pytest.raises(KVEventError, match="3 events in one batch, at most 2"):
+        decode_batch(pack([1.0, [["AllBlocksCleared"]] * 3]), small)
+    with pytest.raises(KVEventError, match="3 block hashes, at most 2"):
+        decode_batch(pack([1.0, [["BlockRemoved", [1, 2, 3]]]]), small)
+    with pytest.raises(KVEventError, match="not valid msgpack"):  # an array header claiming 2**20 items
+        decode_batch(b"\x92\xcb" + bytes(8) + b"\xdd\x00\x10\x00\x00", small)
+
+
+def test_frames() -> None:
+    frames = encode_frames("kv-events", 258, b"payload")
+    assert frames == [b"kv-events", bytes(6) + b"\x01\x02", b"payload"]
+    assert decode_frames(frames) == ("kv-events", 258, b"payload")
+    with pytest.raises(KVEventError, match="expected 3 frames"):
+        decode_frames(frames[:2])
+    with pytest.raises(KVEventError, match="must be 8 bytes"):
+        decode_frames([b"t", b"\x01", b""])
+
+
+# -- publisher and subscriber -----------------------------------------------------------------------
+
+
+def run(body: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(asyncio.wait_for(body(), 30))
+
+
+async def until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+class Collector:
+    def __init__(self) -> None:
+        self.seqs: list[int] = []
+        self.batches: list[KVEventBatch] = []
+        self.resyncs: list[str] = []
+
+    def batch(self, seq: int, batch: KVEventBatch) -> None:
+        self.seqs.append(seq)
+        self.batches.append(batch)
+
+    def resync(self, reason: str) -> None:
+        self.resyncs.append(reason)
+
+    def subscriber(self, publisher: KVEventPublisher | None, **options: object) -> KVEventSubscriber:
+        endpoint = publisher.endpoint if publisher is not None else "tcp://127.0.0.1:1"
+        replay = publisher.replay_endpoint if publisher is not None else None
+        return KVEventSubscriber(endpoint, on_batch=self.batch, on_resync=self.resync,
+                                 replay_endpoint=replay, **options)  # type: ignore[arg-type]
+
+
+def stored(i: int) -> list[CacheEvent]:
+    return [BlockStored((1000 + i,), None, (i, i), 2)]
+
+
+def test_stream_in_order_over_zmq_and_late_join_is_replayed() -> None:
+    async def body() -> None:
+        publisher = KVEventPublisher(LOOPBACK, replay_endpoint=LOOPBACK)
+        got = Collector()
+        subscriber = got.subscriber(publisher)
+        try:
+            for i in range(3):  # nobody listens yet: only the replay buffer keeps these
+                publisher.publish(stored(i))
+            await until(lambda: publisher.sent == 3)
+            subscriber.start()
+            i = 3
+            while not got.seqs:
+                publisher.publish(stored(i))
+                i += 1
+                await asyncio.sleep(0.02)
+            publisher.publish(stored(i))
+            await until(lambda: got.seqs and got.seqs[-1] == i)
+            assert got.seqs == list(range(i + 1))
+            assert [b.events for b in got.batches] == [tuple(stored(n)) for n in range(i + 1)]
+            assert got.resyncs == [] and subscriber.stats.replayed >= 3
+        finally:
+            await subscriber.close()
+            publisher.close()
+
+    run(body)
+
+
+def test_gap_is_filled_from_the_replay_buffer() -> None:
+    async def body() -> None:
+        publisher = KVEventPublisher(LOOPBACK, replay_endpoint=LOOPBACK)
+        got = Collector()
+        subscriber = got.subscriber(publisher)
+        try:
+            for i in range(4):
+                publisher.publish(stored(i))
+            await until(lambda: publisher.sent == 4)
+            await subscriber.handle(0, encode_batch(stored(0)))
+            await subscriber.handle(3, encode_batch(stored(3)))  # 1 and 2 were lost
+            assert got.seqs == [0, 1, 2, 3]
+            assert [b.events for b in got.batches] == [tuple(stored(n)) for n in range(4)]
+            assert (subscriber.stats.gaps, subscriber.stats.replayed, got.resyncs) == (1, 2, [])
+            await subscriber.handle(3, encode_batch(stored(3)))  # a duplicate changes nothing
+            assert got.seqs == [0, 1, 2, 3]
+        finally:
+            publisher.close()
+
+    run(body)
+
+
+def test_gap_beyond_the_replay_buffer_asks_for_a_resync() -> None:
+    async def body() -> None:
+        publisher = KVEventPublisher(LOOPBACK, replay_endpoint=LOOPBACK, buffer_steps=2)
+        got = Collector()
+        subscriber = got.subscriber(publisher)
+        try:
+            for i in range(6):
+                publisher.publish(stored(i))
+            await until(lambda: publisher.sent == 6)
+            await subscriber.handle(0, encode_batch(stored(0)))
+            await subscriber.handle(6, encode_batch(stored(6)))
+            assert got.seqs == [0, 6]
+            assert len(got.resyncs) == 1 and "replay covered only up to 0" in got.resyncs[0]
+        finally:
+            publisher.close()
+
+    run(body)
+
+
+def test_gap_without_replay_undecodable_batch_and_restart_ask_for_resyncs() -> None:
+    async def body() -> None:
+        got = Collector()
+        subscriber = got.subscriber(None)
+        await subscriber.handle(0, encode_batch(stored(0)))
+        await subscriber.handle(2, encode_batch(stored(2)))
+        assert got.resyncs == ["batches 1..1 were missed"]
+        await subscriber.handle(3, b"\xc1garbage")
+        assert got.resyncs[-1] == "batch 3 could not be decoded" and got.seqs == [0, 2]
+        await subscriber.handle(0, encode_batch(stored(9)))
+        assert got.resyncs[-1] == "publisher restarted (seq 0 after 3)" and got.seqs == [0, 2, 0]
+        assert subscriber.stats.resyncs == 3
+
+        def failing(seq: int, batch: KVEventBatch) -> None:
+            got.seqs.append(seq)
+            raise RuntimeError("consumer bug")
+
+        subscriber = KVEventSubscriber("tcp://127.0.0.1:1", on_batch=failing)
+        await subscriber.handle(0, encode_batch(stored(0)))
+        await subscriber.handle(1, encode_batch(stored(1)))  # still following after the consumer raised
+        assert got.seqs[-2:] == [0, 1]
+
+    run(body)
+
+
+def test_replay_timeout_asks_for_a_resync() -> None:
+    async def body() -> None:
+        got = Collector()
+        subscriber = KVEventSubscriber("tcp://127.0.0.1:1", replay_endpoint="tcp://127.0.0.1:1",
+                                       on_batch=got.batch, on_resync=got.resync, replay_timeout=0.2)
+        await subscriber.handle(5, encode_batch(stored(5)))
+        assert got.seqs == [5] and got.resyncs == ["batches 0..4 were missed and replay failed (TimeoutError)"]
+
+    run(body)
+
+
+def test_subscriber_ignores_other_topics_and_malformed_frames() -> None:
+    async def body() -> None:
+        import zmq
+
+        publisher = KVEventPublisher(LOOPBACK, topic="kv-events")
+        got = Collector()
+        subscriber = KVEventSubscriber(publisher.endpoint, on_batch=got.batch, topic="kv")
+        raw = zmq.Context.instance().socket(zmq.PUB)
+        port = raw.bind_to_random_port("tcp://127.0.0.1")
+        other = KVEventSubscriber(f"tcp://127.0.0.1:{port}", on_batch=got.batch, topic="kv")
+        try:
+            subscriber.start()
+            other.start()
+            for _ in range(20):
+                publisher.publish(stored(0))  # topic "kv-events" passes the "kv" prefix filter only
+                raw.send_multipart([b"kv", b"\x00"])
+                await asyncio.sleep(0.02)
+            assert got.seqs == [] and other.stats.malformed > 0
+        finally:
+            await subscriber.close()
+            await other.close()
+            raw.close(linger=0)
+            publisher.close()
+
+    run(body)
+
+
+# -- the mirror -------------------------------------------------------------------------------------
+
+
+def block(h: int, parent: int | None, tokens: tuple[int, ...]) -> BlockStored:
+    return BlockStored((h,), parent, tokens, len(tokens))
+
+
+def test_mirror_reports_maximal_added_and_minimal_removed_prefixes() -> None:
+    mirror = PrefixMirror()
+    chain = BlockStored((1, 2, 3), None, tuple(range(12)), 4)
+    assert mirror.apply([chain]) == [PrefixChange(True, tuple(range(12)))]
+    assert mirror.prefix(2) == tuple(range(8))
+    assert mirror.match_length(list(range(12)) + [99]) == 12
+    assert mirror.match_length([0, 1, 2, 3, 9, 9, 9, 9]) == 4
+    assert mirror.apply([block(4, 2, (50, 51, 52, 53))]) == [PrefixChange(True, (*range(8), 50, 51, 52, 53))]
+    assert sorted(mirror.cached_prefixes()) == sorted([tuple(range(12)), (*range(8), 50, 51, 52, 53)])
+
+    assert mirror.apply([BlockRemoved((2,))]) == [PrefixChange(False, tuple(range(8)))]
+    assert mirror.cached_prefixes() == [tuple(range(4))]
+    assert mirror.prefix(3) is None and mirror.match_length(range(12)) == 4
+    assert mirror.apply([BlockRemoved((3, 77))]) == []  # unusable or unknown: nothing to report
+
+    # block 2 comes back: block 4, which stayed, is usable again
+    assert mirror.apply([block(2, 1, (4, 5, 6, 7))]) == [PrefixChange(True, (*range(8), 50, 51, 52, 53))]
+    assert mirror.apply([AllBlocksCleared()]) == [PrefixChange(False, ())]
+    assert len(mirror) == 0 and mirror.apply([AllBlocksCleared()]) == []
+
+
+def test_mirror_orphans_conflicts_and_bounds() -> None:
+    mirror = PrefixMirror(max_blocks=3)
+    assert mirror.apply([block(5, 4, (9, 9))]) == []  # its parent is unknown
+    assert mirror.apply([block(4, None, (8, 8))]) == [PrefixChange(True, (8, 8, 9, 9))]
+    # the same hash stored again with other content replaces the old block
+    assert mirror.apply([block(4, None, (7, 7))]) == [PrefixChange(False, (8, 8)), PrefixChange(True, (7, 7, 9, 9))]
+    assert mirror.apply([block(6, 5, (1, 1)), block(7, 6, (2, 2))]) == [PrefixChange(True, (7, 7, 9, 9, 1, 1))]
+    assert mirror.overflowed == 1 and len(mirror) == 3
+    assert mirror.apply([block(8, 8, (0, 0))]) == []  # a block cannot be its own parent
+
+
+def test_mirror_snapshot_rebuilds_the_same_state() -> None:
+    mirror = PrefixMirror()
+    mirror.apply([BlockStored((1, 2), None, (1, 2, 3, 4), 2), block(3, 1, (5, 6)), block(9, 8, (7, 7))])
+    copy = PrefixMirror()
+    copy.apply(mirror.snapshot_events())
+    assert sorted(copy.cached_prefixes()) == sorted(mirror.cached_prefixes()) == [(1, 2, 3, 4), (1, 2, 5, 6)]
+    assert len(copy) == len(mirror) == 4
+    # the orphan is kept and becomes usable when its parent arrives
+    assert copy.apply([block(8, None, (0, 0))]) == [PrefixChange(True, (0, 0, 7, 7))]
