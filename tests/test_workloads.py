@@ -1,0 +1,133 @@
+"""The synthetic workloads: determinism, the paper's statistics, and prompts that read like questions."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from planetserve import workloads as w
+
+TARGET_MEANS = {"tooluse": 7206, "coding": 1802, "longdoc": 10985,
+                "mixed": 0.3 * 7206 + 0.6 * 1802 + 0.1 * 10985}
+CAPS = {"tooluse": 100, "coding": 1000, "longdoc": 100}
+
+
+@pytest.fixture(scope="module")
+def big() -> dict[str, list[w.Request]]:
+    return {name: w.generate(name, rate=10.0, count=4000, seed=11) for name in w.WORKLOADS}
+
+
+def _key(r: w.Request) -> tuple:
+    return (r.id, r.arrival, r.workload, r.prefix_id, r.prompt_ids, r.max_tokens, r.output_len, r.session)
+
+
+def test_same_seed_same_requests_other_seed_others() -> None:
+    a = w.generate("mixed", rate=5.0, count=150, seed=3, followup=0.2)
+    b = w.generate("mixed", rate=5.0, count=150, seed=3, followup=0.2)
+    c = w.generate("mixed", rate=5.0, count=150, seed=4, followup=0.2)
+    assert [_key(r) for r in a] == [_key(r) for r in b]
+    assert [r.prompt_ids for r in a] != [r.prompt_ids for r in c]
+    assert [r.arrival for r in a] != [r.arrival for r in c]
+
+
+@pytest.mark.parametrize("name", w.WORKLOADS)
+def test_mean_prompt_length_matches_the_paper(big: dict[str, list[w.Request]], name: str) -> None:
+    mean = np.mean([r.prompt_len for r in big[name]])
+    assert mean == pytest.approx(TARGET_MEANS[name], rel=0.05)
+
+
+@pytest.mark.parametrize("name", ["tooluse", "coding", "longdoc"])
+def test_zipf_exponent_recovered_from_prefix_popularity(big: dict[str, list[w.Request]], name: str) -> None:
+    counts = Counter(int(r.prefix_id.split("/")[1]) for r in big[name])
+    ranks = np.arange(1, 31)
+    freq = np.array([counts[r - 1] for r in ranks], dtype=float)
+    slope = np.polyfit(np.log(ranks), np.log(np.maximum(freq, 0.5)), 1)[0]
+    assert -slope == pytest.approx(w.SPECS[name].zipf, abs=0.2)
+
+
+def test_same_prefix_id_same_prefix_and_suffixes_unique(big: dict[str, list[w.Request]]) -> None:
+    by_prefix: dict[str, tuple[int, ...]] = {}
+    for r in big["mixed"]:
+        assert by_prefix.setdefault(r.prefix_id, r.prefix_ids) == r.prefix_ids
+    suffixes = [r.suffix_ids for r in big["mixed"]]
+    assert len(set(suffixes)) >= 0.99 * len(suffixes)
+    assert len({r.prefix_id for r in big["tooluse"]}) < 0.3 * len(big["tooluse"])
+
+
+def test_poisson_arrivals() -> None:
+    requests = w.generate("coding", rate=4.0, count=6000, seed=5)
+    gaps = np.diff([0.0] + [r.arrival for r in requests])
+    assert gaps.min() > 0
+    assert gaps.mean() == pytest.approx(0.25, rel=0.05)
+    assert gaps.std() / gaps.mean() == pytest.approx(1.0, abs=0.06)
+    timed = w.generate("coding", rate=4.0, duration=50.0, seed=5)
+    assert all(r.arrival < 50.0 for r in timed)
+    assert len(timed) == pytest.approx(200, abs=45)
+
+
+@pytest.mark.parametrize("name", ["tooluse", "coding", "longdoc"])
+def test_output_caps(big: dict[str, list[w.Request]], name: str) -> None:
+    requests = big[name]
+    assert {r.max_tokens for r in requests} == {CAPS[name]}
+    lengths = [r.output_len for r in requests]
+    assert min(lengths) >= 1 and max(lengths) <= CAPS[name]
+    assert np.mean(lengths) == pytest.approx(CAPS[name] * (1 + w.OUTPUT_RANGE_RATIO) / 2, rel=0.05)
+
+
+def test_scale_shrinks_every_length(big: dict[str, list[w.Request]]) -> None:
+    small = w.generate("mixed", rate=10.0, count=1000, seed=11, scale=0.05)
+    assert np.mean([r.prompt_len for r in small]) < 0.1 * np.mean([r.prompt_len for r in big["mixed"]])
+    assert max(r.prompt_len for r in small) < 3000
+    assert {r.max_tokens for r in small} == {5, 50}
+    assert all(r.output_len <= r.max_tokens for r in small)
+
+
+def test_texts_read_like_questions() -> None:
+    question = re.compile(r"(^|\n\n| )[A-Z][a-z]+( [^ ]+)* [a-z][^?]*\?$")
+    for r in w.generate("mixed", rate=1.0, count=200, seed=2, scale=0.05):
+        text = r.text
+        assert text.endswith("?")
+        assert question.search(text.rsplit("\n\n", 1)[-1])
+        assert "{" not in text and "  " not in text and not text.startswith(" ")
+        assert all(p[:1].isupper() for p in text.split("\n\n") if p)
+        assert w.tokenize(text) == r.prompt_ids
+    assert w.detokenize(w.tokenize("How can I return the number of items?")) == (
+        "How can I return the number of items?")
+
+
+def test_followups_extend_their_session() -> None:
+    requests = w.generate("tooluse", rate=2.0, count=300, seed=9, followup=0.3, scale=0.05)
+    by_id = {r.id: r for r in requests}
+    sessions: dict[str, list[w.Request]] = {}
+    for r in requests:
+        if r.session is not None:
+            sessions.setdefault(r.session, []).append(r)
+    assert sessions and all(len(turns) >= 2 for turns in sessions.values())
+    for turns in sessions.values():
+        for earlier, later in zip(turns, turns[1:], strict=False):
+            assert later.prompt_ids[: earlier.prompt_len] == earlier.prompt_ids
+            assert later.arrival > earlier.arrival
+        assert by_id[int(turns[0].session[1:])] is turns[0]
+
+
+def test_generated_shared_prefix_matches_sglang_defaults() -> None:
+    requests = w.generated_shared_prefix(seed=1)
+    assert len(requests) == 64 * 16
+    groups = Counter(r.prefix_id for r in requests)
+    assert len(groups) == 64 and set(groups.values()) == {16}
+    assert np.mean([len(r.prefix_ids) for r in requests]) == pytest.approx(2048, rel=0.05)
+    assert np.mean([len(r.suffix_ids) for r in requests]) == pytest.approx(128, rel=0.1)
+    assert {r.max_tokens for r in requests} == {256} and all(r.arrival == 0 for r in requests)
+    assert [r.prefix_id for r in requests[:16]] != sorted(r.prefix_id for r in requests[:16])
+    timed = w.generated_shared_prefix(num_groups=4, prompts_per_group=50, rate=10.0, scale=0.1)
+    assert all(a.arrival < b.arrival for a, b in zip(timed, timed[1:], strict=False))
+    assert not math.isinf(timed[-1].arrival)
+
+
+def test_rejects_unknown_workload() -> None:
+    with pytest.raises(ValueError, match="unknown workload"):
+        w.generate("chat", rate=1.0, count=1)
