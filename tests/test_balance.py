@@ -82,12 +82,14 @@ def test_hit_under_threshold_goes_to_least_loaded_holder() -> None:
 
 
 def test_hit_over_threshold_falls_back_to_least_loaded_overall() -> None:
-    nodes = [node("self", 1.0, 3), node("h", 0.5, 4), node("idle", 2.0, 0)]
+    nodes = [node("self", 1.0, 3), node("h", 0.5, 8), node("idle", 2.0, 0)]
     decision = route("self", nodes, holders={"h"})
     assert (decision.target, decision.reason) == ("idle", Reason.HIT_OVERLOADED)
     assert "holder h overloaded" in decision.detail
-    lenient = route("self", nodes, holders={"h"}, policy=BalancePolicy(max_queue_ratio=2.0))
-    assert (lenient.target, lenient.reason) == ("h", Reason.HIT)
+    busy = [node("self", 1.0, 3), node("h", 0.5, 4), node("idle", 2.0, 0)]
+    assert route("self", busy, holders={"h"}).reason is Reason.HIT  # every slot busy, nothing waiting
+    strict = route("self", busy, holders={"h"}, policy=BalancePolicy(max_queue_ratio=1.0))
+    assert (strict.target, strict.reason) == ("idle", Reason.HIT_OVERLOADED)
 
 
 def test_hit_on_self_serves_locally() -> None:
@@ -100,6 +102,14 @@ def test_untrusted_holders_are_ignored() -> None:
     decision = route("self", nodes, holders={"bad"})
     assert (decision.target, decision.reason) == ("ok", Reason.MISS)
     assert "no trusted holder" in decision.detail
+
+
+def test_a_node_without_a_latency_sample_ranks_at_the_mean_latency() -> None:
+    # with L = 0 the new node would win every ranking while it holds requests; at the mean it does not
+    nodes = [node("self", 1.0, 2), node("new", 0.0, 2), node("a", 0.5, 1)]
+    assert route("self", nodes).target == "a"
+    assert route("self", [node("self", 1.0, 2), node("new", 0.0, 0)]).target == "new"  # idle wins
+    assert route("self", [node("self", 0.0, 1), node("new", 0.0, 0)]).target == "self"  # no samples: a tie
 
 
 def test_nodes_without_a_load_report_are_not_candidates() -> None:
@@ -123,7 +133,7 @@ def test_session_affinity() -> None:
     assert (decision.target, decision.reason, decision.forward) == ("sticky", Reason.AFFINITY, True)
     assert route("self", nodes, affinity="self").reason is Reason.AFFINITY
 
-    overloaded = [node("self", 0.1, 0), node("sticky", 2.0, 4), node("holder", 0.1, 0)]
+    overloaded = [node("self", 0.1, 0), node("sticky", 2.0, 8), node("holder", 0.1, 0)]
     decision = route("self", overloaded, holders={"holder"}, affinity="sticky")
     assert (decision.target, decision.reason) == ("holder", Reason.HIT)
     assert "affinity sticky overloaded" in decision.detail
