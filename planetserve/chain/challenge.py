@@ -70,3 +70,37 @@ def sign_response(keys: KeySet, prompt: str, token_ids: list[int], text: str, mo
 
 def response_valid(response: SignedResponse) -> bool:
     return verify_signature(response.node, response.sign_bytes(), response.signature)
+
+
+class ResponseFormatError(ValueError):
+    """A response's `planetserve` extension is missing fields or has fields of the wrong type."""
+
+
+_EXTENSION_FIELDS = {"node": str, "prompt_hash": str, "token_ids": list, "model_id": str, "time": int,
+                     "address": str, "signature": str}
+
+
+def response_extension(response: SignedResponse) -> dict:
+    """The signed response as the JSON a model node attaches to its answer (the text travels in the
+    answer itself)."""
+    return {"node": response.node.hex(), "prompt_hash": response.prompt_hash.hex(),
+            "token_ids": list(response.token_ids), "model_id": response.model_id, "time": response.time,
+            "address": response.address, "signature": response.signature.hex()}
+
+
+def response_from_extension(extension: object, text: str) -> SignedResponse:
+    """Rebuild the signed response from an answer's extension and text; check it with response_valid."""
+    if not isinstance(extension, dict):
+        raise ResponseFormatError("the answer carries no planetserve extension")
+    for name, kind in _EXTENSION_FIELDS.items():
+        if not isinstance(extension.get(name), kind) or isinstance(extension.get(name), bool):
+            raise ResponseFormatError(f"extension field {name!r} is missing or not a {kind.__name__}")
+    ids = extension["token_ids"]
+    if not all(type(t) is int and t >= 0 for t in ids):
+        raise ResponseFormatError("extension token_ids must be non-negative integers")
+    try:
+        node, digest, signature = (bytes.fromhex(extension[k]) for k in ("node", "prompt_hash", "signature"))
+    except ValueError as exc:
+        raise ResponseFormatError(f"extension holds malformed hex: {exc}") from exc
+    return SignedResponse(node, digest, tuple(ids), text, extension["model_id"], extension["time"],
+                          extension["address"], signature)

@@ -52,14 +52,24 @@ def main() -> None:
     Roles:
       validator   genesis init, chain start   (committee institutions)
       anyone      keys, tx, query             (organisations, users, clients)
+      model node  models train, node init-model, node model   (organisations)
       developer   localnet up|down|status     (four validators on this machine)
     """
 
 
 def _register() -> None:
-    from planetserve.cli import chain_cmd, genesis_cmd, keys_cmd, localnet_cmd, query_cmd, tx_cmd
+    from planetserve.cli import (
+        chain_cmd,
+        genesis_cmd,
+        keys_cmd,
+        localnet_cmd,
+        models_cmd,
+        node_cmd,
+        query_cmd,
+        tx_cmd,
+    )
 
-    for module in (keys_cmd, genesis_cmd, chain_cmd, tx_cmd, query_cmd, localnet_cmd):
+    for module in (keys_cmd, genesis_cmd, chain_cmd, tx_cmd, query_cmd, localnet_cmd, models_cmd, node_cmd):
         main.add_command(module.group)
 
 

@@ -51,6 +51,3 @@ class Group:
         if listing.height >= self.view.height:
             self.view = GroupView(listing.height, {n.pubkey: n for n in nodes if n.status == "active"})
         return self.view
-
-    def is_member(self, key: bytes) -> bool:
-        return key in self.view.members

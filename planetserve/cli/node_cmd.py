@@ -1,0 +1,114 @@
+"""`planetserve node`: run the overlay's roles (a model node serving a model to the network)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from pathlib import Path
+
+import click
+
+from planetserve.chain.keys import KeyFileError, KeySet
+from planetserve.cli import console, emit_json, fail
+
+HOME_HELP = "The node's home directory (configuration node.json and key file node_keys.json)."
+
+
+@click.group("node")
+def group() -> None:
+    """Run overlay nodes.
+
+    \b
+    A model node, step by step:
+      planetserve models train                        # the small model family (once)
+      planetserve node init-model --home mn1 --org-id acme --model-id gt --genesis genesis.json
+      planetserve node model --home mn1 --org-keys acme.json   # registers itself, then serves
+    """
+
+
+@group.command("init-model")
+@click.option("--home", required=True, type=click.Path(file_okay=False, path_type=Path), help=HOME_HELP)
+@click.option("--org-id", required=True, help="The organisation that registers and answers for the node.")
+@click.option("--model-id", required=True, help="The model id registered on the ledger (the node's group).")
+@click.option("--model", default="gt", show_default=True,
+              help="What the built-in engine loads: a family name (see `planetserve models list`) or a "
+                   "Hugging Face checkpoint directory.")
+@click.option("--genesis", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Genesis file the ledger is verified against.")
+@click.option("--rpc", default="http://127.0.0.1:26657", show_default=True, help="CometBFT RPC endpoint.")
+@click.option("--http", "http_addr", default="127.0.0.1:8000", show_default=True,
+              help="host:port of the OpenAI-compatible API.")
+@click.option("--peer", default="127.0.0.1:9000", show_default=True, help="host:port of the TLS peer port.")
+@click.option("--advertise", default="", help="Peer address registered on the ledger (default: --peer).")
+@click.option("--capacity", default=4, show_default=True, type=click.IntRange(1, 1024),
+              help="Sequences decoded concurrently (also registered).")
+@click.option("--hardware", default="cpu", show_default=True, help="Hardware class, registered.")
+@click.option("--region", default="global", show_default=True)
+@click.option("--engine-url", default="", help="Use an OpenAI-compatible server (e.g. `vllm serve`) instead "
+                                                "of the built-in engine.")
+@click.option("--kv-events", default="",
+              help="That server's KV-event ZMQ endpoint (vLLM --kv-events-config).")
+@click.option("--data-dir", default="", help="Where the model family is cached (default: PLANETSERVE_DATA "
+                                             "or ~/.cache/planetserve).")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def init_model(home: Path, genesis: Path, http_addr: str, as_json: bool, **settings: object) -> None:
+    """Create a model node's home: configuration and a fresh node key (never overwritten)."""
+    from planetserve.node.home import HomeError, ModelNodeConfig, init_home
+
+    config = ModelNodeConfig(genesis=str(genesis.resolve()), http=http_addr, **settings)  # type: ignore[arg-type]
+    try:
+        keys = init_home(home, config)
+    except HomeError as exc:
+        fail(str(exc))
+    result = {"home": str(home), "node": keys.public.hex(), "model_id": config.model_id,
+              "address": config.address}
+    if as_json:
+        emit_json(result)
+        return
+    console.print(f"created model node home [bold]{home}[/]: node key {keys.public.hex()}")
+    console.print(f"run it with: planetserve node model --home {home} --org-keys <organisation key file>")
+
+
+@group.command("model")
+@click.option("--home", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help=HOME_HELP)
+@click.option("--org-keys", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="The organisation's key file: registers the node (or updates its address and capacity) "
+                   "when the ledger does not match the configuration.")
+@click.option("--log-level", default="info", show_default=True,
+              type=click.Choice(["debug", "info", "warning", "error"]))
+@click.option("--json", "as_json", is_flag=True, help="Print the ready line as JSON.")
+def model(home: Path, org_keys: Path | None, log_level: str, as_json: bool) -> None:
+    """Run a model node: register on the ledger, serve the model, forward within the group.
+
+    The node serves an OpenAI-compatible API (/v1/models, /v1/completions, /v1/chat/completions,
+    streaming) and a TLS peer port for the other trusted nodes of its model. Every answer carries a
+    `planetserve` object: the node's key, address, time, token ids and its signature over them.
+    """
+    from planetserve.models import ModelError
+    from planetserve.node.home import HomeError
+    from planetserve.node.model_node import ModelNode
+    from planetserve.node.registration import Registered, RegistrationError
+    from planetserve.node.runner import run_model_node
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        org = KeySet.load(org_keys) if org_keys else None
+    except KeyFileError as exc:
+        fail(str(exc))
+
+    def ready(node: ModelNode, registered: Registered) -> None:
+        line = {"node": node.node_id, "model_id": node.config.model_id, "http": node.http_url,
+                "peer": f"{node.config.peer.rpartition(':')[0]}:{node.peer_port}",
+                "registration": registered.action}
+        if as_json:
+            click.echo(json.dumps(line), nl=True)
+        else:
+            console.print(f"model node {node.node_id[:16]}… serving {node.config.model_id} at "
+                          f"{node.http_url} (peer port {node.peer_port}, {registered.action})")
+
+    try:
+        asyncio.run(run_model_node(home, org, ready))
+    except (HomeError, RegistrationError, ModelError, KeyFileError, ValueError, OSError) as exc:
+        fail(str(exc))

@@ -1,0 +1,94 @@
+"""A model node's home directory: its configuration (node.json) and its key file (node_keys.json)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+from planetserve.chain.keys import KeySet
+
+CONFIG_FILE = "node.json"
+KEYS_FILE = "node_keys.json"
+
+
+class HomeError(Exception):
+    """The home directory is missing, incomplete or its configuration is malformed."""
+
+
+@dataclass
+class ModelNodeConfig:
+    org_id: str
+    model_id: str
+    """The model id registered on the ledger (the group this node joins)."""
+    model: str = "gt"
+    """What the built-in engine loads: a trained family name or a Hugging Face checkpoint directory."""
+    rpc: str = "http://127.0.0.1:26657"
+    genesis: str = ""
+    http: str = "127.0.0.1:8000"
+    """OpenAI-compatible API (host:port)."""
+    peer: str = "127.0.0.1:9000"
+    """TLS peer port (host:port) other model nodes and proxies dial."""
+    advertise: str = ""
+    """The peer address registered on the ledger; defaults to `peer`."""
+    region: str = "global"
+    hardware: str = "cpu"
+    capacity: int = 4
+    """Sequences decoded concurrently; also the registered capacity."""
+    engine_url: str = ""
+    """An OpenAI-compatible server (e.g. `vllm serve`) to use instead of the built-in engine."""
+    kv_events: str = ""
+    """That server's KV-event ZMQ endpoint, e.g. tcp://127.0.0.1:5557."""
+    data_dir: str = ""
+    max_prompt_tokens: int = 896
+    max_tokens: int = 128
+    cache_tokens: int = 8192
+    block_size: int = 16
+    hash_bits: int = 8
+    match_depth: int = 2
+    sync_interval: float = 5.0
+    delta_interval: float = 0.1
+    load_interval: float = 1.0
+    list_interval: float = 5.0
+
+    @property
+    def address(self) -> str:
+        return self.advertise or self.peer
+
+    @classmethod
+    def load(cls, home: Path) -> ModelNodeConfig:
+        path = home / CONFIG_FILE
+        try:
+            raw = json.loads(path.read_text())
+        except FileNotFoundError as exc:
+            raise HomeError(f"no {CONFIG_FILE} in {home}: "
+                            f"run `planetserve node init-model --home {home}`") from exc
+        except json.JSONDecodeError as exc:
+            raise HomeError(f"{path} is not valid JSON: {exc}") from exc
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise HomeError(f"{path}: unknown settings {', '.join(unknown)}")
+        try:
+            return cls(**raw)
+        except TypeError as exc:
+            raise HomeError(f"{path}: {exc}") from exc
+
+    def save(self, home: Path) -> None:
+        home.mkdir(parents=True, exist_ok=True)
+        (home / CONFIG_FILE).write_text(json.dumps(asdict(self), indent=2, sort_keys=True) + "\n")
+
+
+def init_home(home: Path, config: ModelNodeConfig) -> KeySet:
+    """Create the home: configuration and a fresh node key (an existing key is never replaced)."""
+    keys_path = home / KEYS_FILE
+    if keys_path.exists():
+        raise HomeError(f"{home} already has a node key; edit {home / CONFIG_FILE} to change settings")
+    config.save(home)
+    keys = KeySet.generate()
+    keys.save(keys_path)
+    return keys
+
+
+def load_keys(home: Path) -> KeySet:
+    return KeySet.load(home / KEYS_FILE)

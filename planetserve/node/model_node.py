@@ -1,0 +1,426 @@
+"""The model node: serves its model through the OpenAI-compatible API, forwards each request at most
+once within its group by the HR-tree and the load-balance factor (Algorithm 2), keeps the group's
+cache state in sync, and signs every answer it generates with its registered key.
+
+Peer protocol (over `transport`, between members of the group only):
+  "cache"     one-way, bytes: a cachesync message (deltas, snapshots, snapshot requests, loads)
+  "generate"  request, a forwarded prompt: replies are ["chunk", ids, finish, prompt_tokens,
+              cached_tokens] and a last ["signed", extension]; the forwarded node never forwards again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from planetserve.chain.challenge import response_extension, sign_response
+from planetserve.chain.keys import KeySet
+from planetserve.node.balance import BalancePolicy, Decision, LatencyEWMA, LoadReport, Reason, route
+from planetserve.node.cachesync import CacheSync, SyncConfig, SyncError
+from planetserve.node.engine.base import CacheEvent, Engine, EngineError, GenerationRequest, TokenChunk
+from planetserve.node.engine.http_server import EngineServer, Generation, Production
+from planetserve.node.engine.kvevents import PrefixMirror
+from planetserve.node.group import EMPTY, Group, GroupView
+from planetserve.node.home import ModelNodeConfig
+from planetserve.node.openai_api import (
+    ApiError,
+    ApiLimits,
+    ApiRequest,
+    PlanetServeOptions,
+    Tokenizer,
+    bad_request,
+    build_generation,
+    prompt_text,
+    too_large,
+)
+from planetserve.node.transport import Peering, RemoteError, TransportError
+
+log = logging.getLogger(__name__)
+
+MAX_SESSIONS = 10_000
+MAX_FORWARD_STOP = 16
+MAX_FORWARD_PROMPT_CHARS = 1 << 20
+
+
+def group_hash_key(model_id: str) -> bytes:
+    """The HR-tree hash key of a model's group: every member derives the same one, nothing else
+    needs distributing, and another model's group hashes differently."""
+    return hashlib.sha256(b"planetserve/hrtree-key/v1\x00" + model_id.encode()).digest()
+
+
+@dataclass(frozen=True)
+class Job:
+    """A request as it crosses the peer link: the text (answers are signed over it) and how to
+    generate, nothing of the original HTTP request."""
+
+    prompt: str
+    special: bool
+    max_tokens: int
+    temperature: float
+    seed: int | None
+    stop: tuple[str, ...]
+    stop_ids: tuple[int, ...]
+    ignore_eos: bool
+    session_id: str | None
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"prompt": self.prompt, "special": self.special, "max_tokens": self.max_tokens,
+                "temperature": self.temperature, "seed": self.seed, "stop": list(self.stop),
+                "stop_ids": list(self.stop_ids), "ignore_eos": self.ignore_eos, "session_id": self.session_id}
+
+    @classmethod
+    def from_wire(cls, body: Any) -> Job:
+        """A peer's job, checked field by field (a group member can still send garbage)."""
+        if not isinstance(body, dict) or set(body) != set(cls.__dataclass_fields__):
+            raise bad_request("forwarded job has the wrong fields")
+        fields = {
+            "prompt": str, "special": bool, "max_tokens": int, "temperature": (int, float),
+            "stop": list, "stop_ids": list, "ignore_eos": bool,
+        }
+        for name, kind in fields.items():
+            if not isinstance(body[name], kind) or (kind is int and isinstance(body[name], bool)):
+                raise bad_request(f"forwarded job field {name!r} has the wrong type")
+        if len(body["prompt"]) > MAX_FORWARD_PROMPT_CHARS or len(body["stop"]) > MAX_FORWARD_STOP:
+            raise too_large("forwarded job is too large")
+        if not all(isinstance(s, str) and 0 < len(s) <= 256 for s in body["stop"]):
+            raise bad_request("forwarded job stop strings are malformed")
+        if not all(type(t) is int and t >= 0 for t in body["stop_ids"]) or len(body["stop_ids"]) > 128:
+            raise bad_request("forwarded job stop ids are malformed")
+        if body["seed"] is not None and type(body["seed"]) is not int:
+            raise bad_request("forwarded job seed is malformed")
+        if body["session_id"] is not None and not isinstance(body["session_id"], str):
+            raise bad_request("forwarded job session id is malformed")
+        if not 0 <= body["temperature"] <= 2:
+            raise bad_request("forwarded job temperature is out of range")
+        return cls(body["prompt"], body["special"], body["max_tokens"], float(body["temperature"]),
+                   body["seed"], tuple(body["stop"]), tuple(body["stop_ids"]), body["ignore_eos"],
+                   body["session_id"])
+
+    def api_request(self) -> ApiRequest:
+        return ApiRequest("completions", None, prompt=self.prompt, max_tokens=self.max_tokens,
+                          temperature=self.temperature, seed=self.seed, stop=self.stop,
+                          stop_token_ids=self.stop_ids, ignore_eos=self.ignore_eos,
+                          planetserve=PlanetServeOptions(session_id=self.session_id, hops=1))
+
+
+class ModelNodeServer(EngineServer):
+    """The HTTP side of a model node: EngineServer's API, with routing and signing plugged in."""
+
+    def __init__(self, node: ModelNode, limits: ApiLimits) -> None:
+        super().__init__(node.engine, node.tokenizer, model_name=node.config.model_id, limits=limits,
+                         vocab_size=node.vocab_size, eos_token_ids=node.eos_ids)
+        self.node = node
+        self.app.router.add_get("/v1/planetserve/status", self._status)
+
+    async def produce(self, request: ApiRequest, prompt_ids: Sequence[int],
+                      generation: GenerationRequest) -> Production:
+        text, special = prompt_text(request, self.tokenizer)
+        job = Job(text, special, generation.max_tokens, generation.temperature, generation.seed,
+                  request.stop, request.stop_token_ids, request.ignore_eos, request.planetserve.session_id)
+        return await self.node.produce(job, tuple(prompt_ids), generation, request.planetserve)
+
+    async def _status(self, _: Any) -> Any:
+        from aiohttp import web
+
+        return web.json_response(self.node.status())
+
+
+class ModelNode:
+    """One model node process's state and loops (see the module docstring for the peer protocol)."""
+
+    def __init__(self, config: ModelNodeConfig, keys: KeySet, engine: Engine, tokenizer: Tokenizer, *,
+                 vocab_size: int, eos_ids: Sequence[int], group: Group | None,
+                 limits: ApiLimits | None = None, policy: BalancePolicy | None = None) -> None:
+        self.config = config
+        self.keys = keys
+        self.node_id = keys.public.hex()
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_ids = tuple(eos_ids)
+        self.group = group
+        self.policy = policy or BalancePolicy()
+        self.sync = CacheSync(
+            self.node_id, group_hash_key(config.model_id), hash_bits=config.hash_bits,
+            min_depth=config.match_depth,
+            config=SyncConfig(batch_interval=config.delta_interval, snapshot_interval=config.sync_interval,
+                              load_interval=config.load_interval))
+        self.mirror = PrefixMirror()
+        self.latency = LatencyEWMA()
+        self.sessions: OrderedDict[str, str] = OrderedDict()
+        self.view = EMPTY
+        self.peering = Peering(keys, self._on_peer, self._authorized)
+        self.http = ModelNodeServer(self, limits or ApiLimits())
+        self.counters = {"served": 0, "forwarded": 0, "received_forwards": 0, "forward_failures": 0,
+                         "sync_errors": 0}
+        self.routes: dict[str, int] = {}
+        self.http_url = ""
+        self.peer_port = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._set_own_load()
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self.engine.on_cache_events(self._cache_events_from_engine)
+        host, _, port = self.config.peer.rpartition(":")
+        self.peer_port = await self.peering.listen(host, int(port))
+        http_host, _, http_port = self.config.http.rpartition(":")
+        self.http_url = await self.http.start(http_host, int(http_port))
+        self._tasks = [asyncio.create_task(loop()) for loop in (self._sync_loop, self._group_loop)]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self.http.close()
+        await self.peering.close()
+
+    # -- group and cache state -----------------------------------------------------------------------
+
+    def _authorized(self, key: bytes) -> bool:
+        return key in self.view.members
+
+    async def _group_loop(self) -> None:
+        if self.group is None:
+            return
+        while True:
+            view = await asyncio.to_thread(self.group.refresh)
+            self.apply_view(view)
+            await asyncio.sleep(self.config.list_interval)
+
+    def apply_view(self, view: GroupView) -> None:
+        """Members become peers (trusted: the list holds only trusted nodes); delisted ones go."""
+        self.view = view
+        now = time.monotonic()
+        current = {k.hex() for k in view.members} - {self.node_id}
+        for entry in self.sync.tree.table:
+            if entry.node_id != self.node_id and entry.node_id not in current:
+                self.sync.remove_peer(entry.node_id)
+                conn = self.peering.connections.get(bytes.fromhex(entry.node_id))
+                if conn is not None:
+                    asyncio.get_running_loop().create_task(conn.close())
+        for key, node in view.members.items():
+            if key != self.keys.public:
+                self.sync.add_peer(key.hex(), now=now, address=node.address, trusted=True)
+        self.sync.tree.table.upsert(self.node_id, address=self.config.address,
+                                    trusted=self.keys.public in view.members)
+
+    def _cache_events_from_engine(self, events: list[CacheEvent]) -> None:
+        """Engine thread → event loop: the sync state is only touched from the loop."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._apply_cache_events, events)
+
+    def _apply_cache_events(self, events: list[CacheEvent]) -> None:
+        for change in self.mirror.apply(events):
+            if not change.token_ids:
+                self.sync.cleared()
+            elif change.added:
+                self.sync.stored(change.token_ids)
+            else:
+                self.sync.removed(change.token_ids)
+
+    def _set_own_load(self) -> LoadReport:
+        load = self.engine.load()
+        report = LoadReport(self.latency.value or 0.0, load.running + load.queued, max(1, load.capacity))
+        self.sync.load = report
+        self.sync.tree.table.upsert(self.node_id, load=report)
+        return report
+
+    async def _sync_loop(self) -> None:
+        interval = min(self.config.delta_interval, self.config.load_interval)
+        while True:
+            self._set_own_load()
+            for message in self.sync.poll(time.monotonic()):
+                await self._broadcast(message)
+            await asyncio.sleep(interval)
+
+    async def _broadcast(self, message: bytes) -> None:
+        for entry in self.sync.tree.table:
+            if entry.node_id == self.node_id or not entry.address:
+                continue
+            try:
+                conn = await self.peering.connect(bytes.fromhex(entry.node_id), entry.address)
+                await conn.notify("cache", message)
+            except TransportError as exc:
+                log.debug("cache sync to %s failed: %s", entry.node_id[:16], exc)
+
+    # -- peer messages -------------------------------------------------------------------------------
+
+    async def _on_peer(self, peer: bytes, msg_type: str, body: Any) -> Any:
+        if msg_type == "cache":
+            return await self._on_cache_message(peer, body)
+        if msg_type == "generate":
+            self.counters["received_forwards"] += 1
+            return self._serve_forward(body)
+        raise ValueError(f"unknown message type {msg_type!r}")
+
+    async def _on_cache_message(self, peer: bytes, body: Any) -> None:
+        if not isinstance(body, bytes):
+            self.counters["sync_errors"] += 1
+            return
+        try:
+            result = self.sync.receive(peer.hex(), body, time.monotonic())
+        except SyncError as exc:
+            self.counters["sync_errors"] += 1
+            log.info("cache message from %s refused: %s", peer.hex()[:16], exc)
+            return
+        if result.reply is not None:
+            conn = self.peering.connections.get(peer)
+            if conn is not None:
+                with contextlib.suppress(TransportError):
+                    await conn.notify("cache", result.reply)
+
+    async def _serve_forward(self, body: Any) -> AsyncIterator[list]:
+        """A peer's forwarded job, served here (never forwarded again)."""
+        job = Job.from_wire(body)
+        request = job.api_request()
+        prompt_ids = tuple(self.tokenizer(job.prompt, add_special_tokens=job.special)["input_ids"])
+        generation = self._generation(request, prompt_ids)
+        production = self._local(job, prompt_ids, generation, "forwarded")
+        state = Generation(request, prompt_ids, self.tokenizer)
+        first = True
+        async for chunk in production.chunks:
+            state.step(chunk, first)
+            first = False
+            yield ["chunk", list(chunk.token_ids), chunk.finish_reason, chunk.prompt_tokens,
+                   chunk.cached_tokens]
+            if state.finish_reason is not None:
+                break
+        if state.finish_reason is None:
+            raise EngineError("the engine stream ended early")
+        yield ["signed", await production.finish(state)]
+
+    # -- serving -------------------------------------------------------------------------------------
+
+    def _check_length(self, prompt_ids: Sequence[int]) -> None:
+        if len(prompt_ids) > self.config.max_prompt_tokens:
+            raise too_large(f"The prompt has {len(prompt_ids)} tokens; this node accepts at most "
+                            f"{self.config.max_prompt_tokens}.", code="prompt_too_long")
+
+    def _generation(self, request: ApiRequest, prompt_ids: tuple[int, ...]) -> GenerationRequest:
+        self._check_length(prompt_ids)
+        return build_generation(request, prompt_ids, max_model_len=self.engine.max_model_len,
+                                vocab_size=self.vocab_size, eos_token_ids=self.eos_ids)
+
+    def decide(self, prompt_ids: Sequence[int], options: PlanetServeOptions) -> Decision:
+        """Algorithm 2 at this node, with session affinity and the one-hop rule."""
+        result = self.sync.search(prompt_ids)
+        affinity = self.sessions.get(options.session_id) if options.session_id else None
+        return route(self.node_id, self.sync.tree.table, holders=result.holders if result.matched else (),
+                     forwarded=options.hops > 0 or options.no_forward, affinity=affinity,
+                     policy=self.policy)
+
+    async def produce(self, job: Job, prompt_ids: tuple[int, ...], generation: GenerationRequest,
+                      options: PlanetServeOptions) -> Production:
+        self._check_length(prompt_ids)
+        self.sync.observe(prompt_ids)
+        decision = self.decide(prompt_ids, options)
+        self.routes[decision.reason.value] = self.routes.get(decision.reason.value, 0) + 1
+        if decision.forward:
+            entry = self.sync.tree.table.get(decision.target)
+            if entry is not None and entry.address:
+                try:
+                    production = await self._remote(decision.target, entry.address, job)
+                except (TransportError, ApiError) as exc:
+                    self.counters["forward_failures"] += 1
+                    log.info("forward to %s failed, serving here: %s", decision.target[:16], exc)
+                else:
+                    if decision.reason in (Reason.MISS, Reason.HIT_OVERLOADED):
+                        self.sync.forwarded(decision.target, prompt_ids, time.monotonic())
+                    self._remember(job.session_id, decision.target)
+                    self.counters["forwarded"] += 1
+                    return production
+        self._remember(job.session_id, self.node_id)
+        return self._local(job, prompt_ids, generation, decision.reason.value)
+
+    def _remember(self, session_id: str | None, node_id: str) -> None:
+        if session_id is None:
+            return
+        self.sessions[session_id] = node_id
+        self.sessions.move_to_end(session_id)
+        while len(self.sessions) > MAX_SESSIONS:
+            self.sessions.popitem(last=False)
+
+    def _local(self, job: Job, prompt_ids: tuple[int, ...], generation: GenerationRequest,
+               route_reason: str) -> Production:
+        started = time.monotonic()
+        self.counters["served"] += 1
+
+        async def finish(state: Generation) -> dict[str, Any]:
+            self.latency.observe(time.monotonic() - started)
+            signed = sign_response(self.keys, job.prompt, state.token_ids, state.text, self.config.model_id,
+                                   int(time.time()), self.config.address)
+            return {**response_extension(signed), "route": route_reason}
+
+        return Production(self.engine.generate(generation), finish)
+
+    async def _remote(self, peer_id: str, address: str, job: Job) -> Production:
+        """Open the stream at the peer and wait for its first chunk, so that a peer that cannot serve
+        is noticed before anything is sent to the client (and the request is served here instead)."""
+        conn = await self.peering.connect(bytes.fromhex(peer_id), address)
+        replies = conn.request("generate", job.to_wire())
+        try:
+            first = await anext(replies)
+        except StopAsyncIteration:
+            raise TransportError("the peer ended the stream without an answer") from None
+        except RemoteError as exc:
+            raise TransportError(f"the peer refused: {exc}") from exc
+        signed: dict[str, Any] = {}
+
+        async def chunks() -> AsyncIterator[TokenChunk]:
+            reply = first
+            while True:
+                if isinstance(reply, list) and len(reply) == 5 and reply[0] == "chunk":
+                    _, ids, finish, prompt_tokens, cached = reply
+                    yield TokenChunk(tuple(ids), finish, prompt_tokens, cached)
+                elif isinstance(reply, list) and len(reply) == 2 and reply[0] == "signed":
+                    signed.update(reply[1] if isinstance(reply[1], dict) else {})
+                    return
+                else:
+                    raise EngineError("the peer sent a malformed reply")
+                try:
+                    reply = await anext(replies)
+                except StopAsyncIteration:
+                    return
+                except TransportError as exc:
+                    raise EngineError(f"the peer failed mid-answer: {exc}") from exc
+
+        stream = chunks()
+
+        async def finish(_: Generation) -> dict[str, Any]:
+            async for _extra in stream:  # drain to the signature, which follows the last chunk
+                raise EngineError("the peer sent tokens after the end of its answer")
+            if not signed:
+                raise EngineError("the peer's answer carries no signature")
+            return signed
+
+        return Production(stream, finish)
+
+    # -- introspection -------------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        load = self._set_own_load()
+        return {
+            "node": self.node_id, "model_id": self.config.model_id, "address": self.config.address,
+            "group_height": self.view.height, "group": sorted(k.hex() for k in self.view.members),
+            "trusted": self.keys.public in self.view.members,
+            "load": {"latency": load.latency, "queued": load.queued, "capacity": load.capacity,
+                     "lb_factor": load.lb_factor},
+            "cache_entries": self.sync.tree.entries(self.node_id), "tree_size": len(self.sync.tree),
+            "plan_version": self.sync.plan.version, "counters": dict(self.counters),
+            "routes": dict(self.routes),
+            "sync": dict(vars(self.sync.stats)),
+        }
+

@@ -1,0 +1,70 @@
+"""Getting a model node onto the ledger: registration (signed by its organisation, with the node's
+proof of possession) and keeping its registered address and capacity equal to its configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from planetserve.chain.client import LedgerClient
+from planetserve.chain.keys import KeySet
+from planetserve.node.home import ModelNodeConfig
+from planetserve.registry.entities import ModelNode
+
+
+class RegistrationError(Exception):
+    """The node is not registered and cannot register itself, or the ledger refused it."""
+
+
+@dataclass(frozen=True)
+class Registered:
+    node: ModelNode
+    action: str
+    """"existing", "registered" or "updated"."""
+
+
+def _submit(ledger: LedgerClient, org_keys: KeySet, tx_type: str, body: dict) -> None:
+    result = ledger.submit(org_keys, tx_type, body)
+    if not result.outcome.ok:
+        raise RegistrationError(f"{tx_type} refused (code {result.outcome.code}): {result.outcome.log}")
+
+
+def ensure_registered(ledger: LedgerClient, config: ModelNodeConfig, node_keys: KeySet,
+                      org_keys: KeySet | None) -> Registered:
+    """The node's ledger record, registering or updating it with the organisation's key if needed."""
+    current = ledger.node(node_keys.public)
+    if current is None:
+        if org_keys is None:
+            raise RegistrationError(
+                f"node {node_keys.public.hex()} is not registered; its organisation registers it with "
+                f"`planetserve tx register-model-node --org-id {config.org_id} "
+                f"--node-keys <home>/node_keys.json "
+                f"--model-id {config.model_id} --address {config.address} --hardware {config.hardware} "
+                f"--capacity {config.capacity} --region {config.region} --keys <org keys>`, "
+                f"or pass --org-keys to this command")
+        body = ledger.model_node_body(config.org_id, node_keys, model_id=config.model_id,
+                                      address=config.address, hardware=config.hardware,
+                                      capacity=config.capacity, region=config.region)
+        _submit(ledger, org_keys, "register-model-node", body)
+        return Registered(_read(ledger, node_keys), "registered")
+    if current.model_id != config.model_id or current.org_id != config.org_id:
+        raise RegistrationError(
+            f"node {node_keys.public.hex()[:16]} is registered for model {current.model_id!r} of "
+            f"{current.org_id!r}, not {config.model_id!r} of {config.org_id!r}; "
+            f"use a new home for another model")
+    changes = {k: v for k, v in (("address", config.address), ("capacity", config.capacity),
+                                 ("region", config.region), ("status", "active"))
+               if getattr(current, k) != v}
+    if not changes:
+        return Registered(current, "existing")
+    if org_keys is None:
+        raise RegistrationError(f"the registered {', '.join(sorted(changes))} differ from the configuration; "
+                                f"pass --org-keys so the organisation can update them")
+    _submit(ledger, org_keys, "update-model-node", {"node_pubkey": node_keys.public, **changes})
+    return Registered(_read(ledger, node_keys), "updated")
+
+
+def _read(ledger: LedgerClient, node_keys: KeySet) -> ModelNode:
+    node = ledger.node(node_keys.public)
+    if node is None:
+        raise RegistrationError("the registration was committed but the node is not in the verified state")
+    return node

@@ -1,0 +1,68 @@
+"""Model nodes for tests: real engines over the quick family's gt, real TLS peer ports and HTTP APIs on
+loopback, in one event loop. The group view is given directly (tests of the ledger path build it
+from the verified list instead)."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterable
+from dataclasses import replace
+from pathlib import Path
+
+import httpx
+
+from planetserve.chain.challenge import response_from_extension, response_valid
+from planetserve.chain.keys import KeySet
+from planetserve.models import load
+from planetserve.node.engine.builtin import BuiltinEngine
+from planetserve.node.group import GroupView
+from planetserve.node.home import ModelNodeConfig
+from planetserve.node.model_node import ModelNode
+from planetserve.registry.entities import ModelNode as NodeRecord
+from planetserve.registry.epochs import SignedResponse
+
+SHARED = ("The committee keeps a ledger of every model node, and each node answers questions about "
+          "the standard library of the language in plain words. ") * 3
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def config(**overrides: object) -> ModelNodeConfig:
+    base = ModelNodeConfig(org_id="acme", model_id="gt", http=f"127.0.0.1:{free_port()}",
+                           peer=f"127.0.0.1:{free_port()}", capacity=2, max_prompt_tokens=400,
+                           cache_tokens=4096, delta_interval=0.05, load_interval=0.1, sync_interval=1.0)
+    return replace(base, **overrides)  # type: ignore[arg-type]
+
+
+def make_node(data: Path, **overrides: object) -> ModelNode:
+    cfg = config(**overrides)
+    loaded = load("gt", data_dir=data)
+    engine = BuiltinEngine(loaded.model, cfg.model_id, block_size=cfg.block_size,
+                           max_batch=cfg.capacity, cache_capacity_tokens=cfg.cache_tokens)
+    return ModelNode(cfg, KeySet.generate(), engine, loaded.tokenizer, vocab_size=engine.vocab_size,
+                     eos_ids=loaded.stop_token_ids, group=None)
+
+
+def view(nodes: Iterable[ModelNode], height: int = 1) -> GroupView:
+    members = {n.keys.public: NodeRecord(n.keys.public, "acme", "gt", n.config.address, "cpu", n.config.capacity,
+                                         "global", "active", 1) for n in nodes}
+    return GroupView(height, members)
+
+
+async def complete(node: ModelNode, prompt: str, max_tokens: int = 8, **extra: object) -> httpx.Response:
+    async with httpx.AsyncClient(timeout=60) as client:
+        return await client.post(f"{node.http_url}/v1/completions",
+                                 json={"model": "gt", "prompt": prompt, "max_tokens": max_tokens,
+                                       "temperature": 0, **extra})
+
+
+def signed(answer: dict) -> SignedResponse:
+    """The answer's signed response, checked: a valid signature over exactly the returned text."""
+    text = answer["choices"][0].get("text", answer["choices"][0].get("message", {}).get("content"))
+    response = response_from_extension(answer.get("planetserve"), text)
+    assert response_valid(response), "the answer's signature does not verify"
+    return response

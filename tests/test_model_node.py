@@ -1,0 +1,269 @@
+"""Four model nodes on loopback with the built-in engine over the quick gt: signed answers, forwarding
+to the holder of a prefix, overload fallback, session affinity, one hop, nodes outside the verified
+list, and bad input from clients and peers."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from modelnodes import SHARED, complete, make_node, signed, view
+
+from planetserve.chain.challenge import response_from_extension, response_valid
+from planetserve.chain.keys import KeySet
+from planetserve.node.model_node import ModelNode
+from planetserve.node.transport import Peering, TransportError
+from planetserve.registry.epochs import prompt_hash
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 240))
+
+
+async def start(nodes: list[ModelNode], members: list[ModelNode] | None = None) -> None:
+    for node in nodes:
+        await node.start()
+    group = view(members if members is not None else nodes)
+    for node in nodes:
+        node.apply_view(group)
+    await settle(nodes)
+
+
+async def stop(nodes: list[ModelNode]) -> None:
+    for node in nodes:
+        await node.close()
+        await node.engine.close()
+
+
+async def settle(nodes: list[ModelNode], timeout: float = 10.0) -> None:
+    """Until every node knows every listed peer's load (the first sync round has happened)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(e.load is not None for n in nodes for e in n.sync.tree.table if e.trusted):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("group did not exchange loads")
+
+
+async def wait_until(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached")
+        await asyncio.sleep(0.05)
+
+
+def test_answers_are_signed_by_the_serving_node(quick_family):
+    async def main():
+        nodes = [make_node(quick_family) for _ in range(2)]
+        await start(nodes)
+        try:
+            answer = (await complete(nodes[0], "What does the json module do?")).json()
+            response = signed(answer)
+            server = next(n for n in nodes if n.keys.public == response.node)
+            assert response.prompt_hash == prompt_hash("What does the json module do?")
+            assert response.model_id == "gt" and response.address == server.config.address
+            assert list(response.token_ids) == answer["planetserve"]["token_ids"]
+            # any change to what was signed breaks the signature
+            tampered = dict(answer["planetserve"], token_ids=[*response.token_ids, 5])
+            assert not response_valid(response_from_extension(tampered, answer["choices"][0]["text"]))
+            assert not response_valid(response_from_extension(answer["planetserve"], "something else"))
+            # chat answers are signed over the prompt the template rendered
+            async with __import__("httpx").AsyncClient(timeout=60) as client:
+                chat = (await client.post(f"{nodes[1].http_url}/v1/chat/completions", json={
+                    "model": "gt", "messages": [{"role": "user", "content": "Name a module."}],
+                    "max_tokens": 6, "temperature": 0})).json()
+            assert response_valid(response_from_extension(chat["planetserve"],
+                                                          chat["choices"][0]["message"]["content"]))
+        finally:
+            await stop(nodes)
+
+    run(main())
+
+
+def test_streamed_answer_carries_the_signature_on_its_last_chunk(quick_family):
+    async def main():
+        import httpx
+
+        nodes = [make_node(quick_family)]
+        await start(nodes)
+        try:
+            async with httpx.AsyncClient(timeout=60) as client, client.stream(
+                    "POST", f"{nodes[0].http_url}/v1/completions",
+                    json={"model": "gt", "prompt": "Explain the os module.", "max_tokens": 10,
+                          "temperature": 0, "stream": True}) as response:
+                events = [line[6:] async for line in response.aiter_lines() if line.startswith("data: ")]
+            assert events[-1] == "[DONE]"
+            import json
+            chunks = [json.loads(e) for e in events[:-1]]
+            text = "".join(c["choices"][0]["text"] for c in chunks)
+            assert "planetserve" in chunks[-1] and all("planetserve" not in c for c in chunks[:-1])
+            assert response_valid(response_from_extension(chunks[-1]["planetserve"], text))
+        finally:
+            await stop(nodes)
+
+    run(main())
+
+
+def test_repeated_prefix_lands_on_the_holder(quick_family):
+    async def main():
+        nodes = [make_node(quick_family) for _ in range(4)]
+        await start(nodes)
+        try:
+            first = signed((await complete(nodes[0], SHARED + "What is a dict?")).json())
+            holder = next(n for n in nodes if n.keys.public == first.node)
+            await wait_until(lambda: all(
+                n.sync.search(n.tokenizer(SHARED + "x")["input_ids"]).holders >= {holder.node_id}
+                for n in nodes if n is not holder))
+            for entry in (n for n in nodes if n is not holder):
+                answer = (await complete(entry, SHARED + f"What is a list, asked at {entry.node_id[:6]}?")).json()
+                response = signed(answer)
+                assert response.node == holder.keys.public
+                assert answer["planetserve"]["route"] == "forwarded"
+                assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+                assert entry.routes.get("hit") == 1
+            assert holder.counters["received_forwards"] == 3
+        finally:
+            await stop(nodes)
+
+    run(main())
+
+
+def test_overloaded_holder_falls_back_to_the_least_loaded(quick_family):
+    async def main():
+        nodes = [make_node(quick_family, capacity=1) for _ in range(3)]
+        await start(nodes)
+        try:
+            holder = nodes[0]
+            signed((await complete(holder, SHARED + "Seed the cache.", planetserve={"no_forward": True})).json())
+            await wait_until(lambda: nodes[1].sync.search(holder.tokenizer(SHARED)["input_ids"]).holders
+                             >= {holder.node_id})
+            # overload the holder: one running and two waiting long generations (Q = 3 >= 2·C)
+            busy = [asyncio.create_task(complete(holder, f"Busy {i}.", max_tokens=300,
+                                                 planetserve={"no_forward": True})) for i in range(3)]
+            await wait_until(lambda: (e := nodes[1].sync.tree.table.get(holder.node_id)).load is not None
+                             and e.load.queued >= 2)
+            answer = (await complete(nodes[1], SHARED + "And now?")).json()
+            assert signed(answer).node != holder.keys.public
+            assert nodes[1].routes.get("hit-overloaded") == 1
+            await asyncio.gather(*busy)
+        finally:
+            await stop(nodes)
+
+    run(main())
+
+
+def test_session_affinity_and_one_hop(quick_family):
+    async def main():
+        nodes = [make_node(quick_family) for _ in range(3)]
+        await start(nodes)
+        try:
+            session = {"session_id": "conversation-1"}
+            first = signed((await complete(nodes[0], "Hello there.", planetserve=session)).json())
+            for _ in range(3):
+                again = signed((await complete(nodes[0], "Hello there. And more?", planetserve=session)).json())
+                assert again.node == first.node
+            assert nodes[0].routes.get("affinity") == 3
+            # a forwarded request is never forwarded again, whatever the receiving node's view says
+            hop = (await complete(nodes[2], SHARED, planetserve={"hops": 1})).json()
+            assert signed(hop).node == nodes[2].keys.public
+            assert nodes[2].routes.get("already-forwarded") == 1
+        finally:
+            await stop(nodes)
+
+    run(main())
+
+
+def test_a_node_outside_the_verified_list_receives_nothing(quick_family):
+    async def main():
+        listed = [make_node(quick_family) for _ in range(3)]
+        outsider = make_node(quick_family)
+        await start(listed)
+        await outsider.start()
+        outsider.apply_view(view([*listed, outsider]))  # it believes itself listed; the others don't
+        try:
+            for i in range(6):
+                signed((await complete(listed[i % 3], SHARED + f"Question {i}?")).json())
+            assert outsider.counters["received_forwards"] == 0
+            assert all(outsider.node_id not in n.sync.tree.table for n in listed)
+            # its connections are refused, so it cannot push cache state or forward into the group
+            with pytest.raises(TransportError):
+                conn = await outsider.peering.connect(listed[0].keys.public, listed[0].config.address)
+                await conn.call("generate", {})
+            answer = (await complete(outsider, "Anyone there?")).json()
+            assert signed(answer).node == outsider.keys.public
+        finally:
+            await stop([*listed, outsider])
+
+    run(main())
+
+
+def test_bad_client_input_gets_specific_errors_and_the_node_keeps_serving(quick_family):
+    async def main():
+        import httpx
+
+        nodes = [make_node(quick_family, max_prompt_tokens=64)]
+        await start(nodes)
+        url = nodes[0].http_url
+        try:
+            async with httpx.AsyncClient(timeout=60) as client:
+                cases = [
+                    ({"model": "other", "prompt": "hi"}, 404, "model"),
+                    ({"model": "gt", "prompt": "word " * 200}, 413, "accepts at most 64"),
+                    ({"model": "gt", "prompt": [1, 2, 3]}, 400, "as text"),
+                    ({"model": "gt", "prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
+                    ({"model": "gt", "prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+                ]
+                for body, status, words in cases:
+                    r = await client.post(f"{url}/v1/completions", json=body)
+                    assert r.status_code == status, (body, r.text)
+                    assert words in r.json()["error"]["message"]
+                r = await client.post(f"{url}/v1/completions", content=b"{not json",
+                                      headers={"Content-Type": "application/json"})
+                assert r.status_code == 400
+                r = await client.post(f"{url}/v1/completions", content=b"x" * (5 << 20))
+                assert r.status_code == 413
+                ok = await client.post(f"{url}/v1/completions",
+                                       json={"model": "gt", "prompt": "Still there?", "max_tokens": 3})
+                assert ok.status_code == 200
+                signed(ok.json())
+        finally:
+            await stop(nodes)
+
+    run(main())
+
+
+def test_garbage_from_a_listed_peer_is_refused_and_counted(quick_family):
+    async def main():
+        node = make_node(quick_family)
+        rogue_keys = KeySet.generate()
+        await node.start()
+        node.apply_view(view([node]))
+        try:
+            members = dict(node.view.members)
+            record = next(iter(members.values()))
+            from dataclasses import replace
+            members[rogue_keys.public] = replace(record, pubkey=rogue_keys.public, address="127.0.0.1:1")
+            node.apply_view(type(node.view)(2, members))
+
+            async def nothing(*_):
+                return None
+
+            rogue = Peering(rogue_keys, nothing, lambda key: True)
+            conn = await rogue.connect(node.keys.public, node.config.address)
+            await conn.notify("cache", b"\x00garbage")
+            await conn.notify("cache", "not bytes")
+            await wait_until(lambda: node.counters["sync_errors"] == 2)
+            for bad_job in ({}, {"prompt": 5}, [1, 2]):
+                with pytest.raises(TransportError, match="forwarded job"):
+                    await conn.call("generate", bad_job)
+            with pytest.raises(TransportError, match="unknown message type"):
+                await conn.call("steal-keys", None)
+            answer = (await complete(node, "Are you fine?", planetserve={"no_forward": True})).json()
+            signed(answer)
+            await rogue.close()
+        finally:
+            await stop([node])
+
+    run(main())
