@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 
 BENCHES = ["commit_cost.py", "tx_throughput.py", "list_verify.py", "lightclient_verify.py", "vrf_speed.py",
-           "epoch_finalization.py"]
+           "epoch_finalization.py", "hrtree_fpr.py", "cache_sync.py", "engine_prefix.py", "forwarding.py",
+           "forwarding_real.py"]
 
 
 def main() -> int:

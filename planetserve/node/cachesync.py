@@ -51,6 +51,7 @@ from planetserve.node.hrtree import (
     decode_path,
     encode_path,
     path_width,
+    root_path,
 )
 from planetserve.node.sentry import MAX_PLAN_CHUNKS, ChunkPlan, PlanId, Sentry
 
@@ -391,7 +392,7 @@ class LocalCache:
                 adv.refs += 1
                 child = node.children[key] = _Local(key, node, adv)
             node = child
-        return [(True, _adv_path(node.adv))] if grew else []
+        return [(True, root_path(node.adv))] if grew else []
 
     def removed(self, token_ids: Sequence[int]) -> list[Op]:
         """The engine no longer holds `token_ids` (so nothing that extends it): exactly the chunk that
@@ -448,7 +449,7 @@ class LocalCache:
                 stack.extend(node.children.values())
         # an advertised prefix nobody maps to any more takes its whole subtree with it, so one eviction
         # per topmost such prefix says it all
-        ops: list[Op] = [(False, _adv_path(a)) for a in zeroed
+        ops: list[Op] = [(False, root_path(a)) for a in zeroed
                          if a.parent is self._adv_root or a.parent.refs]
         for adv in zeroed:
             if adv.parent.children.get(adv.key) is adv:
@@ -482,14 +483,6 @@ def _leaves(root: _Adv | _Local, *, sort: bool) -> list[tuple[Any, ...]]:
             out.append(tuple(keys))
             keys.pop()
     return out
-
-
-def _adv_path(adv: _Adv) -> Path:
-    keys = []
-    while adv.parent is not None:
-        keys.append(adv.key)
-        adv = adv.parent
-    return tuple(reversed(keys))
 
 
 @dataclass

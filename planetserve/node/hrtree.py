@@ -23,6 +23,7 @@ import itertools
 import struct
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from planetserve.node.balance import LoadReport
 from planetserve.node.sentry import ChunkPlan
@@ -385,7 +386,7 @@ class HRTree:
         if entry is None:
             return set()
         bit = 1 << entry.slot
-        return {_path_of(n) for n in self._by_holder.get(entry.slot, ())
+        return {root_path(n) for n in self._by_holder.get(entry.slot, ())
                 if not (n.children and any(c.conf & bit for c in n.children.values()))}
 
     # -- internals --
@@ -430,7 +431,16 @@ class HRTree:
             node = parent
 
 
-def _path_of(node: _Node) -> Path:
+class Linked(Protocol):
+    @property
+    def key(self) -> int: ...
+
+    @property
+    def parent(self) -> Linked | None: ...
+
+
+def root_path(node: Linked) -> Path:
+    """The chunk hashes from the root down to `node` (any tree whose nodes know key and parent)."""
     keys = []
     while node.parent is not None:
         keys.append(node.key)

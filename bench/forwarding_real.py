@@ -1,0 +1,200 @@
+"""Overlay forwarding on real engines: model nodes with the built-in engine over the trained gt, on
+this machine, serving the same requests twice: without forwarding (each entry node serves what it
+gets, `no_forward`) and with PlanetServe's forwarding (HR-tree + F_LB, cache-state sync over TLS).
+Then the simulator (bench/sim) runs the same requests with a cost table measured from this gt, so
+its prediction is checked against what the engines did.
+
+    .venv/bin/python bench/forwarding_real.py [--nodes 4] [--workload mixed] [--rate 1.5]
+        [--duration 60] [--scale 0.05] [--capacity 4] [--model gt] [--data-dir DIR]
+
+Latency is from sending the request to its last streamed chunk, TTFT to its first; the hit rate is
+the fraction of prompt tokens the engines served from their prefix caches (usage.cached_tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.sim import A100_LLAMA3_8B, Cluster, NoForwarding, Overlay, Prepared, fit_measured, summarize  # noqa: E402
+from planetserve.chain.keys import KeySet  # noqa: E402
+from planetserve.node.engine.profile import measure_costs  # noqa: E402
+from planetserve.node.group import GroupView  # noqa: E402
+from planetserve.node.home import ModelNodeConfig  # noqa: E402
+from planetserve.node.model_node import ModelNode  # noqa: E402
+from planetserve.node.runner import builtin_engine  # noqa: E402
+from planetserve.registry.entities import ModelNode as NodeRecord  # noqa: E402
+from planetserve.workloads import Request, detokenize, generate  # noqa: E402
+
+MODES = ("no-forwarding", "planetserve")
+MAX_PROMPT_TOKENS = 1900
+"""Leaves room in gt's 2,048 positions for the longest output."""
+
+
+def node_config(args: argparse.Namespace, index: int) -> ModelNodeConfig:
+    http, peer = args.port + 2 * index, args.port + 2 * index + 1
+    return ModelNodeConfig(org_id="bench", model_id="gt", model=args.model, data_dir=args.data_dir or "",
+                           http=f"127.0.0.1:{http}", peer=f"127.0.0.1:{peer}", capacity=args.capacity,
+                           cache_tokens=args.cache_tokens, max_prompt_tokens=MAX_PROMPT_TOKENS,
+                           delta_interval=0.1, load_interval=0.1, sync_interval=5.0)
+
+
+async def start_group(args: argparse.Namespace) -> list[ModelNode]:
+    nodes = []
+    for i in range(args.nodes):
+        config = node_config(args, i)
+        engine, tokenizer, vocab, stop = await asyncio.to_thread(builtin_engine, config)
+        node = ModelNode(config, KeySet.generate(), engine, tokenizer, vocab_size=vocab, eos_ids=stop,
+                         group=None)
+        await node.start()
+        nodes.append(node)
+    members = {n.keys.public: NodeRecord(n.keys.public, "bench", "gt", n.config.address, "cpu", args.capacity,
+                                         "global", "active", 1) for n in nodes}
+    for node in nodes:
+        node.apply_view(GroupView(1, members))
+    await asyncio.sleep(1.0)  # one round of loads and snapshots
+    return nodes
+
+
+async def send(client: httpx.AsyncClient, node: ModelNode, request: Request, mode: str,
+               started: float) -> dict:
+    await asyncio.sleep(max(0.0, started + request.arrival - time.monotonic()))
+    sent = time.monotonic()
+    body = {"model": "gt", "prompt": request.text, "max_tokens": request.output_len, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+            "planetserve": {"no_forward": mode == "no-forwarding"}}
+    first = None
+    usage: dict = {}
+    async with client.stream("POST", f"{node.http_url}/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            return {"error": (await response.aread()).decode()[:200]}
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if first is None and chunk.get("choices"):
+                first = time.monotonic()
+            usage = chunk.get("usage") or usage
+    done = time.monotonic()
+    return {"latency": done - sent, "ttft": (first or done) - sent, "prompt": usage.get("prompt_tokens", 0),
+            "cached": usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)}
+
+
+async def run_mode(args: argparse.Namespace, mode: str, requests: list[Request]) -> dict:
+    nodes = await start_group(args)
+    try:
+        async with httpx.AsyncClient(timeout=600) as client:
+            started = time.monotonic()
+            results = await asyncio.gather(*(send(client, nodes[r.id % len(nodes)], r, mode, started)
+                                             for r in requests))
+        forwarded = sum(n.counters["forwarded"] for n in nodes)
+    finally:
+        for node in nodes:
+            await node.close()
+            await node.engine.close()
+    failed = [r["error"] for r in results if "error" in r]
+    if failed:
+        raise SystemExit(f"{len(failed)} of {len(requests)} requests failed, e.g. {failed[0]}")
+    latency = np.array([r["latency"] for r in results])
+    ttft = np.array([r["ttft"] for r in results])
+    return {"mode": mode, "mean": float(latency.mean()), "p99": float(np.percentile(latency, 99)),
+            "ttft": float(ttft.mean()), "ttft99": float(np.percentile(ttft, 99)),
+            "hit": sum(r["cached"] for r in results) / max(1, sum(r["prompt"] for r in results)),
+            "forwarded": forwarded / len(requests)}
+
+
+def with_model_tokens(requests: list[Request], tokenizer) -> list[Request]:
+    """The same requests counted in the model's own tokens: the prefix is what a request shares with
+    its pool entry once both are tokenised (BPE may merge across the boundary)."""
+    pools: dict[str, tuple[int, ...]] = {}
+    out = []
+    for r in requests:
+        ids = tuple(tokenizer(r.text)["input_ids"])
+        pool = pools.setdefault(r.prefix_id, tuple(tokenizer(detokenize(r.prefix_ids))["input_ids"]))
+        common = next((i for i, (a, b) in enumerate(zip(pool, ids, strict=False)) if a != b),
+                      min(len(pool), len(ids)))
+        out.append(replace(r, prefix_ids=ids[:common], suffix_ids=ids[common:]))
+    return out
+
+
+def simulate(args: argparse.Namespace, requests: list[Request], tokenizer, model) -> dict[str, dict]:
+    base = replace(A100_LLAMA3_8B, max_seqs=args.capacity, kv_capacity_tokens=args.cache_tokens)
+    costs = fit_measured(measure_costs(model, prompt_lens=(128, 384, 768), batch_sizes=(1, 2, 4)), base)
+    prepared = Prepared.of(with_model_tokens(requests, tokenizer), costs.block_size)
+    out = {}
+    policies = (("no-forwarding", NoForwarding()), ("planetserve", Overlay(balance=True, seed=args.seed)))
+    for mode, policy in policies:
+        s = summarize(Cluster(prepared, policy, costs, args.nodes, net_delay=0.0005).run())
+        out[mode] = {"mean": s.mean_latency, "p99": s.p99_latency, "ttft": s.mean_ttft, "hit": s.hit_rate}
+    return out
+
+
+def _change(new: float, old: float) -> str:
+    return f"{100 * (new / old - 1):+.0f}%"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nodes", type=int, default=4)
+    parser.add_argument("--workload", default="mixed")
+    parser.add_argument("--rate", type=float, default=1.5, help="requests per second, whole group")
+    parser.add_argument("--duration", type=float, default=60.0)
+    parser.add_argument("--scale", type=float, default=0.05)
+    parser.add_argument("--capacity", type=int, default=4)
+    parser.add_argument("--cache-tokens", type=int, default=8192)
+    parser.add_argument("--model", default="gt")
+    parser.add_argument("--data-dir", default="")
+    parser.add_argument("--port", type=int, default=18400)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+
+    import torch
+
+    torch.set_num_threads(1)
+    requests = generate(args.workload, rate=args.rate, duration=args.duration, seed=args.seed,
+                        scale=args.scale)
+    engine, tokenizer, _, _ = builtin_engine(node_config(args, 0))
+    fits = [r for r in requests if len(tokenizer(r.text)["input_ids"]) <= MAX_PROMPT_TOKENS]
+    if len(fits) < len(requests):
+        print(f"left out {len(requests) - len(fits)} requests whose prompt exceeds {MAX_PROMPT_TOKENS} "
+              f"tokens (the model's context is {engine.max_model_len})")
+    requests = fits
+    print(f"{len(requests)} {args.workload} requests over {args.duration:.0f} s at {args.rate} req/s, "
+          f"{args.nodes} nodes of capacity {args.capacity}, model {args.model}", flush=True)
+    measured = {}
+    for mode in MODES:
+        measured[mode] = asyncio.run(run_mode(args, mode, requests))
+        print(f"  {mode}: done", flush=True)
+    predicted = simulate(args, requests, tokenizer, engine.model)
+    asyncio.run(engine.close())
+
+    print(f"\n{'mode':14} {'mean s':>8} {'p99 s':>8} {'ttft s':>8} {'ttft99':>8} {'hit':>6} {'fwd':>6}"
+          f"   {'sim mean':>8} {'sim ttft':>8} {'sim hit':>7}   {'real/sim':>8}")
+    for mode in MODES:
+        m, p = measured[mode], predicted[mode]
+        print(f"{mode:14} {m['mean']:8.2f} {m['p99']:8.2f} {m['ttft']:8.2f} {m['ttft99']:8.2f} "
+              f"{m['hit']:6.2f} {m['forwarded']:6.2f}   {p['mean']:8.2f} {p['ttft']:8.2f} {p['hit']:7.2f}   "
+              f"{m['mean'] / p['mean']:8.2f}")
+    for name, table in (("measured", measured), ("simulated", predicted)):
+        base, ps = table["no-forwarding"], table["planetserve"]
+        print(f"PlanetServe vs no forwarding, {name}: mean latency {_change(ps['mean'], base['mean'])}, "
+              f"TTFT {_change(ps['ttft'], base['ttft'])}, hit rate {base['hit']:.2f} -> {ps['hit']:.2f}")
+    if args.json:
+        args.json.write_text(json.dumps({"measured": measured, "predicted": predicted}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
