@@ -267,3 +267,38 @@ def test_garbage_from_a_listed_peer_is_refused_and_counted(quick_family):
             await stop([node])
 
     run(main())
+
+
+def test_cli_refuses_clearly_without_a_model_or_a_ledger(tmp_path, quick_family):
+    from click.testing import CliRunner
+
+    from planetserve.cli import main
+
+    runner = CliRunner()
+    assert runner.invoke(main, ["genesis", "init", str(tmp_path / "net"), "-n", "1", "--chain-id", "t",
+                                "--model", "gt=reference"]).exit_code == 0
+    genesis = tmp_path / "net" / "v0" / "config" / "genesis.json"
+    home = tmp_path / "mn"
+    created = runner.invoke(main, ["node", "init-model", "--home", str(home), "--org-id", "acme",
+                                   "--model-id", "gt", "--genesis", str(genesis), "--rpc", "http://127.0.0.1:1",
+                                   "--data-dir", str(tmp_path / "nothing-trained"), "--json"])
+    assert created.exit_code == 0, created.output
+    again = runner.invoke(main, ["node", "init-model", "--home", str(home), "--org-id", "acme",
+                                 "--model-id", "gt", "--genesis", str(genesis)])
+    assert again.exit_code == 1 and "already has a node key" in again.output
+
+    untrained = runner.invoke(main, ["node", "model", "--home", str(home)])
+    assert untrained.exit_code == 1 and "planetserve models train" in untrained.output
+
+    from planetserve.node.home import ModelNodeConfig
+
+    config = ModelNodeConfig.load(home)
+    config.data_dir = str(quick_family)
+    config.save(home)
+    no_ledger = runner.invoke(main, ["node", "model", "--home", str(home)])
+    assert no_ledger.exit_code == 1 and "the ledger could not be read" in no_ledger.output
+    assert "127.0.0.1:1 unreachable" in no_ledger.output
+
+    (home / "node.json").write_text('{"org_id": "acme", "model_id": "gt", "colour": "blue"}')
+    bad = runner.invoke(main, ["node", "model", "--home", str(home)])
+    assert bad.exit_code == 1 and "unknown settings colour" in bad.output

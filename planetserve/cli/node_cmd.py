@@ -86,6 +86,9 @@ def model(home: Path, org_keys: Path | None, log_level: str, as_json: bool) -> N
     streaming) and a TLS peer port for the other trusted nodes of its model. Every answer carries a
     `planetserve` object: the node's key, address, time, token ids and its signature over them.
     """
+    from planetserve.chain.client import QueryRefused
+    from planetserve.chain.lightclient import VerificationError
+    from planetserve.chain.rpc import RpcError
     from planetserve.models import ModelError
     from planetserve.node.home import HomeError
     from planetserve.node.model_node import ModelNode
@@ -112,3 +115,5 @@ def model(home: Path, org_keys: Path | None, log_level: str, as_json: bool) -> N
         asyncio.run(run_model_node(home, org, ready))
     except (HomeError, RegistrationError, ModelError, KeyFileError, ValueError, OSError) as exc:
         fail(str(exc))
+    except (RpcError, VerificationError, QueryRefused) as exc:
+        fail(f"the ledger could not be read: {exc}")

@@ -66,24 +66,27 @@ async def run_model_node(home: Path, org_keys: KeySet | None = None,
     """Run until SIGINT/SIGTERM."""
     config = ModelNodeConfig.load(home)
     keys = load_keys(home)
-    ledger = ledger_client(config)
-    registered = await asyncio.to_thread(ensure_registered, ledger, config, keys, org_keys)
+    # The model first: a node that cannot serve should not register.
     if config.engine_url:
         engine, tokenizer, vocab, stop = await remote_engine(config)
     else:
         engine, tokenizer, vocab, stop = await asyncio.to_thread(builtin_engine, config)
-    group = Group(ledger, config.model_id)
-    node = ModelNode(config, keys, engine, tokenizer, vocab_size=vocab, eos_ids=stop, group=group)
-    stop_event = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop_event.set)
-    await node.start()
     try:
-        if on_ready is not None:
-            on_ready(node, registered)
-        await stop_event.wait()
+        ledger = ledger_client(config)
+        registered = await asyncio.to_thread(ensure_registered, ledger, config, keys, org_keys)
+        group = Group(ledger, config.model_id)
+        node = ModelNode(config, keys, engine, tokenizer, vocab_size=vocab, eos_ids=stop, group=group)
+        stop_event = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop_event.set)
+        await node.start()
+        try:
+            if on_ready is not None:
+                on_ready(node, registered)
+            await stop_event.wait()
+        finally:
+            await node.close()
     finally:
-        await node.close()
         with contextlib.suppress(Exception):
             await engine.close()
