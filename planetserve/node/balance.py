@@ -124,7 +124,7 @@ def route(self_id: str, candidates: Iterable[Candidate], *, holders: Collection[
     policy = policy or BalancePolicy()
     if forwarded:
         return Decision(self_id, Reason.ALREADY_FORWARDED, False, "a request is forwarded at most once")
-    eligible = _with_latency({c.node_id: c.load for c in candidates if c.trusted and c.load is not None})
+    eligible = effective_loads({c.node_id: c.load for c in candidates if c.trusted and c.load is not None})
     notes: list[str] = []
     if affinity is not None:
         load = eligible.get(affinity)
@@ -150,8 +150,8 @@ def route(self_id: str, candidates: Iterable[Candidate], *, holders: Collection[
     return _decide(self_id, best(eligible), Reason.MISS, "; ".join([*notes, "least-loaded overall"]))
 
 
-def _with_latency(loads: dict[str, LoadReport]) -> dict[str, LoadReport]:
-    """Loads with a node's missing latency sample replaced by the mean of the others'."""
+def effective_loads(loads: dict[str, LoadReport]) -> dict[str, LoadReport]:
+    """The loads ranking uses: a node's missing latency sample replaced by the mean of the others'."""
     known = [load.latency for load in loads.values() if load.latency > 0]
     if not known or len(known) == len(loads):
         return loads

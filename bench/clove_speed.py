@@ -1,0 +1,105 @@
+"""(n, k) S-IDA clove speed against the paper's section 5.2 (ToolBench prompts of about 7k tokens:
+preparation 0.273 ms mean, 0.280 P50; decryption 0.302 ms mean, 0.309 P50).
+
+The paper's prompt size is taken as 7,206 tokens x 4 bytes per token of English text = 28,824 bytes;
+1 KiB and 256 KiB bracket it. Every iteration splits a fresh random message.
+
+- prepare: split (encrypt, disperse, share the key) and encode all n cloves to bytes.
+- recover: decode k cloves from bytes, feed them to a long-lived Reassembler, which joins and decrypts.
+  "first k" gets cloves 1..k (the systematic fragments: no erasure decoding); "lost 1" gets 2..n,
+  so the Reed-Solomon decoder runs, the worst case for one lost path at (4, 3).
+
+    .venv/bin/python bench/clove_speed.py [--iterations 2000] [--n 4] [--k 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+from planetserve.node import sida
+
+TOOLUSE_TOKENS = 7206
+BYTES_PER_TOKEN = 4
+TOOLUSE_BYTES = TOOLUSE_TOKENS * BYTES_PER_TOKEN
+SIZES = {"1 KiB": 1024, f"ToolUse {TOOLUSE_BYTES:,} B": TOOLUSE_BYTES, "256 KiB": 256 * 1024}
+PAPER_MS = {"prepare": 0.273, "recover": 0.302}
+TARGET_SPEEDUP = 5.0
+ROW = "{:<21} {:>8} {:<16} {:>8} {:>8} {:>8} {:>9}"
+
+
+def prepare(message: bytes, n: int, k: int) -> list[bytes]:
+    return [sida.encode(c) for c in sida.split(message, n, k)]
+
+
+def recover(reassembler: sida.Reassembler, raw: Sequence[bytes]) -> bytes | None:
+    result = None
+    for data in raw:
+        result = reassembler.add(data)
+    return result
+
+
+def timed(fn: Callable[[], object]) -> tuple[float, object]:
+    t0 = time.perf_counter()
+    value = fn()
+    return (time.perf_counter() - t0) * 1e3, value
+
+
+def measure(size: int, n: int, k: int, iterations: int, warmup: int) -> dict[str, list[float]]:
+    """Per-iteration milliseconds of preparation and of both recovery cases."""
+    reassembler = sida.Reassembler()
+    samples: dict[str, list[float]] = {"prepare": [], "recover first k": [], "recover lost 1": []}
+    for i in range(warmup + iterations):
+        message = os.urandom(size)
+        ms, raw = timed(lambda m=message: prepare(m, n, k))
+        first_ms, first = timed(lambda r=raw: recover(reassembler, r[:k]))
+        again = prepare(message, n, k)
+        lost_ms, lost = timed(lambda r=again: recover(reassembler, r[n - k :]))
+        assert first == message and lost == message
+        if i >= warmup:
+            samples["prepare"].append(ms)
+            samples["recover first k"].append(first_ms)
+            samples["recover lost 1"].append(lost_ms)
+    return samples
+
+
+def stats(values: list[float]) -> tuple[float, float, float]:
+    cuts = statistics.quantiles(values, n=100, method="inclusive")
+    return statistics.fmean(values), cuts[49], cuts[98]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--iterations", type=int, default=2000)
+    parser.add_argument("--warmup", type=int, default=100)
+    parser.add_argument("--n", type=int, default=sida.DEFAULT_N)
+    parser.add_argument("--k", type=int, default=sida.DEFAULT_K)
+    args = parser.parse_args()
+
+    print(f"(n, k) = ({args.n}, {args.k}), {args.iterations} iterations after {args.warmup} warm-up")
+    print(ROW.format("message", "clove B", "operation", "mean ms", "P50 ms", "P99 ms", "vs paper"))
+    worst = float("inf")
+    for label, size in SIZES.items():
+        clove_bytes = len(prepare(bytes(size), args.n, args.k)[0])
+        for operation, values in measure(size, args.n, args.k, args.iterations, args.warmup).items():
+            mean, p50, p99 = stats(values)
+            ratio = ""
+            if size == TOOLUSE_BYTES:
+                speedup = PAPER_MS[operation.split()[0]] / mean
+                worst = min(worst, speedup)
+                ratio = f"{speedup:.1f}x"
+            print(ROW.format(label, clove_bytes, operation, f"{mean:.4f}", f"{p50:.4f}", f"{p99:.4f}", ratio))
+    verdict = "met" if worst >= TARGET_SPEEDUP else "NOT met"
+    print(
+        f"paper (ToolUse): prepare {PAPER_MS['prepare']} ms mean, recover {PAPER_MS['recover']} ms mean; "
+        f"slowest speedup {worst:.1f}x, target {TARGET_SPEEDUP:.0f}x {verdict}"
+    )
+
+
+if __name__ == "__main__":
+    main()

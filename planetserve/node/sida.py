@@ -1,0 +1,469 @@
+"""(n, k) S-IDA: one message becomes n cloves, any k of which recover it and k - 1 reveal nothing.
+
+The paper's scheme (section 3.2): encrypt M under a fresh key K, split {M}_K k-of-n with an information
+dispersal code, split K k-of-n with Shamir's secret sharing; clove C_i = (M_i, K_i).
+
+- Encryption is ChaCha20-Poly1305 under a fresh 32-byte key and a random 12-byte nonce. The associated
+  data is the clove set's header (version, message id, n, k, ciphertext length), so a clove from another
+  message, or with a changed parameter, makes the set fail authentication instead of decrypting to
+  something else.
+- The ciphertext, zero-padded to a multiple of k, is split by zfec (systematic Reed-Solomon): fragments
+  1..k are the ciphertext itself, k+1..n parity. Padding must come back as zeros.
+- The key, read as a 256-bit integer, is shared over GF(p), p = 2^521 - 1 (a Mersenne prime, so every
+  key is a field element and reduction is cheap); coefficients from `secrets`, share i sits at x = i.
+  With k = 1 every share is the key itself: (n, 1) buys resilience, not confidentiality.
+
+Wire format of a clove (big-endian, 102 bytes then the fragment):
+
+    version u8 | message id 16 | n u8 | k u8 | index u8 | ciphertext length u32 | nonce 12
+    | key share 66 | fragment ceil(length / k)
+
+The message id is random, so cloves of one message find each other without naming the sender.
+
+Recovery tries k-subsets of what it holds (one clove per index) until one authenticates, at most
+`max_attempts` AEAD checks per message, so one corrupted clove among n is tolerated when n - 1 >= k and
+detected otherwise; wrong plaintext is never returned.
+"""
+
+from __future__ import annotations
+
+import hmac
+import itertools
+import secrets
+import struct
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import zfec
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+
+VERSION = 1
+PRIME = 2**521 - 1
+SHARE_SIZE = 66
+KEY_SIZE = 32
+NONCE_SIZE = 12
+TAG_SIZE = 16
+ID_SIZE = 16
+MAX_N = 255
+DEFAULT_N = 4
+DEFAULT_K = 3
+DEFAULT_MAX_MESSAGE = 4 * 1024 * 1024
+DEFAULT_MAX_ATTEMPTS = 128
+
+_HEAD = struct.Struct(">B16sBBBI12s")
+HEADER_SIZE = _HEAD.size + SHARE_SIZE
+_AD = struct.Struct(">16sB16sBBI")
+_AD_DOMAIN = b"planetserve-sida"
+
+
+class CloveError(Exception):
+    """Base of everything that can go wrong with cloves received from the network."""
+
+
+class MalformedCloveError(CloveError):
+    """Bytes that are not a well-formed clove (truncated, oversized, inconsistent)."""
+
+
+class MismatchedSetError(CloveError):
+    """Cloves that belong to different messages or parameter sets were given as one message."""
+
+
+class TooFewClovesError(CloveError):
+    """Fewer than k distinct cloves of a set: the message cannot be recovered yet."""
+
+
+class AuthenticationError(CloveError):
+    """No k-subset of the cloves decrypts: some are corrupted or forged."""
+
+
+@dataclass(frozen=True, slots=True)
+class SetHeader:
+    """What every clove of one message shares; cloves are grouped (and authenticated) by it."""
+
+    message_id: bytes
+    n: int
+    k: int
+    length: int
+    nonce: bytes
+
+    def associated_data(self) -> bytes:
+        return _AD.pack(_AD_DOMAIN, VERSION, self.message_id, self.n, self.k, self.length)
+
+
+@dataclass(frozen=True, slots=True)
+class Clove:
+    """One of n slices of a message; `index` (1..n) is both the fragment number and the share's x."""
+
+    message_id: bytes
+    index: int
+    n: int
+    k: int
+    length: int
+    nonce: bytes
+    share: bytes = field(repr=False)
+    fragment: bytes = field(repr=False)
+
+    def __post_init__(self) -> None:
+        _check_params(self.n, self.k, MalformedCloveError)
+        if len(self.message_id) != ID_SIZE or len(self.nonce) != NONCE_SIZE:
+            raise MalformedCloveError("bad message id or nonce size")
+        if not 1 <= self.index <= self.n:
+            raise MalformedCloveError(f"index {self.index} outside 1..{self.n}")
+        if self.length < TAG_SIZE:
+            raise MalformedCloveError("ciphertext shorter than its tag")
+        if len(self.fragment) != fragment_size(self.length, self.k):
+            raise MalformedCloveError("fragment size does not match the header")
+        if len(self.share) != SHARE_SIZE or int.from_bytes(self.share) >= PRIME:
+            raise MalformedCloveError("key share is not a field element")
+
+    @property
+    def header(self) -> SetHeader:
+        return SetHeader(self.message_id, self.n, self.k, self.length, self.nonce)
+
+    @property
+    def size(self) -> int:
+        return HEADER_SIZE + len(self.fragment)
+
+
+def fragment_size(length: int, k: int) -> int:
+    """Bytes per fragment: the ciphertext zero-padded to a multiple of k, over k."""
+    return -(-length // k)
+
+
+def _check_params(n: int, k: int, error: type[Exception]) -> None:
+    if not 1 <= k <= n <= MAX_N:
+        raise error(f"need 1 <= k <= n <= {MAX_N}, got n={n} k={k}")
+
+
+# -- Shamir over GF(PRIME) -----------------------------------------------------------------------------
+
+
+def shamir_split(secret: int, n: int, k: int, prime: int = PRIME) -> list[int]:
+    """Shares at x = 1..n of a random degree k-1 polynomial with constant term `secret`."""
+    coefficients = [secrets.randbelow(prime) for _ in range(k - 1)]
+    shares = []
+    for x in range(1, n + 1):
+        y = 0
+        for c in reversed(coefficients):
+            y = (y + c) * x % prime
+        shares.append((y + secret) % prime)
+    return shares
+
+
+@lru_cache(maxsize=1024)
+def _lagrange_at_zero(xs: tuple[int, ...], prime: int) -> tuple[int, ...]:
+    """Public weights per x-set; cached because a modular inverse costs far more than the rest."""
+    weights = []
+    for i, xi in enumerate(xs):
+        num = den = 1
+        for j, xj in enumerate(xs):
+            if j != i:
+                num = num * xj % prime
+                den = den * (xj - xi) % prime
+        weights.append(num * pow(den, -1, prime) % prime)
+    return tuple(weights)
+
+
+def shamir_combine(points: Sequence[tuple[int, int]], prime: int = PRIME) -> int:
+    """The polynomial's value at 0 from k points with distinct x."""
+    weights = _lagrange_at_zero(tuple(x for x, _ in points), prime)
+    return sum(w * y for w, (_, y) in zip(weights, points, strict=True)) % prime
+
+
+# -- dispersal (zfec) ---------------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=64)
+def _encoder(k: int, n: int) -> zfec.Encoder:
+    return zfec.Encoder(k, n)
+
+
+@lru_cache(maxsize=64)
+def _decoder(k: int, n: int) -> zfec.Decoder:
+    return zfec.Decoder(k, n)
+
+
+def _disperse(data: bytes, n: int, k: int) -> list[bytes]:
+    size = fragment_size(len(data), k)
+    padded = data + bytes(size * k - len(data))
+    blocks = tuple(padded[i * size : (i + 1) * size] for i in range(k))
+    if n == k:
+        return list(blocks)
+    return [*blocks, *_encoder(k, n).encode(blocks, tuple(range(k, n)))]
+
+
+def _gather(cloves: Sequence[Clove]) -> bytes:
+    """Padded ciphertext from k cloves; only needs the decoder when a parity fragment is among them."""
+    first = cloves[0]
+    if all(c.index <= first.k for c in cloves):
+        blocks = [c.fragment for c in sorted(cloves, key=lambda c: c.index)]
+    else:
+        fragments = tuple(c.fragment for c in cloves)
+        blocks = _decoder(first.k, first.n).decode(fragments, tuple(c.index - 1 for c in cloves))
+    return b"".join(blocks)
+
+
+# -- split / open -------------------------------------------------------------------------------------
+
+
+def split(
+    message: bytes, n: int = DEFAULT_N, k: int = DEFAULT_K, *, max_message: int = DEFAULT_MAX_MESSAGE
+) -> list[Clove]:
+    """n cloves of `message`, any k of which recover it."""
+    _check_params(n, k, ValueError)
+    if len(message) > max_message:
+        raise ValueError(f"message of {len(message)} bytes exceeds the {max_message}-byte limit")
+    key = secrets.token_bytes(KEY_SIZE)
+    header = SetHeader(
+        secrets.token_bytes(ID_SIZE), n, k, len(message) + TAG_SIZE, secrets.token_bytes(NONCE_SIZE)
+    )
+    ciphertext = ChaCha20Poly1305(key).encrypt(header.nonce, message, header.associated_data())
+    shares = shamir_split(int.from_bytes(key), n, k)
+    fragments = _disperse(ciphertext, n, k)
+    return [
+        Clove(header.message_id, i + 1, n, k, header.length, header.nonce, s.to_bytes(SHARE_SIZE), f)
+        for i, (s, f) in enumerate(zip(shares, fragments, strict=True))
+    ]
+
+
+def _open(cloves: Sequence[Clove]) -> bytes | None:
+    """The plaintext from exactly k cloves of one set, or None if they do not authenticate."""
+    header = cloves[0].header
+    key = shamir_combine([(c.index, int.from_bytes(c.share)) for c in cloves])
+    if key.bit_length() > 8 * KEY_SIZE:
+        return None
+    padded = _gather(cloves)
+    if padded.count(0, header.length) != len(padded) - header.length:
+        return None
+    aead = ChaCha20Poly1305(key.to_bytes(KEY_SIZE))
+    try:
+        return aead.decrypt(header.nonce, padded[: header.length], header.associated_data())
+    except InvalidTag:
+        return None
+
+
+def _same(a: Clove, b: Clove) -> bool:
+    return hmac.compare_digest(a.share, b.share) and a.fragment == b.fragment
+
+
+class _Group:
+    """Cloves of one set header, a few distinct variants per index so a forged early copy cannot
+    shadow the genuine one."""
+
+    def __init__(self, header: SetHeader, max_variants: int) -> None:
+        self.header = header
+        self.max_variants = max_variants
+        self.variants: dict[int, list[Clove]] = {}
+
+    def add(self, clove: Clove) -> bool:
+        """Whether the clove is new (kept); duplicates and variants beyond the cap are not."""
+        kept = self.variants.setdefault(clove.index, [])
+        if len(kept) >= self.max_variants or any(_same(clove, c) for c in kept):
+            return False
+        kept.append(clove)
+        return True
+
+    def subsets(self, including: Clove | None = None) -> Iterator[tuple[Clove, ...]]:
+        """k-subsets, one clove per index, earliest variants first; only those with `including`."""
+        k = self.header.k
+        if including is None:
+            for indices in itertools.combinations(sorted(self.variants), k):
+                yield from itertools.product(*(self.variants[i] for i in indices))
+            return
+        others = sorted(i for i in self.variants if i != including.index)
+        for indices in itertools.combinations(others, k - 1):
+            for rest in itertools.product(*(self.variants[i] for i in indices)):
+                yield (including, *rest)
+
+
+def _search(subsets: Iterable[tuple[Clove, ...]], budget: int) -> tuple[bytes | None, int]:
+    """First subset that authenticates, and how many AEAD checks it took."""
+    spent = 0
+    for subset in subsets:
+        if spent >= budget:
+            break
+        spent += 1
+        plaintext = _open(subset)
+        if plaintext is not None:
+            return plaintext, spent
+    return None, spent
+
+
+def join(cloves: Iterable[Clove], *, max_attempts: int = DEFAULT_MAX_ATTEMPTS) -> bytes:
+    """The message from cloves received all at once. Sets (by header) with fewer than k cloves are
+    ignored, so a clove with a tampered header is tolerated if enough others are intact."""
+    groups: dict[SetHeader, _Group] = {}
+    for clove in cloves:
+        header = clove.header
+        if header not in groups:
+            groups[header] = _Group(header, MAX_N)
+        groups[header].add(clove)
+    complete = [g for g in groups.values() if len(g.variants) >= g.header.k]
+    if len({g.header.message_id for g in complete}) > 1:
+        raise MismatchedSetError("cloves of more than one complete message")
+    if not complete:
+        if len(groups) > 1:
+            raise MismatchedSetError("cloves of different sets, none with k of its own")
+        have = len(next(iter(groups.values())).variants) if groups else 0
+        raise TooFewClovesError(f"{have} distinct cloves, need k")
+    budget = max_attempts
+    for group in complete:
+        plaintext, spent = _search(group.subsets(), budget)
+        if plaintext is not None:
+            return plaintext
+        budget -= spent
+    raise AuthenticationError("no k-subset of the cloves authenticates")
+
+
+# -- encoding -----------------------------------------------------------------------------------------
+
+
+def encode(clove: Clove) -> bytes:
+    head = _HEAD.pack(VERSION, clove.message_id, clove.n, clove.k, clove.index, clove.length, clove.nonce)
+    return b"".join((head, clove.share, clove.fragment))
+
+
+def decode(data: bytes, *, max_message: int = DEFAULT_MAX_MESSAGE) -> Clove:
+    """Strict: the version, the size limit and the fragment size are all checked before anything else
+    is read."""
+    if len(data) < HEADER_SIZE:
+        raise MalformedCloveError(f"clove of {len(data)} bytes is shorter than its header")
+    version, message_id, n, k, index, length, nonce = _HEAD.unpack_from(data)
+    if version != VERSION:
+        raise MalformedCloveError(f"unknown clove version {version}")
+    if length > max_message + TAG_SIZE:
+        raise MalformedCloveError(f"ciphertext of {length} bytes exceeds the {max_message}-byte limit")
+    if k == 0:
+        raise MalformedCloveError("k = 0")
+    if len(data) != HEADER_SIZE + fragment_size(length, k):
+        raise MalformedCloveError("clove size does not match its header")
+    share = data[_HEAD.size : HEADER_SIZE]
+    return Clove(message_id, index, n, k, length, nonce, share, data[HEADER_SIZE:])
+
+
+# -- reassembly ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Pending:
+    created: float
+    groups: dict[SetHeader, _Group] = field(default_factory=dict)
+    size: int = 0
+    attempts: int = 0
+
+
+class Reassembler:
+    """Collects cloves as they arrive and returns each message once k valid cloves of it are in.
+
+    Memory is bounded: at most `max_pending` messages and `max_pending_bytes` of cloves are held (the
+    oldest message is dropped first), a message expires `ttl` seconds after its first clove, and each
+    message keeps at most `max_sets` headers and `max_variants` distinct cloves per index. Ids of
+    finished messages are remembered for `ttl` so the late n - k cloves are dropped, not re-collected.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_pending: int = 1024,
+        max_pending_bytes: int = 64 * 1024 * 1024,
+        ttl: float = 30.0,
+        max_message: int = DEFAULT_MAX_MESSAGE,
+        max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+        max_sets: int = 4,
+        max_variants: int = 2,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.max_pending = max_pending
+        self.max_pending_bytes = max_pending_bytes
+        self.ttl = ttl
+        self.max_message = max_message
+        self.max_attempts = max_attempts
+        self.max_sets = max_sets
+        self.max_variants = max_variants
+        self.clock = clock
+        self.pending_bytes = 0
+        self.dropped = 0
+        self._pending: OrderedDict[bytes, _Pending] = OrderedDict()
+        self._finished: OrderedDict[bytes, float] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def add(self, clove: Clove | bytes) -> bytes | None:
+        """The message if this clove completes one, else None.
+
+        Raises MalformedCloveError for bad bytes, and AuthenticationError when this clove gives k
+        distinct cloves but no new k-subset authenticates; the message stays pending so a further
+        clove can still recover it, until its attempt budget is spent.
+        """
+        if isinstance(clove, (bytes, bytearray, memoryview)):
+            clove = decode(bytes(clove), max_message=self.max_message)
+        elif clove.length > self.max_message + TAG_SIZE:
+            raise MalformedCloveError("clove exceeds the message size limit")
+        now = self.clock()
+        self.expire(now)
+        if clove.message_id in self._finished:
+            return None
+        entry = self._pending.get(clove.message_id)
+        if entry is None:
+            entry = self._pending[clove.message_id] = _Pending(now)
+        header = clove.header
+        group = entry.groups.get(header)
+        if group is None:
+            if len(entry.groups) >= self.max_sets:
+                return None
+            group = entry.groups[header] = _Group(header, self.max_variants)
+        if not group.add(clove):
+            return None
+        size = clove.size
+        entry.size += size
+        self.pending_bytes += size
+        try:
+            return self._try(clove.message_id, entry, group, clove)
+        finally:
+            self._enforce_caps()
+
+    def _try(self, message_id: bytes, entry: _Pending, group: _Group, clove: Clove) -> bytes | None:
+        if len(group.variants) < group.header.k:
+            return None
+        budget = self.max_attempts - entry.attempts
+        plaintext, spent = _search(group.subsets(including=clove), budget)
+        entry.attempts += spent
+        if plaintext is not None:
+            self._finish(message_id)
+            return plaintext
+        if entry.attempts >= self.max_attempts:
+            self._finish(message_id)
+        raise AuthenticationError("no k-subset of this message's cloves authenticates")
+
+    def _finish(self, message_id: bytes) -> None:
+        self._drop(message_id)
+        self._finished[message_id] = self.clock()
+        while len(self._finished) > 4 * self.max_pending:
+            self._finished.popitem(last=False)
+
+    def _drop(self, message_id: bytes) -> None:
+        entry = self._pending.pop(message_id)
+        self.pending_bytes -= entry.size
+
+    def _enforce_caps(self) -> None:
+        while self._pending and (
+            len(self._pending) > self.max_pending or self.pending_bytes > self.max_pending_bytes
+        ):
+            self._drop(next(iter(self._pending)))
+            self.dropped += 1
+
+    def expire(self, now: float | None = None) -> int:
+        """Drop messages older than `ttl`; returns how many were pending."""
+        now = self.clock() if now is None else now
+        while self._finished and next(iter(self._finished.values())) + self.ttl <= now:
+            self._finished.popitem(last=False)
+        expired = 0
+        while self._pending and next(iter(self._pending.values())).created + self.ttl <= now:
+            self._drop(next(iter(self._pending)))
+            expired += 1
+        return expired
