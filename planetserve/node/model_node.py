@@ -20,6 +20,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from aiohttp import web
+
 from planetserve.chain.challenge import response_extension, sign_response
 from planetserve.chain.keys import KeySet
 from planetserve.node.balance import BalancePolicy, Decision, LatencyEWMA, LoadReport, Reason, route
@@ -126,9 +128,7 @@ class ModelNodeServer(EngineServer):
                   request.stop, request.stop_token_ids, request.ignore_eos, request.planetserve.session_id)
         return await self.node.produce(job, tuple(prompt_ids), generation, request.planetserve)
 
-    async def _status(self, _: Any) -> Any:
-        from aiohttp import web
-
+    async def _status(self, _: web.Request) -> web.Response:
         return web.json_response(self.node.status())
 
 
@@ -210,7 +210,7 @@ class ModelNode:
                 self.sync.remove_peer(entry.node_id)
                 conn = self.peering.connections.get(bytes.fromhex(entry.node_id))
                 if conn is not None:
-                    asyncio.get_running_loop().create_task(conn.close())
+                    self._tasks.append(asyncio.get_running_loop().create_task(conn.close()))
         for key, node in view.members.items():
             if key != self.keys.public:
                 self.sync.add_peer(key.hex(), now=now, address=node.address, trusted=True)
