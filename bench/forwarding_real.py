@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.sim import A100_LLAMA3_8B, Cluster, NoForwarding, Overlay, Prepared, fit_measured, summarize  # noqa: E402
 from planetserve.chain.keys import KeySet  # noqa: E402
+from planetserve.node.cachesync import SyncConfig  # noqa: E402
 from planetserve.node.engine.profile import measure_costs  # noqa: E402
 from planetserve.node.group import GroupView  # noqa: E402
 from planetserve.node.home import ModelNodeConfig  # noqa: E402
@@ -128,11 +129,18 @@ def with_model_tokens(requests: list[Request], tokenizer) -> list[Request]:
 
 
 def simulate(args: argparse.Namespace, requests: list[Request], tokenizer, model) -> dict[str, dict]:
-    base = replace(A100_LLAMA3_8B, max_seqs=args.capacity, kv_capacity_tokens=args.cache_tokens)
+    # The built-in engine holds running sequences' KV outside its prefix cache; the simulated node
+    # keeps both in one pool, so the pool gets room for a full batch of the longest prompts too.
+    pool = args.cache_tokens + args.capacity * MAX_PROMPT_TOKENS
+    base = replace(A100_LLAMA3_8B, max_seqs=args.capacity, kv_capacity_tokens=pool)
     costs = fit_measured(measure_costs(model, prompt_lens=(128, 384, 768), batch_sizes=(1, 2, 4)), base)
     prepared = Prepared.of(with_model_tokens(requests, tokenizer), costs.block_size)
     out = {}
-    policies = (("no-forwarding", NoForwarding()), ("planetserve", Overlay(balance=True, seed=args.seed)))
+    node = node_config(args, 0)  # the simulated group routes with the real nodes' settings
+    overlay = Overlay(balance=True, seed=args.seed, min_depth=node.match_depth,
+                      config=SyncConfig(batch_interval=node.delta_interval, load_interval=node.load_interval,
+                                        snapshot_interval=node.sync_interval))
+    policies = (("no-forwarding", NoForwarding()), ("planetserve", overlay))
     for mode, policy in policies:
         s = summarize(Cluster(prepared, policy, costs, args.nodes, net_delay=0.0005).run())
         out[mode] = {"mean": s.mean_latency, "p99": s.p99_latency, "ttft": s.mean_ttft, "hit": s.hit_rate}
