@@ -1,14 +1,17 @@
-"""A model node's home directory: its configuration (node.json) and its key file (node_keys.json)."""
+"""The home directory of a model node (node.json) or a user relay (user.json): its configuration and
+its key file (node_keys.json)."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import ClassVar, Self
 
 from planetserve.chain.keys import KeySet
 
 CONFIG_FILE = "node.json"
+USER_CONFIG_FILE = "user.json"
 KEYS_FILE = "node_keys.json"
 
 
@@ -16,8 +19,42 @@ class HomeError(Exception):
     """The home directory is missing, incomplete or its configuration is malformed."""
 
 
+class HomeConfig:
+    """Loading and saving a role's JSON configuration, strictly (unknown settings are errors)."""
+
+    FILE: ClassVar[str]
+    INIT: ClassVar[str]
+
+    @classmethod
+    def load(cls, home: Path) -> Self:
+        path = home / cls.FILE
+        try:
+            raw = json.loads(path.read_text())
+        except FileNotFoundError as exc:
+            raise HomeError(f"no {cls.FILE} in {home}: "
+                            f"run `planetserve node {cls.INIT} --home {home}`") from exc
+        except json.JSONDecodeError as exc:
+            raise HomeError(f"{path} is not valid JSON: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise HomeError(f"{path} must hold a JSON object")
+        unknown = sorted(set(raw) - {f.name for f in fields(cls)})  # type: ignore[arg-type]
+        if unknown:
+            raise HomeError(f"{path}: unknown settings {', '.join(unknown)}")
+        try:
+            return cls(**raw)
+        except TypeError as exc:
+            raise HomeError(f"{path}: {exc}") from exc
+
+    def save(self, home: Path) -> None:
+        home.mkdir(parents=True, exist_ok=True)
+        (home / self.FILE).write_text(json.dumps(asdict(self), indent=2, sort_keys=True) + "\n")  # type: ignore[call-overload]
+
+
 @dataclass
-class ModelNodeConfig:
+class ModelNodeConfig(HomeConfig):
+    FILE: ClassVar[str] = CONFIG_FILE
+    INIT: ClassVar[str] = "init-model"
+
     org_id: str
     model_id: str
     """The model id registered on the ledger (the group this node joins)."""
@@ -55,35 +92,42 @@ class ModelNodeConfig:
     def address(self) -> str:
         return self.advertise or self.peer
 
-    @classmethod
-    def load(cls, home: Path) -> ModelNodeConfig:
-        path = home / CONFIG_FILE
-        try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError as exc:
-            raise HomeError(f"no {CONFIG_FILE} in {home}: "
-                            f"run `planetserve node init-model --home {home}`") from exc
-        except json.JSONDecodeError as exc:
-            raise HomeError(f"{path} is not valid JSON: {exc}") from exc
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise HomeError(f"{path}: unknown settings {', '.join(unknown)}")
-        try:
-            return cls(**raw)
-        except TypeError as exc:
-            raise HomeError(f"{path}: {exc}") from exc
 
-    def save(self, home: Path) -> None:
-        home.mkdir(parents=True, exist_ok=True)
-        (home / CONFIG_FILE).write_text(json.dumps(asdict(self), indent=2, sort_keys=True) + "\n")
+@dataclass
+class UserConfig(HomeConfig):
+    """A user relay: relays for others, keeps its own proxies, serves the local OpenAI endpoint."""
+
+    FILE: ClassVar[str] = USER_CONFIG_FILE
+    INIT: ClassVar[str] = "init-user"
+
+    rpc: str = "http://127.0.0.1:26657"
+    genesis: str = ""
+    http: str = "127.0.0.1:8080"
+    """The local OpenAI-compatible endpoint (host:port); keep it on loopback."""
+    peer: str = "127.0.0.1:9100"
+    """TLS port other relays and model nodes dial (host:port)."""
+    advertise: str = ""
+    """The address registered on the ledger; defaults to `peer`."""
+    region: str = "global"
+    proxies: int = 5
+    """N: live proxies kept (at least n)."""
+    n: int = 4
+    k: int = 3
+    response_timeout: float = 120.0
+    """Seconds to wait for the first part of an answer, and between parts."""
+    list_interval: float = 5.0
+    ping_interval: float = 10.0
+
+    @property
+    def address(self) -> str:
+        return self.advertise or self.peer
 
 
-def init_home(home: Path, config: ModelNodeConfig) -> KeySet:
+def init_home(home: Path, config: HomeConfig) -> KeySet:
     """Create the home: configuration and a fresh node key (an existing key is never replaced)."""
     keys_path = home / KEYS_FILE
     if keys_path.exists():
-        raise HomeError(f"{home} already has a node key; edit {home / CONFIG_FILE} to change settings")
+        raise HomeError(f"{home} already has a node key; edit {home / config.FILE} to change settings")
     config.save(home)
     keys = KeySet.generate()
     keys.save(keys_path)

@@ -2,10 +2,12 @@
 once within its group by the HR-tree and the load-balance factor (Algorithm 2), keeps the group's
 cache state in sync, and signs every answer it generates with its registered key.
 
-Peer protocol (over `transport`, between members of the group only):
+Peer protocol (over `transport`), between members of the group:
   "cache"     one-way, bytes: a cachesync message (deltas, snapshots, snapshot requests, loads)
   "generate"  request, a forwarded prompt: replies are ["chunk", ids, finish, prompt_tokens,
               cached_tokens] and a last ["signed", extension]; the forwarded node never forwards again.
+and from listed users (proxies of the anonymous overlay, see `gateway`):
+  "clove"     one-way, bytes: one clove of a prompt; answers go back as "reply" messages.
 """
 
 from __future__ import annotations
@@ -26,9 +28,11 @@ from planetserve.chain.challenge import response_extension, sign_response
 from planetserve.chain.keys import KeySet
 from planetserve.node.balance import BalancePolicy, Decision, LatencyEWMA, LoadReport, Reason, route
 from planetserve.node.cachesync import CacheSync, SyncConfig, SyncError
+from planetserve.node.directory import Directory, DirectoryView
 from planetserve.node.engine.base import CacheEvent, Engine, EngineError, GenerationRequest, TokenChunk
 from planetserve.node.engine.http_server import EngineServer, Generation, Production
 from planetserve.node.engine.kvevents import PrefixMirror
+from planetserve.node.gateway import Gateway
 from planetserve.node.group import EMPTY, Group, GroupView
 from planetserve.node.home import ModelNodeConfig
 from planetserve.node.openai_api import (
@@ -137,7 +141,8 @@ class ModelNode:
 
     def __init__(self, config: ModelNodeConfig, keys: KeySet, engine: Engine, tokenizer: Tokenizer, *,
                  vocab_size: int, eos_ids: Sequence[int], group: Group | None,
-                 limits: ApiLimits | None = None, policy: BalancePolicy | None = None) -> None:
+                 users: Directory | None = None, limits: ApiLimits | None = None,
+                 policy: BalancePolicy | None = None) -> None:
         self.config = config
         self.keys = keys
         self.node_id = keys.public.hex()
@@ -156,8 +161,11 @@ class ModelNode:
         self.latency = LatencyEWMA()
         self.sessions: OrderedDict[str, str] = OrderedDict()
         self.view = EMPTY
+        self.users = users
+        self.users_view = DirectoryView(0)
         self.peering = Peering(keys, self._on_peer, self._authorized)
         self.http = ModelNodeServer(self, limits or ApiLimits())
+        self.gateway = Gateway(keys.public, self.http.respond, self._send_to_user)
         self.counters = {"served": 0, "forwarded": 0, "received_forwards": 0, "forward_failures": 0,
                          "sync_errors": 0}
         self.routes: dict[str, int] = {}
@@ -184,21 +192,34 @@ class ModelNode:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        await self.gateway.close()
         await self.http.close()
         await self.peering.close()
 
     # -- group and cache state -----------------------------------------------------------------------
 
     def _authorized(self, key: bytes) -> bool:
-        return key in self.view.members
+        return key in self.view.members or key in self.users_view.users
 
     async def _group_loop(self) -> None:
-        if self.group is None:
-            return
         while True:
-            view = await asyncio.to_thread(self.group.refresh)
-            self.apply_view(view)
+            if self.group is not None:
+                self.apply_view(await asyncio.to_thread(self.group.refresh))
+            if self.users is not None:
+                self.apply_users(await asyncio.to_thread(self.users.refresh))
             await asyncio.sleep(self.config.list_interval)
+
+    def apply_users(self, view: DirectoryView) -> None:
+        """The verified user list: the proxies that may bring prompts and receive answers."""
+        if view.height >= self.users_view.height:
+            self.users_view = view
+
+    async def _send_to_user(self, peer: bytes, msg_type: str, body: Any) -> None:
+        user = self.users_view.users.get(peer)
+        if user is None:
+            raise TransportError(f"{peer.hex()[:16]} is not a listed user")
+        conn = await self.peering.connect(peer, user.address)
+        await conn.notify(msg_type, body)
 
     def apply_view(self, view: GroupView) -> None:
         """Members become peers (trusted: the list holds only trusted nodes); delisted ones go."""
@@ -259,6 +280,10 @@ class ModelNode:
     # -- peer messages -------------------------------------------------------------------------------
 
     async def _on_peer(self, peer: bytes, msg_type: str, body: Any) -> Any:
+        if msg_type == "clove" and peer in self.users_view.users and isinstance(body, bytes):
+            return await self.gateway.on_clove(body)
+        if peer not in self.view.members:
+            raise ValueError(f"{msg_type!r} from a key outside the group")
         if msg_type == "cache":
             return await self._on_cache_message(peer, body)
         if msg_type == "generate":
@@ -421,6 +446,6 @@ class ModelNode:
             "cache_entries": self.sync.tree.entries(self.node_id), "tree_size": len(self.sync.tree),
             "plan_version": self.sync.plan.version, "counters": dict(self.counters),
             "routes": dict(self.routes),
-            "sync": dict(vars(self.sync.stats)),
+            "sync": dict(vars(self.sync.stats)), "overlay": dict(self.gateway.counters),
         }
 

@@ -15,6 +15,7 @@ from planetserve.chain.client import LedgerClient
 from planetserve.chain.keys import KeySet
 from planetserve.chain.lightclient import LightClient
 from planetserve.chain.rpc import RpcClient
+from planetserve.node.directory import Directory
 from planetserve.node.engine.base import Engine
 from planetserve.node.group import Group
 from planetserve.node.home import ModelNodeConfig, load_keys
@@ -75,7 +76,8 @@ async def run_model_node(home: Path, org_keys: KeySet | None = None,
         ledger = ledger_client(config)
         registered = await asyncio.to_thread(ensure_registered, ledger, config, keys, org_keys)
         group = Group(ledger, config.model_id)
-        node = ModelNode(config, keys, engine, tokenizer, vocab_size=vocab, eos_ids=stop, group=group)
+        node = ModelNode(config, keys, engine, tokenizer, vocab_size=vocab, eos_ids=stop, group=group,
+                         users=Directory(ledger, with_nodes=False))
         stop_event = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

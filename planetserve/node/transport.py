@@ -20,6 +20,7 @@ import secrets
 import ssl
 import struct
 import tempfile
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +40,9 @@ MAX_FRAME = 4 * 1024 * 1024
 HANDSHAKE_TIMEOUT = 10.0
 STREAM_QUEUE = 64
 HELLO_DOMAIN = b"planetserve/peer-hello/v1"
+CROSSED_DIAL_WINDOW = 10.0
+"""Two connections to one peer opened this close together were dialled by both sides at once."""
+SPARE_CLOSE_DELAY = 5.0
 _LENGTH = struct.Struct(">I")
 
 
@@ -138,6 +142,8 @@ class Connection:
     writer: asyncio.StreamWriter
     handler: Handler
     limit: int = MAX_FRAME
+    outbound: bool = False
+    created: float = field(default_factory=time.monotonic)
     streams: dict[int, asyncio.Queue] = field(default_factory=dict)
     ids: Any = field(default_factory=lambda: itertools.count(1))
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -239,14 +245,16 @@ class Connection:
 
 class Peering:
     """Our side of the peer network: a listener and a pool of outgoing connections, both limited to
-    the keys `authorize` accepts (the verified list's members)."""
+    the keys `authorize` accepts (the verified list's members). `on_close` hears of each peer whose
+    connection ended without being replaced (relays tear down the paths it carried)."""
 
     def __init__(self, keys: KeySet, handler: Handler, authorize: Callable[[bytes], bool],
-                 limit: int = MAX_FRAME) -> None:
+                 limit: int = MAX_FRAME, on_close: Callable[[bytes], None] | None = None) -> None:
         self.keys = keys
         self.handler = handler
         self.authorize = authorize
         self.limit = limit
+        self.on_close = on_close
         self.server_ctx = _context(keys, ssl.PROTOCOL_TLS_SERVER)
         self.client_ctx = _context(keys, ssl.PROTOCOL_TLS_CLIENT)
         self.connections: dict[bytes, Connection] = {}
@@ -259,19 +267,32 @@ class Peering:
                                                  ssl_handshake_timeout=HANDSHAKE_TIMEOUT)
         return self.server.sockets[0].getsockname()[1]
 
-    def _adopt(self, conn: Connection) -> None:
+    def _preferred(self, conn: Connection) -> bool:
+        """Of two connections dialled at once by both sides, both keep the one the smaller key dialled."""
+        return conn.outbound == (self.keys.public < conn.peer)
+
+    def _adopt(self, conn: Connection) -> Connection:
+        """Start reading `conn` and make it the peer's connection, unless it crossed a live one that
+        both sides agree to keep; the spare is closed once frames already sent on it are through."""
         old = self.connections.get(conn.peer)
-        self.connections[conn.peer] = conn
         task = asyncio.create_task(conn.run())
         self.runners.add(task)
         task.add_done_callback(self.runners.discard)
         task.add_done_callback(lambda _t: self._forget(conn))
-        if old is not None and old is not conn:
-            task.get_loop().create_task(old.close())
+        if old is None or old is conn or old.closed.is_set():
+            self.connections[conn.peer] = conn
+            return conn
+        crossed = conn.created - old.created < CROSSED_DIAL_WINDOW
+        current, spare = (old, conn) if crossed and not self._preferred(conn) else (conn, old)
+        self.connections[conn.peer] = current
+        task.get_loop().call_later(SPARE_CLOSE_DELAY, lambda: asyncio.ensure_future(spare.close()))
+        return current
 
     def _forget(self, conn: Connection) -> None:
         if self.connections.get(conn.peer) is conn:
             del self.connections[conn.peer]
+            if self.on_close is not None:
+                self.on_close(conn.peer)
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -289,7 +310,7 @@ class Peering:
             log.info("refused a peer connection: %s", exc)
             writer.close()
             return
-        self._adopt(Connection(peer, reader, writer, self.handler, self.limit))
+        self._adopt(Connection(peer, reader, writer, self.handler, self.limit, outbound=False))
 
     async def connect(self, peer: bytes, address: str) -> Connection:
         """The live connection to `peer`, dialling `address` (host:port) if there is none."""
@@ -301,9 +322,7 @@ class Peering:
             conn = self.connections.get(peer)
             if conn is not None and not conn.closed.is_set():
                 return conn
-            conn = await self._dial(peer, address)
-            self._adopt(conn)
-            return conn
+            return self._adopt(await self._dial(peer, address))
 
     async def _dial(self, peer: bytes, address: str) -> Connection:
         if not self.authorize(peer):
@@ -329,7 +348,7 @@ class Peering:
         except (TransportError, TimeoutError, ConnectionError) as exc:
             writer.close()
             raise TransportError(f"handshake with {address} failed: {exc}") from exc
-        return Connection(peer, reader, writer, self.handler, self.limit)
+        return Connection(peer, reader, writer, self.handler, self.limit, outbound=True)
 
     async def close(self) -> None:
         if self.server is not None:

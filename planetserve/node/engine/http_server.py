@@ -40,6 +40,9 @@ from planetserve.node.openai_api import (
 
 log = logging.getLogger(__name__)
 
+JSON = "application/json"
+EVENT_STREAM = "text/event-stream"
+
 
 def _json(body: dict[str, Any], status: int = 200) -> web.Response:
     return web.Response(body=json.dumps(body).encode(), status=status, content_type="application/json")
@@ -76,6 +79,66 @@ class Generation:
     def text(self) -> str:
         """The whole answer so far (complete once finish_reason is set)."""
         return self._text.text
+
+
+async def _close(chunks: AsyncIterator[Any]) -> None:
+    aclose = getattr(chunks, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
+@dataclass(frozen=True)
+class Reply:
+    """An API answer independent of its carrier: a status, a content type, and the body in parts (one
+    JSON document, or server-sent events as they are produced)."""
+
+    status: int
+    content_type: str
+    parts: AsyncIterator[bytes]
+
+    @classmethod
+    def json(cls, body: dict[str, Any], status: int = 200) -> Reply:
+        return cls(status, JSON, single_part(json.dumps(body).encode()))
+
+    @property
+    def streamed(self) -> bool:
+        return self.content_type == EVENT_STREAM
+
+
+async def single_part(body: bytes) -> AsyncIterator[bytes]:
+    yield body
+
+
+async def read_body(request: web.Request, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it passes `limit`."""
+    if request.content_length is not None and request.content_length > limit:
+        raise too_large(f"Request body of {request.content_length} bytes exceeds the limit of {limit}.")
+    body = bytearray()
+    while chunk := await request.content.readany():
+        body += chunk
+        if len(body) > limit:
+            raise too_large(f"Request body exceeds the limit of {limit} bytes.")
+    return bytes(body)
+
+
+async def send_reply(http: web.Request, reply: Reply) -> web.StreamResponse:
+    """Write a Reply as the HTTP response; a client that goes away ends (and closes) the reply."""
+    if not reply.streamed:
+        body = b"".join([part async for part in reply.parts])
+        return web.Response(body=body, status=reply.status, content_type=reply.content_type)
+    response = web.StreamResponse(status=reply.status,
+                                  headers={"Content-Type": EVENT_STREAM, "Cache-Control": "no-cache"})
+    await response.prepare(http)
+    try:
+        async for part in reply.parts:
+            await response.write(part)
+    except ConnectionResetError:
+        log.debug("client went away mid-stream")
+        return response
+    finally:
+        await _close(reply.parts)
+    await response.write_eof()
+    return response
 
 
 async def _no_extension(_: Generation) -> dict[str, Any] | None:
@@ -155,20 +218,18 @@ class EngineServer:
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, "chat")
 
-    async def _read_body(self, request: web.Request) -> bytes:
-        limit = self.limits.max_body_bytes
-        if request.content_length is not None and request.content_length > limit:
-            raise too_large(f"Request body of {request.content_length} bytes exceeds the limit of {limit}.")
-        body = bytearray()
-        while chunk := await request.content.readany():
-            body += chunk
-            if len(body) > limit:
-                raise too_large(f"Request body exceeds the limit of {limit} bytes.")
-        return bytes(body)
-
     async def _serve(self, http: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         try:
-            request = parse_request(endpoint, await self._read_body(http), self.limits)
+            raw = await read_body(http, self.limits.max_body_bytes)
+        except ApiError as exc:
+            return _json(exc.body(), exc.status)
+        return await send_reply(http, await self.respond(endpoint, raw))
+
+    async def respond(self, endpoint: Endpoint, raw: bytes) -> Reply:
+        """The answer to one API request body, whatever carries it: HTTP here, the anonymous overlay at
+        a model node."""
+        try:
+            request = parse_request(endpoint, raw, self.limits)
             model = check_model(request, [self.model_name])
             if self.max_queued is not None and self.engine.load().queued >= self.max_queued:
                 raise overloaded()
@@ -178,25 +239,23 @@ class EngineServer:
                 eos_token_ids=self.eos_token_ids,
             )
             production = await self.produce(request, prompt_ids, generation)
-            chunks = production.chunks
             try:
-                first = await anext(chunks)
+                first = await anext(production.chunks)
             except StopAsyncIteration:
                 raise ApiError(500, "The engine produced no output.", type="server_error") from None
         except ApiError as exc:
-            return _json(exc.body(), exc.status)
+            return Reply.json(exc.body(), exc.status)
         except EngineError as exc:
-            return _json(ApiError(400, f"The engine rejected the request: {exc}").body(), 400)
+            return Reply.json(ApiError(400, f"The engine rejected the request: {exc}").body(), 400)
         meta = ResponseMeta.new(endpoint, model)
         state = Generation(request, prompt_ids, self.tokenizer)
+        if request.stream:
+            return Reply(200, EVENT_STREAM, self._stream(meta, state, first, production, prompt_ids))
         try:
-            if request.stream:
-                return await self._stream(http, meta, state, first, production, prompt_ids)
-            return await self._whole(meta, state, first, production, prompt_ids)
+            body, status = await self._whole(meta, state, first, production, prompt_ids)
         finally:
-            aclose = getattr(chunks, "aclose", None)
-            if aclose is not None:
-                await aclose()
+            await _close(production.chunks)
+        return Reply.json(body, status)
 
     async def produce(self, request: ApiRequest, prompt_ids: Sequence[int],
                       generation: GenerationRequest) -> Production:
@@ -205,7 +264,7 @@ class EngineServer:
         return Production(self.engine.generate(generation))
 
     async def _whole(self, meta: ResponseMeta, state: Generation, first: TokenChunk,
-                     production: Production, prompt_ids: Sequence[int]) -> web.Response:
+                     production: Production, prompt_ids: Sequence[int]) -> tuple[dict[str, Any], int]:
         chunks = production.chunks
         parts = [state.step(first, True)[0]]
         try:
@@ -213,9 +272,9 @@ class EngineServer:
                 parts.append(state.step(await anext(chunks), False)[0])
             extension = await production.finish(state)
         except StopAsyncIteration:
-            return _json(ApiError(500, "The engine stream ended early.", type="server_error").body(), 500)
+            return ApiError(500, "The engine stream ended early.", type="server_error").body(), 500
         except EngineError as exc:
-            return _json(ApiError(500, f"Generation failed: {exc}", type="server_error").body(), 500)
+            return ApiError(500, f"Generation failed: {exc}", type="server_error").body(), 500
         want = state.request.return_token_ids
         body = response_body(
             meta, text="".join(parts), finish_reason=state.finish_reason, usage=state.usage(),
@@ -223,15 +282,13 @@ class EngineServer:
         )
         if extension is not None:
             body["planetserve"] = extension
-        return _json(body)
+        return body, 200
 
-    async def _stream(self, http: web.Request, meta: ResponseMeta, state: Generation, first: TokenChunk,
-                      production: Production, prompt_ids: Sequence[int]) -> web.StreamResponse:
+    async def _stream(self, meta: ResponseMeta, state: Generation, first: TokenChunk,
+                      production: Production, prompt_ids: Sequence[int]) -> AsyncIterator[bytes]:
+        """Server-sent events; closing the iterator early (the client went away) stops generation."""
         chunks = production.chunks
         request = state.request
-        headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-        response = web.StreamResponse(headers=headers)
-        await response.prepare(http)
         chunk: TokenChunk | None = first
         is_first = True
         try:
@@ -246,19 +303,15 @@ class EngineServer:
                     )
                     if state.finish_reason is not None and (extension := await production.finish(state)):
                         body["planetserve"] = extension
-                    await response.write(sse(body))
+                    yield sse(body)
                 is_first = False
                 chunk = None if state.finish_reason is not None else await anext(chunks, None)
             if state.finish_reason is None:
                 raise EngineError("the engine stream ended early")
             if request.include_usage:
-                await response.write(sse(usage_chunk(meta, state.usage())))
+                yield sse(usage_chunk(meta, state.usage()))
         except EngineError as exc:
-            error = ApiError(500, f"Generation failed: {exc}", type="server_error")
-            await response.write(sse(error.body()))
-        except ConnectionResetError:
-            log.debug("client went away during %s", meta.id)
-            return response
-        await response.write(SSE_DONE)
-        await response.write_eof()
-        return response
+            yield sse(ApiError(500, f"Generation failed: {exc}", type="server_error").body())
+        finally:
+            await _close(chunks)
+        yield SSE_DONE

@@ -1,0 +1,65 @@
+"""The overlay's view of who exists: the verified user list (relays and proxies) and the verified list
+of trusted model nodes, read from the ledger with their proofs. Relays and model nodes accept
+connections only from keys in it, and resolve the addresses of the keys they forward to from it."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from planetserve.chain.client import LedgerClient, QueryRefused
+from planetserve.chain.lightclient import VerificationError
+from planetserve.chain.rpc import RpcError
+from planetserve.registry.entities import ModelNode, User
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DirectoryView:
+    height: int
+    users: dict[bytes, User] = field(default_factory=dict)
+    nodes: dict[bytes, ModelNode] = field(default_factory=dict)
+    """Trusted, active model nodes of every model."""
+
+    @classmethod
+    def of(cls, height: int, users: Iterable[User], nodes: Iterable[ModelNode]) -> DirectoryView:
+        return cls(height, {u.pubkey: u for u in users},
+                   {n.pubkey: n for n in nodes if n.status == "active"})
+
+    def address(self, key: bytes) -> str | None:
+        entity = self.users.get(key) or self.nodes.get(key)
+        return None if entity is None else entity.address
+
+    def models(self) -> dict[str, list[ModelNode]]:
+        """Model id → its trusted nodes, in key order."""
+        served: dict[str, list[ModelNode]] = {}
+        for key in sorted(self.nodes):
+            served.setdefault(self.nodes[key].model_id, []).append(self.nodes[key])
+        return served
+
+
+class Directory:
+    """The latest verified view. A failed refresh keeps the previous view (an RPC outage must not empty
+    the overlay) and a view older than the one held is never adopted."""
+
+    def __init__(self, ledger: LedgerClient, *, with_nodes: bool = True) -> None:
+        self.ledger = ledger
+        self.with_nodes = with_nodes
+        self.view = DirectoryView(0)
+        self.last_error: str | None = None
+
+    def refresh(self) -> DirectoryView:
+        """Read both lists (blocking: run it in a thread)."""
+        try:
+            users_listing, users = self.ledger.users()
+            nodes = self.ledger.nodes()[1] if self.with_nodes else []
+        except (QueryRefused, VerificationError, RpcError) as exc:
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            log.warning("directory refresh failed, keeping height %d: %s", self.view.height, exc)
+            return self.view
+        self.last_error = None
+        if users_listing.height >= self.view.height:
+            self.view = DirectoryView.of(users_listing.height, users, nodes)
+        return self.view

@@ -1,0 +1,122 @@
+"""A model node's side of the anonymous overlay: prompt cloves in from proxies, answers out to the
+proxies the prompt lists, as S-IDA cloves of padded reply parts.
+
+The node answers an overlay prompt exactly as it answers its HTTP API (the same validation, routing,
+forwarding and signing), so a prompt cannot be told from a challenge by how it is served, and the
+user's program receives the same bytes it would have received over HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from planetserve.node import sida
+from planetserve.node.engine.http_server import Reply
+from planetserve.node.messages import MessageError, Part, Prompt, open_message
+from planetserve.node.openai_api import Endpoint
+from planetserve.node.relay import Send
+from planetserve.node.transport import TransportError
+
+log = logging.getLogger(__name__)
+
+MAX_PART_BYTES = 60 << 10
+MAX_ANSWERS = 256
+
+Respond = Callable[[Endpoint, bytes], Awaitable[Reply]]
+
+
+async def batched(parts: AsyncIterator[bytes], limit: int = MAX_PART_BYTES) -> AsyncIterator[bytes]:
+    """The reply's parts, joined while more are already waiting: fewer messages under load, no delay
+    when idle."""
+    queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+
+    async def pump() -> None:
+        try:
+            async for part in parts:
+                await queue.put(part)
+        finally:
+            await queue.put(None)
+
+    task = asyncio.create_task(pump())
+    try:
+        done = False
+        while not done:
+            item = await queue.get()
+            if item is None:
+                break
+            batch = bytearray(item)
+            while len(batch) < limit and not queue.empty():
+                more = queue.get_nowait()
+                if more is None:
+                    done = True
+                    break
+                batch += more
+            yield bytes(batch)
+        await task
+    finally:
+        task.cancel()
+
+
+class Gateway:
+    def __init__(self, me: bytes, respond: Respond, send: Send, *, k: int = sida.DEFAULT_K) -> None:
+        self.me = me
+        self.respond = respond
+        self.send = send
+        self.k = k
+        self.reassembler = sida.Reassembler()
+        self.tasks: set[asyncio.Task] = set()
+        self.counters = {"cloves": 0, "bad_cloves": 0, "bad_messages": 0, "prompts": 0, "parts_sent": 0,
+                         "busy": 0}
+
+    async def on_clove(self, data: bytes) -> None:
+        self.counters["cloves"] += 1
+        try:
+            message = self.reassembler.add(data)
+        except sida.CloveError as exc:
+            self.counters["bad_cloves"] += 1
+            log.info("clove refused: %s", exc)
+            return
+        if message is None:
+            return
+        try:
+            prompt = open_message(message)
+            if not isinstance(prompt, Prompt) or prompt.node != self.me:
+                raise MessageError("not a prompt for this node")
+        except MessageError as exc:
+            self.counters["bad_messages"] += 1
+            log.info("overlay message refused: %s", exc)
+            return
+        if len(self.tasks) >= MAX_ANSWERS:
+            self.counters["busy"] += 1
+            return
+        self.counters["prompts"] += 1
+        task = asyncio.create_task(self._answer(prompt))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _answer(self, prompt: Prompt) -> None:
+        reply = await self.respond(prompt.endpoint, prompt.body)  # type: ignore[arg-type]
+        seq = 0
+        async for data in batched(reply.parts):
+            part = Part(prompt.request_id, seq, reply.status, reply.content_type, data, False)
+            await self._send(prompt, part)
+            seq += 1
+        await self._send(prompt, Part(prompt.request_id, seq, reply.status, reply.content_type, b"", True))
+
+    async def _send(self, prompt: Prompt, part: Part) -> None:
+        n = len(prompt.reply_to)
+        cloves = sida.split(part.seal(), n, min(self.k, n))
+        results = await asyncio.gather(
+            *(self.send(proxy, "reply", [reply_id, sida.encode(clove)])
+              for (proxy, reply_id), clove in zip(prompt.reply_to, cloves, strict=True)),
+            return_exceptions=True)
+        failed = [r for r in results if isinstance(r, TransportError)]
+        if failed:
+            log.info("%d of %d proxies unreachable for an answer part", len(failed), n)
+        self.counters["parts_sent"] += 1
+
+    async def close(self) -> None:
+        for task in list(self.tasks):
+            task.cancel()

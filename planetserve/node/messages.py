@@ -1,0 +1,135 @@
+"""The end-to-end messages of the anonymous overlay, carried inside S-IDA cloves: a prompt from a user
+to a model node, and the parts of the node's answer.
+
+Every message is padded to one of a few sizes before it is split, so cloves tell relays nothing but a
+size bucket: a committee's challenge prompt and a user's prompt of similar length look the same.
+Decoding is strict (field types and sizes), because a model node decodes what anyone can send it.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from planetserve.node import sida
+
+BUCKETS = (1 << 10, 4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, sida.DEFAULT_MAX_MESSAGE)
+MAX_MESSAGE = BUCKETS[-1]
+MAX_PROXIES = 16
+ENDPOINTS = ("chat", "completions")
+_LENGTH = struct.Struct(">I")
+KEY_SIZE = 32
+ID_SIZE = 16
+
+
+class MessageError(Exception):
+    """A recovered message that is not a well-formed prompt or reply part."""
+
+
+def bucket(size: int) -> int:
+    """The padded size of a message body of `size` bytes."""
+    for limit in BUCKETS:
+        if size + _LENGTH.size <= limit:
+            return limit
+    raise MessageError(f"message of {size} bytes exceeds the {MAX_MESSAGE - _LENGTH.size}-byte limit")
+
+
+def pad(body: bytes) -> bytes:
+    return _LENGTH.pack(len(body)) + body + bytes(bucket(len(body)) - len(body) - _LENGTH.size)
+
+
+def unpad(data: bytes) -> bytes:
+    if len(data) not in BUCKETS:
+        raise MessageError(f"message of {len(data)} bytes is not of a padded size")
+    (length,) = _LENGTH.unpack_from(data)
+    if length > len(data) - _LENGTH.size:
+        raise MessageError("message length exceeds its padding")
+    return data[_LENGTH.size:_LENGTH.size + length]
+
+
+def _bytes(value: Any, size: int, name: str) -> bytes:
+    if type(value) is not bytes or len(value) != size:
+        raise MessageError(f"{name} must be {size} bytes")
+    return value
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """An API request for one model node. Nothing names the user: answers go to its proxies."""
+
+    request_id: bytes
+    node: bytes
+    endpoint: str
+    body: bytes
+    """The OpenAI-compatible request body, as the user's program sent it."""
+    reply_to: tuple[tuple[bytes, bytes], ...]
+    """(proxy key, reply id) per path; the answer's clove i goes to entry i."""
+
+    def seal(self) -> bytes:
+        return pad(msgpack.packb(["prompt", self.request_id, self.node, self.endpoint, self.body,
+                                  [list(r) for r in self.reply_to]], use_bin_type=True))
+
+
+@dataclass(frozen=True)
+class Part:
+    """One part of an answer, in order: the HTTP status and content type, and bytes of the body."""
+
+    request_id: bytes
+    seq: int
+    status: int
+    content_type: str
+    data: bytes
+    last: bool
+
+    def seal(self) -> bytes:
+        return pad(msgpack.packb(["part", self.request_id, self.seq, self.status, self.content_type,
+                                  self.data, self.last], use_bin_type=True))
+
+
+def open_message(data: bytes) -> Prompt | Part:
+    """The message in a recovered clove set, checked field by field."""
+    try:
+        fields = msgpack.unpackb(unpad(data), raw=False, strict_map_key=True)
+    except MessageError:
+        raise
+    except Exception as exc:
+        raise MessageError(f"undecodable message: {type(exc).__name__}") from exc
+    if not isinstance(fields, list) or not fields:
+        raise MessageError("message is not a list")
+    kind = fields[0]
+    if kind == "prompt" and len(fields) == 6:
+        return _prompt(fields)
+    if kind == "part" and len(fields) == 7:
+        return _part(fields)
+    raise MessageError(f"unknown message kind {kind!r} with {len(fields)} fields")
+
+
+def _prompt(fields: list) -> Prompt:
+    _, request_id, node, endpoint, body, reply_to = fields
+    if endpoint not in ENDPOINTS:
+        raise MessageError(f"unknown endpoint {endpoint!r}")
+    if type(body) is not bytes:
+        raise MessageError("prompt body must be bytes")
+    if not isinstance(reply_to, list) or not 1 <= len(reply_to) <= MAX_PROXIES:
+        raise MessageError(f"a prompt names 1..{MAX_PROXIES} proxies")
+    proxies = []
+    for entry in reply_to:
+        if not isinstance(entry, list) or len(entry) != 2:
+            raise MessageError("a proxy entry is [key, reply id]")
+        proxies.append((_bytes(entry[0], KEY_SIZE, "proxy key"), _bytes(entry[1], ID_SIZE, "reply id")))
+    return Prompt(_bytes(request_id, ID_SIZE, "request id"), _bytes(node, KEY_SIZE, "node key"), endpoint,
+                  body, tuple(proxies))
+
+
+def _part(fields: list) -> Part:
+    _, request_id, seq, status, content_type, data, last = fields
+    if type(seq) is not int or seq < 0 or type(status) is not int or not 100 <= status <= 599:
+        raise MessageError("part sequence or status is malformed")
+    if not isinstance(content_type, str) or len(content_type) > 128:
+        raise MessageError("part content type is malformed")
+    if type(data) is not bytes or type(last) is not bool:
+        raise MessageError("part data or end flag is malformed")
+    return Part(_bytes(request_id, ID_SIZE, "request id"), seq, status, content_type, data, last)

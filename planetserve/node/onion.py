@@ -1,0 +1,175 @@
+"""Onion packets that set up a user's path to a proxy: the only public-key operations of the overlay.
+
+A user wraps one layer per relay. Each layer is sealed to the relay's registered ed25519 key (as its
+X25519 equivalent) under a fresh ephemeral key: X25519, HKDF-SHA256, ChaCha20-Poly1305. A layer tells
+its relay only what it needs: whether it is a relay or the proxy, the next relay's key and the id of
+the next link (a relay), or the reply id and acknowledgement token (the proxy).
+
+Every packet has the same size at every hop, so a relay cannot tell its position on the path: after
+removing its layer, a relay appends `LAYER_SIZE` bytes of filler derived from its own layer key, and
+the user, who knows every layer key, builds each inner layer so that its authenticated ciphertext
+already ends with the filler the relays before it will have appended (the filler technique of mix
+network formats such as Sphinx, with one explicit ephemeral key per layer).
+
+Packet: ephemeral key 32 | tag 16 | ciphertext (PACKET_SIZE - 48); the plaintext is a header of
+HEADER_SIZE bytes then the next packet without its last LAYER_SIZE bytes.
+"""
+
+from __future__ import annotations
+
+import secrets
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+from nacl.bindings import crypto_scalarmult, crypto_scalarmult_base
+from nacl.exceptions import CryptoError
+from nacl.public import PrivateKey
+from nacl.signing import SigningKey, VerifyKey
+
+from planetserve.node.routes import PATH_LENGTH
+
+VERSION = 1
+ID_SIZE = 16
+TOKEN_SIZE = 16
+KEY_SIZE = 32
+TAG_SIZE = 16
+ROLE_RELAY = 0
+ROLE_PROXY = 1
+MAX_HOPS = PATH_LENGTH
+_HEADER = struct.Struct(">BB16s32s16s16s")
+HEADER_SIZE = _HEADER.size
+LAYER_SIZE = KEY_SIZE + TAG_SIZE + HEADER_SIZE
+PACKET_SIZE = MAX_HOPS * LAYER_SIZE
+_BODY = PACKET_SIZE - KEY_SIZE - TAG_SIZE
+_NONCE = bytes(12)
+_INFO = b"planetserve/onion/v1"
+_ZERO_KEY = bytes(KEY_SIZE)
+
+
+class OnionError(Exception):
+    """A setup packet that is malformed, not for us, or tampered with."""
+
+
+@dataclass(frozen=True)
+class Layer:
+    """What one relay learns from its layer."""
+
+    role: int
+    out_id: bytes
+    """The id of the link to the next relay (a relay), zeros at the proxy."""
+    next_key: bytes
+    """The next relay's identity key (a relay), zeros at the proxy."""
+    reply_id: bytes
+    """Names the path to a model node answering through this proxy (the proxy only)."""
+    token: bytes
+    """Sent back to the user to confirm the path (the proxy only)."""
+
+    @property
+    def is_proxy(self) -> bool:
+        return self.role == ROLE_PROXY
+
+    def encode(self) -> bytes:
+        return _HEADER.pack(VERSION, self.role, self.out_id, self.next_key, self.reply_id, self.token)
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Layer:
+        version, role, out_id, next_key, reply_id, token = _HEADER.unpack(raw)
+        if version != VERSION or role not in (ROLE_RELAY, ROLE_PROXY):
+            raise OnionError(f"unknown layer version {version} or role {role}")
+        if role == ROLE_RELAY and next_key == _ZERO_KEY:
+            raise OnionError("relay layer names no next relay")
+        return cls(role, out_id, next_key, reply_id, token)
+
+
+def relay_layer(out_id: bytes, next_key: bytes) -> Layer:
+    return Layer(ROLE_RELAY, out_id, next_key, bytes(ID_SIZE), bytes(TOKEN_SIZE))
+
+
+def proxy_layer(reply_id: bytes, token: bytes) -> Layer:
+    return Layer(ROLE_PROXY, bytes(ID_SIZE), _ZERO_KEY, reply_id, token)
+
+
+def exchange_key(identity: bytes) -> bytes:
+    """A registered ed25519 identity key as the X25519 key that onion layers are sealed to."""
+    return bytes(VerifyKey(identity).to_curve25519_public_key())
+
+
+def exchange_secret(identity: SigningKey) -> bytes:
+    return bytes(identity.to_curve25519_private_key())
+
+
+@dataclass(frozen=True)
+class _Keys:
+    aead: ChaCha20Poly1305
+    filler: bytes
+
+
+def _derive(shared: bytes, ephemeral: bytes, recipient: bytes) -> _Keys:
+    if shared == bytes(KEY_SIZE):
+        raise OnionError("degenerate ephemeral key")
+    okm = HKDF(hashes.SHA256(), 2 * KEY_SIZE, salt=None, info=_INFO + ephemeral + recipient).derive(shared)
+    seed = okm[KEY_SIZE:]
+    stream = Cipher(algorithms.ChaCha20(seed, bytes(16)), mode=None).encryptor()
+    return _Keys(ChaCha20Poly1305(okm[:KEY_SIZE]), stream.update(bytes(LAYER_SIZE)))
+
+
+def _xor(a: bytes, b: bytes) -> bytes:
+    return (int.from_bytes(a) ^ int.from_bytes(b)).to_bytes(len(a))
+
+
+def build(route: Sequence[bytes], layers: Sequence[Layer]) -> bytes:
+    """The packet for the first relay of `route` (identity keys), whose relays read `layers` in order."""
+    hops = len(route)
+    if not 1 <= hops <= MAX_HOPS or len(layers) != hops:
+        raise ValueError(f"a path has 1..{MAX_HOPS} relays and one layer each")
+    ephemerals, keys = [], []
+    for identity in route:
+        secret = PrivateKey(secrets.token_bytes(KEY_SIZE))
+        public = crypto_scalarmult_base(bytes(secret))
+        recipient = exchange_key(identity)
+        ephemerals.append(public)
+        keys.append(_derive(crypto_scalarmult(bytes(secret), recipient), public, recipient))
+    streams = [k.aead.encrypt(_NONCE, bytes(_BODY), e)[:_BODY] for k, e in zip(keys, ephemerals, strict=True)]
+    # filler[j]: the bytes the relays before hop j will have appended, as hop j receives them.
+    filler = [b""]
+    for j in range(hops - 1):
+        tail = filler[-1]
+        filler.append(_xor(tail, streams[j][_BODY - len(tail):]) + keys[j].filler)
+    tail = filler[-1]
+    body = secrets.token_bytes(_BODY - HEADER_SIZE - len(tail))
+    plaintext = layers[-1].encode() + body + _xor(tail, streams[-1][_BODY - len(tail):])
+    packet = _seal(keys[-1], ephemerals[-1], plaintext)
+    for j in range(hops - 2, -1, -1):
+        packet = _seal(keys[j], ephemerals[j], layers[j].encode() + packet[:PACKET_SIZE - LAYER_SIZE])
+    return packet
+
+
+def _seal(keys: _Keys, ephemeral: bytes, plaintext: bytes) -> bytes:
+    sealed = keys.aead.encrypt(_NONCE, plaintext, ephemeral)
+    return ephemeral + sealed[-TAG_SIZE:] + sealed[:-TAG_SIZE]
+
+
+def peel(secret: bytes, packet: bytes) -> tuple[Layer, bytes]:
+    """Our layer and the packet for the next relay (meaningless at the proxy). `secret` is our
+    X25519 secret (`exchange_secret`)."""
+    if len(packet) != PACKET_SIZE:
+        raise OnionError(f"setup packet of {len(packet)} bytes, expected {PACKET_SIZE}")
+    ephemeral, tag = packet[:KEY_SIZE], packet[KEY_SIZE:KEY_SIZE + TAG_SIZE]
+    body = packet[KEY_SIZE + TAG_SIZE:]
+    try:
+        shared = crypto_scalarmult(secret, ephemeral)
+    except CryptoError as exc:
+        raise OnionError("malformed ephemeral key") from exc
+    keys = _derive(shared, ephemeral, crypto_scalarmult_base(secret))
+    try:
+        plaintext = keys.aead.decrypt(_NONCE, body + tag, ephemeral)
+    except InvalidTag:
+        raise OnionError("setup packet does not authenticate (not for us, or tampered)") from None
+    layer = Layer.decode(plaintext[:HEADER_SIZE])
+    return layer, plaintext[HEADER_SIZE:] + keys.filler

@@ -1,0 +1,242 @@
+"""A user's own onion paths and proxies: building them, keeping N of them live, noticing dead or
+misbehaving ones, and replacing them with paths over other relays.
+
+A path is live once its proxy's acknowledgement token (sealed in the proxy's onion layer, so no relay
+can forge it) comes back. Paths die when a relay reports them down (a neighbour disappeared), when
+pings go unanswered or come back altered, or when the messaging layer sees the path drop or corrupt
+cloves; the relays of a misbehaving path are avoided for a while, since the user cannot tell which of
+them misbehaved without learning more about the path than it should.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import random
+import secrets
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from planetserve.node import onion
+from planetserve.node.relay import Send
+from planetserve.node.routes import NotEnoughRelays, choose_routes
+from planetserve.node.transport import TransportError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PathSettings:
+    target: int = 5
+    """N: live paths (proxies) to keep; at least n."""
+    setup_timeout: float = 5.0
+    ping_interval: float = 10.0
+    ping_timeout: float = 5.0
+    misses_allowed: int = 1
+    """Consecutive unanswered pings a path survives."""
+    avoid_seconds: float = 600.0
+    """How long relays of a path that dropped or corrupted traffic are avoided."""
+    failed_setup_avoid_seconds: float = 60.0
+
+
+@dataclass(eq=False)
+class Path:
+    link: bytes
+    """Id of the link from us to the first relay: how that relay and we name this path."""
+    route: tuple[bytes, ...]
+    reply_id: bytes
+    token: bytes
+    created: float = field(default_factory=time.monotonic)
+    state: str = "building"
+    misses: int = 0
+    ready: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+    @property
+    def first(self) -> bytes:
+        return self.route[0]
+
+    @property
+    def proxy(self) -> bytes:
+        return self.route[-1]
+
+    @property
+    def live(self) -> bool:
+        return self.state == "live"
+
+
+CloveSink = Callable[[Path, bytes], None]
+
+
+class PathManager:
+    """Implements the relay's PathOwner for paths that start here."""
+
+    def __init__(self, me: bytes, send: Send, users: Callable[[], Sequence[bytes]], *,
+                 settings: PathSettings | None = None, rng: random.Random | None = None) -> None:
+        self.me = me
+        self.send = send
+        self.users = users
+        self.settings = settings or PathSettings()
+        self.rng = rng
+        self.paths: dict[tuple[bytes, bytes], Path] = {}
+        self.avoided: dict[bytes, float] = {}
+        self.on_clove: CloveSink = lambda _path, _data: None
+        self.on_death: list[Callable[[Path], None]] = []
+        self._pings: dict[bytes, tuple[bytes, asyncio.Future]] = {}
+        self._filling = asyncio.Lock()
+        self.counters = {"built": 0, "setup_failures": 0, "died": 0, "penalized": 0, "pings_failed": 0}
+        self.last_error: str | None = None
+
+    def live(self) -> list[Path]:
+        return [p for p in self.paths.values() if p.live]
+
+    # -- building ------------------------------------------------------------------------------------
+
+    def _avoid_set(self) -> set[bytes]:
+        now = time.monotonic()
+        self.avoided = {k: until for k, until in self.avoided.items() if until > now}
+        busy = {r for p in self.paths.values() for r in p.route}
+        return set(self.avoided) | busy
+
+    async def build(self) -> Path | None:
+        """One new path, or None if its setup failed (its relays are then avoided for a while)."""
+        try:
+            (route,) = choose_routes(self.users(), 1, exclude={self.me}, avoid=self._avoid_set(),
+                                     rng=self.rng)
+        except NotEnoughRelays as exc:
+            self.last_error = str(exc)
+            return None
+        links = [secrets.token_bytes(onion.ID_SIZE) for _ in route]
+        path = Path(links[0], route, secrets.token_bytes(onion.ID_SIZE),
+                    secrets.token_bytes(onion.TOKEN_SIZE))
+        layers = [onion.relay_layer(links[i + 1], route[i + 1]) for i in range(len(route) - 1)]
+        layers.append(onion.proxy_layer(path.reply_id, path.token))
+        packet = await asyncio.to_thread(onion.build, route, layers)
+        self.paths[(path.first, path.link)] = path
+        try:
+            await self.send(path.first, "setup", [path.link, packet])
+            await asyncio.wait_for(asyncio.shield(path.ready), self.settings.setup_timeout)
+        except (TransportError, TimeoutError, asyncio.CancelledError) as exc:
+            self.paths.pop((path.first, path.link), None)
+            self.counters["setup_failures"] += 1
+            self.last_error = f"path setup failed: {exc or type(exc).__name__}"
+            self._avoid(route, self.settings.failed_setup_avoid_seconds)
+            if path.state == "building":
+                with contextlib.suppress(TransportError):
+                    await self.send(path.first, "down", [path.link])
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            return None
+        self.counters["built"] += 1
+        return path
+
+    async def fill(self) -> int:
+        """Build paths until `target` are live (one round; failures are retried next round)."""
+        async with self._filling:
+            missing = self.settings.target - len(self.paths)  # live and still building
+            if missing <= 0:
+                return 0
+            built = await asyncio.gather(*(self.build() for _ in range(missing)))
+            return sum(p is not None for p in built)
+
+    async def wait_live(self, count: int, timeout: float) -> bool:
+        """Fill until `count` paths are live or the time is up."""
+        deadline = time.monotonic() + timeout
+        while len(self.live()) < count:
+            if time.monotonic() > deadline:
+                return False
+            if await self.fill() == 0:
+                await asyncio.sleep(0.2)
+        return True
+
+    async def maintain(self) -> None:
+        """Forever: ping every live path, replace the dead."""
+        while True:
+            await self.fill()
+            await asyncio.gather(*(self.ping(p) for p in self.live()))
+            await asyncio.sleep(self.settings.ping_interval)
+
+    async def ping(self, path: Path) -> bool:
+        """Ask the proxy to echo a random value back; a miss or an altered echo counts against it."""
+        nonce = secrets.token_bytes(16)
+        waiter = asyncio.get_running_loop().create_future()
+        self._pings[path.link] = (nonce, waiter)
+        try:
+            await self.send(path.first, "fwd", [path.link, [b"", nonce]])
+            ok = await asyncio.wait_for(waiter, self.settings.ping_timeout)
+        except (TransportError, TimeoutError):
+            ok = False
+        finally:
+            self._pings.pop(path.link, None)
+        if ok:
+            path.misses = 0
+            return True
+        self.counters["pings_failed"] += 1
+        path.misses += 1
+        if path.misses > self.settings.misses_allowed:
+            await self.penalize(path, "unanswered or altered pings")
+        return False
+
+    # -- losing paths --------------------------------------------------------------------------------
+
+    def _avoid(self, route: Sequence[bytes], seconds: float) -> None:
+        until = time.monotonic() + seconds
+        for relay in route:
+            self.avoided[relay] = max(self.avoided.get(relay, 0.0), until)
+
+    def _die(self, path: Path, reason: str) -> bool:
+        if self.paths.pop((path.first, path.link), None) is None:
+            return False
+        was_live = path.live
+        path.state = "dead"
+        if not path.ready.done():
+            path.ready.set_exception(TransportError(reason))
+            path.ready.exception()
+        if was_live:
+            self.counters["died"] += 1
+            log.info("path via proxy %s died: %s", path.proxy.hex()[:16], reason)
+            for listener in self.on_death:
+                listener(path)
+        return True
+
+    async def penalize(self, path: Path, reason: str) -> None:
+        """The path dropped or corrupted traffic: tear it down and avoid its relays."""
+        if self._die(path, reason):
+            self.counters["penalized"] += 1
+            self._avoid(path.route, self.settings.avoid_seconds)
+            with contextlib.suppress(TransportError):
+                await self.send(path.first, "down", [path.link])
+
+    async def close_all(self) -> None:
+        for path in list(self.paths.values()):
+            if self._die(path, "closing"):
+                with contextlib.suppress(TransportError):
+                    await self.send(path.first, "down", [path.link])
+
+    # -- PathOwner -----------------------------------------------------------------------------------
+
+    def deliver(self, peer: bytes, link: bytes, kind: str, data: bytes) -> bool:
+        path = self.paths.get((peer, link))
+        if path is None:
+            return False
+        if kind == "ready":
+            if path.state == "building" and hmac.compare_digest(data, path.token):
+                path.state = "live"
+                path.ready.set_result(path)
+        elif kind == "pong":
+            pending = self._pings.get(link)
+            if pending is not None and not pending[1].done():
+                pending[1].set_result(hmac.compare_digest(pending[0], data))
+        elif path.live:
+            self.on_clove(path, data)
+        return True
+
+    def path_down(self, peer: bytes, link: bytes) -> bool:
+        path = self.paths.get((peer, link))
+        return path is not None and self._die(path, "a relay reported the path down")
+
+    def peer_closed(self, peer: bytes) -> None:
+        for path in [p for p in self.paths.values() if p.first == peer]:
+            self._die(path, "the first relay went away")

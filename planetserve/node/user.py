@@ -1,0 +1,425 @@
+"""The user relay: relays other users' paths, keeps its own proxies, and serves a local
+OpenAI-compatible endpoint whose requests travel to model nodes anonymously.
+
+A request from the user's program is checked here (the same parser the model nodes use), sent to a
+trusted model node of the requested model as n S-IDA cloves over n of our live paths, and answered in
+reply parts that come back as cloves through the proxies the prompt listed. What the program receives
+is exactly what the model node's own API would have sent, streaming included; overlay failures become
+OpenAI-shaped errors with specific codes (`too_few_paths`, `timeout`, `model_not_found`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import random
+import secrets
+import time
+from collections import Counter, OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from planetserve.chain.keys import KeySet
+from planetserve.node import onion, sida
+from planetserve.node.directory import Directory, DirectoryView
+from planetserve.node.engine.http_server import EVENT_STREAM, Reply, read_body, send_reply, single_part
+from planetserve.node.home import UserConfig
+from planetserve.node.messages import MAX_MESSAGE, MessageError, Part, Prompt, open_message
+from planetserve.node.openai_api import (
+    SSE_DONE,
+    ApiError,
+    ApiLimits,
+    ApiRequest,
+    Endpoint,
+    check_model,
+    models_body,
+    parse_request,
+    sse,
+)
+from planetserve.node.paths import Path, PathManager, PathSettings
+from planetserve.node.relay import Relay
+from planetserve.node.transport import Peering, TransportError
+
+log = logging.getLogger(__name__)
+
+MAX_SESSIONS = 10_000
+MAX_TRACKED_MESSAGES = 4096
+DROP_GRACE_SECONDS = 1.0
+USER_LIMITS = ApiLimits(max_body_bytes=MAX_MESSAGE - (64 << 10))
+
+
+def too_few_paths(live: int, needed: int, detail: str = "") -> ApiError:
+    return ApiError(503, f"Only {live} anonymous path(s) survive{detail}; {needed} are needed. New paths are "
+                    f"being built; retry shortly.", type="server_error", code="too_few_paths")
+
+
+def timed_out(seconds: float) -> ApiError:
+    return ApiError(504, f"No answer from the model node within {seconds:g} seconds.", type="server_error",
+                    code="timeout")
+
+
+def session_key(request: ApiRequest) -> str | None:
+    """Requests of one conversation share a key: the explicit session id, or for chat the messages up
+    to the first user turn (every follow-up repeats them)."""
+    if request.planetserve.session_id:
+        return "id:" + request.planetserve.session_id
+    if request.endpoint != "chat" or not request.messages:
+        return None
+    head = []
+    for message in request.messages:
+        head.append([message.role, message.content])
+        if message.role == "user":
+            break
+    return "chat:" + hashlib.sha256(json.dumps([request.model, head]).encode()).hexdigest()
+
+
+@dataclass(eq=False)
+class Exchange:
+    """One request in flight: the paths it used and the answer's parts as they arrive."""
+
+    request_id: bytes
+    paths: tuple[Path, ...]
+    k: int
+    parts: dict[int, Part] = field(default_factory=dict)
+    next_seq: int = 0
+    messages: int = 0
+    delivered: Counter = field(default_factory=Counter)
+    failure: ApiError | None = None
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def add(self, part: Part) -> None:
+        if part.seq >= self.next_seq:
+            self.parts[part.seq] = part
+            self.changed.set()
+
+    def fail(self, error: ApiError) -> None:
+        if self.failure is None:
+            self.failure = error
+            self.changed.set()
+
+    def check_paths(self) -> None:
+        live = sum(p.live for p in self.paths)
+        if live < self.k:
+            self.fail(too_few_paths(live, self.k, f" of the {len(self.paths)} this request used"))
+
+    async def next_part(self, timeout: float) -> Part:
+        while True:
+            if self.next_seq in self.parts:
+                self.next_seq += 1
+                return self.parts.pop(self.next_seq - 1)
+            if self.failure is not None:
+                raise self.failure
+            self.changed.clear()
+            try:
+                await asyncio.wait_for(self.changed.wait(), timeout)
+            except TimeoutError:
+                raise timed_out(timeout) from None
+
+
+class UserRelay:
+    def __init__(self, config: UserConfig, keys: KeySet, directory: Directory | None, *,
+                 settings: PathSettings | None = None, rng: random.Random | None = None) -> None:
+        self.config = config
+        self.keys = keys
+        self.directory = directory
+        self.view = DirectoryView(0)
+        self.peering = Peering(keys, self._on_peer, self._authorized, on_close=self._peer_closed)
+        self.paths = PathManager(keys.public, self._send, lambda: sorted(self.view.users),
+                                 settings=settings or PathSettings(target=max(config.proxies, config.n),
+                                                                   ping_interval=config.ping_interval),
+                                 rng=rng)
+        self.paths.on_clove = self._on_clove
+        self.paths.on_death.append(self._path_died)
+        self.relay = Relay(onion.exchange_secret(keys.identity), self._send,
+                           is_user=lambda key: key in self.view.users,
+                           is_node=lambda key: key in self.view.nodes, owner=self.paths)
+        self.reassembler = sida.Reassembler()
+        self.exchanges: dict[bytes, Exchange] = {}
+        self.arrivals: OrderedDict[bytes, list[tuple[Path, int]]] = OrderedDict()
+        self.answered: OrderedDict[bytes, Exchange] = OrderedDict()
+        self.contested: set[bytes] = set()
+        self.sessions: OrderedDict[str, bytes] = OrderedDict()
+        self.counters = {"requests": 0, "answered": 0, "failed": 0, "bad_cloves": 0, "corrupt_paths": 0,
+                         "dropping_paths": 0}
+        self.app = web.Application(client_max_size=USER_LIMITS.max_body_bytes)
+        self.app.router.add_get("/health", self._health)
+        self.app.router.add_get("/v1/models", self._models)
+        self.app.router.add_post("/v1/completions", self._completions)
+        self.app.router.add_post("/v1/chat/completions", self._chat)
+        self.app.router.add_get("/v1/planetserve/status", self._status)
+        self.http_url = ""
+        self.peer_port = 0
+        self._runner: web.AppRunner | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    async def start(self, *, serve_http: bool = True) -> None:
+        host, _, port = self.config.peer.rpartition(":")
+        self.peer_port = await self.peering.listen(host, int(port))
+        if self.directory is not None:
+            self.apply_view(await asyncio.to_thread(self.directory.refresh))
+            self._spawn(self._directory_loop())
+        if serve_http:
+            self._runner = web.AppRunner(self.app, access_log=None)
+            await self._runner.setup()
+            http_host, _, http_port = self.config.http.rpartition(":")
+            await web.TCPSite(self._runner, http_host, int(http_port)).start()
+            self.http_url = f"http://{http_host}:{self._runner.addresses[0][1]}"
+
+    def start_paths(self) -> None:
+        """Keep proxies from now on (a relay that only relays for others never calls this)."""
+        self._spawn(self.paths.maintain())
+        self._spawn(self._expiry_loop())
+
+    async def close(self) -> None:
+        await self.paths.close_all()
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self._runner is not None:
+            await self._runner.cleanup()
+        await self.peering.close()
+
+    def _spawn(self, coro: Any) -> asyncio.Task:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def apply_view(self, view: DirectoryView) -> None:
+        if view.height >= self.view.height:
+            self.view = view
+
+    async def _directory_loop(self) -> None:
+        assert self.directory is not None
+        while True:
+            await asyncio.sleep(self.config.list_interval)
+            self.apply_view(await asyncio.to_thread(self.directory.refresh))
+
+    async def _expiry_loop(self) -> None:
+        while True:
+            await asyncio.sleep(60)
+            self.relay.expire()
+            self.reassembler.expire()
+
+    # -- peers ---------------------------------------------------------------------------------------
+
+    def _authorized(self, key: bytes) -> bool:
+        return key in self.view.users or key in self.view.nodes
+
+    async def _send(self, peer: bytes, msg_type: str, body: Any) -> None:
+        address = self.view.address(peer)
+        if address is None:
+            raise TransportError(f"{peer.hex()[:16]} is in neither verified list")
+        conn = await self.peering.connect(peer, address)
+        await conn.notify(msg_type, body)
+
+    async def _on_peer(self, peer: bytes, msg_type: str, body: Any) -> None:
+        await self.relay.handle(peer, msg_type, body)
+
+    def _peer_closed(self, peer: bytes) -> None:
+        self.paths.peer_closed(peer)
+        self._spawn(self.relay.peer_closed(peer))
+
+    def _path_died(self, _path: Path) -> None:
+        for exchange in self.exchanges.values():
+            exchange.check_paths()
+        self._spawn(self.paths.fill())
+
+    # -- answers coming back ---------------------------------------------------------------------------
+
+    def _on_clove(self, path: Path, data: bytes) -> None:
+        try:
+            clove = sida.decode(data)
+        except sida.CloveError:
+            self.counters["bad_cloves"] += 1
+            self._penalize(path, "corrupt")
+            return
+        mid = clove.message_id
+        if (late := self.answered.get(mid)) is not None:
+            late.delivered[path] += 1
+            return
+        self.arrivals.setdefault(mid, []).append((path, clove.index))
+        while len(self.arrivals) > MAX_TRACKED_MESSAGES:
+            self.contested.discard(self.arrivals.popitem(last=False)[0])
+        try:
+            message = self.reassembler.add(clove)
+        except sida.AuthenticationError:
+            self.contested.add(mid)
+            return
+        except sida.CloveError:
+            self.counters["bad_cloves"] += 1
+            return
+        if message is None:
+            return
+        try:
+            part = open_message(message)
+        except MessageError:
+            self.counters["bad_cloves"] += 1
+            return
+        exchange = self.exchanges.get(part.request_id) if isinstance(part, Part) else None
+        arrivals = self.arrivals.pop(mid, [])
+        if mid in self.contested:
+            self.contested.discard(mid)
+            for bad, index in arrivals:
+                if index not in self.reassembler.last_used:
+                    self._penalize(bad, "corrupt")
+        if exchange is None:
+            return
+        self.answered[mid] = exchange
+        while len(self.answered) > MAX_TRACKED_MESSAGES:
+            self.answered.popitem(last=False)
+        exchange.messages += 1
+        for delivering, _ in arrivals:
+            exchange.delivered[delivering] += 1
+        exchange.add(part)
+
+    def _penalize(self, path: Path, why: str) -> None:
+        self.counters["corrupt_paths" if why == "corrupt" else "dropping_paths"] += 1
+        self._spawn(self.paths.penalize(path, f"{why} cloves"))
+
+    async def _check_drops(self, exchange: Exchange) -> None:
+        """After the answer and a grace period: a live path that carried fewer than half of the answer's
+        messages is dropping them."""
+        await asyncio.sleep(DROP_GRACE_SECONDS)
+        if exchange.messages < 2:
+            return
+        for path in exchange.paths:
+            if path.live and 2 * exchange.delivered[path] < exchange.messages:
+                self._penalize(path, "dropped")
+
+    # -- asking ------------------------------------------------------------------------------------------
+
+    async def ask(self, node: bytes, endpoint: Endpoint, body: bytes) -> Reply:
+        """Send one API request to `node` through the overlay; the Reply streams its answer."""
+        n, k = self.config.n, self.config.k
+        live = self.paths.live()
+        if len(live) < k:
+            await self.paths.wait_live(k, self.paths.settings.setup_timeout)
+            live = self.paths.live()
+            if len(live) < k:
+                raise too_few_paths(len(live), k, f" (last error: {self.paths.last_error})"
+                                    if self.paths.last_error else "")
+        chosen = tuple(secrets.SystemRandom().sample(live, min(n, len(live))))
+        request_id = secrets.token_bytes(16)
+        prompt = Prompt(request_id, node, endpoint, body, tuple((p.proxy, p.reply_id) for p in chosen))
+        cloves = sida.split(prompt.seal(), len(chosen), min(k, len(chosen)))
+        exchange = Exchange(request_id, chosen, min(k, len(chosen)))
+        self.exchanges[request_id] = exchange
+        self.counters["requests"] += 1
+        try:
+            sent = await asyncio.gather(
+                *(self._send(p.first, "fwd", [p.link, [node, sida.encode(c)]])
+                  for p, c in zip(chosen, cloves, strict=True)), return_exceptions=True)
+            if sum(r is None for r in sent) < exchange.k:
+                raise too_few_paths(sum(r is None for r in sent), exchange.k, " the prompt could be sent on")
+            timeout = self.config.response_timeout
+            first = await exchange.next_part(timeout)
+            if first.content_type == EVENT_STREAM:
+                return Reply(first.status, first.content_type, self._stream(exchange, first))
+            body_parts = [first.data]
+            part = first
+            while not part.last:
+                part = await exchange.next_part(timeout)
+                body_parts.append(part.data)
+        except BaseException:
+            self._finish(exchange, False)
+            raise
+        self._finish(exchange, True)
+        return Reply(first.status, first.content_type, single_part(b"".join(body_parts)))
+
+    async def _stream(self, exchange: Exchange, first: Part) -> AsyncIterator[bytes]:
+        ok = False
+        try:
+            part = first
+            if part.data:
+                yield part.data
+            while not part.last:
+                part = await exchange.next_part(self.config.response_timeout)
+                if part.data:
+                    yield part.data
+            ok = True
+        except ApiError as exc:
+            yield sse(exc.body())
+            yield SSE_DONE
+        finally:
+            self._finish(exchange, ok)
+
+    def _finish(self, exchange: Exchange, ok: bool) -> None:
+        if self.exchanges.pop(exchange.request_id, None) is None:
+            return
+        self.counters["answered" if ok else "failed"] += 1
+        self._spawn(self._check_drops(exchange))
+
+    def choose_node(self, request: ApiRequest, model: str) -> bytes:
+        """A trusted node of the model; the same one for every request of a conversation."""
+        nodes = self.view.models().get(model, [])
+        key = session_key(request)
+        if key is not None and (chosen := self.sessions.get(key)) in self.view.nodes:
+            self.sessions.move_to_end(key)
+            return chosen
+        chosen = secrets.choice(nodes).pubkey
+        if key is not None:
+            self.sessions[key] = chosen
+            while len(self.sessions) > MAX_SESSIONS:
+                self.sessions.popitem(last=False)
+        return chosen
+
+    # -- the local OpenAI-compatible endpoint -------------------------------------------------------------
+
+    async def _health(self, _: web.Request) -> web.Response:
+        live = len(self.paths.live())
+        ok = live >= self.config.k
+        return web.json_response({"ok": ok, "live_paths": live}, status=200 if ok else 503)
+
+    async def _models(self, _: web.Request) -> web.Response:
+        return web.json_response(models_body(sorted(self.view.models()), max_model_len=0))
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, "completions")
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, "chat")
+
+    async def _serve(self, http: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+        try:
+            raw = await read_body(http, USER_LIMITS.max_body_bytes)
+            request = parse_request(endpoint, raw, USER_LIMITS)
+            models = sorted(self.view.models())
+            if not models:
+                raise ApiError(503, "No trusted model node is listed on the ledger yet.", type="server_error",
+                               code="no_model_nodes")
+            try:
+                model = check_model(request, models)
+            except ApiError as exc:
+                raise ApiError(exc.status, f"{exc} No trusted model node serves it; served models: "
+                               f"{', '.join(models)}.", type=exc.type, code=exc.code, param="model") from None
+            reply = await self.ask(self.choose_node(request, model), endpoint, raw)
+        except ApiError as exc:
+            return web.json_response(exc.body(), status=exc.status)
+        return await send_reply(http, reply)
+
+    async def _status(self, _: web.Request) -> web.Response:
+        return web.json_response(self.status())
+
+    def status(self) -> dict[str, Any]:
+        now = time.monotonic()
+        return {
+            "user": self.keys.public.hex(), "address": self.config.address,
+            "directory_height": self.view.height,
+            "users": len(self.view.users), "model_nodes": len(self.view.nodes),
+            "paths": [{"proxy": p.proxy.hex(), "age": round(now - p.created, 1), "misses": p.misses}
+                      for p in self.paths.live()],
+            "relayed_paths": len(self.relay.forward), "counters": dict(self.counters),
+            "path_counters": dict(self.paths.counters), "relay_counters": dict(self.relay.counters),
+            "last_path_error": self.paths.last_error,
+        }
