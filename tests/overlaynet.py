@@ -10,13 +10,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 import httpx
-from modelnodes import free_port, make_node, view
+from modelnodes import make_node, view
 
 from planetserve.chain.keys import KeySet
 from planetserve.node.directory import DirectoryView
 from planetserve.node.home import UserConfig
 from planetserve.node.model_node import ModelNode
-from planetserve.node.paths import PathSettings
+from planetserve.node.paths import Path, PathSettings
+from planetserve.node.relay import Relay
 from planetserve.node.user import UserRelay
 from planetserve.registry.entities import ModelNode as NodeRecord
 from planetserve.registry.entities import User
@@ -25,8 +26,7 @@ FAST = PathSettings(target=4, setup_timeout=3.0, ping_interval=0.5, ping_timeout
 
 
 def user_config(**overrides: object) -> UserConfig:
-    base = UserConfig(http=f"127.0.0.1:{free_port()}", peer=f"127.0.0.1:{free_port()}", proxies=4,
-                      response_timeout=30.0)
+    base = UserConfig(http="127.0.0.1:0", peer="127.0.0.1:0", proxies=4, response_timeout=30.0)
     return replace(base, **overrides)  # type: ignore[arg-type]
 
 
@@ -42,6 +42,43 @@ def directory(users: Iterable[UserRelay], nodes: Iterable[ModelNode], height: in
                     "global", "active", 1) for n in nodes])
 
 
+class FaultyRelay(Relay):
+    """A relay that misbehaves on command: flips a bit of, or drops, what it carries back toward users,
+    sparing small payloads (pings) as a careful adversary would."""
+
+    mode: str | None = None
+
+    async def _pass_on(self, peer: bytes, msg_type: str, body: object) -> bool:
+        if self.mode in ("flip", "drop") and msg_type == "back" and len(body[1]) > 200:  # type: ignore[index]
+            if self.mode == "drop":
+                return True
+            data = bytearray(body[1])  # type: ignore[index]
+            data[-1] ^= 0x01
+            body = [body[0], bytes(data)]  # type: ignore[index]
+        return await super()._pass_on(peer, msg_type, body)
+
+    async def _back(self, hop, kind: str, data: bytes) -> None:  # type: ignore[no-untyped-def]
+        if self.mode == "flip-at-proxy" and kind == "clove":
+            data = data[:-1] + bytes([data[-1] ^ 0x01])
+        await super()._back(hop, kind, data)
+
+
+def faulty(user: UserRelay) -> UserRelay:
+    """The same user relay, but with a relay part that can be told to misbehave."""
+    old = user.relay
+    user.relay = FaultyRelay(old.secret, old.send, is_user=old.is_user, is_node=old.is_node, owner=old.owner)
+    return user
+
+
+def relays_on_one_path(user: UserRelay) -> dict[bytes, Path]:
+    """Relays that carry exactly one of the user's live paths, with that path."""
+    seen: dict[bytes, list[Path]] = {}
+    for path in user.paths.live():
+        for relay in path.route:
+            seen.setdefault(relay, []).append(path)
+    return {relay: paths[0] for relay, paths in seen.items() if len(paths) == 1}
+
+
 @dataclass
 class Overlay:
     users: list[UserRelay]
@@ -51,6 +88,9 @@ class Overlay:
     @property
     def client(self) -> UserRelay:
         return self.users[0]
+
+    def user(self, key: bytes) -> UserRelay:
+        return next(u for u in self.users if u.keys.public == key)
 
     def publish(self, users: list[UserRelay] | None = None) -> None:
         """Give everyone the current directory (as a new verified list would)."""

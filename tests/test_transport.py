@@ -89,10 +89,29 @@ def test_listener_refuses_unlisted_dialler():
     async def main():
         a, b = peers(allowed_for_b=lambda key: False)
         port = await b.listen("127.0.0.1", 0)
-        with pytest.raises(TransportError):
-            conn = await a.connect(b.keys.public, f"127.0.0.1:{port}")
-            await conn.call("echo", 1)
-        assert b.connections == {}
+        with pytest.raises(TransportError, match="refused: .*not in the verified list"):
+            await a.connect(b.keys.public, f"127.0.0.1:{port}")
+        assert b.connections == {} and a.connections == {}
+        await a.close()
+        await b.close()
+
+    run(main())
+
+
+def test_listener_rereads_its_list_once_for_an_unknown_dialler():
+    async def main():
+        listed: set[bytes] = set()
+        reads = []
+        a, b = peers(allowed_for_b=lambda key: key in listed)
+
+        async def refresh() -> None:  # the dialler registered a moment ago
+            reads.append(1)
+            listed.add(a.keys.public)
+
+        b.refresh = refresh
+        port = await b.listen("127.0.0.1", 0)
+        conn = await a.connect(b.keys.public, f"127.0.0.1:{port}")
+        assert (await conn.call("echo", 7))["body"] == 7 and reads == [1]
         await a.close()
         await b.close()
 
@@ -159,6 +178,7 @@ def test_plain_tcp_and_silent_clients_are_refused():
         assert greeting[0] == b.keys.public and len(greeting[1]) == 32
         writer.write(struct.pack(">I", 2) + b"\x92\x01")  # a hello of the wrong shape
         await writer.drain()
+        assert await read_frame(reader) == ["refused", "malformed frame: ValueError"]
         assert await asyncio.wait_for(reader.read(), 15) == b""
         assert b.connections == {}
         await b.close()

@@ -1,4 +1,5 @@
-"""`planetserve node`: run the overlay's roles (a model node serving a model to the network)."""
+"""`planetserve node`: run the overlay's roles (a model node serving a model to the network; a user relay
+that carries others' traffic and gives its user's programs an anonymous OpenAI-compatible endpoint)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,11 @@ def group() -> None:
       planetserve models train                        # the small model family (once)
       planetserve node init-model --home mn1 --org-id acme --model-id gt --genesis genesis.json
       planetserve node model --home mn1 --org-keys acme.json   # registers itself, then serves
+    \b
+    A user relay (any OpenAI client can then use http://127.0.0.1:8080/v1 anonymously):
+      planetserve node init-user --home me --genesis genesis.json --peer 0.0.0.0:9100 \\
+          --advertise my.host:9100
+      planetserve node user --home me
     """
 
 
@@ -114,6 +120,93 @@ def model(home: Path, org_keys: Path | None, log_level: str, as_json: bool) -> N
     try:
         asyncio.run(run_model_node(home, org, ready))
     except (HomeError, RegistrationError, ModelError, KeyFileError, ValueError, OSError) as exc:
+        fail(str(exc))
+    except (RpcError, VerificationError, QueryRefused) as exc:
+        fail(f"the ledger could not be read: {exc}")
+
+
+USER_HOME_HELP = "The relay's home directory (configuration user.json and key file node_keys.json)."
+
+
+@group.command("init-user")
+@click.option("--home", required=True, type=click.Path(file_okay=False, path_type=Path), help=USER_HOME_HELP)
+@click.option("--genesis", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Genesis file the ledger is verified against.")
+@click.option("--rpc", default="http://127.0.0.1:26657", show_default=True, help="CometBFT RPC endpoint.")
+@click.option("--http", "http_addr", default="127.0.0.1:8080", show_default=True,
+              help="host:port of the local OpenAI-compatible endpoint (keep it on loopback).")
+@click.option("--peer", default="127.0.0.1:9100", show_default=True,
+              help="host:port of the TLS port other relays and model nodes dial.")
+@click.option("--advertise", default="", help="Address registered on the ledger (default: --peer).")
+@click.option("--region", default="global", show_default=True)
+@click.option("--proxies", default=5, show_default=True, type=click.IntRange(1, 16),
+              help="Live proxies (onion paths) to keep; at least n.")
+@click.option("--n", "n", default=4, show_default=True, type=click.IntRange(1, 16),
+              help="Cloves per message (one per path).")
+@click.option("--k", "k", default=3, show_default=True, type=click.IntRange(1, 16),
+              help="Cloves that recover a message; k - 1 reveal nothing.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def init_user(home: Path, genesis: Path, http_addr: str, as_json: bool, **settings: object) -> None:
+    """Create a user relay's home: configuration and a fresh key (never overwritten)."""
+    from planetserve.node.home import HomeError, UserConfig, init_home
+
+    config = UserConfig(genesis=str(genesis.resolve()), http=http_addr, **settings)  # type: ignore[arg-type]
+    if not config.proxies >= config.n >= config.k:
+        fail(f"need --proxies >= --n >= --k, got {config.proxies}, {config.n}, {config.k}")
+    try:
+        keys = init_home(home, config)
+    except HomeError as exc:
+        fail(str(exc))
+    result = {"home": str(home), "user": keys.public.hex(), "address": config.address, "http": config.http}
+    if as_json:
+        emit_json(result)
+        return
+    console.print(f"created user relay home [bold]{home}[/]: user key {keys.public.hex()}")
+    console.print(f"run it with: planetserve node user --home {home}")
+
+
+@group.command("user")
+@click.option("--home", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help=USER_HOME_HELP)
+@click.option("--log-level", default="info", show_default=True,
+              type=click.Choice(["debug", "info", "warning", "error"]))
+@click.option("--json", "as_json", is_flag=True, help="Print the ready line as JSON.")
+def user(home: Path, log_level: str, as_json: bool) -> None:
+    """Run a user relay: register (heartbeats keep it listed), relay other users' paths, keep proxies,
+    and serve a local OpenAI-compatible endpoint (/v1/models, /v1/completions, /v1/chat/completions,
+    streaming) whose requests reach trusted model nodes anonymously.
+
+    Point any OpenAI client at it, e.g. `OpenAI(base_url="http://127.0.0.1:8080/v1", api_key="none")`.
+    Follow-ups of a chat go to the same model node. /v1/planetserve/status shows the relay's paths
+    and counters; /health says whether enough paths are live.
+    """
+    from planetserve.chain.client import QueryRefused
+    from planetserve.chain.lightclient import VerificationError
+    from planetserve.chain.rpc import RpcError
+    from planetserve.node.home import HomeError
+    from planetserve.node.registration import RegistrationError
+    from planetserve.node.runner import run_user_relay
+    from planetserve.node.user import UserRelay
+    from planetserve.registry.entities import User
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def ready(relay: UserRelay, registered: User, action: str) -> None:
+        live = len(relay.paths.live())
+        line = {"user": relay.keys.public.hex(), "http": relay.http_url, "peer": relay.config.address,
+                "registration": action, "live_paths": live, "expires_at": registered.expires_at}
+        if as_json:
+            click.echo(json.dumps(line), nl=True)
+            return
+        console.print(f"user relay {line['user'][:16]}… ({action}) relaying at {relay.config.address}; "
+                      f"OpenAI endpoint {relay.http_url}/v1 with {live} live path(s)")
+        if live < relay.config.k:
+            console.print(f"[yellow]only {live} live path(s), {relay.config.k} needed: "
+                          f"{relay.paths.last_error or 'still building'}[/]")
+
+    try:
+        asyncio.run(run_user_relay(home, ready))
+    except (HomeError, RegistrationError, KeyFileError, ValueError, OSError) as exc:
         fail(str(exc))
     except (RpcError, VerificationError, QueryRefused) as exc:
         fail(f"the ledger could not be read: {exc}")

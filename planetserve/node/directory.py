@@ -4,9 +4,12 @@ connections only from keys in it, and resolve the addresses of the keys they for
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 from planetserve.chain.client import LedgerClient, QueryRefused
 from planetserve.chain.lightclient import VerificationError
@@ -14,6 +17,7 @@ from planetserve.chain.rpc import RpcError
 from planetserve.registry.entities import ModelNode, User
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -63,3 +67,22 @@ class Directory:
         if users_listing.height >= self.view.height:
             self.view = DirectoryView.of(users_listing.height, users, nodes)
         return self.view
+
+
+class OnDemand(Generic[T]):
+    """A blocking list read run when someone unknown knocks: at most once per `min_interval`, and
+    callers that arrive during a read share it."""
+
+    def __init__(self, fetch: Callable[[], T], apply: Callable[[T], None], min_interval: float = 0.5) -> None:
+        self.fetch = fetch
+        self.apply = apply
+        self.min_interval = min_interval
+        self._lock = asyncio.Lock()
+        self._last = float("-inf")
+
+    async def __call__(self) -> None:
+        async with self._lock:
+            if time.monotonic() - self._last < self.min_interval:
+                return
+            self.apply(await asyncio.to_thread(self.fetch))
+            self._last = time.monotonic()

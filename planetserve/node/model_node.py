@@ -28,7 +28,7 @@ from planetserve.chain.challenge import response_extension, sign_response
 from planetserve.chain.keys import KeySet
 from planetserve.node.balance import BalancePolicy, Decision, LatencyEWMA, LoadReport, Reason, route
 from planetserve.node.cachesync import CacheSync, SyncConfig, SyncError
-from planetserve.node.directory import Directory, DirectoryView
+from planetserve.node.directory import Directory, DirectoryView, OnDemand
 from planetserve.node.engine.base import CacheEvent, Engine, EngineError, GenerationRequest, TokenChunk
 from planetserve.node.engine.http_server import EngineServer, Generation, Production
 from planetserve.node.engine.kvevents import PrefixMirror
@@ -163,7 +163,8 @@ class ModelNode:
         self.view = EMPTY
         self.users = users
         self.users_view = DirectoryView(0)
-        self.peering = Peering(keys, self._on_peer, self._authorized)
+        self.peering = Peering(keys, self._on_peer, self._authorized,
+                               refresh=OnDemand(self._lists, self._apply_lists))
         self.http = ModelNodeServer(self, limits or ApiLimits())
         self.gateway = Gateway(keys.public, self.http.respond, self._send_to_user)
         self.counters = {"served": 0, "forwarded": 0, "received_forwards": 0, "forward_failures": 0,
@@ -203,11 +204,20 @@ class ModelNode:
 
     async def _group_loop(self) -> None:
         while True:
-            if self.group is not None:
-                self.apply_view(await asyncio.to_thread(self.group.refresh))
-            if self.users is not None:
-                self.apply_users(await asyncio.to_thread(self.users.refresh))
+            self._apply_lists(await asyncio.to_thread(self._lists))
             await asyncio.sleep(self.config.list_interval)
+
+    def _lists(self) -> tuple[GroupView | None, DirectoryView | None]:
+        """Both verified lists (blocking): a key that knocks is a new group member or a new user."""
+        return (self.group.refresh() if self.group is not None else None,
+                self.users.refresh() if self.users is not None else None)
+
+    def _apply_lists(self, lists: tuple[GroupView | None, DirectoryView | None]) -> None:
+        group, users = lists
+        if group is not None:
+            self.apply_view(group)
+        if users is not None:
+            self.apply_users(users)
 
     def apply_users(self, view: DirectoryView) -> None:
         """The verified user list: the proxies that may bring prompts and receive answers."""

@@ -3,7 +3,11 @@
 A user wraps one layer per relay. Each layer is sealed to the relay's registered ed25519 key (as its
 X25519 equivalent) under a fresh ephemeral key: X25519, HKDF-SHA256, ChaCha20-Poly1305. A layer tells
 its relay only what it needs: whether it is a relay or the proxy, the next relay's key and the id of
-the next link (a relay), or the reply id and acknowledgement token (the proxy).
+the next link (a relay), or the reply id, acknowledgement token and path key (the proxy).
+
+Afterwards, everything on the path between the user and its proxy is sealed under the path key
+(`seal_payload`): symmetric only, and the relays in between see opaque bytes that differ on every
+path, so cloves of one message cannot be linked across paths by their contents.
 
 Every packet has the same size at every hop, so a relay cannot tell its position on the path: after
 removing its layer, a relay appends `LAYER_SIZE` bytes of filler derived from its own layer key, and
@@ -21,7 +25,9 @@ import secrets
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import msgpack
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
@@ -42,7 +48,7 @@ TAG_SIZE = 16
 ROLE_RELAY = 0
 ROLE_PROXY = 1
 MAX_HOPS = PATH_LENGTH
-_HEADER = struct.Struct(">BB16s32s16s16s")
+_HEADER = struct.Struct(">BB16s32s16s16s32s")
 HEADER_SIZE = _HEADER.size
 LAYER_SIZE = KEY_SIZE + TAG_SIZE + HEADER_SIZE
 PACKET_SIZE = MAX_HOPS * LAYER_SIZE
@@ -50,6 +56,9 @@ _BODY = PACKET_SIZE - KEY_SIZE - TAG_SIZE
 _NONCE = bytes(12)
 _INFO = b"planetserve/onion/v1"
 _ZERO_KEY = bytes(KEY_SIZE)
+_PAYLOAD_DOMAIN = b"planetserve/path/v1/"
+FORWARD = b"fwd"
+BACKWARD = b"back"
 
 
 class OnionError(Exception):
@@ -69,30 +78,55 @@ class Layer:
     """Names the path to a model node answering through this proxy (the proxy only)."""
     token: bytes
     """Sent back to the user to confirm the path (the proxy only)."""
+    path_key: bytes
+    """Seals what the user and the proxy exchange over the path (the proxy only)."""
 
     @property
     def is_proxy(self) -> bool:
         return self.role == ROLE_PROXY
 
     def encode(self) -> bytes:
-        return _HEADER.pack(VERSION, self.role, self.out_id, self.next_key, self.reply_id, self.token)
+        return _HEADER.pack(VERSION, self.role, self.out_id, self.next_key, self.reply_id, self.token,
+                            self.path_key)
 
     @classmethod
     def decode(cls, raw: bytes) -> Layer:
-        version, role, out_id, next_key, reply_id, token = _HEADER.unpack(raw)
+        version, role, out_id, next_key, reply_id, token, path_key = _HEADER.unpack(raw)
         if version != VERSION or role not in (ROLE_RELAY, ROLE_PROXY):
             raise OnionError(f"unknown layer version {version} or role {role}")
         if role == ROLE_RELAY and next_key == _ZERO_KEY:
             raise OnionError("relay layer names no next relay")
-        return cls(role, out_id, next_key, reply_id, token)
+        return cls(role, out_id, next_key, reply_id, token, path_key)
 
 
 def relay_layer(out_id: bytes, next_key: bytes) -> Layer:
-    return Layer(ROLE_RELAY, out_id, next_key, bytes(ID_SIZE), bytes(TOKEN_SIZE))
+    return Layer(ROLE_RELAY, out_id, next_key, bytes(ID_SIZE), bytes(TOKEN_SIZE), _ZERO_KEY)
 
 
-def proxy_layer(reply_id: bytes, token: bytes) -> Layer:
-    return Layer(ROLE_PROXY, bytes(ID_SIZE), _ZERO_KEY, reply_id, token)
+def proxy_layer(reply_id: bytes, token: bytes, path_key: bytes) -> Layer:
+    return Layer(ROLE_PROXY, bytes(ID_SIZE), _ZERO_KEY, reply_id, token, path_key)
+
+
+def seal_payload(path_key: bytes, direction: bytes, first: bytes | str, data: bytes) -> bytes:
+    """A (destination or kind, data) pair sealed for the other end of the path; a fresh random nonce
+    each time, and the direction bound in, so a payload cannot be reflected back."""
+    nonce = secrets.token_bytes(12)
+    plaintext = msgpack.packb([first, data], use_bin_type=True)
+    return nonce + ChaCha20Poly1305(path_key).encrypt(nonce, plaintext, _PAYLOAD_DOMAIN + direction)
+
+
+def open_payload(path_key: bytes, direction: bytes, sealed: bytes) -> tuple[Any, bytes]:
+    """The pair inside a sealed payload; OnionError if it was altered or is not for this path."""
+    try:
+        plaintext = ChaCha20Poly1305(path_key).decrypt(sealed[:12], sealed[12:], _PAYLOAD_DOMAIN + direction)
+        first, data = msgpack.unpackb(plaintext, raw=False)
+    except InvalidTag:
+        raise OnionError("path payload does not authenticate") from None
+    except Exception as exc:
+        raise OnionError(f"malformed path payload: {type(exc).__name__}") from exc
+    if not isinstance(first, bytes | str) or type(data) is not bytes:
+        raise OnionError("malformed path payload")
+    return first, data
 
 
 def exchange_key(identity: bytes) -> bytes:

@@ -19,6 +19,7 @@ import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from planetserve.node import onion
 from planetserve.node.relay import Send
@@ -49,6 +50,7 @@ class Path:
     route: tuple[bytes, ...]
     reply_id: bytes
     token: bytes
+    key: bytes = field(repr=False)
     created: float = field(default_factory=time.monotonic)
     state: str = "building"
     misses: int = 0
@@ -65,6 +67,10 @@ class Path:
     @property
     def live(self) -> bool:
         return self.state == "live"
+
+    def seal(self, destination: bytes, data: bytes) -> bytes:
+        """A payload only our proxy can open: data for the model node `destination` (empty: a ping)."""
+        return onion.seal_payload(self.key, onion.FORWARD, destination, data)
 
 
 CloveSink = Callable[[Path, bytes], None]
@@ -86,7 +92,9 @@ class PathManager:
         self.on_death: list[Callable[[Path], None]] = []
         self._pings: dict[bytes, tuple[bytes, asyncio.Future]] = {}
         self._filling = asyncio.Lock()
-        self.counters = {"built": 0, "setup_failures": 0, "died": 0, "penalized": 0, "pings_failed": 0}
+        self.counters = {"built": 0, "setup_failures": 0, "died": 0, "penalized": 0, "pings_failed": 0,
+                         "altered": 0}
+        self._tasks: set[asyncio.Task] = set()
         self.last_error: str | None = None
 
     def live(self) -> list[Path]:
@@ -110,9 +118,9 @@ class PathManager:
             return None
         links = [secrets.token_bytes(onion.ID_SIZE) for _ in route]
         path = Path(links[0], route, secrets.token_bytes(onion.ID_SIZE),
-                    secrets.token_bytes(onion.TOKEN_SIZE))
+                    secrets.token_bytes(onion.TOKEN_SIZE), secrets.token_bytes(onion.KEY_SIZE))
         layers = [onion.relay_layer(links[i + 1], route[i + 1]) for i in range(len(route) - 1)]
-        layers.append(onion.proxy_layer(path.reply_id, path.token))
+        layers.append(onion.proxy_layer(path.reply_id, path.token, path.key))
         packet = await asyncio.to_thread(onion.build, route, layers)
         self.paths[(path.first, path.link)] = path
         try:
@@ -164,7 +172,7 @@ class PathManager:
         waiter = asyncio.get_running_loop().create_future()
         self._pings[path.link] = (nonce, waiter)
         try:
-            await self.send(path.first, "fwd", [path.link, [b"", nonce]])
+            await self.send(path.first, "fwd", [path.link, path.seal(b"", nonce)])
             ok = await asyncio.wait_for(waiter, self.settings.ping_timeout)
         except (TransportError, TimeoutError):
             ok = False
@@ -178,6 +186,11 @@ class PathManager:
         if path.misses > self.settings.misses_allowed:
             await self.penalize(path, "unanswered or altered pings")
         return False
+
+    def spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     # -- losing paths --------------------------------------------------------------------------------
 
@@ -217,10 +230,16 @@ class PathManager:
 
     # -- PathOwner -----------------------------------------------------------------------------------
 
-    def deliver(self, peer: bytes, link: bytes, kind: str, data: bytes) -> bool:
+    def deliver(self, peer: bytes, link: bytes, sealed: bytes) -> bool:
         path = self.paths.get((peer, link))
         if path is None:
             return False
+        try:
+            kind, data = onion.open_payload(path.key, onion.BACKWARD, sealed)
+        except onion.OnionError:
+            self.counters["altered"] += 1
+            self.spawn(self.penalize(path, "a relay altered its traffic"))
+            return True
         if kind == "ready":
             if path.state == "building" and hmac.compare_digest(data, path.token):
                 path.state = "live"

@@ -1,5 +1,6 @@
-"""Getting a model node onto the ledger: registration (signed by its organisation, with the node's
-proof of possession) and keeping its registered address and capacity equal to its configuration."""
+"""Getting onto the ledger: a model node's registration (signed by its organisation, with the node's
+proof of possession) kept equal to its configuration, and a user relay's self-registration and
+heartbeats."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ from dataclasses import dataclass
 
 from planetserve.chain.client import LedgerClient
 from planetserve.chain.keys import KeySet
-from planetserve.node.home import ModelNodeConfig
-from planetserve.registry.entities import ModelNode
+from planetserve.node.home import ModelNodeConfig, UserConfig
+from planetserve.registry.entities import ModelNode, User
 
 
 class RegistrationError(Exception):
@@ -68,3 +69,24 @@ def _read(ledger: LedgerClient, node_keys: KeySet) -> ModelNode:
     if node is None:
         raise RegistrationError("the registration was committed but the node is not in the verified state")
     return node
+
+
+def ensure_user(ledger: LedgerClient, config: UserConfig, keys: KeySet) -> tuple[User, str]:
+    """The relay's user record, registered ("registered") or renewed with the configured address and
+    region ("renewed")."""
+    current = ledger.user(keys.public)
+    if current is None:
+        _submit(ledger, keys, "register-user", {"address": config.address, "region": config.region})
+        action = "registered"
+    else:
+        heartbeat(ledger, keys, config)
+        action = "renewed"
+    user = ledger.user(keys.public)
+    if user is None:
+        raise RegistrationError("the registration was committed but the user is not in the verified state")
+    return user, action
+
+
+def heartbeat(ledger: LedgerClient, keys: KeySet, config: UserConfig) -> None:
+    """Renew the registration before its time-to-live runs out (and correct the address if it moved)."""
+    _submit(ledger, keys, "heartbeat", {"address": config.address, "region": config.region})

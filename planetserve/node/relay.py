@@ -2,17 +2,17 @@
 
 Peer messages between relays (one-way, over `transport`):
   "setup" [link id, packet]   builds a path hop by hop; the packet is peeled here (`onion`)
-  "fwd"   [link id, [destination, data]]   toward the proxy; at the proxy, data goes to the model
-                                  node named by `destination` (empty: a ping, echoed back)
-  "back"  [link id, [kind, data]]          toward the user; kind "ready", "pong" or "clove"
-  "down"  [link id]               the path is gone (sent both ways when a neighbour disappears)
+  "fwd"   [link id, sealed]   toward the proxy, which opens (destination, data) with the path key and
+                              sends data to the model node `destination` (empty: a ping, echoed)
+  "back"  [link id, sealed]   toward the user: (kind, data), kind "ready", "pong" or "clove"
+  "down"  [link id]           the path is gone (sent both ways when a neighbour disappears)
 and between a proxy and model nodes:
   "clove" data                    proxy → model node: one clove of a prompt
   "reply" [reply id, data]        model node → proxy: one clove of an answer
 
 A relay stores, per path, only (predecessor, link id in) ↔ (successor, link id out), or at the proxy
-the reply id; link ids are random per link, so relays on different paths, or on different links of
-one path, hold nothing in common.
+the reply id and path key; link ids are random per link and payloads are sealed per path, so relays on
+different paths, or on different links of one path, hold and see nothing in common.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ MAX_HOPS_STORED = 20_000
 HOP_IDLE_SECONDS = 900.0
 REPLAY_MEMORY = 65_536
 MAX_PING = 64
-BACK_KINDS = ("ready", "pong", "clove")
 
 Send = Callable[[bytes, str, Any], Awaitable[None]]
 
@@ -41,7 +40,7 @@ Send = Callable[[bytes, str, Any], Awaitable[None]]
 class PathOwner(Protocol):
     """The user side of this relay: paths that start here are not in the relay's table."""
 
-    def deliver(self, peer: bytes, link_id: bytes, kind: str, data: bytes) -> bool: ...
+    def deliver(self, peer: bytes, link_id: bytes, sealed: bytes) -> bool: ...
     def path_down(self, peer: bytes, link_id: bytes) -> bool: ...
 
 
@@ -54,6 +53,8 @@ class Hop:
     succ: bytes | None
     out_id: bytes | None
     reply_id: bytes | None
+    key: bytes | None = field(default=None, repr=False)
+    """The path key (the proxy only)."""
     used: float = field(default_factory=time.monotonic)
 
 
@@ -141,11 +142,11 @@ class Relay:
         self._remember(ephemeral)
         self.counters["setups"] += 1
         if layer.is_proxy:
-            hop = Hop(peer, in_id, None, None, layer.reply_id)
+            hop = Hop(peer, in_id, None, None, layer.reply_id, layer.path_key)
             if layer.reply_id in self.replies:
                 raise RelayError("reply id already in use")
             self._store(hop)
-            await self._pass_on(peer, "back", [in_id, ["ready", layer.token]])
+            await self._back(hop, "ready", layer.token)
             return
         if not self.is_user(layer.next_key):
             await self._pass_on(peer, "down", [in_id])
@@ -177,25 +178,32 @@ class Relay:
 
     # -- traffic -------------------------------------------------------------------------------------
 
+    async def _back(self, hop: Hop, kind: str, data: bytes) -> None:
+        """Originate a payload toward the user (we are its proxy)."""
+        assert hop.key is not None
+        sealed = onion.seal_payload(hop.key, onion.BACKWARD, kind, data)
+        await self._pass_on(hop.pred, "back", [hop.in_id, sealed])
+
     async def _on_fwd(self, peer: bytes, body: Any) -> None:
-        if not (isinstance(body, list) and len(body) == 2 and isinstance(body[1], list) and len(body[1]) == 2
-                and type(body[1][0]) is bytes and type(body[1][1]) is bytes):
-            raise RelayError("fwd is [link id, [destination, data]]")
+        if not (isinstance(body, list) and len(body) == 2 and type(body[1]) is bytes):
+            raise RelayError("fwd is [link id, sealed payload]")
         hop = self.forward.get((peer, _link(body[0])))
         if hop is None:
             self.counters["unknown_path"] += 1
             await self._pass_on(peer, "down", [body[0]])
             return
         hop.used = time.monotonic()
-        destination, data = body[1]
         if hop.succ is not None:
             self.counters["forwarded"] += 1
             await self._pass_on(hop.succ, "fwd", [hop.out_id, body[1]])
-        elif not destination:
+            return
+        assert hop.key is not None
+        destination, data = onion.open_payload(hop.key, onion.FORWARD, body[1])
+        if not destination:
             if len(data) > MAX_PING:
                 raise RelayError("ping too long")
-            await self._pass_on(hop.pred, "back", [hop.in_id, ["pong", data]])
-        elif self.is_node(destination):
+            await self._back(hop, "pong", data)
+        elif type(destination) is bytes and self.is_node(destination):
             self.counters["to_nodes"] += 1
             await self._pass_on(destination, "clove", data)
         else:
@@ -210,19 +218,18 @@ class Relay:
             return
         hop.used = time.monotonic()
         self.counters["proxied"] += 1
-        await self._pass_on(hop.pred, "back", [hop.in_id, ["clove", body[1]]])
+        await self._back(hop, "clove", body[1])
 
     async def _on_back(self, peer: bytes, body: Any) -> None:
-        if not (isinstance(body, list) and len(body) == 2 and isinstance(body[1], list) and len(body[1]) == 2
-                and body[1][0] in BACK_KINDS and type(body[1][1]) is bytes):
-            raise RelayError("back is [link id, [kind, data]]")
+        if not (isinstance(body, list) and len(body) == 2 and type(body[1]) is bytes):
+            raise RelayError("back is [link id, sealed payload]")
         link = _link(body[0])
         hop = self.backward.get((peer, link))
         if hop is not None:
             hop.used = time.monotonic()
             self.counters["returned"] += 1
             await self._pass_on(hop.pred, "back", [hop.in_id, body[1]])
-        elif self.owner is None or not self.owner.deliver(peer, link, body[1][0], body[1][1]):
+        elif self.owner is None or not self.owner.deliver(peer, link, body[1]):
             self.counters["unknown_path"] += 1
 
     async def _on_down(self, peer: bytes, body: Any) -> None:

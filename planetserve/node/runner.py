@@ -1,6 +1,6 @@
-"""Starting a model node from its home: the engine (built-in over a trained family model or a
-checkpoint directory, or an external OpenAI-compatible server), the ledger client, registration, the
-group, and the node's loops, until it is told to stop."""
+"""Starting a role from its home until it is told to stop: a model node (its engine, built-in over a
+trained family model or a checkpoint directory, or an external OpenAI-compatible server; registration;
+its group) or a user relay (registration and heartbeats; relaying; its proxies and local endpoint)."""
 
 from __future__ import annotations
 
@@ -11,17 +11,25 @@ import signal
 from collections.abc import Callable
 from pathlib import Path
 
-from planetserve.chain.client import LedgerClient
+from planetserve.chain.client import LedgerClient, QueryRefused
 from planetserve.chain.keys import KeySet
-from planetserve.chain.lightclient import LightClient
-from planetserve.chain.rpc import RpcClient
+from planetserve.chain.lightclient import LightClient, VerificationError
+from planetserve.chain.rpc import RpcClient, RpcError
 from planetserve.node.directory import Directory
 from planetserve.node.engine.base import Engine
 from planetserve.node.group import Group
-from planetserve.node.home import ModelNodeConfig, load_keys
+from planetserve.node.home import ModelNodeConfig, UserConfig, load_keys
 from planetserve.node.model_node import ModelNode
 from planetserve.node.openai_api import Tokenizer
-from planetserve.node.registration import Registered, ensure_registered
+from planetserve.node.registration import (
+    Registered,
+    RegistrationError,
+    ensure_registered,
+    ensure_user,
+    heartbeat,
+)
+from planetserve.node.user import UserRelay
+from planetserve.registry.entities import User
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +63,7 @@ async def remote_engine(config: ModelNodeConfig) -> tuple[Engine, Tokenizer, int
     return engine, tokenizer, len(tokenizer), stop
 
 
-def ledger_client(config: ModelNodeConfig) -> LedgerClient:
+def ledger_client(config: ModelNodeConfig | UserConfig) -> LedgerClient:
     if not config.genesis:
         raise ValueError("the node's configuration names no genesis file to verify the ledger against")
     rpc = RpcClient(config.rpc)
@@ -78,10 +86,7 @@ async def run_model_node(home: Path, org_keys: KeySet | None = None,
         group = Group(ledger, config.model_id)
         node = ModelNode(config, keys, engine, tokenizer, vocab_size=vocab, eos_ids=stop, group=group,
                          users=Directory(ledger, with_nodes=False))
-        stop_event = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop_event.set)
+        stop_event = _stop_on_signals()
         await node.start()
         try:
             if on_ready is not None:
@@ -92,3 +97,48 @@ async def run_model_node(home: Path, org_keys: KeySet | None = None,
     finally:
         with contextlib.suppress(Exception):
             await engine.close()
+
+
+def _stop_on_signals() -> asyncio.Event:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+async def _heartbeats(ledger: LedgerClient, keys: KeySet, config: UserConfig, interval: float) -> None:
+    """Renew the registration every `interval` seconds; a failed renewal is retried sooner."""
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            await asyncio.to_thread(heartbeat, ledger, keys, config)
+        except (RegistrationError, QueryRefused, VerificationError, RpcError) as exc:
+            log.warning("heartbeat failed, re-registering if needed: %s", exc)
+            with contextlib.suppress(RegistrationError, QueryRefused, VerificationError, RpcError):
+                await asyncio.to_thread(ensure_user, ledger, config, keys)
+            await asyncio.sleep(min(interval, 10.0))
+
+
+async def run_user_relay(home: Path, on_ready: Callable[[UserRelay, User, str], None] | None = None,
+                         ready_timeout: float = 60.0) -> None:
+    """Run until SIGINT/SIGTERM; `on_ready` once k paths are live (or `ready_timeout` passed)."""
+    config = UserConfig.load(home)
+    keys = load_keys(home)
+    if config.n < config.k or config.proxies < config.n:
+        raise ValueError(f"need proxies >= n >= k, got proxies {config.proxies}, n {config.n}, k {config.k}")
+    ledger = ledger_client(config)
+    user, action = await asyncio.to_thread(ensure_user, ledger, config, keys)
+    params = await asyncio.to_thread(ledger.params)
+    relay = UserRelay(config, keys, Directory(ledger))
+    stop_event = _stop_on_signals()
+    await relay.start()
+    try:
+        relay.start_paths()
+        relay.spawn(_heartbeats(ledger, keys, config, max(1.0, params.user_ttl_seconds / 3)))
+        await relay.paths.wait_live(config.k, ready_timeout)
+        if on_ready is not None:
+            on_ready(relay, user, action)
+        await stop_event.wait()
+    finally:
+        await relay.close()

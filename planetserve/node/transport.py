@@ -4,8 +4,11 @@ Each peer presents a certificate self-signed with its registered key; the dialle
 that the certificate's key is the one the verified list names (no certificate authority is
 involved). The dialler then proves its own key by signing the listener's fresh nonce together with
 the listener's key, inside the encrypted channel, so a signature made for one listener is useless at
-another. Frames are length-prefixed msgpack with a hard size limit; one connection per peer pair
-carries many concurrent streams (request id multiplexing), and writes wait for the socket to drain.
+another. The listener answers with its verdict, so a dialler that is not (yet) in the listener's
+verified list learns it at once instead of writing into a closed connection; a listener that does not
+know a key re-reads the list once before refusing (a peer that registered a moment ago). Frames are
+length-prefixed msgpack with a hard size limit; one connection per peer pair carries many concurrent
+streams (request id multiplexing), and writes wait for the socket to drain.
 """
 
 from __future__ import annotations
@@ -249,12 +252,14 @@ class Peering:
     connection ended without being replaced (relays tear down the paths it carried)."""
 
     def __init__(self, keys: KeySet, handler: Handler, authorize: Callable[[bytes], bool],
-                 limit: int = MAX_FRAME, on_close: Callable[[bytes], None] | None = None) -> None:
+                 limit: int = MAX_FRAME, on_close: Callable[[bytes], None] | None = None,
+                 refresh: Callable[[], Awaitable[None]] | None = None) -> None:
         self.keys = keys
         self.handler = handler
         self.authorize = authorize
         self.limit = limit
         self.on_close = on_close
+        self.refresh = refresh
         self.server_ctx = _context(keys, ssl.PROTOCOL_TLS_SERVER)
         self.client_ctx = _context(keys, ssl.PROTOCOL_TLS_CLIENT)
         self.connections: dict[bytes, Connection] = {}
@@ -304,10 +309,15 @@ class Peering:
             peer, signature = hello
             if not verify_signature(peer, _hello_message(self.keys.public, nonce), signature):
                 raise TransportError("hello signature does not verify")
+            if not self.authorize(peer) and self.refresh is not None:
+                await self.refresh()
             if not self.authorize(peer):
                 raise TransportError(f"peer {peer.hex()[:16]} is not in the verified list")
+            await write_frame(writer, ["ok"], self.limit)
         except (TransportError, TimeoutError, ConnectionError, ssl.SSLError) as exc:
             log.info("refused a peer connection: %s", exc)
+            with contextlib.suppress(Exception):
+                await write_frame(writer, ["refused", str(exc)[:200]], self.limit)
             writer.close()
             return
         self._adopt(Connection(peer, reader, writer, self.handler, self.limit, outbound=False))
@@ -345,6 +355,10 @@ class Peering:
                 raise TransportError("malformed greeting")
             signature = self.keys.sign(_hello_message(peer, greeting[1]))
             await write_frame(writer, [self.keys.public, signature], self.limit)
+            verdict = await asyncio.wait_for(read_frame(reader, 1024), HANDSHAKE_TIMEOUT)
+            if verdict != ["ok"]:
+                reason = verdict[1] if isinstance(verdict, list) and len(verdict) == 2 else "no reason given"
+                raise TransportError(f"refused: {reason}")
         except (TransportError, TimeoutError, ConnectionError) as exc:
             writer.close()
             raise TransportError(f"handshake with {address} failed: {exc}") from exc

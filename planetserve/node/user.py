@@ -20,14 +20,14 @@ import secrets
 import time
 from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from aiohttp import web
 
 from planetserve.chain.keys import KeySet
 from planetserve.node import onion, sida
-from planetserve.node.directory import Directory, DirectoryView
+from planetserve.node.directory import Directory, DirectoryView, OnDemand
 from planetserve.node.engine.http_server import EVENT_STREAM, Reply, read_body, send_reply, single_part
 from planetserve.node.home import UserConfig
 from planetserve.node.messages import MAX_MESSAGE, MessageError, Part, Prompt, open_message
@@ -129,7 +129,8 @@ class UserRelay:
         self.keys = keys
         self.directory = directory
         self.view = DirectoryView(0)
-        self.peering = Peering(keys, self._on_peer, self._authorized, on_close=self._peer_closed)
+        self.peering = Peering(keys, self._on_peer, self._authorized, on_close=self._peer_closed,
+                               refresh=OnDemand(directory.refresh, self.apply_view) if directory else None)
         self.paths = PathManager(keys.public, self._send, lambda: sorted(self.view.users),
                                  settings=settings or PathSettings(target=max(config.proxies, config.n),
                                                                    ping_interval=config.ping_interval),
@@ -144,7 +145,7 @@ class UserRelay:
         self.arrivals: OrderedDict[bytes, list[tuple[Path, int]]] = OrderedDict()
         self.answered: OrderedDict[bytes, Exchange] = OrderedDict()
         self.contested: set[bytes] = set()
-        self.sessions: OrderedDict[str, bytes] = OrderedDict()
+        self.sessions: OrderedDict[str, tuple[bytes, str]] = OrderedDict()
         self.counters = {"requests": 0, "answered": 0, "failed": 0, "bad_cloves": 0, "corrupt_paths": 0,
                          "dropping_paths": 0}
         self.app = web.Application(client_max_size=USER_LIMITS.max_body_bytes)
@@ -163,9 +164,11 @@ class UserRelay:
     async def start(self, *, serve_http: bool = True) -> None:
         host, _, port = self.config.peer.rpartition(":")
         self.peer_port = await self.peering.listen(host, int(port))
+        if int(port) == 0:  # the address we register and others dial is the port we got
+            self.config = replace(self.config, peer=f"{host}:{self.peer_port}")
         if self.directory is not None:
             self.apply_view(await asyncio.to_thread(self.directory.refresh))
-            self._spawn(self._directory_loop())
+            self.spawn(self._directory_loop())
         if serve_http:
             self._runner = web.AppRunner(self.app, access_log=None)
             await self._runner.setup()
@@ -175,8 +178,8 @@ class UserRelay:
 
     def start_paths(self) -> None:
         """Keep proxies from now on (a relay that only relays for others never calls this)."""
-        self._spawn(self.paths.maintain())
-        self._spawn(self._expiry_loop())
+        self.spawn(self.paths.maintain())
+        self.spawn(self._expiry_loop())
 
     async def close(self) -> None:
         await self.paths.close_all()
@@ -189,7 +192,7 @@ class UserRelay:
             await self._runner.cleanup()
         await self.peering.close()
 
-    def _spawn(self, coro: Any) -> asyncio.Task:
+    def spawn(self, coro: Any) -> asyncio.Task:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -228,12 +231,12 @@ class UserRelay:
 
     def _peer_closed(self, peer: bytes) -> None:
         self.paths.peer_closed(peer)
-        self._spawn(self.relay.peer_closed(peer))
+        self.spawn(self.relay.peer_closed(peer))
 
     def _path_died(self, _path: Path) -> None:
         for exchange in self.exchanges.values():
             exchange.check_paths()
-        self._spawn(self.paths.fill())
+        self.spawn(self.paths.fill())
 
     # -- answers coming back ---------------------------------------------------------------------------
 
@@ -285,7 +288,7 @@ class UserRelay:
 
     def _penalize(self, path: Path, why: str) -> None:
         self.counters["corrupt_paths" if why == "corrupt" else "dropping_paths"] += 1
-        self._spawn(self.paths.penalize(path, f"{why} cloves"))
+        self.spawn(self.paths.penalize(path, f"{why} cloves"))
 
     async def _check_drops(self, exchange: Exchange) -> None:
         """After the answer and a grace period: a live path that carried fewer than half of the answer's
@@ -318,7 +321,7 @@ class UserRelay:
         self.counters["requests"] += 1
         try:
             sent = await asyncio.gather(
-                *(self._send(p.first, "fwd", [p.link, [node, sida.encode(c)]])
+                *(self._send(p.first, "fwd", [p.link, p.seal(node, sida.encode(c))])
                   for p, c in zip(chosen, cloves, strict=True)), return_exceptions=True)
             if sum(r is None for r in sent) < exchange.k:
                 raise too_few_paths(sum(r is None for r in sent), exchange.k, " the prompt could be sent on")
@@ -358,21 +361,24 @@ class UserRelay:
         if self.exchanges.pop(exchange.request_id, None) is None:
             return
         self.counters["answered" if ok else "failed"] += 1
-        self._spawn(self._check_drops(exchange))
+        self.spawn(self._check_drops(exchange))
 
-    def choose_node(self, request: ApiRequest, model: str) -> bytes:
-        """A trusted node of the model; the same one for every request of a conversation."""
-        nodes = self.view.models().get(model, [])
+    def choose_node(self, request: ApiRequest, model: str) -> tuple[bytes, str | None]:
+        """A trusted node of the model, and the session id to give it: every request of a conversation
+        goes to the same entry node under the same random session id, so the group serves it where its
+        KV cache is."""
         key = session_key(request)
-        if key is not None and (chosen := self.sessions.get(key)) in self.view.nodes:
+        if key is not None and (known := self.sessions.get(key)) is not None and known[0] in self.view.nodes:
             self.sessions.move_to_end(key)
-            return chosen
-        chosen = secrets.choice(nodes).pubkey
-        if key is not None:
-            self.sessions[key] = chosen
-            while len(self.sessions) > MAX_SESSIONS:
-                self.sessions.popitem(last=False)
-        return chosen
+            return known
+        chosen = secrets.choice(self.view.models().get(model, [])).pubkey
+        if key is None:
+            return chosen, None
+        session = (chosen, request.planetserve.session_id or secrets.token_hex(16))
+        self.sessions[key] = session
+        while len(self.sessions) > MAX_SESSIONS:
+            self.sessions.popitem(last=False)
+        return session
 
     # -- the local OpenAI-compatible endpoint -------------------------------------------------------------
 
@@ -403,7 +409,10 @@ class UserRelay:
             except ApiError as exc:
                 raise ApiError(exc.status, f"{exc} No trusted model node serves it; served models: "
                                f"{', '.join(models)}.", type=exc.type, code=exc.code, param="model") from None
-            reply = await self.ask(self.choose_node(request, model), endpoint, raw)
+            node, session = self.choose_node(request, model)
+            if session is not None and request.planetserve.session_id is None:
+                raw = _with_session(raw, session)
+            reply = await self.ask(node, endpoint, raw)
         except ApiError as exc:
             return web.json_response(exc.body(), status=exc.status)
         return await send_reply(http, reply)
@@ -423,3 +432,11 @@ class UserRelay:
             "path_counters": dict(self.paths.counters), "relay_counters": dict(self.relay.counters),
             "last_path_error": self.paths.last_error,
         }
+
+
+def _with_session(raw: bytes, session_id: str) -> bytes:
+    """The request body with our session id in its `planetserve` extension (already parsed once, so it
+    is a JSON object)."""
+    body = json.loads(raw)
+    body.setdefault("planetserve", {})["session_id"] = session_id
+    return json.dumps(body).encode()

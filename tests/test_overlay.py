@@ -1,0 +1,265 @@
+"""The anonymous overlay end to end on loopback: 12 user relays and 4 model nodes (built-in engine over
+the quick gt), every link real TLS. A program talks to the client relay's OpenAI endpoint; its prompts
+reach model nodes as cloves over onion-built paths and the answers come back the same way, through
+relay deaths, too many dead paths, and relays that corrupt or drop what they carry."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+from modelnodes import signed
+from overlaynet import chat, faulty, make_user, relays_on_one_path, start_overlay, wait_until
+
+from planetserve.node import sida
+from planetserve.node.messages import Prompt
+
+RELAYS = 12
+MODEL_NODES = 4
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 240))
+
+
+async def overlay(data, relays: int = RELAYS, model_nodes: int = MODEL_NODES):
+    return await start_overlay(data, [faulty(make_user()) for _ in range(relays)], model_nodes)
+
+
+def events(text: str) -> list[dict]:
+    lines = [line[len("data: "):] for line in text.split("\n\n") if line.startswith("data: ")]
+    assert lines and lines[-1] == "[DONE]", f"stream did not end with [DONE]: {text[-300:]}"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+async def stream_until_first_chunk(client: httpx.AsyncClient, url: str, body: dict):
+    """Open a streamed request and return it once its first event has arrived."""
+    request = client.build_request("POST", url, json=body)
+    response = await client.send(request, stream=True)
+    chunks = response.aiter_text()
+    first = ""
+    while "data: " not in first:
+        first += await anext(chunks)
+    return response, chunks, first
+
+
+def test_relays_learn_only_their_neighbours(quick_family):
+    async def main():
+        net = await overlay(quick_family, model_nodes=1)
+        try:
+            client = net.client
+            links = set()
+            for path in client.paths.live():
+                first, middle, proxy = (net.user(k).relay for k in path.route)
+                (hop1,) = [h for h in first.hops if h.pred == client.keys.public and h.in_id == path.link]
+                assert hop1.succ == path.route[1] and hop1.reply_id is None
+                (hop2,) = [h for h in middle.hops if h.pred == path.route[0] and h.in_id == hop1.out_id]
+                assert hop2.succ == path.route[2] and hop2.reply_id is None
+                (hop3,) = [h for h in proxy.hops if h.pred == path.route[1] and h.in_id == hop2.out_id]
+                assert hop3.succ is None and hop3.reply_id == path.reply_id
+                links |= {path.link, hop1.out_id, hop2.out_id, path.reply_id}
+            assert len(links) == 4 * len(client.paths.live()), "link ids must differ on every link"
+            # only first hops ever see the client's key; nobody stores anything else about it
+            for user in net.users[1:]:
+                for hop in user.relay.hops:
+                    assert client.keys.public not in (hop.succ,)
+                    if hop.pred == client.keys.public:
+                        assert any(p.first == user.keys.public and p.link == hop.in_id
+                                   for p in client.paths.live())
+        finally:
+            await net.close()
+
+    run(main())
+
+
+def test_a_prompt_arrives_and_the_answer_streams_back(quick_family):
+    async def main():
+        net = await overlay(quick_family)
+        try:
+            answer = await chat(net.client, "What does the json module do?")
+            assert answer.status_code == 200, answer.text
+            body = answer.json()
+            response = signed(body)  # signed by a listed model node, over exactly this text
+            server = next(n for n in net.nodes if n.keys.public == response.node)
+            async with httpx.AsyncClient(timeout=60) as http:
+                direct = (await http.post(f"{server.http_url}/v1/chat/completions", json={
+                    "model": "gt", "messages": [{"role": "user", "content": "What does the json module do?"}],
+                    "max_tokens": 8, "temperature": 0, "planetserve": {"no_forward": True}})).json()
+            assert body["choices"][0]["message"]["content"] == direct["choices"][0]["message"]["content"]
+            streamed = await chat(net.client, "What does the json module do?", stream=True)
+            parts = events(streamed.text)
+            assert parts[-1]["choices"][0]["finish_reason"] is not None
+            assert "".join(p["choices"][0]["delta"].get("content", "") for p in parts) == \
+                body["choices"][0]["message"]["content"]
+            assert parts[-1]["planetserve"]["node"] in {n.keys.public.hex() for n in net.nodes}
+            # follow-ups of one conversation go to the node that holds its cache
+            first = await chat(net.client, "Name a module for dates.")
+            history = [{"role": "user", "content": "Name a module for dates."},
+                       {"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
+                       {"role": "user", "content": "And for times?"}]
+            async with httpx.AsyncClient(timeout=60) as http:
+                follow = await http.post(f"{net.client.http_url}/v1/chat/completions", json={
+                    "model": "gt", "messages": history, "max_tokens": 4})
+            assert follow.json()["planetserve"]["node"] == first.json()["planetserve"]["node"]
+            assert sum(n.gateway.counters["prompts"] for n in net.nodes) == 4
+            # the relays carried it all without a single public-key operation after setup
+            assert sum(u.relay.counters["setups"] for u in net.users) == 3 * net.client.paths.counters["built"]
+        finally:
+            await net.close()
+
+    run(main())
+
+
+def test_the_endpoint_answers_bad_requests_with_specific_errors(quick_family):
+    async def main():
+        net = await overlay(quick_family, relays=6, model_nodes=1)
+        try:
+            url = net.client.http_url
+            async with httpx.AsyncClient(timeout=60) as http:
+                models = (await http.get(f"{url}/v1/models")).json()
+                assert [m["id"] for m in models["data"]] == ["gt"]
+                assert (await http.get(f"{url}/health")).json()["ok"] is True
+                unknown = await http.post(f"{url}/v1/chat/completions", json={
+                    "model": "llama-70b", "messages": [{"role": "user", "content": "hi"}]})
+                assert unknown.status_code == 404
+                assert unknown.json()["error"]["code"] == "model_not_found"
+                assert "served models: gt" in unknown.json()["error"]["message"]
+                garbled = await http.post(f"{url}/v1/completions", content=b"{not json",
+                                          headers={"content-type": "application/json"})
+                assert garbled.status_code == 400 and garbled.json()["error"]["code"] == "invalid_json"
+                huge = await http.post(f"{url}/v1/completions", content=b"x" * (5 << 20))
+                assert huge.status_code == 413
+                too_long = await http.post(f"{url}/v1/completions", json={
+                    "model": "gt", "prompt": "word " * 2000, "max_tokens": 4})
+                assert too_long.status_code == 413  # refused by the model node, relayed as it answered
+                assert too_long.json()["error"]["code"] == "context_length_exceeded"
+            assert (await chat(net.client, "Still there?")).status_code == 200
+        finally:
+            await net.close()
+
+    run(main())
+
+
+def test_a_user_without_enough_relays_gets_a_clear_error(quick_family):
+    async def main():
+        net = await overlay(quick_family, relays=5, model_nodes=1)
+        lonely = make_user()
+        try:
+            await lonely.start()
+            net.users.append(lonely)
+            net.publish(users=[lonely, net.users[1], net.users[2]])
+            answer = await chat(lonely, "hello?")
+            assert answer.status_code == 503
+            error = answer.json()["error"]
+            assert error["code"] == "too_few_paths" and "2 usable relays" in error["message"]
+        finally:
+            await net.close()
+
+    run(main())
+
+
+def test_an_answer_survives_a_relay_killed_mid_request(quick_family):
+    async def main():
+        net = await overlay(quick_family)
+        try:
+            victim_key, path = next(iter(relays_on_one_path(net.client).items()))
+            async with httpx.AsyncClient(timeout=60) as http:
+                response, chunks, text = await stream_until_first_chunk(
+                    http, f"{net.client.http_url}/v1/completions",
+                    {"model": "gt", "prompt": "The os module", "max_tokens": 120, "ignore_eos": True,
+                     "temperature": 0, "stream": True})
+                await net.user(victim_key).close()
+                async for more in chunks:
+                    text += more
+                await response.aclose()
+            parts = events(text)
+            assert parts[-1]["choices"][0]["finish_reason"] == "length"
+            assert sum(len(p["choices"][0]["text"]) > 0 for p in parts) > 1
+            assert not path.live
+            await wait_until(lambda: len(net.client.paths.live()) >= 4)
+            assert (await chat(net.client, "And now?")).status_code == 200
+        finally:
+            await net.close()
+
+    run(main())
+
+
+def test_too_many_dead_paths_give_a_clear_error_and_a_retry_succeeds_after_rebuild(quick_family):
+    async def main():
+        net = await overlay(quick_family)
+        try:
+            single = relays_on_one_path(net.client)
+            first_key, first_path = next(iter(single.items()))
+            second_key = next(k for k, p in single.items() if p is not first_path)
+            async with httpx.AsyncClient(timeout=60) as http:
+                response, chunks, text = await stream_until_first_chunk(
+                    http, f"{net.client.http_url}/v1/completions",
+                    {"model": "gt", "prompt": "The sys module", "max_tokens": 400, "ignore_eos": True,
+                     "temperature": 0, "stream": True})
+                await asyncio.gather(net.user(first_key).close(), net.user(second_key).close())
+                async for more in chunks:
+                    text += more
+                await response.aclose()
+            error = events(text)[-1]["error"]
+            assert error["code"] == "too_few_paths" and "2 anonymous path(s) survive" in error["message"]
+            await wait_until(lambda: len(net.client.paths.live()) >= 4, timeout=30)
+            retry = await chat(net.client, "Try again?")
+            assert retry.status_code == 200, retry.text
+        finally:
+            await net.close()
+
+    run(main())
+
+
+@pytest.mark.parametrize("mode", ["flip", "drop", "flip-at-proxy"])
+def test_a_relay_that_corrupts_or_drops_is_detected_and_avoided(quick_family, mode):
+    async def main():
+        net = await overlay(quick_family)
+        try:
+            bad_key, bad_path = next((relay, path) for relay, path in relays_on_one_path(net.client).items()
+                                     if mode != "flip-at-proxy" or relay == path.proxy)
+            net.user(bad_key).relay.mode = mode
+            for i in range(3):  # answers still arrive: 3 of 4 cloves are intact
+                answer = await chat(net.client, f"Question {i}: what does re do?", stream=True,
+                                    max_tokens=12)
+                assert events(answer.text)[-1]["choices"][0]["finish_reason"] is not None
+                if not bad_path.live:
+                    break
+            await wait_until(lambda: not bad_path.live)
+            assert bad_key in net.client.paths.avoided
+            if mode == "flip":  # the path key's authentication catches it before S-IDA sees it
+                assert net.client.paths.counters["altered"] >= 1
+            elif mode == "drop":
+                assert net.client.counters["dropping_paths"] >= 1
+            else:  # the proxy sealed a corrupted clove: S-IDA recovery pins it on that clove's path
+                assert net.client.counters["corrupt_paths"] >= 1, (net.client.counters, net.client.paths.counters)
+            await wait_until(lambda: len(net.client.paths.live()) >= 4)
+            assert all(bad_key not in p.route for p in net.client.paths.live())
+            assert (await chat(net.client, "All good?")).status_code == 200
+        finally:
+            await net.close()
+
+    run(main())
+
+
+def test_a_model_node_refuses_garbage_cloves_and_keeps_serving(quick_family):
+    async def main():
+        net = await overlay(quick_family, relays=6, model_nodes=1)
+        try:
+            node = net.nodes[0]
+            proxy = net.users[1]
+            garbage = [b"", b"\x01" * 50, b"\x07" * 500]
+            stray = sida.split(Prompt(b"r" * 16, b"n" * 32, "chat", b"{}", ((b"p" * 32, b"i" * 16),)).seal())
+            garbage += [sida.encode(c) for c in stray]  # a well-formed prompt for another node
+            for data in garbage:
+                await proxy._send(node.keys.public, "clove", data)
+            await wait_until(lambda: node.gateway.counters["cloves"] == len(garbage))
+            assert node.gateway.counters["bad_cloves"] == 3
+            assert node.gateway.counters["bad_messages"] == 1 and node.gateway.counters["prompts"] == 0
+            assert (await chat(net.client, "Are you there?")).status_code == 200
+        finally:
+            await net.close()
+
+    run(main())
