@@ -81,6 +81,19 @@ def test_path_payloads_open_only_with_their_key_and_direction():
         onion.open_payload(key, onion.FORWARD, b"short")
 
 
+def test_cloves_sealed_to_a_node_open_only_there():
+    node, other = keys(2)
+    sealed = onion.seal_to(bytes(node.verify_key), b"clove bytes")
+    assert onion.open_sealed(onion.exchange_secret(node), sealed) == b"clove bytes"
+    assert sealed[32:] != onion.seal_to(bytes(node.verify_key), b"clove bytes")[32:]
+    with pytest.raises(onion.OnionError, match="not for us"):
+        onion.open_sealed(onion.exchange_secret(other), sealed)
+    with pytest.raises(onion.OnionError, match="not for us"):
+        onion.open_sealed(onion.exchange_secret(node), sealed[:-1] + bytes([sealed[-1] ^ 1]))
+    with pytest.raises(onion.OnionError):
+        onion.open_sealed(onion.exchange_secret(node), b"")
+
+
 def test_layer_decoding_refuses_unknown_versions_roles_and_relays_without_a_successor():
     good = onion.relay_layer(bytes(16), bytes(range(32)))
     assert onion.Layer.decode(good.encode()) == good
@@ -128,7 +141,8 @@ def test_routes_are_disjoint_when_the_list_allows_and_never_repeat_within_a_path
 
 def prompt(body: bytes = b'{"model": "gt"}', proxies: int = 4) -> Prompt:
     return Prompt(secrets.token_bytes(16), secrets.token_bytes(32), "chat", body,
-                  tuple((secrets.token_bytes(32), secrets.token_bytes(16)) for _ in range(proxies)))
+                  tuple((secrets.token_bytes(32), secrets.token_bytes(16), secrets.token_bytes(32))
+                        for _ in range(proxies)))
 
 
 def test_messages_round_trip_padded_to_buckets():
@@ -149,12 +163,14 @@ def test_oversized_messages_are_refused_before_splitting():
 
 
 @pytest.mark.parametrize("fields, error", [
-    (["prompt", b"r" * 16, b"n" * 32, "embeddings", b"{}", [[b"p" * 32, b"i" * 16]]], "endpoint"),
-    (["prompt", b"r" * 16, b"n" * 32, "chat", "text", [[b"p" * 32, b"i" * 16]]], "body"),
+    (["prompt", b"r" * 16, b"n" * 32, "embeddings", b"{}", [[b"p" * 32, b"i" * 16, b"k" * 32]]], "endpoint"),
+    (["prompt", b"r" * 16, b"n" * 32, "chat", "text", [[b"p" * 32, b"i" * 16, b"k" * 32]]], "body"),
     (["prompt", b"r" * 16, b"n" * 32, "chat", b"{}", []], "proxies"),
-    (["prompt", b"r" * 16, b"n" * 32, "chat", b"{}", [[b"p" * 31, b"i" * 16]]], "proxy key"),
-    (["prompt", b"r" * 15, b"n" * 32, "chat", b"{}", [[b"p" * 32, b"i" * 16]]], "request id"),
-    (["prompt", b"r" * 16, b"n" * 32, "chat", b"{}", [[b"p" * 32, b"i" * 16]] * 17], "proxies"),
+    (["prompt", b"r" * 16, b"n" * 32, "chat", b"{}", [[b"p" * 31, b"i" * 16, b"k" * 32]]], "proxy key"),
+    (["prompt", b"r" * 15, b"n" * 32, "chat", b"{}", [[b"p" * 32, b"i" * 16, b"k" * 32]]], "request id"),
+    (["prompt", b"r" * 16, b"n" * 32, "chat", b"{}", [[b"p" * 32, b"i" * 16, b"k" * 32]] * 17], "proxies"),
+    (["prompt", b"r" * 16, b"n" * 32, "chat", b"{}", [[b"p" * 32, b"i" * 16]]], "reply key"),
+    (["prompt", b"r" * 16, b"n" * 32, "chat", b"{}", [[b"p" * 32, b"i" * 16, b"k" * 31]]], "reply key"),
     (["part", b"r" * 16, -1, 200, "a", b"", True], "sequence"),
     (["part", b"r" * 16, 0, 700, "a", b"", True], "status"),
     (["part", b"r" * 16, 0, 200, "a", "text", True], "data"),

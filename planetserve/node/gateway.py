@@ -1,5 +1,6 @@
-"""A model node's side of the anonymous overlay: prompt cloves in from proxies, answers out to the
-proxies the prompt lists, as S-IDA cloves of padded reply parts.
+"""A model node's side of the anonymous overlay: prompt cloves in from proxies (sealed to this node's
+key), answers out to the proxies the prompt lists, as S-IDA cloves of padded reply parts, each sealed
+under its path's reply key.
 
 The node answers an overlay prompt exactly as it answers its HTTP API (the same validation, routing,
 forwarding and signing), so a prompt cannot be told from a challenge by how it is served, and the
@@ -12,7 +13,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from planetserve.node import sida
+from planetserve.node import onion, sida
 from planetserve.node.engine.http_server import Reply
 from planetserve.node.messages import MessageError, Part, Prompt, open_message
 from planetserve.node.openai_api import Endpoint
@@ -60,8 +61,10 @@ async def batched(parts: AsyncIterator[bytes], limit: int = MAX_PART_BYTES) -> A
 
 
 class Gateway:
-    def __init__(self, me: bytes, respond: Respond, send: Send, *, k: int = sida.DEFAULT_K) -> None:
+    def __init__(self, me: bytes, secret: bytes, respond: Respond, send: Send, *,
+                 k: int = sida.DEFAULT_K) -> None:
         self.me = me
+        self.secret = secret
         self.respond = respond
         self.send = send
         self.k = k
@@ -73,8 +76,8 @@ class Gateway:
     async def on_clove(self, data: bytes) -> None:
         self.counters["cloves"] += 1
         try:
-            message = self.reassembler.add(data)
-        except sida.CloveError as exc:
+            message = self.reassembler.add(onion.open_sealed(self.secret, data))
+        except (sida.CloveError, onion.OnionError) as exc:
             self.counters["bad_cloves"] += 1
             log.info("clove refused: %s", exc)
             return
@@ -108,9 +111,11 @@ class Gateway:
     async def _send(self, prompt: Prompt, part: Part) -> None:
         n = len(prompt.reply_to)
         cloves = sida.split(part.seal(), n, min(self.k, n))
+        sealed = [onion.seal_payload(key, onion.REPLY, "clove", sida.encode(clove))
+                  for (_, _, key), clove in zip(prompt.reply_to, cloves, strict=True)]
         results = await asyncio.gather(
-            *(self.send(proxy, "reply", [reply_id, sida.encode(clove)])
-              for (proxy, reply_id), clove in zip(prompt.reply_to, cloves, strict=True)),
+            *(self.send(proxy, "reply", [reply_id, data])
+              for (proxy, reply_id, _), data in zip(prompt.reply_to, sealed, strict=True)),
             return_exceptions=True)
         failed = [r for r in results if isinstance(r, TransportError)]
         if failed:

@@ -65,8 +65,9 @@ class Prompt:
     endpoint: str
     body: bytes
     """The OpenAI-compatible request body, as the user's program sent it."""
-    reply_to: tuple[tuple[bytes, bytes], ...]
-    """(proxy key, reply id) per path; the answer's clove i goes to entry i."""
+    reply_to: tuple[tuple[bytes, bytes, bytes], ...]
+    """(proxy key, reply id, reply key) per path; the answer's clove i goes to entry i, sealed under
+    its reply key."""
 
     def seal(self) -> bytes:
         return pad(msgpack.packb(["prompt", self.request_id, self.node, self.endpoint, self.body,
@@ -117,9 +118,10 @@ def _prompt(fields: list) -> Prompt:
         raise MessageError(f"a prompt names 1..{MAX_PROXIES} proxies")
     proxies = []
     for entry in reply_to:
-        if not isinstance(entry, list) or len(entry) != 2:
-            raise MessageError("a proxy entry is [key, reply id]")
-        proxies.append((_bytes(entry[0], KEY_SIZE, "proxy key"), _bytes(entry[1], ID_SIZE, "reply id")))
+        if not isinstance(entry, list) or len(entry) != 3:
+            raise MessageError("a proxy entry is [key, reply id, reply key]")
+        proxies.append((_bytes(entry[0], KEY_SIZE, "proxy key"), _bytes(entry[1], ID_SIZE, "reply id"),
+                        _bytes(entry[2], KEY_SIZE, "reply key")))
     return Prompt(_bytes(request_id, ID_SIZE, "request id"), _bytes(node, KEY_SIZE, "node key"), endpoint,
                   body, tuple(proxies))
 

@@ -35,6 +35,7 @@ from planetserve.node.engine.kvevents import PrefixMirror
 from planetserve.node.gateway import Gateway
 from planetserve.node.group import EMPTY, Group, GroupView
 from planetserve.node.home import ModelNodeConfig
+from planetserve.node.onion import exchange_secret
 from planetserve.node.openai_api import (
     ApiError,
     ApiLimits,
@@ -166,7 +167,8 @@ class ModelNode:
         self.peering = Peering(keys, self._on_peer, self._authorized,
                                refresh=OnDemand(self._lists, self._apply_lists))
         self.http = ModelNodeServer(self, limits or ApiLimits())
-        self.gateway = Gateway(keys.public, self.http.respond, self._send_to_user)
+        self.gateway = Gateway(keys.public, exchange_secret(keys.identity), self.http.respond,
+                               self._send_to_user)
         self.counters = {"served": 0, "forwarded": 0, "received_forwards": 0, "forward_failures": 0,
                          "sync_errors": 0}
         self.routes: dict[str, int] = {}

@@ -7,7 +7,9 @@ the next link (a relay), or the reply id, acknowledgement token and path key (th
 
 Afterwards, everything on the path between the user and its proxy is sealed under the path key
 (`seal_payload`): symmetric only, and the relays in between see opaque bytes that differ on every
-path, so cloves of one message cannot be linked across paths by their contents.
+path. The cloves themselves are sealed end to end as well, to the model node's key on the way there
+(`seal_to`) and under the path's reply key on the way back, so not even colluding proxies can link the
+cloves of one message by their headers.
 
 Every packet has the same size at every hop, so a relay cannot tell its position on the path: after
 removing its layer, a relay appends `LAYER_SIZE` bytes of filler derived from its own layer key, and
@@ -59,6 +61,7 @@ _ZERO_KEY = bytes(KEY_SIZE)
 _PAYLOAD_DOMAIN = b"planetserve/path/v1/"
 FORWARD = b"fwd"
 BACKWARD = b"back"
+REPLY = b"reply"
 
 
 class OnionError(Exception):
@@ -187,6 +190,26 @@ def build(route: Sequence[bytes], layers: Sequence[Layer]) -> bytes:
 def _seal(keys: _Keys, ephemeral: bytes, plaintext: bytes) -> bytes:
     sealed = keys.aead.encrypt(_NONCE, plaintext, ephemeral)
     return ephemeral + sealed[-TAG_SIZE:] + sealed[:-TAG_SIZE]
+
+
+def seal_to(identity: bytes, data: bytes) -> bytes:
+    """Data only the holder of the ed25519 key `identity` can open: a prompt clove for its model node
+    (one key agreement by the user and one by the node; relays never do any)."""
+    secret = secrets.token_bytes(KEY_SIZE)
+    ephemeral = crypto_scalarmult_base(secret)
+    recipient = exchange_key(identity)
+    keys = _derive(crypto_scalarmult(secret, recipient), ephemeral, recipient)
+    return ephemeral + keys.aead.encrypt(_NONCE, data, ephemeral)
+
+
+def open_sealed(secret: bytes, sealed: bytes) -> bytes:
+    """What `seal_to` sealed for us; OnionError if it is not for us or was altered."""
+    ephemeral = sealed[:KEY_SIZE]
+    try:
+        keys = _derive(crypto_scalarmult(secret, ephemeral), ephemeral, crypto_scalarmult_base(secret))
+        return keys.aead.decrypt(_NONCE, sealed[KEY_SIZE:], ephemeral)
+    except (CryptoError, InvalidTag, ValueError):
+        raise OnionError("sealed data is not for us, or was altered") from None
 
 
 def peel(secret: bytes, packet: bytes) -> tuple[Layer, bytes]:

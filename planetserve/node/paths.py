@@ -51,6 +51,8 @@ class Path:
     reply_id: bytes
     token: bytes
     key: bytes = field(repr=False)
+    reply_key: bytes = field(repr=False)
+    """Seals the answer cloves model nodes send back over this path."""
     created: float = field(default_factory=time.monotonic)
     state: str = "building"
     misses: int = 0
@@ -118,12 +120,13 @@ class PathManager:
             return None
         links = [secrets.token_bytes(onion.ID_SIZE) for _ in route]
         path = Path(links[0], route, secrets.token_bytes(onion.ID_SIZE),
-                    secrets.token_bytes(onion.TOKEN_SIZE), secrets.token_bytes(onion.KEY_SIZE))
+                    secrets.token_bytes(onion.TOKEN_SIZE), secrets.token_bytes(onion.KEY_SIZE),
+                    secrets.token_bytes(onion.KEY_SIZE))
         layers = [onion.relay_layer(links[i + 1], route[i + 1]) for i in range(len(route) - 1)]
         layers.append(onion.proxy_layer(path.reply_id, path.token, path.key))
-        packet = await asyncio.to_thread(onion.build, route, layers)
-        self.paths[(path.first, path.link)] = path
+        self.paths[(path.first, path.link)] = path  # before any await: concurrent builds avoid its relays
         try:
+            packet = await asyncio.to_thread(onion.build, route, layers)
             await self.send(path.first, "setup", [path.link, packet])
             await asyncio.wait_for(asyncio.shield(path.ready), self.settings.setup_timeout)
         except (TransportError, TimeoutError, asyncio.CancelledError) as exc:
@@ -249,7 +252,13 @@ class PathManager:
             if pending is not None and not pending[1].done():
                 pending[1].set_result(hmac.compare_digest(pending[0], data))
         elif path.live:
-            self.on_clove(path, data)
+            try:
+                _, clove = onion.open_payload(path.reply_key, onion.REPLY, data)
+            except onion.OnionError:
+                self.counters["altered"] += 1
+                self.spawn(self.penalize(path, "its proxy altered an answer clove"))
+                return True
+            self.on_clove(path, clove)
         return True
 
     def path_down(self, peer: bytes, link: bytes) -> bool:

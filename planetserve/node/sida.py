@@ -280,8 +280,8 @@ class _Group:
                 yield (including, *rest)
 
 
-def _search(subsets: Iterable[tuple[Clove, ...]], budget: int) -> tuple[bytes | None, int, tuple[int, ...]]:
-    """First subset that authenticates, how many AEAD checks it took, and the indices it used."""
+def _search(subsets: Iterable[tuple[Clove, ...]], budget: int) -> tuple[bytes | None, int]:
+    """First subset that authenticates, and how many AEAD checks it took."""
     spent = 0
     for subset in subsets:
         if spent >= budget:
@@ -289,8 +289,8 @@ def _search(subsets: Iterable[tuple[Clove, ...]], budget: int) -> tuple[bytes | 
         spent += 1
         plaintext = _open(subset)
         if plaintext is not None:
-            return plaintext, spent, tuple(c.index for c in subset)
-    return None, spent, ()
+            return plaintext, spent
+    return None, spent
 
 
 def join(cloves: Iterable[Clove], *, max_attempts: int = DEFAULT_MAX_ATTEMPTS) -> bytes:
@@ -312,7 +312,7 @@ def join(cloves: Iterable[Clove], *, max_attempts: int = DEFAULT_MAX_ATTEMPTS) -
         raise TooFewClovesError(f"{have} distinct cloves, need k")
     budget = max_attempts
     for group in complete:
-        plaintext, spent, _ = _search(group.subsets(), budget)
+        plaintext, spent = _search(group.subsets(), budget)
         if plaintext is not None:
             return plaintext
         budget -= spent
@@ -387,8 +387,6 @@ class Reassembler:
         self.clock = clock
         self.pending_bytes = 0
         self.dropped = 0
-        self.last_used: tuple[int, ...] = ()
-        """Clove indices that recovered the last message returned (the others may be corrupt)."""
         self._pending: OrderedDict[bytes, _Pending] = OrderedDict()
         self._finished: OrderedDict[bytes, float] = OrderedDict()
 
@@ -433,10 +431,9 @@ class Reassembler:
         if len(group.variants) < group.header.k:
             return None
         budget = self.max_attempts - entry.attempts
-        plaintext, spent, used = _search(group.subsets(including=clove), budget)
+        plaintext, spent = _search(group.subsets(including=clove), budget)
         entry.attempts += spent
         if plaintext is not None:
-            self.last_used = used
             self._finish(message_id)
             return plaintext
         if entry.attempts >= self.max_attempts:

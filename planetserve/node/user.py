@@ -144,10 +144,8 @@ class UserRelay:
         self.exchanges: dict[bytes, Exchange] = {}
         self.arrivals: OrderedDict[bytes, list[tuple[Path, int]]] = OrderedDict()
         self.answered: OrderedDict[bytes, Exchange] = OrderedDict()
-        self.contested: set[bytes] = set()
         self.sessions: OrderedDict[str, tuple[bytes, str]] = OrderedDict()
-        self.counters = {"requests": 0, "answered": 0, "failed": 0, "bad_cloves": 0, "corrupt_paths": 0,
-                         "dropping_paths": 0}
+        self.counters = {"requests": 0, "answered": 0, "failed": 0, "bad_cloves": 0, "dropping_paths": 0}
         self.app = web.Application(client_max_size=USER_LIMITS.max_body_bytes)
         self.app.router.add_get("/health", self._health)
         self.app.router.add_get("/v1/models", self._models)
@@ -243,9 +241,8 @@ class UserRelay:
     def _on_clove(self, path: Path, data: bytes) -> None:
         try:
             clove = sida.decode(data)
-        except sida.CloveError:
+        except sida.CloveError:  # sealed by the node under our reply key: the node sent garbage
             self.counters["bad_cloves"] += 1
-            self._penalize(path, "corrupt")
             return
         mid = clove.message_id
         if (late := self.answered.get(mid)) is not None:
@@ -253,12 +250,9 @@ class UserRelay:
             return
         self.arrivals.setdefault(mid, []).append((path, clove.index))
         while len(self.arrivals) > MAX_TRACKED_MESSAGES:
-            self.contested.discard(self.arrivals.popitem(last=False)[0])
+            self.arrivals.popitem(last=False)
         try:
             message = self.reassembler.add(clove)
-        except sida.AuthenticationError:
-            self.contested.add(mid)
-            return
         except sida.CloveError:
             self.counters["bad_cloves"] += 1
             return
@@ -271,11 +265,6 @@ class UserRelay:
             return
         exchange = self.exchanges.get(part.request_id) if isinstance(part, Part) else None
         arrivals = self.arrivals.pop(mid, [])
-        if mid in self.contested:
-            self.contested.discard(mid)
-            for bad, index in arrivals:
-                if index not in self.reassembler.last_used:
-                    self._penalize(bad, "corrupt")
         if exchange is None:
             return
         self.answered[mid] = exchange
@@ -286,9 +275,9 @@ class UserRelay:
             exchange.delivered[delivering] += 1
         exchange.add(part)
 
-    def _penalize(self, path: Path, why: str) -> None:
-        self.counters["corrupt_paths" if why == "corrupt" else "dropping_paths"] += 1
-        self.spawn(self.paths.penalize(path, f"{why} cloves"))
+    def _penalize_dropping(self, path: Path) -> None:
+        self.counters["dropping_paths"] += 1
+        self.spawn(self.paths.penalize(path, "dropped cloves"))
 
     async def _check_drops(self, exchange: Exchange) -> None:
         """After the answer and a grace period: a live path that carried fewer than half of the answer's
@@ -298,7 +287,7 @@ class UserRelay:
             return
         for path in exchange.paths:
             if path.live and 2 * exchange.delivered[path] < exchange.messages:
-                self._penalize(path, "dropped")
+                self._penalize_dropping(path)
 
     # -- asking ------------------------------------------------------------------------------------------
 
@@ -314,14 +303,15 @@ class UserRelay:
                                     if self.paths.last_error else "")
         chosen = tuple(secrets.SystemRandom().sample(live, min(n, len(live))))
         request_id = secrets.token_bytes(16)
-        prompt = Prompt(request_id, node, endpoint, body, tuple((p.proxy, p.reply_id) for p in chosen))
+        prompt = Prompt(request_id, node, endpoint, body,
+                        tuple((p.proxy, p.reply_id, p.reply_key) for p in chosen))
         cloves = sida.split(prompt.seal(), len(chosen), min(k, len(chosen)))
         exchange = Exchange(request_id, chosen, min(k, len(chosen)))
         self.exchanges[request_id] = exchange
         self.counters["requests"] += 1
         try:
             sent = await asyncio.gather(
-                *(self._send(p.first, "fwd", [p.link, p.seal(node, sida.encode(c))])
+                *(self._send(p.first, "fwd", [p.link, p.seal(node, onion.seal_to(node, sida.encode(c)))])
                   for p, c in zip(chosen, cloves, strict=True)), return_exceptions=True)
             if sum(r is None for r in sent) < exchange.k:
                 raise too_few_paths(sum(r is None for r in sent), exchange.k, " the prompt could be sent on")
