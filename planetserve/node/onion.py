@@ -23,6 +23,7 @@ HEADER_SIZE bytes then the next packet without its last LAYER_SIZE bytes.
 
 from __future__ import annotations
 
+import functools
 import secrets
 import struct
 from collections.abc import Sequence
@@ -132,6 +133,7 @@ def open_payload(path_key: bytes, direction: bytes, sealed: bytes) -> tuple[Any,
     return first, data
 
 
+@functools.lru_cache(maxsize=4096)
 def exchange_key(identity: bytes) -> bytes:
     """A registered ed25519 identity key as the X25519 key that onion layers are sealed to."""
     return bytes(VerifyKey(identity).to_curve25519_public_key())
@@ -144,16 +146,20 @@ def exchange_secret(identity: SigningKey) -> bytes:
 @dataclass(frozen=True)
 class _Keys:
     aead: ChaCha20Poly1305
-    filler: bytes
+    seed: bytes
+
+    @property
+    def filler(self) -> bytes:
+        """The bytes a relay appends after removing its layer (only setup packets need them)."""
+        stream = Cipher(algorithms.ChaCha20(self.seed, bytes(16)), mode=None).encryptor()
+        return stream.update(bytes(LAYER_SIZE))
 
 
 def _derive(shared: bytes, ephemeral: bytes, recipient: bytes) -> _Keys:
     if shared == bytes(KEY_SIZE):
         raise OnionError("degenerate ephemeral key")
     okm = HKDF(hashes.SHA256(), 2 * KEY_SIZE, salt=None, info=_INFO + ephemeral + recipient).derive(shared)
-    seed = okm[KEY_SIZE:]
-    stream = Cipher(algorithms.ChaCha20(seed, bytes(16)), mode=None).encryptor()
-    return _Keys(ChaCha20Poly1305(okm[:KEY_SIZE]), stream.update(bytes(LAYER_SIZE)))
+    return _Keys(ChaCha20Poly1305(okm[:KEY_SIZE]), okm[KEY_SIZE:])
 
 
 def _xor(a: bytes, b: bytes) -> bytes:

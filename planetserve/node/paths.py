@@ -23,7 +23,7 @@ from typing import Any
 
 from planetserve.node import onion
 from planetserve.node.relay import Send
-from planetserve.node.routes import NotEnoughRelays, choose_routes
+from planetserve.node.routes import PATH_LENGTH, NotEnoughRelays, choose_routes
 from planetserve.node.transport import TransportError
 
 log = logging.getLogger(__name__)
@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 class PathSettings:
     target: int = 5
     """N: live paths (proxies) to keep; at least n."""
+    length: int = PATH_LENGTH
+    """Relays per path, the last being the proxy (the paper's l = 3)."""
     setup_timeout: float = 5.0
     ping_interval: float = 10.0
     ping_timeout: float = 5.0
@@ -113,8 +115,8 @@ class PathManager:
     async def build(self) -> Path | None:
         """One new path, or None if its setup failed (its relays are then avoided for a while)."""
         try:
-            (route,) = choose_routes(self.users(), 1, exclude={self.me}, avoid=self._avoid_set(),
-                                     rng=self.rng)
+            (route,) = choose_routes(self.users(), 1, length=self.settings.length, exclude={self.me},
+                                     avoid=self._avoid_set(), rng=self.rng)
         except NotEnoughRelays as exc:
             self.last_error = str(exc)
             return None
