@@ -71,7 +71,7 @@ class Gateway:
         self.reassembler = sida.Reassembler()
         self.tasks: set[asyncio.Task] = set()
         self.counters = {"cloves": 0, "bad_cloves": 0, "bad_messages": 0, "prompts": 0, "parts_sent": 0,
-                         "busy": 0}
+                         "busy": 0, "failed": 0}
 
     async def on_clove(self, data: bytes) -> None:
         self.counters["cloves"] += 1
@@ -100,6 +100,13 @@ class Gateway:
         task.add_done_callback(self.tasks.discard)
 
     async def _answer(self, prompt: Prompt) -> None:
+        try:
+            await self._reply(prompt)
+        except Exception:  # one broken answer must not go unnoticed, nor stop the others
+            self.counters["failed"] += 1
+            log.exception("answering an overlay prompt failed")
+
+    async def _reply(self, prompt: Prompt) -> None:
         reply = await self.respond(prompt.endpoint, prompt.body)  # type: ignore[arg-type]
         seq = 0
         async for data in batched(reply.parts):
