@@ -16,6 +16,7 @@ from overlaynet import chat, faulty, make_user, relays_on_one_path, start_overla
 
 from planetserve.node import onion, sida
 from planetserve.node.messages import Prompt
+from planetserve.node.openai_api import ApiError
 
 RELAYS = 12
 MODEL_NODES = 4
@@ -262,6 +263,29 @@ def test_a_model_node_refuses_garbage_cloves_and_keeps_serving(quick_family):
             assert node.gateway.counters["bad_cloves"] == 4
             assert node.gateway.counters["bad_messages"] == 1 and node.gateway.counters["prompts"] == 0
             assert (await chat(net.client, "Are you there?")).status_code == 200
+        finally:
+            await net.close()
+
+    run(main())
+
+
+def test_an_unreachable_model_node_fails_fast_and_is_avoided(quick_family):
+    async def main():
+        net = await overlay(quick_family, relays=8, model_nodes=2)
+        try:
+            dead, alive = net.nodes
+            await dead.close()
+            body = json.dumps({"model": "gt", "messages": [{"role": "user", "content": "Hello?"}],
+                               "max_tokens": 4}).encode()
+            started = asyncio.get_running_loop().time()
+            with pytest.raises(ApiError) as failure:
+                await net.client.ask(dead.keys.public, "chat", body)
+            assert failure.value.status == 502 and failure.value.code == "node_unreachable"
+            assert asyncio.get_running_loop().time() - started < 10  # not the 30 s response timeout
+            for _ in range(4):  # the dead node is avoided: every retry goes to the live one
+                answer = await chat(net.client, "Hello again?")
+                assert answer.status_code == 200
+                assert answer.json()["planetserve"]["node"] == alive.keys.public.hex()
         finally:
             await net.close()
 

@@ -57,15 +57,19 @@ def group() -> None:
               help="That server's KV-event ZMQ endpoint (vLLM --kv-events-config).")
 @click.option("--data-dir", default="", help="Where the model family is cached (default: PLANETSERVE_DATA "
                                              "or ~/.cache/planetserve).")
+@click.option("--node-keys", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Use this key file (copied into the home) instead of a fresh key: a node already "
+                   "registered under it.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def init_model(home: Path, genesis: Path, http_addr: str, as_json: bool, **settings: object) -> None:
-    """Create a model node's home: configuration and a fresh node key (never overwritten)."""
+def init_model(home: Path, genesis: Path, http_addr: str, node_keys: Path | None, as_json: bool,
+               **settings: object) -> None:
+    """Create a model node's home: configuration and a node key (never overwritten)."""
     from planetserve.node.home import HomeError, ModelNodeConfig, init_home
 
     config = ModelNodeConfig(genesis=str(genesis.resolve()), http=http_addr, **settings)  # type: ignore[arg-type]
     try:
-        keys = init_home(home, config)
-    except HomeError as exc:
+        keys = init_home(home, config, KeySet.load(node_keys) if node_keys else None)
+    except (HomeError, KeyFileError) as exc:
         fail(str(exc))
     result = {"home": str(home), "node": keys.public.hex(), "model_id": config.model_id,
               "address": config.address}
@@ -101,7 +105,7 @@ def model(home: Path, org_keys: Path | None, log_level: str, as_json: bool) -> N
     from planetserve.node.registration import Registered, RegistrationError
     from planetserve.node.runner import run_model_node
 
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _logging(log_level)
     try:
         org = KeySet.load(org_keys) if org_keys else None
     except KeyFileError as exc:
@@ -125,6 +129,14 @@ def model(home: Path, org_keys: Path | None, log_level: str, as_json: bool) -> N
         fail(f"the ledger could not be read: {exc}")
 
 
+def _logging(level: str) -> None:
+    """The node's own messages at `level`; the HTTP client's one line per ledger query only when
+    debugging."""
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if level != "debug":
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
 USER_HOME_HELP = "The relay's home directory (configuration user.json and key file node_keys.json)."
 
 
@@ -145,17 +157,20 @@ USER_HOME_HELP = "The relay's home directory (configuration user.json and key fi
               help="Cloves per message (one per path).")
 @click.option("--k", "k", default=3, show_default=True, type=click.IntRange(1, 16),
               help="Cloves that recover a message; k - 1 reveal nothing.")
+@click.option("--keys", "key_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Use this key file (copied into the home) instead of a fresh key.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def init_user(home: Path, genesis: Path, http_addr: str, as_json: bool, **settings: object) -> None:
-    """Create a user relay's home: configuration and a fresh key (never overwritten)."""
+def init_user(home: Path, genesis: Path, http_addr: str, key_file: Path | None, as_json: bool,
+              **settings: object) -> None:
+    """Create a user relay's home: configuration and a key (never overwritten)."""
     from planetserve.node.home import HomeError, UserConfig, init_home
 
     config = UserConfig(genesis=str(genesis.resolve()), http=http_addr, **settings)  # type: ignore[arg-type]
     if not config.proxies >= config.n >= config.k:
         fail(f"need --proxies >= --n >= --k, got {config.proxies}, {config.n}, {config.k}")
     try:
-        keys = init_home(home, config)
-    except HomeError as exc:
+        keys = init_home(home, config, KeySet.load(key_file) if key_file else None)
+    except (HomeError, KeyFileError) as exc:
         fail(str(exc))
     result = {"home": str(home), "user": keys.public.hex(), "address": config.address, "http": config.http}
     if as_json:
@@ -189,7 +204,7 @@ def user(home: Path, log_level: str, as_json: bool) -> None:
     from planetserve.node.user import UserRelay
     from planetserve.registry.entities import User
 
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _logging(log_level)
 
     def ready(relay: UserRelay, registered: User, action: str) -> None:
         live = len(relay.paths.live())

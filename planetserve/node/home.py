@@ -123,13 +123,14 @@ class UserConfig(HomeConfig):
         return self.advertise or self.peer
 
 
-def init_home(home: Path, config: HomeConfig) -> KeySet:
-    """Create the home: configuration and a fresh node key (an existing key is never replaced)."""
+def init_home(home: Path, config: HomeConfig, keys: KeySet | None = None) -> KeySet:
+    """Create the home: configuration and a node key, fresh unless `keys` is given (a key the node
+    already registered under); an existing home key is never replaced."""
     keys_path = home / KEYS_FILE
     if keys_path.exists():
         raise HomeError(f"{home} already has a node key; edit {home / config.FILE} to change settings")
     config.save(home)
-    keys = KeySet.generate()
+    keys = keys or KeySet.generate()
     keys.save(keys_path)
     return keys
 

@@ -78,6 +78,7 @@ class Path:
 
 
 CloveSink = Callable[[Path, bytes], None]
+UnreachableSink = Callable[[Path, bytes], None]
 
 
 class PathManager:
@@ -93,6 +94,7 @@ class PathManager:
         self.paths: dict[tuple[bytes, bytes], Path] = {}
         self.avoided: dict[bytes, float] = {}
         self.on_clove: CloveSink = lambda _path, _data: None
+        self.on_unreachable: UnreachableSink = lambda _path, _node: None
         self.on_death: list[Callable[[Path], None]] = []
         self._pings: dict[bytes, tuple[bytes, asyncio.Future]] = {}
         self._filling = asyncio.Lock()
@@ -253,6 +255,8 @@ class PathManager:
             pending = self._pings.get(link)
             if pending is not None and not pending[1].done():
                 pending[1].set_result(hmac.compare_digest(pending[0], data))
+        elif kind == "unreachable":
+            self.on_unreachable(path, data)
         elif path.live:
             try:
                 _, clove = onion.open_payload(path.reply_key, onion.REPLY, data)

@@ -4,7 +4,8 @@ Peer messages between relays (one-way, over `transport`):
   "setup" [link id, packet]   builds a path hop by hop; the packet is peeled here (`onion`)
   "fwd"   [link id, sealed]   toward the proxy, which opens (destination, data) with the path key and
                               sends data to the model node `destination` (empty: a ping, echoed)
-  "back"  [link id, sealed]   toward the user: (kind, data), kind "ready", "pong" or "clove"
+  "back"  [link id, sealed]   toward the user: (kind, data), kind "ready", "pong", "clove", or
+                              "unreachable" (the proxy could not reach the model node named)
   "down"  [link id]           the path is gone (sent both ways when a neighbour disappears)
 and between a proxy and model nodes:
   "clove" data                    proxy → model node: one clove of a prompt
@@ -205,7 +206,8 @@ class Relay:
             await self._back(hop, "pong", data)
         elif type(destination) is bytes and self.is_node(destination):
             self.counters["to_nodes"] += 1
-            await self._pass_on(destination, "clove", data)
+            if not await self._pass_on(destination, "clove", data):
+                await self._back(hop, "unreachable", destination)
         else:
             raise RelayError("destination is not a trusted model node")
 

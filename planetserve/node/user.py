@@ -51,12 +51,19 @@ log = logging.getLogger(__name__)
 MAX_SESSIONS = 10_000
 MAX_TRACKED_MESSAGES = 4096
 DROP_GRACE_SECONDS = 1.0
+NODE_AVOID_SECONDS = 60.0
 USER_LIMITS = ApiLimits(max_body_bytes=MAX_MESSAGE - (64 << 10))
 
 
 def too_few_paths(live: int, needed: int, detail: str = "") -> ApiError:
     return ApiError(503, f"Only {live} anonymous path(s) survive{detail}; {needed} are needed. New paths are "
                     f"being built; retry shortly.", type="server_error", code="too_few_paths")
+
+
+def node_unreachable(node: bytes, seconds: float) -> ApiError:
+    return ApiError(502, f"The model node {node.hex()[:16]} cannot be reached by enough of our proxies; "
+                    f"it is avoided for {seconds:g} s, so a retry goes to another node.",
+                    type="server_error", code="node_unreachable")
 
 
 def timed_out(seconds: float) -> ApiError:
@@ -84,9 +91,11 @@ class Exchange:
     """One request in flight: the paths it used and the answer's parts as they arrive."""
 
     request_id: bytes
+    node: bytes
     paths: tuple[Path, ...]
     k: int
     parts: dict[int, Part] = field(default_factory=dict)
+    unreachable: set[Path] = field(default_factory=set)
     next_seq: int = 0
     messages: int = 0
     delivered: Counter = field(default_factory=Counter)
@@ -136,6 +145,7 @@ class UserRelay:
                                                                    ping_interval=config.ping_interval),
                                  rng=rng)
         self.paths.on_clove = self._on_clove
+        self.paths.on_unreachable = self._node_unreachable
         self.paths.on_death.append(self._path_died)
         self.relay = Relay(onion.exchange_secret(keys.identity), self._send,
                            is_user=lambda key: key in self.view.users,
@@ -145,6 +155,7 @@ class UserRelay:
         self.arrivals: OrderedDict[bytes, list[tuple[Path, int]]] = OrderedDict()
         self.answered: OrderedDict[bytes, Exchange] = OrderedDict()
         self.sessions: OrderedDict[str, tuple[bytes, str]] = OrderedDict()
+        self.avoided_nodes: dict[bytes, float] = {}
         self.counters = {"requests": 0, "answered": 0, "failed": 0, "bad_cloves": 0, "dropping_paths": 0}
         self.app = web.Application(client_max_size=USER_LIMITS.max_body_bytes)
         self.app.router.add_get("/health", self._health)
@@ -275,6 +286,16 @@ class UserRelay:
             exchange.delivered[delivering] += 1
         exchange.add(part)
 
+    def _node_unreachable(self, path: Path, node: bytes) -> None:
+        """A proxy could not reach the node: once too few cloves can have arrived there for it to
+        recover the prompt, the request fails now rather than at its timeout, and the node is avoided."""
+        for exchange in self.exchanges.values():
+            if exchange.node == node and path in exchange.paths:
+                exchange.unreachable.add(path)
+                if len(exchange.paths) - len(exchange.unreachable) < exchange.k:
+                    self.avoided_nodes[node] = time.monotonic() + NODE_AVOID_SECONDS
+                    exchange.fail(node_unreachable(node, NODE_AVOID_SECONDS))
+
     def _penalize_dropping(self, path: Path) -> None:
         self.counters["dropping_paths"] += 1
         self.spawn(self.paths.penalize(path, "dropped cloves"))
@@ -306,7 +327,7 @@ class UserRelay:
         prompt = Prompt(request_id, node, endpoint, body,
                         tuple((p.proxy, p.reply_id, p.reply_key) for p in chosen))
         cloves = sida.split(prompt.seal(), len(chosen), min(k, len(chosen)))
-        exchange = Exchange(request_id, chosen, min(k, len(chosen)))
+        exchange = Exchange(request_id, node, chosen, min(k, len(chosen)))
         self.exchanges[request_id] = exchange
         self.counters["requests"] += 1
         try:
@@ -361,7 +382,10 @@ class UserRelay:
         if key is not None and (known := self.sessions.get(key)) is not None and known[0] in self.view.nodes:
             self.sessions.move_to_end(key)
             return known
-        chosen = secrets.choice(self.view.models().get(model, [])).pubkey
+        nodes = self.view.models().get(model, [])
+        now = time.monotonic()
+        reachable = [n for n in nodes if self.avoided_nodes.get(n.pubkey, 0.0) <= now]
+        chosen = secrets.choice(reachable or nodes).pubkey
         if key is None:
             return chosen, None
         session = (chosen, request.planetserve.session_id or secrets.token_hex(16))
