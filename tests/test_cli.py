@@ -109,6 +109,27 @@ def test_cli_errors_are_clear(localnet, tmp_path):
     assert "MODEL_ID=NAME" in run("genesis", "init", str(tmp_path / "g"), "--model", "nonsense", code=2)
 
 
+def test_node_homes_take_an_existing_key_and_are_never_overwritten(tmp_path):
+    genesis = tmp_path / "genesis.json"
+    genesis.write_text("{}")
+    key = tmp_path / "k.json"
+    created = json.loads(run("keys", "new", str(key), "--json"))
+    user = json.loads(run("node", "init-user", "--home", str(tmp_path / "u"), "--genesis", str(genesis),
+                          "--keys", str(key), "--json"))
+    assert user["user"] == created["identity"]
+    assert "already has a node key" in run("node", "init-user", "--home", str(tmp_path / "u"),
+                                           "--genesis", str(genesis), code=1)
+    node = json.loads(run("node", "init-model", "--home", str(tmp_path / "m"), "--org-id", "acme",
+                          "--model-id", "gt", "--genesis", str(genesis), "--node-keys", str(key), "--json"))
+    assert node["node"] == created["identity"]
+    fresh = json.loads(run("node", "init-user", "--home", str(tmp_path / "v"), "--genesis", str(genesis),
+                           "--json"))
+    assert fresh["user"] != created["identity"]
+    (tmp_path / "bad.json").write_text("{}")
+    assert "malformed key file" in run("node", "init-user", "--home", str(tmp_path / "w"), "--genesis",
+                                       str(genesis), "--keys", str(tmp_path / "bad.json"), code=1)
+
+
 def test_genesis_init_builds_homes(tmp_path):
     out = json.loads(run("genesis", "init", str(tmp_path / "net"), "-n", "2", "--model", "gt=Reference",
                          "--chain-id", "c1", "--json"))
