@@ -1,0 +1,37 @@
+"""The verifier: scoring engines over a reference model, and the credibility of model nodes' signed
+responses to challenges (section 3.4 of the paper). Imports `chain` (client side), `registry` and
+`models`; never `node`."""
+
+from planetserve.verifier.credibility import (
+    Answer,
+    ReferenceModel,
+    Rejection,
+    Verdict,
+    calibrated_credibility,
+    credibility,
+    to_ppm,
+)
+from planetserve.verifier.scoring import (
+    Algorithm3Scorer,
+    OnePassScorer,
+    Pair,
+    Scorer,
+    TokenScores,
+    TorchScorer,
+)
+
+__all__ = [
+    "Algorithm3Scorer",
+    "Answer",
+    "OnePassScorer",
+    "Pair",
+    "ReferenceModel",
+    "Rejection",
+    "Scorer",
+    "TokenScores",
+    "TorchScorer",
+    "Verdict",
+    "calibrated_credibility",
+    "credibility",
+    "to_ppm",
+]

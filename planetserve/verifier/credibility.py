@@ -1,0 +1,225 @@
+"""Credibility of a model node's signed response to a challenge, scored with the verifier's reference model.
+
+Two credibilities, both in [0, 1], higher is better:
+
+- `credibility`: the paper's 1/PPL over the node's returned token ids (section 3.4);
+- `calibrated_credibility`: the same likelihood relative to what the reference model expects of its own
+  samples on that prompt, so that a hard prompt or a node sampling at temperature up to 1 does not
+  lower it (see its docstring).
+
+Before scoring, a response is checked against what the verifier expected; a `Verdict` carries either
+the credibilities or a `Rejection` with a readable detail. The ledger stores credibilities as integer
+parts per million (`to_ppm`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import TYPE_CHECKING
+
+from planetserve.chain.challenge import response_valid
+from planetserve.registry.epochs import SignedResponse, prompt_hash
+from planetserve.registry.params import PPM
+from planetserve.verifier.scoring import OnePassScorer, Scorer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from planetserve.models import LoadedModel
+
+
+def to_ppm(value: float) -> int:
+    """A credibility as the ledger's integer parts per million: clamped to [0, 1], rounded to the nearest
+    ppm (halves up). NaN has no place on the ledger and is refused."""
+    if math.isnan(value):
+        raise ValueError("a credibility cannot be NaN")
+    return math.floor(min(1.0, max(0.0, value)) * PPM + 0.5)
+
+
+def credibility(logprobs: Sequence[float]) -> float:
+    """The paper's normalised perplexity: 1/PPL = exp(mean log p(t_i | t_<i)), over every token."""
+    if not logprobs:
+        raise ValueError("perplexity is undefined for an empty response")
+    return math.exp(math.fsum(logprobs) / len(logprobs))
+
+
+def calibrated_credibility(logprobs: Sequence[float], entropies: Sequence[float]) -> float:
+    """min(1, exp(mean_i(log p_i(t_i) + H_i))) = min(1, PPL_expected / PPL), with H_i the entropy of the
+    reference's next-token distribution p_i at token i, given the node's own prefix.
+
+    Why: for a token drawn from p_i itself, E[log p_i(t)] = -H_i whatever the prefix, so the sum of
+    log p_i(t_i) + H_i has expectation 0 for any response the reference model samples at temperature 1,
+    on any prompt. 1/PPL alone also measures the prompt: an open-ended question has flat distributions
+    (high H_i) and low log-probabilities even for the reference's own answers, a narrow one the reverse;
+    dividing by exp(-mean H_i), the 1/PPL the reference expects of itself on this path, removes that.
+    Temperature: sampling below 1 (greedy included) favours likelier tokens, so E[log p_i(t)] >= -H_i
+    and the ratio lies above 1 in expectation; the cap makes temperatures 0 to 1 alike. At temperature 1
+    the per-response ratio scatters around 1 (the capped mean is a little below 1). A weaker model's
+    tokens are less likely under the reference than the reference's own, which scores below 1 in
+    proportion. Above temperature 1 nothing based on likelihood can tell an honest node from a weaker
+    model (a flatter distribution is what a weaker model looks like), so such a node scores below 1 too.
+    """
+    if not logprobs:
+        raise ValueError("perplexity is undefined for an empty response")
+    if len(entropies) != len(logprobs):
+        raise ValueError("one entropy per scored token")
+    return math.exp(min(0.0, math.fsum(logprobs) / len(logprobs) + math.fsum(entropies) / len(entropies)))
+
+
+class Rejection(StrEnum):
+    """Why a response is not scored. `node_fault` says whether the node's own valid signature proves the
+    fault; the others may be the leader's doing (an altered or misdirected response)."""
+
+    WRONG_NODE = "wrong_node"
+    BAD_SIGNATURE = "bad_signature"
+    WRONG_PROMPT = "wrong_prompt"
+    WRONG_MODEL = "wrong_model"
+    EMPTY_RESPONSE = "empty_response"
+    INVALID_TOKEN_ID = "invalid_token_id"  # noqa: S105 (a rejection code, not a secret)
+    TOKENIZATION_MISMATCH = "tokenization_mismatch"
+    TOO_LONG = "too_long"
+
+    @property
+    def node_fault(self) -> bool:
+        return self not in (Rejection.WRONG_NODE, Rejection.BAD_SIGNATURE, Rejection.WRONG_PROMPT)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A scored response (credibility set, calibrated too when it was asked for) or a rejection."""
+
+    credibility: float | None = None
+    calibrated: float | None = None
+    tokens: int = 0
+    rejection: Rejection | None = None
+    detail: str = ""
+
+    @classmethod
+    def reject(cls, rejection: Rejection, detail: str) -> Verdict:
+        return cls(rejection=rejection, detail=detail)
+
+    @classmethod
+    def scored(cls, logprobs: Sequence[float], entropies: Sequence[float] | None = None) -> Verdict:
+        calibrated = None if entropies is None else calibrated_credibility(logprobs, entropies)
+        return cls(credibility(logprobs), calibrated, len(logprobs))
+
+    @property
+    def ok(self) -> bool:
+        return self.rejection is None
+
+    @property
+    def credibility_ppm(self) -> int | None:
+        return None if self.credibility is None else to_ppm(self.credibility)
+
+    @property
+    def calibrated_ppm(self) -> int | None:
+        return None if self.calibrated is None else to_ppm(self.calibrated)
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A signed response and what the verifier expects of it: the challenge prompt (as the model reads
+    it, i.e. the text whose hash the node signs) and, when known, the challenged node's key."""
+
+    response: SignedResponse
+    prompt: str
+    node: bytes | None = None
+
+
+class ReferenceModel:
+    """The verifier's local copy of a model: checks responses that claim `model_id` and scores them.
+
+    Empty response: a response without token ids is rejected (`empty_response`) rather than scored 0.
+    Perplexity over no tokens is undefined, and no honest engine returns one: generation emits at least
+    one token (a stop token ends a response and is part of it). The node signed it, so it is the node's
+    fault.
+    """
+
+    def __init__(self, model_id: str, tokenizer: PreTrainedTokenizerBase, scorer: Scorer, *, vocab_size: int,
+                 max_len: int, calibrated: bool = True) -> None:
+        self.model_id = model_id
+        self.tokenizer = tokenizer
+        self.scorer = scorer
+        self.vocab_size = vocab_size
+        self.max_len = max_len
+        self.calibrated = calibrated
+
+    @classmethod
+    def from_loaded(cls, loaded: LoadedModel, scorer: Scorer | None = None, calibrated: bool = True
+                    ) -> ReferenceModel:
+        """A loaded model with the one-pass engine over it unless another scorer is given."""
+        return cls(loaded.model_id, loaded.tokenizer, scorer or OnePassScorer(loaded.model),
+                   vocab_size=int(loaded.model.get_input_embeddings().num_embeddings),
+                   max_len=loaded.max_model_len, calibrated=calibrated)
+
+    def prompt_ids(self, prompt: str) -> list[int]:
+        """The prompt's ids as the model node computed them: text that already starts with the BOS token
+        (a rendered chat template) as is, other text (a completion prompt) with the tokenizer's special
+        tokens, so BOS is neither missing nor doubled."""
+        bos = self.tokenizer.bos_token
+        special = not (bos and prompt.startswith(bos))
+        return list(self.tokenizer(prompt, add_special_tokens=special)["input_ids"])
+
+    def check(self, answer: Answer) -> Verdict | tuple[list[int], list[int]]:
+        """A rejection, or the (prompt ids, response ids) to score. The checks run in this order, so the
+        first failure is the one reported: whose response, signed, to which prompt, as which model, then
+        the response's own content."""
+        response = answer.response
+        if answer.node is not None and response.node != answer.node:
+            return Verdict.reject(Rejection.WRONG_NODE, f"signed by {response.node.hex()}, challenged "
+                                                        f"{answer.node.hex()}")
+        if not response_valid(response):
+            return Verdict.reject(Rejection.BAD_SIGNATURE, "the signature does not verify under its key")
+        if response.prompt_hash != prompt_hash(answer.prompt):
+            return Verdict.reject(Rejection.WRONG_PROMPT, "the node signed an answer to a different prompt")
+        if response.model_id != self.model_id:
+            return Verdict.reject(Rejection.WRONG_MODEL, f"answered as {response.model_id!r}, expected "
+                                                         f"{self.model_id!r}")
+        ids = list(response.token_ids)
+        if not ids:
+            return Verdict.reject(Rejection.EMPTY_RESPONSE, "the response has no tokens")
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            return Verdict.reject(Rejection.INVALID_TOKEN_ID, f"token id {bad} is outside the vocabulary "
+                                                              f"of {self.vocab_size}")
+        decoded = self.tokenizer.decode(ids, skip_special_tokens=True)
+        if decoded != response.text:
+            at = next((i for i, (a, b) in enumerate(zip(decoded, response.text, strict=False)) if a != b),
+                      min(len(decoded), len(response.text)))
+            return Verdict.reject(Rejection.TOKENIZATION_MISMATCH,
+                                  f"the text is not the detokenisation of the token ids (first difference at "
+                                  f"character {at}: {len(response.text)} characters sent, {len(decoded)} "
+                                  f"decoded)")
+        prompt = self.prompt_ids(answer.prompt)
+        if len(prompt) + len(ids) > self.max_len:
+            return Verdict.reject(Rejection.TOO_LONG, f"{len(prompt)} prompt + {len(ids)} response tokens "
+                                                      f"exceed the model's {self.max_len}")
+        return prompt, ids
+
+    def verify(self, answers: Sequence[Answer]) -> list[Verdict]:
+        """A verdict per answer, in order; every answer that passes the checks is scored in one batch."""
+        verdicts: list[Verdict | None] = []
+        pending: list[tuple[int, tuple[list[int], list[int]]]] = []
+        for index, answer in enumerate(answers):
+            checked = self.check(answer)
+            if isinstance(checked, Verdict):
+                verdicts.append(checked)
+            else:
+                verdicts.append(None)
+                pending.append((index, checked))
+        if pending:
+            batch = [pair for _, pair in pending]
+            if self.calibrated:
+                scored = [Verdict.scored(s.logprobs, s.entropies)
+                          for s in self.scorer.score_with_entropy(batch)]
+            else:
+                scored = [Verdict.scored(lp) for lp in self.scorer.score(batch)]
+            for (index, _), verdict in zip(pending, scored, strict=True):
+                verdicts[index] = verdict
+        return [v for v in verdicts if v is not None]
+
+    def verify_one(self, response: SignedResponse, prompt: str, node: bytes | None = None) -> Verdict:
+        return self.verify([Answer(response, prompt, node)])[0]

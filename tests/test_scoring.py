@@ -1,0 +1,297 @@
+"""Verifier scoring on the quick model family: the one-pass engine against the paper's Algorithm 3,
+batching, the credibilities, every rejection reason, and the ledger's ppm."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from planetserve.chain.challenge import sign_response
+from planetserve.chain.keys import KeySet
+from planetserve.models import LoadedModel, load
+from planetserve.registry.params import PPM
+from planetserve.verifier import (
+    Algorithm3Scorer,
+    Answer,
+    OnePassScorer,
+    ReferenceModel,
+    Rejection,
+    Verdict,
+    calibrated_credibility,
+    credibility,
+    to_ppm,
+)
+
+QUESTIONS = ["What does json.dumps() do?", "What is the os.path module for?", "What is collections.OrderedDict?",
+             "What does str.split() do?", "Explain with in Python.", "What is the re module for?"]
+GT = "planetserve/gt"
+
+
+@pytest.fixture(scope="module")
+def gt(quick_family: Path) -> LoadedModel:
+    return load("gt", quick_family)
+
+
+@pytest.fixture(scope="module")
+def tiny(quick_family: Path) -> LoadedModel:
+    return load("tiny", quick_family)
+
+
+@pytest.fixture(scope="module")
+def reference(gt: LoadedModel) -> ReferenceModel:
+    return ReferenceModel.from_loaded(gt)
+
+
+@pytest.fixture(scope="module")
+def keys() -> KeySet:
+    return KeySet.generate()
+
+
+def chat(loaded: LoadedModel, question: str) -> str:
+    return loaded.tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                                add_generation_prompt=True)
+
+
+def generate(loaded: LoadedModel, reference: ReferenceModel, prompt: str, tokens: int = 24,
+             temperature: float = 0.0, seed: int = 0) -> list[int]:
+    """The model's answer to `prompt` (greedy at temperature 0, else plain sampling), its stop token kept."""
+    ids = torch.tensor([reference.prompt_ids(prompt)])
+    sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature else {
+        "do_sample": False}
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        out = loaded.model.generate(ids, max_new_tokens=tokens, eos_token_id=list(loaded.stop_token_ids),
+                                    pad_token_id=loaded.tokenizer.pad_token_id, **sampling)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def signed(keys: KeySet, loaded: LoadedModel, prompt: str, token_ids: list[int], model_id: str = GT,
+           text: str | None = None) -> Answer:
+    text = loaded.tokenizer.decode(token_ids, skip_special_tokens=True) if text is None else text
+    return Answer(sign_response(keys, prompt, token_ids, text, model_id, 1_700_000_000, "127.0.0.1:7000"),
+                  prompt, keys.public)
+
+
+def random_batch(seed: int, vocab: int, count: int = 7) -> list[tuple[list[int], list[int]]]:
+    rng = random.Random(seed)
+    batch = [([0] + [rng.randrange(5, vocab) for _ in range(rng.randrange(0, 30))],
+              [rng.randrange(vocab) for _ in range(rng.randrange(1, 40))]) for _ in range(count)]
+    batch.append(([0, 7, 9], []))
+    return batch
+
+
+def close(a: list[float] | tuple[float, ...], b: list[float] | tuple[float, ...], tolerance: float) -> bool:
+    return len(a) == len(b) and all(abs(x - y) <= tolerance for x, y in zip(a, b, strict=True))
+
+
+# -- engines ---------------------------------------------------------------------------------------
+
+
+def test_one_pass_agrees_with_algorithm3(gt, reference):
+    batch = random_batch(1, reference.vocab_size)
+    batch.append((reference.prompt_ids(chat(gt, QUESTIONS[0])), generate(gt, reference, chat(gt, QUESTIONS[0]))))
+    one = OnePassScorer(gt.model).score_with_entropy(batch)
+    alg3 = Algorithm3Scorer(gt.model).score_with_entropy(batch)
+    for a, b, (_, response) in zip(one, alg3, batch, strict=True):
+        assert len(a.logprobs) == len(response)
+        assert close(a.logprobs, b.logprobs, 1e-4)
+        assert close(a.entropies, b.entropies, 1e-4)
+    for plain, full in zip(OnePassScorer(gt.model).score(batch), one, strict=True):
+        assert close(plain, full.logprobs, 1e-6)
+
+
+def test_batched_equals_unbatched_in_order(gt, reference):
+    batch = random_batch(2, reference.vocab_size, count=12)
+    alone = [OnePassScorer(gt.model).score_with_entropy([item])[0] for item in batch]
+    whole = OnePassScorer(gt.model).score_with_entropy(batch)
+    split = OnePassScorer(gt.model, max_batch_tokens=64, max_scored_tokens=48)
+    assert len(split._groups(split._checked(batch))) > 2
+    for scores in (whole, split.score_with_entropy(batch)):
+        for a, b in zip(scores, alone, strict=True):
+            assert close(a.logprobs, b.logprobs, 1e-5)
+            assert close(a.entropies, b.entropies, 1e-5)
+
+
+def test_first_token_is_scored_on_the_prompt_alone(gt, reference):
+    """Nothing (no BOS) is inserted between prompt and response, and every response token is scored."""
+    prompt, response = reference.prompt_ids(chat(gt, QUESTIONS[1])), [17, 4, 1]
+    with torch.inference_mode():
+        direct = gt.model(input_ids=torch.tensor([prompt])).logits[0, -1].log_softmax(-1)
+    scores = OnePassScorer(gt.model).score([(prompt, response)])[0]
+    assert len(scores) == len(response)
+    assert scores[0] == pytest.approx(direct[response[0]].item(), abs=1e-5)
+
+
+def test_scorer_refuses_what_the_model_cannot_read(gt):
+    scorer = OnePassScorer(gt.model)
+    with pytest.raises(ValueError, match="prompt is empty"):
+        scorer.score([([], [5])])
+    with pytest.raises(ValueError, match="token ids"):
+        scorer.score([([0], [scorer.vocab_size])])
+
+
+# -- credibility -----------------------------------------------------------------------------------
+
+
+def test_gt_answers_are_more_credible_under_gt_than_tiny_answers(gt, tiny, reference, keys):
+    prompts = [chat(gt, q) for q in QUESTIONS]
+    greedy = reference.verify([signed(keys, gt, p, generate(gt, reference, p)) for p in prompts])
+    gt_sampled = reference.verify([signed(keys, gt, p, generate(gt, reference, p, temperature=1.0, seed=i))
+                                   for i, p in enumerate(prompts)])
+    tiny_sampled = reference.verify([signed(keys, tiny, p, generate(tiny, reference, p, temperature=1.0, seed=i))
+                                     for i, p in enumerate(prompts)])
+    assert all(v.ok for v in greedy + gt_sampled + tiny_sampled)
+
+    def mean(verdicts: list[Verdict], field: str) -> float:
+        return sum(getattr(v, field) for v in verdicts) / len(verdicts)
+
+    assert mean(greedy, "credibility") > mean(tiny_sampled, "credibility")
+    assert mean(gt_sampled, "credibility") > mean(tiny_sampled, "credibility")
+    assert mean(gt_sampled, "calibrated") > mean(tiny_sampled, "calibrated")
+    # Greedy tokens are at least as likely as the reference expects of its own samples at every step.
+    assert all(v.calibrated > 1 - 1e-6 for v in greedy)
+    # 1/PPL drops with the temperature; the calibrated credibility of honest answers stays near 1.
+    assert mean(gt_sampled, "credibility") < mean(greedy, "credibility")
+    assert mean(gt_sampled, "calibrated") > 0.8
+
+
+def test_verdicts_keep_order_and_ppm(gt, reference, keys):
+    prompt = chat(gt, QUESTIONS[2])
+    good = signed(keys, gt, prompt, generate(gt, reference, prompt))
+    bad = signed(keys, gt, prompt, [])
+    verdicts = reference.verify([good, bad, good])
+    assert [v.ok for v in verdicts] == [True, False, True]
+    alone = reference.verify_one(good.response, prompt, keys.public)
+    for v in (verdicts[0], verdicts[2]):
+        assert v.credibility == pytest.approx(alone.credibility, rel=1e-5)
+        assert v.calibrated == pytest.approx(alone.calibrated, rel=1e-5)
+    v = verdicts[0]
+    assert v.tokens == len(good.response.token_ids)
+    assert 0 < v.credibility <= 1 and 0 < v.calibrated <= 1
+    assert v.credibility_ppm == to_ppm(v.credibility) and v.calibrated_ppm == to_ppm(v.calibrated)
+    paper_only = ReferenceModel.from_loaded(gt, calibrated=False).verify_one(good.response, prompt)
+    assert paper_only.calibrated is None and paper_only.calibrated_ppm is None
+    assert paper_only.credibility == pytest.approx(v.credibility, rel=1e-6)
+    assert verdicts[1].credibility is None and verdicts[1].credibility_ppm is None
+
+
+def test_prompt_ids_neither_miss_nor_double_bos(gt, reference):
+    bos = gt.tokenizer.bos_token_id
+    chat_ids = reference.prompt_ids(chat(gt, QUESTIONS[0]))
+    plain_ids = reference.prompt_ids("What does json.dumps() do?")
+    assert chat_ids[0] == bos and chat_ids[1] != bos
+    assert plain_ids[0] == bos and plain_ids[1] != bos
+
+
+# -- rejections ------------------------------------------------------------------------------------
+
+
+def _tamper_text(a: Answer, gt: LoadedModel, keys: KeySet) -> Answer:
+    return dataclasses.replace(a, response=dataclasses.replace(a.response, text=a.response.text + "!"))
+
+
+def _tamper_ids(a: Answer, gt: LoadedModel, keys: KeySet) -> Answer:
+    ids = (*a.response.token_ids[:-1], (a.response.token_ids[-1] + 1) % 50 + 5)
+    return dataclasses.replace(a, response=dataclasses.replace(a.response, token_ids=ids))
+
+
+def _tamper_signature(a: Answer, gt: LoadedModel, keys: KeySet) -> Answer:
+    sig = bytes([a.response.signature[0] ^ 1]) + a.response.signature[1:]
+    return dataclasses.replace(a, response=dataclasses.replace(a.response, signature=sig))
+
+
+def _tamper_model(a: Answer, gt: LoadedModel, keys: KeySet) -> Answer:
+    return dataclasses.replace(a, response=dataclasses.replace(a.response, model_id="planetserve/tiny"))
+
+
+def _text_mismatch(a: Answer, gt: LoadedModel, keys: KeySet) -> Answer:
+    return signed(keys, gt, a.prompt, list(a.response.token_ids), text=a.response.text + " extra")
+
+
+def _empty(a: Answer, gt: LoadedModel, keys: KeySet) -> Answer:
+    return signed(keys, gt, a.prompt, [], text="")
+
+
+def _wrong_model(a: Answer, gt: LoadedModel, keys: KeySet) -> Answer:
+    return signed(keys, gt, a.prompt, list(a.response.token_ids), model_id="planetserve/tiny")
+
+
+def _other_prompt(a: Answer, gt: LoadedModel, keys: KeySet) -> Answer:
+    other = signed(keys, gt, chat(gt, QUESTIONS[4]), list(a.response.token_ids))
+    return dataclasses.replace(other, prompt=a.prompt)
+
+
+def _other_node(a: Answer, gt: LoadedModel, keys: KeySet) -> Answer:
+    return dataclasses.replace(signed(KeySet.generate(), gt, a.prompt, list(a.response.token_ids)),
+                               node=keys.public)
+
+
+def _out_of_vocab(a: Answer, gt: LoadedModel, keys: KeySet) -> Answer:
+    return signed(keys, gt, a.prompt, [*a.response.token_ids, 1 << 20], text=a.response.text)
+
+
+def _too_long(a: Answer, gt: LoadedModel, keys: KeySet) -> Answer:
+    return signed(keys, gt, a.prompt, [40] * gt.max_model_len)
+
+
+@pytest.mark.parametrize(("tamper", "rejection"), [
+    (_tamper_text, Rejection.BAD_SIGNATURE),
+    (_tamper_ids, Rejection.BAD_SIGNATURE),
+    (_tamper_signature, Rejection.BAD_SIGNATURE),
+    (_tamper_model, Rejection.BAD_SIGNATURE),
+    (_text_mismatch, Rejection.TOKENIZATION_MISMATCH),
+    (_empty, Rejection.EMPTY_RESPONSE),
+    (_wrong_model, Rejection.WRONG_MODEL),
+    (_other_prompt, Rejection.WRONG_PROMPT),
+    (_other_node, Rejection.WRONG_NODE),
+    (_out_of_vocab, Rejection.INVALID_TOKEN_ID),
+    (_too_long, Rejection.TOO_LONG),
+])
+def test_each_rejection_triggers_on_its_bad_input(gt, reference, keys, tamper, rejection):
+    prompt = chat(gt, QUESTIONS[3])
+    honest = signed(keys, gt, prompt, generate(gt, reference, prompt))
+    assert reference.verify([honest])[0].ok
+    verdict = reference.verify([tamper(honest, gt, keys)])[0]
+    assert verdict.rejection is rejection and not verdict.ok
+    assert verdict.detail
+    assert verdict.credibility is None and verdict.calibrated is None
+
+
+def test_only_faults_the_node_signed_are_its_own():
+    leaders = {Rejection.WRONG_NODE, Rejection.BAD_SIGNATURE, Rejection.WRONG_PROMPT}
+    for rejection in Rejection:
+        assert rejection.node_fault == (rejection not in leaders)
+
+
+# -- numbers ---------------------------------------------------------------------------------------
+
+
+def test_to_ppm_bounds_and_rounding():
+    assert to_ppm(0.0) == 0 and to_ppm(1.0) == PPM
+    assert to_ppm(-0.5) == 0 and to_ppm(1.0000001) == PPM and to_ppm(math.inf) == PPM and to_ppm(-math.inf) == 0
+    assert to_ppm(0.5) == 500_000
+    assert to_ppm(1 / 3) == 333_333 and to_ppm(2 / 3) == 666_667
+    assert to_ppm(0.0000004) == 0 and to_ppm(0.0000006) == 1
+    assert to_ppm(0.1234565) == 123_457 and to_ppm(0.9999996) == PPM
+    assert all(isinstance(to_ppm(x / 7), int) for x in range(8))
+    with pytest.raises(ValueError, match="NaN"):
+        to_ppm(math.nan)
+
+
+def test_credibility_formulas():
+    assert credibility([math.log(0.5)] * 4) == pytest.approx(0.5)
+    assert credibility([math.log(0.25), math.log(1.0)]) == pytest.approx(0.5)
+    # Observed log p matching the reference's own expectation (-H) gives 1; 1 nat below it per token, e^-1.
+    assert calibrated_credibility([-2.0, -3.0], [2.0, 3.0]) == pytest.approx(1.0)
+    assert calibrated_credibility([-3.0, -4.0], [2.0, 3.0]) == pytest.approx(math.exp(-1))
+    assert calibrated_credibility([-0.1, -0.1], [2.0, 3.0]) == 1.0
+    assert calibrated_credibility([-math.inf], [1.0]) == 0.0
+    for fn, args in ((credibility, ([],)), (calibrated_credibility, ([], [])),
+                     (calibrated_credibility, ([-1.0], [1.0, 2.0]))):
+        with pytest.raises(ValueError):
+            fn(*args)
