@@ -1,0 +1,87 @@
+"""Challenge prompts for model nodes.
+
+A challenge must look like any user's prompt, or a dishonest node could serve challenges honestly and
+everything else cheaply. So challenges are drawn from the very generator of users' synthetic workloads
+(`planetserve.workloads`): the same shared prefixes (tool documentation, programming problems, long
+documents) with the same popularity, the same question forms, the same length distribution and output
+caps. Each draw seeds the generator from `secrets`, so nodes cannot predict the next challenge, and a
+record of every prompt already used (by sha256) makes sure none is ever sent twice, to any node in any
+epoch; given a file, the record survives restarts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+from planetserve import workloads
+
+MAX_REDRAWS = 64
+
+
+class ChallengeError(Exception):
+    """No fresh challenge could be drawn (every candidate was used before, or too long)."""
+
+
+@dataclass(frozen=True)
+class ChallengePrompt:
+    text: str
+    max_tokens: int
+    """The output cap a user of this workload would ask for."""
+    workload: str
+
+
+def prompt_digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+class ChallengeSource:
+    """Fresh challenges from one workload, scaled for the served models' context (`scale`, as in
+    `workloads.generate`), at most `max_prompt_len` tokens long when given."""
+
+    def __init__(self, workload: str = "mixed", *, scale: float = 1.0, max_prompt_len: int | None = None,
+                 used_file: Path | None = None) -> None:
+        if workload not in workloads.WORKLOADS:
+            raise ValueError(f"unknown workload {workload!r}; choose from {', '.join(workloads.WORKLOADS)}")
+        self.workload = workload
+        self.scale = scale
+        self.max_prompt_len = max_prompt_len
+        self.used_file = used_file
+        self.used: set[str] = set()
+        if used_file is not None and used_file.exists():
+            self.used = {line.strip() for line in used_file.read_text().splitlines() if line.strip()}
+
+    def draw(self, count: int) -> list[ChallengePrompt]:
+        """`count` prompts never drawn before (by this source or, through its file, by an earlier one)."""
+        fresh: list[ChallengePrompt] = []
+        for _ in range(MAX_REDRAWS):
+            seed = secrets.randbits(63)
+            for request in workloads.generate(self.workload, rate=1.0, count=2 * (count - len(fresh)),
+                                              seed=seed, scale=self.scale):
+                if self.max_prompt_len is not None and request.prompt_len > self.max_prompt_len:
+                    continue
+                text = request.text
+                digest = prompt_digest(text)
+                if digest in self.used:
+                    continue
+                self.used.add(digest)
+                fresh.append(ChallengePrompt(text, request.max_tokens, request.workload))
+                if len(fresh) == count:
+                    self._record(fresh)
+                    return fresh
+        self._record(fresh)
+        raise ChallengeError(f"only {len(fresh)} of {count} fresh challenges after {MAX_REDRAWS} draws; "
+                             f"raise max_prompt_len or scale")
+
+    def _record(self, drawn: list[ChallengePrompt]) -> None:
+        """Append before the prompts are used, and flush to disk, so a crash cannot lead to a repeat."""
+        if self.used_file is None or not drawn:
+            return
+        self.used_file.parent.mkdir(parents=True, exist_ok=True)
+        with self.used_file.open("a") as fh:
+            fh.write("".join(prompt_digest(c.text) + "\n" for c in drawn))
+            fh.flush()
+            os.fsync(fh.fileno())

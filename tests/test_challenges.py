@@ -1,0 +1,45 @@
+"""Challenge prompts: drawn like users' prompts, never repeated, even across restarts."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+from planetserve import workloads
+from planetserve.verifier.challenges import ChallengeError, ChallengeSource, prompt_digest
+
+SCALE = 0.05
+
+
+def test_challenges_have_the_form_and_length_of_user_prompts():
+    challenges = ChallengeSource("coding", scale=SCALE).draw(40)
+    users = workloads.generate("coding", rate=1.0, count=40, seed=3, scale=SCALE)
+    assert {c.workload for c in challenges} == {"coding"}
+    assert all(c.text.rstrip().endswith("?") for c in challenges)
+    assert all(u.text.rstrip().endswith("?") for u in users)
+    challenge_len = statistics.mean(len(workloads.tokenize(c.text)) for c in challenges)
+    user_len = statistics.mean(u.prompt_len for u in users)
+    assert 0.5 < challenge_len / user_len < 2.0
+    assert {c.max_tokens for c in challenges} == {u.max_tokens for u in users}
+
+
+def test_challenges_are_never_repeated_within_a_source_or_across_restarts(tmp_path):
+    used = tmp_path / "verifier" / "used_challenges"
+    first = ChallengeSource("tooluse", scale=SCALE, used_file=used)
+    drawn = [c.text for c in first.draw(15) + first.draw(15)]
+    assert len(set(drawn)) == 30
+    assert len(used.read_text().split()) == 30
+    restarted = ChallengeSource("tooluse", scale=SCALE, used_file=used)
+    again = restarted.draw(15)
+    assert not {prompt_digest(c.text) for c in again} & {prompt_digest(t) for t in drawn}
+    assert len(used.read_text().split()) == 45
+
+
+def test_prompt_length_limits_are_kept_and_impossible_ones_refused():
+    short = ChallengeSource("mixed", scale=SCALE, max_prompt_len=200).draw(10)
+    assert all(len(workloads.tokenize(c.text)) <= 200 for c in short)
+    with pytest.raises(ChallengeError, match="fresh challenges"):
+        ChallengeSource("longdoc", scale=1.0, max_prompt_len=5).draw(1)
+    with pytest.raises(ValueError, match="unknown workload"):
+        ChallengeSource("poetry")
