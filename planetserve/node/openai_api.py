@@ -15,7 +15,7 @@ import math
 import re
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -28,6 +28,7 @@ INT64 = 1 << 63
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant"})
 SESSION_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 MAX_HOPS = 16
+MAX_PROMPT_LOGPROBS = 20
 
 
 class ApiError(Exception):
@@ -119,6 +120,8 @@ class ApiRequest:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     planetserve: PlanetServeOptions = field(default_factory=PlanetServeOptions)
+    prompt_logprobs: int | None = None
+    """vLLM's extension: score the prompt, returning each token's log-probability and this many more."""
 
 
 # -- parsing ----------------------------------------------------------------------------------------
@@ -271,7 +274,11 @@ def parse_completion_request(body: dict[str, Any], limits: ApiLimits = DEFAULT_L
     if not isinstance(prompt, str):
         prompt = _token_ids(prompt, "prompt", limits.max_prompt_token_ids)
     max_tokens = _int(body, "max_tokens", 1, INT64 - 1)
-    return ApiRequest(prompt=prompt, max_tokens=16 if max_tokens is None else max_tokens, **fields)
+    prompt_logprobs = _int(body, "prompt_logprobs", 0, MAX_PROMPT_LOGPROBS)
+    if prompt_logprobs is not None and fields["stream"]:
+        raise bad_request("`prompt_logprobs` is not supported with `stream`.", "prompt_logprobs")
+    return ApiRequest(prompt=prompt, max_tokens=16 if max_tokens is None else max_tokens,
+                      prompt_logprobs=prompt_logprobs, **fields)
 
 
 def _message(raw: Any, index: int) -> ChatMessage:
@@ -453,6 +460,16 @@ def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+
+
+def prompt_logprobs_body(scored: Sequence[dict[int, tuple[float, int]] | None],
+                         decode: Callable[[int], str]) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs` field: per prompt position, token id (as a string) -> log-probability,
+    rank and decoded text; None for the first token."""
+    return [None if entry is None else
+            {str(t): {"logprob": lp, "rank": rank, "decoded_token": decode(t)}
+             for t, (lp, rank) in entry.items()}
+            for entry in scored]
 
 
 def response_body(

@@ -11,6 +11,7 @@ from planetserve.verifier.credibility import (
     credibility,
     to_ppm,
 )
+from planetserve.verifier.remote import OpenAIScorer, ScoringError
 from planetserve.verifier.scoring import (
     Algorithm3Scorer,
     OnePassScorer,
@@ -24,10 +25,12 @@ __all__ = [
     "Algorithm3Scorer",
     "Answer",
     "OnePassScorer",
+    "OpenAIScorer",
     "Pair",
     "ReferenceModel",
     "Rejection",
     "Scorer",
+    "ScoringError",
     "TokenScores",
     "TorchScorer",
     "Verdict",

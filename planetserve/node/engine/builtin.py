@@ -26,7 +26,14 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache
 
-from planetserve.node.engine.base import CacheEvent, EngineError, EngineLoad, GenerationRequest, TokenChunk
+from planetserve.node.engine.base import (
+    CacheEvent,
+    EngineError,
+    EngineLoad,
+    GenerationRequest,
+    PromptLogprobs,
+    TokenChunk,
+)
 from planetserve.node.engine.kvcache import PrefixCache
 
 log = logging.getLogger(__name__)
@@ -204,6 +211,30 @@ class BuiltinEngine:
 
     def load(self) -> EngineLoad:
         return EngineLoad(running=len(self._running), queued=len(self._queue), capacity=self.max_batch)
+
+    async def prompt_logprobs(self, ids: Sequence[int], top: int) -> PromptLogprobs:
+        """One teacher-forced pass over the prompt, beside the generation thread (inference reads the
+        weights only)."""
+        if not ids or len(ids) > self.max_model_len:
+            raise EngineError(f"a scored prompt needs 1 to {self.max_model_len} tokens, got {len(ids)}")
+        if any(not 0 <= t < self.vocab_size for t in ids):
+            raise EngineError(f"token ids must lie in [0, {self.vocab_size})")
+        return await asyncio.to_thread(self._prompt_logprobs, list(ids), top)
+
+    @torch.inference_mode()
+    def _prompt_logprobs(self, ids: list[int], top: int) -> PromptLogprobs:
+        logits = self.model(input_ids=torch.tensor([ids], device=self.device), use_cache=False).logits[0, :-1]
+        logprobs = logits.float().log_softmax(-1)
+        result: PromptLogprobs = [None]
+        for row, token in zip(logprobs, ids[1:], strict=True):
+            value = row[token]
+            entry = {token: (value.item(), int((row > value).sum().item()) + 1)}
+            if top:
+                values, indices = row.topk(top)
+                for rank, (v, i) in enumerate(zip(values.tolist(), indices.tolist(), strict=True), 1):
+                    entry.setdefault(i, (v, rank))
+            result.append(entry)
+        return result
 
     def on_cache_events(self, callback: Callable[[list[CacheEvent]], None]) -> None:
         self.cache.subscribe(callback)

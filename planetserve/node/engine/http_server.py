@@ -12,7 +12,7 @@ from typing import Any
 
 from aiohttp import web
 
-from planetserve.node.engine.base import Engine, EngineError, GenerationRequest, TokenChunk
+from planetserve.node.engine.base import Engine, EngineError, GenerationRequest, PromptLogprobs, TokenChunk
 from planetserve.node.engine.kvevents import KVEventPublisher
 from planetserve.node.openai_api import (
     DEFAULT_LIMITS,
@@ -30,6 +30,7 @@ from planetserve.node.openai_api import (
     models_body,
     overloaded,
     parse_request,
+    prompt_logprobs_body,
     render_prompt,
     response_body,
     sse,
@@ -238,6 +239,7 @@ class EngineServer:
                 request, prompt_ids, max_model_len=self.engine.max_model_len, vocab_size=self.vocab_size,
                 eos_token_ids=self.eos_token_ids,
             )
+            scored = await self._prompt_logprobs(request, prompt_ids)
             production = await self.produce(request, prompt_ids, generation)
             try:
                 first = await anext(production.chunks)
@@ -255,7 +257,19 @@ class EngineServer:
             body, status = await self._whole(meta, state, first, production, prompt_ids)
         finally:
             await _close(production.chunks)
+        if scored is not None and status == 200:
+            body["choices"][0]["prompt_logprobs"] = prompt_logprobs_body(
+                scored, lambda t: self.tokenizer.decode([t]))
         return Reply.json(body, status)
+
+    async def _prompt_logprobs(self, request: ApiRequest, prompt_ids: Sequence[int]) -> PromptLogprobs | None:
+        if request.prompt_logprobs is None:
+            return None
+        score = getattr(self.engine, "prompt_logprobs", None)
+        if score is None:
+            raise ApiError(400, "This server's engine does not score prompts (`prompt_logprobs`).",
+                           param="prompt_logprobs", code="unsupported_parameter")
+        return await score(prompt_ids, request.prompt_logprobs)
 
     async def produce(self, request: ApiRequest, prompt_ids: Sequence[int],
                       generation: GenerationRequest) -> Production:

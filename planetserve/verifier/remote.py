@@ -1,0 +1,96 @@
+"""Scoring through an OpenAI-compatible server, such as `vllm serve` with the reference model (or
+planetserve's own engine server), by vLLM's `prompt_logprobs` extension.
+
+One /v1/completions request per response: the prompt and the response together as token ids,
+`max_tokens` 1 (the generated token is ignored: vLLM generates at least one), `temperature` 0 and
+`prompt_logprobs` 0, which returns every prompt token's own log-probability; the response's share is
+the score. Requests run concurrently, at most `concurrency` at once. Entropies need the distribution,
+which such a server gives only as its `top` likeliest tokens: the tail's probability mass is taken as
+spread evenly over the rest of the vocabulary, so the entropy is an upper bound, exact up to how much
+mass the tail holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+
+from planetserve.verifier.scoring import Pair, TokenScores
+
+DEFAULT_TOP = 20
+
+
+class ScoringError(Exception):
+    """The scoring server refused, was unreachable, or answered in an unexpected shape."""
+
+
+def _top_entropy(entry: dict[str, Any], vocab_size: int) -> float:
+    probabilities = [math.exp(v["logprob"]) for v in entry.values()]
+    head = -math.fsum(p * math.log(p) for p in probabilities if p > 0)
+    tail = max(0.0, 1.0 - math.fsum(probabilities))
+    rest = vocab_size - len(probabilities)
+    return head if tail <= 0 or rest <= 0 else head - tail * math.log(tail / rest)
+
+
+class OpenAIScorer:
+    """A `Scorer` (see `planetserve.verifier.scoring`) backed by a server."""
+
+    def __init__(self, base_url: str, model: str, *, vocab_size: int, concurrency: int = 8,
+                 timeout: float = 120.0, top: int = DEFAULT_TOP) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.vocab_size = vocab_size
+        self.concurrency = concurrency
+        self.timeout = timeout
+        self.top = top
+
+    def score(self, batch: Sequence[Pair]) -> list[list[float]]:
+        return [list(s.logprobs) for s in asyncio.run(self._all(batch, 0))]
+
+    def score_with_entropy(self, batch: Sequence[Pair]) -> list[TokenScores]:
+        return asyncio.run(self._all(batch, self.top))
+
+    async def _all(self, batch: Sequence[Pair], top: int) -> list[TokenScores]:
+        gate = asyncio.Semaphore(self.concurrency)
+        async with httpx.AsyncClient(base_url=self.base_url, timeout=self.timeout) as client:
+            async def one(prompt: Sequence[int], response: Sequence[int]) -> TokenScores:
+                async with gate:
+                    return await self._one(client, list(prompt), list(response), top)
+
+            return list(await asyncio.gather(*(one(p, r) for p, r in batch)))
+
+    async def _one(self, client: httpx.AsyncClient, prompt: list[int], response: list[int],
+                   top: int) -> TokenScores:
+        if not response:
+            return TokenScores((), () if top else None)
+        if not prompt:
+            raise ValueError("the prompt is empty: its first response token would have no context")
+        body = {"model": self.model, "prompt": prompt + response, "max_tokens": 1, "temperature": 0,
+                "prompt_logprobs": top}
+        try:
+            answer = await client.post("/v1/completions", json=body)
+        except httpx.HTTPError as exc:
+            raise ScoringError(f"cannot reach the scoring server {self.base_url}: {exc}") from exc
+        if answer.status_code != 200:
+            raise ScoringError(f"the scoring server answered {answer.status_code}: {_message(answer)}")
+        try:
+            entries = answer.json()["choices"][0]["prompt_logprobs"]
+            if len(entries) != len(prompt) + len(response):
+                raise ValueError(f"{len(entries)} positions for {len(prompt) + len(response)} tokens")
+            scored = entries[len(prompt):]
+            logprobs = tuple(float(e[str(t)]["logprob"]) for t, e in zip(response, scored, strict=True))
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise ScoringError(f"the scoring server's prompt_logprobs are malformed: {exc}") from exc
+        entropies = tuple(_top_entropy(e, self.vocab_size) for e in scored) if top else None
+        return TokenScores(logprobs, entropies)
+
+
+def _message(answer: httpx.Response) -> str:
+    try:
+        return str(answer.json()["error"]["message"])[:300]
+    except Exception:
+        return answer.text[:300]
