@@ -290,3 +290,26 @@ def test_an_unreachable_model_node_fails_fast_and_is_avoided(quick_family):
             await net.close()
 
     run(main())
+
+
+def test_a_path_whose_first_relay_left_the_list_is_dropped_and_replaced(quick_family):
+    async def main():
+        net = await overlay(quick_family, relays=16, model_nodes=1)
+        try:
+            client = net.client
+            path = client.paths.live()[0]
+            gone = path.first
+            view = client.view
+            client.apply_view(type(view)(view.height + 1, {k: u for k, u in view.users.items() if k != gone},
+                                         view.nodes))
+            for _ in range(3):  # a request may or may not pick that path; each still gets its answer
+                assert (await chat(client, "Is anyone there?")).status_code == 200
+                if not path.live:
+                    break
+            assert not path.live
+            await wait_until(lambda: len(client.paths.live()) >= 4)
+            assert all(gone not in p.route for p in client.paths.live())
+        finally:
+            await net.close()
+
+    run(main())

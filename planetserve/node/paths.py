@@ -221,6 +221,13 @@ class PathManager:
                 listener(path)
         return True
 
+    async def drop(self, path: Path, reason: str) -> None:
+        """The path failed without anyone being at fault we can see (its first relay is unreachable):
+        tear it down; the next fill replaces it."""
+        if self._die(path, reason):
+            with contextlib.suppress(TransportError):
+                await self.send(path.first, "down", [path.link])
+
     async def penalize(self, path: Path, reason: str) -> None:
         """The path dropped or corrupted traffic: tear it down and avoid its relays."""
         if self._die(path, reason):

@@ -334,6 +334,9 @@ class UserRelay:
             sent = await asyncio.gather(
                 *(self._send(p.first, "fwd", [p.link, p.seal(node, onion.seal_to(node, sida.encode(c)))])
                   for p, c in zip(chosen, cloves, strict=True)), return_exceptions=True)
+            for path, result in zip(chosen, sent, strict=True):
+                if result is not None:
+                    self.spawn(self.paths.drop(path, f"the prompt could not be sent: {result}"))
             if sum(r is None for r in sent) < exchange.k:
                 raise too_few_paths(sum(r is None for r in sent), exchange.k, " the prompt could be sent on")
             timeout = self.config.response_timeout
