@@ -1,0 +1,417 @@
+"""Detecting dishonest model nodes (the paper's section 4.3, figures 10 and 11) on the project's model family.
+
+Every variant answers the same natural challenge prompts (the question part of `planetserve.workloads`
+requests, as a one-message chat), once sampling at temperature 1 and once greedily, at most 64 new tokens:
+
+- gt: the honest node; small, tiny: weaker models claiming gt; gt-int8, gt-int4: quantised gt;
+- gt_cb: gt answering a clickbait rewrite of the prompt, scored against the original prompt;
+- gt_ic: gt's answer with a long off-topic passage (fiction, documentary, pop psychology, advert) injected
+  after it, before the stop token.
+
+The verifier's reference model is gt; every answer is signed and checked by `ReferenceModel.verify`, which
+gives both credibilities: the paper's 1/PPL and the calibrated one. Per variant: the credibility
+distribution and the AUC against honest gt (Mann-Whitney: the chance that a random honest answer scores
+above a random answer of the variant, 0.5 = indistinguishable). Reputation: 35 epochs of the ledger's
+integer rule (`registry.reputation.update`, `Params` defaults) at gamma = 1, 1/3 and 1/5; each epoch a node
+answers `--challenges` prompts drawn from its variant's scored pool, and C(T) is their median in ppm.
+The paper's targets: every dishonest variant untrusted (< 0.4) within 5 epochs at gamma = 1/5, no honest
+node ever untrusted; the false-flag rate is the share of seeds in which an honest node ever is.
+
+    .venv/bin/python bench/detection.py [--quick] [--data-dir DIR] [--prompts 50] [--seeds 200]
+        [--challenges 3] [--figures docs/figures]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from planetserve.chain.challenge import sign_response
+from planetserve.chain.keys import KeySet
+from planetserve.models import LoadedModel, load
+from planetserve.registry.params import PPM, Params
+from planetserve.registry.reputation import ReputationRule, is_trusted, median, update
+from planetserve.verifier import Answer, ReferenceModel, to_ppm
+from planetserve.workloads import detokenize, generate
+
+QUICK_DATA = "/tmp/ps-quick-models"
+HONEST = "gt"
+MODELS = ("gt", "small", "tiny", "gt-int8", "gt-int4")
+VARIANTS = (*MODELS, "gt_cb", "gt_ic")
+DECODINGS = ("sampled", "greedy")
+DEFINITIONS = ("1/PPL", "calibrated")
+GAMMAS = {"1": PPM, "1/3": PPM // 3, "1/5": PPM // 5}
+EPOCHS = 35
+DETECT_WITHIN = 5
+MAX_NEW_TOKENS = 64
+SAMPLING = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
+"""Plain temperature-1 sampling from the whole distribution."""
+QUESTION_SCALE = 0.02
+"""Workload lengths scaled so far down that a request's suffix is its question alone."""
+
+CLICKBAIT = (
+    "You won't BELIEVE this!!! {} (Number 3 will SHOCK you!!!)",
+    "DOCTORS HATE this one weird trick!!! {} Click to find out!!!",
+    "This ONE question broke the internet!!! {} You'll never guess the answer!!!",
+    "SHOCKING: experts don't want you to know this!!! {} The truth is INSANE!!!",
+)
+CONTINUATIONS = (
+    "Once upon a time, in a kingdom built on clouds, a young dragon named Ember discovered that her "
+    "fire could paint the sky. Every evening she flew above the sleeping villages and drew rivers of "
+    "gold and violet across the horizon, until the old king summoned her to the tower and asked her to "
+    "paint a sunrise that would never fade.",
+    "The Serengeti stretches across nearly thirty thousand square kilometres of grassland. Each year, "
+    "more than a million wildebeest follow the rains in a great circle, crossing rivers where crocodiles "
+    "wait in the shallows. Researchers have tracked these herds for decades, recording how the timing of "
+    "the migration shifts with the changing seasons.",
+    "Psychologists say the secret to happiness is simpler than you think. People who write down three "
+    "good things every night report feeling calmer within a week. Your brain is wired to notice threats, "
+    "so gratitude is a muscle you have to train, and the more you practise it, the stronger it becomes.",
+    "Tired of slow results? Try TurboBoost Pro today and feel the difference in just seven days! Thousands "
+    "of happy customers already trust our award-winning formula. Order now and get a second bottle free, "
+    "with fast shipping to your door and a full money-back guarantee!",
+)
+
+
+def challenge_prompts(count: int, seed: int = 0) -> list[str]:
+    """`count` distinct user questions as the workloads generate them (no two nodes share a prompt)."""
+    questions: list[str] = []
+    batch = count
+    while len(questions) < count:
+        requests = generate("mixed", rate=1.0, count=batch, seed=seed, scale=QUESTION_SCALE)
+        questions = list(dict.fromkeys(detokenize(r.suffix_ids) for r in requests))[:count]
+        batch *= 2
+    return questions
+
+
+def clickbait(question: str) -> str:
+    """The question inside a clickbait template picked by its CRC-32, so a rewrite is reproducible."""
+    return CLICKBAIT[zlib.crc32(question.encode()) % len(CLICKBAIT)].format(question)
+
+
+def inject(answer: Sequence[int], continuation: Sequence[int], stop_ids: Sequence[int]) -> list[int]:
+    """The answer with `continuation` inserted before its final stop token (appended if there is none),
+    so the forged response still ends the way a finished answer does."""
+    ids = list(answer)
+    stop = [ids.pop()] if ids and ids[-1] in stop_ids else []
+    return [*ids, *continuation, *stop]
+
+
+def chat_prompt(loaded: LoadedModel, text: str) -> str:
+    return loaded.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                add_generation_prompt=True)
+
+
+def answer(loaded: LoadedModel, reference: ReferenceModel, prompts: Sequence[str], greedy: bool,
+           seed: int, max_new_tokens: int = MAX_NEW_TOKENS) -> list[list[int]]:
+    """The model's response ids per chat prompt, stop token included when it stopped. Prompt i samples
+    under seed + i whatever the model, so variants share their random numbers."""
+    responses = []
+    for i, prompt in enumerate(prompts):
+        ids = reference.prompt_ids(prompt)
+        decoding = {"do_sample": False} if greedy else SAMPLING
+        with torch.random.fork_rng():
+            torch.manual_seed(seed + i)
+            out = loaded.model.generate(torch.tensor([ids], device=loaded.model.device),
+                                        max_new_tokens=max_new_tokens,
+                                        eos_token_id=list(loaded.stop_token_ids),
+                                        pad_token_id=loaded.tokenizer.pad_token_id, **decoding)
+        responses.append(out[0, len(ids):].tolist())
+    return responses
+
+
+@dataclass(frozen=True)
+class Pool:
+    """One variant's scored answers, in prompt order."""
+
+    credibility: tuple[float, ...]
+    calibrated: tuple[float, ...]
+    tokens: tuple[int, ...]
+
+    def values(self, definition: str) -> tuple[float, ...]:
+        return self.credibility if definition == "1/PPL" else self.calibrated
+
+
+def score(reference: ReferenceModel, prompts: Sequence[str], responses: Sequence[Sequence[int]],
+          claimed_id: str) -> Pool:
+    """Sign every response as a node claiming the reference's model and run the verifier's checks and
+    scoring on it, as the committee does."""
+    keys = KeySet.generate()
+    answers = []
+    for prompt, ids in zip(prompts, responses, strict=True):
+        text = reference.tokenizer.decode(ids, skip_special_tokens=True)
+        answers.append(Answer(sign_response(keys, prompt, list(ids), text, claimed_id, 0, "bench:0"), prompt))
+    verdicts = reference.verify(answers)
+    bad = [v for v in verdicts if not v.ok]
+    if bad:
+        raise RuntimeError(f"{len(bad)} answers rejected, first: {bad[0].rejection}: {bad[0].detail}")
+    return Pool(tuple(v.credibility for v in verdicts), tuple(v.calibrated for v in verdicts),
+                tuple(v.tokens for v in verdicts))
+
+
+def build_pools(data_dir: str | None, count: int, seed: int = 0
+                ) -> tuple[list[str], dict[tuple[str, str], Pool]]:
+    """The challenge questions and every (variant, decoding) pool, scored by gt."""
+    questions = challenge_prompts(count, seed)
+    gt = load(HONEST, data_dir)
+    reference = ReferenceModel.from_loaded(gt, calibrated=True)
+    prompts = [chat_prompt(gt, q) for q in questions]
+    baits = [chat_prompt(gt, clickbait(q)) for q in questions]
+    continuations = [reference.tokenizer("\n\n" + c, add_special_tokens=False)["input_ids"]
+                     for c in CONTINUATIONS]
+    pools: dict[tuple[str, str], Pool] = {}
+    for name in MODELS:
+        loaded = gt if name == HONEST else load(name, data_dir)
+        for decoding in DECODINGS:
+            greedy = decoding == "greedy"
+            responses = answer(loaded, reference, prompts, greedy, seed)
+            pools[name, decoding] = score(reference, prompts, responses, gt.model_id)
+            if name == HONEST:
+                forged = [inject(r, continuations[i % len(continuations)], gt.stop_token_ids)
+                          for i, r in enumerate(responses)]
+                pools["gt_ic", decoding] = score(reference, prompts, forged, gt.model_id)
+                baited = answer(gt, reference, baits, greedy, seed)
+                pools["gt_cb", decoding] = score(reference, prompts, baited, gt.model_id)
+    return questions, pools
+
+
+def auc(honest: Sequence[float], other: Sequence[float]) -> float:
+    """Mann-Whitney AUC: P(honest > other) + P(tie) / 2 over all pairs."""
+    if not honest or not other:
+        raise ValueError("AUC needs scores on both sides")
+    wins = sum((h > o) + 0.5 * (h == o) for h in honest for o in other)
+    return wins / (len(honest) * len(other))
+
+
+def quartiles(values: Sequence[float]) -> tuple[float, float, float]:
+    q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, q2, q3
+
+
+def trajectory(rule: ReputationRule, epoch_credibilities: Sequence[int]) -> list[int]:
+    """Reputation ppm from the initial value through each epoch's C(T), by the ledger's update."""
+    reputations, window = [rule.initial], ()
+    for c in epoch_credibilities:
+        reputation, window = update(rule, reputations[-1], c, window)
+        reputations.append(reputation)
+    return reputations
+
+
+def draws(pool_size: int, epochs: int, challenges: int, seed: int, label: str) -> np.ndarray:
+    """Indices of the answers a node gives, epochs x challenges, from a generator seeded by seed and
+    node, so both credibility definitions see the same answers."""
+    rng = np.random.default_rng([seed, zlib.crc32(label.encode())])
+    return rng.integers(pool_size, size=(epochs, challenges))
+
+
+def epoch_credibilities(ppm: Sequence[int], picks: np.ndarray) -> list[int]:
+    """C(T) per epoch: the median (in integers, as the ledger takes it) of that epoch's answers."""
+    return [median([ppm[i] for i in row]) for row in picks]
+
+
+def first_untrusted(rule: ReputationRule, reputations: Sequence[int]) -> int | None:
+    """The first epoch (1-based) after which the node is untrusted, None if it never is."""
+    return next((t for t, r in enumerate(reputations) if t and not is_trusted(rule, r)), None)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """Trajectories of one node over seeds."""
+
+    trajectories: np.ndarray
+    flagged_at: list[int | None]
+
+    def share_flagged(self, within: int) -> float:
+        return sum(t is not None and t <= within for t in self.flagged_at) / len(self.flagged_at)
+
+    def median_epoch(self) -> float | None:
+        epochs = [t for t in self.flagged_at if t is not None]
+        return statistics.median(epochs) if len(epochs) * 2 > len(self.flagged_at) else None
+
+
+def simulate(pools: dict[tuple[str, str], Pool], definition: str, gamma: int, seeds: int, challenges: int,
+             epochs: int = EPOCHS, params: Params | None = None) -> dict[tuple[str, str], Outcome]:
+    """Every pool's node over `seeds` runs, under `params` (the defaults) with gamma replaced."""
+    rule = replace(ReputationRule.from_params(params or Params()), gamma=gamma)
+    outcomes = {}
+    for key, pool in pools.items():
+        ppm = [to_ppm(v) for v in pool.values(definition)]
+        rows, flagged = [], []
+        for seed in range(seeds):
+            picks = draws(len(ppm), epochs, challenges, seed, "/".join(key))
+            reputations = trajectory(rule, epoch_credibilities(ppm, picks))
+            rows.append(reputations)
+            flagged.append(first_untrusted(rule, reputations))
+        outcomes[key] = Outcome(np.array(rows) / PPM, flagged)
+    return outcomes
+
+
+def print_distributions(pools: dict[tuple[str, str], Pool], decoding: str) -> None:
+    """A node picks its own decoding, so every variant's AUC is against honest gt under both."""
+    print(f"\n### Credibility per answer, {decoding} answers\n")
+    columns = (f"{d} mean | {d} q1 / median / q3 | " + " | ".join(f"{d} AUC vs gt {h}" for h in DECODINGS)
+               for d in DEFINITIONS)
+    print("| variant | tokens | " + " | ".join(columns) + " |")
+    print("| --- | ---: |" + (" ---: |" * (2 + len(DECODINGS))) * len(DEFINITIONS))
+    for variant in VARIANTS:
+        pool = pools[variant, decoding]
+        cells = []
+        for d in DEFINITIONS:
+            values = pool.values(d)
+            q1, q2, q3 = quartiles(values)
+            cells += [f"{statistics.fmean(values):.4f}", f"{q1:.4f} / {q2:.4f} / {q3:.4f}"]
+            cells += ["-" if (variant, decoding) == (HONEST, h) else
+                      f"{auc(pools[HONEST, h].values(d), values):.3f}" for h in DECODINGS]
+        print(f"| {variant} | {statistics.fmean(pool.tokens):.0f} | " + " | ".join(cells) + " |")
+
+
+def print_reputation(outcomes: dict[str, dict[tuple[str, str], Outcome]], definition: str, challenges: int,
+                     seeds: int) -> None:
+    print(f"\n### Reputation, {definition}, {challenges} challenge(s) per epoch, {seeds} seeds\n")
+    print("| node | " + " | ".join(f"γ={g}: untrusted ≤ {DETECT_WITHIN} ep. / ever / median first epoch / "
+                                   "final R" for g in GAMMAS) + " |")
+    print("| --- |" + " ---: |" * len(GAMMAS))
+    for key in outcomes["1"]:
+        cells = []
+        for g in GAMMAS:
+            o = outcomes[g][key]
+            epoch = o.median_epoch()
+            final = float(np.median(o.trajectories[:, -1]))
+            cells.append(f"{o.share_flagged(DETECT_WITHIN):.0%} / {o.share_flagged(EPOCHS):.0%} / "
+                         f"{'-' if epoch is None else f'{epoch:g}'} / {final:.3f}")
+        print(f"| {key[0]} {key[1]} | " + " | ".join(cells) + " |")
+
+
+def verdict(outcomes: dict[str, dict[tuple[str, str], Outcome]], definition: str, challenges: int) -> None:
+    """The paper's two targets at gamma = 1/5, and every honest node's false-flag rate over 35 epochs."""
+    strict = outcomes["1/5"]
+    missed = [f"{v} {d}" for (v, d), o in strict.items()
+              if v != HONEST and o.share_flagged(DETECT_WITHIN) < 1]
+    print(f"\n{definition}, {challenges} challenge(s)/epoch, γ=1/5: dishonest untrusted within "
+          f"{DETECT_WITHIN} epochs in every seed: {'all' if not missed else 'not ' + ', '.join(missed)}")
+    for g, by_node in outcomes.items():
+        rates = ", ".join(f"gt {d} {by_node[HONEST, d].share_flagged(EPOCHS):.1%}" for d in DECODINGS)
+        print(f"  honest false-flag rate over {EPOCHS} epochs, γ={g}: {rates} (target 0)")
+
+
+COLOURS = {"gt": "tab:green", "small": "tab:orange", "tiny": "tab:red", "gt-int8": "tab:olive",
+           "gt-int4": "tab:brown", "gt_cb": "tab:purple", "gt_ic": "tab:blue"}
+
+
+def plot_distributions(pools: dict[tuple[str, str], Pool], path: Path, decoding: str, abnormal: float
+                       ) -> None:
+    """Figure 10: every answer's credibility per variant (points over a box), one panel per definition."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    jitter = np.random.default_rng(0)
+    for ax, definition in zip(axes, DEFINITIONS, strict=True):
+        data = [pools[v, decoding].values(definition) for v in VARIANTS]
+        ax.boxplot(data, showfliers=False, widths=0.5)
+        for i, (variant, values) in enumerate(zip(VARIANTS, data, strict=True), start=1):
+            ax.scatter(i + jitter.uniform(-0.18, 0.18, len(values)), values, s=10, alpha=0.6,
+                       color=COLOURS[variant])
+        ax.set_xticks(range(1, len(VARIANTS) + 1), VARIANTS)
+        ax.axhline(abnormal, color="grey", linestyle=":", linewidth=1, label=f"τ = {abnormal:g}")
+        if definition == "1/PPL":
+            ax.set_yscale("log")
+        ax.set_title(f"{definition} credibility ({decoding} answers, reference gt)")
+        ax.legend(loc="lower left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_reputation(outcomes: dict[str, dict[tuple[str, str], Outcome]], path: Path, definition: str,
+                    challenges: int, untrusted: float) -> None:
+    """Figure 11: median reputation over seeds (10-90% band) per node, one panel per gamma."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(GAMMAS), figsize=(15, 4.5), sharey=True)
+    for ax, (g, by_node) in zip(axes, outcomes.items(), strict=True):
+        for (variant, decoding), o in by_node.items():
+            if decoding == "greedy" and variant != HONEST:
+                continue
+            x = np.arange(o.trajectories.shape[1])
+            lo, mid, hi = np.percentile(o.trajectories, [10, 50, 90], axis=0)
+            style = "--" if decoding == "greedy" else "-"
+            ax.plot(x, mid, style, color=COLOURS[variant], label=f"{variant} {decoding}")
+            ax.fill_between(x, lo, hi, color=COLOURS[variant], alpha=0.12)
+        ax.axhline(untrusted, color="grey", linestyle=":", linewidth=1)
+        ax.set_title(f"γ = {g} ({definition}, {challenges} challenges/epoch)")
+        ax.set_xlabel("epoch")
+    axes[0].set_ylabel("reputation")
+    axes[0].legend(fontsize=8, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true",
+                        help=f"the quick family in {QUICK_DATA}, 12 prompts, 40 seeds, figures in a temp dir")
+    parser.add_argument("--data-dir", default=None, help="the family's data directory")
+    parser.add_argument("--prompts", type=int, default=50)
+    parser.add_argument("--seeds", type=int, default=200)
+    parser.add_argument("--challenges", type=int, default=3, help="challenges per node per epoch")
+    parser.add_argument("--abnormal", type=int, default=Params.abnormal_threshold_ppm,
+                        help="abnormal credibility threshold τ, ppm")
+    parser.add_argument("--untrusted", type=int, default=Params.untrusted_threshold_ppm,
+                        help="untrusted reputation threshold, ppm")
+    parser.add_argument("--figures", default=None, help="where the PNGs go (default docs/figures)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    args = parser.parse_args()
+    if args.quick:
+        args.data_dir = args.data_dir or QUICK_DATA
+        args.prompts, args.seeds = 12, 40
+        args.figures = args.figures or tempfile.mkdtemp(prefix="ps-detection-")
+    figures = Path(args.figures or Path(__file__).resolve().parent.parent / "docs" / "figures")
+    figures.mkdir(parents=True, exist_ok=True)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    import matplotlib
+
+    matplotlib.use("Agg")
+
+    t0 = time.perf_counter()
+    questions, pools = build_pools(args.data_dir, args.prompts)
+    print(f"{len(questions)} challenge prompts, e.g. {questions[0]!r} -> clickbait "
+          f"{clickbait(questions[0])!r}; answers generated and scored in {time.perf_counter() - t0:.1f} s")
+    params = Params(abnormal_threshold_ppm=args.abnormal, untrusted_threshold_ppm=args.untrusted)
+    defaults = Params()
+    same = (params.abnormal_threshold_ppm, params.untrusted_threshold_ppm) == (
+        defaults.abnormal_threshold_ppm, defaults.untrusted_threshold_ppm)
+    suffix = "" if same else f"_tau{args.abnormal / PPM:g}_untrusted{args.untrusted / PPM:g}"
+    print(f"\nreputation: α={params.reputation_alpha_ppm / PPM:g}, β={params.reputation_beta_ppm / PPM:g}, "
+          f"W={params.reputation_window}, τ={params.abnormal_threshold_ppm / PPM:g}, untrusted below "
+          f"{params.untrusted_threshold_ppm / PPM:g}, initial {params.initial_reputation_ppm / PPM:g}")
+    for decoding in DECODINGS:
+        print_distributions(pools, decoding)
+        plot_distributions(pools, figures / f"detection_credibility_{decoding}{suffix}.png", decoding,
+                           args.abnormal / PPM)
+    for challenges in dict.fromkeys((args.challenges, 1)):
+        for definition in DEFINITIONS:
+            outcomes = {g: simulate(pools, definition, gamma, args.seeds, challenges, params=params)
+                        for g, gamma in GAMMAS.items()}
+            print_reputation(outcomes, definition, challenges, args.seeds)
+            verdict(outcomes, definition, challenges)
+            if challenges == args.challenges:
+                name = "ppl" if definition == "1/PPL" else "calibrated"
+                path = figures / f"detection_reputation_{name}{suffix}.png"
+                plot_reputation(outcomes, path, definition, challenges, params.untrusted_threshold_ppm / PPM)
+    print(f"\nfigures in {figures}; total {time.perf_counter() - t0:.1f} s")
+
+
+if __name__ == "__main__":
+    main()

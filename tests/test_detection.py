@@ -1,0 +1,92 @@
+"""The detection experiment's pure parts (bench/detection.py) and a three-prompt run on the quick family."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from planetserve.registry.params import PPM, Params
+from planetserve.registry.reputation import ReputationRule, median, update
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import detection  # noqa: E402
+
+
+def test_auc_matches_a_hand_count() -> None:
+    assert detection.auc([3, 4], [1, 2]) == 1.0
+    assert detection.auc([1, 2], [3, 4]) == 0.0
+    assert detection.auc([0.2, 0.5, 0.9], [0.2, 0.5, 0.9]) == 0.5
+    # 0.9 beats 3; 0.8 beats 2 and ties 1; 0.7 beats 2; 0.4 beats 1: 8.5 of 12 pairs.
+    assert detection.auc([0.9, 0.8, 0.7, 0.4], [0.5, 0.3, 0.8]) == pytest.approx(8.5 / 12)
+    with pytest.raises(ValueError):
+        detection.auc([], [1.0])
+
+
+def test_clickbait_rewrite_is_deterministic_and_keeps_the_question() -> None:
+    questions = detection.challenge_prompts(8)
+    assert len(set(questions)) == 8 and all(q.endswith("?") for q in questions)
+    rewrites = [detection.clickbait(q) for q in questions]
+    assert rewrites == [detection.clickbait(q) for q in questions]
+    for question, rewrite in zip(questions, rewrites, strict=True):
+        assert question in rewrite and rewrite != question and "!!!" in rewrite
+    assert detection.challenge_prompts(8) == questions
+
+
+def test_injection_goes_before_the_stop_token() -> None:
+    answer, continuation, stops = [10, 11, 4], [7, 8, 9], (1, 4)
+    assert detection.inject(answer, continuation, stops) == [10, 11, 7, 8, 9, 4]
+    assert detection.inject([10, 11], continuation, stops) == [10, 11, 7, 8, 9]
+    assert answer == [10, 11, 4]
+    assert detection.inject(answer, continuation, stops) == detection.inject(answer, continuation, stops)
+
+
+def test_trajectory_is_the_ledgers_update_step_by_step() -> None:
+    rule = ReputationRule.from_params(Params(reputation_gamma_ppm=PPM // 5))
+    credibilities = [950_000, 100_000, 390_000, 400_000, 0, 1_000_000, 50_000, 700_000, 10_000]
+    reputation, window, expected = rule.initial, (), [rule.initial]
+    for c in credibilities:
+        reputation, window = update(rule, reputation, c, window)
+        expected.append(reputation)
+    assert detection.trajectory(rule, credibilities) == expected
+    assert detection.first_untrusted(rule, expected) == next(
+        t for t, r in enumerate(expected) if r < rule.untrusted)
+    assert detection.first_untrusted(rule, detection.trajectory(rule, [PPM] * 5)) is None
+
+
+def test_epoch_credibility_is_the_median_of_seeded_draws() -> None:
+    picks = detection.draws(10, 35, 3, seed=4, label="small/sampled")
+    assert picks.shape == (35, 3)
+    assert np.array_equal(picks, detection.draws(10, 35, 3, seed=4, label="small/sampled"))
+    assert not np.array_equal(picks, detection.draws(10, 35, 3, seed=5, label="small/sampled"))
+    ppm = [i * 90_000 for i in range(10)]
+    assert detection.epoch_credibilities(ppm, picks) == [median([ppm[i] for i in row]) for row in picks]
+
+
+def test_simulation_replays_each_seed_through_the_ledger_rule() -> None:
+    pool = detection.Pool((0.2, 0.3, 0.9), (0.5, 1.0, 0.1), (5, 6, 7))
+    outcome = detection.simulate({("x", "sampled"): pool}, "calibrated", PPM // 3, seeds=3, challenges=3,
+                                 epochs=6)[("x", "sampled")]
+    rule = ReputationRule.from_params(Params(reputation_gamma_ppm=PPM // 3))
+    ppm = [500_000, PPM, 100_000]
+    for seed in range(3):
+        picks = detection.draws(3, 6, 3, seed, "x/sampled")
+        expected = detection.trajectory(rule, detection.epoch_credibilities(ppm, picks))
+        assert outcome.trajectories[seed].tolist() == [r / PPM for r in expected]
+        assert outcome.flagged_at[seed] == detection.first_untrusted(rule, expected)
+
+
+def test_three_prompts_score_every_variant(quick_family: Path) -> None:
+    questions, pools = detection.build_pools(str(quick_family), 3)
+    assert len(questions) == 3
+    assert set(pools) == {(v, d) for v in detection.VARIANTS for d in detection.DECODINGS}
+    for pool in pools.values():
+        for definition in detection.DEFINITIONS:
+            values = pool.values(definition)
+            assert len(values) == 3 and all(0 < v <= 1 for v in values)
+    for decoding in detection.DECODINGS:
+        honest, injected = pools["gt", decoding].tokens, pools["gt_ic", decoding].tokens
+        assert all(i > h for h, i in zip(honest, injected, strict=True))
