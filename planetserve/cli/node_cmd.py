@@ -7,11 +7,15 @@ import asyncio
 import json
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from planetserve.chain.keys import KeyFileError, KeySet
 from planetserve.cli import console, emit_json, fail
+
+if TYPE_CHECKING:
+    from planetserve.node.home import HomeConfig
 
 HOME_HELP = "The node's home directory (configuration node.json and key file node_keys.json)."
 
@@ -64,20 +68,28 @@ def group() -> None:
 def init_model(home: Path, genesis: Path, http_addr: str, node_keys: Path | None, as_json: bool,
                **settings: object) -> None:
     """Create a model node's home: configuration and a node key (never overwritten)."""
-    from planetserve.node.home import HomeError, ModelNodeConfig, init_home
+    from planetserve.node.home import ModelNodeConfig
 
     config = ModelNodeConfig(genesis=str(genesis.resolve()), http=http_addr, **settings)  # type: ignore[arg-type]
+    _create_home(home, config, node_keys, as_json, role="model node", key_name="node",
+                 extra={"model_id": config.model_id, "address": config.address},
+                 run=f"planetserve node model --home {home} --org-keys <organisation key file>")
+
+
+def _create_home(home: Path, config: HomeConfig, key_file: Path | None, as_json: bool, *, role: str,
+                 key_name: str, extra: dict[str, str], run: str) -> None:
+    """Write a role's home (with the given key file's key, or a fresh one) and say how to run it."""
+    from planetserve.node.home import HomeError, init_home
+
     try:
-        keys = init_home(home, config, KeySet.load(node_keys) if node_keys else None)
+        keys = init_home(home, config, KeySet.load(key_file) if key_file else None)
     except (HomeError, KeyFileError) as exc:
         fail(str(exc))
-    result = {"home": str(home), "node": keys.public.hex(), "model_id": config.model_id,
-              "address": config.address}
     if as_json:
-        emit_json(result)
+        emit_json({"home": str(home), key_name: keys.public.hex(), **extra})
         return
-    console.print(f"created model node home [bold]{home}[/]: node key {keys.public.hex()}")
-    console.print(f"run it with: planetserve node model --home {home} --org-keys <organisation key file>")
+    console.print(f"created {role} home [bold]{home}[/]: {key_name} key {keys.public.hex()}")
+    console.print(f"run it with: {run}")
 
 
 @group.command("model")
@@ -163,21 +175,14 @@ USER_HOME_HELP = "The relay's home directory (configuration user.json and key fi
 def init_user(home: Path, genesis: Path, http_addr: str, key_file: Path | None, as_json: bool,
               **settings: object) -> None:
     """Create a user relay's home: configuration and a key (never overwritten)."""
-    from planetserve.node.home import HomeError, UserConfig, init_home
+    from planetserve.node.home import UserConfig
 
     config = UserConfig(genesis=str(genesis.resolve()), http=http_addr, **settings)  # type: ignore[arg-type]
     if not config.proxies >= config.n >= config.k:
         fail(f"need --proxies >= --n >= --k, got {config.proxies}, {config.n}, {config.k}")
-    try:
-        keys = init_home(home, config, KeySet.load(key_file) if key_file else None)
-    except (HomeError, KeyFileError) as exc:
-        fail(str(exc))
-    result = {"home": str(home), "user": keys.public.hex(), "address": config.address, "http": config.http}
-    if as_json:
-        emit_json(result)
-        return
-    console.print(f"created user relay home [bold]{home}[/]: user key {keys.public.hex()}")
-    console.print(f"run it with: planetserve node user --home {home}")
+    _create_home(home, config, key_file, as_json, role="user relay", key_name="user",
+                 extra={"address": config.address, "http": config.http},
+                 run=f"planetserve node user --home {home}")
 
 
 @group.command("user")
