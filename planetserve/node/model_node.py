@@ -164,8 +164,8 @@ class ModelNode:
         self.view = EMPTY
         self.users = users
         self.users_view = DirectoryView(0)
-        self.peering = Peering(keys, self._on_peer, self._authorized,
-                               refresh=OnDemand(self._lists, self._apply_lists))
+        self.refresh_lists = OnDemand(self._lists, self._apply_lists)
+        self.peering = Peering(keys, self._on_peer, self._authorized, refresh=self.refresh_lists)
         self.http = ModelNodeServer(self, limits or ApiLimits())
         self.gateway = Gateway(keys.public, exchange_secret(keys.identity), self.http.respond,
                                self._send_to_user)
@@ -206,7 +206,7 @@ class ModelNode:
 
     async def _group_loop(self) -> None:
         while True:
-            self._apply_lists(await asyncio.to_thread(self._lists))
+            await self.refresh_lists()
             await asyncio.sleep(self.config.list_interval)
 
     def _lists(self) -> tuple[GroupView | None, DirectoryView | None]:
@@ -230,8 +230,7 @@ class ModelNode:
         user = self.users_view.users.get(peer)
         if user is None:
             raise TransportError(f"{peer.hex()[:16]} is not a listed user")
-        conn = await self.peering.connect(peer, user.address)
-        await conn.notify(msg_type, body)
+        await self.peering.notify(peer, user.address, msg_type, body)
 
     def apply_view(self, view: GroupView) -> None:
         """Members become peers (trusted: the list holds only trusted nodes); delisted ones go."""
@@ -284,8 +283,7 @@ class ModelNode:
             if entry.node_id == self.node_id or not entry.address:
                 continue
             try:
-                conn = await self.peering.connect(bytes.fromhex(entry.node_id), entry.address)
-                await conn.notify("cache", message)
+                await self.peering.notify(bytes.fromhex(entry.node_id), entry.address, "cache", message)
             except TransportError as exc:
                 log.debug("cache sync to %s failed: %s", entry.node_id[:16], exc)
 

@@ -139,8 +139,7 @@ class PathManager:
             self.last_error = f"path setup failed: {exc or type(exc).__name__}"
             self._avoid(route, self.settings.failed_setup_avoid_seconds)
             if path.state == "building":
-                with contextlib.suppress(TransportError):
-                    await self.send(path.first, "down", [path.link])
+                await self._send_down(path)
             if isinstance(exc, asyncio.CancelledError):
                 raise
             return None
@@ -221,26 +220,27 @@ class PathManager:
                 listener(path)
         return True
 
+    async def _send_down(self, path: Path) -> None:
+        """Tell the path's relays to forget it (they would after an idle while anyway)."""
+        with contextlib.suppress(TransportError):
+            await self.send(path.first, "down", [path.link])
+
     async def drop(self, path: Path, reason: str) -> None:
         """The path failed without anyone being at fault we can see (its first relay is unreachable):
         tear it down; the next fill replaces it."""
         if self._die(path, reason):
-            with contextlib.suppress(TransportError):
-                await self.send(path.first, "down", [path.link])
+            await self._send_down(path)
 
     async def penalize(self, path: Path, reason: str) -> None:
         """The path dropped or corrupted traffic: tear it down and avoid its relays."""
         if self._die(path, reason):
             self.counters["penalized"] += 1
             self._avoid(path.route, self.settings.avoid_seconds)
-            with contextlib.suppress(TransportError):
-                await self.send(path.first, "down", [path.link])
+            await self._send_down(path)
 
     async def close_all(self) -> None:
         for path in list(self.paths.values()):
-            if self._die(path, "closing"):
-                with contextlib.suppress(TransportError):
-                    await self.send(path.first, "down", [path.link])
+            await self.drop(path, "closing")
 
     # -- PathOwner -----------------------------------------------------------------------------------
 

@@ -238,26 +238,26 @@ class Relay:
         if not (isinstance(body, list) and len(body) == 1):
             raise RelayError("down is [link id]")
         link = _link(body[0])
-        if (hop := self.forward.get((peer, link))) is not None:
-            self._drop(hop)
-            if hop.succ is not None:
-                await self._pass_on(hop.succ, "down", [hop.out_id])
-        elif (hop := self.backward.get((peer, link))) is not None:
-            self._drop(hop)
-            await self._pass_on(hop.pred, "down", [hop.in_id])
+        hop = self.forward.get((peer, link)) or self.backward.get((peer, link))
+        if hop is not None:
+            await self._tear_down(hop, peer)
         elif self.owner is not None:
             self.owner.path_down(peer, link)
+
+    async def _tear_down(self, hop: Hop, gone: bytes) -> None:
+        """Forget a path whose neighbour `gone` left it, and tell the neighbour on the other side."""
+        self._drop(hop)
+        if hop.pred == gone and hop.succ is not None:
+            await self._pass_on(hop.succ, "down", [hop.out_id])
+        elif hop.succ == gone:
+            await self._pass_on(hop.pred, "down", [hop.in_id])
 
     # -- upkeep --------------------------------------------------------------------------------------
 
     async def peer_closed(self, peer: bytes) -> None:
         """Tear down every path through a neighbour that disappeared, telling the other side."""
         for hop in [h for h in self.forward.values() if peer in (h.pred, h.succ)]:
-            self._drop(hop)
-            if hop.pred == peer and hop.succ is not None:
-                await self._pass_on(hop.succ, "down", [hop.out_id])
-            elif hop.succ == peer:
-                await self._pass_on(hop.pred, "down", [hop.in_id])
+            await self._tear_down(hop, peer)
 
     def expire(self, now: float | None = None) -> int:
         """Forget paths unused for HOP_IDLE_SECONDS (their users keep live ones busy with pings)."""

@@ -334,6 +334,11 @@ class Peering:
                 return conn
             return self._adopt(await self._dial(peer, address))
 
+    async def notify(self, peer: bytes, address: str, msg_type: str, body: Any) -> None:
+        """A one-way message to `peer`, over its live connection or a new one to `address`."""
+        conn = await self.connect(peer, address)
+        await conn.notify(msg_type, body)
+
     async def _dial(self, peer: bytes, address: str) -> Connection:
         if not self.authorize(peer):
             raise TransportError(f"peer {peer.hex()[:16]} is not in the verified list")

@@ -136,10 +136,10 @@ class UserRelay:
                  settings: PathSettings | None = None, rng: random.Random | None = None) -> None:
         self.config = config
         self.keys = keys
-        self.directory = directory
         self.view = DirectoryView(0)
+        self.refresh_directory = OnDemand(directory.refresh, self.apply_view) if directory else None
         self.peering = Peering(keys, self._on_peer, self._authorized, on_close=self._peer_closed,
-                               refresh=OnDemand(directory.refresh, self.apply_view) if directory else None)
+                               refresh=self.refresh_directory)
         self.paths = PathManager(keys.public, self._send, lambda: sorted(self.view.users),
                                  settings=settings or PathSettings(target=max(config.proxies, config.n),
                                                                    ping_interval=config.ping_interval),
@@ -152,7 +152,8 @@ class UserRelay:
                            is_node=lambda key: key in self.view.nodes, owner=self.paths)
         self.reassembler = sida.Reassembler()
         self.exchanges: dict[bytes, Exchange] = {}
-        self.arrivals: OrderedDict[bytes, list[tuple[Path, int]]] = OrderedDict()
+        self.arrivals: OrderedDict[bytes, list[Path]] = OrderedDict()
+        """Per answer message still being reassembled: the paths its cloves came by."""
         self.answered: OrderedDict[bytes, Exchange] = OrderedDict()
         self.sessions: OrderedDict[str, tuple[bytes, str]] = OrderedDict()
         self.avoided_nodes: dict[bytes, float] = {}
@@ -175,9 +176,9 @@ class UserRelay:
         self.peer_port = await self.peering.listen(host, int(port))
         if int(port) == 0:  # the address we register and others dial is the port we got
             self.config = replace(self.config, peer=f"{host}:{self.peer_port}")
-        if self.directory is not None:
-            self.apply_view(await asyncio.to_thread(self.directory.refresh))
-            self.spawn(self._directory_loop())
+        if self.refresh_directory is not None:
+            await self.refresh_directory()
+            self.spawn(self._directory_loop(self.refresh_directory))
         if serve_http:
             self._runner = web.AppRunner(self.app, access_log=None)
             await self._runner.setup()
@@ -211,11 +212,10 @@ class UserRelay:
         if view.height >= self.view.height:
             self.view = view
 
-    async def _directory_loop(self) -> None:
-        assert self.directory is not None
+    async def _directory_loop(self, refresh: OnDemand) -> None:
         while True:
             await asyncio.sleep(self.config.list_interval)
-            self.apply_view(await asyncio.to_thread(self.directory.refresh))
+            await refresh()
 
     async def _expiry_loop(self) -> None:
         while True:
@@ -232,8 +232,7 @@ class UserRelay:
         address = self.view.address(peer)
         if address is None:
             raise TransportError(f"{peer.hex()[:16]} is in neither verified list")
-        conn = await self.peering.connect(peer, address)
-        await conn.notify(msg_type, body)
+        await self.peering.notify(peer, address, msg_type, body)
 
     async def _on_peer(self, peer: bytes, msg_type: str, body: Any) -> None:
         await self.relay.handle(peer, msg_type, body)
@@ -259,7 +258,7 @@ class UserRelay:
         if (late := self.answered.get(mid)) is not None:
             late.delivered[path] += 1
             return
-        self.arrivals.setdefault(mid, []).append((path, clove.index))
+        self.arrivals.setdefault(mid, []).append(path)
         while len(self.arrivals) > MAX_TRACKED_MESSAGES:
             self.arrivals.popitem(last=False)
         try:
@@ -282,8 +281,7 @@ class UserRelay:
         while len(self.answered) > MAX_TRACKED_MESSAGES:
             self.answered.popitem(last=False)
         exchange.messages += 1
-        for delivering, _ in arrivals:
-            exchange.delivered[delivering] += 1
+        exchange.delivered.update(arrivals)
         exchange.add(part)
 
     def _node_unreachable(self, path: Path, node: bytes) -> None:
@@ -337,33 +335,33 @@ class UserRelay:
             for path, result in zip(chosen, sent, strict=True):
                 if result is not None:
                     self.spawn(self.paths.drop(path, f"the prompt could not be sent: {result}"))
-            if sum(r is None for r in sent) < exchange.k:
-                raise too_few_paths(sum(r is None for r in sent), exchange.k, " the prompt could be sent on")
-            timeout = self.config.response_timeout
-            first = await exchange.next_part(timeout)
+            delivered = sum(r is None for r in sent)
+            if delivered < exchange.k:
+                raise too_few_paths(delivered, exchange.k, " the prompt could be sent on")
+            first = await exchange.next_part(self.config.response_timeout)
             if first.content_type == EVENT_STREAM:
                 return Reply(first.status, first.content_type, self._stream(exchange, first))
-            body_parts = [first.data]
-            part = first
-            while not part.last:
-                part = await exchange.next_part(timeout)
-                body_parts.append(part.data)
+            body = b"".join([data async for data in self._data(exchange, first)])
         except BaseException:
             self._finish(exchange, False)
             raise
         self._finish(exchange, True)
-        return Reply(first.status, first.content_type, single_part(b"".join(body_parts)))
+        return Reply(first.status, first.content_type, single_part(body))
+
+    async def _data(self, exchange: Exchange, first: Part) -> AsyncIterator[bytes]:
+        """The answer's bytes part by part, from `first` to the last; ApiError when it cannot finish."""
+        part = first
+        yield part.data
+        while not part.last:
+            part = await exchange.next_part(self.config.response_timeout)
+            yield part.data
 
     async def _stream(self, exchange: Exchange, first: Part) -> AsyncIterator[bytes]:
         ok = False
         try:
-            part = first
-            if part.data:
-                yield part.data
-            while not part.last:
-                part = await exchange.next_part(self.config.response_timeout)
-                if part.data:
-                    yield part.data
+            async for data in self._data(exchange, first):
+                if data:
+                    yield data
             ok = True
         except ApiError as exc:
             yield sse(exc.body())
