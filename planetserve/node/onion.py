@@ -139,6 +139,12 @@ def exchange_key(identity: bytes) -> bytes:
     return bytes(VerifyKey(identity).to_curve25519_public_key())
 
 
+@functools.lru_cache(maxsize=16)
+def _own_public(secret: bytes) -> bytes:
+    """Our X25519 public key, bound into every key derivation: computed once, not per clove or setup."""
+    return crypto_scalarmult_base(secret)
+
+
 def exchange_secret(identity: SigningKey) -> bytes:
     return bytes(identity.to_curve25519_private_key())
 
@@ -212,7 +218,7 @@ def open_sealed(secret: bytes, sealed: bytes) -> bytes:
     """What `seal_to` sealed for us; OnionError if it is not for us or was altered."""
     ephemeral = sealed[:KEY_SIZE]
     try:
-        keys = _derive(crypto_scalarmult(secret, ephemeral), ephemeral, crypto_scalarmult_base(secret))
+        keys = _derive(crypto_scalarmult(secret, ephemeral), ephemeral, _own_public(secret))
         return keys.aead.decrypt(_NONCE, sealed[KEY_SIZE:], ephemeral)
     except (CryptoError, InvalidTag, ValueError):
         raise OnionError("sealed data is not for us, or was altered") from None
@@ -229,7 +235,7 @@ def peel(secret: bytes, packet: bytes) -> tuple[Layer, bytes]:
         shared = crypto_scalarmult(secret, ephemeral)
     except CryptoError as exc:
         raise OnionError("malformed ephemeral key") from exc
-    keys = _derive(shared, ephemeral, crypto_scalarmult_base(secret))
+    keys = _derive(shared, ephemeral, _own_public(secret))
     try:
         plaintext = keys.aead.decrypt(_NONCE, body + tag, ephemeral)
     except InvalidTag:
