@@ -38,6 +38,7 @@ import torch
 from planetserve.chain.challenge import sign_response
 from planetserve.chain.keys import KeySet
 from planetserve.models import LoadedModel, load
+from planetserve.node.behaviours import clickbait
 from planetserve.registry.params import PPM, Params
 from planetserve.registry.reputation import ReputationRule, is_trusted, median, update
 from planetserve.verifier import Answer, ReferenceModel, to_ppm
@@ -58,12 +59,6 @@ SAMPLING = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
 QUESTION_SCALE = 0.02
 """Workload lengths scaled so far down that a request's suffix is its question alone."""
 
-CLICKBAIT = (
-    "You won't BELIEVE this!!! {} (Number 3 will SHOCK you!!!)",
-    "DOCTORS HATE this one weird trick!!! {} Click to find out!!!",
-    "This ONE question broke the internet!!! {} You'll never guess the answer!!!",
-    "SHOCKING: experts don't want you to know this!!! {} The truth is INSANE!!!",
-)
 CONTINUATIONS = (
     "Once upon a time, in a kingdom built on clouds, a young dragon named Ember discovered that her "
     "fire could paint the sky. Every evening she flew above the sleeping villages and drew rivers of "
@@ -91,11 +86,6 @@ def challenge_prompts(count: int, seed: int = 0) -> list[str]:
         questions = list(dict.fromkeys(detokenize(r.suffix_ids) for r in requests))[:count]
         batch *= 2
     return questions
-
-
-def clickbait(question: str) -> str:
-    """The question inside a clickbait template picked by its CRC-32, so a rewrite is reproducible."""
-    return CLICKBAIT[zlib.crc32(question.encode()) % len(CLICKBAIT)].format(question)
 
 
 def inject(answer: Sequence[int], continuation: Sequence[int], stop_ids: Sequence[int]) -> list[int]:

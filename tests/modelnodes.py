@@ -38,12 +38,12 @@ def config(**overrides: object) -> ModelNodeConfig:
     return replace(base, **overrides)  # type: ignore[arg-type]
 
 
-def make_node(data: Path, **overrides: object) -> ModelNode:
+def make_node(data: Path, cls: type[ModelNode] = ModelNode, **overrides: object) -> ModelNode:
     cfg = config(**overrides)
     loaded = load("gt", data_dir=data)
     engine = BuiltinEngine(loaded.model, cfg.model_id, block_size=cfg.block_size,
                            max_batch=cfg.capacity, cache_capacity_tokens=cfg.cache_tokens)
-    return ModelNode(cfg, KeySet.generate(), engine, loaded.tokenizer, vocab_size=engine.vocab_size,
+    return cls(cfg, KeySet.generate(), engine, loaded.tokenizer, vocab_size=engine.vocab_size,
                      eos_ids=loaded.stop_token_ids, group=None)
 
 

@@ -1,13 +1,14 @@
 """An overlay on loopback for tests: user relays and model nodes in one event loop, every link real TLS,
 the directory (verified user and node lists) given directly; tests of the ledger path read it from the
-chain instead."""
+chain instead. Nodes can be trusted (in the signed list) or only registered (left the list, still
+reachable by a request that names them)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import httpx
 from modelnodes import make_node, view
@@ -34,12 +35,17 @@ def make_user(cls: type[UserRelay] = UserRelay, settings: PathSettings = FAST, *
     return cls(user_config(**overrides), KeySet.generate(), None, settings=settings)
 
 
-def directory(users: Iterable[UserRelay], nodes: Iterable[ModelNode], height: int = 1) -> DirectoryView:
+def record(node: ModelNode, status: str = "active") -> NodeRecord:
+    return NodeRecord(node.keys.public, "acme", node.config.model_id, node.config.address, "cpu",
+                      node.config.capacity, "global", status, 1)
+
+
+def directory(users: Iterable[UserRelay], nodes: Iterable[ModelNode], height: int = 1,
+              registered: Iterable[ModelNode] = ()) -> DirectoryView:
+    """Trusted `nodes`; `registered` ones are registered but not in the trusted list."""
     return DirectoryView.of(
-        height,
-        [User(u.keys.public, u.config.address, "global", 0, 1 << 40) for u in users],
-        [NodeRecord(n.keys.public, "acme", n.config.model_id, n.config.address, "cpu", n.config.capacity,
-                    "global", "active", 1) for n in nodes])
+        height, [User(u.keys.public, u.config.address, "global", 0, 1 << 40) for u in users],
+        [record(n) for n in nodes], [record(n) for n in registered])
 
 
 class FaultyRelay(Relay):
@@ -83,6 +89,9 @@ def relays_on_one_path(user: UserRelay) -> dict[bytes, Path]:
 class Overlay:
     users: list[UserRelay]
     nodes: list[ModelNode]
+    """Trusted model nodes."""
+    untrusted: list[ModelNode] = field(default_factory=list)
+    """Registered model nodes outside the trusted list."""
     height: int = 1
 
     @property
@@ -96,27 +105,30 @@ class Overlay:
         """Give everyone the current directory (as a new verified list would)."""
         self.height += 1
         listed = self.users if users is None else users
-        dir_view = directory(listed, self.nodes, self.height)
+        dir_view = directory(listed, self.nodes, self.height, self.untrusted)
         for user in self.users:
             user.apply_view(dir_view)
-        for node in self.nodes:
+        for node in [*self.nodes, *self.untrusted]:
             node.apply_users(dir_view)
 
     async def close(self) -> None:
         for user in self.users:
             await user.close()
-        for node in self.nodes:
+        for node in [*self.nodes, *self.untrusted]:
             await node.close()
             await node.engine.close()
 
 
-async def start_overlay(data, users: list[UserRelay], model_nodes: int) -> Overlay:
-    nodes = [make_node(data) for _ in range(model_nodes)]
-    overlay = Overlay(users, nodes)
-    for node in nodes:
+async def start_overlay(data, users: list[UserRelay], model_nodes: int, untrusted: int = 0) -> Overlay:
+    """`model_nodes` trusted nodes in one group, and `untrusted` registered ones that read the same
+    group (the trusted list) without being in it."""
+    overlay = Overlay(users, [make_node(data) for _ in range(model_nodes)],
+                      [make_node(data) for _ in range(untrusted)])
+    everyone = [*overlay.nodes, *overlay.untrusted]
+    for node in everyone:
         await node.start()
-    group = view(nodes)
-    for node in nodes:
+    group = view(overlay.nodes)
+    for node in everyone:
         node.apply_view(group)
     for user in users:
         await user.start(serve_http=user is users[0])

@@ -41,5 +41,8 @@ def test_prompt_length_limits_are_kept_and_impossible_ones_refused():
     assert all(len(workloads.tokenize(c.text)) <= 200 for c in short)
     with pytest.raises(ChallengeError, match="fresh challenges"):
         ChallengeSource("longdoc", scale=1.0, max_prompt_len=5).draw(1)
+    # lengths as the served model's tokenizer counts them (here: characters) when it is given
+    by_chars = ChallengeSource("mixed", scale=SCALE, max_prompt_len=400, length=len).draw(10)
+    assert all(len(c.text) <= 400 for c in by_chars)
     with pytest.raises(ValueError, match="unknown workload"):
         ChallengeSource("poetry")

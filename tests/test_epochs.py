@@ -13,6 +13,7 @@ from planetserve.chain import state as layout
 from planetserve.chain import vrf
 from planetserve.chain.challenge import Challenge
 from planetserve.chain.errors import Code
+from planetserve.chain.keys import KeySet
 from planetserve.registry import epochs, reputation
 from planetserve.registry.entities import ModelNode
 
@@ -121,16 +122,66 @@ def test_altered_response_is_the_leaders_fault(s):
     assert s.reputation(node0) is None
 
 
+def test_a_forwarded_answer_is_credited_to_the_node_that_computed_it(s):
+    """node0 forwarded its challenge to node1 and signed node1's answer: node1's own signature rides
+    along, so the (low) credibility goes to node1; node1 is scored once, node0 not this epoch."""
+    s.run_election_and_plan(1)
+    leader = s.leader(1)
+    node0, node1 = list(s.nodes)
+    body = s.leader_results(1, HONEST)
+    challenge = s.planned(1, node0, leader)
+    entry_answer = s.answer(node0, challenge.prompt)
+    computed = s.answer(node1, challenge.prompt, time=entry_answer.time - 1)
+    body["results"][0] = {**challenge.reveal(entry_answer, served=computed), "credibility": 200_000}
+    assert s.block(s.tx(leader, "submit-results", body)) == [(0, "ok")]
+    assert s.state.result(1, node0, leader.public).served_by == node1
+    assert all(c == 0 for c, _ in s.block(*s.attest_txs(1, leader.public, {node0: 200_000, node1: HONEST})))
+    finish(s, 1)
+    assert s.faults(leader.public) == []
+    assert s.reputation(node1) == expected(200_000)  # node0's challenge, computed by node1, came first
+    assert s.reputation(node0) is None
+    assert s.epoch(1).scored == 1
+
+
+@pytest.mark.parametrize("forgery", ["signature", "model"])
+def test_a_forged_serving_node_is_the_submitters_fault(s, forgery):
+    s.run_election_and_plan(1)
+    leader = s.leader(1)
+    node0, node1 = list(s.nodes)
+    challenge = s.planned(1, node0, leader)
+    entry_answer = s.answer(node0, challenge.prompt)
+    computed = s.answer(node1, challenge.prompt)
+    if forgery == "signature":
+        computed = replace(computed, signature=bytes(64))
+    entry = {**challenge.reveal(entry_answer, served=computed), "credibility": HONEST}
+    if forgery == "model":  # a key that is no node of the model
+        stranger = KeySet.generate()
+        entry["served"]["node"] = stranger.public
+        entry["served"]["signature"] = stranger.sign(replace(computed, node=stranger.public).sign_bytes())
+    itself = {**entry, "served": {**entry["served"], "node": node0}}
+    code, log = s.block(s.tx(leader, "submit-results", {"epoch": 1, "kind": "leader", "results": [itself]}))[0]
+    assert code == Code.INVALID_FIELD and "names the challenged node itself" in log
+    assert s.block(s.tx(leader, "submit-results", {"epoch": 1, "kind": "leader", "results": [entry]})) == [(0, "ok")]
+    result = s.state.result(1, node0, leader.public)
+    assert result.status == epochs.FAULTY and "serving node" in result.reason
+    assert s.faults(leader.public) == ["altered-response"]
+
+
 def test_skipped_node_is_rechallenged_by_members(s):
     s.run_election_and_plan(1)
     leader = s.leader(1)
     node0, node1 = list(s.nodes)
     assert s.block(s.tx(leader, "submit-results", s.leader_results(1, HONEST, [node1]))) == [(0, "ok")]
     members = others(s, 1)
-    own = {m.public: Challenge.new(f"Member {i} asks: how do tides work?") for i, m in enumerate(members)}
+    # prompts are written like users' own: paragraph breaks and tabs are part of them
+    own = {m.public: Challenge.new(f"Member {i} asks:\n\n\thow do tides work?") for i, m in enumerate(members)}
     commits = [s.tx(m, "commit-rechallenge", {"epoch": 1, "node": node0, "commitment": own[m.public].commitment})
                for m in members]
     assert all(c == 0 for c, _ in s.block(*commits))
+    bell = {**own[members[0].public].reveal(s.answer(node0, "ring\x07")), "prompt": "ring\x07"}
+    refused = s.block(s.tx(members[0], "submit-results", {"epoch": 1, "kind": "rechallenge", "results": [bell]}))
+    assert refused == [(Code.INVALID_FIELD, "invalid field: field 'prompt': must not contain control characters "
+                                            "other than tab and line breaks")]
     reveals = [s.tx(m, "submit-results", {"epoch": 1, "kind": "rechallenge", "results": [
         own[m.public].reveal(s.answer(node0, own[m.public].prompt))]}) for m in members]
     assert all(c == 0 for c, _ in s.block(*reveals))

@@ -1,6 +1,7 @@
 """Four model nodes on loopback with the built-in engine over the quick gt: signed answers, forwarding
-to the holder of a prefix, overload fallback, session affinity, one hop, nodes outside the verified
-list, and bad input from clients and peers."""
+to the holder of a prefix (the entry node answering for it), overload fallback, session affinity, one
+hop, nodes outside the verified list, a peer whose signature does not check, a node that alters
+prompts, and bad input from clients and peers."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import time
 import pytest
 from modelnodes import SHARED, complete, make_node, signed, view
 
-from planetserve.chain.challenge import response_from_extension, response_valid
+from planetserve.chain.challenge import response_from_extension, response_valid, served_from_extension
 from planetserve.chain.keys import KeySet
-from planetserve.node.model_node import ModelNode
+from planetserve.node.behaviours import clickbait
+from planetserve.node.engine.http_server import Generation
+from planetserve.node.model_node import Job, ModelNode
 from planetserve.node.transport import Peering, TransportError
 from planetserve.registry.epochs import prompt_hash
 
@@ -54,16 +57,17 @@ async def wait_until(predicate, timeout: float = 10.0) -> None:
         await asyncio.sleep(0.05)
 
 
-def test_answers_are_signed_by_the_serving_node(quick_family):
+def test_answers_are_signed_by_the_entry_node(quick_family):
     async def main():
         nodes = [make_node(quick_family) for _ in range(2)]
         await start(nodes)
         try:
             answer = (await complete(nodes[0], "What does the json module do?")).json()
             response = signed(answer)
-            server = next(n for n in nodes if n.keys.public == response.node)
+            assert response.node == nodes[0].keys.public  # whichever node computed it
+            assert answer["planetserve"]["served_by"] in {n.node_id for n in nodes}
             assert response.prompt_hash == prompt_hash("What does the json module do?")
-            assert response.model_id == "gt" and response.address == server.config.address
+            assert response.model_id == "gt" and response.address == nodes[0].config.address
             assert list(response.token_ids) == answer["planetserve"]["token_ids"]
             # any change to what was signed breaks the signature
             tampered = dict(answer["planetserve"], token_ids=[*response.token_ids, 5])
@@ -117,10 +121,16 @@ def test_repeated_prefix_lands_on_the_holder(quick_family):
                 n.sync.search(n.tokenizer(SHARED + "x")["input_ids"]).holders >= {holder.node_id}
                 for n in nodes if n is not holder))
             for entry in (n for n in nodes if n is not holder):
-                answer = (await complete(entry, SHARED + f"What is a list, asked at {entry.node_id[:6]}?")).json()
+                prompt = SHARED + f"What is a list, asked at {entry.node_id[:6]}?"
+                answer = (await complete(entry, prompt)).json()
+                # the holder computed it; the entry checked the holder's signature and answers for it
                 response = signed(answer)
-                assert response.node == holder.keys.public
-                assert answer["planetserve"]["route"] == "forwarded"
+                assert response.node == entry.keys.public and response.address == entry.config.address
+                assert response.prompt_hash == prompt_hash(prompt) and response.model_id == "gt"
+                assert answer["planetserve"]["served_by"] == holder.node_id
+                served = served_from_extension(answer["planetserve"]["served"], response)
+                assert served is not None and served.node == holder.keys.public  # the holder's own signature
+                assert answer["planetserve"]["route"] == "hit"
                 assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
                 assert entry.routes.get("hit") == 1
             assert holder.counters["received_forwards"] == 3
@@ -145,7 +155,8 @@ def test_overloaded_holder_falls_back_to_the_least_loaded(quick_family):
             await wait_until(lambda: (e := nodes[1].sync.tree.table.get(holder.node_id)).load is not None
                              and e.load.queued >= 2)
             answer = (await complete(nodes[1], SHARED + "And now?")).json()
-            assert signed(answer).node != holder.keys.public
+            assert signed(answer).node == nodes[1].keys.public
+            assert answer["planetserve"]["served_by"] != holder.node_id
             assert nodes[1].routes.get("hit-overloaded") == 1
             await asyncio.gather(*busy)
         finally:
@@ -160,14 +171,16 @@ def test_session_affinity_and_one_hop(quick_family):
         await start(nodes)
         try:
             session = {"session_id": "conversation-1"}
-            first = signed((await complete(nodes[0], "Hello there.", planetserve=session)).json())
+            first = (await complete(nodes[0], "Hello there.", planetserve=session)).json()
             for _ in range(3):
-                again = signed((await complete(nodes[0], "Hello there. And more?", planetserve=session)).json())
-                assert again.node == first.node
+                again = (await complete(nodes[0], "Hello there. And more?", planetserve=session)).json()
+                assert signed(again).node == nodes[0].keys.public
+                assert again["planetserve"]["served_by"] == first["planetserve"]["served_by"]
             assert nodes[0].routes.get("affinity") == 3
             # a forwarded request is never forwarded again, whatever the receiving node's view says
             hop = (await complete(nodes[2], SHARED, planetserve={"hops": 1})).json()
             assert signed(hop).node == nodes[2].keys.public
+            assert hop["planetserve"]["served_by"] == nodes[2].node_id
             assert nodes[2].routes.get("already-forwarded") == 1
         finally:
             await stop(nodes)
@@ -195,6 +208,82 @@ def test_a_node_outside_the_verified_list_receives_nothing(quick_family):
             assert signed(answer).node == outsider.keys.public
         finally:
             await stop([*listed, outsider])
+
+    run(main())
+
+
+class ForgingNode(ModelNode):
+    """A peer that corrupts the signature of every answer it computes for another node."""
+
+    def _sign(self, job: Job, state: Generation, route_reason: str, served_by: str) -> dict:
+        extension = super()._sign(job, state, route_reason, served_by)
+        if route_reason != "forwarded":
+            return extension
+        signature = bytearray.fromhex(extension["signature"])
+        signature[0] ^= 1
+        return {**extension, "signature": signature.hex()}
+
+
+def test_a_peer_answer_that_does_not_check_fails_and_is_never_signed(quick_family):
+    async def main():
+        import httpx
+
+        forger = make_node(quick_family, ForgingNode)
+        entry = make_node(quick_family)
+        await start([forger, entry])
+        try:
+            signed((await complete(forger, SHARED + "Seed.", planetserve={"no_forward": True})).json())
+            await wait_until(lambda: entry.sync.search(entry.tokenizer(SHARED)["input_ids"]).holders
+                             >= {forger.node_id})
+            failed = await complete(entry, SHARED + "What is a dict?")
+            assert failed.status_code == 500 and "planetserve" not in failed.json()
+            assert "answer does not check (its signature does not verify)" in failed.json()["error"]["message"]
+            assert entry.routes.get("hit") == 1 and forger.counters["received_forwards"] == 1
+            async with httpx.AsyncClient(timeout=60) as client, client.stream(
+                    "POST", f"{entry.http_url}/v1/completions",
+                    json={"model": "gt", "prompt": SHARED + "What is a set?", "max_tokens": 6,
+                          "temperature": 0, "stream": True}) as response:
+                lines = [line async for line in response.aiter_lines() if line.startswith("data: ")]
+            assert "does not check" in lines[-2] and "planetserve" not in "".join(lines)
+        finally:
+            await stop([forger, entry])
+
+    run(main())
+
+
+def test_a_node_that_alters_prompts_signs_for_the_original(quick_family):
+    async def main():
+        import httpx
+
+        honest = make_node(quick_family)
+        cheat = make_node(quick_family, behaviour="alter-prompts")
+        await start([honest, cheat])
+        try:
+            prompt = "What does the json module do?"
+            answer = (await complete(cheat, prompt, max_tokens=12)).json()
+            response = signed(answer)
+            assert response.node == cheat.keys.public and response.prompt_hash == prompt_hash(prompt)
+            assert answer["planetserve"]["served_by"] == cheat.node_id  # never forwarded
+            honest_to = {}
+            for asked in (prompt, clickbait(prompt)):
+                reply = await complete(honest, asked, max_tokens=12, planetserve={"no_forward": True})
+                honest_to[asked] = reply.json()["choices"][0]["text"]
+            assert answer["choices"][0]["text"] == honest_to[clickbait(prompt)] != honest_to[prompt]
+            # chat: the last user message is rewritten, the template renders the altered conversation
+            messages = [{"role": "user", "content": "Name a module."}, {"role": "assistant", "content": "os"},
+                        {"role": "user", "content": "What does it do?"}]
+            altered = [*messages[:2], {"role": "user", "content": clickbait("What does it do?")}]
+            async with httpx.AsyncClient(timeout=60) as client:
+                chats = [(await client.post(f"{node.http_url}/v1/chat/completions", json={
+                    "model": "gt", "messages": asked, "max_tokens": 12, "temperature": 0,
+                    "planetserve": {"no_forward": True}})).json()
+                    for node, asked in ((cheat, messages), (honest, altered))]
+            response = signed(chats[0])
+            original = cheat.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            assert response.prompt_hash == prompt_hash(original)
+            assert chats[0]["choices"][0]["message"]["content"] == chats[1]["choices"][0]["message"]["content"]
+        finally:
+            await stop([honest, cheat])
 
     run(main())
 
@@ -302,3 +391,16 @@ def test_cli_refuses_clearly_without_a_model_or_a_ledger(tmp_path, quick_family)
     (home / "node.json").write_text('{"org_id": "acme", "model_id": "gt", "colour": "blue"}')
     bad = runner.invoke(main, ["node", "model", "--home", str(home)])
     assert bad.exit_code == 1 and "unknown settings colour" in bad.output
+    (home / "node.json").write_text('{"org_id": "acme", "model_id": "gt", "behaviour": "lazy"}')
+    lazy = runner.invoke(main, ["node", "model", "--home", str(home)])
+    assert lazy.exit_code == 1
+    assert "unknown behaviour 'lazy'; valid behaviours: honest, alter-prompts" in lazy.output
+
+    cheat = tmp_path / "cheat"
+    created = runner.invoke(main, ["node", "init-model", "--home", str(cheat), "--org-id", "acme",
+                                   "--model-id", "gt", "--genesis", str(genesis), "--behaviour", "alter-prompts"])
+    assert created.exit_code == 0, created.output
+    assert ModelNodeConfig.load(cheat).behaviour == "alter-prompts"
+    refused = runner.invoke(main, ["node", "init-model", "--home", str(tmp_path / "x"), "--org-id", "acme",
+                                   "--model-id", "gt", "--genesis", str(genesis), "--behaviour", "lazy"])
+    assert refused.exit_code != 0 and "honest" in refused.output and not (tmp_path / "x").exists()

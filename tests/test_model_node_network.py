@@ -117,7 +117,8 @@ def test_model_nodes_register_group_forward_and_sign(tmp_path, quick_family):
 
         wait_until(lambda: nodes[1].status()["tree_size"] > 0)
         answer = nodes[1].complete(SHARED + "What is a set?")
-        assert signed(answer).node.hex() == keys[0] and answer["planetserve"]["route"] == "forwarded"
+        assert signed(answer).node.hex() == keys[1]  # the entry node answers for what node 0 computed
+        assert answer["planetserve"]["served_by"] == keys[0] and answer["planetserve"]["route"] == "hit"
         assert nodes[1].status()["routes"].get("hit") == 1
 
         # the organisation delists node 0: node 1 drops it from its group and stops forwarding to it

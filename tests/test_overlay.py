@@ -1,20 +1,23 @@
 """The anonymous overlay end to end on loopback: 12 user relays and 4 model nodes (built-in engine over
 the quick gt), every link real TLS. A program talks to the client relay's OpenAI endpoint; its prompts
 reach model nodes as cloves over onion-built paths and the answers come back the same way, through
-relay deaths, too many dead paths, and relays that corrupt or drop what they carry."""
+relay deaths, too many dead paths, and relays that corrupt or drop what they carry. A request may name its model node, trusted or only
+registered, as the committee's challenges do."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import re
+from dataclasses import replace
 
 import httpx
 import pytest
 from modelnodes import signed
-from overlaynet import chat, faulty, make_user, relays_on_one_path, start_overlay, wait_until
+from overlaynet import chat, faulty, make_user, record, relays_on_one_path, start_overlay, wait_until
 
 from planetserve.node import onion, sida
+from planetserve.node.directory import DirectoryView
 from planetserve.node.messages import Prompt
 from planetserve.node.openai_api import ApiError
 
@@ -26,8 +29,8 @@ def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 240))
 
 
-async def overlay(data, relays: int = RELAYS, model_nodes: int = MODEL_NODES):
-    return await start_overlay(data, [faulty(make_user()) for _ in range(relays)], model_nodes)
+async def overlay(data, relays: int = RELAYS, model_nodes: int = MODEL_NODES, untrusted: int = 0):
+    return await start_overlay(data, [faulty(make_user()) for _ in range(relays)], model_nodes, untrusted)
 
 
 def events(text: str) -> list[dict]:
@@ -300,8 +303,8 @@ def test_a_path_whose_first_relay_left_the_list_is_dropped_and_replaced(quick_fa
             path = client.paths.live()[0]
             gone = path.first
             view = client.view
-            client.apply_view(type(view)(view.height + 1, {k: u for k, u in view.users.items() if k != gone},
-                                         view.nodes))
+            client.apply_view(replace(view, height=view.height + 1,
+                                      users={k: u for k, u in view.users.items() if k != gone}))
             for _ in range(3):  # a request may or may not pick that path; each still gets its answer
                 assert (await chat(client, "Is anyone there?")).status_code == 200
                 if not path.live:
@@ -309,6 +312,80 @@ def test_a_path_whose_first_relay_left_the_list_is_dropped_and_replaced(quick_fa
             assert not path.live
             await wait_until(lambda: len(client.paths.live()) >= 4)
             assert all(gone not in p.route for p in client.paths.live())
+        finally:
+            await net.close()
+
+    run(main())
+
+
+def test_a_request_that_names_a_node_reaches_it_trusted_or_not(quick_family):
+    async def main():
+        net = await overlay(quick_family, relays=8, model_nodes=2, untrusted=1)
+        try:
+            (outsider,) = net.untrusted
+            assert sorted(net.client.view.models()) == ["gt"]
+            assert outsider.keys.public not in net.client.view.nodes
+            for _ in range(4):  # ordinary requests go to trusted nodes only
+                answer = await chat(net.client, "Which module parses JSON?")
+                assert signed(answer.json()).node in {n.keys.public for n in net.nodes}
+            assert outsider.gateway.counters["prompts"] == 0
+            for node in [*net.nodes, outsider]:
+                answer = await chat(net.client, "Which module parses JSON?", stream=node is outsider,
+                                    planetserve={"node": node.keys.public.hex()})
+                assert answer.status_code == 200, answer.text
+                body = events(answer.text)[-1] if node is outsider else answer.json()
+                assert body["planetserve"]["node"] == node.node_id
+            assert outsider.gateway.counters["prompts"] == 1
+            # the outsider answered by itself: its trusted peers refuse its connections
+            assert outsider.counters["served"] == 1 and outsider.counters["forwarded"] == 0
+        finally:
+            await net.close()
+
+    run(main())
+
+
+def test_a_named_node_overrides_session_affinity(quick_family):
+    async def main():
+        net = await overlay(quick_family, relays=8, model_nodes=2)
+        try:
+            first = (await chat(net.client, "Name a module for dates.")).json()
+            entry = first["planetserve"]["node"]
+            other = next(n for n in net.nodes if n.node_id != entry)
+            history = [{"role": "user", "content": "Name a module for dates."},
+                       {"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                       {"role": "user", "content": "And for times?"}]
+            async with httpx.AsyncClient(timeout=60) as http:
+                follow = await http.post(f"{net.client.http_url}/v1/chat/completions", json={
+                    "model": "gt", "messages": history, "max_tokens": 4,
+                    "planetserve": {"node": other.node_id, "session_id": "mine"}})
+            assert follow.status_code == 200, follow.text
+            assert signed(follow.json()).node == other.keys.public
+        finally:
+            await net.close()
+
+    run(main())
+
+
+def test_naming_an_unknown_node_or_one_of_another_model_is_refused(quick_family):
+    async def main():
+        net = await overlay(quick_family, relays=6, model_nodes=1)
+        try:
+            node = net.nodes[0].node_id
+            cases = [
+                ({"node": "ab" * 32}, "gt", 404, "node_not_found"),
+                ({"node": node}, "llama-70b", 400, "node_model_mismatch"),
+                ({"node": "not hex"}, "gt", 400, "invalid_value"),
+                ({"node": node[:-2]}, "gt", 400, "invalid_value"),
+                ({"node": 7}, "gt", 400, "invalid_value"),
+            ]
+            for extension, model, status, code in cases:
+                answer = await chat(net.client, "Hello?", model=model, planetserve=extension)
+                assert answer.status_code == status, (extension, answer.text)
+                assert answer.json()["error"]["code"] == code
+            assert net.nodes[0].gateway.counters["prompts"] == 0
+            # a node is only reachable while active
+            inactive = DirectoryView.of(1, [], [], [record(net.nodes[0], status="inactive")])
+            assert inactive.node(net.nodes[0].keys.public) is None and not inactive.registered
         finally:
             await net.close()
 

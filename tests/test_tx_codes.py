@@ -210,6 +210,15 @@ def test_failed_tx_consumes_only_its_sequence(h):
     assert layout.State(h.store.batch()).sequence(keys.public) == 1
 
 
+def test_a_transaction_refused_by_check_tx_leaves_its_sequence_free(h):
+    keys = KeySet.generate()
+    bad = h.tx(keys, "register-org", {"org_id": "org1", "name": "bad\x01name"}, sequence=0)
+    assert h.check(bad).code == Code.INVALID_FIELD
+    good = h.tx(keys, "register-org", {"org_id": "org1", "name": "Org One"}, sequence=0)
+    assert h.check(good).code == 0  # the refused transaction never entered the mempool
+    assert h.check(h.tx(keys, "heartbeat", {}, sequence=0)).code == Code.BAD_SEQUENCE  # the good one did
+
+
 def test_recheck_validates_the_envelope_and_sequence_only(h):
     from tendermint.abci import types_pb2 as abci
 

@@ -23,7 +23,7 @@ from planetserve.chain.credit_handlers import CREDIT_HANDLERS, expire_deployment
 from planetserve.chain.epoch_handlers import EPOCH_HANDLERS
 from planetserve.chain.errors import CODESPACE, Code, TxError, from_registry
 from planetserve.chain.handlers import REGISTRY_HANDLERS, Context
-from planetserve.chain.state import State, TxScope
+from planetserve.chain.state import IterableKV, State, TxScope
 from planetserve.chain.store import Batch, StateStore, StoreError
 from planetserve.chain.tx import Tx, decode
 from planetserve.registry.entities import Proposal
@@ -119,11 +119,16 @@ class Application:
     def check_tx(self, req: abci.RequestCheckTx) -> abci.ResponseCheckTx:
         """A new transaction runs in full against the mempool state. A recheck after a block only
         re-validates the envelope and takes the sequence: a transaction the block made invalid in
-        other ways is refused with its code in FinalizeBlock, as any block may contain such."""
+        other ways is refused with its code in FinalizeBlock, as any block may contain such. A refused
+        transaction never reaches the mempool, so it leaves the mempool state, its sequence included,
+        as it was: the sender's next transaction reuses that sequence."""
+        scope = TxScope(self.check)
         outcome = self._execute(
-            self.check, req.tx, self.store.height + 1, self.committed_time,
+            scope, req.tx, self.store.height + 1, self.committed_time,
             envelope_only=req.type == abci.RECHECK,
         )
+        if outcome.code == Code.OK:
+            scope.apply()
         return abci.ResponseCheckTx(
             code=outcome.code, log=outcome.log, codespace=CODESPACE if outcome.code else "", gas_wanted=1
         )
@@ -253,7 +258,7 @@ class Application:
 
     def _execute(
         self,
-        batch: Batch,
+        batch: IterableKV,
         raw: bytes,
         height: int,
         time: int,

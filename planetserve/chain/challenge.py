@@ -40,10 +40,15 @@ class Challenge:
                         for m in committee)
         return {"node": node, "commitment": self.commitment, "sealed": sealed}
 
-    def reveal(self, response: SignedResponse) -> dict:
-        """A submit-results entry (without the leader's proposed credibility)."""
-        return {"node": response.node, "prompt": self.prompt, "salt": self.salt,
-                "response": response.to_record()}
+    def reveal(self, response: SignedResponse, served: SignedResponse | None = None) -> dict:
+        """A submit-results entry (without the leader's proposed credibility); `served` is the serving
+        peer's own signature when the challenged node forwarded the prompt."""
+        entry = {"node": response.node, "prompt": self.prompt, "salt": self.salt,
+                 "response": response.to_record()}
+        if served is not None:
+            entry["served"] = {"node": served.node, "time": served.time, "address": served.address,
+                               "signature": served.signature}
+        return entry
 
 
 def open_plan_entry(entry: PlanEntry, operator: bytes, key: PrivateKey) -> Challenge:
@@ -104,3 +109,25 @@ def response_from_extension(extension: object, text: str) -> SignedResponse:
         raise ResponseFormatError(f"extension holds malformed hex: {exc}") from exc
     return SignedResponse(node, digest, tuple(ids), text, extension["model_id"], extension["time"],
                           extension["address"], signature)
+
+
+def served_extension(peer: SignedResponse) -> dict:
+    """What an entry node that forwarded adds to its own signed answer: the serving peer's signature
+    over the same answer, so the credibility of the answer can be credited to the node that computed it."""
+    return {"node": peer.node.hex(), "time": peer.time, "address": peer.address,
+            "signature": peer.signature.hex()}
+
+
+def served_from_extension(served: object, answer: SignedResponse) -> SignedResponse | None:
+    """The serving peer's signed response for `answer` (same prompt, ids, text and model) when `served`
+    is well formed and its signature verifies; None otherwise (the entry node alone answers for it)."""
+    if not isinstance(served, dict) or type(served.get("time")) is not int:
+        return None
+    if not all(isinstance(served.get(k), str) for k in ("node", "address", "signature")):
+        return None
+    try:
+        node, signature = bytes.fromhex(served["node"]), bytes.fromhex(served["signature"])
+    except ValueError:
+        return None
+    peer = replace(answer, node=node, time=served["time"], address=served["address"], signature=signature)
+    return peer if peer.node != answer.node and response_valid(peer) else None

@@ -7,8 +7,11 @@ the RPC endpoint's word and marked unverified.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import msgpack
@@ -18,13 +21,22 @@ from planetserve.chain import trie
 from planetserve.chain.app import PROOF_OP_TYPE
 from planetserve.chain.handlers import node_pop_message
 from planetserve.chain.keys import KeySet
-from planetserve.chain.lightclient import LightBlock
+from planetserve.chain.lightclient import LightBlock, LightClient
 from planetserve.chain.rpc import AbciQuery, RpcClient, RpcResponseError, TxOutcome
 from planetserve.chain.tx import build
 from planetserve.registry import codec
 from planetserve.registry.credits import Credits, Deployment
 from planetserve.registry.entities import Member, Model, ModelNode, Organisation, Record, User
-from planetserve.registry.epochs import Epoch, Fault, PlanEntry, Reputation, Schedule
+from planetserve.registry.epochs import (
+    ChallengeResult,
+    Epoch,
+    Fault,
+    PlanEntry,
+    Rechallenge,
+    Reputation,
+    Schedule,
+    VrfEntry,
+)
 from planetserve.registry.params import Params
 
 R = TypeVar("R", bound=Record)
@@ -78,6 +90,26 @@ class LedgerClient:
         # Reads are of this height or later: submit() raises it to the height of each committed
         # transaction, so a client reads its own writes.
         self.min_height = min_height
+        self._pinned: LightBlock | None = None
+
+    @contextlib.contextmanager
+    def snapshot(self) -> Iterator[int]:
+        """Reads inside the block see one state, the latest verified now (its height is yielded),
+        verified once: a consistent view, and one light-client verification instead of one per read.
+        Reads of a later height (after a submit) leave it."""
+        self._pinned = self.verifier.verified_light_block() if self.verifier is not None else None
+        try:
+            yield self._pinned.height if self._pinned is not None else 0
+        finally:
+            self._pinned = None
+
+    @classmethod
+    def verified(cls, rpc_url: str, genesis: str | Path) -> LedgerClient:
+        """A client whose every read is verified against the genesis file (what long-running roles use)."""
+        if not genesis:
+            raise ValueError("no genesis file is configured to verify the ledger against")
+        rpc = RpcClient(rpc_url)
+        return cls(rpc, LightClient.from_genesis_file(Path(genesis), rpc))
 
     # -- verified reads --------------------------------------------------------------------------
 
@@ -90,7 +122,7 @@ class LedgerClient:
             answer = self.rpc.abci_query(path, data, prove=False)
             self._check_answer(path, answer)
             return answer, None, b""
-        latest = self.verifier.verified_light_block()
+        latest = self._pinned or self.verifier.verified_light_block()
         height = latest.height - 1
         if height >= max(1, self.min_height):
             app_hash = latest.header.app_hash
@@ -195,6 +227,34 @@ class LedgerClient:
     def plan(self, number: int) -> tuple[Listing, list[PlanEntry]]:
         listing = self.entries(layout.plan_prefix(number))
         return listing, layout.decode_records(listing.entries, PlanEntry)
+
+    def registered_nodes(self) -> list[ModelNode]:
+        """Every registered model node, trusted or not (the signed list holds only trusted ones)."""
+        return layout.decode_records(self.entries(layout.NODE_PREFIX).entries, ModelNode)
+
+    def vrf_entry(self, number: int, operator: bytes) -> VrfEntry | None:
+        return self._entity(layout.vrf_prefix(number) + operator.hex().encode(), VrfEntry)
+
+    def results(self, number: int) -> list[ChallengeResult]:
+        """The epoch's submitted challenge results, in (node, submitter) order."""
+        return layout.decode_records(self.entries(layout.result_prefix(number)).entries, ChallengeResult)
+
+    def attestations(self, number: int) -> dict[tuple[bytes, bytes], list[list]]:
+        """(node, submitter) → [[member, credibility ppm], …] of the epoch."""
+        prefix = layout.attestation_prefix(number)
+        out: dict[tuple[bytes, bytes], list[list]] = {}
+        for key, raw in self.entries(prefix).entries:
+            node, submitter = key[len(prefix):].decode().split("/")
+            out[bytes.fromhex(node), bytes.fromhex(submitter)] = codec.unpack(raw)
+        return out
+
+    def reports(self, number: int, node: bytes) -> list[bytes]:
+        """The members who reported that the node gave no valid response in the epoch."""
+        _, raw = self.value(layout.report_key(number, node))
+        return [] if raw is None else list(codec.unpack(raw))
+
+    def rechallenge(self, number: int, node: bytes, member: bytes) -> Rechallenge | None:
+        return self._entity(layout.rechallenge_key(number, node, member), Rechallenge)
 
     def params(self) -> Params:
         params = self._entity(layout.PARAMS_KEY, Params)

@@ -111,9 +111,7 @@ def submit_vrf(ctx: Context, body: dict[str, Any]) -> None:
 
 def required_nodes(ctx: Context, target: Epoch) -> list[bytes]:
     """The nodes the plan of `target` must cover: active at the plan's cutoff, sampled above the cap."""
-    eligible = [n.pubkey for n in ctx.state.iterate_nodes()
-                if n.status == "active" and n.registered_at <= target.plan_cutoff]
-    return epochs.sample_nodes(target.seed, eligible, ctx.params.max_plan_nodes)
+    return epochs.plan_nodes(target, ctx.state.iterate_nodes(), ctx.params.max_plan_nodes)
 
 
 def _sealed(value: Any, committee: list[bytes]) -> tuple[list, ...]:
@@ -222,6 +220,27 @@ def _inconsistency(ctx: Context, node_model: str, node: bytes, commitment: bytes
     return None
 
 
+def _served(value: Any, response: SignedResponse) -> SignedResponse:
+    """The serving peer's signature over the challenged node's response, when it forwarded it."""
+    raw = _map(value, "served")
+    fields.check_keys(raw, {"node", "time", "address", "signature"})
+    served = replace(response, node=fields.key32(raw, "node"), time=fields.integer(raw, "time", 0, 2**62),
+                     address=fields.address(raw), signature=fields.sig64(raw, "signature"))
+    if served.node == response.node:
+        raise InvalidField("served", "names the challenged node itself; omit it for a direct answer")
+    return served
+
+
+def _served_inconsistency(ctx: Context, node_model: str, served: SignedResponse) -> tuple[str, str] | None:
+    """Why a claimed serving peer cannot be credited: its signature or its model does not match."""
+    if not verify_signature(served.node, served.sign_bytes(), served.signature):
+        return "altered-response", "the serving node's signature does not verify"
+    peer = ctx.state.node(served.node)
+    if peer is None or peer.model_id != node_model:
+        return "altered-response", "the serving node is not a registered node of the challenged node's model"
+    return None
+
+
 def submit_results(ctx: Context, body: dict[str, Any]) -> None:
     """The leader's results for the epoch's plan, or a member's results of its own re-challenges."""
     fields.check_keys(body, {"epoch", "kind", "results"})
@@ -263,14 +282,17 @@ def _submit_one(ctx: Context, epoch: Epoch, kind: str, entry: dict[str, Any]) ->
         result = ChallengeResult(node, ctx.signer, kind, INVALID, reason, "", b"", {}, -1, ctx.height)
     else:
         fields.check_keys(entry, {"node", "prompt", "salt", "response"},
-                          frozenset({"credibility"}) if kind == "leader" else frozenset())
-        prompt = fields.text(entry, "prompt", MAX_PROMPT_CHARS)
+                          frozenset({"credibility", "served"}) if kind == "leader" else frozenset({"served"}))
+        prompt = fields.free_text(entry, "prompt", MAX_PROMPT_CHARS)
         salt = fields.key32(entry, "salt")
         response = _response(entry.get("response"))
         credibility = fields.integer(entry, "credibility", 0, PPM) if kind == "leader" else -1
         if kind == "leader" and "credibility" not in entry:
             raise InvalidField("credibility", "the leader proposes a credibility per node")
+        served = _served(entry["served"], response) if "served" in entry else None
         problem = _inconsistency(ctx, model_id, node, commitment, prompt, salt, response, since)
+        if problem is None and served is not None:
+            problem = _served_inconsistency(ctx, model_id, served)
         status, reason = VALID, ""
         if problem is not None:
             fault_kind, reason = problem
@@ -278,7 +300,7 @@ def _submit_one(ctx: Context, epoch: Epoch, kind: str, entry: dict[str, Any]) ->
             if fault_kind:
                 _fault(ctx, epoch.number, fault_kind, node, reason)
         result = ChallengeResult(node, ctx.signer, kind, status, reason, prompt, salt, response.to_record(),
-                                 credibility, ctx.height)
+                                 credibility, ctx.height, served.node if served is not None else b"")
     ctx.state.put_result(epoch.number, result)
     if result.status == INVALID:
         _add_report(ctx, epoch.number, node)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from typing import Any
 
@@ -38,6 +39,14 @@ def table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
     console.print(t)
 
 
+def setup_logging(level: str) -> None:
+    """A long-running role's own messages at `level`; the HTTP client's one line per request only when
+    debugging."""
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if level != "debug":
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
 def fail(message: str, code: int = 1) -> None:
     err_console.print(f"[bold red]error:[/] {message}")
     sys.exit(code)
@@ -53,6 +62,8 @@ def main() -> None:
       validator   genesis init, chain start   (committee institutions)
       anyone      keys, tx, query             (organisations, users, clients)
       model node  models train, node init-model, node model   (organisations)
+      user        node init-user, node user   (anonymous OpenAI endpoint, relays for others)
+      verifier    verifier init, verifier run (beside each validator)
       developer   localnet up|down|status     (four validators on this machine)
     """
 
@@ -67,9 +78,11 @@ def _register() -> None:
         node_cmd,
         query_cmd,
         tx_cmd,
+        verifier_cmd,
     )
 
-    for module in (keys_cmd, genesis_cmd, chain_cmd, tx_cmd, query_cmd, localnet_cmd, models_cmd, node_cmd):
+    for module in (keys_cmd, genesis_cmd, chain_cmd, tx_cmd, query_cmd, localnet_cmd, models_cmd, node_cmd,
+                   verifier_cmd):
         main.add_command(module.group)
 
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
 
 from planetserve.chain.keys import KeyFileError, KeySet
-from planetserve.cli import console, emit_json, fail
+from planetserve.cli import console, emit_json, fail, setup_logging
+from planetserve.node.behaviours import BEHAVIOURS, HONEST
 
 if TYPE_CHECKING:
     from planetserve.node.home import HomeConfig
@@ -64,6 +64,9 @@ def group() -> None:
 @click.option("--node-keys", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Use this key file (copied into the home) instead of a fresh key: a node already "
                    "registered under it.")
+@click.option("--behaviour", default=HONEST, show_default=True, type=click.Choice(BEHAVIOURS),
+              help="Fault injection for testnets only: alter-prompts answers a clickbait rewrite of each "
+                   "prompt but signs for the original, which the committee must catch.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def init_model(home: Path, genesis: Path, http_addr: str, node_keys: Path | None, as_json: bool,
                **settings: object) -> None:
@@ -117,7 +120,7 @@ def model(home: Path, org_keys: Path | None, log_level: str, as_json: bool) -> N
     from planetserve.node.registration import Registered, RegistrationError
     from planetserve.node.runner import run_model_node
 
-    _logging(log_level)
+    setup_logging(log_level)
     try:
         org = KeySet.load(org_keys) if org_keys else None
     except KeyFileError as exc:
@@ -139,14 +142,6 @@ def model(home: Path, org_keys: Path | None, log_level: str, as_json: bool) -> N
         fail(str(exc))
     except (RpcError, VerificationError, QueryRefused) as exc:
         fail(f"the ledger could not be read: {exc}")
-
-
-def _logging(level: str) -> None:
-    """The node's own messages at `level`; the HTTP client's one line per ledger query only when
-    debugging."""
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if level != "debug":
-        logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 USER_HOME_HELP = "The relay's home directory (configuration user.json and key file node_keys.json)."
@@ -209,7 +204,7 @@ def user(home: Path, log_level: str, as_json: bool) -> None:
     from planetserve.node.user import UserRelay
     from planetserve.registry.entities import User
 
-    _logging(log_level)
+    setup_logging(log_level)
 
     def ready(relay: UserRelay, registered: User, action: str) -> None:
         live = len(relay.paths.live())

@@ -1,6 +1,8 @@
-"""The overlay's view of who exists: the verified user list (relays and proxies) and the verified list
-of trusted model nodes, read from the ledger with their proofs. Relays and model nodes accept
-connections only from keys in it, and resolve the addresses of the keys they forward to from it."""
+"""The overlay's view of who exists: the verified user list (relays and proxies), the verified list
+of trusted model nodes, and every registered model node, read from the ledger with their proofs. Relays
+and model nodes accept connections only from keys in it, and resolve the addresses of the keys they
+forward to from it. Ordinary requests go to trusted nodes only; a request may name any registered
+node (the committee keeps challenging nodes that left the trusted list), so proxies reach those too."""
 
 from __future__ import annotations
 
@@ -26,14 +28,23 @@ class DirectoryView:
     users: dict[bytes, User] = field(default_factory=dict)
     nodes: dict[bytes, ModelNode] = field(default_factory=dict)
     """Trusted, active model nodes of every model."""
+    registered: dict[bytes, ModelNode] = field(default_factory=dict)
+    """Active registered model nodes of every model, whatever their reputation."""
 
     @classmethod
-    def of(cls, height: int, users: Iterable[User], nodes: Iterable[ModelNode]) -> DirectoryView:
-        return cls(height, {u.pubkey: u for u in users},
-                   {n.pubkey: n for n in nodes if n.status == "active"})
+    def of(cls, height: int, users: Iterable[User], nodes: Iterable[ModelNode],
+           registered: Iterable[ModelNode] = ()) -> DirectoryView:
+        """`registered` adds to the trusted `nodes`, which are registered too."""
+        trusted = {n.pubkey: n for n in nodes if n.status == "active"}
+        return cls(height, {u.pubkey: u for u in users}, trusted,
+                   {**{n.pubkey: n for n in registered if n.status == "active"}, **trusted})
+
+    def node(self, key: bytes) -> ModelNode | None:
+        """An active registered model node, trusted or not."""
+        return self.nodes.get(key) or self.registered.get(key)
 
     def address(self, key: bytes) -> str | None:
-        entity = self.users.get(key) or self.nodes.get(key)
+        entity = self.users.get(key) or self.node(key)
         return None if entity is None else entity.address
 
     def models(self) -> dict[str, list[ModelNode]]:
@@ -55,17 +66,18 @@ class Directory:
         self.last_error: str | None = None
 
     def refresh(self) -> DirectoryView:
-        """Read both lists (blocking: run it in a thread)."""
+        """Read the lists (blocking: run it in a thread)."""
         try:
             users_listing, users = self.ledger.users()
             nodes = self.ledger.nodes()[1] if self.with_nodes else []
+            registered = self.ledger.registered_nodes() if self.with_nodes else []
         except (QueryRefused, VerificationError, RpcError) as exc:
             self.last_error = f"{type(exc).__name__}: {exc}"
             log.warning("directory refresh failed, keeping height %d: %s", self.view.height, exc)
             return self.view
         self.last_error = None
         if users_listing.height >= self.view.height:
-            self.view = DirectoryView.of(users_listing.height, users, nodes)
+            self.view = DirectoryView.of(users_listing.height, users, nodes, registered)
         return self.view
 
 

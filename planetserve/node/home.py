@@ -3,57 +3,24 @@ its key file (node_keys.json)."""
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Self
+from typing import ClassVar
 
 from planetserve.chain.keys import KeySet
+from planetserve.config import HomeConfig, HomeError
+from planetserve.node.behaviours import HONEST, check_behaviour
 
 CONFIG_FILE = "node.json"
 USER_CONFIG_FILE = "user.json"
 KEYS_FILE = "node_keys.json"
-
-
-class HomeError(Exception):
-    """The home directory is missing, incomplete or its configuration is malformed."""
-
-
-class HomeConfig:
-    """Loading and saving a role's JSON configuration, strictly (unknown settings are errors)."""
-
-    FILE: ClassVar[str]
-    INIT: ClassVar[str]
-
-    @classmethod
-    def load(cls, home: Path) -> Self:
-        path = home / cls.FILE
-        try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError as exc:
-            raise HomeError(f"no {cls.FILE} in {home}: "
-                            f"run `planetserve node {cls.INIT} --home {home}`") from exc
-        except json.JSONDecodeError as exc:
-            raise HomeError(f"{path} is not valid JSON: {exc}") from exc
-        if not isinstance(raw, dict):
-            raise HomeError(f"{path} must hold a JSON object")
-        unknown = sorted(set(raw) - {f.name for f in fields(cls)})  # type: ignore[arg-type]
-        if unknown:
-            raise HomeError(f"{path}: unknown settings {', '.join(unknown)}")
-        try:
-            return cls(**raw)
-        except TypeError as exc:
-            raise HomeError(f"{path}: {exc}") from exc
-
-    def save(self, home: Path) -> None:
-        home.mkdir(parents=True, exist_ok=True)
-        (home / self.FILE).write_text(json.dumps(asdict(self), indent=2, sort_keys=True) + "\n")  # type: ignore[call-overload]
+__all__ = ["HomeConfig", "HomeError", "ModelNodeConfig", "UserConfig", "init_home", "load_keys"]
 
 
 @dataclass
 class ModelNodeConfig(HomeConfig):
     FILE: ClassVar[str] = CONFIG_FILE
-    INIT: ClassVar[str] = "init-model"
+    INIT: ClassVar[str] = "node init-model"
 
     org_id: str
     model_id: str
@@ -87,6 +54,12 @@ class ModelNodeConfig(HomeConfig):
     delta_interval: float = 0.1
     load_interval: float = 1.0
     list_interval: float = 5.0
+    behaviour: str = HONEST
+    """Fault injection for testnets (`node/behaviours.py`): "honest", or a way of cheating the committee
+    must catch."""
+
+    def __post_init__(self) -> None:
+        check_behaviour(self.behaviour)
 
     @property
     def address(self) -> str:
@@ -98,7 +71,7 @@ class UserConfig(HomeConfig):
     """A user relay: relays for others, keeps its own proxies, serves the local OpenAI endpoint."""
 
     FILE: ClassVar[str] = USER_CONFIG_FILE
-    INIT: ClassVar[str] = "init-user"
+    INIT: ClassVar[str] = "node init-user"
 
     rpc: str = "http://127.0.0.1:26657"
     genesis: str = ""

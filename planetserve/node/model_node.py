@@ -1,6 +1,7 @@
 """The model node: serves its model through the OpenAI-compatible API, forwards each request at most
 once within its group by the HR-tree and the load-balance factor (Algorithm 2), keeps the group's
-cache state in sync, and signs every answer it generates with its registered key.
+cache state in sync, and signs every answer it returns with its registered key, a peer's included once
+the peer's own signature checks (the node a client addressed answers for what it returns).
 
 Peer protocol (over `transport`), between members of the group:
   "cache"     one-way, bytes: a cachesync message (deltas, snapshots, snapshot requests, loads)
@@ -24,9 +25,17 @@ from typing import Any
 
 from aiohttp import web
 
-from planetserve.chain.challenge import response_extension, sign_response
+from planetserve.chain.challenge import (
+    ResponseFormatError,
+    response_extension,
+    response_from_extension,
+    response_valid,
+    served_extension,
+    sign_response,
+)
 from planetserve.chain.keys import KeySet
 from planetserve.node.balance import BalancePolicy, Decision, LatencyEWMA, LoadReport, Reason, route
+from planetserve.node.behaviours import ALTER_PROMPTS, clickbait_request
 from planetserve.node.cachesync import CacheSync, SyncConfig, SyncError
 from planetserve.node.directory import Directory, DirectoryView, OnDemand
 from planetserve.node.engine.base import CacheEvent, Engine, EngineError, GenerationRequest, TokenChunk
@@ -45,9 +54,11 @@ from planetserve.node.openai_api import (
     bad_request,
     build_generation,
     prompt_text,
+    render_prompt,
     too_large,
 )
 from planetserve.node.transport import Peering, RemoteError, TransportError
+from planetserve.registry.epochs import prompt_hash
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +142,8 @@ class ModelNodeServer(EngineServer):
         text, special = prompt_text(request, self.tokenizer)
         job = Job(text, special, generation.max_tokens, generation.temperature, generation.seed,
                   request.stop, request.stop_token_ids, request.ignore_eos, request.planetserve.session_id)
+        if self.node.config.behaviour == ALTER_PROMPTS:
+            return self.node.alter_prompt(job, request)
         return await self.node.produce(job, tuple(prompt_ids), generation, request.planetserve)
 
     async def _status(self, _: web.Request) -> web.Response:
@@ -367,7 +380,8 @@ class ModelNode:
             entry = self.sync.tree.table.get(decision.target)
             if entry is not None and entry.address:
                 try:
-                    production = await self._remote(decision.target, entry.address, job)
+                    production = await self._remote(decision.target, entry.address, job,
+                                                    decision.reason.value)
                 except (TransportError, ApiError) as exc:
                     self.counters["forward_failures"] += 1
                     log.info("forward to %s failed, serving here: %s", decision.target[:16], exc)
@@ -388,6 +402,16 @@ class ModelNode:
         while len(self.sessions) > MAX_SESSIONS:
             self.sessions.popitem(last=False)
 
+    def alter_prompt(self, job: Job, request: ApiRequest) -> Production:
+        """Fault injection (behaviour alter-prompts): generate from a clickbait rewrite of the request,
+        sign for the original prompt (job.prompt). Served here, never forwarded: a peer would answer
+        the original."""
+        asked = clickbait_request(request)
+        prompt_ids = render_prompt(asked, self.tokenizer)
+        generation = self._generation(asked, prompt_ids)
+        self.routes[ALTER_PROMPTS] = self.routes.get(ALTER_PROMPTS, 0) + 1
+        return self._local(job, prompt_ids, generation, Reason.NO_CANDIDATES.value)  # as a cheat would claim
+
     def _local(self, job: Job, prompt_ids: tuple[int, ...], generation: GenerationRequest,
                route_reason: str) -> Production:
         started = time.monotonic()
@@ -395,13 +419,38 @@ class ModelNode:
 
         async def finish(state: Generation) -> dict[str, Any]:
             self.latency.observe(time.monotonic() - started)
-            signed = sign_response(self.keys, job.prompt, state.token_ids, state.text, self.config.model_id,
-                                   int(time.time()), self.config.address)
-            return {**response_extension(signed), "route": route_reason}
+            return self._sign(job, state, route_reason, self.node_id)
 
         return Production(self.engine.generate(generation), finish)
 
-    async def _remote(self, peer_id: str, address: str, job: Job) -> Production:
+    def _sign(self, job: Job, state: Generation, route_reason: str, served_by: str) -> dict[str, Any]:
+        """The answer's `planetserve` extension: our signature over it, why it went where it went, and
+        which node computed it (`route` and `served_by` are not signed)."""
+        signed = sign_response(self.keys, job.prompt, state.token_ids, state.text, self.config.model_id,
+                               int(time.time()), self.config.address)
+        return {**response_extension(signed), "route": route_reason, "served_by": served_by}
+
+    def _countersign(self, peer_id: str, job: Job, state: Generation, extension: Any,
+                     route_reason: str) -> dict[str, Any]:
+        """A peer's answer, signed by us once the peer's own signature checks: the node the client
+        addressed answers for what it returns, and never vouches for what its peer did not sign."""
+        try:
+            theirs = response_from_extension(extension, state.text)
+        except ResponseFormatError as exc:
+            raise EngineError(f"peer {peer_id[:16]} sent a malformed signed answer: {exc}") from exc
+        checks = (("signed by another key", theirs.node.hex() == peer_id),
+                  ("signed for another prompt", theirs.prompt_hash == prompt_hash(job.prompt)),
+                  ("signed for another model", theirs.model_id == self.config.model_id),
+                  ("signed other token ids than it streamed", list(theirs.token_ids) == state.token_ids),
+                  ("its signature does not verify", response_valid(theirs)))
+        failed = [problem for problem, ok in checks if not ok]
+        if failed:
+            log.warning("peer %s sent an answer that does not check: %s", peer_id[:16], "; ".join(failed))
+            raise EngineError(f"peer {peer_id[:16]}'s answer does not check ({'; '.join(failed)}), "
+                              f"so this node does not sign it")
+        return {**self._sign(job, state, route_reason, peer_id), "served": served_extension(theirs)}
+
+    async def _remote(self, peer_id: str, address: str, job: Job, route_reason: str) -> Production:
         """Open the stream at the peer and wait for its first chunk, so that a peer that cannot serve
         is noticed before anything is sent to the client (and the request is served here instead)."""
         conn = await self.peering.connect(bytes.fromhex(peer_id), address)
@@ -434,12 +483,12 @@ class ModelNode:
 
         stream = chunks()
 
-        async def finish(_: Generation) -> dict[str, Any]:
+        async def finish(state: Generation) -> dict[str, Any]:
             async for _extra in stream:  # drain to the signature, which follows the last chunk
                 raise EngineError("the peer sent tokens after the end of its answer")
             if not signed:
                 raise EngineError("the peer's answer carries no signature")
-            return signed
+            return self._countersign(peer_id, job, state, signed, route_reason)
 
         return Production(stream, finish)
 

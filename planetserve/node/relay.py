@@ -3,7 +3,8 @@
 Peer messages between relays (one-way, over `transport`):
   "setup" [link id, packet]   builds a path hop by hop; the packet is peeled here (`onion`)
   "fwd"   [link id, sealed]   toward the proxy, which opens (destination, data) with the path key and
-                              sends data to the model node `destination` (empty: a ping, echoed)
+                              sends data to the model node `destination`, any registered active one,
+                              trusted or not (empty: a ping, echoed)
   "back"  [link id, sealed]   toward the user: (kind, data), kind "ready", "pong", "clove", or
                               "unreachable" (the proxy could not reach the model node named)
   "down"  [link id]           the path is gone (sent both ways when a neighbour disappears)
@@ -209,7 +210,7 @@ class Relay:
             if not await self._pass_on(destination, "clove", data):
                 await self._back(hop, "unreachable", destination)
         else:
-            raise RelayError("destination is not a trusted model node")
+            raise RelayError("destination is not a registered model node")
 
     async def _on_reply(self, body: Any) -> None:
         if not (isinstance(body, list) and len(body) == 2 and type(body[1]) is bytes):

@@ -13,8 +13,9 @@ from pathlib import Path
 
 from planetserve.chain.client import LedgerClient, QueryRefused
 from planetserve.chain.keys import KeySet
-from planetserve.chain.lightclient import LightClient, VerificationError
-from planetserve.chain.rpc import RpcClient, RpcError
+from planetserve.chain.lightclient import VerificationError
+from planetserve.chain.rpc import RpcError
+from planetserve.node.behaviours import HONEST
 from planetserve.node.directory import Directory
 from planetserve.node.engine.base import Engine
 from planetserve.node.group import Group
@@ -63,25 +64,20 @@ async def remote_engine(config: ModelNodeConfig) -> tuple[Engine, Tokenizer, int
     return engine, tokenizer, len(tokenizer), stop
 
 
-def ledger_client(config: ModelNodeConfig | UserConfig) -> LedgerClient:
-    if not config.genesis:
-        raise ValueError("the node's configuration names no genesis file to verify the ledger against")
-    rpc = RpcClient(config.rpc)
-    return LedgerClient(rpc, LightClient.from_genesis_file(Path(config.genesis), rpc))
-
-
 async def run_model_node(home: Path, org_keys: KeySet | None = None,
                          on_ready: Callable[[ModelNode, Registered], None] | None = None) -> None:
     """Run until SIGINT/SIGTERM."""
     config = ModelNodeConfig.load(home)
     keys = load_keys(home)
+    if config.behaviour != HONEST:
+        log.warning("fault injection: this node behaves %s", config.behaviour)
     # The model first: a node that cannot serve should not register.
     if config.engine_url:
         engine, tokenizer, vocab, stop = await remote_engine(config)
     else:
         engine, tokenizer, vocab, stop = await asyncio.to_thread(builtin_engine, config)
     try:
-        ledger = ledger_client(config)
+        ledger = LedgerClient.verified(config.rpc, config.genesis)
         registered = await asyncio.to_thread(ensure_registered, ledger, config, keys, org_keys)
         group = Group(ledger, config.model_id)
         node = ModelNode(config, keys, engine, tokenizer, vocab_size=vocab, eos_ids=stop, group=group,
@@ -127,7 +123,7 @@ async def run_user_relay(home: Path, on_ready: Callable[[UserRelay, User, str], 
     keys = load_keys(home)
     if config.n < config.k or config.proxies < config.n:
         raise ValueError(f"need proxies >= n >= k, got proxies {config.proxies}, n {config.n}, k {config.k}")
-    ledger = ledger_client(config)
+    ledger = LedgerClient.verified(config.rpc, config.genesis)
     user, action = await asyncio.to_thread(ensure_user, ledger, config, keys)
     params = await asyncio.to_thread(ledger.params)
     relay = UserRelay(config, keys, Directory(ledger))

@@ -2,10 +2,12 @@
 OpenAI-compatible endpoint whose requests travel to model nodes anonymously.
 
 A request from the user's program is checked here (the same parser the model nodes use), sent to a
-trusted model node of the requested model as n S-IDA cloves over n of our live paths, and answered in
-reply parts that come back as cloves through the proxies the prompt listed. What the program receives
-is exactly what the model node's own API would have sent, streaming included; overlay failures become
-OpenAI-shaped errors with specific codes (`too_few_paths`, `timeout`, `model_not_found`).
+trusted model node of the requested model (or to the registered node its `planetserve.node` names,
+trusted or not: how the committee challenges a given node) as n S-IDA cloves over n of our live paths,
+and answered in reply parts that come back as cloves through the proxies the prompt listed. What the
+program receives is exactly what the model node's own API would have sent, streaming included; overlay
+failures become OpenAI-shaped errors with specific codes (`too_few_paths`, `timeout`, `model_not_found`,
+`node_not_found`, `node_model_mismatch`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import hashlib
 import json
 import logging
 import random
+import re
 import secrets
 import time
 from collections import Counter, OrderedDict
@@ -37,8 +40,10 @@ from planetserve.node.openai_api import (
     ApiLimits,
     ApiRequest,
     Endpoint,
+    bad_request,
     check_model,
     models_body,
+    parse_json_body,
     parse_request,
     sse,
 )
@@ -53,6 +58,7 @@ MAX_TRACKED_MESSAGES = 4096
 DROP_GRACE_SECONDS = 1.0
 NODE_AVOID_SECONDS = 60.0
 USER_LIMITS = ApiLimits(max_body_bytes=MAX_MESSAGE - (64 << 10))
+NODE_KEY = re.compile(r"[0-9a-fA-F]{64}")
 
 
 def too_few_paths(live: int, needed: int, detail: str = "") -> ApiError:
@@ -69,6 +75,11 @@ def node_unreachable(node: bytes, seconds: float) -> ApiError:
 def timed_out(seconds: float) -> ApiError:
     return ApiError(504, f"No answer from the model node within {seconds:g} seconds.", type="server_error",
                     code="timeout")
+
+
+def node_not_found(key: bytes) -> ApiError:
+    return ApiError(404, f"No active registered model node has the key {key.hex()}.", type="not_found_error",
+                    code="node_not_found", param="planetserve.node")
 
 
 def session_key(request: ApiRequest) -> str | None:
@@ -149,7 +160,7 @@ class UserRelay:
         self.paths.on_death.append(self._path_died)
         self.relay = Relay(onion.exchange_secret(keys.identity), self._send,
                            is_user=lambda key: key in self.view.users,
-                           is_node=lambda key: key in self.view.nodes, owner=self.paths)
+                           is_node=lambda key: self.view.node(key) is not None, owner=self.paths)
         self.reassembler = sida.Reassembler()
         self.exchanges: dict[bytes, Exchange] = {}
         self.arrivals: OrderedDict[bytes, list[Path]] = OrderedDict()
@@ -226,12 +237,12 @@ class UserRelay:
     # -- peers ---------------------------------------------------------------------------------------
 
     def _authorized(self, key: bytes) -> bool:
-        return key in self.view.users or key in self.view.nodes
+        return key in self.view.users or self.view.node(key) is not None
 
     async def _send(self, peer: bytes, msg_type: str, body: Any) -> None:
         address = self.view.address(peer)
         if address is None:
-            raise TransportError(f"{peer.hex()[:16]} is in neither verified list")
+            raise TransportError(f"{peer.hex()[:16]} is neither a listed user nor a registered model node")
         await self.peering.notify(peer, address, msg_type, body)
 
     async def _on_peer(self, peer: bytes, msg_type: str, body: Any) -> None:
@@ -375,6 +386,29 @@ class UserRelay:
         self.counters["answered" if ok else "failed"] += 1
         self.spawn(self._check_drops(exchange))
 
+    def trusted_model(self, request: ApiRequest) -> str:
+        """The model a request names, which some trusted node must serve."""
+        models = sorted(self.view.models())
+        if not models:
+            raise ApiError(503, "No trusted model node is listed on the ledger yet.", type="server_error",
+                           code="no_model_nodes")
+        try:
+            return check_model(request, models)
+        except ApiError as exc:
+            raise ApiError(exc.status, f"{exc} No trusted model node serves it; served models: "
+                           f"{', '.join(models)}.", type=exc.type, code=exc.code, param="model") from None
+
+    def named_node(self, key: bytes, request: ApiRequest) -> bytes:
+        """The node a request names, trusted or not: it must be registered, active, and serve the model
+        the request asks for."""
+        node = self.view.node(key)
+        if node is None:
+            raise node_not_found(key)
+        if request.model is not None and request.model != node.model_id:
+            raise bad_request(f"The model node {key.hex()[:16]} serves `{node.model_id}`, not "
+                              f"`{request.model[:200]}`.", "model", code="node_model_mismatch")
+        return key
+
     def choose_node(self, request: ApiRequest, model: str) -> tuple[bytes, str | None]:
         """A trusted node of the model, and the session id to give it: every request of a conversation
         goes to the same entry node under the same random session id, so the group serves it where its
@@ -414,17 +448,12 @@ class UserRelay:
     async def _serve(self, http: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         try:
             raw = await read_body(http, USER_LIMITS.max_body_bytes)
+            raw, named = _without_node(raw)
             request = parse_request(endpoint, raw, USER_LIMITS)
-            models = sorted(self.view.models())
-            if not models:
-                raise ApiError(503, "No trusted model node is listed on the ledger yet.", type="server_error",
-                               code="no_model_nodes")
-            try:
-                model = check_model(request, models)
-            except ApiError as exc:
-                raise ApiError(exc.status, f"{exc} No trusted model node serves it; served models: "
-                               f"{', '.join(models)}.", type=exc.type, code=exc.code, param="model") from None
-            node, session = self.choose_node(request, model)
+            if named is not None:  # exactly that node: no session affinity, no avoidance
+                node, session = self.named_node(named, request), None
+            else:
+                node, session = self.choose_node(request, self.trusted_model(request))
             if session is not None and request.planetserve.session_id is None:
                 raw = _with_session(raw, session)
             reply = await self.ask(node, endpoint, raw)
@@ -441,12 +470,27 @@ class UserRelay:
             "user": self.keys.public.hex(), "address": self.config.address,
             "directory_height": self.view.height,
             "users": len(self.view.users), "model_nodes": len(self.view.nodes),
+            "registered_nodes": len(self.view.registered),
             "paths": [{"proxy": p.proxy.hex(), "age": round(now - p.created, 1), "misses": p.misses}
                       for p in self.paths.live()],
             "relayed_paths": len(self.relay.forward), "counters": dict(self.counters),
             "path_counters": dict(self.paths.counters), "relay_counters": dict(self.relay.counters),
             "last_path_error": self.paths.last_error,
         }
+
+
+def _without_node(raw: bytes) -> tuple[bytes, bytes | None]:
+    """The request body without `planetserve.node`, and the key it names: the field is this relay's
+    alone (model nodes refuse unknown `planetserve` fields), so it never travels on."""
+    body = parse_json_body(raw, USER_LIMITS)
+    options = body.get("planetserve")
+    if not isinstance(options, dict) or "node" not in options:
+        return raw, None
+    key = options.pop("node")
+    if not isinstance(key, str) or not NODE_KEY.fullmatch(key):
+        raise bad_request("`planetserve.node` must be a model node's key as 64 hex digits.",
+                          "planetserve.node")
+    return json.dumps(body, separators=(",", ":")).encode(), bytes.fromhex(key)
 
 
 def _with_session(raw: bytes, session_id: str) -> bytes:

@@ -16,10 +16,11 @@ the app hash the committee signed for the block before.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from planetserve.registry import codec, rules
-from planetserve.registry.entities import Record
+from planetserve.registry.entities import ModelNode, Record
 from planetserve.registry.params import Params
 
 SEED_DOMAIN = "planetserve/epoch-seed/v1"
@@ -91,6 +92,13 @@ def sample_nodes(seed: bytes, nodes: list[bytes], cap: int) -> list[bytes]:
     return rules.hash_sample(seed, nodes, cap)
 
 
+def plan_nodes(target: Epoch, nodes: Iterable[ModelNode], cap: int) -> list[bytes]:
+    """The nodes the plan of `target` must cover: active and registered at or before its cutoff,
+    sampled above the cap. The chain enforces it; the planning member computes the same list."""
+    eligible = [n.pubkey for n in nodes if n.status == "active" and n.registered_at <= target.plan_cutoff]
+    return sample_nodes(target.seed, eligible, cap)
+
+
 def commitment(prompt: str, salt: bytes) -> bytes:
     """What a plan records for a challenge: H(prompt || salt), unambiguously encoded."""
     return hashlib.sha256(codec.pack([COMMIT_DOMAIN, prompt, salt])).digest()
@@ -156,7 +164,9 @@ class SignedResponse(Record):
 class ChallengeResult(Record):
     """A challenge's outcome as submitted by the leader or by a member who re-challenged.
     status: valid (signed and consistent), invalid (no valid response claimed), faulty (the
-    submission itself contradicts the plan or the signature; the submitter is recorded faulty)."""
+    submission itself contradicts the plan or the signature; the submitter is recorded faulty).
+    served_by: the node that computed the response when the challenged node forwarded it (its own
+    signature was checked); its credibility is credited to that node. Empty when served directly."""
 
     node: bytes
     submitter: bytes
@@ -168,6 +178,11 @@ class ChallengeResult(Record):
     response: dict
     credibility: int
     height: int
+    served_by: bytes = b""
+
+    @property
+    def scored_node(self) -> bytes:
+        return self.served_by or self.node
 
 
 @dataclass(frozen=True)

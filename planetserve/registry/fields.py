@@ -57,6 +57,17 @@ def text(body: dict[str, Any], name: str, max_len: int) -> str:
     return value
 
 
+def free_text(body: dict[str, Any], name: str, max_len: int) -> str:
+    """Text people write at length, such as a prompt: line breaks and tabs allowed, other control
+    characters not."""
+    value = body.get(name)
+    if not isinstance(value, str) or not value.strip() or len(value) > max_len:
+        raise InvalidField(name, f"must be non-empty text of at most {max_len} characters")
+    if any(ord(ch) < 32 and ch not in "\t\n\r" for ch in value):
+        raise InvalidField(name, "must not contain control characters other than tab and line breaks")
+    return value
+
+
 def hardware(body: dict[str, Any], name: str = "hardware") -> str:
     value = body.get(name)
     if not isinstance(value, str) or not _HARDWARE.fullmatch(value):

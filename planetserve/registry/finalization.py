@@ -8,6 +8,9 @@ Per node of the plan, in key order:
 - Without such a result, the node is cut (C(T) = 0) only when members holding more than 1/3 of the
   power reported no valid response from it; the leader's own "invalid" claim counts as its report.
 - Otherwise its reputation does not change this epoch.
+A response the challenged node forwarded within its group, with the serving node's own signature,
+is the serving node's: C(T) goes to it. A node gets at most one C(T) per epoch, the first in plan
+order; a challenged node whose answer was computed elsewhere is then not scored by it.
 Faults: a leader that submitted nothing for a committed plan withheld its results; one that left a
 node out skipped it; one whose proposed credibility strays beyond the tolerance from the median
 deviated; one that claimed an invalid response where members holding more than 2/3 of the power
@@ -79,13 +82,14 @@ def _scored(ev: Evidence, node: bytes, total: int, findings: list[Finding]) -> V
         if result.kind == "leader" and abs(result.credibility - value) > ev.tolerance:
             findings.append(Finding(ev.leader, "deviating-credibility", node,
                                     f"proposed {result.credibility} ppm against the median {value}"))
-        return Verdict(node, value, f"{result.kind}:{result.submitter.hex()}")
+        return Verdict(result.scored_node, value, f"{result.kind}:{result.submitter.hex()}")
     return None
 
 
 def decide(ev: Evidence) -> tuple[list[Verdict], list[Finding]]:
     total = sum(ev.power.values())
     verdicts: list[Verdict] = []
+    scored: set[bytes] = set()
     findings: list[Finding] = []
     leader_submitted = any(r.kind == "leader" for rs in ev.results.values() for r in rs)
     if ev.plan_nodes and not leader_submitted:
@@ -103,8 +107,9 @@ def decide(ev: Evidence) -> tuple[list[Verdict], list[Finding]]:
                 reporters.add(ev.leader)
             if 3 * _power(reporters, ev.power) > total:
                 verdict = Verdict(node, 0, "invalid-reports")
-        if verdict is not None:
+        if verdict is not None and verdict.node not in scored:
             verdicts.append(verdict)
+            scored.add(verdict.node)
         if own is not None and own.status == INVALID:
             answered = {r.submitter for r in node_results if r.kind == "rechallenge" and r.status == VALID}
             if rules.supermajority(_power(answered, ev.power), total):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import os
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,16 +44,23 @@ class ChallengeSource:
     `workloads.generate`), at most `max_prompt_len` tokens long when given."""
 
     def __init__(self, workload: str = "mixed", *, scale: float = 1.0, max_prompt_len: int | None = None,
-                 used_file: Path | None = None) -> None:
+                 used_file: Path | None = None, length: Callable[[str], int] | None = None) -> None:
         if workload not in workloads.WORKLOADS:
             raise ValueError(f"unknown workload {workload!r}; choose from {', '.join(workloads.WORKLOADS)}")
         self.workload = workload
         self.scale = scale
         self.max_prompt_len = max_prompt_len
         self.used_file = used_file
+        self.length = length
+        """How long a prompt is for the served models (their tokenizer); default: the workload's count."""
         self.used: set[str] = set()
         if used_file is not None and used_file.exists():
             self.used = {line.strip() for line in used_file.read_text().splitlines() if line.strip()}
+
+    def warm_up(self) -> None:
+        """Build the workload's corpus and prefix pools now (seconds), not inside the first plan
+        window."""
+        workloads.generate(self.workload, rate=1.0, count=1, seed=0, scale=self.scale)
 
     def draw(self, count: int) -> list[ChallengePrompt]:
         """`count` prompts never drawn before (by this source or, through its file, by an earlier one)."""
@@ -61,9 +69,9 @@ class ChallengeSource:
             seed = secrets.randbits(63)
             for request in workloads.generate(self.workload, rate=1.0, count=2 * (count - len(fresh)),
                                               seed=seed, scale=self.scale):
-                if self.max_prompt_len is not None and request.prompt_len > self.max_prompt_len:
-                    continue
                 text = request.text
+                if self._too_long(request.prompt_len, text):
+                    continue
                 digest = prompt_digest(text)
                 if digest in self.used:
                     continue
@@ -75,6 +83,11 @@ class ChallengeSource:
         self._record(fresh)
         raise ChallengeError(f"only {len(fresh)} of {count} fresh challenges after {MAX_REDRAWS} draws; "
                              f"raise max_prompt_len or scale")
+
+    def _too_long(self, pieces: int, text: str) -> bool:
+        if self.max_prompt_len is None:
+            return False
+        return (self.length(text) if self.length is not None else pieces) > self.max_prompt_len
 
     def _record(self, drawn: list[ChallengePrompt]) -> None:
         """Append before the prompts are used, and flush to disk, so a crash cannot lead to a repeat."""

@@ -148,10 +148,11 @@ class ReferenceModel:
         self.calibrated = calibrated
 
     @classmethod
-    def from_loaded(cls, loaded: LoadedModel, scorer: Scorer | None = None, calibrated: bool = True
-                    ) -> ReferenceModel:
-        """A loaded model with the one-pass engine over it unless another scorer is given."""
-        return cls(loaded.model_id, loaded.tokenizer, scorer or OnePassScorer(loaded.model),
+    def from_loaded(cls, loaded: LoadedModel, scorer: Scorer | None = None, calibrated: bool = True,
+                    model_id: str | None = None) -> ReferenceModel:
+        """A loaded model with the one-pass engine over it unless another scorer is given; `model_id`
+        is the id nodes register and sign with, when it is not the checkpoint's own."""
+        return cls(model_id or loaded.model_id, loaded.tokenizer, scorer or OnePassScorer(loaded.model),
                    vocab_size=int(loaded.model.get_input_embeddings().num_embeddings),
                    max_len=loaded.max_model_len, calibrated=calibrated)
 

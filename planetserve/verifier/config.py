@@ -1,0 +1,66 @@
+"""The verifier daemon's home: verifier.json (settings) beside the files the daemon keeps there."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from planetserve import workloads
+from planetserve.config import HomeConfig, HomeError
+
+CONFIG_FILE = "verifier.json"
+USED_PROMPTS_FILE = "used_prompts"
+"""sha256 of every challenge prompt ever drawn, so none is sent twice (challenges.ChallengeSource)."""
+RECHALLENGE_FILE = "rechallenges.jsonl"
+"""Prompt and salt of each re-challenge, written before its commitment goes to the ledger."""
+SUBMISSIONS_FILE = "submissions.jsonl"
+"""One line per transaction the daemon submitted: what, for which epoch, and the ledger's answer."""
+STATUS_FILE = "status.json"
+CREDIBILITIES = ("calibrated", "ppl")
+
+
+@dataclass
+class VerifierConfig(HomeConfig):
+    FILE: ClassVar[str] = CONFIG_FILE
+    INIT: ClassVar[str] = "verifier init"
+
+    keys: str
+    """The committee member's key file (operator, VRF and X25519 keys): the validator's own."""
+    rpc: str = "http://127.0.0.1:26657"
+    genesis: str = ""
+    relay: str = "http://127.0.0.1:8080"
+    """A user relay's local OpenAI-compatible endpoint: challenges travel the anonymous overlay."""
+    models: dict[str, str] = field(default_factory=lambda: {"gt": "gt"})
+    """Registered model id → the reference model scoring its nodes (family name or checkpoint dir)."""
+    data_dir: str = ""
+    credibility: str = "calibrated"
+    """calibrated (the default, docs/detection.md) or ppl (the paper's 1/PPL)."""
+    workload: str = "mixed"
+    scale: float = 0.05
+    """Workload lengths are scaled by this for the served models' context (workloads.generate)."""
+    max_prompt_tokens: int = 256
+    max_tokens: int = 64
+    temperature: float = 1.0
+    challenge_timeout: float = 60.0
+    poll_interval: float = 1.0
+    concurrency: int = 8
+    """Challenges in flight at once."""
+
+    def check(self) -> None:
+        if not self.keys:
+            raise HomeError(f"{CONFIG_FILE}: `keys` must name the member's key file")
+        if self.credibility not in CREDIBILITIES:
+            raise HomeError(f"{CONFIG_FILE}: credibility must be one of {', '.join(CREDIBILITIES)}")
+        if self.workload not in workloads.WORKLOADS:
+            raise HomeError(f"{CONFIG_FILE}: workload must be one of {', '.join(workloads.WORKLOADS)}")
+        pairs = self.models.items() if isinstance(self.models, dict) else ()
+        if not pairs or not all(isinstance(k, str) and isinstance(v, str) for k, v in pairs):
+            raise HomeError(f"{CONFIG_FILE}: models must map model ids to reference models")
+        for name in ("max_prompt_tokens", "max_tokens", "concurrency"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise HomeError(f"{CONFIG_FILE}: {name} must be a positive integer")
+        for name in ("scale", "challenge_timeout", "poll_interval"):
+            if not getattr(self, name) > 0:
+                raise HomeError(f"{CONFIG_FILE}: {name} must be positive")
+        if not 0 <= self.temperature <= 2:
+            raise HomeError(f"{CONFIG_FILE}: temperature must lie in [0, 2]")

@@ -1,0 +1,410 @@
+"""The verifier daemon: one committee member's part in every epoch (docs/architecture.md, "The
+verifier daemon").
+
+Each tick reads the verified ledger and does what is due at the next height, so a restarted daemon
+simply resumes: the ledger, not memory, says what was already done, and nothing is submitted twice.
+Due work, in order:
+
+- in the VRF window: prove the next epoch's seed;
+- as the leader of this epoch, in the plan window: commit the next epoch's plan (fresh challenges,
+  sealed to every member);
+- as the leader of this epoch, in its results window: send each planned challenge through the
+  overlay, score the answer and submit it with the proposed credibility;
+- always: score every valid result not yet attested and attest;
+- once the results window has closed: re-challenge every planned node without a valid leader result
+  (commitment first, then the challenge, then the revealed result, or an invalid claim).
+
+Challenges run in a thread pool so that a slow node never holds up attestations; a re-challenge's
+prompt and salt are written to a journal before its commitment, so a restart can still reveal it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Hashable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from planetserve.chain import vrf
+from planetserve.chain.challenge import Challenge, SealedPromptError, open_plan_entry
+from planetserve.chain.client import LedgerClient, QueryRefused
+from planetserve.chain.errors import Code
+from planetserve.chain.keys import KeySet
+from planetserve.chain.lightclient import VerificationError
+from planetserve.chain.rpc import RpcError
+from planetserve.registry import codec, epochs
+from planetserve.registry.entities import Member, ModelNode
+from planetserve.registry.epochs import PLAN_COMMITTED, VALID, ChallengeResult, Schedule, SignedResponse
+from planetserve.registry.params import Params
+from planetserve.verifier.challenges import ChallengeError, ChallengeSource
+from planetserve.verifier.config import RECHALLENGE_FILE, STATUS_FILE, SUBMISSIONS_FILE
+from planetserve.verifier.credibility import Answer, ReferenceModel, Verdict
+from planetserve.verifier.overlay import NoAnswer, OverlayChannel, RelayUnavailable, Reply
+
+log = logging.getLogger(__name__)
+
+TX_MARGIN_BYTES = 1_024
+"""Room left in max_tx_bytes for the envelope around a plan part."""
+PLAN_DRAWS = 8
+ERROR_BACKOFF_MAX = 30.0
+TRANSIENT = (RpcError, QueryRefused, VerificationError, TimeoutError, OSError)
+"""Ledger trouble that a later tick can get past: the daemon backs off and tries again."""
+
+
+@dataclass(frozen=True)
+class Asked:
+    """A challenge sent to a node: the answer, or why there is none."""
+
+    challenge: Challenge
+    node: bytes
+    reply: Reply | None = None
+    failure: str = ""
+
+
+class Journal:
+    """Re-challenge prompts and salts, appended and fsynced before their commitment is submitted."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.entries: dict[tuple[int, bytes], Challenge] = {}
+        if path.exists():
+            for line in path.read_text().splitlines():
+                if line.strip():
+                    item = json.loads(line)
+                    self.entries[item["epoch"], bytes.fromhex(item["node"])] = Challenge(
+                        item["prompt"], bytes.fromhex(item["salt"]))
+
+    def add(self, epoch: int, node: bytes, challenge: Challenge) -> None:
+        line = json.dumps({"epoch": epoch, "node": node.hex(), "prompt": challenge.prompt,
+                           "salt": challenge.salt.hex()})
+        with self.path.open("a") as fh:
+            fh.write(line + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        self.entries[epoch, node] = challenge
+
+    def get(self, epoch: int, node: bytes) -> Challenge | None:
+        return self.entries.get((epoch, node))
+
+
+class Daemon:
+    def __init__(self, keys: KeySet, ledger: LedgerClient, references: dict[str, ReferenceModel],
+                 channel: OverlayChannel, source: ChallengeSource, home: Path, *,
+                 calibrated: bool = True, concurrency: int = 8) -> None:
+        self.keys = keys
+        self.me = keys.public
+        self.ledger = ledger
+        self.references = references
+        self.channel = channel
+        self.source = source
+        self.home = home
+        self.calibrated = calibrated
+        self.journal = Journal(home / RECHALLENGE_FILE)
+        self.submissions = home / SUBMISSIONS_FILE
+        self.status_file = home / STATUS_FILE
+        self.pool = ThreadPoolExecutor(concurrency, thread_name_prefix="challenge")
+        self.pending: dict[tuple[int, bytes, str], Future[Asked]] = {}
+        self.scores: dict[tuple[int, bytes, bytes], int] = {}
+        self.given_up: set[tuple[int, Hashable]] = set()
+        self.status: dict[str, Any] = {"member": self.me.hex(), "started": int(time.time()), "ticks": 0,
+                                       "submitted": 0, "rejected": 0, "last_error": None}
+
+    # -- the loop --------------------------------------------------------------------------------
+
+    def run(self, stop: threading.Event, poll_interval: float = 1.0) -> None:
+        """Tick until `stop` is set; ledger and relay outages back off and are retried."""
+        delay = poll_interval
+        while not stop.is_set():
+            try:
+                self.tick()
+                delay = poll_interval
+                self.status["last_error"] = None
+            except (*TRANSIENT, RelayUnavailable) as exc:
+                delay = min(ERROR_BACKOFF_MAX, delay * 2)
+                self.status["last_error"] = f"{type(exc).__name__}: {exc}"
+                log.warning("tick failed, retrying in %.0f s: %s", delay, exc)
+            self._write_status()
+            stop.wait(delay)
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def tick(self) -> None:
+        with self.ledger.snapshot() as verified:
+            params = self.ledger.params()
+            schedule = Schedule.from_params(params)
+            upcoming = verified + 1  # the earliest block a transaction sent now can land in
+            number = schedule.epoch_of(upcoming)
+            current = self.ledger.epoch(number)
+            self.status.update(ticks=self.status["ticks"] + 1, height=verified, epoch=number,
+                               leader=bool(current and current.leader == self.me))
+            if current is None:
+                return
+            self._forget_before(number)
+            self._collect(number)
+            if schedule.in_plan_window(upcoming):  # first: the plan takes longer than the proof
+                self._plan(number + 1, params, schedule)
+            if schedule.in_vrf_window(upcoming):
+                self._prove(number + 1, schedule)
+            planned = current.plan_status == PLAN_COMMITTED
+            if planned and current.leader == self.me and schedule.in_results(upcoming):
+                self._lead(number)
+            self._attest(number)
+            if planned and not schedule.in_results(upcoming):
+                self._rechallenge(number, current.leader)
+
+    def _forget_before(self, number: int) -> None:
+        """Past epochs' scores and refusals are of no more use (their transactions would be refused)."""
+        self.scores = {k: v for k, v in self.scores.items() if k[0] >= number}
+        self.given_up = {k for k in self.given_up if k[0] >= number}
+
+    def _open(self, window: Callable[[int], bool]) -> bool:
+        """Whether the window still holds for the next block, by the endpoint's latest height: only a
+        matter of timing (a wrong answer costs a refused transaction), so it is not verified."""
+        latest = int(self.ledger.rpc.status()["sync_info"]["latest_block_height"])
+        return window(latest + 1)
+
+    # -- submitting ------------------------------------------------------------------------------
+
+    def _submit(self, tx_type: str, body: dict[str, Any], epoch: int, keys: Iterable[Hashable] = ()) -> bool:
+        """Submit and record the outcome. A refusal other than a stale sequence will not change on a
+        retry, so the work items `keys` are given up for this epoch instead of being sent again."""
+        done = self.ledger.submit(self.keys, tx_type, body)
+        code, message = done.outcome.code, done.outcome.log
+        self.status["submitted" if code == 0 else "rejected"] += 1
+        with self.submissions.open("a") as fh:
+            fh.write(json.dumps({"time": int(time.time()), "epoch": epoch, "type": tx_type, "code": code,
+                                 "height": done.height, "log": message}) + "\n")
+        if code == 0:
+            log.info("%s for epoch %d committed at height %d", tx_type, epoch, done.height)
+            return True
+        log.warning("%s for epoch %d refused (code %d): %s", tx_type, epoch, code, message)
+        if code != Code.BAD_SEQUENCE:
+            self.given_up.update((epoch, key) for key in keys)
+        return False
+
+    def _due(self, epoch: int, key: Hashable) -> bool:
+        return (epoch, key) not in self.given_up
+
+    # -- leader election and plans ---------------------------------------------------------------
+
+    def _prove(self, target_number: int, schedule: Schedule) -> None:
+        target = self.ledger.epoch(target_number)
+        if (target is None or not self._due(target_number, "vrf")
+                or self.ledger.vrf_entry(target_number, self.me) is not None
+                or not self._open(schedule.in_vrf_window)):
+            return
+        proof = vrf.prove(bytes(self.keys.vrf), target.seed)
+        self._submit("submit-vrf", {"epoch": target_number, "proof": proof}, target_number, ["vrf"])
+
+    def _plan(self, target_number: int, params: Params, schedule: Schedule) -> None:
+        target = self.ledger.epoch(target_number)
+        if (target is None or target.plan_leader != self.me or target.plan_status == PLAN_COMMITTED
+                or not self._due(target_number, "plan")):
+            return
+        required = epochs.plan_nodes(target, self.ledger.registered_nodes(), params.max_plan_nodes)
+        planned = {entry.node for entry in self.ledger.plan(target_number)[1]}
+        _, committee = self.ledger.committee()
+        entries = [self._plan_entry(node, committee, params) for node in required if node not in planned]
+        parts = _parts(entries, params.max_tx_bytes - TX_MARGIN_BYTES)
+        for index, part in enumerate(parts):
+            final = index == len(parts) - 1
+            if not self._open(schedule.in_plan_window) or not self._submit(
+                    "commit-plan", {"epoch": target_number, "entries": part, "final": final}, target_number,
+                    ["plan"]):
+                return
+
+    def _plan_entry(self, node: bytes, committee: list[Member], params: Params) -> dict:
+        """A fresh challenge for `node`, drawn again while its sealed copies would not fit a transaction."""
+        for _ in range(PLAN_DRAWS):
+            entry = Challenge.new(self.source.draw(1)[0].text).plan_entry(node, committee)
+            if len(codec.pack(entry)) <= params.max_tx_bytes - TX_MARGIN_BYTES:
+                return entry
+        raise ChallengeError(f"no challenge small enough for a {len(committee)}-member plan entry in "
+                             f"{PLAN_DRAWS} draws; lower max_prompt_tokens")
+
+    # -- challenges ------------------------------------------------------------------------------
+
+    def _ask(self, key: tuple[int, bytes, str], challenge: Challenge, node: ModelNode) -> None:
+        if key in self.pending:
+            return
+
+        def run() -> Asked:
+            try:
+                return Asked(challenge, node.pubkey, self.channel.ask(node.pubkey, node.model_id,
+                                                                      challenge.prompt))
+            except NoAnswer as exc:
+                return Asked(challenge, node.pubkey, failure=str(exc))
+
+        self.pending[key] = self.pool.submit(run)
+
+    def _collect(self, number: int) -> None:
+        """Submit what finished challenges brought back; challenges of past epochs are dropped."""
+        for key in sorted(self.pending, key=lambda k: (k[0], k[1], k[2])):
+            future = self.pending[key]
+            epoch, _, kind = key
+            if epoch != number:
+                future.cancel()
+                del self.pending[key]
+                continue
+            if not future.done():
+                continue
+            del self.pending[key]
+            try:
+                asked = future.result()
+            except RelayUnavailable as exc:
+                log.warning("challenge of %s not sent, will retry: %s", key[1].hex()[:16], exc)
+                continue
+            if kind == "leader":
+                self._submit_leader(number, asked)
+            else:
+                self._submit_rechallenge(number, asked)
+
+    def _lead(self, number: int) -> None:
+        mine = {r.node for r in self.ledger.results(number) if r.submitter == self.me}
+        for entry in self.ledger.plan(number)[1]:
+            if (entry.node in mine or (number, entry.node, "leader") in self.pending
+                    or not self._due(number, (entry.node, "leader"))):
+                continue
+            node = self.ledger.node(entry.node)
+            if node is None or node.model_id not in self.references:
+                log.error("cannot verify node %s: no reference model for %r", entry.node.hex()[:16],
+                          node.model_id if node else None)
+                continue
+            try:
+                challenge = open_plan_entry(entry, self.me, self.keys.x25519)
+            except SealedPromptError as exc:
+                log.error("planned challenge of %s does not open: %s", entry.node.hex()[:16], exc)
+                continue
+            self._ask((number, entry.node, "leader"), challenge, node)
+
+    def _verdict(self, node: ModelNode | None, response: SignedResponse, prompt: str) -> Verdict | None:
+        reference = self.references.get(node.model_id) if node else None
+        if reference is None or node is None:
+            return None
+        return reference.verify([Answer(response, prompt, node.pubkey)])[0]
+
+    def _score(self, verdict: Verdict) -> int:
+        """The credibility this member stands behind: a response the node signed but that cannot be
+        scored (empty, not the detokenisation of its ids, beyond the vocabulary) is worth nothing."""
+        if not verdict.ok:
+            return 0
+        value = verdict.calibrated_ppm if self.calibrated else verdict.credibility_ppm
+        return value if value is not None else 0
+
+    def _entry(self, number: int, asked: Asked, with_credibility: bool) -> dict[str, Any]:
+        """A submit-results entry: the revealed challenge, or an invalid claim when there is no answer
+        the node can be held to."""
+        if asked.reply is None:
+            log.warning("node %s gave no answer in epoch %d: %s", asked.node.hex()[:16], number,
+                        asked.failure)
+            return {"node": asked.node, "invalid": _reason(asked.failure)}
+        node = self.ledger.node(asked.node)
+        response = asked.reply.response
+        verdict = self._verdict(node, response, asked.challenge.prompt)
+        if verdict is not None and not verdict.ok and not verdict.rejection.node_fault:
+            log.warning("node %s's answer in epoch %d is not its own: %s", asked.node.hex()[:16], number,
+                        verdict.detail)
+            return {"node": asked.node, "invalid": _reason(f"{verdict.rejection.value}: {verdict.detail}")}
+        entry = asked.challenge.reveal(response, asked.reply.served)
+        if verdict is not None:
+            self.scores[number, asked.node, self.me] = self._score(verdict)
+            if with_credibility:
+                entry["credibility"] = self.scores[number, asked.node, self.me]
+        return entry
+
+    def _submit_leader(self, number: int, asked: Asked) -> None:
+        entry = self._entry(number, asked, with_credibility=True)
+        self._submit("submit-results", {"epoch": number, "kind": "leader", "results": [entry]}, number,
+                     [(asked.node, "leader")])
+
+    def _rechallenge(self, number: int, leader: bytes) -> None:
+        """Challenge, with a prompt of our own, each planned node the leader left without a valid result."""
+        results = self.ledger.results(number)
+        answered = {r.node for r in results if r.submitter == leader and r.status == VALID}
+        mine = {r.node for r in results if r.submitter == self.me}
+        for entry in self.ledger.plan(number)[1]:
+            key = (entry.node, "rechallenge")
+            if (entry.node in answered or entry.node in mine or self.me == leader
+                    or (number, *key) in self.pending or not self._due(number, key)):
+                continue
+            node = self.ledger.node(entry.node)
+            if node is None or node.model_id not in self.references:
+                continue
+            challenge = self.journal.get(number, entry.node)
+            if challenge is None or self.ledger.rechallenge(number, entry.node, self.me) is None:
+                if challenge is None:
+                    challenge = Challenge.new(self.source.draw(1)[0].text)
+                    self.journal.add(number, entry.node, challenge)
+                body = {"epoch": number, "node": entry.node, "commitment": challenge.commitment}
+                if not self._submit("commit-rechallenge", body, number, [(entry.node, "rechallenge")]):
+                    continue
+            self._ask((number, entry.node, "rechallenge"), challenge, node)
+
+    def _submit_rechallenge(self, number: int, asked: Asked) -> None:
+        entry = self._entry(number, asked, with_credibility=False)
+        self._submit("submit-results", {"epoch": number, "kind": "rechallenge", "results": [entry]}, number,
+                     [(asked.node, "rechallenge")])
+
+    # -- attestations ----------------------------------------------------------------------------
+
+    def _attest(self, number: int) -> None:
+        results = [r for r in self.ledger.results(number) if r.status == VALID]
+        if not results:
+            return
+        attested = self.ledger.attestations(number)
+        scores = []
+        for result in results:
+            if (any(member == self.me for member, _ in attested.get((result.node, result.submitter), []))
+                    or not self._due(number, (result.node, result.submitter, "attest"))):
+                continue
+            score = self._attested_score(number, result)
+            if score is not None:
+                scores.append([result.node, result.submitter, score])
+        if scores:
+            self._submit("attest", {"epoch": number, "scores": scores}, number,
+                         [(node, submitter, "attest") for node, submitter, _ in scores])
+
+    def _attested_score(self, number: int, result: ChallengeResult) -> int | None:
+        key = (number, result.node, result.submitter)
+        if key not in self.scores:
+            node = self.ledger.node(result.node)
+            verdict = self._verdict(node, SignedResponse.from_record(result.response), result.prompt)
+            if verdict is None:
+                log.error("cannot attest node %s: no reference model for its model", result.node.hex()[:16])
+                return None
+            self.scores[key] = self._score(verdict)
+        return self.scores[key]
+
+    # -- status ----------------------------------------------------------------------------------
+
+    def _write_status(self) -> None:
+        self.status.update(pending=len(self.pending), updated=int(time.time()))
+        temporary = self.status_file.with_suffix(".tmp")
+        temporary.write_text(json.dumps(self.status, indent=2, sort_keys=True) + "\n")
+        temporary.replace(self.status_file)
+
+
+def _reason(text: str) -> str:
+    """A reason as the ledger takes it: one line of at most 256 characters, never empty."""
+    return " ".join(text.split())[:256] or "no answer"
+
+
+def _parts(entries: list[dict], limit: int) -> list[list[dict]]:
+    """Plan entries in consecutive parts of at most `limit` encoded bytes; at least one (maybe empty)
+    part, so that the last one, marked final, always exists."""
+    parts: list[list[dict]] = [[]]
+    size = 0
+    for entry in entries:
+        length = len(codec.pack(entry))
+        if parts[-1] and size + length > limit:
+            parts.append([])
+            size = 0
+        parts[-1].append(entry)
+        size += length
+    return parts
+

@@ -1,0 +1,57 @@
+"""Starting the verifier daemon from its home until it is told to stop."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from pathlib import Path
+
+from planetserve.chain.client import LedgerClient
+from planetserve.chain.keys import KeySet
+from planetserve.verifier.challenges import ChallengeSource
+from planetserve.verifier.config import USED_PROMPTS_FILE, VerifierConfig
+from planetserve.verifier.credibility import ReferenceModel
+from planetserve.verifier.daemon import Daemon
+from planetserve.verifier.overlay import OverlayChannel
+
+log = logging.getLogger(__name__)
+
+
+def reference_models(config: VerifierConfig) -> dict[str, ReferenceModel]:
+    """Each registered model id's reference, loaded once (ids sharing a checkpoint share it)."""
+    from planetserve.models import load
+
+    names = sorted(set(config.models.values()))
+    loaded = {name: load(name, data_dir=config.data_dir or None) for name in names}
+    return {model_id: ReferenceModel.from_loaded(loaded[name], calibrated=config.credibility == "calibrated",
+                                                 model_id=model_id)
+            for model_id, name in sorted(config.models.items())}
+
+
+def build_daemon(home: Path) -> tuple[Daemon, VerifierConfig]:
+    config = VerifierConfig.load(home)
+    keys = KeySet.load(Path(config.keys))
+    references = reference_models(config)
+    max_len = min(r.max_len for r in references.values())
+    source = ChallengeSource(config.workload, scale=config.scale,
+                             max_prompt_len=min(config.max_prompt_tokens, max_len - config.max_tokens),
+                             used_file=home / USED_PROMPTS_FILE,
+                             length=lambda text: max(len(r.prompt_ids(text)) for r in references.values()))
+    source.warm_up()
+    channel = OverlayChannel(config.relay, timeout=config.challenge_timeout, max_tokens=config.max_tokens,
+                             temperature=config.temperature)
+    ledger = LedgerClient.verified(config.rpc, config.genesis)
+    daemon = Daemon(keys, ledger, references, channel, source, home,
+                    calibrated=config.credibility == "calibrated", concurrency=config.concurrency)
+    return daemon, config
+
+
+def run_verifier(home: Path) -> None:
+    """Run until SIGINT/SIGTERM."""
+    daemon, config = build_daemon(home)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    log.info("verifier %s running against %s", daemon.me.hex()[:16], config.rpc)
+    daemon.run(stop, config.poll_interval)

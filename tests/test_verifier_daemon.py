@@ -1,0 +1,204 @@
+"""The verifier daemon's parts that need no network: its home, its journal, plan parts, the CLI, and
+how it reads a user relay's answers (a real HTTP server answering as a relay would)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+from aiohttp import web
+from click.testing import CliRunner
+from modelnodes import free_port
+
+from planetserve.chain.challenge import (
+    Challenge,
+    response_extension,
+    response_valid,
+    served_extension,
+    sign_response,
+)
+from planetserve.chain.keys import KeySet
+from planetserve.cli import main
+from planetserve.config import HomeError
+from planetserve.registry import codec
+from planetserve.verifier.config import CONFIG_FILE, STATUS_FILE, SUBMISSIONS_FILE, VerifierConfig
+from planetserve.verifier.daemon import Journal, _parts
+from planetserve.verifier.overlay import NoAnswer, OverlayChannel, RelayUnavailable
+
+
+def test_config_loads_strictly(tmp_path):
+    with pytest.raises(HomeError, match="planetserve verifier init --home"):
+        VerifierConfig.load(tmp_path)
+    VerifierConfig(keys="k.json").save(tmp_path)
+    assert VerifierConfig.load(tmp_path).models == {"gt": "gt"}
+    for bad, message in [({"keys": "k", "colour": "red"}, "unknown settings colour"),
+                         ({"keys": "k", "credibility": "vibes"}, "credibility must be one of calibrated, ppl"),
+                         ({"keys": "k", "workload": "chess"}, "workload must be one of"),
+                         ({"keys": "k", "models": {}}, "models must map"),
+                         ({"keys": "k", "max_tokens": 0}, "max_tokens must be a positive integer"),
+                         ({"keys": "k", "temperature": 3}, "temperature must lie in"),
+                         ({"keys": ""}, "`keys` must name")]:
+        (tmp_path / CONFIG_FILE).write_text(json.dumps(bad))
+        with pytest.raises(HomeError, match=message):
+            VerifierConfig.load(tmp_path)
+
+
+def test_the_journal_survives_a_restart(tmp_path):
+    journal = Journal(tmp_path / "j.jsonl")
+    node = bytes(range(32))
+    challenge = Challenge.new("How do tides work?")
+    journal.add(3, node, challenge)
+    again = Journal(tmp_path / "j.jsonl")
+    assert again.get(3, node) == challenge and again.get(4, node) is None
+    assert again.get(3, node).commitment == challenge.commitment
+
+
+def test_plan_parts_stay_under_the_limit_and_end_in_a_final_part():
+    entries = [{"node": bytes([i]) * 32, "commitment": bytes(32), "sealed": [[bytes(32), bytes(900)]]}
+               for i in range(10)]
+    size = len(codec.pack(entries[0]))
+    parts = _parts(entries, 3 * size)
+    assert [len(p) for p in parts] == [3, 3, 3, 1]
+    assert [e for p in parts for e in p] == entries
+    assert all(len(codec.pack(p)) <= 3 * size + 4 for p in parts)
+    assert _parts([], 1000) == [[]]  # nothing left to cover: one empty, final part
+
+
+# -- reading a relay's answers ------------------------------------------------------------------
+
+
+class FakeRelayAnswers:
+    """A real HTTP server on a free port whose answer to /v1/completions the test sets."""
+
+    def __init__(self) -> None:
+        self.status, self.body, self.delay = 200, {}, 0.0
+        self.received: list[dict] = []
+        self.port = free_port()
+        self.loop = asyncio.new_event_loop()
+        started = threading.Event()
+        threading.Thread(target=self._serve, args=(started,), daemon=True).start()
+        started.wait(10)
+
+    def _serve(self, started: threading.Event) -> None:
+        asyncio.set_event_loop(self.loop)
+
+        async def completions(request: web.Request) -> web.Response:
+            self.received.append(await request.json())
+            await asyncio.sleep(self.delay)
+            return web.json_response(self.body, status=self.status)
+
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        runner = web.AppRunner(app)
+        self.loop.run_until_complete(runner.setup())
+        self.loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", self.port).start())
+        started.set()
+        self.loop.run_forever()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+@pytest.fixture
+def relay() -> Iterator[FakeRelayAnswers]:
+    server = FakeRelayAnswers()
+    yield server
+    server.loop.call_soon_threadsafe(server.loop.stop)
+
+
+def test_a_signed_answer_comes_back_whole(relay):
+    node = KeySet.generate()
+    response = sign_response(node, "Why is the sky blue?", [5, 6], "Light.", "gt", int(time.time()), "h:1")
+    relay.body = {"choices": [{"text": "Light."}], "planetserve": response_extension(response)}
+    got = OverlayChannel(relay.url, max_tokens=12, temperature=0.5).ask(node.public, "gt", "Why is the sky blue?")
+    assert got.response == response and response_valid(got.response) and got.served is None
+    sent = relay.received[0]
+    assert sent == {"model": "gt", "prompt": "Why is the sky blue?", "max_tokens": 12, "temperature": 0.5,
+                    "planetserve": {"node": node.public.hex()}}
+
+
+def test_a_forwarded_answer_names_the_node_that_computed_it(relay):
+    entry, peer = KeySet.generate(), KeySet.generate()
+    now = int(time.time())
+    answer = sign_response(entry, "Why?", [5, 6], "Light.", "gt", now, "entry:1")
+    computed = sign_response(peer, "Why?", [5, 6], "Light.", "gt", now - 1, "peer:1")
+    relay.body = {"choices": [{"text": "Light."}],
+                  "planetserve": {**response_extension(answer), "served": served_extension(computed)}}
+    got = OverlayChannel(relay.url).ask(entry.public, "gt", "Why?")
+    assert got.response == answer and got.served == computed
+    # a serving signature that does not check is dropped: the entry node alone answers for it
+    forged = {**served_extension(computed), "signature": "00" * 64}
+    relay.body["planetserve"]["served"] = forged
+    assert OverlayChannel(relay.url).ask(entry.public, "gt", "Why?").served is None
+    other_text = sign_response(peer, "Why?", [5, 7], "Dark.", "gt", now, "peer:1")
+    relay.body["planetserve"]["served"] = served_extension(other_text)
+    assert OverlayChannel(relay.url).ask(entry.public, "gt", "Why?").served is None
+
+
+@pytest.mark.parametrize(("status", "body", "error", "message"), [
+    (503, {"error": {"code": "too_few_paths", "message": "2 live"}}, RelayUnavailable, "too_few_paths"),
+    (502, {"error": {"code": "node_unreachable", "message": "proxies could not reach it"}}, NoAnswer,
+     "HTTP 502 node_unreachable: proxies could not reach it"),
+    (404, {"error": {"code": "node_not_found", "message": "no such node"}}, NoAnswer, "node_not_found"),
+    (200, {"choices": [{"text": "x"}]}, NoAnswer, "no planetserve extension"),
+    (200, {"choices": []}, NoAnswer, "malformed answer"),
+    (200, {"choices": [{"text": 5}], "planetserve": {}}, NoAnswer, "malformed answer"),
+])
+def test_what_is_not_an_answer(relay, status, body, error, message):
+    relay.status, relay.body = status, body
+    with pytest.raises(error, match=message):
+        OverlayChannel(relay.url).ask(bytes(32), "gt", "Why?")
+
+
+def test_a_silent_node_and_a_missing_relay(relay):
+    relay.delay, relay.body = 2.0, {}
+    with pytest.raises(NoAnswer, match="no answer within 0.5 s"):
+        OverlayChannel(relay.url, timeout=0.5).ask(bytes(32), "gt", "Why?")
+    with pytest.raises(RelayUnavailable, match="unreachable"):
+        OverlayChannel(f"http://127.0.0.1:{free_port()}").ask(bytes(32), "gt", "Why?")
+
+
+# -- the CLI ------------------------------------------------------------------------------------
+
+
+def test_cli_init_and_status(tmp_path):
+    runner = CliRunner()
+    keys = tmp_path / "member.json"
+    KeySet.generate().save(keys)
+    genesis = tmp_path / "genesis.json"
+    genesis.write_text("{}")
+    home = tmp_path / "ver"
+    args = ["verifier", "init", "--home", str(home), "--keys", str(keys), "--genesis", str(genesis)]
+    done = runner.invoke(main, [*args, "--model", "gt=gt", "--model", "big=/models/big", "--json"])
+    assert done.exit_code == 0, done.output
+    config = VerifierConfig.load(home)
+    assert config.models == {"gt": "gt", "big": "/models/big"} and config.keys == str(keys.resolve())
+    again = runner.invoke(main, args)
+    assert again.exit_code != 0 and "already has verifier.json" in again.output
+    bad = runner.invoke(main, ["verifier", "init", "--home", str(tmp_path / "v2"), "--keys", str(keys),
+                               "--genesis", str(genesis), "--model", "gt"])
+    assert bad.exit_code != 0 and "MODEL_ID=REFERENCE" in bad.output
+
+    missing = runner.invoke(main, ["verifier", "status", "--home", str(home)])
+    assert missing.exit_code != 0 and "has not run yet" in missing.output
+    (home / STATUS_FILE).write_text(json.dumps({"member": "ab" * 32, "epoch": 3, "height": 95, "leader": True,
+                                                "submitted": 4, "rejected": 1, "pending": 0,
+                                                "last_error": None}))
+    (home / SUBMISSIONS_FILE).write_text(json.dumps({"time": 1, "epoch": 3, "type": "attest", "code": 0,
+                                                     "height": 90, "log": ""}) + "\n")
+    shown = runner.invoke(main, ["verifier", "status", "--home", str(home)])
+    assert shown.exit_code == 0 and "epoch 3" in shown.output and "leader" in shown.output
+    assert "attest" in shown.output
+    as_json = json.loads(runner.invoke(main, ["verifier", "status", "--home", str(home), "--json"]).output)
+    assert as_json["submissions"][0]["type"] == "attest" and as_json["rejected"] == 1
+
+
+def test_cli_run_explains_a_missing_home(tmp_path):
+    done = CliRunner().invoke(main, ["verifier", "run", "--home", str(tmp_path)])
+    assert done.exit_code != 0 and "planetserve verifier init" in done.output
+

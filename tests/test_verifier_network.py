@@ -1,0 +1,180 @@
+"""The whole verification loop on a real network, nothing scripted: four validators each with its own
+`planetserve verifier run` daemon, four model node processes of one organisation (two honest gt, one
+serving the small model while claiming gt, one answering clickbait rewrites of its prompts) and user
+relay processes carrying the challenges. Epoch after epoch the ledger scores the nodes; one daemon
+is killed mid-epoch and restarted, and it rejoins without submitting anything twice."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from chainnet import assert_same_app_hashes, ledger, start_network
+from modelnodes import free_port
+from test_model_node_network import NodeProcess, planetserve, wait_until
+from test_overlay_network import RelayProcess, init_user
+
+from planetserve.chain.errors import Code
+from planetserve.chain.keys import KeySet
+from planetserve.genesis.network import KEYS_FILE
+from planetserve.node.home import ModelNodeConfig
+from planetserve.registry import epochs, reputation
+from planetserve.registry.params import Params
+from planetserve.verifier.config import STATUS_FILE, SUBMISSIONS_FILE, VerifierConfig
+
+pytestmark = pytest.mark.network
+
+PARAMS = Params(epoch_blocks=40, results_blocks=16, vrf_window_blocks=10, plan_window_blocks=14)
+SCHEDULE = epochs.Schedule.from_params(PARAMS)
+RULE = reputation.ReputationRule.from_params(PARAMS)
+SCORED_EPOCHS = 4
+NODES = {"honest-a": ("gt", "honest"), "honest-b": ("gt", "honest"), "small": ("small", "honest"),
+         "clickbait": ("gt", "alter-prompts")}
+
+
+class VerifierProcess:
+    def __init__(self, home: Path) -> None:
+        self.home = home
+        self.log = (home / "daemon.log").open("a")
+        self.proc = subprocess.Popen([sys.executable, "-m", "planetserve", "verifier", "run", "--home", str(home)],
+                                     stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    def wait_ready(self) -> None:
+        """Until the first tick is done (reference model loaded, ledger read)."""
+        def ticked() -> bool:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"verifier exited: {(self.home / 'daemon.log').read_text()[-3000:]}")
+            return (self.home / STATUS_FILE).exists()
+        wait_until(ticked, timeout=120)
+
+    def submissions(self) -> list[dict]:
+        path = self.home / SUBMISSIONS_FILE
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        self.proc.send_signal(sig)
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+def model_node_home(home: Path, net, data: Path, model: str, behaviour: str) -> None:
+    done = planetserve("node", "init-model", "--home", str(home), "--org-id", "acme", "--model-id", "gt",
+                       "--model", model, "--behaviour", behaviour, "--genesis", str(net.spec.genesis_path),
+                       "--rpc", net.rpc_url(0), "--data-dir", str(data), "--http", f"127.0.0.1:{free_port()}",
+                       "--peer", f"127.0.0.1:{free_port()}", "--capacity", "2", "--json")
+    assert done.returncode == 0, done.stderr
+    config = ModelNodeConfig.load(home)
+    config.list_interval = 1.0
+    config.max_prompt_tokens = 400
+    config.save(home)
+
+
+def verifier_home(home: Path, net, i: int, relay_url: str, data: Path) -> None:
+    keys = net.spec.validators[i].home / "config" / KEYS_FILE
+    done = planetserve("verifier", "init", "--home", str(home), "--keys", str(keys), "--genesis",
+                       str(net.spec.genesis_path), "--rpc", net.rpc_url(i), "--relay", relay_url,
+                       "--model", "gt=gt", "--data-dir", str(data), "--json")
+    assert done.returncode == 0, done.stderr
+    config = VerifierConfig.load(home)
+    config.poll_interval = 0.5
+    config.max_tokens = 32
+    config.challenge_timeout = 30.0
+    config.save(home)
+
+
+def test_the_committee_verifies_model_nodes_epoch_after_epoch(tmp_path, quick_family):
+    net = start_network(tmp_path / "net", params=PARAMS)
+    nodes: dict[str, NodeProcess] = {}
+    relays: list[RelayProcess] = []
+    daemons: list[VerifierProcess] = []
+    try:
+        client = ledger(net)
+        owner = KeySet.generate()
+        owner.save(tmp_path / "acme.json")
+        assert client.submit(owner, "register-org", {"org_id": "acme", "name": "ACME"}).outcome.ok
+        for name, (model, behaviour) in NODES.items():
+            model_node_home(tmp_path / name, net, quick_family, model, behaviour)
+            nodes[name] = NodeProcess(tmp_path / name, tmp_path / "acme.json")
+        key = {name: bytes.fromhex(node.ready["node"]) for name, node in nodes.items()}
+
+        relay_homes = [tmp_path / f"relay{i}" for i in range(5)]
+        for home in relay_homes:
+            init_user(home, net)
+        relays = [RelayProcess(home) for home in relay_homes]
+        for relay in relays:
+            relay.wait_ready()
+        for relay in relays[:4]:
+            wait_until(lambda r=relay: len(r.status()["paths"]) >= 4, timeout=90)
+        for i in range(4):
+            verifier_home(tmp_path / f"verifier{i}", net, i, relays[i].ready["http"], quick_family)
+        daemons = [VerifierProcess(tmp_path / f"verifier{i}") for i in range(4)]
+        for daemon in daemons:
+            daemon.wait_ready()
+
+        # the first epoch whose plan can cover the nodes, and the last one to wait for
+        height = max(net.wait_for_height(0).values())
+        first = SCHEDULE.epoch_of(height) + 2
+        last = first + SCORED_EPOCHS - 1
+
+        # kill the leader's daemon early in an epoch's results window, then bring it back
+        victim_epoch = first + 1
+        net.wait_for_height(SCHEDULE.start(victim_epoch) + 2, timeout=300)
+        client.min_height = SCHEDULE.start(victim_epoch)
+        leader = client.epoch(victim_epoch).leader
+        operators = [KeySet.load(net.spec.validators[i].home / "config" / KEYS_FILE).public for i in range(4)]
+        victim = operators.index(leader)
+        daemons[victim].stop(signal.SIGKILL)
+        before = len(daemons[victim].submissions())
+        time.sleep(3)
+        daemons[victim] = VerifierProcess(tmp_path / f"verifier{victim}")
+
+        net.wait_for_height(SCHEDULE.end(last) + 1, timeout=600)
+        client.min_height = SCHEDULE.end(last)
+        for number in range(first, last + 1):
+            record = client.epoch(number)
+            assert record.finalized and record.plan_nodes == len(NODES) and record.scored >= 1, record
+        # the faults: only the killed leader's, for results it could not submit in time (members then
+        # re-challenged those nodes)
+        faults = [(f.epoch, f.kind, f.operator) for f in client.faults()[1] if f.epoch >= first]
+        assert {(e, k) for e, k, _ in faults} <= {(victim_epoch, "skipped-node"), (victim_epoch, "withheld-results")}
+        assert {operator for _, _, operator in faults} <= {leader}
+
+        # A challenge a node forwarded within the group is credited to the node that computed it, so
+        # nodes are scored in varying numbers of epochs. The small model is the fastest node, which the
+        # load balancer favours until it falls out of the trusted list.
+        reps = {name: client.reputation(k) for name, k in key.items()}
+        values = {name: r.value if r is not None else RULE.initial for name, r in reps.items()}
+        print({name: (r.value, r.window) if r else None for name, r in reps.items()})
+        assert reps["small"] is not None and reps["small"].epochs >= 2, reps
+        for name in ("honest-a", "honest-b"):
+            assert values[name] >= RULE.untrusted and (reps[name] is None or reps[name].trusted), reps
+        assert values["small"] < min(values["honest-a"], values["honest-b"]), reps
+        assert values["small"] < RULE.initial, reps
+
+        # nothing was submitted twice, and the restarted daemon took part again
+        for daemon in daemons:
+            refused = [s for s in daemon.submissions() if s["code"] == Code.ALREADY_EXISTS]
+            assert not refused, refused
+        after = daemons[victim].submissions()[before:]
+        assert {s["type"] for s in after} >= {"attest", "submit-vrf"}, after
+        assert max(s["epoch"] for s in after) >= last
+        assert_same_app_hashes(net, SCHEDULE.end(last))
+    finally:
+        for daemon in daemons:
+            daemon.stop()
+        for relay in relays:
+            relay.stop()
+        for node in nodes.values():
+            node.stop()
+        net.close()
