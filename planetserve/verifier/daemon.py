@@ -125,7 +125,7 @@ class Daemon:
                 self.tick()
                 delay = poll_interval
                 self.status["last_error"] = None
-            except (*TRANSIENT, RelayUnavailable) as exc:
+            except (*TRANSIENT, RelayUnavailable, ChallengeError) as exc:
                 delay = min(ERROR_BACKOFF_MAX, delay * 2)
                 self.status["last_error"] = f"{type(exc).__name__}: {exc}"
                 log.warning("tick failed, retrying in %.0f s: %s", delay, exc)
