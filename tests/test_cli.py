@@ -68,7 +68,8 @@ def test_transactions_and_verified_queries(localnet, tmp_path):
     run("tx", "register-org", "--org-id", "acme", "--name", "ACME", "--keys", str(owner), "--node", node)
     done = json.loads(run("tx", "register-model-node", "--org-id", "acme", "--node-keys", str(model_node),
                           "--model-id", "gt", "--address", "127.0.0.1:7201", "--hardware", "cpu",
-                          "--capacity", "2", "--region", "eu", "--keys", str(owner), "--node", node, "--json"))
+                          "--capacity", "2", "--region", "eu", "--memory-mib", "24576", "--gflops", "80000",
+                          "--keys", str(owner), "--node", node, "--json"))
     assert done["code"] == 0 and done["height"] > 0
     registered = json.loads(run("tx", "register-user", "--address", "127.0.0.1:9301", "--region", "eu",
                                 "--keys", str(user), "--node", node, "--json"))
@@ -80,7 +81,9 @@ def test_transactions_and_verified_queries(localnet, tmp_path):
                            "--min-height", after, "--json"))
     assert len(users["users"]) == 1
     pubkey = nodes["nodes"][0]["pubkey"]
-    assert json.loads(run("query", "node", pubkey, "--genesis", genesis, "--node", node, "--json"))["org_id"] == "acme"
+    shown = json.loads(run("query", "node", pubkey, "--genesis", genesis, "--node", node, "--json"))
+    assert shown["org_id"] == "acme" and shown["memory_mib"] == 24576 and shown["gflops"] == 80000
+    assert shown["stage"] is None  # in no layer pipeline
     assert "no model node" in run("query", "node", "00" * 32, "--genesis", genesis, "--node", node, code=3)
     params = json.loads(run("query", "params", "--genesis", genesis, "--node", node, "--json"))
     assert params["max_tx_bytes"] == 16384

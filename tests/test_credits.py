@@ -53,16 +53,22 @@ def deploy(s: Script, owner: KeySet, org_id: str = "org1", **overrides) -> tuple
     return s.block(s.tx(owner, "deploy-model", {**body, **overrides}))[0]
 
 
-def test_credits_are_earned_then_spent_on_a_deployment_that_expires(s):
-    s.run_election_and_plan(1)
-    other = register_other_org(s, "org2", 30)  # after epoch 1's cutoff: not in its plan
+def earn_thirty_days(s: Script) -> None:
+    """Epoch 1 scores org1's five nodes, and its last block comes 30 days after its first."""
+    s.h.block()  # the epoch's first block records its start time
     start = s.epoch(1).start_time
     leader = s.epoch(1).leader
     assert s.block(s.tx(s.leader(1), "submit-results", s.leader_results(1, 800_000))) == [(0, "ok")]
     assert all(c == 0 for c, _ in s.block(*s.attest_txs(1, leader, dict.fromkeys(s.nodes, 800_000))))
     s.run_to(s.schedule.end(1))
-    s.h.block(seconds=start + 30 * DAY - s.h.time)  # the epoch's last block: 30 days after its first
+    s.h.block(seconds=start + 30 * DAY - s.h.time)
     assert s.epoch(1).finalized
+
+
+def test_credits_are_earned_then_spent_on_a_deployment_that_expires(s):
+    s.run_election_and_plan(1)
+    other = register_other_org(s, "org2", 30)  # after epoch 1's cutoff: not in its plan
+    earn_thirty_days(s)
     account = s.state.credits("org1")
     assert account.balance == account.earned == 5 * credits.earned(A100, 30 * DAY)
     assert s.state.credits("org2").balance == 0
@@ -113,3 +119,51 @@ def test_dishonest_nodes_earn_nothing_and_block_their_organisation(s):
     assert s.state.credits("org1").earned == 0
     code, log = deploy(s, s.owner, nodes=1, seconds=60)
     assert code == Code.LOW_REPUTATION
+
+
+def sized_nodes(s: Script, memories: list[int]) -> list[bytes]:
+    """org1 nodes that declare their memory (MiB) and compute, in the Script's region."""
+    keys = [KeySet.generate() for _ in memories]
+    assert all(c == 0 for c, _ in s.block(*[s.tx(s.owner, "register-model-node", {
+        "org_id": "org1", "node_pubkey": k.public, "pop": k.sign(node_pop_message(CHAIN_ID, "org1", k.public)),
+        "model_id": "gt", "address": f"10.0.2.{i}:7000", "hardware": "A100", "capacity": 1, "region": "eu",
+        "memory_mib": memory, "gflops": 100_000}) for i, (k, memory) in enumerate(zip(keys, memories, strict=True))]))
+    return [k.public for k in keys]
+
+
+def test_a_model_no_node_holds_whole_is_split_into_layer_pipelines(s):
+    s.run_election_and_plan(1)
+    earn_thirty_days(s)
+    member = next(iter(s.members.values()))
+    half = s.block(s.tx(member, "register-model", {"model_id": "big", "name": "Big", "layers": 8}))
+    assert half[0][0] == Code.INVALID_FIELD and "both layers and layer_mib" in half[0][1]
+    assert s.block(s.tx(member, "register-model", {"model_id": "big", "name": "Big", "layers": 8,
+                                                   "layer_mib": 1_000})) == [(0, "ok")]
+    assert s.state.model("big").layers == 8
+    # nothing declares memory yet: no node holds big whole, and no pipeline can be formed
+    code, log = deploy(s, s.owner, model_id="big", nodes=5, seconds=60)
+    assert code == Code.UNAVAILABLE and "no pipeline can be formed" in log
+    nodes = sized_nodes(s, [3_000, 3_000, 2_000, 4_000, 4_500])  # 3 + 3 + 2 and 4 + 4 layers
+    code, log = deploy(s, s.owner, model_id="big", nodes=1, seconds=60)
+    assert code == Code.UNAVAILABLE and "fits in 1 node(s)" in log
+    before = s.state.credits("org1")
+    assert deploy(s, s.owner, model_id="big", nodes=5, seconds=3_600) == (0, "ok")
+    deployment = next(d for d in (s.state.deployment(i) for i in range(1, 4)) if d is not None)
+    assert sorted(deployment.nodes) == sorted(nodes)
+    pipelines: dict[int, list[tuple[int, int]]] = {}
+    for node, start, end, pipe in deployment.stages:
+        assert deployment.stage_of(node) == (start, end, pipe)
+        pipelines.setdefault(pipe, []).append((start, end))
+    for ranges in pipelines.values():  # each pipeline covers the 8 layers once, in order
+        ranges.sort()
+        assert ranges[0][0] == 0 and ranges[-1][1] == 8
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
+    assert sorted(len(r) for r in pipelines.values()) == [2, 3]
+    assert s.state.credits("org1").spent - before.spent == credits.cost(A100, 5, 3_600)
+    assert deployment.stage_of(next(iter(s.nodes))) is None
+    # a node that holds the model whole is deployed as before, whole
+    whole = sized_nodes(s, [9_000])
+    assert deploy(s, s.owner, model_id="big", nodes=1, seconds=60) == (0, "ok")
+    latest = max((d for d in (s.state.deployment(i) for i in range(1, 6)) if d is not None),
+                 key=lambda d: d.deployment_id)
+    assert latest.nodes == tuple(whole) and latest.stages == ()

@@ -11,7 +11,9 @@ from planetserve.chain.handlers import Context, owned_org
 from planetserve.chain.state import State
 from planetserve.chain.store import Batch
 from planetserve.registry import credits, fields, reputation
-from planetserve.registry.credits import Deployment
+from planetserve.registry.allocation import AllocationError
+from planetserve.registry.credits import Credits, Deployment
+from planetserve.registry.entities import Model, ModelNode
 from planetserve.registry.epochs import Reputation
 from planetserve.registry.errors import (
     InsufficientCredits,
@@ -36,19 +38,39 @@ def _organisation_reputation(ctx: Context, org_id: str, rule: reputation.Reputat
 
 
 def _available(ctx: Context, hardware: str, rule: reputation.ReputationRule,
-               reps: dict[bytes, Reputation]) -> list[bytes]:
-    """Active, trusted nodes of the class that serve no other deployment."""
+               reps: dict[bytes, Reputation]) -> list[ModelNode]:
+    """Active, trusted nodes of the class that serve no other deployment, in key order."""
     assigned = {k for k, _ in ctx.state.kv.iterate(layout.ASSIGNED_PREFIX)}
     fresh = reputation.never_scored_trusted(rule)
-    return [n.pubkey for n in ctx.state.iterate_nodes()
+    return [n for n in ctx.state.iterate_nodes()
             if n.hardware == hardware and n.status == "active"
             and layout.assigned_key(n.pubkey) not in assigned
             and (reps[n.pubkey].trusted if n.pubkey in reps else fresh)]
 
 
+def _pipeline(ctx: Context, model: Model, available: list[ModelNode], count: int) -> tuple:
+    """Stages of a sized model that no available node holds whole (Parallax phase 1)."""
+    try:
+        stages = credits.pipeline_stages(model, available, count, ctx.params.pipeline_compute_us,
+                                         ctx.params.pipeline_hop_us)
+    except AllocationError as exc:
+        raise Unavailable(f"no node holds model {model.model_id!r} whole and no pipeline can be "
+                          f"formed: {exc}") from exc
+    if not stages:
+        raise Unavailable(f"no pipeline of model {model.model_id!r} fits in {count} node(s); ask for more")
+    return stages
+
+
+def _afford(account: Credits, price: int) -> None:
+    if account.balance < price:
+        raise InsufficientCredits(f"deployment costs {credits.format_credits(price)} credits, organisation "
+                                  f"{account.org_id!r} has {credits.format_credits(account.balance)}")
+
+
 def deploy_model(ctx: Context, body: dict[str, Any]) -> None:
-    """An organisation spends credits to have its model served by `nodes` servers of a hardware
-    class for `seconds`; the chain picks the servers."""
+    """An organisation spends credits to have its model served by `nodes` servers of a hardware class
+    for `seconds`; the chain picks the servers. A model that declares its size and that none of them
+    can hold whole is split into layer pipelines (Parallax phase 1) of at most `nodes` servers."""
     fields.check_keys(body, {"org_id", "model_id", "hardware", "nodes", "seconds"})
     org_id = fields.ident(body, "org_id")
     model_id = fields.ident(body, "model_id")
@@ -56,7 +78,8 @@ def deploy_model(ctx: Context, body: dict[str, Any]) -> None:
     count = fields.integer(body, "nodes", 1, ctx.params.max_deployment_nodes)
     seconds = fields.integer(body, "seconds", 60, ctx.params.max_deployment_seconds)
     owned_org(ctx, org_id)
-    if ctx.state.model(model_id) is None:
+    model = ctx.state.model(model_id)
+    if model is None:
         raise UnknownEntity(f"model {model_id!r} is not registered")
     rate = ctx.state.price(hardware)
     if rate == 0:
@@ -67,21 +90,27 @@ def deploy_model(ctx: Context, body: dict[str, Any]) -> None:
     if not reputation.is_trusted(rule, org_rep):
         raise LowReputation(f"organisation {org_id!r} has reputation {org_rep / PPM:.6f}, below the "
                             f"{rule.untrusted / PPM:.6f} needed to deploy (it must contribute trusted nodes)")
-    price = credits.cost(rate, count, seconds)
     account = ctx.state.credits(org_id)
-    if account.balance < price:
-        raise InsufficientCredits(f"deployment costs {credits.format_credits(price)} credits, organisation "
-                                  f"{org_id!r} has {credits.format_credits(account.balance)}")
     available = _available(ctx, hardware, rule, reps)
-    if len(available) < count:
-        raise Unavailable(f"asks for {count} {hardware} node(s); {len(available)} trusted, unassigned "
-                          f"ones exist")
+    whole = credits.whole_model_nodes(model, available)
     deployment_id = ctx.state.next_deployment_id()
-    chosen = credits.assign_nodes(deployment_id, available, count)
-    ctx.state.put_deployment(
-        Deployment(deployment_id, org_id, model_id, hardware, chosen, ctx.time, ctx.time + seconds, price))
+    stages: tuple = ()
+    if whole or not model.sized:
+        _afford(account, credits.cost(rate, count, seconds))
+        if len(whole) < count:
+            raise Unavailable(f"asks for {count} {hardware} node(s) holding model {model_id!r}; "
+                              f"{len(whole)} trusted, unassigned ones exist")
+        chosen = credits.assign_nodes(deployment_id, [n.pubkey for n in whole], count)
+    else:
+        stages = _pipeline(ctx, model, available, count)
+        chosen = tuple(sorted(stage[0] for stage in stages))
+        _afford(account, credits.cost(rate, len(chosen), seconds))
+    price = credits.cost(rate, len(chosen), seconds)
+    ctx.state.put_deployment(Deployment(deployment_id, org_id, model_id, hardware, chosen, ctx.time,
+                                        ctx.time + seconds, price, stages))
     ctx.state.put_credits(replace(account, balance=account.balance - price, spent=account.spent + price))
-    ctx.emit("deploy_model", deployment_id=str(deployment_id), org_id=org_id, model_id=model_id)
+    ctx.emit("deploy_model", deployment_id=str(deployment_id), org_id=org_id, model_id=model_id,
+             stages=str(len(stages)))
 
 
 def expire_deployments(batch: Batch, now: int) -> None:

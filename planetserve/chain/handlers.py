@@ -31,6 +31,9 @@ from planetserve.registry.errors import (
 from planetserve.registry.params import Params
 
 NODE_POP_DOMAIN = "planetserve/node-pop/v1"
+MAX_LAYERS = 10_000
+MAX_MIB = 1 << 30
+MAX_GFLOPS = 1 << 40
 
 
 @dataclass
@@ -110,13 +113,17 @@ def heartbeat(ctx: Context, body: dict[str, Any]) -> None:
 
 
 def register_model(ctx: Context, body: dict[str, Any]) -> None:
-    fields.check_keys(body, {"model_id", "name"})
+    fields.check_keys(body, {"model_id", "name"}, frozenset({"layers", "layer_mib"}))
     ctx.require_member()
     model_id = fields.ident(body, "model_id")
     name = fields.text(body, "name", 128)
+    layers = fields.integer(body, "layers", 1, MAX_LAYERS) if "layers" in body else 0
+    layer_mib = fields.integer(body, "layer_mib", 1, MAX_MIB) if "layer_mib" in body else 0
+    if bool(layers) != bool(layer_mib):
+        raise InvalidField("layers", "a model's size needs both layers and layer_mib")
     if ctx.state.model(model_id) is not None:
         raise AlreadyExists(f"model {model_id!r} is already registered")
-    ctx.state.put_model(Model(model_id, name, ctx.time))
+    ctx.state.put_model(Model(model_id, name, ctx.time, layers, layer_mib))
     ctx.emit("register_model", model_id=model_id)
 
 
@@ -136,7 +143,8 @@ def _known_model(ctx: Context, model_id: str) -> None:
 
 def register_model_node(ctx: Context, body: dict[str, Any]) -> None:
     fields.check_keys(
-        body, {"org_id", "node_pubkey", "pop", "model_id", "address", "hardware", "capacity", "region"}
+        body, {"org_id", "node_pubkey", "pop", "model_id", "address", "hardware", "capacity", "region"},
+        frozenset({"memory_mib", "gflops"}),
     )
     org_id = fields.ident(body, "org_id")
     node_pubkey = fields.key32(body, "node_pubkey")
@@ -151,6 +159,8 @@ def register_model_node(ctx: Context, body: dict[str, Any]) -> None:
         region=fields.region(body),
         status="active",
         registered_at=ctx.time,
+        memory_mib=fields.integer(body, "memory_mib", 0, MAX_MIB) if "memory_mib" in body else 0,
+        gflops=fields.integer(body, "gflops", 0, MAX_GFLOPS) if "gflops" in body else 0,
     )
     owned_org(ctx, org_id)
     _known_model(ctx, node.model_id)
@@ -164,7 +174,8 @@ def register_model_node(ctx: Context, body: dict[str, Any]) -> None:
 
 def update_model_node(ctx: Context, body: dict[str, Any]) -> None:
     fields.check_keys(
-        body, {"node_pubkey"}, frozenset({"address", "capacity", "region", "status", "model_id"})
+        body, {"node_pubkey"},
+        frozenset({"address", "capacity", "region", "status", "model_id", "memory_mib", "gflops"}),
     )
     node_pubkey = fields.key32(body, "node_pubkey")
     node = ctx.state.node(node_pubkey)
@@ -178,6 +189,9 @@ def update_model_node(ctx: Context, body: dict[str, Any]) -> None:
         region=fields.region(body) if "region" in body else node.region,
         status=fields.choice(body, "status", NODE_STATUSES) if "status" in body else node.status,
         model_id=fields.ident(body, "model_id") if "model_id" in body else node.model_id,
+        memory_mib=(fields.integer(body, "memory_mib", 0, MAX_MIB) if "memory_mib" in body
+                    else node.memory_mib),
+        gflops=fields.integer(body, "gflops", 0, MAX_GFLOPS) if "gflops" in body else node.gflops,
     )
     if updated.model_id != node.model_id:
         _known_model(ctx, updated.model_id)

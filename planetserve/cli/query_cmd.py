@@ -90,14 +90,17 @@ def committee(ledger: LedgerClient, as_json: bool) -> None:
 @json_option
 @ledger_options(verify=True)
 def node(ledger: LedgerClient, pubkey: str, as_json: bool) -> None:
-    """One model node by its identity key (hex)."""
+    """One model node by its identity key (hex), with the layers it serves when a deployment placed it
+    in a layer pipeline (`stage`: [first layer, end layer, pipeline]; null when it serves whole models)."""
     try:
-        record = ledger.node(key_bytes(pubkey, "PUBKEY"))
+        key = key_bytes(pubkey, "PUBKEY")
+        record = ledger.node(key)
+        stage = ledger.stage(key) if record is not None else None
     except FAILURES as exc:
         fail(str(exc))
     if record is None:
         fail(f"no model node with key {pubkey}", code=3)
-    show_record(record.to_record(), as_json)
+    show_record({**record.to_record(), "stage": list(stage) if stage else None}, as_json)
 
 
 @group.command("epoch")
@@ -182,8 +185,8 @@ def credits_(ledger: LedgerClient, org_id: str, as_json: bool) -> None:
         emit_json({**summary, "deployments": mine})
         return
     show_record(summary, as_json)
-    columns = ["deployment_id", "model_id", "hardware", "nodes", "expires_at"]
-    rows = [[len(d[c]) if c == "nodes" else d[c] for c in columns] for d in mine]
+    columns = ["deployment_id", "model_id", "hardware", "nodes", "stages", "expires_at"]
+    rows = [[len(d[c]) if c in ("nodes", "stages") else d[c] for c in columns] for d in mine]
     table(f"deployments ({len(mine)})", columns, rows)
 
 

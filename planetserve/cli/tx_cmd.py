@@ -111,12 +111,19 @@ def heartbeat(ledger: LedgerClient, keys_path: Path, address: str | None, region
 @group.command("register-model")
 @click.option("--model-id", required=True)
 @click.option("--name", required=True)
+@click.option("--layers", type=click.IntRange(1, 10_000),
+              help="Transformer layers; with --layer-mib, a deployment on nodes that cannot hold the model "
+                   "whole is split into layer pipelines.")
+@click.option("--layer-mib", type=click.IntRange(1), help="Memory one layer needs (MiB).")
 @signer_option
 @json_option
 @ledger_options(verify=False)
-def register_model(ledger: LedgerClient, keys_path: Path, model_id: str, name: str, as_json: bool) -> None:
+def register_model(ledger: LedgerClient, keys_path: Path, model_id: str, name: str, layers: int | None,
+                   layer_mib: int | None, as_json: bool) -> None:
     """Register a model that nodes may serve (committee members only)."""
-    submit(ledger, load_keys(keys_path), "register-model", {"model_id": model_id, "name": name}, as_json)
+    body: dict[str, object] = {"model_id": model_id, "name": name}
+    body.update({k: v for k, v in (("layers", layers), ("layer_mib", layer_mib)) if v is not None})
+    submit(ledger, load_keys(keys_path), "register-model", body, as_json)
 
 
 @group.command("register-model-node")
@@ -128,15 +135,19 @@ def register_model(ledger: LedgerClient, keys_path: Path, model_id: str, name: s
 @click.option("--hardware", required=True, help="Hardware class, e.g. 'A100-80GB'.")
 @click.option("--capacity", required=True, type=int, help="Concurrent requests it can serve.")
 @click.option("--region", default="global", show_default=True)
+@click.option("--memory-mib", type=click.IntRange(0), help="Accelerator memory for weights (MiB); lets the "
+                                                          "chain place layer pipelines on the node.")
+@click.option("--gflops", type=click.IntRange(0), help="Compute throughput (GFLOP/s), for pipelines.")
 @signer_option
 @json_option
 @ledger_options(verify=False)
 def register_model_node(ledger: LedgerClient, keys_path: Path, node_keys: Path, org_id: str,
                         model_id: str, address: str, hardware: str, capacity: int, region: str,
-                        as_json: bool) -> None:
+                        memory_mib: int | None, gflops: int | None, as_json: bool) -> None:
     """Register a model node of the signer's organisation."""
+    sizes = {k: v for k, v in (("memory_mib", memory_mib), ("gflops", gflops)) if v is not None}
     body = ledger.model_node_body(org_id, load_keys(node_keys), model_id=model_id, address=address,
-                                  hardware=hardware, capacity=capacity, region=region)
+                                  hardware=hardware, capacity=capacity, region=region, **sizes)
     submit(ledger, load_keys(keys_path), "register-model-node", body, as_json)
 
 

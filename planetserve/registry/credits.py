@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from planetserve.registry import rules
-from planetserve.registry.entities import Record
+from planetserve.registry.allocation import AllocationParams, Gpu, allocate
+from planetserve.registry.entities import Model, ModelNode, Record
 
 CREDIT_SECONDS = 3_600
 
@@ -49,6 +50,13 @@ class Deployment(Record):
     created_at: int
     expires_at: int
     cost: int
+    stages: tuple = ()
+    """For a model no chosen node holds whole: [node, first layer, end layer, pipeline] per stage,
+    from Parallax's phase 1 (`registry.allocation`); empty when every node serves the whole model."""
+
+    def stage_of(self, node: bytes) -> tuple[int, int, int] | None:
+        """(first layer, end layer, pipeline) the node serves, None when it serves the whole model."""
+        return next(((start, end, pipe) for key, start, end, pipe in self.stages if key == node), None)
 
 
 def earned(rate: int, serving_seconds: int) -> int:
@@ -65,6 +73,29 @@ def assign_nodes(deployment_id: int, available: list[bytes], count: int) -> tupl
     """The `count` available nodes with the lowest sha256(deployment id || key): spread over
     organisations and regions by chance, the same on every validator, and not the deployer's pick."""
     return tuple(rules.hash_sample(deployment_id.to_bytes(8, "big"), available, count))
+
+
+def whole_model_nodes(model: Model, nodes: list[ModelNode]) -> list[ModelNode]:
+    """The nodes that hold the model whole: all of them for a model that does not declare its size."""
+    if not model.sized:
+        return nodes
+    return [n for n in nodes if n.memory_mib >= model.layers * model.layer_mib]
+
+
+def pipeline_stages(model: Model, nodes: list[ModelNode], count: int, t_comp_us: int, rtt_us: int
+                    ) -> tuple[tuple[bytes, int, int, int], ...]:
+    """Stages for a sized model over nodes that cannot hold it whole: phase 1 over every node that
+    declared memory for a layer and its compute, then whole pipelines in the allocation's order while
+    their stages fit in `count`. Raises AllocationError when no region can hold the model."""
+    gpus = [Gpu(n.pubkey.hex(), n.region, n.memory_mib // model.layer_mib, n.gflops)
+            for n in nodes if n.gflops > 0 and n.memory_mib >= model.layer_mib]
+    allocation = allocate(gpus, AllocationParams(model.layers, t_comp_us, rtt_us))
+    stages: list[tuple[bytes, int, int, int]] = []
+    for index, pipeline in enumerate(allocation.pipelines):
+        if len(stages) + len(pipeline.stages) > count:
+            break
+        stages.extend((bytes.fromhex(s.gpu), s.start, s.end, index) for s in pipeline.stages)
+    return tuple(stages)
 
 
 def format_credits(credit_seconds: int) -> str:

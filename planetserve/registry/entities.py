@@ -70,9 +70,18 @@ class User(Record):
 
 @dataclass(frozen=True)
 class Model(Record):
+    """A model nodes may serve. `layers` and `layer_mib` (both 0 when not declared) size it, so that a
+    deployment on nodes that cannot hold it whole is split into a layer pipeline."""
+
     model_id: str
     name: str
     registered_at: int
+    layers: int = 0
+    layer_mib: int = 0
+
+    @property
+    def sized(self) -> bool:
+        return self.layers > 0 and self.layer_mib > 0
 
 
 @dataclass(frozen=True)
@@ -86,6 +95,10 @@ class ModelNode(Record):
     region: str
     status: str
     registered_at: int
+    memory_mib: int = 0
+    """Accelerator memory for model weights, declared at registration (0: not declared)."""
+    gflops: int = 0
+    """Compute throughput (GFLOP/s), declared at registration (0: not declared)."""
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,9 @@ class Params(Record):
     # Deployments paid with contribution credits.
     max_deployment_nodes: int = 1_000
     max_deployment_seconds: int = 90 * 86_400
+    # Pipelines (Parallax phase 1's Z(k)): average compute time of one replication and one hop (µs).
+    pipeline_compute_us: int = 50_000
+    pipeline_hop_us: int = 10_000
 
     @classmethod
     def from_genesis(cls, raw: dict[str, Any] | None) -> Self:
