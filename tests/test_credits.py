@@ -161,6 +161,19 @@ def test_a_model_no_node_holds_whole_is_split_into_layer_pipelines(s):
     assert sorted(len(r) for r in pipelines.values()) == [2, 3]
     assert s.state.credits("org1").spent - before.spent == credits.cost(A100, 5, 3_600)
     assert deployment.stage_of(next(iter(s.nodes))) is None
+
+    # a pipeline is challenged like one node: its entry stage is planned, its later stages are not
+    entries = credits.pipelines([deployment])
+    assert sorted(len(later) for later in entries.values()) == [1, 2]
+    s.run_to(s.schedule.setup_height(2))
+    s.h.block()
+    planner = s.members[s.epoch(3).plan_leader]
+    follower = next(iter(next(iter(entries.values()))))
+    body, _ = s.plan(3, [follower])
+    code, log = s.block(s.tx(planner, "commit-plan", {**body, "final": False}))[0]
+    assert code == Code.INVALID_FIELD and "not among the nodes this plan must cover" in log
+    body, _ = s.plan(3, [*s.nodes, *entries])
+    assert s.block(s.tx(planner, "commit-plan", body)) == [(0, "ok")]  # final: entries cover the pipelines
     # a node that holds the model whole is deployed as before, whole
     whole = sized_nodes(s, [9_000])
     assert deploy(s, s.owner, model_id="big", nodes=1, seconds=60) == (0, "ok")

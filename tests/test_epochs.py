@@ -374,3 +374,15 @@ def test_a_new_node_below_the_threshold_is_listed_only_once_it_earns_trust(tmp_p
     honest_epoch(s, 1, {node0: 1_000_000, node1: 100_000})
     assert listed(s) == [node0]
     assert not s.state.reputation(node1).trusted
+
+
+def test_a_pipeline_entrys_verdict_is_its_later_stages_too():
+    from planetserve.registry.finalization import Verdict, to_pipelines
+
+    entry, middle, last, solo = (bytes([i]) * 32 for i in range(4))
+    verdicts = [Verdict(entry, 300_000, "leader:aa"), Verdict(last, 900_000, "leader:aa"),
+                Verdict(solo, 0, "invalid-reports")]
+    extended = to_pipelines(verdicts, {entry: (middle, last), solo: ()})
+    assert extended[:3] == verdicts  # own verdicts stand, first
+    assert extended[3:] == [Verdict(middle, 300_000, "leader:aa")]  # last already had its own
+    assert to_pipelines(verdicts, {}) == verdicts

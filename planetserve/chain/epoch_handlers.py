@@ -12,7 +12,7 @@ from typing import Any
 from planetserve.chain import vrf
 from planetserve.chain.handlers import Context
 from planetserve.chain.keys import verify_signature
-from planetserve.registry import epochs, fields
+from planetserve.registry import credits, epochs, fields
 from planetserve.registry.epochs import (
     FAULTY,
     INVALID,
@@ -111,7 +111,8 @@ def submit_vrf(ctx: Context, body: dict[str, Any]) -> None:
 
 def required_nodes(ctx: Context, target: Epoch) -> list[bytes]:
     """The nodes the plan of `target` must cover: active at the plan's cutoff, sampled above the cap."""
-    return epochs.plan_nodes(target, ctx.state.iterate_nodes(), ctx.params.max_plan_nodes)
+    followers = {n for later in credits.pipelines(ctx.state.iterate_deployments()).values() for n in later}
+    return epochs.plan_nodes(target, ctx.state.iterate_nodes(), ctx.params.max_plan_nodes, followers)
 
 
 def _sealed(value: Any, committee: list[bytes]) -> tuple[list, ...]:

@@ -95,6 +95,7 @@ def _finalize(batch: Batch, st: State, params: Params, epoch: Epoch, committee: 
     findings: list[finalization.Finding] = []
     if epoch.plan_status == PLAN_COMMITTED:
         verdicts, findings = finalization.decide(_evidence(batch, epoch, committee, params))
+        verdicts = finalization.to_pipelines(verdicts, credits.pipelines(st.iterate_deployments()))
     rule = reputation.ReputationRule.from_params(params)
     batch.prefetch([k for v in verdicts for k in (layout.node_key(v.node), layout.reputation_key(v.node))])
     earnings: dict[str, int] = defaultdict(int)

@@ -289,6 +289,10 @@ class State:
         for _, value in self.kv.iterate(NODE_PREFIX):
             yield ModelNode.decode(value)
 
+    def iterate_deployments(self) -> Iterator[Deployment]:
+        for _, value in self.kv.iterate(DEPLOYMENT_PREFIX):
+            yield Deployment.decode(value)
+
     def _load(self, k: bytes, cls: type[R]) -> R | None:
         raw = self.kv.get(k)
         return None if raw is None else cls.decode(raw)

@@ -7,6 +7,7 @@ are kept exactly, in credit-seconds (rate × seconds; 3,600 credit-seconds are o
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from planetserve.registry import rules
@@ -96,6 +97,21 @@ def pipeline_stages(model: Model, nodes: list[ModelNode], count: int, t_comp_us:
             break
         stages.extend((bytes.fromhex(s.gpu), s.start, s.end, index) for s in pipeline.stages)
     return tuple(stages)
+
+
+def pipelines(deployments: Iterable[Deployment]) -> dict[bytes, tuple[bytes, ...]]:
+    """Each layer pipeline's entry node (the stage holding layer 0) → the nodes of its later stages.
+    The entry answers for the pipeline: it is challenged like a single node, and its verdict is the
+    whole pipeline's."""
+    out: dict[bytes, tuple[bytes, ...]] = {}
+    for deployment in deployments:
+        by_pipe: dict[int, list[tuple[int, bytes]]] = {}
+        for node, start, _end, pipe in deployment.stages:
+            by_pipe.setdefault(pipe, []).append((start, node))
+        for stages in by_pipe.values():
+            ordered = [node for _, node in sorted(stages)]
+            out[ordered[0]] = tuple(ordered[1:])
+    return out
 
 
 def format_credits(credit_seconds: int) -> str:

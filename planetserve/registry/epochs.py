@@ -16,7 +16,7 @@ the app hash the committee signed for the block before.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 from planetserve.registry import codec, rules
@@ -92,10 +92,13 @@ def sample_nodes(seed: bytes, nodes: list[bytes], cap: int) -> list[bytes]:
     return rules.hash_sample(seed, nodes, cap)
 
 
-def plan_nodes(target: Epoch, nodes: Iterable[ModelNode], cap: int) -> list[bytes]:
-    """The nodes the plan of `target` must cover: active and registered at or before its cutoff,
-    sampled above the cap. The chain enforces it; the planning member computes the same list."""
-    eligible = [n.pubkey for n in nodes if n.status == "active" and n.registered_at <= target.plan_cutoff]
+def plan_nodes(target: Epoch, nodes: Iterable[ModelNode], cap: int,
+               followers: Collection[bytes] = frozenset()) -> list[bytes]:
+    """The nodes the plan of `target` must cover: active and registered at or before its cutoff, not a
+    later stage of a layer pipeline (`followers`; the pipeline's entry answers for it), sampled above
+    the cap. The chain enforces it; the planning member computes the same list."""
+    eligible = [n.pubkey for n in nodes if n.status == "active" and n.registered_at <= target.plan_cutoff
+                and n.pubkey not in followers]
     return sample_nodes(target.seed, eligible, cap)
 
 

@@ -86,6 +86,19 @@ def _scored(ev: Evidence, node: bytes, total: int, findings: list[Finding]) -> V
     return None
 
 
+def to_pipelines(verdicts: list[Verdict], pipelines: dict[bytes, tuple[bytes, ...]]) -> list[Verdict]:
+    """A pipeline entry's verdict is also each later stage's (they computed the answer together),
+    unless that node got its own verdict; in the order of the verdicts, each node once."""
+    scored = {v.node for v in verdicts}
+    out = list(verdicts)
+    for verdict in verdicts:
+        for node in pipelines.get(verdict.node, ()):
+            if node not in scored:
+                out.append(Verdict(node, verdict.credibility, verdict.source))
+                scored.add(node)
+    return out
+
+
 def decide(ev: Evidence) -> tuple[list[Verdict], list[Finding]]:
     total = sum(ev.power.values())
     verdicts: list[Verdict] = []

@@ -38,7 +38,7 @@ from planetserve.chain.errors import Code
 from planetserve.chain.keys import KeySet
 from planetserve.chain.lightclient import VerificationError
 from planetserve.chain.rpc import RpcError
-from planetserve.registry import codec, epochs
+from planetserve.registry import codec, credits, epochs
 from planetserve.registry.entities import Member, ModelNode
 from planetserve.registry.epochs import PLAN_COMMITTED, VALID, ChallengeResult, Schedule, SignedResponse
 from planetserve.registry.params import Params
@@ -206,7 +206,9 @@ class Daemon:
         if (target is None or target.plan_leader != self.me or target.plan_status == PLAN_COMMITTED
                 or not self._due(target_number, "plan")):
             return
-        required = epochs.plan_nodes(target, self.ledger.registered_nodes(), params.max_plan_nodes)
+        pipelines = credits.pipelines(self.ledger.deployments()[1])
+        followers = {node for later in pipelines.values() for node in later}
+        required = epochs.plan_nodes(target, self.ledger.registered_nodes(), params.max_plan_nodes, followers)
         planned = {entry.node for entry in self.ledger.plan(target_number)[1]}
         _, committee = self.ledger.committee()
         entries = [self._plan_entry(node, committee, params) for node in required if node not in planned]
