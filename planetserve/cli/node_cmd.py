@@ -34,6 +34,9 @@ def group() -> None:
       planetserve node init-user --home me --genesis genesis.json --peer 0.0.0.0:9100 \\
           --advertise my.host:9100
       planetserve node user --home me
+    \b
+    A pipeline stage (one layer range of a model too large for one node):
+      planetserve node stage --model gt --layers 0:1 --keys stage.json --allow <coordinator key>
     """
 
 
@@ -225,3 +228,64 @@ def user(home: Path, log_level: str, as_json: bool) -> None:
         fail(str(exc))
     except (RpcError, VerificationError, QueryRefused) as exc:
         fail(f"the ledger could not be read: {exc}")
+
+
+def _layers(_ctx: click.Context, _param: click.Parameter, text: str) -> tuple[int, int]:
+    start, sep, end = text.partition(":")
+    if not (sep and start.isdigit() and end.isdigit() and int(start) < int(end)):
+        raise click.BadParameter(f"takes START:END with START < END, got {text!r}")
+    return int(start), int(end)
+
+
+def _peer_keys(_ctx: click.Context, _param: click.Parameter, values: tuple[str, ...]) -> set[bytes]:
+    keys = set()
+    for text in values:
+        try:
+            key = bytes.fromhex(text)
+        except ValueError:
+            key = b""
+        if len(key) != 32:
+            raise click.BadParameter(f"a peer key is 64 hex digits, got {text[:80]!r}")
+        keys.add(key)
+    return keys
+
+
+@group.command("stage")
+@click.option("--model", required=True, help="A family name (gt) or a checkpoint directory.")
+@click.option("--layers", required=True, callback=_layers,
+              help="START:END, the half-open layer range served.")
+@click.option("--keys", "key_file", required=True,
+              type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="This stage's key file (its TLS identity).")
+@click.option("--allow", multiple=True, required=True, callback=_peer_keys,
+              help="Hex key of a peer that may send it steps (repeatable): the pipeline's coordinator "
+                   "and the stages before it.")
+@click.option("--data-dir", default=None, help="Where the model family is cached.")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=0, show_default=True, type=click.IntRange(0, 65535),
+              help="0 picks a free port (printed when ready).")
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--max-tokens", type=click.IntRange(1), help="Positions per request (default: the model's).")
+@click.option("--idle-timeout", type=click.FloatRange(min=0.1),
+              help="Seconds before an idle request's KV cache is freed (default 60).")
+def stage(model: str, layers: tuple[int, int], key_file: Path, allow: set[bytes], data_dir: str | None,
+          host: str, port: int, device: str, max_tokens: int | None, idle_timeout: float | None) -> None:
+    """Serve one layer range of a model as a pipeline stage (Parallax): hidden states in, hidden states
+    (or, on the last stage, logits) out, over TLS with one KV cache per request. Prints one JSON line,
+    {"key", "layers", "address"}, once it listens."""
+    from planetserve.models import ModelError
+    from planetserve.node.stages import RunningStage, StageError, StageModel, run_stage
+
+    def ready(running: RunningStage) -> None:
+        click.echo(json.dumps({"key": keys.public.hex(), "layers": list(layers),
+                               "address": f"{host}:{running.port}"}))
+
+    try:
+        keys = KeySet.load(key_file)
+        served = StageModel.load(model, *layers, data_dir=data_dir, device=device)
+        limits = {"idle_timeout": idle_timeout} if idle_timeout is not None else {}
+        asyncio.run(run_stage(keys, served, allow, host, port, ready, max_tokens=max_tokens, **limits))
+    except KeyboardInterrupt:
+        pass
+    except (ModelError, KeyFileError, StageError, ValueError, OSError) as exc:
+        fail(str(exc))
