@@ -1,6 +1,6 @@
 """The whole verification loop on a real network, nothing scripted: four validators each with its own
 `planetserve verifier run` daemon, four model node processes of one organisation (two honest gt, one
-serving the small model while claiming gt, one answering clickbait rewrites of its prompts) and user
+serving the smallest model, tiny, while claiming gt, one answering clickbait rewrites of its prompts) and user
 relay processes carrying the challenges. Epoch after epoch the ledger scores the nodes; one daemon
 is killed mid-epoch and restarted, and it rejoins without submitting anything twice."""
 
@@ -34,7 +34,7 @@ PARAMS = Params(epoch_blocks=40, results_blocks=16, vrf_window_blocks=10, plan_w
 SCHEDULE = epochs.Schedule.from_params(PARAMS)
 RULE = reputation.ReputationRule.from_params(PARAMS)
 SCORED_EPOCHS = 4
-NODES = {"honest-a": ("gt", "honest"), "honest-b": ("gt", "honest"), "small": ("small", "honest"),
+NODES = {"honest-a": ("gt", "honest"), "honest-b": ("gt", "honest"), "smaller": ("tiny", "honest"),
          "clickbait": ("gt", "alter-prompts")}
 
 
@@ -151,16 +151,17 @@ def test_the_committee_verifies_model_nodes_epoch_after_epoch(tmp_path, quick_fa
         assert {operator for _, _, operator in faults} <= {leader}
 
         # A challenge a node forwarded within the group is credited to the node that computed it, so
-        # nodes are scored in varying numbers of epochs. The small model is the fastest node, which the
-        # load balancer favours until it falls out of the trusted list.
+        # nodes are scored in varying numbers of epochs. The smaller model is the fastest node, which the
+        # load balancer favours until it falls out of the trusted list. (`small` is too close to gt for
+        # one challenge per epoch to separate it within four epochs: docs/detection.md.)
         reps = {name: client.reputation(k) for name, k in key.items()}
         values = {name: r.value if r is not None else RULE.initial for name, r in reps.items()}
         print({name: (r.value, r.window) if r else None for name, r in reps.items()})
-        assert reps["small"] is not None and reps["small"].epochs >= 2, reps
+        assert reps["smaller"] is not None and reps["smaller"].epochs >= 2, reps
         for name in ("honest-a", "honest-b"):
             assert values[name] >= RULE.untrusted and (reps[name] is None or reps[name].trusted), reps
-        assert values["small"] < min(values["honest-a"], values["honest-b"]), reps
-        assert values["small"] < RULE.initial, reps
+        assert values["smaller"] < min(values["honest-a"], values["honest-b"]), reps
+        assert values["smaller"] < RULE.untrusted and not reps["smaller"].trusted, reps
 
         # nothing was submitted twice, and the restarted daemon took part again
         for daemon in daemons:
