@@ -25,8 +25,10 @@ from planetserve.chain.keys import KeySet
 from planetserve.cli import main
 from planetserve.config import HomeError
 from planetserve.registry import codec
+from planetserve.registry.entities import ModelNode
+from planetserve.verifier import daemon as daemon_module
 from planetserve.verifier.config import CONFIG_FILE, STATUS_FILE, SUBMISSIONS_FILE, VerifierConfig
-from planetserve.verifier.daemon import Journal, _parts
+from planetserve.verifier.daemon import Daemon, Journal, _parts
 from planetserve.verifier.overlay import NoAnswer, OverlayChannel, RelayUnavailable
 
 
@@ -76,6 +78,8 @@ class FakeRelayAnswers:
 
     def __init__(self) -> None:
         self.status, self.body, self.delay = 200, {}, 0.0
+        self.first: list[tuple[int, dict]] = []
+        """(status, body) answered before the standing ones, in order."""
         self.received: list[dict] = []
         self.port = free_port()
         self.loop = asyncio.new_event_loop()
@@ -89,7 +93,8 @@ class FakeRelayAnswers:
         async def completions(request: web.Request) -> web.Response:
             self.received.append(await request.json())
             await asyncio.sleep(self.delay)
-            return web.json_response(self.body, status=self.status)
+            status, body = self.first.pop(0) if self.first else (self.status, self.body)
+            return web.json_response(body, status=status)
 
         app = web.Application()
         app.router.add_post("/v1/completions", completions)
@@ -153,6 +158,29 @@ def test_what_is_not_an_answer(relay, status, body, error, message):
     relay.status, relay.body = status, body
     with pytest.raises(error, match=message):
         OverlayChannel(relay.url).ask(bytes(32), "gt", "Why?")
+
+
+def test_a_challenge_is_tried_again_before_the_node_is_reported(relay, tmp_path, monkeypatch):
+    monkeypatch.setattr(daemon_module, "RETRY_DELAY_S", 0.0)
+    node = KeySet.generate()
+    response = sign_response(node, "Why?", [5, 6], "Light.", "gt", int(time.time()), "h:1")
+    relay.body = {"choices": [{"text": "Light."}], "planetserve": response_extension(response)}
+    cut = (500, {"error": {"message": "Generation failed: the peer failed mid-answer"}})
+    registered = ModelNode(node.public, "org", "gt", "h:1", "cpu", 1, "eu", "active", 0)
+    challenge = Challenge.new("Why?")
+
+    def asked(attempts: int):
+        daemon = Daemon(KeySet.generate(), None, {}, OverlayChannel(relay.url), None, tmp_path, attempts=attempts)
+        daemon._ask((1, node.public, "leader"), challenge, registered)
+        return daemon.pending[1, node.public, "leader"].result(timeout=30)
+
+    relay.first = [cut]
+    assert asked(2).reply.response == response  # the second try got the answer
+    relay.first = [cut, cut]
+    failed = asked(2)
+    assert failed.reply is None and failed.failure.startswith("2 attempts: HTTP 500")
+    relay.first = [cut]
+    assert asked(1).reply is None
 
 
 def test_a_silent_node_and_a_missing_relay(relay):

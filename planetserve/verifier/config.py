@@ -45,6 +45,8 @@ class VerifierConfig(HomeConfig):
     poll_interval: float = 1.0
     concurrency: int = 8
     """Challenges in flight at once."""
+    attempts: int = 2
+    """Tries per challenge (2 s apart) before the node is reported as giving no valid answer."""
 
     def check(self) -> None:
         if not self.keys:
@@ -56,7 +58,7 @@ class VerifierConfig(HomeConfig):
         pairs = self.models.items() if isinstance(self.models, dict) else ()
         if not pairs or not all(isinstance(k, str) and isinstance(v, str) for k, v in pairs):
             raise HomeError(f"{CONFIG_FILE}: models must map model ids to reference models")
-        for name in ("max_prompt_tokens", "max_tokens", "concurrency"):
+        for name in ("max_prompt_tokens", "max_tokens", "concurrency", "attempts"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise HomeError(f"{CONFIG_FILE}: {name} must be a positive integer")
         for name in ("scale", "challenge_timeout", "poll_interval"):

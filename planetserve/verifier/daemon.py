@@ -53,6 +53,7 @@ TX_MARGIN_BYTES = 1_024
 """Room left in max_tx_bytes for the envelope around a plan part."""
 PLAN_DRAWS = 8
 ERROR_BACKOFF_MAX = 30.0
+RETRY_DELAY_S = 2.0
 TRANSIENT = (RpcError, QueryRefused, VerificationError, TimeoutError, OSError)
 """Ledger trouble that a later tick can get past: the daemon backs off and tries again."""
 
@@ -96,7 +97,7 @@ class Journal:
 class Daemon:
     def __init__(self, keys: KeySet, ledger: LedgerClient, references: dict[str, ReferenceModel],
                  channel: OverlayChannel, source: ChallengeSource, home: Path, *,
-                 calibrated: bool = True, concurrency: int = 8) -> None:
+                 calibrated: bool = True, concurrency: int = 8, attempts: int = 2) -> None:
         self.keys = keys
         self.me = keys.public
         self.ledger = ledger
@@ -105,6 +106,9 @@ class Daemon:
         self.source = source
         self.home = home
         self.calibrated = calibrated
+        self.attempts = attempts
+        """Tries per challenge before the node is reported: one failure may be the network's (a
+        forwarded answer cut off), and a user would ask again too."""
         self.journal = Journal(home / RECHALLENGE_FILE)
         self.submissions = home / SUBMISSIONS_FILE
         self.status_file = home / STATUS_FILE
@@ -236,11 +240,16 @@ class Daemon:
             return
 
         def run() -> Asked:
-            try:
-                return Asked(challenge, node.pubkey, self.channel.ask(node.pubkey, node.model_id,
-                                                                      challenge.prompt))
-            except NoAnswer as exc:
-                return Asked(challenge, node.pubkey, failure=str(exc))
+            failures = []
+            for attempt in range(self.attempts):
+                if attempt:
+                    time.sleep(RETRY_DELAY_S)
+                try:
+                    return Asked(challenge, node.pubkey, self.channel.ask(node.pubkey, node.model_id,
+                                                                          challenge.prompt))
+                except NoAnswer as exc:
+                    failures.append(str(exc))
+            return Asked(challenge, node.pubkey, failure=f"{len(failures)} attempts: " + "; ".join(failures))
 
         self.pending[key] = self.pool.submit(run)
 

@@ -43,7 +43,8 @@ def build_daemon(home: Path) -> tuple[Daemon, VerifierConfig]:
                              temperature=config.temperature)
     ledger = LedgerClient.verified(config.rpc, config.genesis)
     daemon = Daemon(keys, ledger, references, channel, source, home,
-                    calibrated=config.credibility == "calibrated", concurrency=config.concurrency)
+                    calibrated=config.credibility == "calibrated", concurrency=config.concurrency,
+                    attempts=config.attempts)
     return daemon, config
 
 
