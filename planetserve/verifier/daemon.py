@@ -104,7 +104,6 @@ class Daemon:
         self.references = references
         self.channel = channel
         self.source = source
-        self.home = home
         self.calibrated = calibrated
         self.attempts = attempts
         """Tries per challenge before the node is reported: one failure may be the network's (a
@@ -281,10 +280,8 @@ class Daemon:
             if (entry.node in mine or (number, entry.node, "leader") in self.pending
                     or not self._due(number, (entry.node, "leader"))):
                 continue
-            node = self.ledger.node(entry.node)
-            if node is None or node.model_id not in self.references:
-                log.error("cannot verify node %s: no reference model for %r", entry.node.hex()[:16],
-                          node.model_id if node else None)
+            node = self._verifiable(entry.node)
+            if node is None:
                 continue
             try:
                 challenge = open_plan_entry(entry, self.me, self.keys.x25519)
@@ -293,11 +290,19 @@ class Daemon:
                 continue
             self._ask((number, entry.node, "leader"), challenge, node)
 
-    def _verdict(self, node: ModelNode | None, response: SignedResponse, prompt: str) -> Verdict | None:
-        reference = self.references.get(node.model_id) if node else None
-        if reference is None or node is None:
+    def _verifiable(self, key: bytes) -> ModelNode | None:
+        """The registered node, if this member has a reference model for its model."""
+        node = self.ledger.node(key)
+        if node is None or node.model_id not in self.references:
+            log.error("cannot verify node %s: no reference model for %r", key.hex()[:16],
+                      node.model_id if node else None)
             return None
-        return reference.verify([Answer(response, prompt, node.pubkey)])[0]
+        return node
+
+    def _verdict(self, node: ModelNode | None, response: SignedResponse, prompt: str) -> Verdict | None:
+        if node is None or node.model_id not in self.references:
+            return None
+        return self.references[node.model_id].verify([Answer(response, prompt, node.pubkey)])[0]
 
     def _score(self, verdict: Verdict) -> int:
         """The credibility this member stands behind: a response the node signed but that cannot be
@@ -343,8 +348,8 @@ class Daemon:
             if (entry.node in answered or entry.node in mine or self.me == leader
                     or (number, *key) in self.pending or not self._due(number, key)):
                 continue
-            node = self.ledger.node(entry.node)
-            if node is None or node.model_id not in self.references:
+            node = self._verifiable(entry.node)
+            if node is None:
                 continue
             challenge = self.journal.get(number, entry.node)
             if challenge is None or self.ledger.rechallenge(number, entry.node, self.me) is None:
