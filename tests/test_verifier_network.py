@@ -33,7 +33,7 @@ pytestmark = pytest.mark.network
 PARAMS = Params(epoch_blocks=40, results_blocks=16, vrf_window_blocks=10, plan_window_blocks=14)
 SCHEDULE = epochs.Schedule.from_params(PARAMS)
 RULE = reputation.ReputationRule.from_params(PARAMS)
-SCORED_EPOCHS = 4
+SCORED_EPOCHS = 6
 NODES = {"honest-a": ("gt", "honest"), "honest-b": ("gt", "honest"), "smaller": ("tiny", "honest"),
          "clickbait": ("gt", "alter-prompts")}
 
