@@ -13,14 +13,17 @@ from planetserve.genesis.committee import app_state_builder
 from planetserve.genesis.network import KEYS_FILE, build_network
 from planetserve.localnet.cluster import Cluster
 from planetserve.localnet.net import cluster_app
+from planetserve.registry.genesis import GenesisOrganisation
 from planetserve.registry.params import Params
 
 MODELS = (("gt", "reference model"), ("small", "smaller model"))
 
 
 def start_network(root: Path, n: int = 4, db_urls: Sequence[str] | None = None,
-                  timeout_commit: str = "300ms", params: Params | None = None) -> Cluster:
-    spec = build_network(root, n, "planetserve-test", app_state_builder(MODELS, params),
+                  timeout_commit: str = "300ms", params: Params | None = None, models: Sequence = MODELS,
+                  organisations: Sequence[GenesisOrganisation] = ()) -> Cluster:
+    spec = build_network(root, n, "planetserve-test",
+                         app_state_builder(models, params, organisations=organisations),
                          timeout_commit=timeout_commit, db_urls=db_urls)
     cluster = Cluster(spec, cluster_app, start_timeout=60.0)
     cluster.start()

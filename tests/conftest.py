@@ -55,4 +55,4 @@ def pg_url() -> Iterator[str]:
 
 
 # -- end PostgreSQL --------------------------------------------------------------------------------
-from modelfix import quick_family  # noqa: E402,F401  (session fixture: the quick model family)
+from modelfix import deep_gt, quick_family  # noqa: E402,F401  (session fixtures: the quick model family)

@@ -15,6 +15,8 @@ from click.testing import CliRunner
 
 from planetserve.chain.rpc import RpcClient, RpcError
 from planetserve.cli import main
+from planetserve.registry import credits
+from planetserve.registry.genesis import parse_app_state
 
 pytestmark = pytest.mark.network
 
@@ -141,6 +143,39 @@ def test_genesis_init_builds_homes(tmp_path):
     assert [m["model_id"] for m in genesis["app_state"]["models"]] == ["gt"]
     assert len(genesis["app_state"]["committee"]) == 2
     assert "already" in run("genesis", "init", str(tmp_path / "net"), "-n", "2", code=1).lower()
+
+
+def test_genesis_init_with_organisations_and_sized_models(tmp_path):
+    owner = "ab" * 32
+    out = json.loads(run("genesis", "init", str(tmp_path / "net"), "-n", "1", "--model", "big=Big Model:80:1700",
+                         "--model", "gt=Ref:v2", "--org", f"acme={owner}:500", "--org", f"zeta={owner}", "--json"))
+    app_state = json.loads(Path(out["genesis"]).read_text())["app_state"]
+    assert app_state["models"] == [{"model_id": "big", "name": "Big Model", "layers": 80, "layer_mib": 1700},
+                                   {"model_id": "gt", "name": "Ref:v2"}]
+    assert app_state["organisations"] == [
+        {"org_id": "acme", "name": "acme", "owner": owner, "credits": 500 * credits.CREDIT_SECONDS},
+        {"org_id": "zeta", "name": "zeta", "owner": owner, "credits": 0},
+    ]
+    assert parse_app_state(app_state).organisations[0].credits == 1_800_000
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--org", "acme"], "expected ORG_ID=OWNER_KEY_HEX[:CREDITS]"),
+        (["--org", "acme=zz"], "64 hex characters"),
+        (["--org", f"acme={'ab' * 32}:-5"], "whole number of credits"),
+        (["--org", f"acme={'ab' * 32}:1e9"], "whole number of credits"),
+        (["--org", f"bad id={'ab' * 32}"], "'org_id'"),
+        (["--org", f"acme={'ab' * 32}", "--org", f"acme={'cd' * 32}:1"], "duplicate organisation 'acme'"),
+        (["--model", "gt=G:0:10"], "'layers': must be an integer in 1..10000"),
+        (["--model", "gt=:80:10"], "needs a name"),
+    ],
+)
+def test_genesis_init_refuses_malformed_orgs_and_models_before_building(tmp_path, args, message):
+    out = run("genesis", "init", str(tmp_path / "g"), "-n", "1", *args, code=2)
+    assert message in " ".join(out.split())
+    assert not (tmp_path / "g").exists()
 
 
 def test_chain_start_runs_app_and_cometbft_until_terminated(tmp_path):

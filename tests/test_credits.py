@@ -3,15 +3,23 @@ on deployments (the seed's 5 servers x 30 days = 30 servers x 5 days), and every
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
+
 import pytest
 from committee import EPOCH_PARAMS, Script
-from harness import CHAIN_ID, AppHarness, sqlite_url
+from google.protobuf.timestamp_pb2 import Timestamp
+from harness import CHAIN_ID, GENESIS_TIME, AppHarness, sqlite_url
 
 from planetserve.chain import state as layout
+from planetserve.chain.app import Application
 from planetserve.chain.errors import Code
 from planetserve.chain.handlers import node_pop_message
 from planetserve.chain.keys import KeySet
+from planetserve.chain.store import StateStore
 from planetserve.registry import credits
+from planetserve.registry.entities import Model
+from planetserve.registry.genesis import GenesisOrganisation, parse_app_state
 
 DAY = 86_400
 A100 = credits.DEFAULT_PRICES["A100"]
@@ -180,3 +188,35 @@ def test_a_model_no_node_holds_whole_is_split_into_layer_pipelines(s):
     latest = max((d for d in (s.state.deployment(i) for i in range(1, 6)) if d is not None),
                  key=lambda d: d.deployment_id)
     assert latest.nodes == tuple(whole) and latest.stages == ()
+
+
+def test_genesis_organisations_exist_with_their_owner_and_credits(tmp_path):
+    h = AppHarness(sqlite_url(tmp_path, "plain.db"))
+    owner, node = KeySet.generate(), KeySet.generate()
+    endowed = 500 * credits.CREDIT_SECONDS
+    app_state = replace(
+        parse_app_state(json.loads(h.genesis.app_state_bytes)),
+        models=(Model("gt", "reference", 0), Model("big", "large", 0, 80, 1_700)),
+        organisations=(GenesisOrganisation("zeta", "Zeta", owner.public),
+                       GenesisOrganisation("acme", "Acme", owner.public, endowed)),
+    )
+    h.genesis.app_state_bytes = json.dumps(app_state.to_json()).encode()
+    h.genesis.time.CopyFrom(Timestamp(seconds=GENESIS_TIME))
+    h.store = StateStore(sqlite_url(tmp_path))
+    h.app = Application(h.store)
+    h.app.init_chain(h.genesis)
+
+    # the genesis owner acts on its organisation as if it had registered it
+    result = h.block(h.tx(owner, "register-model-node", {
+        "org_id": "acme", "node_pubkey": node.public, "pop": node.sign(node_pop_message(CHAIN_ID, "acme", node.public)),
+        "model_id": "big", "address": "10.0.0.1:7000", "hardware": "A100", "capacity": 1, "region": "eu"}))
+    assert [r.code for r in result.tx_results] == [0]
+    st = layout.State(h.store.batch())
+    acme = st.org("acme")
+    assert acme is not None and (acme.owner, acme.registered_at) == (owner.public, GENESIS_TIME)
+    assert st.credits("acme") == credits.Credits("acme", balance=endowed, earned=0, spent=0)
+    assert st.credits("zeta").balance == 0 and st.org("zeta").owner == owner.public
+    assert (st.model("big").layers, st.model("big").layer_mib) == (80, 1_700)
+    answer = h.query("/key", layout.credits_key("acme"))
+    assert credits.Credits.decode(answer.value).balance == endowed
+    assert all(here == there for here, there in h.replay(sqlite_url(tmp_path, "replay.db")))

@@ -42,18 +42,26 @@ def init_home(home: Path, net, data: Path) -> None:
 
 
 class NodeProcess:
-    def __init__(self, home: Path, org_keys: Path | None) -> None:
+    """A `planetserve node model` process; with `wait` False, `wait_ready` reads its ready line later
+    (a pipeline stage prints it only once a deployment assigned it layers)."""
+
+    def __init__(self, home: Path, org_keys: Path | None, *, wait: bool = True) -> None:
         args = [sys.executable, "-m", "planetserve", "node", "model", "--home", str(home), "--json",
                 "--log-level", "warning"]
         if org_keys is not None:
             args += ["--org-keys", str(org_keys)]
         self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> dict:
         line = self.proc.stdout.readline()
         if not line:
             raise AssertionError(f"model node did not start: {self.proc.stderr.read()[-2000:]}")
         self.ready = json.loads(line)
         self.url = self.ready["http"]
+        return self.ready
 
     def status(self) -> dict:
         return httpx.get(f"{self.url}/v1/planetserve/status", timeout=10).json()

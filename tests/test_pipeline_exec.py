@@ -6,7 +6,6 @@ refused with a reason while the server keeps serving."""
 from __future__ import annotations
 
 import asyncio
-import copy
 import gc
 import json
 import os
@@ -20,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from transformers import LlamaForCausalLM
+from modelfix import DEEP_LAYERS
 
 from planetserve.chain.keys import KeySet
 from planetserve.models import LoadedModel, load
@@ -41,7 +40,7 @@ from planetserve.node.stages import (
 from planetserve.node.transport import Peering, RemoteError
 
 PROMPT = "Return a new"
-LAYERS = 6
+LAYERS = DEEP_LAYERS
 THREE = {"a": (0, 2), "b": (2, 4), "c": (4, 6)}
 REPLICATED = {"a": (0, 2), "b1": (2, 4), "b2": (2, 4), "c": (4, 6)}
 
@@ -49,28 +48,6 @@ REPLICATED = {"a": (0, 2), "b1": (2, 4), "b2": (2, 4), "c": (4, 6)}
 @pytest.fixture(scope="module")
 def gt(quick_family: Path) -> LoadedModel:
     return load("gt", data_dir=quick_family)
-
-
-@pytest.fixture(scope="module")
-def deep_gt(gt: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    """The quick gt with its two trained layers repeated to six (layer i is trained layer i % 2), saved
-    as a checkpoint directory and loaded the normal way: the quick family has too few layers to split
-    in three."""
-    config = copy.deepcopy(gt.model.config)
-    config.num_hidden_layers = LAYERS
-    if getattr(config, "layer_types", None):
-        config.layer_types = ["full_attention"] * LAYERS
-    deep = LlamaForCausalLM(config)
-    state = {k: v for k, v in gt.model.state_dict().items() if ".layers." not in k}
-    for i in range(LAYERS):
-        prefix = f"model.layers.{i % 2}."
-        state.update({k.replace(prefix, f"model.layers.{i}."): v
-                      for k, v in gt.model.state_dict().items() if k.startswith(prefix)})
-    deep.load_state_dict(state)
-    directory = tmp_path_factory.mktemp("deep-gt")
-    deep.save_pretrained(directory)
-    gt.tokenizer.save_pretrained(directory)
-    return load(directory)
 
 
 def run(coro):
@@ -324,7 +301,7 @@ def test_bad_steps_are_refused_and_the_server_keeps_serving(deep_gt: LoadedModel
 
     refused = [
         ([], "must be a map"),
-        (step(op="pause"), "op must be start, continue or end"),
+        (step(op="pause"), "op must be start, continue, end or ping"),
         (step(id="r1"), "id must be 1 to 32 bytes"),
         (step(layers=[0, 4]), r"layers must be \[a, b\) within this stage's \[2, 4\)"),
         (step(pos=-1), r"pos must be an integer in \[0, 16\]"),

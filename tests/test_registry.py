@@ -7,7 +7,7 @@ import pytest
 from planetserve.registry import codec, fields, rules
 from planetserve.registry.entities import Member, ModelNode, Proposal, User
 from planetserve.registry.errors import AlreadyExists, InvalidField
-from planetserve.registry.genesis import parse_app_state
+from planetserve.registry.genesis import GenesisOrganisation, parse_app_state
 from planetserve.registry.params import Params
 
 NODE = ModelNode(b"\x01" * 32, "org", "gt", "10.0.0.1:7000", "A100", 4, "eu", "active", 5)
@@ -76,6 +76,65 @@ def test_genesis_app_state_is_validated():
         parse_app_state({"committee": [{**member_json(1), "operator": "zz"}]})
     with pytest.raises(InvalidField, match="'extra': unknown field"):
         parse_app_state({"committee": [member_json(1)], "extra": 1})
+
+
+OWNER = "ab" * 32
+
+
+def org_json(org_id: str = "acme", **overrides) -> dict:
+    return {"org_id": org_id, "name": "Acme", "owner": OWNER, "credits": 7_200, **overrides}
+
+
+def test_genesis_models_declare_their_size_and_organisations_their_owner_and_credits():
+    raw = {"committee": [member_json(1)],
+           "models": [{"model_id": "gt", "name": "G"}, {"model_id": "big", "name": "B", "layers": 80,
+                                                        "layer_mib": 1_700}],
+           "organisations": [org_json("zeta", credits=0), org_json("acme"), org_json("nocredits")]}
+    del raw["organisations"][2]["credits"]
+    state = parse_app_state(raw)
+    assert [(m.model_id, m.layers, m.layer_mib, m.sized) for m in state.models] == [
+        ("gt", 0, 0, False), ("big", 80, 1_700, True)]
+    assert state.organisations == (
+        GenesisOrganisation("zeta", "Acme", bytes.fromhex(OWNER), 0),
+        GenesisOrganisation("acme", "Acme", bytes.fromhex(OWNER), 7_200),
+        GenesisOrganisation("nocredits", "Acme", bytes.fromhex(OWNER), 0),
+    )
+    assert state.organisations[1].organisation(123).registered_at == 123
+    out = state.to_json()
+    assert out["models"] == [{"model_id": "gt", "name": "G"},
+                             {"model_id": "big", "name": "B", "layers": 80, "layer_mib": 1_700}]
+    assert out["organisations"][2] == {"org_id": "nocredits", "name": "Acme", "owner": OWNER, "credits": 0}
+    assert parse_app_state(out) == state
+    plain = parse_app_state({"committee": [member_json(1)]})
+    assert plain.organisations == () and "organisations" not in plain.to_json()
+
+
+@pytest.mark.parametrize(
+    ("extra", "error", "message"),
+    [
+        ({"organisations": [org_json(owner="zz")]}, InvalidField, "'owner': must be 64 hex"),
+        ({"organisations": [org_json(owner="ab" * 31)]}, InvalidField, "'owner': must be 32 bytes"),
+        ({"organisations": [org_json(), org_json()]}, AlreadyExists, "duplicate organisation 'acme'"),
+        ({"organisations": [org_json(credits=-1)]}, InvalidField, r"'credits': must be an integer in 0\.\."),
+        ({"organisations": [org_json(credits=10**15 + 1)]}, InvalidField, "'credits'"),
+        ({"organisations": [org_json(credits=1.5)]}, InvalidField, "'credits'"),
+        ({"organisations": [org_json(org_id="bad id")]}, InvalidField, "'org_id'"),
+        ({"organisations": [org_json(name="x" * 129)]}, InvalidField, "'name': .* at most 128"),
+        ({"organisations": [org_json(role="admin")]}, InvalidField, "'role': unknown field"),
+        ({"organisations": [{"org_id": "acme", "name": "Acme"}]}, InvalidField, "'owner': missing"),
+        ({"organisations": {"acme": org_json()}}, InvalidField, "'organisations': must be a list"),
+        ({"models": [{"model_id": "gt", "name": "G", "layers": 80}]}, InvalidField,
+         "'layers': model 'gt': a model's size needs both layers and layer_mib"),
+        ({"models": [{"model_id": "gt", "name": "G", "layer_mib": 10}]}, InvalidField, "needs both"),
+        ({"models": [{"model_id": "gt", "name": "G", "layers": 0, "layer_mib": 10}]}, InvalidField,
+         "'layers': model 'gt': must be an integer in 1..10000"),
+        ({"models": [{"model_id": "gt", "name": "G", "layers": 8, "layer_mib": 2**30 + 1}]}, InvalidField,
+         "'layer_mib'"),
+    ],
+)
+def test_genesis_organisations_and_model_sizes_are_validated(extra, error, message):
+    with pytest.raises(error, match=message):
+        parse_app_state({"committee": [member_json(1)], **extra})
 
 
 @pytest.mark.parametrize(

@@ -26,6 +26,7 @@ from planetserve.chain.handlers import REGISTRY_HANDLERS, Context
 from planetserve.chain.state import IterableKV, State, TxScope
 from planetserve.chain.store import Batch, StateStore, StoreError
 from planetserve.chain.tx import Tx, decode
+from planetserve.registry.credits import Credits
 from planetserve.registry.entities import Proposal
 from planetserve.registry.errors import RegistryError
 from planetserve.registry.genesis import parse_app_state
@@ -93,8 +94,9 @@ class Application:
         )
 
     def init_chain(self, req: abci.RequestInitChain) -> abci.ResponseInitChain:
-        """Load parameters, committee and models from genesis; refuse a genesis whose validator set
-        does not match its committee."""
+        """Load parameters, committee, models, organisations and their credits from genesis; refuse a
+        genesis whose validator set does not match its committee. Genesis organisations are registered
+        at the genesis time (whole seconds, as a block's time)."""
         app_state = parse_app_state(json.loads(req.app_state_bytes or b"{}"))
         genesis_validators = sorted((v.pub_key.ed25519, v.power) for v in req.validators)
         committee_validators = sorted((m.consensus_key, m.power) for m in app_state.committee)
@@ -109,6 +111,11 @@ class Application:
             st.put_member(member)
         for model in app_state.models:
             st.put_model(model)
+        genesis_time = req.time.seconds
+        for org in sorted(app_state.organisations, key=lambda o: o.org_id):
+            st.put_org(org.organisation(genesis_time))
+            if org.credits > 0:
+                st.put_credits(Credits(org.org_id, balance=org.credits, earned=0, spent=0))
         for hardware, rate in app_state.prices:
             st.put_int(layout.price_key(hardware), rate)
         epochs.genesis(st, req.chain_id, list(app_state.committee))

@@ -224,13 +224,17 @@ class LedgerClient:
         listing = self.entries(layout.DEPLOYMENT_PREFIX)
         return listing, layout.decode_records(listing.entries, Deployment)
 
-    def stage(self, node: bytes) -> tuple[int, int, int] | None:
-        """(first layer, end layer, pipeline) the node serves in its deployment's layer pipeline; None
-        when it serves no deployment or serves the whole model."""
+    def deployment_of(self, node: bytes) -> Deployment | None:
+        """The deployment the node is assigned to serve, if any."""
         _, raw = self.value(layout.assigned_key(node))
         if raw is None:
             return None
-        deployment = self._entity(layout.deployment_key(int(codec.unpack(raw))), Deployment)
+        return self._entity(layout.deployment_key(int(codec.unpack(raw))), Deployment)
+
+    def stage(self, node: bytes) -> tuple[int, int, int] | None:
+        """(first layer, end layer, pipeline) the node serves in its deployment's layer pipeline; None
+        when it serves no deployment or serves the whole model."""
+        deployment = self.deployment_of(node)
         return None if deployment is None else deployment.stage_of(node)
 
     def plan(self, number: int) -> tuple[Listing, list[PlanEntry]]:

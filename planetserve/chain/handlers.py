@@ -31,9 +31,6 @@ from planetserve.registry.errors import (
 from planetserve.registry.params import Params
 
 NODE_POP_DOMAIN = "planetserve/node-pop/v1"
-MAX_LAYERS = 10_000
-MAX_MIB = 1 << 30
-MAX_GFLOPS = 1 << 40
 
 
 @dataclass
@@ -117,10 +114,7 @@ def register_model(ctx: Context, body: dict[str, Any]) -> None:
     ctx.require_member()
     model_id = fields.ident(body, "model_id")
     name = fields.text(body, "name", 128)
-    layers = fields.integer(body, "layers", 1, MAX_LAYERS) if "layers" in body else 0
-    layer_mib = fields.integer(body, "layer_mib", 1, MAX_MIB) if "layer_mib" in body else 0
-    if bool(layers) != bool(layer_mib):
-        raise InvalidField("layers", "a model's size needs both layers and layer_mib")
+    layers, layer_mib = fields.model_size(body)
     if ctx.state.model(model_id) is not None:
         raise AlreadyExists(f"model {model_id!r} is already registered")
     ctx.state.put_model(Model(model_id, name, ctx.time, layers, layer_mib))
@@ -159,8 +153,8 @@ def register_model_node(ctx: Context, body: dict[str, Any]) -> None:
         region=fields.region(body),
         status="active",
         registered_at=ctx.time,
-        memory_mib=fields.integer(body, "memory_mib", 0, MAX_MIB) if "memory_mib" in body else 0,
-        gflops=fields.integer(body, "gflops", 0, MAX_GFLOPS) if "gflops" in body else 0,
+        memory_mib=fields.integer(body, "memory_mib", 0, fields.MAX_MIB) if "memory_mib" in body else 0,
+        gflops=fields.integer(body, "gflops", 0, fields.MAX_GFLOPS) if "gflops" in body else 0,
     )
     owned_org(ctx, org_id)
     _known_model(ctx, node.model_id)
@@ -189,9 +183,9 @@ def update_model_node(ctx: Context, body: dict[str, Any]) -> None:
         region=fields.region(body) if "region" in body else node.region,
         status=fields.choice(body, "status", NODE_STATUSES) if "status" in body else node.status,
         model_id=fields.ident(body, "model_id") if "model_id" in body else node.model_id,
-        memory_mib=(fields.integer(body, "memory_mib", 0, MAX_MIB) if "memory_mib" in body
+        memory_mib=(fields.integer(body, "memory_mib", 0, fields.MAX_MIB) if "memory_mib" in body
                     else node.memory_mib),
-        gflops=fields.integer(body, "gflops", 0, MAX_GFLOPS) if "gflops" in body else node.gflops,
+        gflops=fields.integer(body, "gflops", 0, fields.MAX_GFLOPS) if "gflops" in body else node.gflops,
     )
     if updated.model_id != node.model_id:
         _known_model(ctx, updated.model_id)

@@ -2,23 +2,77 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import click
 
 from planetserve.cli import console, emit_json, fail, table
-from planetserve.genesis.committee import app_state_builder
+from planetserve.genesis.committee import ModelSpec, app_state_builder
 from planetserve.genesis.network import NetworkBuildError, build_network
+from planetserve.registry.credits import CREDIT_SECONDS
+from planetserve.registry.entities import Model
+from planetserve.registry.errors import RegistryError
+from planetserve.registry.genesis import (
+    MAX_GENESIS_CREDITS,
+    GenesisOrganisation,
+    model_json,
+    parse_models,
+    parse_organisations,
+)
+
+_NUMBER = re.compile(r"[0-9]+")
+_KEY_HEX = re.compile(r"[0-9a-fA-F]{64}")
+MAX_ORG_CREDITS = MAX_GENESIS_CREDITS // CREDIT_SECONDS
 
 
-def parse_models(values: tuple[str, ...]) -> list[tuple[str, str]]:
-    models = []
+def parse_models_option(values: tuple[str, ...]) -> list[ModelSpec]:
+    """`--model ID=NAME` or `ID=NAME:LAYERS:LAYER_MIB`; a name may hold colons unless it ends in two
+    colon-separated numbers, which are read as the size."""
+    models: list[ModelSpec] = []
     for value in values:
         model_id, sep, name = value.partition("=")
         if not sep or not model_id or not name:
-            raise click.BadParameter(f"{value!r}: expected MODEL_ID=NAME", param_hint="--model")
-        models.append((model_id, name))
+            raise click.BadParameter(f"{value!r}: expected MODEL_ID=NAME or MODEL_ID=NAME:LAYERS:LAYER_MIB",
+                                     param_hint="--model")
+        head, *size = name.rsplit(":", 2)
+        spec: ModelSpec = (model_id, name)
+        if len(size) == 2 and all(_NUMBER.fullmatch(n) for n in size):
+            if not head:
+                raise click.BadParameter(f"{value!r}: the model needs a name before :LAYERS:LAYER_MIB",
+                                         param_hint="--model")
+            spec = (model_id, head, int(size[0]), int(size[1]))
+        try:
+            parse_models([model_json(Model(spec[0], spec[1], 0, *spec[2:]))])
+        except RegistryError as exc:
+            raise click.BadParameter(f"{value!r}: {exc}", param_hint="--model") from exc
+        models.append(spec)
     return models
+
+
+def parse_orgs_option(values: tuple[str, ...]) -> list[GenesisOrganisation]:
+    """`--org ORG_ID=OWNER_KEY_HEX[:CREDITS]`, CREDITS in whole credits (default 0)."""
+    orgs = []
+    for value in values:
+        org_id, sep, rest = value.partition("=")
+        owner, colon, amount = rest.partition(":")
+        if not sep or not org_id or not owner:
+            raise click.BadParameter(f"{value!r}: expected ORG_ID=OWNER_KEY_HEX[:CREDITS]",
+                                     param_hint="--org")
+        if not _KEY_HEX.fullmatch(owner):
+            raise click.BadParameter(f"{value!r}: the owner must be a public key of 64 hex characters "
+                                     "(see `planetserve keys show`)", param_hint="--org")
+        if colon and not (_NUMBER.fullmatch(amount) and int(amount) <= MAX_ORG_CREDITS):
+            raise click.BadParameter(f"{value!r}: CREDITS must be a whole number of credits in "
+                                     f"0..{MAX_ORG_CREDITS}", param_hint="--org")
+        org = GenesisOrganisation(org_id, org_id, bytes.fromhex(owner),
+                                  int(amount) * CREDIT_SECONDS if colon else 0)
+        try:
+            parse_organisations([org.to_json()])
+        except RegistryError as exc:
+            raise click.BadParameter(f"{value!r}: {exc}", param_hint="--org") from exc
+        orgs.append(org)
+    return orgs
 
 
 @click.group("genesis")
@@ -30,27 +84,40 @@ def group() -> None:
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--validators", "-n", default=4, show_default=True, help="Number of validators.")
 @click.option("--chain-id", default="planetserve-local", show_default=True)
-@click.option("--model", "models", multiple=True, metavar="ID=NAME",
-              help="A model registered at genesis (repeatable).")
+@click.option("--model", "models", multiple=True, metavar="ID=NAME[:LAYERS:LAYER_MIB]",
+              help="A model registered at genesis (repeatable). Add :LAYERS:LAYER_MIB to declare its size "
+                   "(number of layers, MiB per layer), so that deployments on nodes too small to hold it "
+                   "whole are split into layer pipelines; e.g. llama-70b=\"Llama 3 70B\":80:1700.")
+@click.option("--org", "orgs", multiple=True, metavar="ORG_ID=OWNER_KEY_HEX[:CREDITS]",
+              help="An organisation that exists from genesis (repeatable), named ORG_ID and owned by the "
+                   "64-hex public key OWNER_KEY_HEX (the `identity` of `planetserve keys show`), which can "
+                   "then register its model nodes and deploy; CREDITS whole credits (default 0) are its "
+                   "starting balance.")
 @click.option("--credential", default="{moniker}: founding committee member", show_default=True,
               help="Credential text of each founding member; {moniker} is replaced.")
 @click.option("--timeout-commit", default="1s", show_default=True, help="CometBFT timeout_commit.")
 @click.option("--db", "db_urls", multiple=True, metavar="URL",
               help="Database URL per validator, in order (default: SQLite in each home).")
 @click.option("--json", "as_json", is_flag=True)
-def init(out: Path, validators: int, chain_id: str, models: tuple[str, ...], credential: str,
-         timeout_commit: str, db_urls: tuple[str, ...], as_json: bool) -> None:
+def init(out: Path, validators: int, chain_id: str, models: tuple[str, ...], orgs: tuple[str, ...],
+         credential: str, timeout_commit: str, db_urls: tuple[str, ...], as_json: bool) -> None:
     """Create OUT/v0..v{N-1}: CometBFT homes with one genesis whose committee is the N validators.
 
     \b
     Example:
       planetserve genesis init /tmp/net -n 4 --model gt="planetserve reference model"
+      planetserve genesis init /tmp/net --model gt=Reference:32:400 --org acme=<identity hex>:5000
     """
     if db_urls and len(db_urls) != validators:
         fail(f"--db given {len(db_urls)} times for {validators} validators")
     try:
+        builder = app_state_builder(parse_models_option(models), credential=credential,
+                                    organisations=parse_orgs_option(orgs))
+    except RegistryError as exc:
+        raise click.UsageError(str(exc)) from exc
+    try:
         spec = build_network(
-            out, validators, chain_id, app_state_builder(parse_models(models), credential=credential),
+            out, validators, chain_id, builder,
             timeout_commit=timeout_commit, db_urls=db_urls or None,
         )
     except NetworkBuildError as exc:

@@ -57,6 +57,11 @@ def group() -> None:
 @click.option("--capacity", default=4, show_default=True, type=click.IntRange(1, 1024),
               help="Sequences decoded concurrently (also registered).")
 @click.option("--hardware", default="cpu", show_default=True, help="Hardware class, registered.")
+@click.option("--memory-mib", default=0, show_default=True, type=click.IntRange(0),
+              help="Memory offered for the model (MiB), registered. Less than a sized model needs makes this "
+                   "node a pipeline stage that serves the layers a deployment assigns it.")
+@click.option("--gflops", default=0, show_default=True, type=click.IntRange(0),
+              help="Compute throughput (GFLOP/s), registered; pipelines place layers by it.")
 @click.option("--region", default="global", show_default=True)
 @click.option("--engine-url", default="", help="Use an OpenAI-compatible server (e.g. `vllm serve`) instead "
                                                 "of the built-in engine.")
@@ -110,6 +115,10 @@ def _create_home(home: Path, config: HomeConfig, key_file: Path | None, as_json:
 def model(home: Path, org_keys: Path | None, log_level: str, as_json: bool) -> None:
     """Run a model node: register on the ledger, serve the model, forward within the group.
 
+    A node whose --memory-mib is less than its model needs (a model registered with its size) is a
+    pipeline stage: it registers, waits until a deployment assigns it a layer range, loads only those
+    layers, and answers requests by running them through the deployment's stages.
+
     The node serves an OpenAI-compatible API (/v1/models, /v1/completions, /v1/chat/completions,
     streaming) and a TLS peer port for the other trusted nodes of its model. Every answer carries a
     `planetserve` object: the node's key, address, time, token ids and its signature over them.
@@ -118,6 +127,7 @@ def model(home: Path, org_keys: Path | None, log_level: str, as_json: bool) -> N
     from planetserve.chain.lightclient import VerificationError
     from planetserve.chain.rpc import RpcError
     from planetserve.models import ModelError
+    from planetserve.node.assignment import AssignmentError
     from planetserve.node.home import HomeError
     from planetserve.node.model_node import ModelNode
     from planetserve.node.registration import Registered, RegistrationError
@@ -132,16 +142,20 @@ def model(home: Path, org_keys: Path | None, log_level: str, as_json: bool) -> N
     def ready(node: ModelNode, registered: Registered) -> None:
         line = {"node": node.node_id, "model_id": node.config.model_id, "http": node.http_url,
                 "peer": f"{node.config.peer.rpartition(':')[0]}:{node.peer_port}",
-                "registration": registered.action}
+                "registration": registered.action,
+                "stage": list(node.stage.layers) if node.stage is not None else None}
         if as_json:
             click.echo(json.dumps(line), nl=True)
         else:
+            part = (f", layers {node.stage.layers[0]}-{node.stage.layers[1] - 1} of pipeline "
+                    f"{node.stage.layers[2]}" if node.stage is not None else "")
             console.print(f"model node {node.node_id[:16]}… serving {node.config.model_id} at "
-                          f"{node.http_url} (peer port {node.peer_port}, {registered.action})")
+                          f"{node.http_url} (peer port {node.peer_port}, {registered.action}{part})")
 
     try:
         asyncio.run(run_model_node(home, org, ready))
-    except (HomeError, RegistrationError, ModelError, KeyFileError, ValueError, OSError) as exc:
+    except (HomeError, RegistrationError, ModelError, KeyFileError, ValueError, OSError,
+            AssignmentError) as exc:
         fail(str(exc))
     except (RpcError, VerificationError, QueryRefused) as exc:
         fail(f"the ledger could not be read: {exc}")

@@ -6,16 +6,31 @@ from collections.abc import Callable, Sequence
 
 from planetserve.genesis.network import ValidatorInfo
 from planetserve.registry.entities import Member, Model
-from planetserve.registry.genesis import AppState
+from planetserve.registry.genesis import (
+    AppState,
+    GenesisOrganisation,
+    model_json,
+    parse_models,
+    parse_organisations,
+)
 from planetserve.registry.params import Params
+
+ModelSpec = tuple[str, str] | tuple[str, str, int, int]
+"""(model_id, name) or (model_id, name, layers, layer_mib)."""
 
 
 def app_state_builder(
-    models: Sequence[tuple[str, str]] = (),
+    models: Sequence[ModelSpec] = (),
     params: Params | None = None,
     credential: str = "{moniker}: founding committee member",
+    organisations: Sequence[GenesisOrganisation] = (),
 ) -> Callable[[list[ValidatorInfo]], dict]:
-    """A function from the validators `build_network` created to the genesis app_state."""
+    """A function from the validators `build_network` created to the genesis app_state.
+
+    Models and organisations are validated here, by the rules InitChain applies, so that a bad one
+    raises a RegistryError (InvalidField, AlreadyExists) before any validator home is created."""
+    checked_models = parse_models([model_json(Model(spec[0], spec[1], 0, *spec[2:])) for spec in models])
+    checked_orgs = parse_organisations([o.to_json() for o in organisations])
 
     def build(infos: list[ValidatorInfo]) -> dict:
         committee = tuple(
@@ -33,7 +48,9 @@ def app_state_builder(
         return AppState(
             params=params or Params(),
             committee=committee,
-            models=tuple(Model(model_id, name, 0) for model_id, name in models),
+            models=checked_models,
+            organisations=checked_orgs,
         ).to_json()
 
     return build
+

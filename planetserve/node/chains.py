@@ -295,6 +295,11 @@ class LatencyTable:
     def rtt_ms(self, a: str, b: str, now: float) -> float:
         return self._read(self._rtt.get(_pair(a, b)), now, self.default_rtt_ms)
 
+    def fresh_rtt(self, a: str, b: str, now: float) -> bool:
+        """Whether the pair has a measured round trip that is not stale."""
+        entry = self._rtt.get(_pair(a, b))
+        return entry is not None and self._fresh(entry, now)
+
     def snapshot(self, gpus: Iterable[str], now: float) -> Latencies:
         """What the 1-2 s refresh loop takes: tau and one-way links (RTT / 2) for `gpus`, as of `now`."""
         order = tuple(sorted(set(gpus)))

@@ -39,6 +39,11 @@ class ModelNodeConfig(HomeConfig):
     hardware: str = "cpu"
     capacity: int = 4
     """Sequences decoded concurrently; also the registered capacity."""
+    memory_mib: int = 0
+    """Memory the node offers a model (MiB), registered for pipelines; 0 declares none. Less than a
+    sized model needs makes the node a pipeline stage: it waits for a deployment to assign it layers."""
+    gflops: int = 0
+    """Compute throughput (GFLOP/s), registered for pipelines."""
     engine_url: str = ""
     """An OpenAI-compatible server (e.g. `vllm serve`) to use instead of the built-in engine."""
     kv_events: str = ""

@@ -57,7 +57,7 @@ from planetserve.node.openai_api import (
     render_prompt,
     too_large,
 )
-from planetserve.node.transport import Peering, RemoteError, TransportError
+from planetserve.node.transport import Handler, Peering, RemoteError, TransportError
 from planetserve.registry.epochs import prompt_hash
 
 log = logging.getLogger(__name__)
@@ -128,6 +128,18 @@ class Job:
                           planetserve=PlanetServeOptions(session_id=self.session_id, hops=1))
 
 
+@dataclass(frozen=True)
+class StageRole:
+    """A node that is also a stage of its deployment's layer pipeline: the other stages (each a
+    coordinator of its own requests) may run steps of `msg_type` on it through `handler`."""
+
+    layers: tuple[int, int, int]
+    """(first layer, end layer, pipeline) as the ledger assigned them."""
+    msg_type: str
+    peers: frozenset[bytes]
+    handler: Handler
+
+
 class ModelNodeServer(EngineServer):
     """The HTTP side of a model node: EngineServer's API, with routing and signing plugged in."""
 
@@ -156,8 +168,9 @@ class ModelNode:
     def __init__(self, config: ModelNodeConfig, keys: KeySet, engine: Engine, tokenizer: Tokenizer, *,
                  vocab_size: int, eos_ids: Sequence[int], group: Group | None,
                  users: Directory | None = None, limits: ApiLimits | None = None,
-                 policy: BalancePolicy | None = None) -> None:
+                 policy: BalancePolicy | None = None, stage: StageRole | None = None) -> None:
         self.config = config
+        self.stage = stage
         self.keys = keys
         self.node_id = keys.public.hex()
         self.engine = engine
@@ -215,7 +228,8 @@ class ModelNode:
     # -- group and cache state -----------------------------------------------------------------------
 
     def _authorized(self, key: bytes) -> bool:
-        return key in self.view.members or key in self.users_view.users
+        return (key in self.view.members or key in self.users_view.users
+                or (self.stage is not None and key in self.stage.peers))
 
     async def _group_loop(self) -> None:
         while True:
@@ -305,6 +319,8 @@ class ModelNode:
     async def _on_peer(self, peer: bytes, msg_type: str, body: Any) -> Any:
         if msg_type == "clove" and peer in self.users_view.users and isinstance(body, bytes):
             return await self.gateway.on_clove(body)
+        if self.stage is not None and msg_type == self.stage.msg_type and peer in self.stage.peers:
+            return await self.stage.handler(peer, msg_type, body)
         if peer not in self.view.members:
             raise ValueError(f"{msg_type!r} from a key outside the group")
         if msg_type == "cache":
@@ -506,5 +522,6 @@ class ModelNode:
             "plan_version": self.sync.plan.version, "counters": dict(self.counters),
             "routes": dict(self.routes),
             "sync": dict(vars(self.sync.stats)), "overlay": dict(self.gateway.counters),
+            "stage": list(self.stage.layers) if self.stage is not None else None,
         }
 

@@ -5,6 +5,16 @@ the last stage's logits pick the next token (greedy, or sampled at a temperature
 samples). A prompt longer than one frame holds is prefilled in chunks. Each attempt at a request has
 fresh request ids at its stages, so their caches start empty.
 
+Local stage. The coordinator may hold a layer range itself (a model node that is also a stage): steps for
+it go straight to its `StageServer`, with the same checks as over the wire and no round trip.
+
+Live latencies. The coordinator sends each hop its step and gets the output back, so a hop from g to g'
+costs the round trip to g' and a stage's time is what it computes. `measure` pings every remote stage
+(feeding RTT(coordinator, g), and RTT(g, g') as the two round trips' sum: the hidden states go
+g -> coordinator -> g'), and every one-token step of a hop feeds its per-layer time (the call's time
+less the smoothed round trip, over its layers); then the router takes a new snapshot. A lost stage that
+answers pings again is readmitted.
+
 Failure. A stage whose connection fails, that does not answer within `step_timeout`, or whose reply is
 malformed is lost: the client excludes it in the `ChainRouter`, picks a new chain for the request, and
 recomputes the prompt and the tokens generated so far there; generation then carries on where it was
@@ -16,9 +26,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import math
 import secrets
+import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,13 +41,23 @@ import torch
 from planetserve.node.chains import Chain, ChainRouter, Hop, NoChainError
 from planetserve.node.engine.base import GenerationRequest, TokenChunk
 from planetserve.node.openai_api import Tokenizer
-from planetserve.node.stages import STAGE_MSG, ModelShape, StageError, decode_tensor, max_step_tokens
+from planetserve.node.stages import (
+    STAGE_MSG,
+    ModelShape,
+    StageError,
+    StageServer,
+    decode_tensor,
+    max_step_tokens,
+)
 from planetserve.node.transport import Peering, RemoteError, TransportError
 
 log = logging.getLogger(__name__)
 
 STEP_TIMEOUT_S = 30.0
 """A stage that takes longer than this for one step of one request counts as lost."""
+PING_TIMEOUT_S = 5.0
+COORDINATOR = "coordinator"
+"""The latency table's name for the coordinator when it holds no stage of its own."""
 
 
 class PipelineError(Exception):
@@ -104,12 +126,14 @@ def sampler(temperature: float, seed: int | None) -> Callable[[np.ndarray], int]
 
 class PipelineClient:
     """Runs requests through chains of stage servers that `router` picks over its placement; `stages`
-    names every GPU of the placement's server. `peering` must accept the stages' keys."""
+    names every GPU of the placement's server but the one in `local` (this process's own stage, named by
+    its GPU). `peering` must accept the stages' keys."""
 
     def __init__(self, peering: Peering, router: ChainRouter, stages: Mapping[str, StageAddress],
-                 shape: ModelShape, tokenizer: Tokenizer, *, chunk_tokens: int | None = None,
-                 step_timeout: float = STEP_TIMEOUT_S) -> None:
-        missing = sorted(set(router.dag.gpus) - stages.keys())
+                 shape: ModelShape, tokenizer: Tokenizer, *, local: tuple[str, StageServer] | None = None,
+                 chunk_tokens: int | None = None, step_timeout: float = STEP_TIMEOUT_S) -> None:
+        self.here, self.local = local if local is not None else (COORDINATOR, None)
+        missing = sorted(set(router.dag.gpus) - stages.keys() - {self.here})
         if missing:
             raise ValueError(f"no address for the placement's stages {missing}")
         if router.dag.num_layers != shape.num_layers:
@@ -197,16 +221,52 @@ class PipelineClient:
                 await self._end(attempt)
                 route.attempt = None
 
+    async def measure(self) -> None:
+        """One round of live measurements (see the module docstring), then a new router snapshot."""
+        remote = sorted(g for g in self.router.dag.gpus if g != self.here)
+        rtts = await asyncio.gather(*(self._ping(g) for g in remote))
+        now, table = time.monotonic(), self.router.table
+        for gpu, rtt in zip(remote, rtts, strict=True):
+            if rtt is not None:
+                table.observe_rtt(self.here, gpu, rtt, now)
+                self.router.readmit(gpu)
+        for a, b in itertools.combinations(remote, 2):
+            if table.fresh_rtt(self.here, a, now) and table.fresh_rtt(self.here, b, now):
+                via_here = table.rtt_ms(self.here, a, now) + table.rtt_ms(self.here, b, now)
+                table.observe_rtt(a, b, via_here, now)
+        self.router.refresh(now)
+
+    async def _ping(self, gpu: str) -> float | None:
+        """The round trip to a remote stage in ms, None when it does not answer."""
+        stage = self.stages[gpu]
+        try:
+            start = time.perf_counter()
+            conn = await asyncio.wait_for(self.peering.connect(stage.key, stage.address), PING_TIMEOUT_S)
+            reply = await asyncio.wait_for(conn.call(STAGE_MSG, {"op": "ping"}), PING_TIMEOUT_S)
+        except (TransportError, RemoteError, TimeoutError, ConnectionError, OSError):
+            return None
+        return (time.perf_counter() - start) * 1000 if reply == {"pong": True} else None
+
     async def _step(self, attempt: _Attempt, tokens: list[int]) -> np.ndarray:
-        """The next positions through every hop; the last hop's logits."""
+        """The next positions through every hop; the last hop's logits. A one-token step times each
+        hop for the latency table."""
         value: Any = tokens
         for hop, request_id in zip(attempt.chain.hops, attempt.ids, strict=True):
             body = {"op": "start" if attempt.length == 0 else "continue", "id": request_id,
                     "layers": [hop.start, hop.end], "pos": attempt.length,
                     "tokens" if hop.start == 0 else "hidden": value}
-            value, output = self._output(hop, await self._call(hop, body), len(tokens))
+            start = time.perf_counter()
+            reply = await self._call(hop, body)
+            if len(tokens) == 1:
+                self._observe(hop, (time.perf_counter() - start) * 1000)
+            value, output = self._output(hop, reply, len(tokens))
         attempt.length += len(tokens)
         return output[0]
+
+    def _observe(self, hop: Hop, ms: float) -> None:
+        now, table = time.monotonic(), self.router.table
+        link = 0.0 if hop.gpu == self.here else table.rtt_ms(self.here, hop.gpu, now)
+        table.observe_layer(hop.gpu, max(ms - link, 0.0) / (hop.end - hop.start), now)
 
     def _output(self, hop: Hop, reply: Any, rows: int) -> tuple[Any, np.ndarray]:
         """The hop's output as it came (passed on to the next hop) and decoded, once checked."""
@@ -225,6 +285,12 @@ class PipelineClient:
         return reply[name], output
 
     async def _call(self, hop: Hop, body: dict[str, Any]) -> Any:
+        if hop.gpu == self.here and self.local is not None:
+            try:
+                return await self.local.handle(self.peering.keys.public, STAGE_MSG, body)
+            except StageError as exc:
+                raise PipelineError(f"this node's stage refused layers [{hop.start}, {hop.end}): "
+                                    f"{exc}") from exc
         stage = self.stages[hop.gpu]
         conn = None
         try:
@@ -245,6 +311,9 @@ class PipelineClient:
     async def _end(self, attempt: _Attempt) -> None:
         """Free the attempt's caches at the stages still connected, one-way (the others expire them)."""
         for hop, request_id in zip(attempt.chain.hops, attempt.ids, strict=True):
+            if hop.gpu == self.here and self.local is not None:
+                await self.local.handle(self.peering.keys.public, STAGE_MSG, {"op": "end", "id": request_id})
+                continue
             conn = self.peering.connections.get(self.stages[hop.gpu].key)
             if conn is not None and not conn.closed.is_set():
                 with contextlib.suppress(TransportError, ConnectionError):

@@ -4,9 +4,12 @@ heartbeats."""
 
 from __future__ import annotations
 
+import secrets
+import time
 from dataclasses import dataclass
 
 from planetserve.chain.client import LedgerClient
+from planetserve.chain.errors import Code
 from planetserve.chain.keys import KeySet
 from planetserve.node.home import ModelNodeConfig, UserConfig
 from planetserve.registry.entities import ModelNode, User
@@ -23,8 +26,19 @@ class Registered:
     """"existing", "registered" or "updated"."""
 
 
+SEQUENCE_ATTEMPTS = 5
+
+
 def _submit(ledger: LedgerClient, org_keys: KeySet, tx_type: str, body: dict) -> None:
-    result = ledger.submit(org_keys, tx_type, body)
+    """Submit, retrying a sequence clash: an organisation's nodes starting together all sign with its
+    key, and all but one of them took a sequence another one used first."""
+    for _ in range(SEQUENCE_ATTEMPTS - 1):
+        result = ledger.submit(org_keys, tx_type, body)
+        if result.outcome.code != Code.BAD_SEQUENCE:
+            break
+        time.sleep(0.5 + secrets.randbelow(1000) / 1000)
+    else:
+        result = ledger.submit(org_keys, tx_type, body)
     if not result.outcome.ok:
         raise RegistrationError(f"{tx_type} refused (code {result.outcome.code}): {result.outcome.log}")
 
@@ -44,7 +58,8 @@ def ensure_registered(ledger: LedgerClient, config: ModelNodeConfig, node_keys: 
                 f"or pass --org-keys to this command")
         body = ledger.model_node_body(config.org_id, node_keys, model_id=config.model_id,
                                       address=config.address, hardware=config.hardware,
-                                      capacity=config.capacity, region=config.region)
+                                      capacity=config.capacity, region=config.region,
+                                      **_sizes(config))
         _submit(ledger, org_keys, "register-model-node", body)
         return Registered(_read(ledger, node_keys), "registered")
     if current.model_id != config.model_id or current.org_id != config.org_id:
@@ -53,7 +68,7 @@ def ensure_registered(ledger: LedgerClient, config: ModelNodeConfig, node_keys: 
             f"{current.org_id!r}, not {config.model_id!r} of {config.org_id!r}; "
             f"use a new home for another model")
     changes = {k: v for k, v in (("address", config.address), ("capacity", config.capacity),
-                                 ("region", config.region), ("status", "active"))
+                                 ("region", config.region), ("status", "active"), *_sizes(config).items())
                if getattr(current, k) != v}
     if not changes:
         return Registered(current, "existing")
@@ -62,6 +77,13 @@ def ensure_registered(ledger: LedgerClient, config: ModelNodeConfig, node_keys: 
                                 f"pass --org-keys so the organisation can update them")
     _submit(ledger, org_keys, "update-model-node", {"node_pubkey": node_keys.public, **changes})
     return Registered(_read(ledger, node_keys), "updated")
+
+
+def _sizes(config: ModelNodeConfig) -> dict[str, int]:
+    """What the node declares for pipelines; nothing when it declares no memory."""
+    if not config.memory_mib:
+        return {}
+    return {"memory_mib": config.memory_mib, "gflops": config.gflops}
 
 
 def _read(ledger: LedgerClient, node_keys: KeySet) -> ModelNode:

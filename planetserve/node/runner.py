@@ -1,6 +1,7 @@
 """Starting a role from its home until it is told to stop: a model node (its engine, built-in over a
-trained family model or a checkpoint directory, or an external OpenAI-compatible server; registration;
-its group) or a user relay (registration and heartbeats; relaying; its proxies and local endpoint)."""
+trained family model or a checkpoint directory, an external OpenAI-compatible server, or a layer
+pipeline when it cannot hold its model whole; registration; its group) or a user relay (registration
+and heartbeats; relaying; its proxies and local endpoint)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from planetserve.chain.client import LedgerClient, QueryRefused
 from planetserve.chain.keys import KeySet
 from planetserve.chain.lightclient import VerificationError
 from planetserve.chain.rpc import RpcError
+from planetserve.node.assignment import PipelineStage, needs_pipeline, pipeline_engine, wait_for_assignment
 from planetserve.node.behaviours import HONEST
 from planetserve.node.directory import Directory
 from planetserve.node.engine.base import Engine
@@ -30,7 +32,7 @@ from planetserve.node.registration import (
     heartbeat,
 )
 from planetserve.node.user import UserRelay
-from planetserve.registry.entities import User
+from planetserve.registry.entities import Model, User
 
 log = logging.getLogger(__name__)
 
@@ -66,23 +68,33 @@ async def remote_engine(config: ModelNodeConfig) -> tuple[Engine, Tokenizer, int
 
 async def run_model_node(home: Path, org_keys: KeySet | None = None,
                          on_ready: Callable[[ModelNode, Registered], None] | None = None) -> None:
-    """Run until SIGINT/SIGTERM."""
+    """Run until SIGINT/SIGTERM. A node that declares less memory than its sized model needs serves
+    it as a pipeline stage (`assignment`): it registers, waits for a deployment to assign it layers,
+    and loads only those."""
     config = ModelNodeConfig.load(home)
     keys = load_keys(home)
     if config.behaviour != HONEST:
         log.warning("fault injection: this node behaves %s", config.behaviour)
-    # The model first: a node that cannot serve should not register.
-    if config.engine_url:
+    ledger = LedgerClient.verified(config.rpc, config.genesis)
+    model = await asyncio.to_thread(ledger.model, config.model_id)
+    stage: PipelineStage | None = None
+    if needs_pipeline(model, config):
+        registered = await asyncio.to_thread(ensure_registered, ledger, config, keys, org_keys)
+        stage = await _pipeline_stage(ledger, keys, config, model)
+        engine, tokenizer, vocab, stop = stage.engine, stage.tokenizer, stage.vocab_size, stage.stop_ids
+    elif config.engine_url:  # the model first: a node that cannot serve should not register
         engine, tokenizer, vocab, stop = await remote_engine(config)
     else:
         engine, tokenizer, vocab, stop = await asyncio.to_thread(builtin_engine, config)
     try:
-        ledger = LedgerClient.verified(config.rpc, config.genesis)
-        registered = await asyncio.to_thread(ensure_registered, ledger, config, keys, org_keys)
+        if stage is None:
+            registered = await asyncio.to_thread(ensure_registered, ledger, config, keys, org_keys)
         group = Group(ledger, config.model_id)
         node = ModelNode(config, keys, engine, tokenizer, vocab_size=vocab, eos_ids=stop, group=group,
-                         users=Directory(ledger, with_nodes=False))
+                         users=Directory(ledger, with_nodes=False), stage=stage.role if stage else None)
         stop_event = _stop_on_signals()
+        if stage is not None:
+            await stage.engine.start(node.peering)
         await node.start()
         try:
             if on_ready is not None:
@@ -93,6 +105,20 @@ async def run_model_node(home: Path, org_keys: KeySet | None = None,
     finally:
         with contextlib.suppress(Exception):
             await engine.close()
+
+
+async def _pipeline_stage(ledger: LedgerClient, keys: KeySet, config: ModelNodeConfig,
+                          model: Model) -> PipelineStage:
+    deployment = await wait_for_assignment(ledger, keys, config)
+    addresses = {}
+    for key, *_ in deployment.stages:
+        record = await asyncio.to_thread(ledger.node, key)
+        if record is not None:
+            addresses[key] = record.address
+    layers = deployment.stage_of(keys.public)
+    log.info("deployment %d assigns this node layers %s of %s; loading them", deployment.deployment_id,
+             layers, model.model_id)
+    return await asyncio.to_thread(pipeline_engine, config, keys, deployment, model, addresses)
 
 
 def _stop_on_signals() -> asyncio.Event:

@@ -14,9 +14,11 @@ Wire format (msgpack bodies of transport requests of type `stage`; a tensor is
               "tokens": [int, ...]}        when a == 0 (the embedding runs here)
               "hidden": tensor [n, hidden]} when a > 0
              {"op": "end", "id": bytes}
+             {"op": "ping"}
     reply    {"hidden": tensor [n, hidden]}  when b < num_layers
              {"logits": tensor [1, vocab]}   when b == num_layers: the last position's logits only
              {"ended": bool}                 to "end"
+             {"pong": true}                  to "ping": the coordinator's live round-trip measurement
 
 `pos` is the number of positions the stage already holds for the request (0 on "start"): a lost or
 repeated step is refused instead of silently corrupting the cache. Errors go back as the transport's
@@ -216,6 +218,8 @@ class StageServer:
         """The Peering handler: one step of one request, or its end."""
         if msg_type != STAGE_MSG:
             raise StageError(f"unknown message type {msg_type[:32]!r}: this peer serves {STAGE_MSG!r}")
+        if isinstance(body, dict) and body.get("op") == "ping":
+            return {"pong": True}
         self._expire(time.monotonic())
         step = self._parse(body)
         key = (peer, step.request)
@@ -246,7 +250,7 @@ class StageServer:
             raise StageError("a stage request must be a map")
         op, request = body.get("op"), body.get("id")
         if op not in ("start", "continue", "end"):
-            raise StageError(f"op must be start, continue or end, got {str(op)[:32]!r}")
+            raise StageError(f"op must be start, continue, end or ping, got {str(op)[:32]!r}")
         if not (isinstance(request, bytes) and 1 <= len(request) <= MAX_REQUEST_ID):
             raise StageError(f"id must be 1 to {MAX_REQUEST_ID} bytes")
         if op == "end":

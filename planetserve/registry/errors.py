@@ -9,6 +9,7 @@ class InvalidField(RegistryError):
     def __init__(self, field: str, reason: str) -> None:
         super().__init__(f"field {field!r}: {reason}")
         self.field = field
+        self.reason = reason
 
 
 class UnknownEntity(RegistryError):

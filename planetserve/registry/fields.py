@@ -11,6 +11,9 @@ _IDENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,63}")
 _REGION = re.compile(r"[a-z0-9][a-z0-9-]{0,31}")
 _HOST = re.compile(r"[A-Za-z0-9.-]{1,253}|\[[0-9a-fA-F:]{2,39}\]")
 _HARDWARE = re.compile(r"[A-Za-z0-9][A-Za-z0-9 ._+-]{0,63}")
+MAX_LAYERS = 10_000
+MAX_MIB = 1 << 30
+MAX_GFLOPS = 1 << 40
 
 
 def check_keys(body: dict[str, Any], required: set[str], optional: frozenset[str] = frozenset()) -> None:
@@ -108,3 +111,12 @@ def flag(body: dict[str, Any], name: str) -> bool:
     if not isinstance(value, bool):
         raise InvalidField(name, "must be true or false")
     return value
+
+
+def model_size(body: dict[str, Any]) -> tuple[int, int]:
+    """A model's optional (layers, layer_mib): both or neither, (0, 0) when undeclared."""
+    layers = integer(body, "layers", 1, MAX_LAYERS) if "layers" in body else 0
+    layer_mib = integer(body, "layer_mib", 1, MAX_MIB) if "layer_mib" in body else 0
+    if bool(layers) != bool(layer_mib):
+        raise InvalidField("layers", "a model's size needs both layers and layer_mib")
+    return layers, layer_mib

@@ -1,0 +1,130 @@
+"""A model too large for any one node, served on the ledger by a layer pipeline: three model node
+processes each declare memory for two of the model's six layers; an organisation's deployment records
+Parallax's phase-1 allocation on the ledger; each node reads its layer range from the verified state,
+loads only those layers, and coordinates requests through the deployment's stages. Requests through
+the anonymous overlay, to each of the three nodes, come back signed with the unsplit model's greedy
+tokens."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from chainnet import MODELS, ledger, start_network
+from modelfix import DEEP_LAYERS
+from modelnodes import free_port, signed
+from openai import APIStatusError, OpenAI
+from test_model_node_network import NodeProcess, planetserve, wait_until
+from test_overlay_network import RelayProcess, init_user
+
+from planetserve.chain.keys import KeySet
+from planetserve.models import LoadedModel
+from planetserve.node.home import ModelNodeConfig
+from planetserve.registry.credits import CREDIT_SECONDS
+from planetserve.registry.genesis import GenesisOrganisation
+
+pytestmark = pytest.mark.network
+
+LAYER_MIB = 100
+PROMPT = "Return a new"
+RELAYS = 5
+
+
+def init_stage_home(home, net, deep: LoadedModel) -> None:
+    done = planetserve("node", "init-model", "--home", str(home), "--org-id", "acme", "--model-id", "deep",
+                       "--model", str(deep.path), "--genesis", str(net.spec.genesis_path),
+                       "--rpc", net.rpc_url(0), "--http", f"127.0.0.1:{free_port()}",
+                       "--peer", f"127.0.0.1:{free_port()}", "--memory-mib", str(2 * LAYER_MIB),
+                       "--gflops", "50", "--capacity", "2", "--json")
+    assert done.returncode == 0, done.stderr
+    config = ModelNodeConfig.load(home)
+    config.list_interval = 1.0
+    config.save(home)
+
+
+def registered(client, nodes: list[NodeProcess]) -> int:
+    for node in nodes:
+        if node.proc.poll() is not None:
+            raise AssertionError(f"a stage exited: {node.proc.stderr.read()[-2000:]}")
+    return len(client.nodes("deep")[1])
+
+
+@torch.inference_mode()
+def greedy(deep: LoadedModel, n: int) -> list[int]:
+    tokens = deep.tokenizer(PROMPT)["input_ids"]
+    start = len(tokens)
+    for _ in range(n):
+        tokens.append(int(deep.model(torch.tensor([tokens])).logits[0, -1].argmax()))
+    return tokens[start:]
+
+
+def ask(openai: OpenAI, node: str) -> dict:
+    """A completion from exactly `node`; the relay's 502 and 503 (documented as worth a retry) are
+    retried twice, as a client would."""
+    errors = []
+    for _ in range(3):
+        try:
+            return openai.completions.create(
+                model="deep", prompt=PROMPT, max_tokens=8, temperature=0,
+                extra_body={"ignore_eos": True, "planetserve": {"node": node, "no_forward": True}}).model_dump()
+        except APIStatusError as exc:
+            errors.append(f"{exc.status_code}: {exc.body}")
+            if exc.status_code not in (502, 503):
+                break
+            time.sleep(2)
+    raise AssertionError(f"no answer from {node[:16]}: {errors}")
+
+
+def test_a_model_split_across_three_nodes_serves_through_the_overlay(tmp_path, deep_gt):
+    owner = KeySet.generate()
+    owner_path = tmp_path / "acme.json"
+    owner.save(owner_path)
+    net = start_network(tmp_path / "net", models=(*MODELS, ("deep", "six-layer gt", DEEP_LAYERS, LAYER_MIB)),
+                        organisations=(GenesisOrganisation("acme", "ACME", owner.public, 100 * CREDIT_SECONDS),))
+    nodes: list[NodeProcess] = []
+    relays: list[RelayProcess] = []
+    try:
+        client = ledger(net)
+        homes = [tmp_path / f"stage{i}" for i in range(3)]
+        for home in homes:
+            init_stage_home(home, net, deep_gt)
+        nodes = [NodeProcess(home, owner_path, wait=False) for home in homes]
+        wait_until(lambda: registered(client, nodes) == 3, timeout=90)  # registered, then waiting
+
+        deployed = client.submit(owner, "deploy-model", {"org_id": "acme", "model_id": "deep",
+                                                         "hardware": "cpu", "nodes": 3, "seconds": 3600})
+        assert deployed.outcome.ok, deployed.outcome.log
+        ready = [node.wait_ready() for node in nodes]
+        stages = sorted((r["stage"][0], r["stage"][1], r["node"]) for r in ready)
+        assert [s[:2] for s in stages] == [(0, 2), (2, 4), (4, 6)]  # equal GPUs, equal blocks, in order
+        assert all(client.stage(bytes.fromhex(r["node"])) == tuple(r["stage"]) for r in ready)
+        shown = planetserve("query", "node", ready[0]["node"], "--genesis", str(net.spec.genesis_path),
+                            "--node", net.rpc_url(1), "--json")
+        assert shown.returncode == 0 and '"stage"' in shown.stdout, shown.stderr
+
+        user_homes = [tmp_path / f"user{i}" for i in range(RELAYS)]
+        for home in user_homes:
+            init_user(home, net)
+        relays = [RelayProcess(home) for home in user_homes]
+        for relay in relays:
+            relay.wait_ready()
+        me = relays[0]
+        wait_until(lambda: len(me.status()["paths"]) >= 4, timeout=60)
+        openai = OpenAI(base_url=f"{me.ready['http']}/v1", api_key="not-needed", max_retries=0)
+        assert "deep" in [m.id for m in openai.models.list().data]
+
+        expected = greedy(deep_gt, 8)
+        for _, _, key in stages:  # every stage coordinates the requests it is sent
+            answer = ask(openai, key)
+            response = signed(answer)
+            assert response.node.hex() == key and list(response.token_ids) == expected
+            assert answer["choices"][0]["text"] == deep_gt.tokenizer.decode(expected, skip_special_tokens=True)
+        statuses = [node.status() for node in nodes]
+        assert all(s["stage"] is not None and s["counters"]["served"] >= 1 for s in statuses)
+    finally:
+        for relay in relays:
+            relay.stop()
+        for node in nodes:
+            node.stop()
+        net.close()
