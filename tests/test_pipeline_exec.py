@@ -383,3 +383,81 @@ def test_caches_are_freed_when_idle_and_bounded_in_number(deep_gt: LoadedModel):
         run(main())
     finally:
         server.close()
+
+
+def test_a_local_stage_and_live_measurements(deep_gt: LoadedModel):
+    """The coordinator holds the first stage itself; pings measure the links, one-token steps the
+    stages; a lost stage that answers pings again is readmitted, one that does not stays out."""
+    ids = prompt_ids(deep_gt)
+    expected = unsplit_tokens(deep_gt, ids, 6)
+
+    async def main():
+        c = await cluster(deep_gt, REPLICATED)
+        local = StageServer(StageModel(deep_gt.model, 0, 2))
+        client = PipelineClient(c.peering, c.router, {g: c.address(g) for g in ("b1", "b2", "c")},
+                                ModelShape.of(deep_gt.model.config), deep_gt.tokenizer, local=("a", local))
+        table = c.router.table
+        try:
+            await client.measure()
+            now = time.monotonic()
+            assert all(table.fresh_rtt("a", g, now) for g in ("b1", "b2", "c"))
+            assert table.rtt_ms("b1", "c", now) == pytest.approx(table.rtt_ms("a", "b1", now)
+                                                                 + table.rtt_ms("a", "c", now))
+            out = await client.complete(ids, 6)
+            assert list(out.token_ids) == expected and out.chains[0].hops[0] == Hop("a", 0, 2)
+            assert c.stages["a"].server.sessions == {} and local.sessions == {}  # "a" ran here, and ended
+            measured = {g: table.layer_ms(g, time.monotonic()) for g in ("a", "c")}
+            assert all(ms != table.default_layer_ms for ms in measured.values())  # decode steps were timed
+
+            c.router.exclude("b1")
+            c.router.exclude("b2")
+            await c.stages["b2"].close()
+            await client.measure()
+            assert c.router.excluded == {"b2"}  # b1 answered its ping; b2 is gone
+            short = StageServer(local.stage, max_tokens=2)
+            strict = PipelineClient(c.peering, c.router, {g: c.address(g) for g in ("b1", "b2", "c")},
+                                    ModelShape.of(deep_gt.model.config), deep_gt.tokenizer, local=("a", short))
+            refused = r"this node's stage refused layers \[0, 2\): tokens must be a list of 1 to 2"
+            with pytest.raises(PipelineError, match=refused):
+                await strict.complete(ids, 1)
+        finally:
+            local.close()
+            await c.close()
+
+    run(main())
+
+
+def test_the_pipeline_engine_serves_like_an_engine(deep_gt: LoadedModel):
+    from planetserve.node.engine.base import EngineError
+    from planetserve.node.engine.pipelined import PipelineEngine
+
+    ids = prompt_ids(deep_gt)
+
+    async def main():
+        c = await cluster(deep_gt, THREE)
+        shape = ModelShape.of(deep_gt.model.config)
+        addresses = {g: c.address(g) for g in THREE}
+        engine = PipelineEngine(lambda peering: PipelineClient(peering, c.router, addresses, shape, deep_gt.tokenizer),
+                                "deep", max_model_len=shape.max_positions, capacity=1, refresh_s=0.05)
+        try:
+            with pytest.raises(EngineError, match="still starting"):
+                await anext(engine.generate(GenerationRequest(tuple(ids), 2)))
+            await engine.start(c.peering)
+            tokens = [t async for chunk in engine.generate(GenerationRequest(tuple(ids), 6))
+                      for t in chunk.token_ids]
+            assert tokens == unsplit_tokens(deep_gt, ids, 6)
+            with pytest.raises(EngineError, match="max_tokens must be >= 1"):
+                await anext(engine.generate(GenerationRequest(tuple(ids), 0)))
+            first = engine.generate(GenerationRequest(tuple(ids), 4))
+            await anext(first)
+            second = asyncio.ensure_future(anext(engine.generate(GenerationRequest(tuple(ids), 1))))
+            await until(lambda: engine.load().queued == 1)  # capacity 1: the second waits for the first
+            assert engine.load().running == 1
+            await first.aclose()
+            assert (await second).token_ids and engine.load().running in (0, 1)
+            await until(lambda: c.router.table.fresh_rtt("coordinator", "b", time.monotonic()))  # the loop
+        finally:
+            await engine.close()
+            await c.close()
+
+    run(main())
