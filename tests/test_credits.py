@@ -86,6 +86,7 @@ def test_credits_are_earned_then_spent_on_a_deployment_that_expires(s):
         "unpriced class": (deploy(s, s.owner, hardware="TPU9"), Code.INVALID_FIELD, "no price"),
         "too many": (deploy(s, s.owner, nodes=1_001), Code.INVALID_FIELD, "nodes"),
         "too long": (deploy(s, s.owner, seconds=91 * DAY), Code.INVALID_FIELD, "seconds"),
+        "too short": (deploy(s, s.owner, seconds=59), Code.INVALID_FIELD, "'seconds': must be an integer in 60.."),
         "not owner": (deploy(s, other), Code.UNAUTHORIZED, "does not own"),
         "over-ask": (deploy(s, s.owner, nodes=36, seconds=60), Code.UNAVAILABLE, "35 trusted"),
         "no credits": (deploy(s, other, org_id="org2", nodes=1, seconds=60), Code.INSUFFICIENT_CREDITS,

@@ -251,6 +251,43 @@ def test_a_peer_answer_that_does_not_check_fails_and_is_never_signed(quick_famil
     run(main())
 
 
+class DyingNode(ModelNode):
+    """A peer whose connections drop after the first tokens of every answer it computes for another."""
+
+    async def _serve_forward(self, body):
+        sent = 0
+        async for reply in super()._serve_forward(body):
+            yield reply
+            sent += 1
+            if sent == 2:
+                for conn in list(self.peering.connections.values()):
+                    await conn.close()
+                return
+
+
+def test_a_peer_failing_mid_answer_is_replaced_here_when_nothing_was_sent(quick_family):
+    """A whole (non-streamed) answer is taken from the peer in full before anything goes back, so a
+    peer that fails mid-answer costs the client nothing: the entry computes the answer itself."""
+    async def main():
+        dying = make_node(quick_family, DyingNode)
+        entry = make_node(quick_family)
+        await start([dying, entry])
+        try:
+            signed((await complete(dying, SHARED + "Seed.", planetserve={"no_forward": True})).json())
+            await wait_until(lambda: entry.sync.search(entry.tokenizer(SHARED)["input_ids"]).holders
+                             >= {dying.node_id})
+            whole = await complete(entry, SHARED + "What is a dict?")  # the client has seen nothing yet
+            assert whole.status_code == 200, whole.text
+            answer = whole.json()
+            assert signed(answer).node.hex() == entry.node_id and answer["planetserve"]["served_by"] == entry.node_id
+            assert "served" not in answer["planetserve"]
+            assert entry.counters["forward_failures"] == 1 and dying.counters["received_forwards"] == 1
+        finally:
+            await stop([dying, entry])
+
+    run(main())
+
+
 def test_a_node_that_alters_prompts_signs_for_the_original(quick_family):
     async def main():
         import httpx

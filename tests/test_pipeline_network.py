@@ -3,7 +3,7 @@ processes each declare memory for two of the model's six layers; an organisation
 Parallax's phase-1 allocation on the ledger; each node reads its layer range from the verified state,
 loads only those layers, and coordinates requests through the deployment's stages. Requests through
 the anonymous overlay, to each of the three nodes, come back signed with the unsplit model's greedy
-tokens."""
+tokens, and the verifier's challenge of the pipeline's entry scores as an honest answer."""
 
 from __future__ import annotations
 
@@ -23,12 +23,16 @@ from planetserve.models import LoadedModel
 from planetserve.node.home import ModelNodeConfig
 from planetserve.registry.credits import CREDIT_SECONDS
 from planetserve.registry.genesis import GenesisOrganisation
+from planetserve.registry.params import Params
+from planetserve.verifier.credibility import ReferenceModel
+from planetserve.verifier.overlay import OverlayChannel
 
 pytestmark = pytest.mark.network
 
 LAYER_MIB = 100
 PROMPT = "Return a new"
 RELAYS = 5
+SHORT_S = 15
 
 
 def init_stage_home(home, net, deep: LoadedModel) -> None:
@@ -41,6 +45,11 @@ def init_stage_home(home, net, deep: LoadedModel) -> None:
     config = ModelNodeConfig.load(home)
     config.list_interval = 1.0
     config.save(home)
+
+
+def deploy(client, owner: KeySet, seconds: int):
+    return client.submit(owner, "deploy-model", {"org_id": "acme", "model_id": "deep", "hardware": "cpu",
+                                                 "nodes": 3, "seconds": seconds})
 
 
 def registered(client, nodes: list[NodeProcess]) -> int:
@@ -80,7 +89,8 @@ def test_a_model_split_across_three_nodes_serves_through_the_overlay(tmp_path, d
     owner = KeySet.generate()
     owner_path = tmp_path / "acme.json"
     owner.save(owner_path)
-    net = start_network(tmp_path / "net", models=(*MODELS, ("deep", "six-layer gt", DEEP_LAYERS, LAYER_MIB)),
+    net = start_network(tmp_path / "net", params=Params(min_deployment_seconds=SHORT_S),
+                        models=(*MODELS, ("deep", "six-layer gt", DEEP_LAYERS, LAYER_MIB)),
                         organisations=(GenesisOrganisation("acme", "ACME", owner.public, 100 * CREDIT_SECONDS),))
     nodes: list[NodeProcess] = []
     relays: list[RelayProcess] = []
@@ -92,10 +102,20 @@ def test_a_model_split_across_three_nodes_serves_through_the_overlay(tmp_path, d
         nodes = [NodeProcess(home, owner_path, wait=False) for home in homes]
         wait_until(lambda: registered(client, nodes) == 3, timeout=90)  # registered, then waiting
 
-        deployed = client.submit(owner, "deploy-model", {"org_id": "acme", "model_id": "deep",
-                                                         "hardware": "cpu", "nodes": 3, "seconds": 3600})
+        # a first, short deployment: the nodes serve it, and go back to waiting when it expires
+        assert deploy(client, owner, SHORT_S).outcome.ok
+        first = [node.wait_ready() for node in nodes]
+        assert sorted(tuple(r["stage"][:2]) for r in first) == [(0, 2), (2, 4), (4, 6)]
+        user_homes = [tmp_path / f"user{i}" for i in range(RELAYS)]
+        for home in user_homes:
+            init_user(home, net)
+        relays = [RelayProcess(home) for home in user_homes]
+        wait_until(lambda: all(client.deployment_of(bytes.fromhex(r["node"])) is None for r in first), timeout=120)
+
+        deployed = deploy(client, owner, 3600)
         assert deployed.outcome.ok, deployed.outcome.log
-        ready = [node.wait_ready() for node in nodes]
+        ready = [node.wait_ready() for node in nodes]  # the same processes, serving the new assignment
+        assert all(node.proc.poll() is None for node in nodes)
         stages = sorted((r["stage"][0], r["stage"][1], r["node"]) for r in ready)
         assert [s[:2] for s in stages] == [(0, 2), (2, 4), (4, 6)]  # equal GPUs, equal blocks, in order
         assert all(client.stage(bytes.fromhex(r["node"])) == tuple(r["stage"]) for r in ready)
@@ -103,10 +123,6 @@ def test_a_model_split_across_three_nodes_serves_through_the_overlay(tmp_path, d
                             "--node", net.rpc_url(1), "--json")
         assert shown.returncode == 0 and '"stage"' in shown.stdout, shown.stderr
 
-        user_homes = [tmp_path / f"user{i}" for i in range(RELAYS)]
-        for home in user_homes:
-            init_user(home, net)
-        relays = [RelayProcess(home) for home in user_homes]
         for relay in relays:
             relay.wait_ready()
         me = relays[0]
@@ -122,6 +138,14 @@ def test_a_model_split_across_three_nodes_serves_through_the_overlay(tmp_path, d
             assert answer["choices"][0]["text"] == deep_gt.tokenizer.decode(expected, skip_special_tokens=True)
         statuses = [node.status() for node in nodes]
         assert all(s["stage"] is not None and s["counters"]["served"] >= 1 for s in statuses)
+
+        # the verifier challenges the pipeline through its entry, as it would a single node
+        entry = bytes.fromhex(stages[0][2])
+        challenge = "How do I read a file line by line?"
+        reply = OverlayChannel(me.ready["http"], max_tokens=16).ask(entry, "deep", challenge)
+        assert reply.response.node == entry
+        verdict = ReferenceModel.from_loaded(deep_gt, model_id="deep").verify_one(reply.response, challenge, entry)
+        assert verdict.ok and verdict.credibility_ppm > 0, verdict
     finally:
         for relay in relays:
             relay.stop()

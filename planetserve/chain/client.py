@@ -21,8 +21,8 @@ from planetserve.chain import trie
 from planetserve.chain.app import PROOF_OP_TYPE
 from planetserve.chain.handlers import node_pop_message
 from planetserve.chain.keys import KeySet
-from planetserve.chain.lightclient import LightBlock, LightClient
-from planetserve.chain.rpc import AbciQuery, RpcClient, RpcResponseError, TxOutcome
+from planetserve.chain.lightclient import LightBlock, LightClient, VerificationError
+from planetserve.chain.rpc import AbciQuery, RpcClient, RpcError, RpcResponseError, TxOutcome
 from planetserve.chain.tx import build
 from planetserve.registry import codec
 from planetserve.registry.credits import Credits, Deployment
@@ -45,6 +45,10 @@ MAX_ANSWER_BYTES = 64 << 20
 
 class QueryRefused(Exception):
     """The RPC answer could not be verified, or the application refused the query."""
+
+
+TRANSIENT = (RpcError, QueryRefused, VerificationError, TimeoutError, OSError)
+"""Ledger trouble that a later read can get past: the endpoint is down, slow or lying for now."""
 
 
 class Verifier(Protocol):

@@ -76,7 +76,8 @@ def deploy_model(ctx: Context, body: dict[str, Any]) -> None:
     model_id = fields.ident(body, "model_id")
     hardware = fields.hardware(body)
     count = fields.integer(body, "nodes", 1, ctx.params.max_deployment_nodes)
-    seconds = fields.integer(body, "seconds", 60, ctx.params.max_deployment_seconds)
+    seconds = fields.integer(body, "seconds", ctx.params.min_deployment_seconds,
+                             ctx.params.max_deployment_seconds)
     owned_org(ctx, org_id)
     model = ctx.state.model(model_id)
     if model is None:

@@ -16,7 +16,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from planetserve.chain.client import LedgerClient
+from planetserve.chain.client import TRANSIENT, LedgerClient
 from planetserve.chain.keys import KeySet
 from planetserve.node.home import ModelNodeConfig
 from planetserve.node.model_node import StageRole
@@ -48,7 +48,11 @@ async def wait_for_assignment(ledger: LedgerClient, keys: KeySet, config: ModelN
     `list_interval`)."""
     said = False
     while True:
-        deployment = await asyncio.to_thread(ledger.deployment_of, keys.public)
+        try:
+            deployment = await asyncio.to_thread(ledger.deployment_of, keys.public)
+        except TRANSIENT as exc:
+            log.warning("could not read this node's assignment, retrying: %s", exc)
+            deployment = None
         if deployment is not None and deployment.stage_of(keys.public) is not None:
             if deployment.model_id != config.model_id:
                 raise AssignmentError(f"deployment {deployment.deployment_id} assigns this node layers of "
@@ -59,6 +63,22 @@ async def wait_for_assignment(ledger: LedgerClient, keys: KeySet, config: ModelN
                      config.model_id, config.memory_mib)
             said = True
         await asyncio.sleep(config.list_interval)
+
+
+async def assignment_ended(ledger: LedgerClient, keys: KeySet, deployment: Deployment,
+                           interval: float) -> None:
+    """Returns once the ledger no longer assigns this node the same layers of `deployment` (it expired,
+    or the node serves another one); a failed read counts as no change."""
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            current = await asyncio.to_thread(ledger.deployment_of, keys.public)
+        except TRANSIENT as exc:  # keep serving what was assigned
+            log.debug("assignment check failed: %s", exc)
+            continue
+        if current is None or current.deployment_id != deployment.deployment_id \
+                or current.stages != deployment.stages:
+            return
 
 
 @dataclass

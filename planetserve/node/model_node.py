@@ -67,6 +67,11 @@ MAX_FORWARD_STOP = 16
 MAX_FORWARD_PROMPT_CHARS = 1 << 20
 
 
+async def _replay(items: list[Any]) -> AsyncIterator[Any]:
+    for item in items:
+        yield item
+
+
 def group_hash_key(model_id: str) -> bytes:
     """The HR-tree hash key of a model's group: every member derives the same one, nothing else
     needs distributing, and another model's group hashes differently."""
@@ -156,7 +161,8 @@ class ModelNodeServer(EngineServer):
                   request.stop, request.stop_token_ids, request.ignore_eos, request.planetserve.session_id)
         if self.node.config.behaviour == ALTER_PROMPTS:
             return self.node.alter_prompt(job, request)
-        return await self.node.produce(job, tuple(prompt_ids), generation, request.planetserve)
+        return await self.node.produce(job, tuple(prompt_ids), generation, request.planetserve,
+                                       whole=not request.stream)
 
     async def _status(self, _: web.Request) -> web.Response:
         return web.json_response(self.node.status())
@@ -387,7 +393,10 @@ class ModelNode:
                      policy=self.policy)
 
     async def produce(self, job: Job, prompt_ids: tuple[int, ...], generation: GenerationRequest,
-                      options: PlanetServeOptions) -> Production:
+                      options: PlanetServeOptions, *, whole: bool = False) -> Production:
+        """Where the request is computed (Algorithm 2). `whole`: the answer goes back in one piece, so a
+        forwarded one is taken from the peer in full before anything is returned, and a peer failing
+        mid-answer means the request is served here."""
         self._check_length(prompt_ids)
         self.sync.observe(prompt_ids)
         decision = self.decide(prompt_ids, options)
@@ -397,7 +406,7 @@ class ModelNode:
             if entry is not None and entry.address:
                 try:
                     production = await self._remote(decision.target, entry.address, job,
-                                                    decision.reason.value)
+                                                    decision.reason.value, whole)
                 except (TransportError, ApiError) as exc:
                     self.counters["forward_failures"] += 1
                     log.info("forward to %s failed, serving here: %s", decision.target[:16], exc)
@@ -466,17 +475,21 @@ class ModelNode:
                               f"so this node does not sign it")
         return {**self._sign(job, state, route_reason, peer_id), "served": served_extension(theirs)}
 
-    async def _remote(self, peer_id: str, address: str, job: Job, route_reason: str) -> Production:
-        """Open the stream at the peer and wait for its first chunk, so that a peer that cannot serve
-        is noticed before anything is sent to the client (and the request is served here instead)."""
+    async def _remote(self, peer_id: str, address: str, job: Job, route_reason: str,
+                      whole: bool) -> Production:
+        """Open the stream at the peer and wait for its first chunk (with `whole`, for all of it), so
+        that a peer that cannot serve is noticed before anything is sent to the client (and the
+        request is served here instead)."""
         conn = await self.peering.connect(bytes.fromhex(peer_id), address)
         replies = conn.request("generate", job.to_wire())
         try:
             first = await anext(replies)
+            if whole:
+                replies = _replay([reply async for reply in replies])
         except StopAsyncIteration:
             raise TransportError("the peer ended the stream without an answer") from None
         except RemoteError as exc:
-            raise TransportError(f"the peer refused: {exc}") from exc
+            raise TransportError(f"the peer refused or failed: {exc}") from exc
         signed: dict[str, Any] = {}
 
         async def chunks() -> AsyncIterator[TokenChunk]:

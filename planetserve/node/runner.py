@@ -16,7 +16,13 @@ from planetserve.chain.client import LedgerClient, QueryRefused
 from planetserve.chain.keys import KeySet
 from planetserve.chain.lightclient import VerificationError
 from planetserve.chain.rpc import RpcError
-from planetserve.node.assignment import PipelineStage, needs_pipeline, pipeline_engine, wait_for_assignment
+from planetserve.node.assignment import (
+    PipelineStage,
+    assignment_ended,
+    needs_pipeline,
+    pipeline_engine,
+    wait_for_assignment,
+)
 from planetserve.node.behaviours import HONEST
 from planetserve.node.directory import Directory
 from planetserve.node.engine.base import Engine
@@ -32,6 +38,7 @@ from planetserve.node.registration import (
     heartbeat,
 )
 from planetserve.node.user import UserRelay
+from planetserve.registry.credits import Deployment
 from planetserve.registry.entities import Model, User
 
 log = logging.getLogger(__name__)
@@ -70,31 +77,28 @@ async def run_model_node(home: Path, org_keys: KeySet | None = None,
                          on_ready: Callable[[ModelNode, Registered], None] | None = None) -> None:
     """Run until SIGINT/SIGTERM. A node that declares less memory than its sized model needs serves
     it as a pipeline stage (`assignment`): it registers, waits for a deployment to assign it layers,
-    and loads only those."""
+    loads only those, and goes back to waiting when the deployment ends or changes."""
     config = ModelNodeConfig.load(home)
     keys = load_keys(home)
     if config.behaviour != HONEST:
         log.warning("fault injection: this node behaves %s", config.behaviour)
     ledger = LedgerClient.verified(config.rpc, config.genesis)
-    model = await asyncio.to_thread(ledger.model, config.model_id)
-    stage: PipelineStage | None = None
-    if needs_pipeline(model, config):
+    stop_event = _stop_on_signals()
+    # only a node that declares its memory may be too small for its model (the ledger says how big)
+    model = await asyncio.to_thread(ledger.model, config.model_id) if config.memory_mib else None
+    if model is not None and needs_pipeline(model, config):
         registered = await asyncio.to_thread(ensure_registered, ledger, config, keys, org_keys)
-        stage = await _pipeline_stage(ledger, keys, config, model)
-        engine, tokenizer, vocab, stop = stage.engine, stage.tokenizer, stage.vocab_size, stage.stop_ids
-    elif config.engine_url:  # the model first: a node that cannot serve should not register
+        while not stop_event.is_set():
+            await _serve_assignment(ledger, keys, config, model, registered, on_ready, stop_event)
+        return
+    if config.engine_url:  # the model first: a node that cannot serve should not register
         engine, tokenizer, vocab, stop = await remote_engine(config)
     else:
         engine, tokenizer, vocab, stop = await asyncio.to_thread(builtin_engine, config)
     try:
-        if stage is None:
-            registered = await asyncio.to_thread(ensure_registered, ledger, config, keys, org_keys)
-        group = Group(ledger, config.model_id)
-        node = ModelNode(config, keys, engine, tokenizer, vocab_size=vocab, eos_ids=stop, group=group,
-                         users=Directory(ledger, with_nodes=False), stage=stage.role if stage else None)
-        stop_event = _stop_on_signals()
-        if stage is not None:
-            await stage.engine.start(node.peering)
+        registered = await asyncio.to_thread(ensure_registered, ledger, config, keys, org_keys)
+        node = ModelNode(config, keys, engine, tokenizer, vocab_size=vocab, eos_ids=stop,
+                         group=Group(ledger, config.model_id), users=Directory(ledger, with_nodes=False))
         await node.start()
         try:
             if on_ready is not None:
@@ -107,17 +111,52 @@ async def run_model_node(home: Path, org_keys: KeySet | None = None,
             await engine.close()
 
 
-async def _pipeline_stage(ledger: LedgerClient, keys: KeySet, config: ModelNodeConfig,
-                          model: Model) -> PipelineStage:
-    deployment = await wait_for_assignment(ledger, keys, config)
+async def _serve_assignment(ledger: LedgerClient, keys: KeySet, config: ModelNodeConfig, model: Model,
+                            registered: Registered, on_ready: Callable[[ModelNode, Registered], None] | None,
+                            stop_event: asyncio.Event) -> None:
+    """Serve one deployment's layers until it stops assigning them (or the process is stopped)."""
+    waiting = asyncio.ensure_future(wait_for_assignment(ledger, keys, config))
+    stopping = asyncio.ensure_future(stop_event.wait())
+    await asyncio.wait((waiting, stopping), return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    if not waiting.done():
+        waiting.cancel()
+        return
+    deployment = waiting.result()
+    stage = await _load_stage(ledger, keys, config, model, deployment)
+    try:
+        node = ModelNode(config, keys, stage.engine, stage.tokenizer, vocab_size=stage.vocab_size,
+                         eos_ids=stage.stop_ids, group=Group(ledger, config.model_id),
+                         users=Directory(ledger, with_nodes=False), stage=stage.role)
+        await stage.engine.start(node.peering)
+        await node.start()
+        try:
+            if on_ready is not None:
+                on_ready(node, registered)
+            ended = asyncio.ensure_future(assignment_ended(ledger, keys, deployment, config.list_interval))
+            stopping = asyncio.ensure_future(stop_event.wait())
+            await asyncio.wait((ended, stopping), return_when=asyncio.FIRST_COMPLETED)
+            for task in (ended, stopping):
+                task.cancel()
+            if ended.done() and not ended.cancelled():
+                log.warning("deployment %d no longer assigns this node layers; waiting for a new assignment",
+                            deployment.deployment_id)
+        finally:
+            await node.close()
+    finally:
+        with contextlib.suppress(Exception):
+            await stage.engine.close()
+
+
+async def _load_stage(ledger: LedgerClient, keys: KeySet, config: ModelNodeConfig, model: Model,
+                      deployment: Deployment) -> PipelineStage:
     addresses = {}
     for key, *_ in deployment.stages:
         record = await asyncio.to_thread(ledger.node, key)
         if record is not None:
             addresses[key] = record.address
-    layers = deployment.stage_of(keys.public)
     log.info("deployment %d assigns this node layers %s of %s; loading them", deployment.deployment_id,
-             layers, model.model_id)
+             deployment.stage_of(keys.public), model.model_id)
     return await asyncio.to_thread(pipeline_engine, config, keys, deployment, model, addresses)
 
 

@@ -36,6 +36,7 @@ class Params(Record):
     initial_reputation_ppm: int = 500_000
     # Deployments paid with contribution credits.
     max_deployment_nodes: int = 1_000
+    min_deployment_seconds: int = 60
     max_deployment_seconds: int = 90 * 86_400
     # Pipelines (Parallax phase 1's Z(k)): average compute time of one replication and one hop (µs).
     pipeline_compute_us: int = 50_000
@@ -59,6 +60,8 @@ class Params(Record):
         """Relations between parameters that every block relies on."""
         if self.results_blocks >= self.epoch_blocks:
             raise InvalidField("results_blocks", "must be less than epoch_blocks")
+        if self.min_deployment_seconds > self.max_deployment_seconds:
+            raise InvalidField("min_deployment_seconds", "must be at most max_deployment_seconds")
         for name in ("vrf_window_blocks", "plan_window_blocks"):
             if getattr(self, name) >= self.epoch_blocks:
                 raise InvalidField(name, "must be less than epoch_blocks")

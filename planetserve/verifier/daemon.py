@@ -33,11 +33,9 @@ from typing import Any
 
 from planetserve.chain import vrf
 from planetserve.chain.challenge import Challenge, SealedPromptError, open_plan_entry
-from planetserve.chain.client import LedgerClient, QueryRefused
+from planetserve.chain.client import TRANSIENT, LedgerClient
 from planetserve.chain.errors import Code
 from planetserve.chain.keys import KeySet
-from planetserve.chain.lightclient import VerificationError
-from planetserve.chain.rpc import RpcError
 from planetserve.registry import codec, credits, epochs
 from planetserve.registry.entities import Member, ModelNode
 from planetserve.registry.epochs import PLAN_COMMITTED, VALID, ChallengeResult, Schedule, SignedResponse
@@ -54,8 +52,6 @@ TX_MARGIN_BYTES = 1_024
 PLAN_DRAWS = 8
 ERROR_BACKOFF_MAX = 30.0
 RETRY_DELAY_S = 2.0
-TRANSIENT = (RpcError, QueryRefused, VerificationError, TimeoutError, OSError)
-"""Ledger trouble that a later tick can get past: the daemon backs off and tries again."""
 
 
 @dataclass(frozen=True)
