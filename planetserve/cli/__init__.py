@@ -64,7 +64,7 @@ def main() -> None:
       model node  models train, node init-model, node model   (organisations)
       user        node init-user, node user   (anonymous OpenAI endpoint, relays for others)
       verifier    verifier init, verifier run (beside each validator)
-      developer   localnet up|down|status     (four validators on this machine)
+      developer   localnet up|down|status     (the whole system on this machine)
     """
 
 

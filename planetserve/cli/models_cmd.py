@@ -35,6 +35,16 @@ def group() -> None:
     models a dishonest node could serve), gt-int8 and gt-int4 (quantized gt). Nothing is downloaded."""
 
 
+PROGRESS_COLUMNS = (
+    TextColumn("{task.description:>8}"),
+    BarColumn(),
+    MofNCompleteColumn(),
+    TimeElapsedColumn(),
+    TextColumn("{task.fields[loss]}"),
+)
+"""A training progress bar: model, steps, time, loss."""
+
+
 class RichReporter:
     """One progress bar per model (steps and training loss) on the given console."""
 
@@ -87,14 +97,7 @@ def train(preset: str, data_dir: Path | None, only: tuple[str, ...], force: bool
     """Train the family into DATA_DIR/models/<name>/, skipping checkpoints that match the recipe."""
     from planetserve.models.family import train_family
 
-    columns = (
-        TextColumn("{task.description:>8}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("{task.fields[loss]}"),
-    )
-    with Progress(*columns, console=err_console if as_json else console) as progress:
+    with Progress(*PROGRESS_COLUMNS, console=err_console if as_json else console) as progress:
         reports = train_family(preset, data_dir, _split(only), force, RichReporter(progress))
     rows = [_report_row(r) for r in reports]
     if as_json:

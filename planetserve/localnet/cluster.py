@@ -1,16 +1,14 @@
 """Running a network built by `planetserve.genesis.network.build_network` on this machine.
 
 Per node the cluster starts the ABCI app (unless the network uses cometbft's built-in kvstore),
-waits for its socket, then starts `cometbft start --home <home>`. Each process runs in its own
-process group with its output appended to `<home>/logs/{app,cometbft}.log`; pids (with their
-kernel start times, so a recycled pid is never signalled) are recorded in `<home>/pids.json`, so
-`stop_all(root)` can stop a network from another process that only knows the directory.
+waits for its socket, then starts `cometbft start --home <home>`. Each process is recorded in its
+home the way `processes` records background processes (`<home>/pids.json`, `<home>/logs/{app,cometbft}.log`),
+so `stop_all(root)` can stop a network from another process that only knows the directory.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import socket
@@ -22,86 +20,32 @@ from typing import Any, Literal
 
 from planetserve.chain.rpc import RpcClient, RpcError, hexb, integer
 from planetserve.genesis.network import NetworkSpec, ValidatorInfo, cometbft_binary
+from planetserve.localnet.processes import (
+    PIDS_FILE,
+    POLL,
+    proc_start_time,
+    read_pids,
+    spawn,
+    stop_entry,
+    write_pids,
+)
+from planetserve.localnet.processes import running as process_running
 
 Part = Literal["all", "app", "cometbft"]
-PIDS_FILE = "pids.json"
-POLL = 0.05
 
 
 class ClusterError(Exception):
     """A process failed to start or the network did not behave as expected."""
 
 
-# --- pid bookkeeping (usable without a Cluster) --------------------------------------------------
-
-
-def _proc_start_time(pid: int) -> int | None:
-    """The kernel start time of `pid` (clock ticks since boot), or None if it is gone or a zombie."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2 :].split()
-    if fields[0] in ("Z", "X"):
-        return None
-    return int(fields[19])
-
-
-def _alive(entry: Mapping[str, int]) -> bool:
-    start = _proc_start_time(int(entry["pid"]))
-    return start is not None and start == int(entry["start"])
-
-
-def _read_pids(home: Path) -> dict[str, dict[str, int]]:
-    try:
-        body = json.loads((home / PIDS_FILE).read_text())
-    except (OSError, ValueError):
-        return {}
-    return body if isinstance(body, dict) else {}
-
-
-def _write_pids(home: Path, pids: dict[str, dict[str, int]]) -> None:
-    tmp = home / (PIDS_FILE + ".tmp")
-    tmp.write_text(json.dumps(pids, indent=2) + "\n")
-    tmp.replace(home / PIDS_FILE)
-
-
-def _signal_group(entry: Mapping[str, int], sig: int) -> None:
-    """Signal the process group led by the recorded process, if it is still that process."""
-    if _alive(entry):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(int(entry["pid"]), sig)
-
-
-def _stop_entry(
-    entry: Mapping[str, int], sig: int, timeout: float, proc: subprocess.Popen | None = None
-) -> None:
-    """Send `sig`, wait up to `timeout` for the process to end, then SIGKILL its group."""
-    _signal_group(entry, sig)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=POLL)
-        if not _alive(entry):
-            break
-        if proc is None:
-            time.sleep(POLL)
-    else:
-        _signal_group(entry, signal.SIGKILL)
-    if proc is not None:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=timeout)
-
-
 def stop_home(home: Path, part: Part = "all", sig: int = signal.SIGTERM, timeout: float = 10.0) -> None:
     """Stop the processes recorded in `home/pids.json` (cometbft first, then the app)."""
-    pids = _read_pids(home)
+    pids = read_pids(home)
     for name in ("cometbft", "app"):
         if part in ("all", name) and name in pids:
-            _stop_entry(pids[name], sig, timeout)
+            stop_entry(pids[name], sig, timeout)
             del pids[name]
-    _write_pids(home, pids)
+    write_pids(home, pids)
 
 
 def stop_all(root: Path, timeout: float = 10.0) -> None:
@@ -166,25 +110,7 @@ class Cluster:
     # processes
 
     def _spawn(self, info: ValidatorInfo, name: str, cmd: list[str]) -> None:
-        log_dir = info.home / "logs"
-        log_dir.mkdir(exist_ok=True)
-        with open(log_dir / f"{name}.log", "ab") as log:
-            log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} starting {cmd}\n".encode())
-            log.flush()
-            proc = subprocess.Popen(
-                cmd,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=info.home,
-                env=self.env,
-                start_new_session=True,
-            )
-        self._procs[(info.index, name)] = proc
-        start = _proc_start_time(proc.pid)
-        pids = _read_pids(info.home)
-        pids[name] = {"pid": proc.pid, "start": start if start is not None else -1}
-        _write_pids(info.home, pids)
+        self._procs[(info.index, name)] = spawn(info.home, name, cmd, self.env)
 
     def _wait_port(self, info: ValidatorInfo, port: int, name: str) -> None:
         proc = self._procs[(info.index, name)]
@@ -201,8 +127,8 @@ class Cluster:
         raise ClusterError(f"{info.moniker}: {name} did not listen on port {port} in time")
 
     def running(self, i: int) -> dict[str, bool]:
-        pids = _read_pids(self.spec.validators[i].home)
-        return {name: name in pids and _alive(pids[name]) for name in ("app", "cometbft")}
+        home = self.spec.validators[i].home
+        return {name: process_running(home, name) for name in ("app", "cometbft")}
 
     def start(self, i: int | Iterable[int] | None = None) -> None:
         """Start node(s) `i` (default all): the app and wait for its socket, then cometbft."""
@@ -224,19 +150,19 @@ class Cluster:
     ) -> None:
         """Stop node `i` (cometbft first, then the app), escalating to SIGKILL after `timeout`."""
         info = self.spec.validators[i]
-        pids = _read_pids(info.home)
+        pids = read_pids(info.home)
         for name in ("cometbft", "app"):
             if part not in ("all", name):
                 continue
             proc = self._procs.pop((i, name), None)
             if name in pids:
-                _stop_entry(pids[name], sig, timeout, proc)
+                stop_entry(pids[name], sig, timeout, proc)
                 del pids[name]
             elif proc is not None and proc.poll() is None:  # ours, but its record is gone
-                start = _proc_start_time(proc.pid)
+                start = proc_start_time(proc.pid)
                 if start is not None:
-                    _stop_entry({"pid": proc.pid, "start": start}, sig, timeout, proc)
-        _write_pids(info.home, pids)
+                    stop_entry({"pid": proc.pid, "start": start}, sig, timeout, proc)
+        write_pids(info.home, pids)
 
     def kill(self, i: int, part: Part = "all") -> None:
         self.stop(i, signal.SIGKILL, part)

@@ -1,0 +1,105 @@
+"""`planetserve localnet status`: each process of a localnet and how it is doing, read from the
+directory alone (pid files, homes, status files) and from what the processes and the ledger answer."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+from planetserve.chain.client import QueryRefused
+from planetserve.chain.lightclient import VerificationError
+from planetserve.chain.rpc import RpcError
+from planetserve.genesis.network import NetworkSpec
+from planetserve.localnet import processes, roles
+from planetserve.localnet.cluster import Cluster
+from planetserve.localnet.net import cluster_app, ledger_for
+from planetserve.node.home import HomeError, ModelNodeConfig, UserConfig
+
+GROUPS = ("validators", "verifiers", "nodes", "relays")
+LEDGER_ERRORS = (RpcError, VerificationError, QueryRefused, OSError)
+
+
+def status(root: Path) -> dict[str, list[dict[str, Any]]]:
+    """Every process of the localnet under `root` by group (GROUPS); each entry has at least `name`,
+    `up` (its process runs) and `log`. Raises FileNotFoundError when there is no network there."""
+    root = root.absolute()
+    spec = NetworkSpec.load(root)
+    homes = roles.existing_homes(root)
+    return {
+        "validators": validators(spec),
+        "verifiers": [verifier(home) for kind, home in homes if kind == "verifier"],
+        "nodes": nodes(spec, [home for kind, home in homes if kind == "node"]),
+        "relays": [relay(home) for kind, home in homes if kind == "relay"],
+    }
+
+
+def validators(spec: NetworkSpec) -> list[dict[str, Any]]:
+    cluster = Cluster(spec, cluster_app, rpc_timeout=2.0)
+    out = []
+    for v in spec.validators:
+        running = cluster.running(v.index)
+        height = app_hash = None
+        with contextlib.suppress(RpcError):
+            info = cluster.status(v.index)["sync_info"]
+            height, app_hash = int(info["latest_block_height"]), info["latest_app_hash"]
+        out.append({"name": v.moniker, "up": running["app"] and running["cometbft"], "rpc": v.rpc_url,
+                    "app": running["app"], "cometbft": running["cometbft"], "height": height,
+                    "app_hash": app_hash, "log": str(v.home / "logs")})
+    return out
+
+
+def _base(kind: str, home: Path) -> dict[str, Any]:
+    return {"name": home.name, "up": processes.running(home, kind),
+            "log": str(processes.log_path(home, kind))}
+
+
+def verifier(home: Path) -> dict[str, Any]:
+    state = roles.verifier_status(home) or {}
+    return {**_base("verifier", home), "height": state.get("height"), "epoch": state.get("epoch"),
+            "leader": state.get("leader"), "ticks": state.get("ticks"), "last_tick": state.get("updated"),
+            "submitted": state.get("submitted"), "rejected": state.get("rejected"),
+            "last_error": state.get("last_error")}
+
+
+def relay(home: Path) -> dict[str, Any]:
+    entry = {**_base("relay", home), "client": home.name == roles.CLIENT, "http": None, "live_paths": None,
+             "relayed_paths": None}
+    with contextlib.suppress(HomeError):
+        config = UserConfig.load(home)
+        entry["http"] = roles.http_url(config.http) + "/v1"
+        state = roles.http_status(config.http) if entry["up"] else None
+        if state is not None:
+            entry.update(live_paths=len(state.get("paths", ())), relayed_paths=state.get("relayed_paths"))
+    return entry
+
+
+def nodes(spec: NetworkSpec, homes: list[Path]) -> list[dict[str, Any]]:
+    """Model nodes, with their standing on the ledger (trusted, reputation) when it can be read."""
+    out = []
+    for home in homes:
+        entry = {**_base("node", home), "key": None, "model": None, "model_id": None, "behaviour": None,
+                 "org": None, "http": None, "serving": False, "trusted": None, "reputation": None}
+        with contextlib.suppress(HomeError, OSError, ValueError):
+            config = ModelNodeConfig.load(home)
+            entry.update(key=roles.node_key(home).hex(), model=config.model, model_id=config.model_id,
+                         behaviour=config.behaviour, org=config.org_id, http=roles.http_url(config.http))
+            entry["serving"] = entry["up"] and roles.http_status(config.http) is not None
+        out.append(entry)
+    with contextlib.suppress(*LEDGER_ERRORS):
+        _standing(spec, [e for e in out if e["key"]])
+    return out
+
+
+def _standing(spec: NetworkSpec, entries: list[dict[str, Any]]) -> None:
+    ledger = ledger_for(spec)
+    with ledger.snapshot():
+        trusted = set()
+        for model_id in sorted({e["model_id"] for e in entries}):
+            trusted |= {n.pubkey.hex() for n in ledger.nodes(model_id)[1]}
+        initial = ledger.params().initial_reputation_ppm
+        for entry in entries:
+            record = ledger.reputation(bytes.fromhex(entry["key"]))
+            entry["trusted"] = entry["key"] in trusted
+            entry["reputation"] = record.value if record is not None else initial
+            entry["scored_epochs"] = record.epochs if record is not None else 0
