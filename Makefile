@@ -10,7 +10,7 @@ setup:
 
 test: setup
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 lint: setup
 	$(VENV)/bin/ruff check .
