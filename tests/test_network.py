@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 import base64
+import hashlib
+import json
 import signal
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import replace
 
 import pytest
 from chainnet import assert_same_app_hashes, ledger, member_keys, start_network
+from modelnodes import free_port
 from tamper import TamperProxy
 
 from planetserve.chain.client import QueryRefused
 from planetserve.chain.keys import KeySet
 from planetserve.chain.lightclient import VerificationError
+from planetserve.chain.rpc import RpcClient, RpcError
 from planetserve.registry import codec
 from planetserve.registry.entities import ModelNode
 
@@ -124,26 +130,76 @@ def test_sigkill_app_under_load_recovers_same_app_hash(net):
     assert len(users) == codes.count(0)
 
 
-def test_member_admission_becomes_a_validator_update(net):
-    client = ledger(net, 0)
-    candidate, consensus = KeySet.generate(), KeySet.generate()
-    body = {"action": "add", "operator": candidate.public, "consensus_key": consensus.public,
-            "vrf_key": bytes(candidate.vrf.verify_key), "x25519_key": bytes(candidate.x25519.public_key),
-            "credential": "Institute of Tests", "power": 1}
-    assert client.submit(member_keys(net, 0), "propose-member", body).outcome.code == 0
-    for i in (1, 2):
-        done = client.submit(member_keys(net, i), "vote-member", {"proposal_id": 1, "approve": True})
-        assert done.outcome.code == 0, done.outcome.log
-    height = client.rpc.latest_height()
-    net.wait_for_height(height + 3)
-    _, validators = client.rpc.validators(height + 3)
-    assert len(validators) == 5
-    _, committee = client.committee()
-    assert {m.credential for m in committee} >= {"Institute of Tests"}
-    # a light client following the changed set still verifies the latest lists
-    fresh = ledger(net, 1)
-    listing, _ = fresh.nodes("gt")
-    assert listing.verified and listing.height >= height + 2
+def test_an_institution_joins_from_its_own_home_and_is_admitted(net, tmp_path):
+    """`chain init` makes a home from the published genesis and a member's peer address; the node
+    syncs as a full node; a member proposes it with the keys `chain init` printed, two more approve
+    (3 of 4), and it signs the next blocks with the same app hashes as the others."""
+    ports = [free_port() for _ in range(3)]
+    made = subprocess.run(
+        [sys.executable, "-m", "planetserve", "chain", "init", "--home", str(tmp_path / "newcomer"),
+         "--genesis", str(net.spec.genesis_path), "--peer", net.spec.validators[0].p2p_address,
+         "--moniker", "newcomer", "--p2p", f"127.0.0.1:{ports[0]}", "--rpc", f"127.0.0.1:{ports[1]}",
+         "--abci", f"127.0.0.1:{ports[2]}", "--local", "--json"], capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
+    joined = json.loads(made.stdout)
+    refused = subprocess.run(
+        [sys.executable, "-m", "planetserve", "chain", "init", "--home", str(tmp_path / "newcomer"),
+         "--genesis", str(net.spec.genesis_path), "--peer", "not-a-peer", "--moniker", "x"],
+        capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 1 and "not node_id@host:port" in refused.stderr
+    node = subprocess.Popen([sys.executable, "-m", "planetserve", "chain", "start", "--home", joined["home"]],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        client = ledger(net, 0)
+        newcomer = RpcClient(f"http://127.0.0.1:{ports[1]}")
+        wait_for(lambda: _height(newcomer) >= client.rpc.latest_height() - 1, timeout=60)  # synced
+
+        body = {"action": "add", "operator": bytes.fromhex(joined["operator"]),
+                "consensus_key": bytes.fromhex(joined["consensus_key"]),
+                "vrf_key": bytes.fromhex(joined["vrf_key"]), "x25519_key": bytes.fromhex(joined["x25519_key"]),
+                "credential": "Institute of Tests", "power": 1}
+        assert client.submit(member_keys(net, 0), "propose-member", body).outcome.code == 0
+        for i in (1, 2):
+            done = client.submit(member_keys(net, i), "vote-member", {"proposal_id": 1, "approve": True})
+            assert done.outcome.code == 0, done.outcome.log
+        height = client.rpc.latest_height()
+        net.wait_for_height(height + 4)
+        _, validators = client.rpc.validators(height + 3)
+        assert len(validators) == 5
+        _, committee = client.committee()
+        assert {m.credential for m in committee} >= {"Institute of Tests"}
+        address = hashlib.sha256(bytes.fromhex(joined["consensus_key"])).hexdigest()[:40].upper()
+
+        def signed_by_newcomer() -> bool:
+            latest = client.rpc.latest_height() - 1
+            return address in {sig.get("validator_address")
+                               for sig in client.rpc.commit(latest)["commit"]["signatures"]}
+
+        wait_for(signed_by_newcomer, timeout=30)  # the newcomer votes on blocks now
+        latest = client.rpc.latest_height()
+        wait_for(lambda: _height(newcomer) >= latest, timeout=30)
+        assert newcomer.commit(latest)["header"]["app_hash"] == client.rpc.commit(latest)["header"]["app_hash"]
+        # a light client following the changed set still verifies the latest lists
+        fresh = ledger(net, 1)
+        listing, _ = fresh.nodes("gt")
+        assert listing.verified and listing.height >= height + 2
+    finally:
+        node.terminate()
+        node.wait(30)
+
+
+def _height(rpc: RpcClient) -> int:
+    try:
+        return rpc.latest_height()
+    except RpcError:
+        return 0
+
+
+def wait_for(predicate, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.2)
 
 
 def _rewrite_query(mutate):

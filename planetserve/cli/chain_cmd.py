@@ -13,8 +13,14 @@ from pathlib import Path
 
 import click
 
-from planetserve.cli import console, fail
-from planetserve.genesis.network import APP_CONFIG_FILE, cometbft_binary
+from planetserve.cli import console, emit_json, fail
+from planetserve.genesis.network import (
+    APP_CONFIG_FILE,
+    KEYS_FILE,
+    NetworkBuildError,
+    cometbft_binary,
+    join_home,
+)
 from planetserve.localnet.net import app_command
 
 
@@ -32,6 +38,56 @@ def app_config(home: Path) -> dict:
 @click.group("chain")
 def group() -> None:
     """Run a validator: the planetserve ABCI app and CometBFT."""
+
+
+@group.command("init")
+@click.option("--home", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="The new node's home (must not exist or be empty).")
+@click.option("--genesis", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="The network's genesis.json, as the committee published it.")
+@click.option("--peer", "peers", multiple=True, required=True, metavar="NODE_ID@HOST:PORT",
+              help="A node of the network to follow (repeat for several; members publish theirs).")
+@click.option("--moniker", required=True, help="This node's name in CometBFT, e.g. the institution's.")
+@click.option("--p2p", default="0.0.0.0:26656", show_default=True, help="P2P listen address.")
+@click.option("--external", default="", help="P2P address others reach this node at (host:port).")
+@click.option("--rpc", default="127.0.0.1:26657", show_default=True,
+              help="CometBFT RPC listen address (clients and the verifier daemon read the ledger here).")
+@click.option("--abci", default="127.0.0.1:26658", show_default=True,
+              help="Where the planetserve app listens.")
+@click.option("--db", default="", help="State database URL (default: SQLite in the home; or "
+                                        "postgresql+psycopg://...).")
+@click.option("--local", is_flag=True, help="Nodes share one address (all on one machine): accept "
+                                            "duplicate IPs and unroutable peers.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def init(home: Path, genesis: Path, peers: tuple[str, ...], moniker: str, p2p: str, external: str, rpc: str,
+         abci: str, db: str, local: bool, as_json: bool) -> None:
+    """Make a node's home to join a running network (an institution joining the committee).
+
+    The node starts as a full node: run it with `planetserve chain start --home HOME` and let it
+    sync. Then send the printed keys to a committee member, who proposes the admission with
+    `planetserve tx propose-member`; once members with more than 2/3 of the voting power approve
+    (`planetserve tx vote-member`), the node becomes a validator at the next blocks. Keep
+    HOME/config/priv_validator_key.json and HOME/config/planetserve_keys.json secret.
+    """
+    try:
+        joined = join_home(home, genesis, peers, moniker=moniker, rpc=rpc, p2p=p2p, abci=abci,
+                           external=external, db_url=db, local=local)
+    except NetworkBuildError as exc:
+        fail(str(exc))
+    keys = joined.keys
+    propose = (f"planetserve tx propose-member --operator {keys['identity']} "
+               f"--consensus-key {joined.consensus_key.hex()} --vrf-key {keys['vrf']} "
+               f"--x25519-key {keys['x25519']} --credential \"<who you are>\" --keys <member key file>")
+    if as_json:
+        emit_json({"home": str(joined.home), "chain_id": joined.chain_id, "node_id": joined.node_id,
+                   "operator": keys["identity"], "consensus_key": joined.consensus_key.hex(),
+                   "vrf_key": keys["vrf"], "x25519_key": keys["x25519"], "propose": propose})
+        return
+    console.print(f"created node home [bold]{joined.home}[/] for chain {joined.chain_id}; "
+                  f"node id {joined.node_id}")
+    console.print(f"run it with: planetserve chain start --home {joined.home}")
+    console.print(f"your keys are in {joined.home}/config/{KEYS_FILE}; a committee member proposes you with:")
+    console.print(propose, soft_wrap=True)
 
 
 @group.command("app")

@@ -312,15 +312,7 @@ def build_network(
     infos: list[ValidatorInfo] = []
     for i in range(n):
         home = root / f"v{i}"
-        if home.exists() and any(home.iterdir()):
-            raise NetworkBuildError(f"{home} already exists and is not empty")
-        res = subprocess.run(
-            [binary, "init", "--home", str(home)], capture_output=True, text=True, timeout=60
-        )
-        if res.returncode != 0:
-            raise NetworkBuildError(f"cometbft init failed for {home}: {res.stderr.strip()[-500:]}")
-        keyset = KeySet.generate()
-        keyset.save(home / "config" / KEYS_FILE)
+        keyset = init_home(home, binary)
         infos.append(
             ValidatorInfo(
                 index=i,
@@ -341,39 +333,97 @@ def build_network(
     genesis_text = json.dumps(genesis, indent=2) + "\n"
 
     for info in infos:
-        cfg = info.home / "config"
-        (cfg / "genesis.json").write_text(genesis_text)
-        peers = ",".join(o.p2p_address for o in infos if o.index != info.index)
-        edits: dict[str, dict[str, Any]] = {
-            "": {
-                "moniker": info.moniker,
-                "proxy_app": "kvstore" if use_kvstore else f"tcp://{info.abci_listen}",
-                "log_level": log_level,
-            },
-            "rpc": {"laddr": f"tcp://127.0.0.1:{info.ports.rpc}", "pprof_laddr": ""},
-            "p2p": {
-                "laddr": f"tcp://127.0.0.1:{info.ports.p2p}",
-                "persistent_peers": peers,
-                "addr_book_strict": False,
-                "allow_duplicate_ip": True,
-                "pex": False,
-            },
-            "consensus": {"timeout_commit": timeout_commit, "create_empty_blocks": True},
-            "instrumentation": {"prometheus": False},
-        }
+        edits = node_config(
+            moniker=info.moniker, proxy_app="kvstore" if use_kvstore else f"tcp://{info.abci_listen}",
+            rpc=f"127.0.0.1:{info.ports.rpc}", p2p=f"127.0.0.1:{info.ports.p2p}",
+            peers=[o.p2p_address for o in infos if o.index != info.index], log_level=log_level,
+            local=True)
+        edits["consensus"] = {"timeout_commit": timeout_commit, "create_empty_blocks": True}
         for sec, kv in (extra_config or {}).items():
             edits.setdefault(sec, {}).update(kv)
-        toml_path = cfg / "config.toml"
-        toml_path.write_text(edit_toml(toml_path.read_text(), edits))
-        app_cfg = {"abci_listen": info.abci_listen, "db": info.db_url, "chain_id": chain_id}
-        (cfg / APP_CONFIG_FILE).write_text(json.dumps(app_cfg, indent=2) + "\n")
-        (info.home / "logs").mkdir(exist_ok=True)
+        write_home(info.home, genesis_text, edits, abci_listen=info.abci_listen, db_url=info.db_url,
+                   chain_id=chain_id)
 
     spec = NetworkSpec(
         root=root, chain_id=chain_id, genesis_time=genesis_time, validators=infos, kvstore=use_kvstore
     )
     spec.save()
     return spec
+
+
+def init_home(home: Path, binary: str) -> KeySet:
+    """`cometbft init` in an empty `home` (node and consensus keys), and the planetserve KeySet."""
+    if home.exists() and any(home.iterdir()):
+        raise NetworkBuildError(f"{home} already exists and is not empty")
+    res = subprocess.run([binary, "init", "--home", str(home)], capture_output=True, text=True, timeout=60)
+    if res.returncode != 0:
+        raise NetworkBuildError(f"cometbft init failed for {home}: {res.stderr.strip()[-500:]}")
+    keyset = KeySet.generate()
+    keyset.save(home / "config" / KEYS_FILE)
+    return keyset
+
+
+def node_config(*, moniker: str, proxy_app: str, rpc: str, p2p: str, peers: Sequence[str],
+                log_level: str, local: bool, external: str = "") -> dict[str, dict[str, Any]]:
+    """config.toml edits for one node. `local`: several nodes share one address (one machine), so
+    CometBFT must accept duplicate IPs and unroutable addresses."""
+    return {
+        "": {"moniker": moniker, "proxy_app": proxy_app, "log_level": log_level},
+        "rpc": {"laddr": f"tcp://{rpc}", "pprof_laddr": ""},
+        "p2p": {"laddr": f"tcp://{p2p}", "external_address": external, "persistent_peers": ",".join(peers),
+                "addr_book_strict": not local, "allow_duplicate_ip": local, "pex": False},
+        "instrumentation": {"prometheus": False},
+    }
+
+
+def write_home(home: Path, genesis_text: str, edits: dict[str, dict[str, Any]], *, abci_listen: str,
+               db_url: str, chain_id: str) -> None:
+    """The shared genesis, the edited config.toml and planetserve.json in an initialised home."""
+    cfg = home / "config"
+    (cfg / "genesis.json").write_text(genesis_text)
+    toml_path = cfg / "config.toml"
+    toml_path.write_text(edit_toml(toml_path.read_text(), edits))
+    app_cfg = {"abci_listen": abci_listen, "db": db_url, "chain_id": chain_id}
+    (cfg / APP_CONFIG_FILE).write_text(json.dumps(app_cfg, indent=2) + "\n")
+    (home / "logs").mkdir(exist_ok=True)
+
+
+@dataclass(frozen=True)
+class JoiningNode:
+    """A home made to join a running network: what its operator hands to the committee."""
+
+    home: Path
+    chain_id: str
+    node_id: str
+    consensus_key: bytes
+    keys: dict[str, str]
+    """KeySet.public_summary(): the operator (identity), VRF and X25519 keys, hex."""
+
+
+def join_home(home: Path, genesis_path: Path, peers: Sequence[str], *, moniker: str,
+              rpc: str = "127.0.0.1:26657", p2p: str = "0.0.0.0:26656", abci: str = "127.0.0.1:26658",
+              external: str = "", db_url: str = "", local: bool = False,
+              log_level: str = "state:info,*:error") -> JoiningNode:
+    """A full node's home for the network of `genesis_path` (another institution's copy of it),
+    following `peers` (node_id@host:port). Once it has synced, the committee can admit it."""
+    try:
+        genesis_text = genesis_path.read_text()
+        chain_id = json.loads(genesis_text)["chain_id"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise NetworkBuildError(f"{genesis_path} is not a readable genesis file: {exc}") from exc
+    for peer in peers:
+        if not re.fullmatch(r"[0-9a-f]{40}@[^@\s]+:\d{1,5}", peer):
+            raise NetworkBuildError(f"peer {peer!r} is not node_id@host:port (node_id: 40 hex digits)")
+    if not peers:
+        raise NetworkBuildError("a joining node needs at least one peer of the network (node_id@host:port)")
+    home = home.absolute()
+    keyset = init_home(home, cometbft_binary())
+    edits = node_config(moniker=moniker, proxy_app=f"tcp://{abci}", rpc=rpc, p2p=p2p, peers=peers,
+                        log_level=log_level, local=local, external=external)
+    write_home(home, genesis_text, edits, abci_listen=abci,
+               db_url=db_url or f"sqlite:///{home}/data/planetserve.db", chain_id=chain_id)
+    return JoiningNode(home, chain_id, node_id_from_key_file(home / "config" / "node_key.json"),
+                       consensus_pubkey(home), keyset.public_summary())
 
 
 def genesis_doc(
