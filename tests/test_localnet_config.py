@@ -29,6 +29,7 @@ def test_the_committed_file_says_what_the_defaults_are():
         ("smaller", "tiny", "gt", "honest", "org-smaller"), ("clickbait", "gt", "gt", "alter-prompts", "org-clickbait")]
     assert (committed.params.epoch_blocks, committed.params.results_blocks) == (40, 16)
     assert committed.preset == "full" and committed.data_dir is None
+    assert committed.dashboard_http == ""  # a free port, picked once
 
 
 def test_a_small_file_overrides_what_it_names(tmp_path):
@@ -55,6 +56,8 @@ count = 3
 proxies = 4
 [client]
 http = "127.0.0.1:8080"
+[dashboard]
+http = "127.0.0.1:8090"
 """, tmp_path / "x.toml")
     assert config.validators == 1 and not config.verifiers and config.timeout_commit == "300ms"
     assert config.params == Params(epoch_blocks=60, results_blocks=16, vrf_window_blocks=10,
@@ -63,6 +66,7 @@ http = "127.0.0.1:8080"
     assert config.family_dir(tmp_path / "root") == tmp_path / "family"
     assert config.nodes == (NodeSpec("a", org="org-a"), NodeSpec("b", model="small", org="shared", capacity=4))
     assert (config.relays, config.proxies, config.client_http) == (3, 4, "127.0.0.1:8080")
+    assert config.dashboard_http == "127.0.0.1:8090"
     assert config.prompt == LocalnetConfig().prompt and config.has_client
 
 
@@ -81,7 +85,8 @@ def test_without_a_file_the_defaults(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize(("text", "message"), [
     ("[network\n", "not valid TOML"),
-    ("colour = 1\n", "colour: unknown setting; the file takes client, models, network, nodes, params, relays"),
+    ("colour = 1\n", "colour: unknown setting; the file takes client, dashboard, models, network, nodes, params, "
+                     "relays"),
     ("[network]\nvalidator = 4\n", "network.validator: unknown setting; network takes chain_id, timeout_commit"),
     ("network = 3\n", r"network: must be a table \(\[network\]\)"),
     ("[network]\nvalidators = 0\n", "network.validators: must be an integer from 1 to 16, got 0"),
@@ -113,6 +118,13 @@ def test_without_a_file_the_defaults(tmp_path, monkeypatch):
     ("[client]\nprompt = \"\"\n", "client.prompt: must be a non-empty string"),
     ("[client]\nmax_tokens = 0\n", "client.max_tokens: must be an integer from 1 to 1024"),
     ("[client]\nhttp = \"0.0.0.0:8080\"\n", "client.http: must be empty or \"127.0.0.1:PORT\""),
+    ("[dashboard]\nhttp = \"localhost:8600\"\n", "dashboard.http: must be empty or \"127.0.0.1:PORT\", got "
+                                                  "'localhost:8600'"),
+    ("[dashboard]\nhttp = 8600\n", "dashboard.http: must be empty or \"127.0.0.1:PORT\", got 8600"),
+    ("[dashboard]\nport = 8600\n", "dashboard.port: unknown setting; dashboard takes http"),
+    ("dashboard = 1\n", r"dashboard: must be a table \(\[dashboard\]\)"),
+    ("[client]\nhttp = \"127.0.0.1:8080\"\n[dashboard]\nhttp = \"127.0.0.1:8080\"\n",
+     "dashboard.http: 127.0.0.1:8080 is the client relay's address"),
     ("nodes = []\n", "network.verifiers: verifiers challenge model nodes"),
     ("nodes = []\n[network]\nverifiers = false\n[relays]\ncount = 2\n", "relays.count: 2 relay"),
 ])

@@ -97,11 +97,20 @@ class LedgerClient:
         self._pinned: LightBlock | None = None
 
     @contextlib.contextmanager
-    def snapshot(self) -> Iterator[int]:
+    def snapshot(self, height: int | None = None) -> Iterator[int]:
         """Reads inside the block see one state, the latest verified now (its height is yielded),
         verified once: a consistent view, and one light-client verification instead of one per read.
-        Reads of a later height (after a submit) leave it."""
-        self._pinned = self.verifier.verified_light_block() if self.verifier is not None else None
+        Reads of a later height (after a submit) leave it.
+
+        With `height` (verified clients only), the state committed at that past height instead, proven
+        against the app hash of verified header `height` + 1, which must exist: history such as the
+        reputations right after an epoch was finalized. The yielded height is that header's."""
+        if height is not None and self.verifier is None:
+            raise ValueError("reading a past height needs a verified client")
+        if self.verifier is None:
+            self._pinned = None
+        else:
+            self._pinned = self.verifier.verified_light_block(None if height is None else height + 1)
         try:
             yield self._pinned.height if self._pinned is not None else 0
         finally:
@@ -215,6 +224,20 @@ class LedgerClient:
 
     def reputation(self, node: bytes) -> Reputation | None:
         return self._entity(layout.reputation_key(node), Reputation)
+
+    def reputations(self) -> tuple[Listing, list[Reputation]]:
+        """Every node's reputation record (a node never scored has none: it stands at the initial value)."""
+        listing = self.entries(layout.REPUTATION_PREFIX)
+        return listing, layout.decode_records(listing.entries, Reputation)
+
+    def organisations(self) -> tuple[Listing, list[Organisation]]:
+        listing = self.entries(layout.ORG_PREFIX)
+        return listing, layout.decode_records(listing.entries, Organisation)
+
+    def credit_accounts(self) -> tuple[Listing, list[Credits]]:
+        """Every organisation's credit account that the chain has written (others hold nothing)."""
+        listing = self.entries(layout.CREDITS_PREFIX)
+        return listing, layout.decode_records(listing.entries, Credits)
 
     def faults(self, operator: bytes | None = None) -> tuple[Listing, list[Fault]]:
         listing = self.entries(layout.fault_prefix(operator))

@@ -90,6 +90,9 @@ def account_key(signer: bytes) -> bytes:
     return key("acct", signer.hex())
 
 
+ORG_PREFIX = key("org", "")
+
+
 def org_key(org_id: str) -> bytes:
     return key("org", _c(org_id))
 
@@ -212,6 +215,9 @@ def reputation_key(node: bytes) -> bytes:
 
 def price_key(hardware: str) -> bytes:
     return key("price", _c(hardware))
+
+
+CREDITS_PREFIX = key("credit", "")
 
 
 def credits_key(org_id: str) -> bytes:

@@ -65,12 +65,14 @@ def main() -> None:
       user        node init-user, node user   (anonymous OpenAI endpoint, relays for others)
       verifier    verifier init, verifier run (beside each validator)
       developer   localnet up|down|status     (the whole system on this machine)
+      anyone      dashboard                   (a live web page of a network: ledger, nodes, overlay)
     """
 
 
 def _register() -> None:
     from planetserve.cli import (
         chain_cmd,
+        dashboard_cmd,
         genesis_cmd,
         keys_cmd,
         localnet_cmd,
@@ -84,6 +86,7 @@ def _register() -> None:
     for module in (keys_cmd, genesis_cmd, chain_cmd, tx_cmd, query_cmd, localnet_cmd, models_cmd, node_cmd,
                    verifier_cmd):
         main.add_command(module.group)
+    main.add_command(dashboard_cmd.command)
 
 
 _register()

@@ -22,7 +22,8 @@ def group() -> None:
     \b
     `up` starts, in the background, what localnet/localnet.toml lists: validators (CometBFT and the
     app) with a verifier daemon beside each, model nodes of several organisations (honest and not),
-    user relays and a client relay, then sends one prompt through the client's anonymous endpoint.
+    user relays and a client relay with a dashboard beside it (a live web page of the whole system),
+    then sends one prompt through the client's anonymous endpoint.
     """
 
 
@@ -80,6 +81,8 @@ def _print_up(result: net.UpResult) -> None:
                       f"{result.answer.seconds:.1f} s:\n  {result.answer.text!r}")
     if result.client is not None:
         console.print(f"client endpoint (OpenAI-compatible, anonymous): [bold]{result.client}[/]")
+    if result.dashboard is not None:
+        console.print(f"dashboard: [bold]{result.dashboard}[/]")
     console.print("health: [bold]planetserve localnet status[/]; stop it with [bold]make localnet-stop[/]")
 
 
@@ -97,7 +100,7 @@ def down(root: Path) -> None:
 @root_option
 @click.option("--json", "as_json", is_flag=True)
 def status(root: Path, as_json: bool) -> None:
-    """Health of each process: validators, verifiers, model nodes, relays."""
+    """Health of each process: validators, verifiers, model nodes, relays, the dashboard."""
     from planetserve.localnet import health
 
     try:
@@ -128,5 +131,7 @@ def _detail(kind: str, e: dict[str, Any]) -> str:
         reputation = "" if e["reputation"] is None else f", reputation {e['reputation'] / 1e6:.3f}"
         return (f"{e['model']} as {e['model_id']}, {e['behaviour']}, {e['org']}, "
                 f"{'serving' if e['serving'] else 'not answering'}, {trust}{reputation}, {e['http']}")
+    if kind == "dashboards":
+        return f"{'serving' if e['serving'] else 'not answering'}, {e['url'] or '-'}"
     paths = "not answering" if e["live_paths"] is None else f"{e['live_paths']} live path(s)"
     return f"{'client, ' if e['client'] else ''}{paths}, {e['http']}"

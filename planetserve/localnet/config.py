@@ -84,6 +84,9 @@ class LocalnetConfig:
     max_tokens: int = 32
     client_http: str = ""
     """The client relay's OpenAI endpoint (host:port); empty: a free port, picked when its home is made."""
+    dashboard_http: str = ""
+    """Where the dashboard (beside the client relay) serves its page (host:port); empty: a free port,
+    picked once and then kept."""
 
     @property
     def has_client(self) -> bool:
@@ -116,11 +119,12 @@ def parse_config(text: str, source: Path) -> LocalnetConfig:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{source}: not valid TOML: {exc}") from exc
     reader = _Reader(source)
-    reader.keys(raw, "", {"network", "params", "models", "nodes", "relays", "client"})
+    reader.keys(raw, "", {"network", "params", "models", "nodes", "relays", "client", "dashboard"})
     network = reader.table(raw, "network", {"validators", "chain_id", "timeout_commit", "verifiers"})
     models = reader.table(raw, "models", {"preset", "data_dir"})
     relays = reader.table(raw, "relays", {"count", "proxies"})
     client = reader.table(raw, "client", {"model", "prompt", "max_tokens", "http"})
+    dashboard = reader.table(raw, "dashboard", {"http"})
     base = LocalnetConfig()
     nodes = reader.nodes(raw["nodes"]) if "nodes" in raw else base.nodes
     config = LocalnetConfig(
@@ -141,6 +145,8 @@ def parse_config(text: str, source: Path) -> LocalnetConfig:
         max_tokens=reader.integer(client, "client.max_tokens", base.max_tokens, 1, 1024),
         client_http=reader.pattern(client, "client.http", base.client_http, _ADDRESS,
                                    'empty or "127.0.0.1:PORT"', empty_ok=True),
+        dashboard_http=reader.pattern(dashboard, "dashboard.http", base.dashboard_http, _ADDRESS,
+                                      'empty or "127.0.0.1:PORT"', empty_ok=True),
     )
     check(config)
     return config
@@ -157,6 +163,9 @@ def check(config: LocalnetConfig) -> None:
         raise ConfigError(f"{where}: relays.count: {config.relays} relay(s) cannot carry onion paths: a "
                           f"path needs {PATH_LENGTH} relays besides its user, so at least {PATH_LENGTH + 1} "
                           "relays in all, the client's included")
+    if config.client_http and config.client_http == config.dashboard_http:
+        raise ConfigError(f"{where}: dashboard.http: {config.dashboard_http} is the client relay's address "
+                          "(client.http); give the dashboard another port")
     if config.nodes and config.client_model not in config.model_ids:
         raise ConfigError(f"{where}: client.model: {config.client_model!r} is served by no node; the nodes "
                           f"claim {', '.join(config.model_ids)}")

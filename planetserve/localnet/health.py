@@ -16,7 +16,7 @@ from planetserve.localnet.cluster import Cluster
 from planetserve.localnet.net import cluster_app, ledger_for
 from planetserve.node.home import HomeError, ModelNodeConfig, UserConfig
 
-GROUPS = ("validators", "verifiers", "nodes", "relays")
+GROUPS = ("validators", "verifiers", "nodes", "relays", "dashboards")
 LEDGER_ERRORS = (RpcError, VerificationError, QueryRefused, OSError)
 
 
@@ -31,6 +31,7 @@ def status(root: Path) -> dict[str, list[dict[str, Any]]]:
         "verifiers": [verifier(home) for kind, home in homes if kind == "verifier"],
         "nodes": nodes(spec, [home for kind, home in homes if kind == "node"]),
         "relays": [relay(home) for kind, home in homes if kind == "relay"],
+        "dashboards": [dashboard(home) for kind, home in homes if kind == roles.DASHBOARD],
     }
 
 
@@ -71,6 +72,14 @@ def relay(home: Path) -> dict[str, Any]:
         state = roles.http_status(config.http) if entry["up"] else None
         if state is not None:
             entry.update(live_paths=len(state.get("paths", ())), relayed_paths=state.get("relayed_paths"))
+    return entry
+
+
+def dashboard(home: Path) -> dict[str, Any]:
+    address = roles.dashboard_address(home)
+    url = None if address is None else roles.http_url(address) + "/"
+    entry = {**_base(roles.DASHBOARD, home), "url": url}
+    entry["serving"] = entry["up"] and roles.dashboard_serving(home)
     return entry
 
 

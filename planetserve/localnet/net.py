@@ -2,8 +2,8 @@
 
 `up` trains (or reuses) the model family, builds the network once (validators with a genesis that
 declares each model node's organisation), starts every process that is not running (validators,
-model nodes, user relays, the client's relay, a verifier daemon beside each validator), waits until
-all are ready, and sends one prompt through the client's relay over the anonymous overlay.
+model nodes, user relays, the client's relay, a verifier daemon beside each validator, the dashboard),
+waits until all are ready, and sends one prompt through the client's relay over the anonymous overlay.
 
 State lives under `localnet/build/` (ignored by git). Running `up` again reuses what is there:
 stopped processes are restarted, running ones are left alone.
@@ -81,12 +81,15 @@ class UpResult:
     answer: Answer | None
     started: list[str] = field(default_factory=list)
     """The processes this call started (the others were running)."""
+    dashboard: str | None = None
+    """The dashboard's URL (None without a client relay)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
             "chain_id": self.spec.chain_id, "genesis": str(self.spec.genesis_path),
             "rpc": [v.rpc_url for v in self.spec.validators], "height": self.height,
-            "model_id": self.model_id, "client": self.client, "started": self.started,
+            "model_id": self.model_id, "client": self.client, "dashboard": self.dashboard,
+            "started": self.started,
             "answer": None if self.answer is None else {"text": self.answer.text, "node": self.answer.node,
                                                        "name": self.names.get(self.answer.node),
                                                        "seconds": round(self.answer.seconds, 2)},
@@ -176,8 +179,11 @@ def up(root: Path, config: LocalnetConfig, progress: Progress = lambda _: None,
         answer = ask(relay, config)
     listing, nodes = ledger.nodes(config.client_model)
     names = {roles.node_key(r.home).hex(): r.name for r in everyone if r.kind == "node"}
+    board = next((r for r in everyone if r.kind == roles.DASHBOARD), None)
+    address = roles.dashboard_address(board.home) if board is not None else None
     return UpResult(spec, listing.height, nodes, names, config.client_model, client, answer,
-                    before + [r.describe() for r in started])
+                    before + [r.describe() for r in started],
+                    roles.http_url(address) + "/" if address is not None else None)
 
 
 def ask(relay: roles.Role, config: LocalnetConfig) -> Answer:

@@ -1,15 +1,17 @@
 """The localnet's processes besides the validators: a verifier daemon beside each validator, the model
-nodes, the user relays and the client's relay. Each has a home under the network's root, made once
-the way `planetserve verifier init`, `node init-model` and `node init-user` make them:
+nodes, the user relays, the client's relay and the dashboard beside it. Each has a home under the
+network's root, made once the way `planetserve verifier init`, `node init-model` and `node init-user`
+make them:
 
     <root>/verifiers/v<i>    beside validator v<i>        process `verifier`
     <root>/nodes/<name>      a model node                 process `node`
     <root>/relays/relay<i>   a user relay                 process `relay`
     <root>/relays/client     the client's relay           process `relay`
+    <root>/dashboard         the dashboard (dashboard.json: its address)   process `dashboard`
     <root>/keys/<org>.json   each organisation's key (registers its nodes)
 
-and runs as `planetserve verifier run`, `node model --org-keys`, `node user`, recorded with
-`processes` (pids in the home's pids.json, output in its logs/).
+and runs as `planetserve verifier run`, `node model --org-keys`, `node user`, `dashboard`, recorded
+with `processes` (pids in the home's pids.json, output in its logs/).
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ LIST_INTERVAL = 2.0
 """Seconds between re-reads of the verified lists by nodes and relays (a localnet changes fast)."""
 KINDS = {VERIFIERS: "verifier", NODES: "node", RELAYS: "relay"}
 """Directory of a role's homes → the name its process is recorded under."""
+DASHBOARD = "dashboard"
+"""The dashboard's home (directly under the root) and the name its process is recorded under."""
+DASHBOARD_FILE = "dashboard.json"
 
 
 class RoleError(Exception):
@@ -47,7 +52,7 @@ class RoleError(Exception):
 @dataclass(frozen=True)
 class Role:
     kind: str
-    """verifier, node or relay."""
+    """verifier, node, relay or dashboard."""
     name: str
     home: Path
     command: tuple[str, ...]
@@ -61,6 +66,8 @@ class Role:
         return processes.running(self.home, self.kind)
 
     def describe(self) -> str:
+        if self.kind == DASHBOARD:
+            return DASHBOARD
         return f"{'client relay' if self.name == CLIENT else self.kind} {self.name}"
 
 
@@ -132,10 +139,38 @@ def verifier_role(root: Path, spec: NetworkSpec, config: LocalnetConfig, index: 
     return Role("verifier", validator.moniker, home, planetserve("verifier", "run", "--home", str(home)))
 
 
+def dashboard_address(home: Path) -> str | None:
+    """The address (host:port) recorded in the dashboard's home, None before it is made."""
+    try:
+        body = json.loads((home / DASHBOARD_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return body.get("http") if isinstance(body, dict) and isinstance(body.get("http"), str) else None
+
+
+def dashboard_role(root: Path, spec: NetworkSpec, config: LocalnetConfig, client: Role,
+                   nodes: list[Role]) -> Role:
+    """`planetserve dashboard` over every validator's RPC and the client's relay, naming the model nodes
+    as the configuration does; its address is picked once (the configured one, else a free port)."""
+    home = root / DASHBOARD
+    http = dashboard_address(home)
+    if http is None:
+        http = config.dashboard_http or f"127.0.0.1:{free_ports(1)[0]}"
+        home.mkdir(parents=True, exist_ok=True)
+        (home / DASHBOARD_FILE).write_text(json.dumps({"http": http}) + "\n")
+    rpc = [arg for v in spec.validators for arg in ("--rpc", v.rpc_url)]
+    labels = [arg for n in nodes for arg in ("--label", f"{node_key(n.home).hex()}={n.name}")]
+    return Role(DASHBOARD, DASHBOARD, home, planetserve(
+        "dashboard", "--genesis", str(spec.genesis_path), *rpc,
+        "--relay", http_url(UserConfig.load(client.home).http), "--model", config.client_model, *labels,
+        "--http", http, "--json"))
+
+
 def roles(root: Path, spec: NetworkSpec, config: LocalnetConfig) -> list[Role]:
     """Every role of the configuration, homes made where missing: model nodes, relays (the client's
-    first), verifiers."""
-    out = [node_role(root, spec, config, i, node) for i, node in enumerate(config.nodes)]
+    first), verifiers, and the dashboard beside the client's relay."""
+    nodes = [node_role(root, spec, config, i, node) for i, node in enumerate(config.nodes)]
+    out = list(nodes)
     names = ([CLIENT] if config.has_client else []) + [f"relay{i}" for i in range(config.relays)]
     relays = [relay_role(root, spec, config, i, name) for i, name in enumerate(names)]
     out += relays
@@ -143,13 +178,18 @@ def roles(root: Path, spec: NetworkSpec, config: LocalnetConfig) -> list[Role]:
     if config.verifiers:
         out += [verifier_role(root, spec, config, i, carriers[i % len(carriers)].home)
                 for i in range(len(spec.validators))]
+    if config.has_client:
+        out.append(dashboard_role(root, spec, config, relays[0], nodes))
     return out
 
 
 def existing_homes(root: Path) -> list[tuple[str, Path]]:
     """Every role home under `root` (kind, home), whatever the configuration says now."""
-    return [(kind, home) for directory, kind in KINDS.items()
-            for home in sorted((root / directory).glob("*")) if home.is_dir()]
+    homes = [(kind, home) for directory, kind in KINDS.items()
+             for home in sorted((root / directory).glob("*")) if home.is_dir()]
+    if (root / DASHBOARD).is_dir():
+        homes.append((DASHBOARD, root / DASHBOARD))
+    return homes
 
 
 # --- processes ---------------------------------------------------------------------------------
@@ -189,6 +229,19 @@ def http_status(address: str, timeout: float = 3.0) -> dict[str, Any] | None:
     return reply.json() if reply.status_code == 200 else None
 
 
+def dashboard_serving(home: Path, timeout: float = 3.0) -> bool:
+    """Whether the dashboard recorded in `home` answers its health check."""
+    from planetserve.dashboard import HEALTH_PATH
+
+    address = dashboard_address(home)
+    if address is None:
+        return False
+    try:
+        return httpx.get(f"{http_url(address)}{HEALTH_PATH}", timeout=timeout).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def verifier_status(home: Path) -> dict[str, Any] | None:
     from planetserve.verifier.config import STATUS_FILE
 
@@ -206,6 +259,8 @@ def ready(role: Role) -> bool:
         status = verifier_status(role.home)
         since = processes.started_at(role.home, role.kind) or 0
         return status is not None and int(status.get("started", 0)) >= since - 1
+    if role.kind == DASHBOARD:
+        return dashboard_serving(role.home)
     config = (ModelNodeConfig if role.kind == "node" else UserConfig).load(role.home)
     status = http_status(config.http)
     if status is None:
