@@ -3,14 +3,20 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PS := $(VENV)/bin/planetserve
 
-.PHONY: setup test lint localnet localnet-stop bench clean
+.PHONY: setup test faults soak lint localnet localnet-stop bench clean
 
 setup:
 	@bash scripts/setup.sh
 
 test: setup
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q --durations=15 -m "not soak"
+
+faults: setup
+	$(PY) -m pytest -q -m faults
+
+soak: setup
+	$(PY) -m pytest -q -s -m soak
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -49,15 +49,19 @@ def directory(users: Iterable[UserRelay], nodes: Iterable[ModelNode], height: in
 
 
 class FaultyRelay(Relay):
-    """A relay that misbehaves on command: flips a bit of, or drops, what it carries back toward users,
-    sparing small payloads (pings) as a careful adversary would."""
+    """A relay that misbehaves on command: flips a bit of, drops, or holds back for `DELAY_S` what it
+    carries back toward users, sparing small payloads (pings) as a careful adversary would."""
 
     mode: str | None = None
+    DELAY_S = 5.0
 
     async def _pass_on(self, peer: bytes, msg_type: str, body: object) -> bool:
-        if self.mode in ("flip", "drop") and msg_type == "back" and len(body[1]) > 200:  # type: ignore[index]
+        if self.mode in ("flip", "drop", "delay") and msg_type == "back" and len(body[1]) > 200:  # type: ignore[index]
             if self.mode == "drop":
                 return True
+            if self.mode == "delay":
+                await asyncio.sleep(self.DELAY_S)
+                return await super()._pass_on(peer, msg_type, body)
             data = bytearray(body[1])  # type: ignore[index]
             data[-1] ^= 0x01
             body = [body[0], bytes(data)]  # type: ignore[index]

@@ -133,6 +133,7 @@ def test_wait_for_height_timeout_names_every_validator(cluster: Cluster) -> None
 
 
 @pytest.mark.network
+@pytest.mark.faults
 def test_stop_restart_and_kill_validators(cluster: Cluster) -> None:
     cluster.stop(3)
     assert cluster.running(3) == {"app": False, "cometbft": False}

@@ -81,6 +81,24 @@ def test_honest_epoch(s):
     assert all(s.faults(m) == [] for m in s.members)
 
 
+@pytest.mark.faults
+def test_a_member_attesting_garbage_is_outvoted_and_recorded(s):
+    """A Byzantine member attests honest nodes as worthless: the median of the supermajority
+    decides, the member's deviations are recorded as faults, and nobody else has any."""
+    s.run_election_and_plan(1)
+    leader = s.epoch(1).leader
+    assert s.block(s.tx(s.leader(1), "submit-results", s.leader_results(1, HONEST))) == [(0, "ok")]
+    byzantine = next(m for k, m in s.members.items() if k != leader)
+    truthful = [m for m in s.members.values() if m is not byzantine]
+    txs = s.attest_txs(1, leader, dict.fromkeys(s.nodes, HONEST), truthful)
+    txs += s.attest_txs(1, leader, dict.fromkeys(s.nodes, 0), [byzantine])
+    assert all(c == 0 for c, _ in s.block(*txs))
+    finish(s, 1)
+    assert all(s.reputation(node) == expected(HONEST) for node in s.nodes)
+    assert s.faults(byzantine.public) == ["deviating-attestation", "deviating-attestation"]
+    assert s.faults(leader) == [] and all(s.faults(m.public) == [] for m in truthful)
+
+
 def test_plain_words_of_the_seed_formula(s):
     """R(T) = 0.4 R(T-1) + 0.6 C(T) from R = 0.5: C = 1.0 gives 0.8."""
     s.run_election_and_plan(1)
@@ -88,6 +106,7 @@ def test_plain_words_of_the_seed_formula(s):
     assert [s.reputation(n) for n in s.nodes] == [800_000, 800_000]
 
 
+@pytest.mark.faults
 def test_altered_prompt_is_the_leaders_fault(s):
     s.run_election_and_plan(1)
     leader = s.leader(1)
@@ -109,6 +128,7 @@ def test_altered_prompt_is_the_leaders_fault(s):
     assert s.reputation(node1) == expected(HONEST)
 
 
+@pytest.mark.faults
 def test_altered_response_is_the_leaders_fault(s):
     s.run_election_and_plan(1)
     leader = s.leader(1)
@@ -143,6 +163,7 @@ def test_a_forwarded_answer_is_credited_to_the_node_that_computed_it(s):
     assert s.epoch(1).scored == 1
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize("forgery", ["signature", "model"])
 def test_a_forged_serving_node_is_the_submitters_fault(s, forgery):
     s.run_election_and_plan(1)
@@ -167,6 +188,7 @@ def test_a_forged_serving_node_is_the_submitters_fault(s, forgery):
     assert s.faults(leader.public) == ["altered-response"]
 
 
+@pytest.mark.faults
 def test_skipped_node_is_rechallenged_by_members(s):
     s.run_election_and_plan(1)
     leader = s.leader(1)
@@ -201,6 +223,7 @@ def claiming_no_response(s: Script, number: int, silent: bytes) -> dict:
     return body
 
 
+@pytest.mark.faults
 def test_false_invalid_report_is_detected(s):
     s.run_election_and_plan(1)
     leader = s.leader(1)
@@ -221,6 +244,7 @@ def test_false_invalid_report_is_detected(s):
     assert s.reputation(node0) is None  # one report (the leader's) is not more than 1/3
 
 
+@pytest.mark.faults
 def test_withheld_results_change_nothing_and_the_next_epoch_proceeds(s):
     s.run_election_and_plan(1)
     leader1 = s.epoch(1).leader
@@ -233,6 +257,7 @@ def test_withheld_results_change_nothing_and_the_next_epoch_proceeds(s):
     assert [s.reputation(n) for n in s.nodes] == [expected(HONEST)] * 2
 
 
+@pytest.mark.faults
 def test_silent_node_loses_reputation_only_past_a_third_of_the_committee(s):
     s.run_election_and_plan(1)
     leader = s.leader(1)
@@ -251,6 +276,7 @@ def test_silent_node_loses_reputation_only_past_a_third_of_the_committee(s):
     assert s.reputation(node0) == expected(0)  # 2/4 of the power reported it
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize(("attesting", "finalized"), [(3, True), (2, False)])
 def test_offline_members(s, attesting, finalized):
     s.run_election_and_plan(1)

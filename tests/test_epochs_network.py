@@ -20,7 +20,7 @@ from planetserve.registry import epochs, reputation
 from planetserve.registry.credits import format_credits
 from planetserve.registry.params import Params
 
-pytestmark = pytest.mark.network
+pytestmark = [pytest.mark.network, pytest.mark.faults]
 
 PARAMS = Params(epoch_blocks=40, results_blocks=15, vrf_window_blocks=15, plan_window_blocks=15)
 SCHEDULE = epochs.Schedule.from_params(PARAMS)

@@ -224,6 +224,7 @@ class ForgingNode(ModelNode):
         return {**extension, "signature": signature.hex()}
 
 
+@pytest.mark.faults
 def test_a_peer_answer_that_does_not_check_fails_and_is_never_signed(quick_family):
     async def main():
         import httpx
@@ -265,6 +266,7 @@ class DyingNode(ModelNode):
                 return
 
 
+@pytest.mark.faults
 def test_a_peer_failing_mid_answer_is_replaced_here_when_nothing_was_sent(quick_family):
     """A whole (non-streamed) answer is taken from the peer in full before anything goes back, so a
     peer that fails mid-answer costs the client nothing: the entry computes the answer itself."""
@@ -360,6 +362,7 @@ def test_bad_client_input_gets_specific_errors_and_the_node_keeps_serving(quick_
     run(main())
 
 
+@pytest.mark.faults
 def test_garbage_from_a_listed_peer_is_refused_and_counted(quick_family):
     async def main():
         node = make_node(quick_family)

@@ -21,6 +21,7 @@ from planetserve.chain.client import QueryRefused
 from planetserve.chain.keys import KeySet
 from planetserve.chain.lightclient import VerificationError
 from planetserve.chain.rpc import RpcClient, RpcError
+from planetserve.genesis.network import edit_toml
 from planetserve.registry import codec
 from planetserve.registry.entities import ModelNode
 
@@ -72,6 +73,7 @@ def test_refused_tx_reports_its_code_over_rpc(net):
     assert done.outcome.code == 10 and "committee" in done.outcome.log
 
 
+@pytest.mark.faults
 def test_one_down_continues_two_down_halts(net):
     client = ledger(net, 0)
     net.stop(3)
@@ -97,6 +99,36 @@ def test_one_down_continues_two_down_halts(net):
     assert_same_app_hashes(net, stalled + 2)
 
 
+@pytest.mark.faults
+def test_a_partitioned_validator_commits_nothing_and_catches_up(net):
+    """v3's P2P port moves and it forgets its peers: the others' connections to it fail as if the
+    port were blocked, and it reaches nobody. The other three keep committing what clients send;
+    v3 commits nothing on its own; once the partition heals it catches up to the same app hashes."""
+    config = net.spec.validators[3].home / "config" / "config.toml"
+    original = config.read_text()
+    client = ledger(net, 0)
+    net.stop(3, part="cometbft")
+    config.write_text(edit_toml(original, {"p2p": {"laddr": f"tcp://127.0.0.1:{free_port()}",
+                                                   "persistent_peers": ""}}))
+    try:
+        net.start(3)
+        isolated = net.rpc(3).latest_height()
+        for i in range(3):
+            done = client.submit(KeySet.generate(), "register-org", {"org_id": f"partitioned-{i}", "name": "x"})
+            assert done.outcome.code == 0, done.outcome.log
+        top = max(net.wait_for_height(0, validators=[0, 1, 2]).values())
+        assert top >= isolated + 3
+        assert net.rpc(3).latest_height() <= isolated + 1  # no block without 2/3 of the power
+    finally:
+        net.stop(3, part="cometbft")
+        config.write_text(original)
+        net.start(3)
+    net.wait_for_height(top, validators=[3], timeout=60)
+    assert_same_app_hashes(net, top, validators=[0, 3])
+    assert all(ledger(net, 3).org(f"partitioned-{i}") is not None for i in range(3))
+
+
+@pytest.mark.faults
 def test_sigkill_app_under_load_recovers_same_app_hash(net):
     client = ledger(net, 0)
     stop = threading.Event()
@@ -266,6 +298,7 @@ def older_height(response):
         (older_height, "asked for height"),
     ],
 )
+@pytest.mark.faults
 def test_lying_endpoint_cannot_alter_the_node_list(net, mutate, words):
     honest = ledger(net, 0)
     if len(honest.nodes("gt")[1]) < 2:
@@ -282,6 +315,7 @@ def test_lying_endpoint_cannot_alter_the_node_list(net, mutate, words):
         proxy.close()
 
 
+@pytest.mark.faults
 def test_lying_endpoint_cannot_hide_an_entity(net):
     honest = ledger(net, 0)
     (node,) = register_org_and_nodes(honest, "org-hidden", 1)
@@ -302,6 +336,7 @@ def test_lying_endpoint_cannot_hide_an_entity(net):
         proxy.close()
 
 
+@pytest.mark.faults
 def test_lying_endpoint_cannot_forge_the_commit(net):
     proxy = TamperProxy(net.rpc_url(1))
 

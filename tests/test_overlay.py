@@ -165,6 +165,7 @@ def test_a_user_without_enough_relays_gets_a_clear_error(quick_family):
     run(main())
 
 
+@pytest.mark.faults
 def test_an_answer_survives_a_relay_killed_mid_request(quick_family):
     async def main():
         net = await overlay(quick_family)
@@ -191,6 +192,7 @@ def test_an_answer_survives_a_relay_killed_mid_request(quick_family):
     run(main())
 
 
+@pytest.mark.faults
 def test_too_many_dead_paths_give_a_clear_error_and_a_retry_succeeds_after_rebuild(quick_family):
     async def main():
         net = await overlay(quick_family)
@@ -219,6 +221,7 @@ def test_too_many_dead_paths_give_a_clear_error_and_a_retry_succeeds_after_rebui
     run(main())
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize("mode", ["flip", "drop", "flip-at-proxy"])
 def test_a_relay_that_corrupts_or_drops_is_detected_and_avoided(quick_family, mode):
     async def main():
@@ -248,6 +251,60 @@ def test_a_relay_that_corrupts_or_drops_is_detected_and_avoided(quick_family, mo
     run(main())
 
 
+@pytest.mark.faults
+def test_a_relay_that_delays_costs_the_user_nothing(quick_family):
+    """A relay holding back every clove it carries toward the user: the other paths' k cloves already
+    make the answer, which comes back whole, streamed or not, again and again."""
+    async def main():
+        net = await overlay(quick_family, relays=16)
+        try:
+            slow_key, _ = next(iter(relays_on_one_path(net.client).items()))
+            net.user(slow_key).relay.mode = "delay"
+            for i in range(3):
+                answer = await chat(net.client, f"Question {i}: what does os do?", max_tokens=12)
+                assert answer.status_code == 200, answer.text
+                assert answer.json()["choices"][0]["finish_reason"] is not None
+            streamed = await chat(net.client, "And sys?", stream=True, max_tokens=12)
+            assert events(streamed.text)[-1]["choices"][0]["finish_reason"] is not None
+            assert net.client.counters["answered"] == 4 and net.client.counters["failed"] == 0
+        finally:
+            await net.close()
+
+    run(main())
+
+
+@pytest.mark.faults
+def test_a_third_of_the_relays_leave_and_users_keep_chatting(quick_family):
+    """Churn: a third of the relays go at once, before the next list says so. Each request either
+    gets its answer or, while fewer than k paths survive, the documented 503; paths are rebuilt over
+    the relays that stayed, and answers follow."""
+    async def main():
+        net = await overlay(quick_family, relays=15)
+        try:
+            others = net.users[1:]
+            leaving = others[::3]
+            gone = {u.keys.public for u in leaving}
+            for user in leaving:
+                await user.close()
+            net.users = [u for u in net.users if u not in leaving]
+            outcomes = []
+            for i in range(6):
+                answer = await chat(net.client, f"Question {i}: what does json do?")
+                outcomes.append(200 if answer.status_code == 200 else
+                                (answer.status_code, answer.json()["error"]["code"]))
+            assert set(outcomes) <= {200, (503, "too_few_paths")}, outcomes
+            net.publish()  # the next verified list no longer holds them
+            await wait_until(lambda: len(net.client.paths.live()) >= 4
+                             and not any(gone & set(p.route) for p in net.client.paths.live()), timeout=30)
+            for i in range(3):
+                assert (await chat(net.client, f"After churn {i}?")).status_code == 200
+        finally:
+            await net.close()
+
+    run(main())
+
+
+@pytest.mark.faults
 def test_a_model_node_refuses_garbage_cloves_and_keeps_serving(quick_family):
     async def main():
         net = await overlay(quick_family, relays=6, model_nodes=1)

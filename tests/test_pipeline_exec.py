@@ -198,6 +198,7 @@ def test_three_stages_over_tls_match_the_unsplit_model(deep_gt: LoadedModel):
     run(main())
 
 
+@pytest.mark.faults
 def test_a_stage_lost_mid_request_moves_it_to_a_replica(deep_gt: LoadedModel):
     ids = prompt_ids(deep_gt)
     expected = unsplit_tokens(deep_gt, ids, 12)
@@ -244,6 +245,7 @@ def test_a_stage_that_stops_answering_is_lost(deep_gt: LoadedModel):
     run(main())
 
 
+@pytest.mark.faults
 def test_three_stage_processes(deep_gt: LoadedModel, tmp_path: Path):
     """Each stage a process of its own (`planetserve node stage`); one is killed with
     SIGKILL in the middle of a request, which finishes on the replica."""

@@ -183,6 +183,7 @@ def test_a_challenge_is_tried_again_before_the_node_is_reported(relay, tmp_path,
     assert asked(1).reply is None
 
 
+@pytest.mark.faults
 def test_a_silent_node_and_a_missing_relay(relay):
     relay.delay, relay.body = 2.0, {}
     with pytest.raises(NoAnswer, match="no answer within 0.5 s"):

@@ -28,7 +28,7 @@ from planetserve.registry import epochs, reputation
 from planetserve.registry.params import Params
 from planetserve.verifier.config import STATUS_FILE, SUBMISSIONS_FILE, VerifierConfig
 
-pytestmark = pytest.mark.network
+pytestmark = [pytest.mark.network, pytest.mark.faults]
 
 PARAMS = Params(epoch_blocks=40, results_blocks=16, vrf_window_blocks=10, plan_window_blocks=14)
 SCHEDULE = epochs.Schedule.from_params(PARAMS)
