@@ -63,6 +63,15 @@ def init_user(home: Path, net) -> None:
     config.save(home)
 
 
+def acme_node(tmp_path: Path, net, data: Path) -> NodeProcess:
+    """Organisation acme registered, and its model node (quick gt) running and registered by it."""
+    owner = KeySet.generate()
+    owner.save(tmp_path / "acme.json")
+    assert ledger(net).submit(owner, "register-org", {"org_id": "acme", "name": "ACME"}).outcome.ok
+    init_home(tmp_path / "mn", net, data)
+    return NodeProcess(tmp_path / "mn", tmp_path / "acme.json")
+
+
 def first_answer(openai: OpenAI, relay: RelayProcess, node: NodeProcess):
     """The first chat answer. The relay documents its 502 and 503 answers as worth a retry (a proxy
     whose registration the model node has not read yet, a path that just broke), so they are retried
@@ -87,12 +96,7 @@ def test_an_openai_client_chats_through_user_relays_on_the_ledger(tmp_path, quic
     node = None
     try:
         client = ledger(net)
-        owner = KeySet.generate()
-        owner_path = tmp_path / "acme.json"
-        owner.save(owner_path)
-        assert client.submit(owner, "register-org", {"org_id": "acme", "name": "ACME"}).outcome.ok
-        init_home(tmp_path / "mn", net, quick_family)
-        node = NodeProcess(tmp_path / "mn", owner_path)
+        node = acme_node(tmp_path, net, quick_family)
 
         homes = [tmp_path / f"user{i}" for i in range(RELAYS)]
         for home in homes:

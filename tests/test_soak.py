@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from chainnet import assert_same_app_hashes, ledger, start_network
 from openai import OpenAI
-from test_model_node_network import NodeProcess, init_home, wait_until
-from test_overlay_network import RelayProcess, init_user
+from test_model_node_network import wait_until
+from test_overlay_network import RelayProcess, acme_node, init_user
 
 from planetserve.chain.keys import KeySet
 from planetserve.localnet import processes
@@ -43,11 +43,7 @@ def test_sustained_load_loses_nothing_and_memory_stays_bounded(tmp_path, quick_f
     node = None
     try:
         client = ledger(net)
-        owner = KeySet.generate()
-        owner.save(tmp_path / "acme.json")
-        assert client.submit(owner, "register-org", {"org_id": "acme", "name": "ACME"}).outcome.ok
-        init_home(tmp_path / "mn", net, quick_family)
-        node = NodeProcess(tmp_path / "mn", tmp_path / "acme.json")
+        node = acme_node(tmp_path, net, quick_family)
         homes = [tmp_path / f"user{i}" for i in range(RELAYS)]
         for home in homes:
             init_user(home, net)
