@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 from chainnet import assert_same_app_hashes
-from test_localnet import localnet
+from test_localnet import localnet, quick_config
 
 from planetserve.chain.client import LedgerClient
 from planetserve.chain.errors import Code
@@ -71,17 +71,7 @@ def crash(kind: str, index: int, cluster: Cluster, verifiers: dict[int, roles.Ro
 
 
 def test_crashes_in_every_epoch_phase(tmp_path: Path, quick_family):
-    config_path = tmp_path / "localnet.toml"
-    config_path.write_text(f"""
-[network]
-timeout_commit = "500ms"
-[models]
-preset = "quick"
-data_dir = "{quick_family}"
-[relays]
-count = 4
-proxies = 4
-""")
+    config_path = quick_config(tmp_path, quick_family)
     root = tmp_path / "build"
     try:
         up = localnet("up", "--root", str(root), "--config", str(config_path), "--json")

@@ -110,18 +110,24 @@ def check_dashboard_in_browser(url: str, names: set[str], orgs: set[str]) -> dic
     return shown
 
 
-def test_localnet_runs_every_role_and_stops_them_all(tmp_path, quick_family):
+def quick_config(tmp_path: Path, family: Path) -> Path:
+    """The default composition, on the quick model family, faster blocks and four relays."""
     config = tmp_path / "localnet.toml"
     config.write_text(f"""
 [network]
 timeout_commit = "500ms"
 [models]
 preset = "quick"
-data_dir = "{quick_family}"
+data_dir = "{family}"
 [relays]
 count = 4
 proxies = 4
 """)
+    return config
+
+
+def test_localnet_runs_every_role_and_stops_them_all(tmp_path, quick_family):
+    config = quick_config(tmp_path, quick_family)
     root = tmp_path / "build"
     pids: list[dict[str, int]] = []
     no_browser = browser_missing()
