@@ -23,6 +23,7 @@ from planetserve.node.user import UserRelay
 from planetserve.registry.entities import ModelNode as NodeRecord
 from planetserve.registry.entities import User
 
+CLOSE_TIMEOUT_S = 30.0
 FAST = PathSettings(target=4, setup_timeout=3.0, ping_interval=0.5, ping_timeout=1.0, misses_allowed=1)
 
 
@@ -116,11 +117,18 @@ class Overlay:
             node.apply_users(dir_view)
 
     async def close(self) -> None:
-        for user in self.users:
-            await user.close()
+        """Close everything; a part that does not close within CLOSE_TIMEOUT_S is named in the error
+        rather than left to hang the test run."""
+        stuck = []
+        parts = [(f"user {u.keys.public.hex()[:8]}", u.close) for u in self.users]
         for node in [*self.nodes, *self.untrusted]:
-            await node.close()
-            await node.engine.close()
+            parts += [(f"node {node.node_id[:8]}", node.close), (f"engine {node.node_id[:8]}", node.engine.close)]
+        for name, close in parts:
+            try:
+                await asyncio.wait_for(close(), CLOSE_TIMEOUT_S)
+            except TimeoutError:
+                stuck.append(name)
+        assert not stuck, f"did not close within {CLOSE_TIMEOUT_S:g} s: {stuck}"
 
 
 async def start_overlay(data, users: list[UserRelay], model_nodes: int, untrusted: int = 0) -> Overlay:

@@ -9,7 +9,9 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 import pytest
@@ -24,6 +26,7 @@ from planetserve.node.home import UserConfig
 pytestmark = pytest.mark.network
 
 RELAYS = 5
+T = TypeVar("T")
 
 
 class RelayProcess:
@@ -72,22 +75,37 @@ def acme_node(tmp_path: Path, net, data: Path) -> NodeProcess:
     return NodeProcess(tmp_path / "mn", tmp_path / "acme.json")
 
 
-def first_answer(openai: OpenAI, relay: RelayProcess, node: NodeProcess):
-    """The first chat answer. The relay documents its 502 and 503 answers as worth a retry (a proxy
-    whose registration the model node has not read yet, a path that just broke), so they are retried
-    as a client would, twice; any other error, or a third one, fails with what each side reported."""
+def relay_retried(call: Callable[[], T], context: Callable[[], str] = lambda: "") -> T:
+    """`call()` through a relay, its 502 and 503 answers (documented as worth a retry: a proxy whose
+    registration the model node has not read yet, a path that just broke) retried twice, as a client
+    would; any other error, or a third one, fails with what came back and `context()`."""
     errors = []
     for _ in range(3):
         try:
-            return openai.chat.completions.create(
-                model="gt", messages=[{"role": "user", "content": "What does the json module do?"}],
-                max_tokens=8, temperature=0)
+            return call()
         except APIStatusError as exc:
             errors.append(f"{exc.status_code}: {exc.body}")
             if exc.status_code not in (502, 503):
                 break
             time.sleep(2)
-    raise AssertionError(f"no answer: {errors}; relay {relay.status()}; node {node.status()}")
+    raise AssertionError(f"no answer: {errors}; {context()}")
+
+
+def start_relays(tmp_path: Path, net, count: int, name: str = "user") -> list[RelayProcess]:
+    """`count` user relay processes with homes under tmp_path, registered on the ledger and ready (or
+    all stopped again)."""
+    homes = [tmp_path / f"{name}{i}" for i in range(count)]
+    for home in homes:
+        init_user(home, net)
+    relays = [RelayProcess(home) for home in homes]
+    try:
+        for relay in relays:
+            relay.wait_ready()
+    except BaseException:
+        for relay in relays:
+            relay.stop()
+        raise
+    return relays
 
 
 def test_an_openai_client_chats_through_user_relays_on_the_ledger(tmp_path, quick_family):
@@ -114,7 +132,9 @@ def test_an_openai_client_chats_through_user_relays_on_the_ledger(tmp_path, quic
         wait_until(lambda: len(me.status()["paths"]) >= 4, timeout=60)
         openai = OpenAI(base_url=f"{me.ready['http']}/v1", api_key="not-needed", max_retries=0)
         assert [m.id for m in openai.models.list().data] == ["gt"]
-        answer = first_answer(openai, me, node)
+        answer = relay_retried(lambda: openai.chat.completions.create(
+            model="gt", messages=[{"role": "user", "content": "What does the json module do?"}],
+            max_tokens=8, temperature=0), lambda: f"relay {me.status()}; node {node.status()}")
         text = answer.choices[0].message.content
         assert text and answer.usage.completion_tokens > 0
         response = signed(answer.model_dump())

@@ -7,16 +7,14 @@ tokens, and the verifier's challenge of the pipeline's entry scores as an honest
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 from chainnet import MODELS, ledger, start_network
 from modelfix import DEEP_LAYERS
 from modelnodes import free_port, signed
-from openai import APIStatusError, OpenAI
+from openai import OpenAI
 from test_model_node_network import NodeProcess, planetserve, wait_until
-from test_overlay_network import RelayProcess, init_user
+from test_overlay_network import RelayProcess, relay_retried, start_relays
 
 from planetserve.chain.keys import KeySet
 from planetserve.models import LoadedModel
@@ -69,20 +67,11 @@ def greedy(deep: LoadedModel, n: int) -> list[int]:
 
 
 def ask(openai: OpenAI, node: str) -> dict:
-    """A completion from exactly `node`; the relay's 502 and 503 (documented as worth a retry) are
-    retried twice, as a client would."""
-    errors = []
-    for _ in range(3):
-        try:
-            return openai.completions.create(
-                model="deep", prompt=PROMPT, max_tokens=8, temperature=0,
-                extra_body={"ignore_eos": True, "planetserve": {"node": node, "no_forward": True}}).model_dump()
-        except APIStatusError as exc:
-            errors.append(f"{exc.status_code}: {exc.body}")
-            if exc.status_code not in (502, 503):
-                break
-            time.sleep(2)
-    raise AssertionError(f"no answer from {node[:16]}: {errors}")
+    """A completion from exactly `node`."""
+    return relay_retried(lambda: openai.completions.create(
+        model="deep", prompt=PROMPT, max_tokens=8, temperature=0,
+        extra_body={"ignore_eos": True, "planetserve": {"node": node, "no_forward": True}}).model_dump(),
+        lambda: f"from {node[:16]}")
 
 
 def test_a_model_split_across_three_nodes_serves_through_the_overlay(tmp_path, deep_gt):
@@ -106,10 +95,7 @@ def test_a_model_split_across_three_nodes_serves_through_the_overlay(tmp_path, d
         assert deploy(client, owner, SHORT_S).outcome.ok
         first = [node.wait_ready() for node in nodes]
         assert sorted(tuple(r["stage"][:2]) for r in first) == [(0, 2), (2, 4), (4, 6)]
-        user_homes = [tmp_path / f"user{i}" for i in range(RELAYS)]
-        for home in user_homes:
-            init_user(home, net)
-        relays = [RelayProcess(home) for home in user_homes]
+        relays = start_relays(tmp_path, net, RELAYS)  # they come up while the deployment runs out
         wait_until(lambda: all(client.deployment_of(bytes.fromhex(r["node"])) is None for r in first), timeout=120)
 
         deployed = deploy(client, owner, 3600)
@@ -123,8 +109,6 @@ def test_a_model_split_across_three_nodes_serves_through_the_overlay(tmp_path, d
                             "--node", net.rpc_url(1), "--json")
         assert shown.returncode == 0 and '"stage"' in shown.stdout, shown.stderr
 
-        for relay in relays:
-            relay.wait_ready()
         me = relays[0]
         wait_until(lambda: len(me.status()["paths"]) >= 4, timeout=60)
         openai = OpenAI(base_url=f"{me.ready['http']}/v1", api_key="not-needed", max_retries=0)

@@ -15,7 +15,7 @@ import pytest
 from chainnet import assert_same_app_hashes, ledger, start_network
 from openai import OpenAI
 from test_model_node_network import wait_until
-from test_overlay_network import RelayProcess, acme_node, init_user
+from test_overlay_network import RelayProcess, acme_node, start_relays
 
 from planetserve.chain.keys import KeySet
 from planetserve.localnet import processes
@@ -44,12 +44,7 @@ def test_sustained_load_loses_nothing_and_memory_stays_bounded(tmp_path, quick_f
     try:
         client = ledger(net)
         node = acme_node(tmp_path, net, quick_family)
-        homes = [tmp_path / f"user{i}" for i in range(RELAYS)]
-        for home in homes:
-            init_user(home, net)
-        relays = [RelayProcess(home) for home in homes]
-        for relay in relays:
-            relay.wait_ready()
+        relays = start_relays(tmp_path, net, RELAYS)
         wait_until(lambda: len(relays[0].status()["paths"]) >= 4, timeout=60)
         openai = OpenAI(base_url=f"{relays[0].ready['http']}/v1", api_key="none", max_retries=2, timeout=60)
 

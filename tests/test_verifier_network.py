@@ -18,7 +18,7 @@ import pytest
 from chainnet import assert_same_app_hashes, ledger, start_network
 from modelnodes import free_port
 from test_model_node_network import NodeProcess, planetserve, wait_until
-from test_overlay_network import RelayProcess, init_user
+from test_overlay_network import RelayProcess, start_relays
 
 from planetserve.chain.errors import Code
 from planetserve.chain.keys import KeySet
@@ -108,12 +108,7 @@ def test_the_committee_verifies_model_nodes_epoch_after_epoch(tmp_path, quick_fa
             nodes[name] = NodeProcess(tmp_path / name, tmp_path / "acme.json")
         key = {name: bytes.fromhex(node.ready["node"]) for name, node in nodes.items()}
 
-        relay_homes = [tmp_path / f"relay{i}" for i in range(5)]
-        for home in relay_homes:
-            init_user(home, net)
-        relays = [RelayProcess(home) for home in relay_homes]
-        for relay in relays:
-            relay.wait_ready()
+        relays = start_relays(tmp_path, net, 5, name="relay")
         for relay in relays[:4]:
             wait_until(lambda r=relay: len(r.status()["paths"]) >= 4, timeout=90)
         for i in range(4):
