@@ -1,19 +1,23 @@
 """Detecting dishonest model nodes (the paper's section 4.3, figures 10 and 11) on the project's model family.
 
 Every variant answers the same natural challenge prompts (the question part of `planetserve.workloads`
-requests, as a one-message chat), once sampling at temperature 1 and once greedily, at most 64 new tokens:
+requests, as a one-message chat) under each of the workload's decodings, at most 64 new tokens: greedily,
+sampling at temperature 0.7 ("warm") and at temperature 1 ("sampled"):
 
 - gt: the honest node; small, tiny: weaker models claiming gt; gt-int8, gt-int4: quantised gt;
 - gt_cb: gt answering a clickbait rewrite of the prompt, scored against the original prompt;
 - gt_ic: gt's answer with a long off-topic passage (fiction, documentary, pop psychology, advert) injected
   after it, before the stop token.
 
-The verifier's reference model is gt; every answer is signed and checked by `ReferenceModel.verify`, which
-gives both credibilities: the paper's 1/PPL and the calibrated one. Per variant: the credibility
-distribution and the AUC against honest gt (Mann-Whitney: the chance that a random honest answer scores
-above a random answer of the variant, 0.5 = indistinguishable). Reputation: 35 epochs of the ledger's
-integer rule (`registry.reputation.update`, `Params` defaults) at gamma = 1, 1/3 and 1/5; each epoch a node
-answers `--challenges` prompts drawn from its variant's scored pool, and C(T) is their median in ppm.
+The verifier's reference model is gt; every answer is signed with the temperature it was asked for and
+checked by `ReferenceModel.verify`, which gives both credibilities: the paper's 1/PPL and the calibrated
+one (the greedy rule for temperature 0, the entropy-relative one otherwise). Per variant and decoding: the
+credibility distribution and the AUC against honest gt (Mann-Whitney: the chance that a random honest
+answer scores above a random answer of the variant, 0.5 = indistinguishable). Reputation: 35 epochs of
+the ledger's integer rule (`registry.reputation.update`, `Params` defaults) at gamma = 1, 1/3 and 1/5;
+each epoch a node answers `--challenges` prompts, and C(T) is their median in ppm. A node either answers
+from one decoding's pool, or ("mix", what a live network sees) takes each challenge's decoding from the
+workload's temperature weights (`workloads.TEMPERATURES`) and the answer from that decoding's pool.
 The paper's targets: every dishonest variant untrusted (< 0.4) within 5 epochs at gamma = 1/5, no honest
 node ever untrusted; the false-flag rate is the share of seeds in which an honest node ever is.
 
@@ -35,27 +39,32 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from planetserve.chain.challenge import sign_response
+from planetserve.chain.challenge import milli, sign_response
 from planetserve.chain.keys import KeySet
 from planetserve.models import LoadedModel, load
 from planetserve.node.behaviours import clickbait
 from planetserve.registry.params import PPM, Params
 from planetserve.registry.reputation import ReputationRule, is_trusted, median, update
 from planetserve.verifier import Answer, ReferenceModel, to_ppm
-from planetserve.workloads import detokenize, generate
+from planetserve.workloads import TEMPERATURES, detokenize, generate
 
 QUICK_DATA = "/tmp/ps-quick-models"
 HONEST = "gt"
 MODELS = ("gt", "small", "tiny", "gt-int8", "gt-int4")
 VARIANTS = (*MODELS, "gt_cb", "gt_ic")
-DECODINGS = ("sampled", "greedy")
+DECODINGS = ("greedy", "warm", "sampled")
+TEMPERATURE = {"greedy": 0.0, "warm": 0.7, "sampled": 1.0}
+"""The temperature each decoding answers at and signs: the workload's own (`workloads.TEMPERATURES`)."""
+MIX = "mix"
+"""The node that answers each challenge in a decoding drawn with the workload's weights."""
+MIX_WEIGHTS = {d: TEMPERATURES[t] for d, t in TEMPERATURE.items()}
 DEFINITIONS = ("1/PPL", "calibrated")
 GAMMAS = {"1": PPM, "1/3": PPM // 3, "1/5": PPM // 5}
 EPOCHS = 35
 DETECT_WITHIN = 5
 MAX_NEW_TOKENS = 64
-SAMPLING = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
-"""Plain temperature-1 sampling from the whole distribution."""
+SAMPLING = {"do_sample": True, "top_k": 0, "top_p": 1.0}
+"""Plain sampling from the whole (temperature-scaled) distribution."""
 QUESTION_SCALE = 0.02
 """Workload lengths scaled so far down that a request's suffix is its question alone."""
 
@@ -101,14 +110,15 @@ def chat_prompt(loaded: LoadedModel, text: str) -> str:
                                                 add_generation_prompt=True)
 
 
-def answer(loaded: LoadedModel, reference: ReferenceModel, prompts: Sequence[str], greedy: bool,
+def answer(loaded: LoadedModel, reference: ReferenceModel, prompts: Sequence[str], temperature: float,
            seed: int, max_new_tokens: int = MAX_NEW_TOKENS) -> list[list[int]]:
-    """The model's response ids per chat prompt, stop token included when it stopped. Prompt i samples
-    under seed + i whatever the model, so variants share their random numbers."""
+    """The model's response ids per chat prompt at `temperature` (0: greedy), stop token included when it
+    stopped. Prompt i samples under seed + i whatever the model and temperature, so variants share their
+    random numbers."""
+    decoding = {**SAMPLING, "temperature": temperature} if temperature else {"do_sample": False}
     responses = []
     for i, prompt in enumerate(prompts):
         ids = reference.prompt_ids(prompt)
-        decoding = {"do_sample": False} if greedy else SAMPLING
         with torch.random.fork_rng():
             torch.manual_seed(seed + i)
             out = loaded.model.generate(torch.tensor([ids], device=loaded.model.device),
@@ -132,14 +142,16 @@ class Pool:
 
 
 def score(reference: ReferenceModel, prompts: Sequence[str], responses: Sequence[Sequence[int]],
-          claimed_id: str) -> Pool:
-    """Sign every response as a node claiming the reference's model and run the verifier's checks and
-    scoring on it, as the committee does."""
+          claimed_id: str, temperature: float) -> Pool:
+    """Sign every response as a node claiming the reference's model, asked for answers at `temperature`,
+    and run the verifier's checks and scoring on it, as the committee does (the signed temperature picks
+    the calibrated rule)."""
     keys = KeySet.generate()
     answers = []
     for prompt, ids in zip(prompts, responses, strict=True):
         text = reference.tokenizer.decode(ids, skip_special_tokens=True)
-        answers.append(Answer(sign_response(keys, prompt, list(ids), text, claimed_id, 0, "bench:0"), prompt))
+        answers.append(Answer(sign_response(keys, prompt, list(ids), text, claimed_id, 0, "bench:0",
+                                            milli(temperature)), prompt))
     verdicts = reference.verify(answers)
     bad = [v for v in verdicts if not v.ok]
     if bad:
@@ -161,17 +173,16 @@ def build_pools(data_dir: str | None, count: int, seed: int = 0
     pools: dict[tuple[str, str], Pool] = {}
     for name in MODELS:
         loaded = gt if name == HONEST else load(name, data_dir)
-        for decoding in DECODINGS:
-            greedy = decoding == "greedy"
-            responses = answer(loaded, reference, prompts, greedy, seed)
-            pools[name, decoding] = score(reference, prompts, responses, gt.model_id)
+        for decoding, temperature in TEMPERATURE.items():
+            responses = answer(loaded, reference, prompts, temperature, seed)
+            pools[name, decoding] = score(reference, prompts, responses, gt.model_id, temperature)
             if name == HONEST:
                 forged = [inject(r, continuations[i % len(continuations)], gt.stop_token_ids)
                           for i, r in enumerate(responses)]
-                pools["gt_ic", decoding] = score(reference, prompts, forged, gt.model_id)
-                baited = answer(gt, reference, baits, greedy, seed)
-                pools["gt_cb", decoding] = score(reference, prompts, baited, gt.model_id)
-    return questions, pools
+                pools["gt_ic", decoding] = score(reference, prompts, forged, gt.model_id, temperature)
+                baited = answer(gt, reference, baits, temperature, seed)
+                pools["gt_cb", decoding] = score(reference, prompts, baited, gt.model_id, temperature)
+    return questions, {(v, d): pools[v, d] for v in VARIANTS for d in DECODINGS}
 
 
 def auc(honest: Sequence[float], other: Sequence[float]) -> float:
@@ -203,6 +214,16 @@ def draws(pool_size: int, epochs: int, challenges: int, seed: int, label: str) -
     return rng.integers(pool_size, size=(epochs, challenges))
 
 
+def mix_draws(pool_size: int, epochs: int, challenges: int, seed: int, label: str
+              ) -> tuple[np.ndarray, np.ndarray]:
+    """Each challenge's decoding (an index into DECODINGS, drawn independently with the workload's weights,
+    as the verifier draws its challenges) and answer index, epochs x challenges, seeded like `draws`."""
+    rng = np.random.default_rng([seed, zlib.crc32(label.encode())])
+    weights = np.array([MIX_WEIGHTS[d] for d in DECODINGS], dtype=float)
+    decodings = rng.choice(len(DECODINGS), size=(epochs, challenges), p=weights / weights.sum())
+    return decodings, rng.integers(pool_size, size=(epochs, challenges))
+
+
 def epoch_credibilities(ppm: Sequence[int], picks: np.ndarray) -> list[int]:
     """C(T) per epoch: the median (in integers, as the ledger takes it) of that epoch's answers."""
     return [median([ppm[i] for i in row]) for row in picks]
@@ -228,17 +249,40 @@ class Outcome:
         return statistics.median(epochs) if len(epochs) * 2 > len(self.flagged_at) else None
 
 
+def node_credibilities(ppm: dict[tuple[str, str], list[int]], key: tuple[str, str], epochs: int,
+                       challenges: int, seed: int) -> list[int]:
+    """C(T) per epoch of node `key`: answers from its own pool, or for a mix node from the pool of each
+    challenge's drawn decoding (the pools concatenated in DECODINGS order, so one index picks both)."""
+    label = "/".join(key)
+    variant, decoding = key
+    if decoding != MIX:
+        return epoch_credibilities(ppm[key], draws(len(ppm[key]), epochs, challenges, seed, label))
+    sizes = {len(ppm[variant, d]) for d in DECODINGS}
+    if len(sizes) != 1:
+        raise ValueError(f"{variant}'s pools differ in size: {sizes}")
+    size = sizes.pop()
+    chosen, picks = mix_draws(size, epochs, challenges, seed, label)
+    return epoch_credibilities([c for d in DECODINGS for c in ppm[variant, d]], chosen * size + picks)
+
+
+def nodes(pools: dict[tuple[str, str], Pool]) -> list[tuple[str, str]]:
+    """The simulated nodes: a mix node per variant that has a pool for every decoding (first: it is what a
+    live network sees), then one per pool."""
+    variants = dict.fromkeys(v for v, _ in pools)
+    mixed = [(v, MIX) for v in variants if all((v, d) in pools for d in DECODINGS)]
+    return [*mixed, *pools]
+
+
 def simulate(pools: dict[tuple[str, str], Pool], definition: str, gamma: int, seeds: int, challenges: int,
              epochs: int = EPOCHS, params: Params | None = None) -> dict[tuple[str, str], Outcome]:
-    """Every pool's node over `seeds` runs, under `params` (the defaults) with gamma replaced."""
+    """Every node of `nodes(pools)` over `seeds` runs, under `params` (the defaults) with gamma replaced."""
     rule = replace(ReputationRule.from_params(params or Params()), gamma=gamma)
+    ppm = {key: [to_ppm(v) for v in pool.values(definition)] for key, pool in pools.items()}
     outcomes = {}
-    for key, pool in pools.items():
-        ppm = [to_ppm(v) for v in pool.values(definition)]
+    for key in nodes(pools):
         rows, flagged = [], []
         for seed in range(seeds):
-            picks = draws(len(ppm), epochs, challenges, seed, "/".join(key))
-            reputations = trajectory(rule, epoch_credibilities(ppm, picks))
+            reputations = trajectory(rule, node_credibilities(ppm, key, epochs, challenges, seed))
             rows.append(reputations)
             flagged.append(first_untrusted(rule, reputations))
         outcomes[key] = Outcome(np.array(rows) / PPM, flagged)
@@ -246,7 +290,9 @@ def simulate(pools: dict[tuple[str, str], Pool], definition: str, gamma: int, se
 
 
 def print_distributions(pools: dict[tuple[str, str], Pool], decoding: str) -> None:
-    """A node picks its own decoding, so every variant's AUC is against honest gt under both."""
+    """Every variant's AUC against honest gt under each decoding: the same decoding says whether the rule
+    separates them on that kind of challenge, the others whether one threshold on C(T) (which mixes the
+    decodings) can."""
     print(f"\n### Credibility per answer, {decoding} answers\n")
     columns = (f"{d} mean | {d} q1 / median / q3 | " + " | ".join(f"{d} AUC vs gt {h}" for h in DECODINGS)
                for d in DEFINITIONS)
@@ -264,6 +310,11 @@ def print_distributions(pools: dict[tuple[str, str], Pool], decoding: str) -> No
         print(f"| {variant} | {statistics.fmean(pool.tokens):.0f} | " + " | ".join(cells) + " |")
 
 
+def percent(share: float) -> str:
+    """A share of seeds in whole percent, but never rounded to 0% or 100% when it is not."""
+    return f"{share:.1%}" if 0 < share < 0.01 or 0.99 < share < 1 else f"{share:.0%}"
+
+
 def print_reputation(outcomes: dict[str, dict[tuple[str, str], Outcome]], definition: str, challenges: int,
                      seeds: int) -> None:
     print(f"\n### Reputation, {definition}, {challenges} challenge(s) per epoch, {seeds} seeds\n")
@@ -276,20 +327,24 @@ def print_reputation(outcomes: dict[str, dict[tuple[str, str], Outcome]], defini
             o = outcomes[g][key]
             epoch = o.median_epoch()
             final = float(np.median(o.trajectories[:, -1]))
-            cells.append(f"{o.share_flagged(DETECT_WITHIN):.0%} / {o.share_flagged(EPOCHS):.0%} / "
+            cells.append(f"{percent(o.share_flagged(DETECT_WITHIN))} / {percent(o.share_flagged(EPOCHS))} / "
                          f"{'-' if epoch is None else f'{epoch:g}'} / {final:.3f}")
         print(f"| {key[0]} {key[1]} | " + " | ".join(cells) + " |")
 
 
 def verdict(outcomes: dict[str, dict[tuple[str, str], Outcome]], definition: str, challenges: int) -> None:
-    """The paper's two targets at gamma = 1/5, and every honest node's false-flag rate over 35 epochs."""
+    """The paper's two targets at gamma = 1/5, under the mix (the headline) and per decoding, and every
+    honest node's false-flag rate over 35 epochs."""
     strict = outcomes["1/5"]
-    missed = [f"{v} {d}" for (v, d), o in strict.items()
-              if v != HONEST and o.share_flagged(DETECT_WITHIN) < 1]
     print(f"\n{definition}, {challenges} challenge(s)/epoch, γ=1/5: dishonest untrusted within "
-          f"{DETECT_WITHIN} epochs in every seed: {'all' if not missed else 'not ' + ', '.join(missed)}")
+          f"{DETECT_WITHIN} epochs in every seed:")
+    for decoding in (MIX, *DECODINGS):
+        missed = [f"{v} ({percent(o.share_flagged(DETECT_WITHIN))})" for (v, d), o in strict.items()
+                  if d == decoding and v != HONEST and o.share_flagged(DETECT_WITHIN) < 1]
+        print(f"  {decoding}: {'all' if not missed else 'not ' + ', '.join(missed)}")
     for g, by_node in outcomes.items():
-        rates = ", ".join(f"gt {d} {by_node[HONEST, d].share_flagged(EPOCHS):.1%}" for d in DECODINGS)
+        rates = ", ".join(f"gt {d} {o.share_flagged(EPOCHS):.1%}" for (v, d), o in by_node.items()
+                          if v == HONEST)
         print(f"  honest false-flag rate over {EPOCHS} epochs, γ={g}: {rates} (target 0)")
 
 
@@ -314,7 +369,8 @@ def plot_distributions(pools: dict[tuple[str, str], Pool], path: Path, decoding:
         ax.axhline(abnormal, color="grey", linestyle=":", linewidth=1, label=f"τ = {abnormal:g}")
         if definition == "1/PPL":
             ax.set_yscale("log")
-        ax.set_title(f"{definition} credibility ({decoding} answers, reference gt)")
+        ax.set_title(f"{definition} credibility ({decoding} answers, T = {TEMPERATURE[decoding]:g}, "
+                     "reference gt)")
         ax.legend(loc="lower left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -323,25 +379,29 @@ def plot_distributions(pools: dict[tuple[str, str], Pool], path: Path, decoding:
 
 def plot_reputation(outcomes: dict[str, dict[tuple[str, str], Outcome]], path: Path, definition: str,
                     challenges: int, untrusted: float) -> None:
-    """Figure 11: median reputation over seeds (10-90% band) per node, one panel per gamma."""
+    """Figure 11: median reputation over seeds (10-90% band) per node, one panel per gamma (columns) and
+    per kind of node (rows: the mix, then each decoding alone)."""
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(GAMMAS), figsize=(15, 4.5), sharey=True)
-    for ax, (g, by_node) in zip(axes, outcomes.items(), strict=True):
-        for (variant, decoding), o in by_node.items():
-            if decoding == "greedy" and variant != HONEST:
-                continue
-            x = np.arange(o.trajectories.shape[1])
-            lo, mid, hi = np.percentile(o.trajectories, [10, 50, 90], axis=0)
-            style = "--" if decoding == "greedy" else "-"
-            ax.plot(x, mid, style, color=COLOURS[variant], label=f"{variant} {decoding}")
-            ax.fill_between(x, lo, hi, color=COLOURS[variant], alpha=0.12)
-        ax.axhline(untrusted, color="grey", linestyle=":", linewidth=1)
-        ax.set_title(f"γ = {g} ({definition}, {challenges} challenges/epoch)")
+    rows = (MIX, *DECODINGS)
+    fig, axes = plt.subplots(len(rows), len(GAMMAS), figsize=(15, 3.6 * len(rows)), sharex=True, sharey=True)
+    for row, decoding in zip(axes, rows, strict=True):
+        for ax, (g, by_node) in zip(row, outcomes.items(), strict=True):
+            for (variant, d), o in by_node.items():
+                if d != decoding:
+                    continue
+                x = np.arange(o.trajectories.shape[1])
+                lo, mid, hi = np.percentile(o.trajectories, [10, 50, 90], axis=0)
+                ax.plot(x, mid, color=COLOURS[variant], label=variant)
+                ax.fill_between(x, lo, hi, color=COLOURS[variant], alpha=0.12)
+            ax.axhline(untrusted, color="grey", linestyle=":", linewidth=1)
+            ax.set_title(f"{decoding} nodes, γ = {g} ({definition}, {challenges} challenges/epoch)",
+                         fontsize=10)
+        row[0].set_ylabel("reputation")
+    for ax in axes[-1]:
         ax.set_xlabel("epoch")
-    axes[0].set_ylabel("reputation")
-    axes[0].legend(fontsize=8, loc="upper right")
-    fig.tight_layout()
+    fig.legend(*axes[0][0].get_legend_handles_labels(), loc="lower center", ncol=len(VARIANTS))
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

@@ -86,6 +86,8 @@ GENESIS_TIME = 1_700_000_000
 BLOCK_SECONDS = 5
 MEMBERS = 4
 MODEL = "gt"
+TEMPERATURE = 1_000
+"""Every challenge samples at temperature 1 (thousandths, as committed and signed)."""
 ORGS = 100
 REGIONS = ("ap-south", "eu-west", "sa-east", "us-east")
 PARAMS = Params(epoch_blocks=10, results_blocks=5, vrf_window_blocks=2, plan_window_blocks=2)
@@ -237,7 +239,7 @@ class Evidence:
                 prompt, salt = self.prompts[i], self.salts[i]
             else:
                 prompt, salt = words(self.rnd, 200), self.rnd.randbytes(32)
-            commitment = epochs.commitment(prompt, salt)
+            commitment = epochs.commitment(prompt, TEMPERATURE, salt)
             sealed = tuple([op, self.rnd.randbytes(300)] for op in self.chain.operators)
             st.put_plan_entry(number, PlanEntry(pk, commitment, sealed))
             st.use_commitment(number, commitment, pk)
@@ -257,7 +259,7 @@ class Evidence:
         for i, (key, pk) in enumerate(zip(self.keys, self.pubkeys, strict=True)):
             tokens = tuple(self.rnd.randrange(50_000) for _ in range(100))
             unsigned = SignedResponse(pk, epochs.prompt_hash(self.prompts[i]), tokens, words(self.rnd, 400),
-                                      MODEL, now - 2, self.nodes[i].address, b"")
+                                      MODEL, TEMPERATURE, now - 2, self.nodes[i].address, b"")
             response = replace(unsigned, signature=key.sign(unsigned.sign_bytes()).signature)
             st.put_result(EPOCH, ChallengeResult(pk, self.leader, "leader", VALID, "", self.prompts[i],
                                                  self.salts[i], response.to_record(), self.base[i], height))

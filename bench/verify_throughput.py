@@ -64,7 +64,7 @@ def gt_batch(loaded: LoadedModel, count: int) -> tuple[list[Pair], list[Answer]]
         response = out[0, len(ids):].tolist()
         pairs.append((ids, response))
         text = loaded.tokenizer.decode(response, skip_special_tokens=True)
-        signed = sign_response(keys, prompt, response, text, loaded.model_id, 0, "bench:0")
+        signed = sign_response(keys, prompt, response, text, loaded.model_id, 0, "bench:0", 1000)
         answers.append(Answer(signed, prompt))
     return pairs, answers
 

@@ -27,6 +27,11 @@ pool lengths are rescaled so that the Zipf-weighted mean prompt is the target.
 
 Every prompt ends with a question built from an imperative docstring sentence ("How can I return the
 number of items in the queue?"), so a challenge prompt made here looks like any other user prompt.
+
+Each request also says how it is sent and sampled: half as a chat message (the rest as a bare
+completion prompt); greedily for half of them, at temperature 0.7 or 1.0 (the API's default) for a
+quarter each. The traces publish neither; this mix is ours, and the verifier's challenges draw from it
+too, so that neither tells a challenge apart.
 """
 
 from __future__ import annotations
@@ -49,6 +54,11 @@ OUTPUT_RANGE_RATIO = 0.5
 the paper gives only the caps."""
 QUESTION_SIGMA = 0.5
 """Log-normal shape of question lengths (their mean is the workload's question_mean)."""
+TEMPERATURES = {0.0: 2, 0.7: 1, 1.0: 1}
+"""Sampling temperatures of new requests and their weights; a follow-up keeps its session's."""
+DEFAULT_TEMPERATURE = 1.0
+CHAT_SHARE = 0.5
+"""The share of new requests sent as a one-message chat rather than a completion prompt."""
 
 _PIECE = re.compile(r"\n\n| ?[^\W\d_]+| ?\d{1,3}| ?_+| ?[^\w\s]+| ")
 _SENTENCE_SPLIT = re.compile(r"(?<=[.?!])\s+(?=[A-Z])")
@@ -108,6 +118,9 @@ class Request:
     """How many tokens a simulated model generates before stopping (at most max_tokens)."""
     session: str | None = None
     """Set on follow-ups and their first turn: the prompt extends the session's previous prompt."""
+    temperature: float = DEFAULT_TEMPERATURE
+    chat: bool = False
+    """Sent as the user message of a chat (rendered by the model's template) rather than as raw text."""
 
     @property
     def prompt_ids(self) -> tuple[int, ...]:
@@ -325,7 +338,16 @@ def _follow_up(parent: Request, session: str, rid: int, arrival: float, writer: 
     paragraph = tokenize(PARAGRAPH)
     suffix = (*parent.suffix_ids, *paragraph, *answer, *paragraph, *question)
     return Request(rid, arrival, parent.workload, parent.prefix_id, parent.prefix_ids, suffix,
-                   parent.max_tokens, parent.output_len, session)
+                   parent.max_tokens, parent.output_len, session, parent.temperature, parent.chat)
+
+
+def _temperatures(rng: np.random.Generator) -> Iterator[float]:
+    """An endless draw from TEMPERATURES, on its own generator so the other draws do not shift."""
+    values = sorted(TEMPERATURES)
+    cdf = np.cumsum([TEMPERATURES[v] for v in values], dtype=float)
+    cdf /= cdf[-1]
+    while True:
+        yield values[min(int(np.searchsorted(cdf, rng.random(), side="right")), len(values) - 1)]
 
 
 def generate(
@@ -351,6 +373,8 @@ def generate(
     shares /= shares[-1]
     sources = {n: _Source(n, seed, scale) for n in names}
     rng = np.random.default_rng([seed, 1])
+    sampling = _temperatures(np.random.default_rng([seed, 4]))
+    forms = np.random.default_rng([seed, 5])
     writer = _Writer(random.Random(f"questions:{seed}"))
     arrivals = poisson_arrivals(rate, np.random.default_rng([seed, 2]), count=count, duration=duration)
     recent: dict[str, list[Request]] = {n: [] for n in names}
@@ -365,7 +389,8 @@ def generate(
                 requests[parent.id] = replace(parent, session=session)
             request = _follow_up(requests[parent.id], session, rid, arrival, writer, scale)
         else:
-            request = sources[name].request(rid, arrival, rng, writer)
+            request = replace(sources[name].request(rid, arrival, rng, writer), temperature=next(sampling),
+                              chat=bool(forms.random() < CHAT_SHARE))
         pool.append(request)
         del pool[:-32]
         requests.append(request)

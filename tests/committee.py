@@ -17,6 +17,8 @@ from planetserve.registry.params import Params
 
 EPOCH_PARAMS = Params(epoch_blocks=10, results_blocks=4, vrf_window_blocks=3, plan_window_blocks=3)
 NODE_ADDRESS = "10.0.0.7:7000"
+TEMPERATURE = 700
+"""Every scripted challenge asks for sampling at 0.7 (thousandths, as signed and committed)."""
 
 
 class Script:
@@ -84,7 +86,7 @@ class Script:
     def plan(self, target: int, nodes: list[bytes] | None = None) -> tuple[dict, dict[bytes, Challenge]]:
         """A final commit-plan body for `nodes` (default: all), and the challenges it commits."""
         committee = list(layout.members(self.h.store.batch()).values())
-        challenges = {n: Challenge.new(f"Question {i} for epoch {target}: why is the sky blue?")
+        challenges = {n: Challenge.new(f"Question {i} for epoch {target}: why is the sky blue?", TEMPERATURE)
                       for i, n in enumerate(nodes if nodes is not None else self.nodes)}
         entries = [c.plan_entry(n, committee) for n, c in challenges.items()]
         return {"epoch": target, "entries": entries, "final": True}, challenges
@@ -100,9 +102,9 @@ class Script:
         return open_plan_entry(entry, member.public, member.x25519)
 
     def answer(self, node: bytes, prompt: str, model_id: str = "gt", time: int | None = None,
-               text: str = "Because of Rayleigh scattering.") -> SignedResponse:
+               text: str = "Because of Rayleigh scattering.", temperature: int = TEMPERATURE) -> SignedResponse:
         return sign_response(self.nodes[node], prompt, [11, 12, 13], text, model_id,
-                             self.h.time if time is None else time, NODE_ADDRESS)
+                             self.h.time if time is None else time, NODE_ADDRESS, temperature)
 
     def leader_results(self, number: int, credibility: int, nodes: list[bytes] | None = None,
                        ) -> dict[str, Any]:

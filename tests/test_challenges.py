@@ -46,3 +46,19 @@ def test_prompt_length_limits_are_kept_and_impossible_ones_refused():
     assert all(len(c.text) <= 400 for c in by_chars)
     with pytest.raises(ValueError, match="unknown workload"):
         ChallengeSource("poetry")
+
+
+def test_challenges_are_sent_and_sampled_like_user_requests():
+    """By default in the workload's own mix; a network whose users differ sets its own shares."""
+    drawn = ChallengeSource("mixed", scale=SCALE).draw(200)
+    assert {c.temperature for c in drawn} == set(workloads.TEMPERATURES)
+    assert 0.3 < sum(c.temperature == 0 for c in drawn) / len(drawn) < 0.7
+    assert 0.3 < sum(c.chat for c in drawn) / len(drawn) < 0.7
+    greedy_completions = ChallengeSource("mixed", scale=SCALE, greedy_share=1, chat_share=0).draw(20)
+    assert {(c.temperature, c.chat) for c in greedy_completions} == {(0.0, False)}
+    sampled_chats = ChallengeSource("mixed", scale=SCALE, greedy_share=0, chat_share=1).draw(40)
+    assert {c.temperature for c in sampled_chats} == {t for t in workloads.TEMPERATURES if t > 0}
+    assert all(c.chat for c in sampled_chats)
+    for bad in ({"greedy_share": 1.5}, {"chat_share": -0.1}):
+        with pytest.raises(ValueError, match="must lie in"):
+            ChallengeSource("mixed", **bad)

@@ -10,6 +10,7 @@ import pytest
 
 from planetserve.registry.params import PPM, Params
 from planetserve.registry.reputation import ReputationRule, median, update
+from planetserve.verifier import to_ppm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -77,6 +78,36 @@ def test_simulation_replays_each_seed_through_the_ledger_rule() -> None:
         expected = detection.trajectory(rule, detection.epoch_credibilities(ppm, picks))
         assert outcome.trajectories[seed].tolist() == [r / PPM for r in expected]
         assert outcome.flagged_at[seed] == detection.first_untrusted(rule, expected)
+
+
+def test_mix_draws_follow_the_workloads_temperatures() -> None:
+    assert {detection.TEMPERATURE[d] for d in detection.DECODINGS} == set(detection.TEMPERATURES)
+    decodings, picks = detection.mix_draws(10, 35, 300, seed=2, label="small/mix")
+    assert decodings.shape == picks.shape == (35, 300) and picks.max() < 10
+    again = detection.mix_draws(10, 35, 300, seed=2, label="small/mix")
+    assert np.array_equal(decodings, again[0]) and np.array_equal(picks, again[1])
+    assert not np.array_equal(decodings, detection.mix_draws(10, 35, 300, seed=3, label="small/mix")[0])
+    weights = np.array([detection.MIX_WEIGHTS[d] for d in detection.DECODINGS]) / sum(
+        detection.MIX_WEIGHTS.values())
+    shares = np.bincount(decodings.ravel(), minlength=len(detection.DECODINGS)) / decodings.size
+    assert np.allclose(shares, weights, atol=0.02)
+
+
+def test_a_mix_node_answers_each_challenge_from_its_decodings_pool() -> None:
+    pools = {("x", d): detection.Pool((0.1,) * 4, tuple(k / 10 + i / 100 for i in range(4)), (5,) * 4)
+             for k, d in enumerate(detection.DECODINGS)}
+    outcomes = detection.simulate(pools, "calibrated", PPM // 5, seeds=2, challenges=3, epochs=6)
+    assert list(outcomes) == [("x", detection.MIX), *pools]
+    rule = ReputationRule.from_params(Params(reputation_gamma_ppm=PPM // 5))
+    for seed in range(2):
+        decodings, picks = detection.mix_draws(4, 6, 3, seed, "x/mix")
+        credibilities = [median([to_ppm(pools["x", detection.DECODINGS[d]].calibrated[i])
+                                 for d, i in zip(row_d, row_i, strict=True)])
+                         for row_d, row_i in zip(decodings, picks, strict=True)]
+        expected = detection.trajectory(rule, credibilities)
+        assert outcomes["x", detection.MIX].trajectories[seed].tolist() == [r / PPM for r in expected]
+    assert ("y", detection.MIX) not in detection.simulate({("y", "sampled"): pools["x", "sampled"]},
+                                                         "calibrated", PPM // 5, seeds=1, challenges=1)
 
 
 def test_three_prompts_score_every_variant(quick_family: Path) -> None:

@@ -6,16 +6,17 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from committee import EPOCH_PARAMS, Script
+from committee import EPOCH_PARAMS, TEMPERATURE, Script
 from harness import AppHarness, sqlite_url
 
 from planetserve.chain import state as layout
 from planetserve.chain import vrf
-from planetserve.chain.challenge import Challenge
+from planetserve.chain.challenge import Challenge, SealedPromptError, open_plan_entry
 from planetserve.chain.errors import Code
 from planetserve.chain.keys import KeySet
 from planetserve.registry import epochs, reputation
 from planetserve.registry.entities import ModelNode
+from planetserve.registry.epochs import PlanEntry
 
 RULE = reputation.ReputationRule.from_params(EPOCH_PARAMS)
 HONEST = 800_000
@@ -196,7 +197,7 @@ def test_skipped_node_is_rechallenged_by_members(s):
     assert s.block(s.tx(leader, "submit-results", s.leader_results(1, HONEST, [node1]))) == [(0, "ok")]
     members = others(s, 1)
     # prompts are written like users' own: paragraph breaks and tabs are part of them
-    own = {m.public: Challenge.new(f"Member {i} asks:\n\n\thow do tides work?") for i, m in enumerate(members)}
+    own = {m.public: Challenge.new(f"Member {i} asks:\n\n\thow do tides work?", TEMPERATURE) for i, m in enumerate(members)}
     commits = [s.tx(m, "commit-rechallenge", {"epoch": 1, "node": node0, "commitment": own[m.public].commitment})
                for m in members]
     assert all(c == 0 for c, _ in s.block(*commits))
@@ -216,6 +217,62 @@ def test_skipped_node_is_rechallenged_by_members(s):
     assert s.reputation(node1) == expected(HONEST)
 
 
+@pytest.mark.faults
+def test_a_temperature_other_than_the_committed_one_is_the_leaders_fault(s):
+    """The temperature decides how an answer is scored, so the node signs the one it was asked for and
+    the plan commits it: a leader who asked hotter (to make an honest node look like a weaker model)
+    or claims another is caught by the chain."""
+    s.run_election_and_plan(1)
+    leader = s.leader(1)
+    node0, node1 = list(s.nodes)
+    body = s.leader_results(1, HONEST)
+    challenge = s.planned(1, node0, leader)
+    hotter = s.answer(node0, challenge.prompt, temperature=TEMPERATURE + 300)
+    body["results"][0] = {**challenge.reveal(hotter), "credibility": HONEST}
+    assert s.block(s.tx(leader, "submit-results", body)) == [(0, "ok")]
+    result = s.state.result(1, node0, leader.public)
+    assert result.status == epochs.FAULTY
+    assert result.reason == "the node was asked for temperature 1000, not the committed 700 (thousandths)"
+    assert s.faults(leader.public) == ["altered-prompt"]
+    assert s.state.result(1, node1, leader.public).status == epochs.VALID
+
+
+@pytest.mark.faults
+def test_a_challenge_hotter_than_one_cannot_be_revealed(s):
+    """Above temperature 1 an honest answer scores like a weaker model's: committing to such a
+    challenge (here a member's re-challenge) and revealing it makes the member faulty, not the node."""
+    s.run_election_and_plan(1)
+    leader = s.leader(1)
+    node0, node1 = list(s.nodes)
+    assert s.block(s.tx(leader, "submit-results", s.leader_results(1, HONEST, [node1]))) == [(0, "ok")]
+    member = others(s, 1)[0]
+    hot = Challenge.new("How hot is the sun?", 1_500)
+    assert s.block(s.tx(member, "commit-rechallenge", {"epoch": 1, "node": node0,
+                                                       "commitment": hot.commitment}))[0][0] == 0
+    reveal = hot.reveal(s.answer(node0, hot.prompt, temperature=1_500))
+    assert s.block(s.tx(member, "submit-results", {"epoch": 1, "kind": "rechallenge",
+                                                    "results": [reveal]})) == [(0, "ok")]
+    result = s.state.result(1, node0, member.public)
+    assert result.status == epochs.FAULTY and "above 1000 thousandths" in result.reason
+    assert s.faults(member.public) == ["altered-prompt"]
+    assert s.state.reports(1, node0) == []
+
+
+def test_a_sealed_challenge_opens_whole_for_every_member_and_only_in_range(s):
+    """Whichever member leads sends the challenge, so each one's sealed copy holds all of it: the text
+    to commit, the temperature and, for a chat, the user message; a temperature no challenge may have
+    is refused on opening."""
+    committee = list(layout.members(s.h.store.batch()).values())
+    chat = Challenge.new("<|im_start|>user\nWhy?<|im_end|>\n", 0, "Why?")
+    entry = PlanEntry.from_record(chat.plan_entry(bytes(32), committee))
+    assert {open_plan_entry(entry, m.public, m.x25519) for m in s.members.values()} == {chat}
+    hot = Challenge.new("Why?", epochs.MAX_CHALLENGE_TEMPERATURE + 1)
+    entry = PlanEntry.from_record(hot.plan_entry(bytes(32), committee))
+    member = next(iter(s.members.values()))
+    with pytest.raises(SealedPromptError, match="sealed temperature 1001 is not an integer in"):
+        open_plan_entry(entry, member.public, member.x25519)
+
+
 def claiming_no_response(s: Script, number: int, silent: bytes) -> dict:
     """Leader results that answer every node but `silent`, which is claimed to give no response."""
     body = s.leader_results(number, HONEST, [n for n in s.nodes if n != silent])
@@ -231,7 +288,7 @@ def test_false_invalid_report_is_detected(s):
     assert s.block(s.tx(leader, "submit-results", claiming_no_response(s, 1, node0))) == [(0, "ok")]
     assert s.state.reports(1, node0) == [leader.public]
     members = others(s, 1)
-    own = {m.public: Challenge.new(f"Member {i}: what is a prime number?") for i, m in enumerate(members)}
+    own = {m.public: Challenge.new(f"Member {i}: what is a prime number?", TEMPERATURE) for i, m in enumerate(members)}
     assert all(c == 0 for c, _ in s.block(*[
         s.tx(m, "commit-rechallenge", {"epoch": 1, "node": node0, "commitment": own[m.public].commitment})
         for m in members]))

@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from chainnet import assert_same_app_hashes, ledger, member_keys, start_network
 from click.testing import CliRunner
+from committee import TEMPERATURE
 
 from planetserve.chain import vrf
 from planetserve.chain.challenge import Challenge, open_plan_entry, sign_response
@@ -76,7 +77,8 @@ class Committee:
         planner = self.members[self.index(client.epoch(number - 1).leader)]
         _, committee = client.committee()
         plan = {"epoch": number, "final": True, "entries": [
-            Challenge.new(f"Epoch {number} asks node {i}: what makes bread rise?").plan_entry(n.public, committee)
+            Challenge.new(f"Epoch {number} asks node {i}: what makes bread rise?", TEMPERATURE).plan_entry(
+                n.public, committee)
             for i, n in enumerate(self.nodes)]}
         self.submit_all(online, "submit-vrf",
                         lambda i: {"epoch": number, "proof": vrf.prove(bytes(self.members[i].vrf), seed)})
@@ -106,7 +108,7 @@ class Committee:
                 continue
             challenge = open_plan_entry(entry, leader.public, leader.x25519)
             asked = challenge.prompt + (" Answer in one word." if entry.node == alter else "")
-            result = {**challenge.reveal(self.answer(entry.node, asked)),
+            result = {**challenge.reveal(self.answer(entry.node, asked, challenge.temperature)),
                       "credibility": (credibility or {}).get(entry.node, CREDIBILITY)}
             if entry.node == tamper:
                 result["response"]["text"] = "I am a very bad model."
@@ -116,14 +118,15 @@ class Committee:
         assert done.outcome.code == 0, done.outcome.log
         return leader
 
-    def answer(self, node_key: bytes, prompt: str):
+    def answer(self, node_key: bytes, prompt: str, temperature: int = TEMPERATURE):
         node = next(n for n in self.nodes if n.public == node_key)
         return sign_response(node, prompt, [5, 6, 7], "Yeast makes gas.", "gt", int(time.time()),
-                             "127.0.0.1:7100")
+                             "127.0.0.1:7100", temperature)
 
     def rechallenge(self, number: int, members: list[int], node: bytes) -> None:
         """Each member commits its own prompt for the node, has it answered, and reveals it."""
-        own = {i: Challenge.new(f"Member {i} asks in epoch {number}: how do tides work?") for i in members}
+        own = {i: Challenge.new(f"Member {i} asks in epoch {number}: how do tides work?", TEMPERATURE)
+               for i in members}
         self.submit_all(members, "commit-rechallenge",
                         lambda i: {"epoch": number, "node": node, "commitment": own[i].commitment})
         self.submit_all(members, "submit-results", lambda i: {

@@ -16,6 +16,7 @@ from openai import OpenAI
 from test_model_node_network import NodeProcess, planetserve, wait_until
 from test_overlay_network import RelayProcess, relay_retried, start_relays
 
+from planetserve.chain.challenge import Challenge
 from planetserve.chain.keys import KeySet
 from planetserve.models import LoadedModel
 from planetserve.node.home import ModelNodeConfig
@@ -125,11 +126,15 @@ def test_a_model_split_across_three_nodes_serves_through_the_overlay(tmp_path, d
 
         # the verifier challenges the pipeline through its entry, as it would a single node
         entry = bytes.fromhex(stages[0][2])
-        challenge = "How do I read a file line by line?"
+        # as a chat: the node signs the rendered template, which the verifier renders the same way
+        reference = ReferenceModel.from_loaded(deep_gt, model_id="deep")
+        question = "How do I read a file line by line?"
+        challenge = Challenge.new(reference.chat_prompt(question), 0, question)
         reply = OverlayChannel(me.ready["http"], max_tokens=16).ask(entry, "deep", challenge)
-        assert reply.response.node == entry
-        verdict = ReferenceModel.from_loaded(deep_gt, model_id="deep").verify_one(reply.response, challenge, entry)
-        assert verdict.ok and verdict.credibility_ppm > 0, verdict
+        assert reply.response.node == entry and reply.response.temperature == 0
+        verdict = reference.verify_one(reply.response, challenge.prompt, entry)
+        # greedy through the split model is the unsplit model's choice at every step
+        assert verdict.ok and verdict.calibrated == 1.0, verdict
     finally:
         for relay in relays:
             relay.stop()

@@ -53,6 +53,8 @@ def test_server_scores_equal_the_one_pass_scores(served):
         assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4)
         # top-20 entropies spread the tail evenly: never below the exact entropy
         assert all(g >= w - 1e-4 for g, w in zip(got.entropies, want.entropies, strict=True))
+        # the likeliest token is always among the top ones: the greedy rule's reference is exact
+        assert got.tops == pytest.approx(want.tops, abs=1e-4)
     assert remote.score([(batch[0][0], [])]) == [[]]
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+import statistics
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 from planetserve.chain.challenge import sign_response
 from planetserve.chain.keys import KeySet
 from planetserve.models import LoadedModel, load
+from planetserve.node.behaviours import clickbait
 from planetserve.registry.params import PPM
 from planetserve.verifier import (
     Algorithm3Scorer,
@@ -24,6 +26,7 @@ from planetserve.verifier import (
     Verdict,
     calibrated_credibility,
     credibility,
+    greedy_credibility,
     to_ppm,
 )
 
@@ -71,10 +74,11 @@ def generate(loaded: LoadedModel, reference: ReferenceModel, prompt: str, tokens
 
 
 def signed(keys: KeySet, loaded: LoadedModel, prompt: str, token_ids: list[int], model_id: str = GT,
-           text: str | None = None) -> Answer:
+           text: str | None = None, temperature: int = 0) -> Answer:
+    """The answer as a node signs it, asked for `temperature` thousandths (greedy by default)."""
     text = loaded.tokenizer.decode(token_ids, skip_special_tokens=True) if text is None else text
-    return Answer(sign_response(keys, prompt, token_ids, text, model_id, 1_700_000_000, "127.0.0.1:7000"),
-                  prompt, keys.public)
+    return Answer(sign_response(keys, prompt, token_ids, text, model_id, 1_700_000_000, "127.0.0.1:7000",
+                                temperature), prompt, keys.public)
 
 
 def random_batch(seed: int, vocab: int, count: int = 7) -> list[tuple[list[int], list[int]]]:
@@ -141,10 +145,10 @@ def test_scorer_refuses_what_the_model_cannot_read(gt):
 def test_gt_answers_are_more_credible_under_gt_than_tiny_answers(gt, tiny, reference, keys):
     prompts = [chat(gt, q) for q in QUESTIONS]
     greedy = reference.verify([signed(keys, gt, p, generate(gt, reference, p)) for p in prompts])
-    gt_sampled = reference.verify([signed(keys, gt, p, generate(gt, reference, p, temperature=1.0, seed=i))
-                                   for i, p in enumerate(prompts)])
-    tiny_sampled = reference.verify([signed(keys, tiny, p, generate(tiny, reference, p, temperature=1.0, seed=i))
-                                     for i, p in enumerate(prompts)])
+    gt_sampled = reference.verify([signed(keys, gt, p, generate(gt, reference, p, temperature=1.0, seed=i),
+                                          temperature=1000) for i, p in enumerate(prompts)])
+    tiny_sampled = reference.verify([signed(keys, tiny, p, generate(tiny, reference, p, temperature=1.0, seed=i),
+                                            temperature=1000) for i, p in enumerate(prompts)])
     assert all(v.ok for v in greedy + gt_sampled + tiny_sampled)
 
     def mean(verdicts: list[Verdict], field: str) -> float:
@@ -153,11 +157,37 @@ def test_gt_answers_are_more_credible_under_gt_than_tiny_answers(gt, tiny, refer
     assert mean(greedy, "credibility") > mean(tiny_sampled, "credibility")
     assert mean(gt_sampled, "credibility") > mean(tiny_sampled, "credibility")
     assert mean(gt_sampled, "calibrated") > mean(tiny_sampled, "calibrated")
-    # Greedy tokens are at least as likely as the reference expects of its own samples at every step.
-    assert all(v.calibrated > 1 - 1e-6 for v in greedy)
+    # Asked for greedy answers, gt makes the reference's own choice at every step.
+    assert all(v.calibrated == 1.0 for v in greedy)
     # 1/PPL drops with the temperature; the calibrated credibility of honest answers stays near 1.
     assert mean(gt_sampled, "credibility") < mean(greedy, "credibility")
     assert mean(gt_sampled, "calibrated") > 0.8
+
+
+def test_a_greedy_request_holds_the_node_to_the_reference_choices(gt, tiny, reference, keys):
+    """Asked for temperature 0, gt's answers score 1; tiny's, gt's answer to a reworded prompt and a
+    sampled answer signed as greedy fall far below, though the sampled-answer rule would pass them.
+    (Completion prompts: the quick family's greedy chat answers are all line breaks, whoever answers.)"""
+    prompts = QUESTIONS
+    greedy = [generate(gt, reference, p) for p in prompts]
+    honest = reference.verify([signed(keys, gt, p, ids) for p, ids in zip(prompts, greedy, strict=True)])
+    weaker = reference.verify([signed(keys, tiny, p, generate(tiny, reference, p)) for p in prompts])
+    reworded = reference.verify([signed(keys, gt, p, generate(gt, reference, clickbait(p))) for p in prompts])
+    hot = [generate(gt, reference, p, temperature=1.0, seed=i) for i, p in enumerate(prompts)]
+    claimed_greedy = reference.verify([signed(keys, gt, p, ids) for p, ids in zip(prompts, hot, strict=True)])
+    as_sampled = reference.verify([signed(keys, gt, p, ids, temperature=1000)
+                                   for p, ids in zip(prompts, hot, strict=True)])
+    assert [v.calibrated for v in honest] == [1.0] * len(prompts)
+    assert statistics.median(v.calibrated for v in weaker) < 0.01
+    assert statistics.median(v.calibrated for v in reworded) < 0.01
+    # a sampled answer passes as greedy exactly where it is the greedy answer
+    differs = [h != g for h, g in zip(hot, greedy, strict=True)]
+    assert any(differs)
+    assert all(v.calibrated < 0.01 for v, d in zip(claimed_greedy, differs, strict=True) if d)
+    assert all(v.calibrated == 1.0 for v, d in zip(claimed_greedy, differs, strict=True) if not d)
+    assert statistics.median(v.calibrated for v in as_sampled) > 0.5
+    # the paper's 1/PPL does not depend on the temperature the node was asked for
+    assert [v.credibility for v in claimed_greedy] == pytest.approx([v.credibility for v in as_sampled])
 
 
 def test_verdicts_keep_order_and_ppm(gt, reference, keys):
@@ -291,7 +321,13 @@ def test_credibility_formulas():
     assert calibrated_credibility([-3.0, -4.0], [2.0, 3.0]) == pytest.approx(math.exp(-1))
     assert calibrated_credibility([-0.1, -0.1], [2.0, 3.0]) == 1.0
     assert calibrated_credibility([-math.inf], [1.0]) == 0.0
+    # greedy: each token short of the likeliest by more than the tolerance costs the excess, summed
+    assert greedy_credibility([-1.0, -2.0], [-1.0, -2.0]) == 1.0
+    assert greedy_credibility([-1.03, -2.0], [-1.0, -2.0]) == 1.0
+    assert greedy_credibility([-1.55, -3.05], [-1.0, -2.0]) == pytest.approx(math.exp(-1.5))
+    assert greedy_credibility([-1.5], [-1.0], tolerance=0.0) == pytest.approx(math.exp(-0.5))
     for fn, args in ((credibility, ([],)), (calibrated_credibility, ([], [])),
-                     (calibrated_credibility, ([-1.0], [1.0, 2.0]))):
+                     (calibrated_credibility, ([-1.0], [1.0, 2.0])), (greedy_credibility, ([], [])),
+                     (greedy_credibility, ([-1.0], [-1.0, -2.0]))):
         with pytest.raises(ValueError):
             fn(*args)

@@ -42,7 +42,9 @@ def test_config_loads_strictly(tmp_path):
                          ({"keys": "k", "workload": "chess"}, "workload must be one of"),
                          ({"keys": "k", "models": {}}, "models must map"),
                          ({"keys": "k", "max_tokens": 0}, "max_tokens must be a positive integer"),
-                         ({"keys": "k", "temperature": 3}, "temperature must lie in"),
+                         ({"keys": "k", "greedy_tolerance": -1}, "greedy_tolerance must lie in"),
+                         ({"keys": "k", "greedy_share": 2}, "greedy_share must be null or lie in"),
+                         ({"keys": "k", "chat_share": "half"}, "chat_share must be null or lie in"),
                          ({"keys": ""}, "`keys` must name")]:
         (tmp_path / CONFIG_FILE).write_text(json.dumps(bad))
         with pytest.raises(HomeError, match=message):
@@ -52,7 +54,7 @@ def test_config_loads_strictly(tmp_path):
 def test_the_journal_survives_a_restart(tmp_path):
     journal = Journal(tmp_path / "j.jsonl")
     node = bytes(range(32))
-    challenge = Challenge.new("How do tides work?")
+    challenge = Challenge.new("How do tides work?", 700)
     journal.add(3, node, challenge)
     again = Journal(tmp_path / "j.jsonl")
     assert again.get(3, node) == challenge and again.get(4, node) is None
@@ -74,7 +76,8 @@ def test_plan_parts_stay_under_the_limit_and_end_in_a_final_part():
 
 
 class FakeRelayAnswers:
-    """A real HTTP server on a free port whose answer to /v1/completions the test sets."""
+    """A real HTTP server on a free port whose answer to /v1/completions and /v1/chat/completions the test
+    sets; it records each request's path and body."""
 
     def __init__(self) -> None:
         self.status, self.body, self.delay = 200, {}, 0.0
@@ -91,13 +94,14 @@ class FakeRelayAnswers:
         asyncio.set_event_loop(self.loop)
 
         async def completions(request: web.Request) -> web.Response:
-            self.received.append(await request.json())
+            self.received.append({"path": request.path, **await request.json()})
             await asyncio.sleep(self.delay)
             status, body = self.first.pop(0) if self.first else (self.status, self.body)
             return web.json_response(body, status=status)
 
         app = web.Application()
         app.router.add_post("/v1/completions", completions)
+        app.router.add_post("/v1/chat/completions", completions)
         runner = web.AppRunner(app)
         self.loop.run_until_complete(runner.setup())
         self.loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", self.port).start())
@@ -118,31 +122,51 @@ def relay() -> Iterator[FakeRelayAnswers]:
 
 def test_a_signed_answer_comes_back_whole(relay):
     node = KeySet.generate()
-    response = sign_response(node, "Why is the sky blue?", [5, 6], "Light.", "gt", int(time.time()), "h:1")
+    response = sign_response(node, "Why is the sky blue?", [5, 6], "Light.", "gt", int(time.time()), "h:1", 500)
     relay.body = {"choices": [{"text": "Light."}], "planetserve": response_extension(response)}
-    got = OverlayChannel(relay.url, max_tokens=12, temperature=0.5).ask(node.public, "gt", "Why is the sky blue?")
+    challenge = Challenge.new("Why is the sky blue?", 500)
+    got = OverlayChannel(relay.url, max_tokens=12).ask(node.public, "gt", challenge)
     assert got.response == response and response_valid(got.response) and got.served is None
     sent = relay.received[0]
-    assert sent == {"model": "gt", "prompt": "Why is the sky blue?", "max_tokens": 12, "temperature": 0.5,
-                    "planetserve": {"node": node.public.hex()}}
+    assert sent == {"path": "/v1/completions", "model": "gt", "prompt": "Why is the sky blue?", "max_tokens": 12,
+                    "temperature": 0.5, "planetserve": {"node": node.public.hex()}}
+
+
+def test_a_chat_challenge_goes_as_its_one_message(relay):
+    """A chat challenge is sent as the user's message, as a chat program would; the node signs the
+    rendered template, which is what the challenge commits."""
+    node = KeySet.generate()
+    rendered = "<|im_start|>user\nWhy is the sky blue?<|im_end|>\n<|im_start|>assistant\n"
+    response = sign_response(node, rendered, [5, 6], "Light.", "gt", int(time.time()), "h:1", 0)
+    relay.body = {"choices": [{"message": {"role": "assistant", "content": "Light."}}],
+                  "planetserve": response_extension(response)}
+    challenge = Challenge.new(rendered, 0, "Why is the sky blue?")
+    got = OverlayChannel(relay.url, max_tokens=12).ask(node.public, "gt", challenge)
+    assert got.response == response
+    assert relay.received[0] == {"path": "/v1/chat/completions", "model": "gt", "max_tokens": 12,
+                                 "temperature": 0.0, "planetserve": {"node": node.public.hex()},
+                                 "messages": [{"role": "user", "content": "Why is the sky blue?"}]}
+    relay.body = {"choices": [{"text": "Light."}], "planetserve": response_extension(response)}
+    with pytest.raises(NoAnswer, match="malformed answer"):
+        OverlayChannel(relay.url).ask(node.public, "gt", challenge)
 
 
 def test_a_forwarded_answer_names_the_node_that_computed_it(relay):
     entry, peer = KeySet.generate(), KeySet.generate()
     now = int(time.time())
-    answer = sign_response(entry, "Why?", [5, 6], "Light.", "gt", now, "entry:1")
-    computed = sign_response(peer, "Why?", [5, 6], "Light.", "gt", now - 1, "peer:1")
+    answer = sign_response(entry, "Why?", [5, 6], "Light.", "gt", now, "entry:1", 0)
+    computed = sign_response(peer, "Why?", [5, 6], "Light.", "gt", now - 1, "peer:1", 0)
     relay.body = {"choices": [{"text": "Light."}],
                   "planetserve": {**response_extension(answer), "served": served_extension(computed)}}
-    got = OverlayChannel(relay.url).ask(entry.public, "gt", "Why?")
+    got = OverlayChannel(relay.url).ask(entry.public, "gt", Challenge.new("Why?", 0))
     assert got.response == answer and got.served == computed
     # a serving signature that does not check is dropped: the entry node alone answers for it
     forged = {**served_extension(computed), "signature": "00" * 64}
     relay.body["planetserve"]["served"] = forged
-    assert OverlayChannel(relay.url).ask(entry.public, "gt", "Why?").served is None
-    other_text = sign_response(peer, "Why?", [5, 7], "Dark.", "gt", now, "peer:1")
+    assert OverlayChannel(relay.url).ask(entry.public, "gt", Challenge.new("Why?", 0)).served is None
+    other_text = sign_response(peer, "Why?", [5, 7], "Dark.", "gt", now, "peer:1", 0)
     relay.body["planetserve"]["served"] = served_extension(other_text)
-    assert OverlayChannel(relay.url).ask(entry.public, "gt", "Why?").served is None
+    assert OverlayChannel(relay.url).ask(entry.public, "gt", Challenge.new("Why?", 0)).served is None
 
 
 @pytest.mark.parametrize(("status", "body", "error", "message"), [
@@ -157,17 +181,17 @@ def test_a_forwarded_answer_names_the_node_that_computed_it(relay):
 def test_what_is_not_an_answer(relay, status, body, error, message):
     relay.status, relay.body = status, body
     with pytest.raises(error, match=message):
-        OverlayChannel(relay.url).ask(bytes(32), "gt", "Why?")
+        OverlayChannel(relay.url).ask(bytes(32), "gt", Challenge.new("Why?", 0))
 
 
 def test_a_challenge_is_tried_again_before_the_node_is_reported(relay, tmp_path, monkeypatch):
     monkeypatch.setattr(daemon_module, "RETRY_DELAY_S", 0.0)
     node = KeySet.generate()
-    response = sign_response(node, "Why?", [5, 6], "Light.", "gt", int(time.time()), "h:1")
+    response = sign_response(node, "Why?", [5, 6], "Light.", "gt", int(time.time()), "h:1", 0)
     relay.body = {"choices": [{"text": "Light."}], "planetserve": response_extension(response)}
     cut = (500, {"error": {"message": "Generation failed: the peer failed mid-answer"}})
     registered = ModelNode(node.public, "org", "gt", "h:1", "cpu", 1, "eu", "active", 0)
-    challenge = Challenge.new("Why?")
+    challenge = Challenge.new("Why?", 0)
 
     def asked(attempts: int):
         daemon = Daemon(KeySet.generate(), None, {}, OverlayChannel(relay.url), None, tmp_path, attempts=attempts)
@@ -187,9 +211,9 @@ def test_a_challenge_is_tried_again_before_the_node_is_reported(relay, tmp_path,
 def test_a_silent_node_and_a_missing_relay(relay):
     relay.delay, relay.body = 2.0, {}
     with pytest.raises(NoAnswer, match="no answer within 0.5 s"):
-        OverlayChannel(relay.url, timeout=0.5).ask(bytes(32), "gt", "Why?")
+        OverlayChannel(relay.url, timeout=0.5).ask(bytes(32), "gt", Challenge.new("Why?", 0))
     with pytest.raises(RelayUnavailable, match="unreachable"):
-        OverlayChannel(f"http://127.0.0.1:{free_port()}").ask(bytes(32), "gt", "Why?")
+        OverlayChannel(f"http://127.0.0.1:{free_port()}").ask(bytes(32), "gt", Challenge.new("Why?", 0))
 
 
 # -- the CLI ------------------------------------------------------------------------------------

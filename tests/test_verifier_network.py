@@ -1,8 +1,9 @@
 """The whole verification loop on a real network, nothing scripted: four validators each with its own
 `planetserve verifier run` daemon, four model node processes of one organisation (two honest gt, one
 serving the smallest model, tiny, while claiming gt, one answering clickbait rewrites of its prompts) and user
-relay processes carrying the challenges. Epoch after epoch the ledger scores the nodes; one daemon
-is killed mid-epoch and restarted, and it rejoins without submitting anything twice."""
+relay processes carrying the challenges. Epoch after epoch the ledger scores the nodes, and both
+dishonest nodes fall out of the trusted list; one daemon is killed mid-epoch and restarted, and it
+rejoins without submitting anything twice."""
 
 from __future__ import annotations
 
@@ -90,6 +91,9 @@ def verifier_home(home: Path, net, i: int, relay_url: str, data: Path) -> None:
     config.poll_interval = 0.5
     config.max_tokens = 32
     config.challenge_timeout = 30.0
+    # The quick family answers every greedy chat with line breaks, whoever the model, and its completions
+    # separate the models best when greedy; mostly greedy completions make six epochs decisive.
+    config.chat_share, config.greedy_share = 0.0, 0.9
     config.save(home)
 
 
@@ -147,16 +151,18 @@ def test_the_committee_verifies_model_nodes_epoch_after_epoch(tmp_path, quick_fa
 
         # A challenge a node forwarded within the group is credited to the node that computed it, so
         # nodes are scored in varying numbers of epochs. The smaller model is the fastest node, which the
-        # load balancer favours until it falls out of the trusted list. (`small` is too close to gt for
-        # one challenge per epoch to separate it within four epochs: docs/detection.md.)
+        # load balancer favours until it falls out of the trusted list. Both dishonest nodes fall out of
+        # it: a greedy answer must be the reference's own choice at every step.
         reps = {name: client.reputation(k) for name, k in key.items()}
         values = {name: r.value if r is not None else RULE.initial for name, r in reps.items()}
         print({name: (r.value, r.window) if r else None for name, r in reps.items()})
-        assert reps["smaller"] is not None and reps["smaller"].epochs >= 2, reps
+        for name in ("smaller", "clickbait"):
+            assert reps[name] is not None and reps[name].epochs >= 2, reps
         for name in ("honest-a", "honest-b"):
             assert values[name] >= RULE.untrusted and (reps[name] is None or reps[name].trusted), reps
-        assert values["smaller"] < min(values["honest-a"], values["honest-b"]), reps
-        assert values["smaller"] < RULE.untrusted and not reps["smaller"].trusted, reps
+        for name in ("smaller", "clickbait"):
+            assert values[name] < min(values["honest-a"], values["honest-b"]), reps
+            assert values[name] < RULE.untrusted and not reps[name].trusted, reps
 
         # nothing was submitted twice, and the restarted daemon took part again
         for daemon in daemons:

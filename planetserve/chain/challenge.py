@@ -20,22 +20,38 @@ class SealedPromptError(Exception):
     """A plan's sealed prompt cannot be opened by this member or does not match its commitment."""
 
 
+def milli(temperature: float) -> int:
+    """A request's sampling temperature as signed and committed: thousandths, rounded half up."""
+    return int(temperature * epochs.MILLI + 0.5)
+
+
 @dataclass(frozen=True)
 class Challenge:
     prompt: str
+    """The text the model reads, which the node signs and the plan commits."""
     salt: bytes
+    temperature: int
+    """Thousandths; the node is asked to sample at temperature / 1000 (0: greedy)."""
+    question: str = ""
+    """When the challenge is sent as a chat: its one user message, which the model's chat template
+    renders as `prompt`. Empty for a completion prompt, sent as `prompt` itself."""
 
     @classmethod
-    def new(cls, prompt: str) -> Challenge:
-        return cls(prompt, secrets.token_bytes(32))
+    def new(cls, prompt: str, temperature: int, question: str = "") -> Challenge:
+        return cls(prompt, secrets.token_bytes(32), temperature, question)
 
     @property
     def commitment(self) -> bytes:
-        return epochs.commitment(self.prompt, self.salt)
+        return epochs.commitment(self.prompt, self.temperature, self.salt)
+
+    @property
+    def sampling_temperature(self) -> float:
+        return self.temperature / epochs.MILLI
 
     def plan_entry(self, node: bytes, committee: list[Member]) -> dict:
-        """A commit-plan entry: the commitment, and the prompt sealed to every member's X25519 key."""
-        plaintext = codec.pack([self.prompt, self.salt])
+        """A commit-plan entry: the commitment, and the challenge sealed to every member's X25519 key
+        (whichever member leads sends it)."""
+        plaintext = codec.pack([self.prompt, self.salt, self.temperature, self.question])
         sealed = sorted([m.operator, SealedBox(PublicKey(m.x25519_key)).encrypt(plaintext)]
                         for m in committee)
         return {"node": node, "commitment": self.commitment, "sealed": sealed}
@@ -44,7 +60,7 @@ class Challenge:
         """A submit-results entry (without the leader's proposed credibility); `served` is the serving
         peer's own signature when the challenged node forwarded the prompt."""
         entry = {"node": response.node, "prompt": self.prompt, "salt": self.salt,
-                 "response": response.to_record()}
+                 "temperature": self.temperature, "response": response.to_record()}
         if served is not None:
             entry["served"] = {"node": served.node, "time": served.time, "address": served.address,
                                "signature": served.signature}
@@ -57,19 +73,24 @@ def open_plan_entry(entry: PlanEntry, operator: bytes, key: PrivateKey) -> Chall
     if box is None:
         raise SealedPromptError("the plan entry holds no prompt sealed to this member")
     try:
-        prompt, salt = codec.unpack(SealedBox(key).decrypt(box))
+        prompt, salt, temperature, question = codec.unpack(SealedBox(key).decrypt(box))
     except (CryptoError, codec.CodecError, ValueError, TypeError) as exc:
         raise SealedPromptError(f"sealed prompt does not open: {type(exc).__name__}") from exc
-    challenge = Challenge(prompt, salt)
+    if type(temperature) is not int or not 0 <= temperature <= epochs.MAX_CHALLENGE_TEMPERATURE:
+        raise SealedPromptError(f"sealed temperature {temperature!r} is not an integer in "
+                                f"[0, {epochs.MAX_CHALLENGE_TEMPERATURE}]")
+    if not all(isinstance(text, str) for text in (prompt, question)):
+        raise SealedPromptError("sealed prompt or question is not text")
+    challenge = Challenge(prompt, salt, temperature, question)
     if challenge.commitment != entry.commitment:
         raise SealedPromptError("sealed prompt does not match the plan's commitment")
     return challenge
 
 
 def sign_response(keys: KeySet, prompt: str, token_ids: list[int], text: str, model_id: str, time: int,
-                  address: str) -> SignedResponse:
+                  address: str, temperature: int) -> SignedResponse:
     unsigned = SignedResponse(keys.public, epochs.prompt_hash(prompt), tuple(token_ids), text, model_id,
-                              time, address, b"")
+                              temperature, time, address, b"")
     return replace(unsigned, signature=keys.sign(unsigned.sign_bytes()))
 
 
@@ -81,15 +102,16 @@ class ResponseFormatError(ValueError):
     """A response's `planetserve` extension is missing fields or has fields of the wrong type."""
 
 
-_EXTENSION_FIELDS = {"node": str, "prompt_hash": str, "token_ids": list, "model_id": str, "time": int,
-                     "address": str, "signature": str}
+_EXTENSION_FIELDS = {"node": str, "prompt_hash": str, "token_ids": list, "model_id": str,
+                     "temperature": int, "time": int, "address": str, "signature": str}
 
 
 def response_extension(response: SignedResponse) -> dict:
     """The signed response as the JSON a model node attaches to its answer (the text travels in the
     answer itself)."""
     return {"node": response.node.hex(), "prompt_hash": response.prompt_hash.hex(),
-            "token_ids": list(response.token_ids), "model_id": response.model_id, "time": response.time,
+            "token_ids": list(response.token_ids), "model_id": response.model_id,
+            "temperature": response.temperature, "time": response.time,
             "address": response.address, "signature": response.signature.hex()}
 
 
@@ -107,8 +129,8 @@ def response_from_extension(extension: object, text: str) -> SignedResponse:
         node, digest, signature = (bytes.fromhex(extension[k]) for k in ("node", "prompt_hash", "signature"))
     except ValueError as exc:
         raise ResponseFormatError(f"extension holds malformed hex: {exc}") from exc
-    return SignedResponse(node, digest, tuple(ids), text, extension["model_id"], extension["time"],
-                          extension["address"], signature)
+    return SignedResponse(node, digest, tuple(ids), text, extension["model_id"], extension["temperature"],
+                          extension["time"], extension["address"], signature)
 
 
 def served_extension(peer: SignedResponse) -> dict:

@@ -33,6 +33,8 @@ from planetserve.registry.reputation import PPM
 
 MAX_SEALED_BYTES = 8_192
 MAX_PROMPT_CHARS = 4_096
+MAX_TEMPERATURE = 2 * epochs.MILLI
+"""The hottest request a node may sign (the API's limit); challenges are held to 1.0."""
 MAX_RESPONSE_TOKENS = 4_096
 MAX_RESPONSE_CHARS = 32_768
 MAX_ENTRIES = 1_000
@@ -182,8 +184,8 @@ def commit_plan(ctx: Context, body: dict[str, Any]) -> None:
 
 def _response(value: Any) -> SignedResponse:
     raw = _map(value, "response")
-    fields.check_keys(raw, {"node", "prompt_hash", "token_ids", "text", "model_id", "time", "address",
-                            "signature"})
+    fields.check_keys(raw, {"node", "prompt_hash", "token_ids", "text", "model_id", "temperature", "time",
+                            "address", "signature"})
     tokens = raw.get("token_ids")
     if (not isinstance(tokens, list) or len(tokens) > MAX_RESPONSE_TOKENS
             or not all(type(t) is int and 0 <= t < 2**32 for t in tokens)):
@@ -197,22 +199,31 @@ def _response(value: Any) -> SignedResponse:
         token_ids=tuple(tokens),
         text=text,
         model_id=fields.ident(raw, "model_id"),
+        temperature=fields.integer(raw, "temperature", 0, MAX_TEMPERATURE),
         time=fields.integer(raw, "time", 0, 2**62),
         address=fields.address(raw),
         signature=fields.sig64(raw, "signature"),
     )
 
 
-def _inconsistency(ctx: Context, node_model: str, node: bytes, commitment: bytes,
-                   prompt: str, salt: bytes, response: SignedResponse, since: int) -> tuple[str, str] | None:
+def _inconsistency(ctx: Context, node_model: str, node: bytes, commitment: bytes, prompt: str,
+                   temperature: int, salt: bytes, response: SignedResponse,
+                   since: int) -> tuple[str, str] | None:
     """Why a submitted challenge contradicts the plan or the node's signature, if it does."""
     slack = ctx.params.response_slack_seconds
-    if epochs.commitment(prompt, salt) != commitment:
-        return "altered-prompt", "revealed prompt and salt do not match the committed challenge"
+    if epochs.commitment(prompt, temperature, salt) != commitment:
+        return "altered-prompt", "revealed prompt, temperature and salt do not match the committed challenge"
+    if temperature > epochs.MAX_CHALLENGE_TEMPERATURE:
+        return "altered-prompt", (f"challenge temperature {temperature} is above "
+                                  f"{epochs.MAX_CHALLENGE_TEMPERATURE} thousandths, where no answer scores "
+                                  f"fairly")
     if response.node != node or not verify_signature(node, response.sign_bytes(), response.signature):
         return "altered-response", "response is not signed by the challenged node"
     if response.prompt_hash != epochs.prompt_hash(prompt):
         return "altered-prompt", "the node answered a different prompt than the committed one"
+    if response.temperature != temperature:
+        return "altered-prompt", (f"the node was asked for temperature {response.temperature}, "
+                                  f"not the committed {temperature} (thousandths)")
     if not since - slack <= response.time <= ctx.time + slack:
         window = f"[{since - slack}, {ctx.time + slack}]"
         return "stale-response", f"response time {response.time} is outside {window}"
@@ -282,16 +293,17 @@ def _submit_one(ctx: Context, epoch: Epoch, kind: str, entry: dict[str, Any]) ->
         reason = fields.text(entry, "invalid", 256)
         result = ChallengeResult(node, ctx.signer, kind, INVALID, reason, "", b"", {}, -1, ctx.height)
     else:
-        fields.check_keys(entry, {"node", "prompt", "salt", "response"},
+        fields.check_keys(entry, {"node", "prompt", "salt", "temperature", "response"},
                           frozenset({"credibility", "served"}) if kind == "leader" else frozenset({"served"}))
         prompt = fields.free_text(entry, "prompt", MAX_PROMPT_CHARS)
         salt = fields.key32(entry, "salt")
+        temperature = fields.integer(entry, "temperature", 0, MAX_TEMPERATURE)
         response = _response(entry.get("response"))
         credibility = fields.integer(entry, "credibility", 0, PPM) if kind == "leader" else -1
         if kind == "leader" and "credibility" not in entry:
             raise InvalidField("credibility", "the leader proposes a credibility per node")
         served = _served(entry["served"], response) if "served" in entry else None
-        problem = _inconsistency(ctx, model_id, node, commitment, prompt, salt, response, since)
+        problem = _inconsistency(ctx, model_id, node, commitment, prompt, temperature, salt, response, since)
         if problem is None and served is not None:
             problem = _served_inconsistency(ctx, model_id, served)
         status, reason = VALID, ""

@@ -124,6 +124,11 @@ def relay_role(root: Path, spec: NetworkSpec, config: LocalnetConfig, index: int
     return Role("relay", name, home, planetserve("node", "user", "--home", str(home), "--json"))
 
 
+QUICK_CHAT_SHARE = 0.0
+"""The quick family answers every greedy chat with line breaks alone, whoever the model: its verifiers
+send completions, which separate the models (tests/test_verifier_network.py)."""
+
+
 def verifier_role(root: Path, spec: NetworkSpec, config: LocalnetConfig, index: int, relay: Path) -> Role:
     from planetserve.verifier.config import VerifierConfig  # the verifier package loads torch
 
@@ -135,6 +140,7 @@ def verifier_role(root: Path, spec: NetworkSpec, config: LocalnetConfig, index: 
             genesis=str(spec.genesis_path), relay=http_url(UserConfig.load(relay).http),
             models={model_id: model_id for model_id in config.model_ids},
             data_dir=str(config.family_dir(root)), max_tokens=32, challenge_timeout=30.0,
+            chat_share=QUICK_CHAT_SHARE if config.preset == "quick" else None,
         ).save(home)
     return Role("verifier", validator.moniker, home, planetserve("verifier", "run", "--home", str(home)))
 

@@ -27,6 +27,7 @@ from aiohttp import web
 
 from planetserve.chain.challenge import (
     ResponseFormatError,
+    milli,
     response_extension,
     response_from_extension,
     response_valid,
@@ -452,7 +453,7 @@ class ModelNode:
         """The answer's `planetserve` extension: our signature over it, why it went where it went, and
         which node computed it (`route` and `served_by` are not signed)."""
         signed = sign_response(self.keys, job.prompt, state.token_ids, state.text, self.config.model_id,
-                               int(time.time()), self.config.address)
+                               int(time.time()), self.config.address, milli(job.temperature))
         return {**response_extension(signed), "route": route_reason, "served_by": served_by}
 
     def _countersign(self, peer_id: str, job: Job, state: Generation, extension: Any,
@@ -466,6 +467,7 @@ class ModelNode:
         checks = (("signed by another key", theirs.node.hex() == peer_id),
                   ("signed for another prompt", theirs.prompt_hash == prompt_hash(job.prompt)),
                   ("signed for another model", theirs.model_id == self.config.model_id),
+                  ("signed for another temperature", theirs.temperature == milli(job.temperature)),
                   ("signed other token ids than it streamed", list(theirs.token_ids) == state.token_ids),
                   ("its signature does not verify", response_valid(theirs)))
         failed = [problem for problem, ok in checks if not ok]

@@ -24,8 +24,13 @@ from planetserve.registry.entities import ModelNode, Record
 from planetserve.registry.params import Params
 
 SEED_DOMAIN = "planetserve/epoch-seed/v1"
-COMMIT_DOMAIN = "planetserve/challenge/v1"
-RESPONSE_DOMAIN = "planetserve/response/v1"
+COMMIT_DOMAIN = "planetserve/challenge/v2"
+RESPONSE_DOMAIN = "planetserve/response/v2"
+MILLI = 1_000
+"""Temperatures are signed and committed in thousandths, so that no float enters state."""
+MAX_CHALLENGE_TEMPERATURE = MILLI
+"""Above temperature 1 an honest answer looks like a weaker model's (verifier/credibility.py), so a
+challenge sent hotter could only frame its node."""
 
 PLAN_NONE, PLAN_PARTIAL, PLAN_COMMITTED = "none", "partial", "committed"
 RESULT_KINDS = ("leader", "rechallenge")
@@ -102,9 +107,10 @@ def plan_nodes(target: Epoch, nodes: Iterable[ModelNode], cap: int,
     return sample_nodes(target.seed, eligible, cap)
 
 
-def commitment(prompt: str, salt: bytes) -> bytes:
-    """What a plan records for a challenge: H(prompt || salt), unambiguously encoded."""
-    return hashlib.sha256(codec.pack([COMMIT_DOMAIN, prompt, salt])).digest()
+def commitment(prompt: str, temperature: int, salt: bytes) -> bytes:
+    """What a plan records for a challenge: H(prompt || temperature || salt), unambiguously encoded. The
+    temperature is committed with the prompt because it decides how the answer is scored."""
+    return hashlib.sha256(codec.pack([COMMIT_DOMAIN, prompt, temperature, salt])).digest()
 
 
 def prompt_hash(prompt: str) -> bytes:
@@ -138,7 +144,8 @@ class VrfEntry(Record):
 
 @dataclass(frozen=True)
 class PlanEntry(Record):
-    """One challenge of a plan; `sealed` holds [member operator, sealed box of [prompt, salt]]."""
+    """One challenge of a plan; `sealed` holds [member operator, sealed box of [prompt, salt, temperature,
+    question]]."""
 
     node: bytes
     commitment: bytes
@@ -147,20 +154,22 @@ class PlanEntry(Record):
 
 @dataclass(frozen=True)
 class SignedResponse(Record):
-    """A model node's answer to a prompt, signed with its registered key."""
+    """A model node's answer to a prompt, signed with its registered key, with the sampling temperature
+    it was asked for (thousandths; 0 is greedy), which nobody between the asker and the node can change."""
 
     node: bytes
     prompt_hash: bytes
     token_ids: tuple[int, ...]
     text: str
     model_id: str
+    temperature: int
     time: int
     address: str
     signature: bytes
 
     def sign_bytes(self) -> bytes:
         return codec.pack([RESPONSE_DOMAIN, self.node, self.prompt_hash, list(self.token_ids), self.text,
-                           self.model_id, self.time, self.address])
+                           self.model_id, self.temperature, self.time, self.address])
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from planetserve.verifier.credibility import (
     Verdict,
     calibrated_credibility,
     credibility,
+    greedy_credibility,
     to_ppm,
 )
 from planetserve.verifier.remote import OpenAIScorer, ScoringError
@@ -36,5 +37,6 @@ __all__ = [
     "Verdict",
     "calibrated_credibility",
     "credibility",
+    "greedy_credibility",
     "to_ppm",
 ]

@@ -7,6 +7,7 @@ from typing import ClassVar
 
 from planetserve import workloads
 from planetserve.config import HomeConfig, HomeError
+from planetserve.verifier.credibility import GREEDY_TOLERANCE
 
 CONFIG_FILE = "verifier.json"
 USED_PROMPTS_FILE = "used_prompts"
@@ -35,12 +36,18 @@ class VerifierConfig(HomeConfig):
     data_dir: str = ""
     credibility: str = "calibrated"
     """calibrated (the default, docs/detection.md) or ppl (the paper's 1/PPL)."""
+    greedy_tolerance: float = GREEDY_TOLERANCE
+    """Nats a greedy answer's token may fall short of the reference's choice for free (rounding)."""
     workload: str = "mixed"
     scale: float = 0.05
     """Workload lengths are scaled by this for the served models' context (workloads.generate)."""
+    greedy_share: float | None = None
+    """Share of challenges asking for greedy answers; None: the workload's (workloads.TEMPERATURES).
+    Set it to what the network's users send, so that challenges look like their requests."""
+    chat_share: float | None = None
+    """Share of challenges sent as a chat message; None: the workload's (workloads.CHAT_SHARE)."""
     max_prompt_tokens: int = 256
     max_tokens: int = 64
-    temperature: float = 1.0
     challenge_timeout: float = 60.0
     poll_interval: float = 1.0
     concurrency: int = 8
@@ -61,8 +68,13 @@ class VerifierConfig(HomeConfig):
         for name in ("max_prompt_tokens", "max_tokens", "concurrency", "attempts"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise HomeError(f"{CONFIG_FILE}: {name} must be a positive integer")
+        for name in ("greedy_share", "chat_share"):
+            share = getattr(self, name)
+            if share is not None and (isinstance(share, bool) or not isinstance(share, int | float)
+                                      or not 0 <= share <= 1):
+                raise HomeError(f"{CONFIG_FILE}: {name} must be null or lie in [0, 1]")
+        if not 0 <= self.greedy_tolerance < 10:
+            raise HomeError(f"{CONFIG_FILE}: greedy_tolerance must lie in [0, 10) nats")
         for name in ("scale", "challenge_timeout", "poll_interval"):
             if not getattr(self, name) > 0:
                 raise HomeError(f"{CONFIG_FILE}: {name} must be positive")
-        if not 0 <= self.temperature <= 2:
-            raise HomeError(f"{CONFIG_FILE}: temperature must lie in [0, 2]")

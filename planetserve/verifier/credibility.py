@@ -3,9 +3,12 @@
 Two credibilities, both in [0, 1], higher is better:
 
 - `credibility`: the paper's 1/PPL over the node's returned token ids (section 3.4);
-- `calibrated_credibility`: the same likelihood relative to what the reference model expects of its own
-  samples on that prompt, so that a hard prompt or a node sampling at temperature up to 1 does not
-  lower it (see its docstring).
+- the calibrated credibility, which depends on the temperature the node signed it was asked for:
+  - greedy (temperature 0): `greedy_credibility`, how far the node's tokens fall short of the reference's
+    own choice at each step. An honest node has no choice to make, so any clear shortfall is evidence;
+  - sampled: `calibrated_credibility`, the likelihood relative to what the reference model expects of
+    its own samples on that prompt, so that a hard prompt or a node sampling at temperature up to 1 does
+    not lower it (see its docstring).
 
 Before scoring, a response is checked against what the verifier expected; a `Verdict` carries either
 the credibilities or a `Rejection` with a readable detail. The ledger stores credibilities as integer
@@ -23,7 +26,7 @@ from typing import TYPE_CHECKING
 from planetserve.chain.challenge import response_valid
 from planetserve.registry.epochs import SignedResponse, prompt_hash
 from planetserve.registry.params import PPM
-from planetserve.verifier.scoring import OnePassScorer, Scorer
+from planetserve.verifier.scoring import OnePassScorer, Scorer, TokenScores
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -69,6 +72,32 @@ def calibrated_credibility(logprobs: Sequence[float], entropies: Sequence[float]
     return math.exp(min(0.0, math.fsum(logprobs) / len(logprobs) + math.fsum(entropies) / len(entropies)))
 
 
+GREEDY_TOLERANCE = 0.05
+"""Nats by which a greedy answer's token may fall short of the reference's likeliest one without cost:
+ties broken differently by another engine or batch (float rounding) stay free, a different choice does
+not. On the project's family honest greedy answers fall short by under 1e-5, a weaker model's by 0.17
+nats per token at the median (docs/detection.md); a bf16 engine may need more."""
+
+
+def greedy_credibility(logprobs: Sequence[float], tops: Sequence[float],
+                       tolerance: float = GREEDY_TOLERANCE) -> float:
+    """exp(-sum_i max(0, top_i - log p_i(t_i) - tolerance)), with top_i the log-probability of the
+    reference's likeliest token at step i.
+
+    Why: asked for a greedy answer, a node serving the claimed model emits that likeliest token at every
+    step, so its answer scores 1 (up to rounding, which the tolerance absorbs). Each token it chose
+    otherwise costs the log of the odds the reference gives its own choice over it, so a clear deviation
+    (a weaker model, an altered prompt, an injected passage) drives the score to 0, and a near-tie costs
+    almost nothing. It is a sum, not a mean: every extra deviation is extra evidence, and no length
+    dilutes it."""
+    if not logprobs:
+        raise ValueError("an empty response has no choices to check")
+    if len(tops) != len(logprobs):
+        raise ValueError("one top log-probability per scored token")
+    shortfalls = (max(0.0, top - lp - tolerance) for lp, top in zip(logprobs, tops, strict=True))
+    return math.exp(-math.fsum(shortfalls))
+
+
 class Rejection(StrEnum):
     """Why a response is not scored. `node_fault` says whether the node's own valid signature proves the
     fault; the others may be the leader's doing (an altered or misdirected response)."""
@@ -102,8 +131,7 @@ class Verdict:
         return cls(rejection=rejection, detail=detail)
 
     @classmethod
-    def scored(cls, logprobs: Sequence[float], entropies: Sequence[float] | None = None) -> Verdict:
-        calibrated = None if entropies is None else calibrated_credibility(logprobs, entropies)
+    def scored(cls, logprobs: Sequence[float], calibrated: float | None = None) -> Verdict:
         return cls(credibility(logprobs), calibrated, len(logprobs))
 
     @property
@@ -139,22 +167,32 @@ class ReferenceModel:
     """
 
     def __init__(self, model_id: str, tokenizer: PreTrainedTokenizerBase, scorer: Scorer, *, vocab_size: int,
-                 max_len: int, calibrated: bool = True) -> None:
+                 max_len: int, calibrated: bool = True, greedy_tolerance: float = GREEDY_TOLERANCE) -> None:
         self.model_id = model_id
         self.tokenizer = tokenizer
         self.scorer = scorer
         self.vocab_size = vocab_size
         self.max_len = max_len
         self.calibrated = calibrated
+        self.greedy_tolerance = greedy_tolerance
 
     @classmethod
     def from_loaded(cls, loaded: LoadedModel, scorer: Scorer | None = None, calibrated: bool = True,
-                    model_id: str | None = None) -> ReferenceModel:
+                    model_id: str | None = None, greedy_tolerance: float = GREEDY_TOLERANCE
+                    ) -> ReferenceModel:
         """A loaded model with the one-pass engine over it unless another scorer is given; `model_id`
         is the id nodes register and sign with, when it is not the checkpoint's own."""
         return cls(model_id or loaded.model_id, loaded.tokenizer, scorer or OnePassScorer(loaded.model),
                    vocab_size=int(loaded.model.get_input_embeddings().num_embeddings),
-                   max_len=loaded.max_model_len, calibrated=calibrated)
+                   max_len=loaded.max_model_len, calibrated=calibrated, greedy_tolerance=greedy_tolerance)
+
+    def chat_prompt(self, question: str) -> str | None:
+        """`question` as the one user message of a chat, rendered by the model's chat template as a model
+        node renders it (and signs it); None for a model without a template."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            return None
+        return self.tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                                  add_generation_prompt=True)
 
     def prompt_ids(self, prompt: str) -> list[int]:
         """The prompt's ids as the model node computed them: text that already starts with the BOS token
@@ -214,13 +252,20 @@ class ReferenceModel:
         if pending:
             batch = [pair for _, pair in pending]
             if self.calibrated:
-                scored = [Verdict.scored(s.logprobs, s.entropies)
-                          for s in self.scorer.score_with_entropy(batch)]
+                scores = self.scorer.score_with_entropy(batch)
+                scored = [Verdict.scored(s.logprobs, self._calibrated(answers[index].response, s))
+                          for (index, _), s in zip(pending, scores, strict=True)]
             else:
                 scored = [Verdict.scored(lp) for lp in self.scorer.score(batch)]
             for (index, _), verdict in zip(pending, scored, strict=True):
                 verdicts[index] = verdict
         return [v for v in verdicts if v is not None]
+
+    def _calibrated(self, response: SignedResponse, scores: TokenScores) -> float:
+        """The calibrated credibility for the decoding the node signed it was asked for."""
+        if response.temperature == 0:
+            return greedy_credibility(scores.logprobs, scores.tops or (), self.greedy_tolerance)
+        return calibrated_credibility(scores.logprobs, scores.entropies or ())
 
     def verify_one(self, response: SignedResponse, prompt: str, node: bytes | None = None) -> Verdict:
         return self.verify([Answer(response, prompt, node)])[0]

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from planetserve.chain import vrf
-from planetserve.chain.challenge import Challenge, SealedPromptError, open_plan_entry
+from planetserve.chain.challenge import Challenge, SealedPromptError, milli, open_plan_entry
 from planetserve.chain.client import TRANSIENT, LedgerClient
 from planetserve.chain.errors import Code
 from planetserve.chain.keys import KeySet
@@ -75,11 +75,12 @@ class Journal:
                 if line.strip():
                     item = json.loads(line)
                     self.entries[item["epoch"], bytes.fromhex(item["node"])] = Challenge(
-                        item["prompt"], bytes.fromhex(item["salt"]))
+                        item["prompt"], bytes.fromhex(item["salt"]), item["temperature"], item["question"])
 
     def add(self, epoch: int, node: bytes, challenge: Challenge) -> None:
         line = json.dumps({"epoch": epoch, "node": node.hex(), "prompt": challenge.prompt,
-                           "salt": challenge.salt.hex()})
+                           "salt": challenge.salt.hex(), "temperature": challenge.temperature,
+                           "question": challenge.question})
         with self.path.open("a") as fh:
             fh.write(line + "\n")
             fh.flush()
@@ -210,7 +211,9 @@ class Daemon:
         required = epochs.plan_nodes(target, self.ledger.registered_nodes(), params.max_plan_nodes, followers)
         planned = {entry.node for entry in self.ledger.plan(target_number)[1]}
         _, committee = self.ledger.committee()
-        entries = [self._plan_entry(node, committee, params) for node in required if node not in planned]
+        models = {n.pubkey: n.model_id for n in self.ledger.registered_nodes()}
+        entries = [self._plan_entry(node, models.get(node, ""), committee, params)
+                   for node in required if node not in planned]
         parts = _parts(entries, params.max_tx_bytes - TX_MARGIN_BYTES)
         for index, part in enumerate(parts):
             final = index == len(parts) - 1
@@ -219,16 +222,26 @@ class Daemon:
                     ["plan"]):
                 return
 
-    def _plan_entry(self, node: bytes, committee: list[Member], params: Params) -> dict:
+    def _plan_entry(self, node: bytes, model_id: str, committee: list[Member], params: Params) -> dict:
         """A fresh challenge for `node`, drawn again while its sealed copies would not fit a transaction."""
         for _ in range(PLAN_DRAWS):
-            entry = Challenge.new(self.source.draw(1)[0].text).plan_entry(node, committee)
+            entry = self._fresh(model_id).plan_entry(node, committee)
             if len(codec.pack(entry)) <= params.max_tx_bytes - TX_MARGIN_BYTES:
                 return entry
         raise ChallengeError(f"no challenge small enough for a {len(committee)}-member plan entry in "
                              f"{PLAN_DRAWS} draws; lower max_prompt_tokens")
 
     # -- challenges ------------------------------------------------------------------------------
+
+    def _fresh(self, model_id: str) -> Challenge:
+        """A new challenge for a node of `model_id`: a chat is committed as the text the reference model's
+        chat template makes of it (what the node will sign); a model without one gets a completion."""
+        drawn = self.source.draw(1)[0]
+        reference = self.references.get(model_id)
+        rendered = reference.chat_prompt(drawn.text) if drawn.chat and reference is not None else None
+        if rendered is None:
+            return Challenge.new(drawn.text, milli(drawn.temperature))
+        return Challenge.new(rendered, milli(drawn.temperature), drawn.text)
 
     def _ask(self, key: tuple[int, bytes, str], challenge: Challenge, node: ModelNode) -> None:
         if key in self.pending:
@@ -240,8 +253,8 @@ class Daemon:
                 if attempt:
                     time.sleep(RETRY_DELAY_S)
                 try:
-                    return Asked(challenge, node.pubkey, self.channel.ask(node.pubkey, node.model_id,
-                                                                          challenge.prompt))
+                    reply = self.channel.ask(node.pubkey, node.model_id, challenge)
+                    return Asked(challenge, node.pubkey, reply)
                 except NoAnswer as exc:
                     failures.append(str(exc))
             return Asked(challenge, node.pubkey, failure=f"{len(failures)} attempts: " + "; ".join(failures))
@@ -350,7 +363,7 @@ class Daemon:
             challenge = self.journal.get(number, entry.node)
             if challenge is None or self.ledger.rechallenge(number, entry.node, self.me) is None:
                 if challenge is None:
-                    challenge = Challenge.new(self.source.draw(1)[0].text)
+                    challenge = self._fresh(node.model_id)
                     self.journal.add(number, entry.node, challenge)
                 body = {"epoch": number, "node": entry.node, "commitment": challenge.commitment}
                 if not self._submit("commit-rechallenge", body, number, [(entry.node, "rechallenge")]):

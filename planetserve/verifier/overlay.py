@@ -1,5 +1,5 @@
 """Sending a challenge to one model node through a user relay's local OpenAI-compatible endpoint, as
-any program of a user would: on the wire it is an ordinary completion request. The relay's
+any program of a user would: on the wire it is an ordinary chat or completion request. The relay's
 `planetserve.node` extension picks the node (trusted or not; the relay strips the field before the
 request leaves it)."""
 
@@ -9,7 +9,12 @@ from dataclasses import dataclass
 
 import httpx
 
-from planetserve.chain.challenge import ResponseFormatError, response_from_extension, served_from_extension
+from planetserve.chain.challenge import (
+    Challenge,
+    ResponseFormatError,
+    response_from_extension,
+    served_from_extension,
+)
 from planetserve.registry.epochs import SignedResponse
 
 MAX_ANSWER_BYTES = 4 << 20
@@ -33,15 +38,20 @@ class OverlayChannel:
     relay: str
     timeout: float = 60.0
     max_tokens: int = 64
-    temperature: float = 1.0
 
-    def ask(self, node: bytes, model_id: str, prompt: str) -> Reply:
-        """The node's signed answer to `prompt`, or NoAnswer. Whether the answer is the right one (its
-        signer, prompt and content) is for the caller to check."""
-        body = {"model": model_id, "prompt": prompt, "max_tokens": self.max_tokens,
-                "temperature": self.temperature, "planetserve": {"node": node.hex()}}
+    def ask(self, node: bytes, model_id: str, challenge: Challenge) -> Reply:
+        """The node's signed answer to `challenge` (a chat when it has a question, else a completion),
+        sampled at its temperature, or NoAnswer. Whether the answer is the right one (its signer, prompt,
+        temperature and content) is for the caller to check."""
+        body: dict = {"model": model_id, "max_tokens": self.max_tokens,
+                      "temperature": challenge.sampling_temperature, "planetserve": {"node": node.hex()}}
+        if challenge.question:
+            body["messages"] = [{"role": "user", "content": challenge.question}]
+        else:
+            body["prompt"] = challenge.prompt
+        endpoint = "chat/completions" if challenge.question else "completions"
         try:
-            answer = httpx.post(f"{self.relay.rstrip('/')}/v1/completions", json=body, timeout=self.timeout)
+            answer = httpx.post(f"{self.relay.rstrip('/')}/v1/{endpoint}", json=body, timeout=self.timeout)
         except httpx.TimeoutException:
             raise NoAnswer(f"no answer within {self.timeout:g} s") from None
         except httpx.HTTPError as exc:
@@ -60,7 +70,8 @@ class OverlayChannel:
             message = error.get("message", "") if isinstance(error, dict) else ""
             raise NoAnswer(f"HTTP {answer.status_code} {code or ''}: {message}"[:256])
         try:
-            text = payload["choices"][0]["text"]
+            choice = payload["choices"][0]
+            text = choice["message"]["content"] if challenge.question else choice["text"]
             if not isinstance(text, str):
                 raise TypeError("text")
             extension = payload.get("planetserve")

@@ -7,7 +7,7 @@ One /v1/completions request per response: the prompt and the response together a
 the score. Requests run concurrently, at most `concurrency` at once. Entropies need the distribution,
 which such a server gives only as its `top` likeliest tokens: the tail's probability mass is taken as
 spread evenly over the rest of the vocabulary, so the entropy is an upper bound, exact up to how much
-mass the tail holds.
+mass the tail holds. The likeliest token's log-probability is exact: it is always among the top.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class OpenAIScorer:
     async def _one(self, client: httpx.AsyncClient, prompt: list[int], response: list[int],
                    top: int) -> TokenScores:
         if not response:
-            return TokenScores((), () if top else None)
+            return TokenScores((), (), ()) if top else TokenScores(())
         if not prompt:
             raise ValueError("the prompt is empty: its first response token would have no context")
         body = {"model": self.model, "prompt": prompt + response, "max_tokens": 1, "temperature": 0,
@@ -85,8 +85,13 @@ class OpenAIScorer:
             logprobs = tuple(float(e[str(t)]["logprob"]) for t, e in zip(response, scored, strict=True))
         except (KeyError, IndexError, TypeError, ValueError) as exc:
             raise ScoringError(f"the scoring server's prompt_logprobs are malformed: {exc}") from exc
-        entropies = tuple(_top_entropy(e, self.vocab_size) for e in scored) if top else None
-        return TokenScores(logprobs, entropies)
+        if not top:
+            return TokenScores(logprobs)
+        try:
+            tops = tuple(max(float(v["logprob"]) for v in e.values()) for e in scored)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ScoringError(f"the scoring server's prompt_logprobs are malformed: {exc}") from exc
+        return TokenScores(logprobs, tuple(_top_entropy(e, self.vocab_size) for e in scored), tops)
 
 
 def _message(answer: httpx.Response) -> str:

@@ -25,8 +25,14 @@ def reference_models(config: VerifierConfig) -> dict[str, ReferenceModel]:
     names = sorted(set(config.models.values()))
     loaded = {name: load(name, data_dir=config.data_dir or None) for name in names}
     return {model_id: ReferenceModel.from_loaded(loaded[name], calibrated=config.credibility == "calibrated",
-                                                 model_id=model_id)
+                                                 model_id=model_id, greedy_tolerance=config.greedy_tolerance)
             for model_id, name in sorted(config.models.items())}
+
+
+def _longest(references: dict[str, ReferenceModel], text: str) -> int:
+    """The most tokens `text` takes for any served model, as a completion or as a rendered chat."""
+    return max(len(r.prompt_ids(form)) for r in references.values()
+               for form in (text, r.chat_prompt(text)) if form is not None)
 
 
 def build_daemon(home: Path) -> tuple[Daemon, VerifierConfig]:
@@ -37,10 +43,10 @@ def build_daemon(home: Path) -> tuple[Daemon, VerifierConfig]:
     source = ChallengeSource(config.workload, scale=config.scale,
                              max_prompt_len=min(config.max_prompt_tokens, max_len - config.max_tokens),
                              used_file=home / USED_PROMPTS_FILE,
-                             length=lambda text: max(len(r.prompt_ids(text)) for r in references.values()))
+                             length=lambda text: _longest(references, text),
+                             greedy_share=config.greedy_share, chat_share=config.chat_share)
     source.warm_up()
-    channel = OverlayChannel(config.relay, timeout=config.challenge_timeout, max_tokens=config.max_tokens,
-                             temperature=config.temperature)
+    channel = OverlayChannel(config.relay, timeout=config.challenge_timeout, max_tokens=config.max_tokens)
     ledger = LedgerClient.verified(config.rpc, config.genesis)
     daemon = Daemon(keys, ledger, references, channel, source, home,
                     calibrated=config.credibility == "calibrated", concurrency=config.concurrency,

@@ -9,7 +9,8 @@ The interface, `Scorer`, is synchronous:
         token included. An empty response scores [].
     score_with_entropy(batch) -> list[TokenScores]
         the same log-probabilities plus the entropy of the reference's next-token distribution at each
-        of those positions, which the calibrated credibility needs.
+        of those positions and its largest log-probability (the greedy choice's), which the calibrated
+        credibility needs.
 
 They are two methods rather than one because they cost differently on a serving engine: the
 log-probability of the given token is one number per position (vLLM's `prompt_logprobs=0`), an
@@ -45,10 +46,12 @@ Pair = tuple[Sequence[int], Sequence[int]]
 @dataclass(frozen=True)
 class TokenScores:
     """Per response token: the reference's log-probability of it and, when asked for, the entropy (nats)
-    of the reference's distribution at its position."""
+    of the reference's distribution at its position and the log-probability of that distribution's
+    likeliest token."""
 
     logprobs: tuple[float, ...]
     entropies: tuple[float, ...] | None = None
+    tops: tuple[float, ...] | None = None
 
 
 class Scorer(Protocol):
@@ -63,8 +66,11 @@ def _position_scores(logits: torch.Tensor, targets: list[int], entropy: bool) ->
     logprobs = logits.float().log_softmax(-1)
     index = torch.tensor(targets, dtype=torch.long, device=logits.device)[:, None]
     picked = logprobs.gather(-1, index)[:, 0]
-    entropies = torch.special.entr(logprobs.exp()).sum(-1) if entropy else None
-    return TokenScores(tuple(picked.tolist()), None if entropies is None else tuple(entropies.tolist()))
+    if not entropy:
+        return TokenScores(tuple(picked.tolist()))
+    entropies = torch.special.entr(logprobs.exp()).sum(-1)
+    return TokenScores(tuple(picked.tolist()), tuple(entropies.tolist()),
+                       tuple(logprobs.max(-1).values.tolist()))
 
 
 class TorchScorer(ABC):
@@ -176,11 +182,14 @@ class Algorithm3Scorer(TorchScorer):
             sequence = torch.tensor([prompt + response], device=device)
             logprobs: list[float] = []
             entropies: list[float] = []
+            tops: list[float] = []
             for k, token in enumerate(response):
                 logits = self.model(input_ids=sequence[:, : len(prompt) + k], logits_to_keep=1,
                                     use_cache=False).logits[0]
                 scores = _position_scores(logits, [token], entropy)
                 logprobs += scores.logprobs
                 entropies += scores.entropies or ()
-            results.append(TokenScores(tuple(logprobs), tuple(entropies) if entropy else None))
+                tops += scores.tops or ()
+            results.append(TokenScores(tuple(logprobs), tuple(entropies), tuple(tops)) if entropy
+                           else TokenScores(tuple(logprobs)))
         return results
