@@ -504,6 +504,55 @@ def test_speculative_entries_survive_a_snapshot_taken_before_the_forward() -> No
     assert b.search(prompt).holders == {"a"}
 
 
+# -- claims checked against what the holder had cached --
+
+
+def test_a_peer_whose_claims_prove_false_is_not_believed_for_a_while() -> None:
+    a, b = pair()
+    prompts = [list(range(k, k + 256)) for k in range(0, 10_000, 1_000)]
+    for prompt in prompts:
+        a.stored(prompt)  # what a says it holds (its engine may say otherwise)
+    for m in a.poll(1.0):
+        b.receive("a", m, 1.0)
+    assert all(b.search(p).holders == {"a"} for p in prompts)
+    claimed = b.claimed_tokens(prompts[0], b.search(prompts[0]).depth)
+    assert claimed == 256
+    # an honest miss now and then (evicted in between) is tolerated
+    assert not b.check_claim("a", claimed, 0, now=1.1)
+    assert not b.check_claim("a", claimed, 256, now=1.2)
+    assert not b.check_claim("a", claimed, 192, now=1.3)  # more than half was there
+    assert not b.check_claim("a", claimed, 100, now=1.4)
+    assert b.stats.false_claims == 2 and not b.distrusts("a", 1.4)
+    assert b.check_claim("a", claimed, 0, now=1.5)  # the third false claim in the window
+    assert b.stats.distrusted == 1 and b.distrusts("a", 1.5)
+    assert all(b.search(p).depth == 0 for p in prompts)
+    assert b.forwarded("a", prompts[0], now=1.6) == 0
+    # while distrusted, what a says changes nothing but its load
+    a.load = LoadReport(0.25, 3, 4)
+    for m in a.poll(1.0 + CONFIG.snapshot_interval):
+        result = b.receive("a", m, 1.0 + CONFIG.snapshot_interval)
+        assert not result.applied and result.reason == "claims distrusted"
+    assert all(b.search(p).depth == 0 for p in prompts)
+    assert b.tree.table.get("a").load == LoadReport(0.25, 3, 4)
+    # then its next message brings a snapshot request, and its snapshot is believed again
+    later = 1.5 + CONFIG.claim_distrust + 1
+    a.stored(list(range(50_000, 50_256)))
+    reply = None
+    for m in a.poll(later):
+        reply = b.receive("a", m, later).reply or reply
+    if reply is not None:
+        a.receive("b", reply, later)
+    for m in a.poll(later + CONFIG.min_snapshot_gap):
+        b.receive("a", m, later + CONFIG.min_snapshot_gap)
+    assert all(b.search(p).holders == {"a"} for p in prompts)
+
+
+def test_claims_policy_is_checked() -> None:
+    for bad in ({"claim_max_false": 0}, {"claim_max_false": 9, "claim_window": 8}, {"claim_min_share": 0.0}):
+        with pytest.raises(ValueError, match="claim"):
+            SyncConfig(**bad)
+
+
 # -- plan changes --
 
 

@@ -140,6 +140,38 @@ def test_repeated_prefix_lands_on_the_holder(quick_family):
     run(main())
 
 
+@pytest.mark.faults
+def test_a_peer_claiming_prefixes_it_does_not_hold_draws_only_a_few_requests(quick_family):
+    """A well-formed lie in the cache-state sync: the liar's sync announces prefixes its engine never
+    held. Hits sent to it find nothing cached, so after three the entry node stops believing its claims
+    (its entries go and requests for the prefixes it still claims are misses); every request is
+    answered and signed throughout."""
+    async def main():
+        entry, liar = nodes = [make_node(quick_family) for _ in range(2)]
+        await start(nodes)
+        try:
+            prefixes = [f"Topic {i} of the ledger. " + SHARED for i in range(6)]
+            for prefix in prefixes:
+                liar.sync.stored(liar.tokenizer(prefix)["input_ids"])
+            await wait_until(lambda: all(
+                entry.sync.search(entry.tokenizer(p + "x")["input_ids"]).holders == {liar.node_id}
+                for p in prefixes))
+            served_by = []
+            for prefix in prefixes:
+                answer = (await complete(entry, prefix + "What is it?")).json()
+                assert signed(answer).node == entry.keys.public
+                served_by.append((answer["planetserve"]["route"], answer["planetserve"]["served_by"]))
+            assert served_by[:3] == [("hit", liar.node_id)] * 3
+            assert all(route != "hit" for route, _ in served_by[3:])
+            assert entry.sync.stats.false_claims == 3 and entry.sync.stats.distrusted == 1
+            assert entry.sync.tree.entries(liar.node_id) == 0
+            assert entry.status()["sync"]["distrusted"] == 1
+        finally:
+            await stop(nodes)
+
+    run(main())
+
+
 def test_overloaded_holder_falls_back_to_the_least_loaded(quick_family):
     async def main():
         nodes = [make_node(quick_family, capacity=1) for _ in range(3)]

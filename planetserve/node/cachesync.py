@@ -21,7 +21,13 @@ hashes, never tokens), and keeps the group's HR-tree from what its peers tell it
   it; a node adopts a newer plan (by version, then origin) from a trusted peer's snapshot, recomputes
   its own paths, drops its peers' and broadcasts a snapshot at once, so the group follows within a
   round of snapshots;
-- load reports ride on every delta and snapshot (an empty delta every `load_interval` when idle).
+- load reports ride on every delta and snapshot (an empty delta every `load_interval` when idle);
+- claims checked: a peer that held a prefix the tree matched caches much of it when the prompt reaches
+  it (its answer says how many prompt tokens it found cached). When `claim_max_false` of the last
+  `claim_window` prompts sent to a peer as a hit found less than `claim_min_share` of the claimed prefix
+  cached, the peer's claims are not believed for `claim_distrust`: its entries are dropped and its
+  deltas and snapshots change nothing but its load; then a snapshot is asked for again. A well-formed
+  lie about what a node holds therefore draws a few requests, not the group's traffic.
 
 The transport authenticates peers; `receive` takes the authenticated peer id, and a message may only
 speak for that peer. Everything decoded is bounded (message size, path depth, operations, entries per
@@ -36,6 +42,7 @@ import hmac
 import itertools
 import math
 import secrets
+from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -113,6 +120,11 @@ class SyncConfig:
     max_delta_ops: int = 1_024
     max_delta_bytes: int = 1 << 20
     max_snapshot_bytes: int = 4 << 20
+    claim_window: int = 8
+    claim_max_false: int = 3
+    claim_min_share: float = 0.5
+    claim_distrust: float = 300.0
+    """Seconds a peer whose claims proved false is not believed (see the module docstring)."""
 
     def __post_init__(self) -> None:
         if min(self.max_entries_per_peer, self.max_depth, self.max_batch_ops, self.max_delta_ops) < 1:
@@ -123,6 +135,8 @@ class SyncConfig:
             raise ValueError("max_delta_bytes must hold at least one path of max_depth 32-bit hashes")
         if self.max_snapshot_bytes < 10 * self.max_entries_per_peer + 4096:
             raise ValueError("max_snapshot_bytes must hold a snapshot of max_entries_per_peer entries")
+        if not 1 <= self.claim_max_false <= self.claim_window or not 0 < self.claim_min_share <= 1:
+            raise ValueError("claims need 1 <= claim_max_false <= claim_window and 0 < claim_min_share <= 1")
 
 
 @dataclass(frozen=True)
@@ -500,6 +514,8 @@ class SyncStats:
     ignored: int = 0
     rejected: int = 0
     gaps: int = 0
+    false_claims: int = 0
+    distrusted: int = 0
 
 
 @dataclass
@@ -509,6 +525,9 @@ class _Peer:
     next_seq: int = 1
     synced: bool = False
     last_request: float = -math.inf
+    claims: deque[bool] = field(default_factory=deque)
+    """Outcomes of the latest prompts sent to it as a hit (True: the claim held), newest last."""
+    distrusted_until: float = -math.inf
 
 
 @dataclass(frozen=True)
@@ -585,9 +604,41 @@ class CacheSync:
     def search(self, token_ids: Sequence[int]) -> SearchResult:
         return self.tree.search(token_ids)
 
+    def claimed_tokens(self, token_ids: Sequence[int], depth: int) -> int:
+        """How many tokens of the prompt a holder of its first `depth` chunks claims to have cached."""
+        spans = self.plan.spans(len(token_ids))
+        return spans[min(depth, len(spans)) - 1][1] if depth and spans else 0
+
+    def check_claim(self, peer_id: str, claimed: int, cached: int, now: float) -> bool:
+        """A prompt sent to `peer_id` as a hit on `claimed` tokens found `cached` of them cached there.
+        Returns whether the peer's claims are (now) not believed."""
+        peer = self._peers.get(peer_id)
+        if peer is None or claimed <= 0:
+            return False
+        if self.distrusts(peer_id, now):
+            return True
+        held = cached >= self.config.claim_min_share * claimed
+        if not held:
+            self.stats.false_claims += 1
+        peer.claims.append(held)
+        while len(peer.claims) > self.config.claim_window:
+            peer.claims.popleft()
+        if sum(not h for h in peer.claims) < self.config.claim_max_false:
+            return False
+        peer.claims.clear()
+        peer.distrusted_until = now + self.config.claim_distrust
+        peer.synced = False
+        self.tree.clear_node(peer_id)
+        self.stats.distrusted += 1
+        return True
+
+    def distrusts(self, peer_id: str, now: float) -> bool:
+        peer = self._peers.get(peer_id)
+        return peer is not None and now < peer.distrusted_until
+
     def forwarded(self, peer_id: str, token_ids: Sequence[int], now: float) -> int:
         """We sent this prompt to `peer_id`: assume it holds the path until it says so or the mark expires."""
-        if peer_id not in self._peers:
+        if peer_id not in self._peers or self.distrusts(peer_id, now):
             return 0
         path = self.hasher.path(token_ids)[: self.config.max_depth]
         return self.tree.insert_path(peer_id, path, speculative_until=now + self.config.speculative_ttl)
@@ -625,7 +676,10 @@ class CacheSync:
             msg = self.codec.decode(data)
             if msg.sender != peer_id:
                 raise ForgedSender(f"a message from {peer_id!r} claims to come from {msg.sender!r}")
-            if isinstance(msg, Delta):
+            if isinstance(msg, Delta | Snapshot) and now < peer.distrusted_until:
+                self._take_load(peer_id, msg.load)
+                result = ReceiveResult(False, "claims distrusted")
+            elif isinstance(msg, Delta):
                 result = self._on_delta(peer_id, peer, msg, now)
             elif isinstance(msg, Snapshot):
                 result = self._on_snapshot(peer_id, peer, msg)

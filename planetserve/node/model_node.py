@@ -45,6 +45,7 @@ from planetserve.node.engine.kvevents import PrefixMirror
 from planetserve.node.gateway import Gateway
 from planetserve.node.group import EMPTY, Group, GroupView
 from planetserve.node.home import ModelNodeConfig
+from planetserve.node.hrtree import SearchResult
 from planetserve.node.onion import exchange_secret
 from planetserve.node.openai_api import (
     ApiError,
@@ -385,9 +386,9 @@ class ModelNode:
         return build_generation(request, prompt_ids, max_model_len=self.engine.max_model_len,
                                 vocab_size=self.vocab_size, eos_token_ids=self.eos_ids)
 
-    def decide(self, prompt_ids: Sequence[int], options: PlanetServeOptions) -> Decision:
-        """Algorithm 2 at this node, with session affinity and the one-hop rule."""
-        result = self.sync.search(prompt_ids)
+    def decide(self, result: SearchResult, options: PlanetServeOptions) -> Decision:
+        """Algorithm 2 at this node for a prompt the HR-tree matched as `result`, with session affinity
+        and the one-hop rule."""
         affinity = self.sessions.get(options.session_id) if options.session_id else None
         return route(self.node_id, self.sync.tree.table, holders=result.holders if result.matched else (),
                      forwarded=options.hops > 0 or options.no_forward, affinity=affinity,
@@ -400,14 +401,17 @@ class ModelNode:
         mid-answer means the request is served here."""
         self._check_length(prompt_ids)
         self.sync.observe(prompt_ids)
-        decision = self.decide(prompt_ids, options)
+        result = self.sync.search(prompt_ids)
+        decision = self.decide(result, options)
         self.routes[decision.reason.value] = self.routes.get(decision.reason.value, 0) + 1
         if decision.forward:
             entry = self.sync.tree.table.get(decision.target)
             if entry is not None and entry.address:
+                hit = decision.reason == Reason.HIT
+                claimed = self.sync.claimed_tokens(prompt_ids, result.depth) if hit else 0
                 try:
                     production = await self._remote(decision.target, entry.address, job,
-                                                    decision.reason.value, whole)
+                                                    decision.reason.value, whole, claimed)
                 except (TransportError, ApiError) as exc:
                     self.counters["forward_failures"] += 1
                     log.info("forward to %s failed, serving here: %s", decision.target[:16], exc)
@@ -478,10 +482,11 @@ class ModelNode:
         return {**self._sign(job, state, route_reason, peer_id), "served": served_extension(theirs)}
 
     async def _remote(self, peer_id: str, address: str, job: Job, route_reason: str,
-                      whole: bool) -> Production:
+                      whole: bool, claimed: int = 0) -> Production:
         """Open the stream at the peer and wait for its first chunk (with `whole`, for all of it), so
         that a peer that cannot serve is noticed before anything is sent to the client (and the
-        request is served here instead)."""
+        request is served here instead). `claimed`: the prompt tokens the peer claimed to hold, when
+        it was picked as a hit; what it found cached is checked against them once it answered."""
         conn = await self.peering.connect(bytes.fromhex(peer_id), address)
         replies = conn.request("generate", job.to_wire())
         try:
@@ -493,12 +498,16 @@ class ModelNode:
         except RemoteError as exc:
             raise TransportError(f"the peer refused or failed: {exc}") from exc
         signed: dict[str, Any] = {}
+        found = [0]
+        """The most prompt tokens the peer reported cached (an engine may report them on any chunk)."""
 
         async def chunks() -> AsyncIterator[TokenChunk]:
             reply = first
             while True:
                 if isinstance(reply, list) and len(reply) == 5 and reply[0] == "chunk":
                     _, ids, finish, prompt_tokens, cached = reply
+                    if type(cached) is int:
+                        found[0] = max(found[0], cached)
                     yield TokenChunk(tuple(ids), finish, prompt_tokens, cached)
                 elif isinstance(reply, list) and len(reply) == 2 and reply[0] == "signed":
                     signed.update(reply[1] if isinstance(reply[1], dict) else {})
@@ -519,9 +528,19 @@ class ModelNode:
                 raise EngineError("the peer sent tokens after the end of its answer")
             if not signed:
                 raise EngineError("the peer's answer carries no signature")
+            if claimed:
+                self._check_claim(peer_id, claimed, found[0])
             return self._countersign(peer_id, job, state, signed, route_reason)
 
         return Production(stream, finish)
+
+    def _check_claim(self, peer_id: str, claimed: int, cached: int) -> None:
+        now = time.monotonic()
+        before = self.sync.distrusts(peer_id, now)
+        if self.sync.check_claim(peer_id, claimed, cached, now) and not before:
+            log.warning("peer %s claimed prefixes it did not hold (last: %d of %d tokens cached); its "
+                        "claims are ignored for %.0f s", peer_id[:16], cached, claimed,
+                        self.sync.config.claim_distrust)
 
     # -- introspection -------------------------------------------------------------------------------
 
