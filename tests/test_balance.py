@@ -14,6 +14,7 @@ from planetserve.node.balance import (
     LatencyEWMA,
     LoadReport,
     Reason,
+    checked,
     effective_loads,
     rank_key,
     route,
@@ -173,3 +174,20 @@ def test_only_trusted_nodes_or_self_are_ever_chosen(nodes: list[Node], holders: 
     if eligible and decision.reason is Reason.MISS:
         loads = effective_loads({n.node_id: n.load for n in eligible.values()})
         assert decision.target == min(loads, key=lambda n: rank_key(loads[n], n, "a"))
+
+
+def test_a_peer_cannot_report_itself_lighter_than_the_deciding_node_sees_it() -> None:
+    """A liar reporting an idle, instant, huge node draws a miss while nothing is in flight there; once a
+    request is, the honest idle node wins. Our own entry is taken as we measure it."""
+    liar, honest, me = node("liar", 0.001, 0, capacity=64), node("honest", 0.5, 0), node("me", 0.9, 1)
+    assert route("me", [liar, honest, me]).target == "liar"
+    seen = checked([liar, honest, me], "me", inflight={"liar": 1, "me": 5}, latency={"honest": 0.2},
+                   capacity={"liar": 2, "honest": 4})
+    loads = {s.node_id: s.load for s in seen}
+    assert loads["liar"] == LoadReport(0.001, 1, 2)  # Q raised to what is in flight, C to the registered 2
+    assert loads["honest"] == LoadReport(0.5, 0, 4)  # reported L above what we saw stays
+    assert loads["me"] == me.load
+    assert route("me", seen).target == "honest"
+    later = checked([liar, honest], "me", inflight={}, latency={"liar": 3.0}, capacity={})
+    assert {s.node_id: s.load for s in later}["liar"] == LoadReport(3.0, 0, 64)
+    assert checked([Node("new")], "me", inflight={"new": 2}, latency={}, capacity={})[0].load is None

@@ -13,6 +13,7 @@ from modelnodes import SHARED, complete, make_node, signed, view
 
 from planetserve.chain.challenge import response_from_extension, response_valid, served_from_extension
 from planetserve.chain.keys import KeySet
+from planetserve.node.balance import LoadReport
 from planetserve.node.behaviours import clickbait
 from planetserve.node.engine.http_server import Generation
 from planetserve.node.model_node import Job, ModelNode
@@ -166,6 +167,46 @@ def test_a_peer_claiming_prefixes_it_does_not_hold_draws_only_a_few_requests(qui
             assert entry.sync.stats.false_claims == 3 and entry.sync.stats.distrusted == 1
             assert entry.sync.tree.entries(liar.node_id) == 0
             assert entry.status()["sync"]["distrusted"] == 1
+        finally:
+            await stop(nodes)
+
+    run(main())
+
+
+class UnderReporting(ModelNode):
+    """Reports itself idle, instant and large whatever it holds: a well-formed lie in its sync's load."""
+
+    def _set_own_load(self) -> LoadReport:
+        report = LoadReport(0.001, 0, 64)
+        self.sync.load = report
+        self.sync.tree.table.upsert(self.node_id, load=report)
+        return report
+
+
+@pytest.mark.faults
+def test_a_peer_understating_its_load_draws_no_more_than_its_share(quick_family):
+    """Idle and instant by its own reports, the liar would draw every miss; the entry node counts its own
+    requests in flight there and the capacity it registered, so concurrent misses spread over the group,
+    and every one is answered and signed."""
+    async def main():
+        entry, honest = make_node(quick_family), make_node(quick_family)
+        liar = make_node(quick_family, cls=UnderReporting)
+        nodes = [entry, honest, liar]
+        await start(nodes)
+        try:
+            await wait_until(lambda: entry.sync.tree.table.get(liar.node_id).load == LoadReport(0.001, 0, 64))
+            for node in (entry, honest):  # real latencies, so the liar's 1 ms makes it the fastest on paper
+                await complete(node, "Warm up.", planetserve={"no_forward": True})
+            await wait_until(lambda: all(e.load is not None and e.load.latency > 0.001
+                                         for e in entry.sync.tree.table if e.node_id != liar.node_id))
+            prompts = [f"Question {i}: what does module number {i} of the library do?" for i in range(6)]
+            answers = await asyncio.gather(*(complete(entry, p, max_tokens=24) for p in prompts))
+            served_by = [a.json()["planetserve"]["served_by"] for a in answers]
+            assert all(signed(a.json()).node == entry.keys.public for a in answers)
+            assert 1 <= served_by.count(liar.node_id) <= 3, served_by
+            assert len(set(served_by)) >= 2, served_by
+            assert entry.status()["forwards"]["inflight"] == {}
+            assert liar.node_id in entry.status()["forwards"]["latency"]
         finally:
             await stop(nodes)
 

@@ -20,9 +20,13 @@ from test_overlay_network import RelayProcess, acme_node, start_relays
 from planetserve.chain.keys import KeySet
 from planetserve.localnet import processes
 
-pytestmark = [pytest.mark.network, pytest.mark.faults, pytest.mark.soak]
-
 SECONDS = float(os.environ.get("SOAK_SECONDS", "600"))
+SETUP_S = 300
+"""Room beyond the load itself for starting the network and checking everything at the end."""
+
+pytestmark = [pytest.mark.network, pytest.mark.faults, pytest.mark.soak,
+              pytest.mark.timeout(SECONDS + SETUP_S)]
+
 WARM_UP_S = min(60.0, SECONDS / 5)
 TX_INTERVAL_S = 1.0
 PROMPT_INTERVAL_S = 5.0

@@ -12,6 +12,11 @@ and send the whole group's traffic to the one with the lowest L. Candidates are 
 - on a full tie the receiving node keeps the request (no needless hop), then the node id decides, so
   every node ranks the same candidates the same way.
 
+Loads are what peers report about themselves, so a node could understate its own to draw requests.
+`checked` raises each peer's report to what the deciding node sees for itself: at least the requests it
+has in flight there, at least the latency its forwards there took, and at most the capacity the peer
+registered on the ledger.
+
 Everything here is pure: the caller passes the candidates (its node table) and gets a `Decision` that
 says why, for logs and tests.
 """
@@ -19,7 +24,7 @@ says why, for logs and tests.
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol
@@ -77,6 +82,31 @@ class Candidate(Protocol):
 
     @property
     def load(self) -> LoadReport | None: ...
+
+
+@dataclass(frozen=True)
+class Seen:
+    """A candidate with the load the deciding node can vouch for."""
+
+    node_id: str
+    trusted: bool
+    load: LoadReport | None
+
+
+def checked(candidates: Iterable[Candidate], self_id: str, *, inflight: Mapping[str, int],
+            latency: Mapping[str, float], capacity: Mapping[str, int]) -> list[Seen]:
+    """Each peer's reported load made no lighter than what this node sees: Q at least its requests in
+    flight there, L at least the moving average of its forwards' durations there, C at most the
+    registered capacity. Our own entry is what we measure, so it is taken as is."""
+    seen = []
+    for c in candidates:
+        load = c.load
+        if load is not None and c.node_id != self_id:
+            load = LoadReport(max(load.latency, latency.get(c.node_id, 0.0)),
+                              max(load.queued, inflight.get(c.node_id, 0)),
+                              max(1, min(load.capacity, capacity.get(c.node_id, load.capacity))))
+        seen.append(Seen(c.node_id, c.trusted, load))
+    return seen
 
 
 @dataclass(frozen=True)

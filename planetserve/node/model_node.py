@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import itertools
 import logging
 import time
 from collections import OrderedDict
@@ -35,7 +36,15 @@ from planetserve.chain.challenge import (
     sign_response,
 )
 from planetserve.chain.keys import KeySet
-from planetserve.node.balance import BalancePolicy, Decision, LatencyEWMA, LoadReport, Reason, route
+from planetserve.node.balance import (
+    BalancePolicy,
+    Decision,
+    LatencyEWMA,
+    LoadReport,
+    Reason,
+    checked,
+    route,
+)
 from planetserve.node.behaviours import ALTER_PROMPTS, clickbait_request
 from planetserve.node.cachesync import CacheSync, SyncConfig, SyncError
 from planetserve.node.directory import Directory, DirectoryView, OnDemand
@@ -135,6 +144,40 @@ class Job:
                           planetserve=PlanetServeOptions(session_id=self.session_id, hops=1))
 
 
+INFLIGHT_TTL = 300.0
+"""Seconds after which a forward whose stream was never read to its end stops counting as in flight."""
+
+
+class Forwards:
+    """This node's forwards to each peer: those in flight (Q as we see it) and how long the finished ones
+    took (L as we see it), which a peer's own load reports cannot understate (`balance.checked`)."""
+
+    def __init__(self) -> None:
+        self._open: dict[str, dict[int, float]] = {}
+        self._latency: dict[str, LatencyEWMA] = {}
+        self._tokens = itertools.count()
+
+    def start(self, peer_id: str, now: float) -> int:
+        token = next(self._tokens)
+        self._open.setdefault(peer_id, {})[token] = now
+        return token
+
+    def end(self, peer_id: str, token: int, answered_at: float | None = None) -> None:
+        """Idempotent; `answered_at` (a whole answer came back) adds the forward's duration to L."""
+        started = self._open.get(peer_id, {}).pop(token, None)
+        if not self._open.get(peer_id, True):
+            del self._open[peer_id]
+        if started is not None and answered_at is not None:
+            self._latency.setdefault(peer_id, LatencyEWMA()).observe(max(0.0, answered_at - started))
+
+    def inflight(self, now: float) -> dict[str, int]:
+        return {peer: count for peer, opened in self._open.items()
+                if (count := sum(now - t < INFLIGHT_TTL for t in opened.values()))}
+
+    def latency(self) -> dict[str, float]:
+        return {peer: ewma.value for peer, ewma in self._latency.items() if ewma.value is not None}
+
+
 @dataclass(frozen=True)
 class StageRole:
     """A node that is also a stage of its deployment's layer pipeline: the other stages (each a
@@ -194,6 +237,7 @@ class ModelNode:
                               load_interval=config.load_interval))
         self.mirror = PrefixMirror()
         self.latency = LatencyEWMA()
+        self.forwards = Forwards()
         self.sessions: OrderedDict[str, str] = OrderedDict()
         self.view = EMPTY
         self.users = users
@@ -390,7 +434,11 @@ class ModelNode:
         """Algorithm 2 at this node for a prompt the HR-tree matched as `result`, with session affinity
         and the one-hop rule."""
         affinity = self.sessions.get(options.session_id) if options.session_id else None
-        return route(self.node_id, self.sync.tree.table, holders=result.holders if result.matched else (),
+        now = time.monotonic()
+        candidates = checked(self.sync.tree.table, self.node_id, inflight=self.forwards.inflight(now),
+                             latency=self.forwards.latency(),
+                             capacity={k.hex(): n.capacity for k, n in self.view.members.items()})
+        return route(self.node_id, candidates, holders=result.holders if result.matched else (),
                      forwarded=options.hops > 0 or options.no_forward, affinity=affinity,
                      policy=self.policy)
 
@@ -486,40 +534,50 @@ class ModelNode:
         """Open the stream at the peer and wait for its first chunk (with `whole`, for all of it), so
         that a peer that cannot serve is noticed before anything is sent to the client (and the
         request is served here instead). `claimed`: the prompt tokens the peer claimed to hold, when
-        it was picked as a hit; what it found cached is checked against them once it answered."""
-        conn = await self.peering.connect(bytes.fromhex(peer_id), address)
-        replies = conn.request("generate", job.to_wire())
+        it was picked as a hit; what it found cached is checked against them once it answered. The
+        forward counts as in flight there until its stream ends (Forwards)."""
+        token = self.forwards.start(peer_id, time.monotonic())
         try:
+            conn = await self.peering.connect(bytes.fromhex(peer_id), address)
+            replies = conn.request("generate", job.to_wire())
             first = await anext(replies)
             if whole:
                 replies = _replay([reply async for reply in replies])
         except StopAsyncIteration:
+            self.forwards.end(peer_id, token)
             raise TransportError("the peer ended the stream without an answer") from None
         except RemoteError as exc:
+            self.forwards.end(peer_id, token)
             raise TransportError(f"the peer refused or failed: {exc}") from exc
+        except BaseException:
+            self.forwards.end(peer_id, token)
+            raise
         signed: dict[str, Any] = {}
         found = [0]
         """The most prompt tokens the peer reported cached (an engine may report them on any chunk)."""
 
         async def chunks() -> AsyncIterator[TokenChunk]:
             reply = first
-            while True:
-                if isinstance(reply, list) and len(reply) == 5 and reply[0] == "chunk":
-                    _, ids, finish, prompt_tokens, cached = reply
-                    if type(cached) is int:
-                        found[0] = max(found[0], cached)
-                    yield TokenChunk(tuple(ids), finish, prompt_tokens, cached)
-                elif isinstance(reply, list) and len(reply) == 2 and reply[0] == "signed":
-                    signed.update(reply[1] if isinstance(reply[1], dict) else {})
-                    return
-                else:
-                    raise EngineError("the peer sent a malformed reply")
-                try:
-                    reply = await anext(replies)
-                except StopAsyncIteration:
-                    return
-                except TransportError as exc:
-                    raise EngineError(f"the peer failed mid-answer: {exc}") from exc
+            try:
+                while True:
+                    if isinstance(reply, list) and len(reply) == 5 and reply[0] == "chunk":
+                        _, ids, finish, prompt_tokens, cached = reply
+                        if type(cached) is int:
+                            found[0] = max(found[0], cached)
+                        yield TokenChunk(tuple(ids), finish, prompt_tokens, cached)
+                    elif isinstance(reply, list) and len(reply) == 2 and reply[0] == "signed":
+                        signed.update(reply[1] if isinstance(reply[1], dict) else {})
+                        return
+                    else:
+                        raise EngineError("the peer sent a malformed reply")
+                    try:
+                        reply = await anext(replies)
+                    except StopAsyncIteration:
+                        return
+                    except TransportError as exc:
+                        raise EngineError(f"the peer failed mid-answer: {exc}") from exc
+            finally:
+                self.forwards.end(peer_id, token, time.monotonic() if signed else None)
 
         stream = chunks()
 
@@ -555,6 +613,8 @@ class ModelNode:
             "cache_entries": self.sync.tree.entries(self.node_id), "tree_size": len(self.sync.tree),
             "plan_version": self.sync.plan.version, "counters": dict(self.counters),
             "routes": dict(self.routes),
+            "forwards": {"inflight": self.forwards.inflight(time.monotonic()),
+                         "latency": self.forwards.latency()},
             "sync": dict(vars(self.sync.stats)), "overlay": dict(self.gateway.counters),
             "stage": list(self.stage.layers) if self.stage is not None else None,
         }
