@@ -9,7 +9,8 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
 
@@ -20,7 +21,9 @@ from modelnodes import free_port, signed
 from openai import APIStatusError, OpenAI
 from test_model_node_network import NodeProcess, init_home, planetserve, wait_until
 
+from planetserve.chain.client import LedgerClient
 from planetserve.chain.keys import KeySet
+from planetserve.localnet.cluster import Cluster
 from planetserve.node.home import UserConfig
 
 pytestmark = pytest.mark.network
@@ -75,6 +78,25 @@ def acme_node(tmp_path: Path, net, data: Path) -> NodeProcess:
     return NodeProcess(tmp_path / "mn", tmp_path / "acme.json")
 
 
+@contextmanager
+def acme_network(tmp_path: Path, data: Path) -> Iterator[tuple[Cluster, LedgerClient, NodeProcess,
+                                                                 list[RelayProcess]]]:
+    """A four-validator network with acme's model node (`acme_node`): (network, ledger client, node,
+    relays). Relays the caller adds to the list are stopped with the rest, whatever happens."""
+    net = start_network(tmp_path / "net")
+    relays: list[RelayProcess] = []
+    node = None
+    try:
+        node = acme_node(tmp_path, net, data)
+        yield net, ledger(net), node, relays
+    finally:
+        for relay in relays:
+            relay.stop()
+        if node is not None:
+            node.stop()
+        net.close()
+
+
 def relay_retried(call: Callable[[], T], context: Callable[[], str] = lambda: "") -> T:
     """`call()` through a relay, its 502 and 503 answers (documented as worth a retry: a proxy whose
     registration the model node has not read yet, a path that just broke) retried twice, as a client
@@ -109,20 +131,14 @@ def start_relays(tmp_path: Path, net, count: int, name: str = "user") -> list[Re
 
 
 def test_an_openai_client_chats_through_user_relays_on_the_ledger(tmp_path, quick_family):
-    net = start_network(tmp_path / "net")
-    relays: list[RelayProcess] = []
-    node = None
-    try:
-        client = ledger(net)
-        node = acme_node(tmp_path, net, quick_family)
-
+    with acme_network(tmp_path, quick_family) as (net, client, node, relays):
         homes = [tmp_path / f"user{i}" for i in range(RELAYS)]
         for home in homes:
             init_user(home, net)
         bad = planetserve("node", "init-user", "--home", str(tmp_path / "x"), "--genesis",
                           str(net.spec.genesis_path), "--proxies", "2")
         assert bad.returncode != 0 and "--proxies >= --n >= --k" in bad.stderr
-        relays = [RelayProcess(home) for home in homes]
+        relays.extend(RelayProcess(home) for home in homes)
         ready = [relay.wait_ready() for relay in relays]
         assert {r["registration"] for r in ready} == {"registered"}
         listing, users = client.users()
@@ -156,9 +172,3 @@ def test_an_openai_client_chats_through_user_relays_on_the_ledger(tmp_path, quic
         again = openai.completions.create(model="gt", prompt="The os module", max_tokens=4,
                                           extra_body={"ignore_eos": True})
         assert again.choices[0].finish_reason == "length" and again.usage.completion_tokens == 4
-    finally:
-        for relay in relays:
-            relay.stop()
-        if node is not None:
-            node.stop()
-        net.close()

@@ -12,10 +12,10 @@ import time
 from pathlib import Path
 
 import pytest
-from chainnet import assert_same_app_hashes, ledger, start_network
+from chainnet import assert_same_app_hashes
 from openai import OpenAI
 from test_model_node_network import wait_until
-from test_overlay_network import RelayProcess, acme_node, start_relays
+from test_overlay_network import acme_network, start_relays
 
 from planetserve.chain.keys import KeySet
 from planetserve.localnet import processes
@@ -42,13 +42,8 @@ def rss_mib(pid: int) -> float:
 
 
 def test_sustained_load_loses_nothing_and_memory_stays_bounded(tmp_path, quick_family):
-    net = start_network(tmp_path / "net")
-    relays: list[RelayProcess] = []
-    node = None
-    try:
-        client = ledger(net)
-        node = acme_node(tmp_path, net, quick_family)
-        relays = start_relays(tmp_path, net, RELAYS)
+    with acme_network(tmp_path, quick_family) as (net, client, node, relays):
+        relays += start_relays(tmp_path, net, RELAYS)
         wait_until(lambda: len(relays[0].status()["paths"]) >= 4, timeout=60)
         openai = OpenAI(base_url=f"{relays[0].ready['http']}/v1", api_key="none", max_retries=2, timeout=60)
 
@@ -105,9 +100,3 @@ def test_sustained_load_loses_nothing_and_memory_stays_bounded(tmp_path, quick_f
         grown = {name: (start[name], end[name]) for name in pids
                  if end[name] > start[name] * GROWTH_FACTOR + GROWTH_SLACK_MIB}
         assert not grown, f"memory grew: {grown}"
-    finally:
-        for relay in relays:
-            relay.stop()
-        if node is not None:
-            node.stop()
-        net.close()

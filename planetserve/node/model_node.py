@@ -543,14 +543,12 @@ class ModelNode:
             first = await anext(replies)
             if whole:
                 replies = _replay([reply async for reply in replies])
-        except StopAsyncIteration:
+        except BaseException as exc:
             self.forwards.end(peer_id, token)
-            raise TransportError("the peer ended the stream without an answer") from None
-        except RemoteError as exc:
-            self.forwards.end(peer_id, token)
-            raise TransportError(f"the peer refused or failed: {exc}") from exc
-        except BaseException:
-            self.forwards.end(peer_id, token)
+            if isinstance(exc, StopAsyncIteration):
+                raise TransportError("the peer ended the stream without an answer") from None
+            if isinstance(exc, RemoteError):
+                raise TransportError(f"the peer refused or failed: {exc}") from exc
             raise
         signed: dict[str, Any] = {}
         found = [0]

@@ -208,10 +208,11 @@ class Daemon:
             return
         pipelines = credits.pipelines(self.ledger.deployments()[1])
         followers = {node for later in pipelines.values() for node in later}
-        required = epochs.plan_nodes(target, self.ledger.registered_nodes(), params.max_plan_nodes, followers)
+        registered = self.ledger.registered_nodes()
+        required = epochs.plan_nodes(target, registered, params.max_plan_nodes, followers)
         planned = {entry.node for entry in self.ledger.plan(target_number)[1]}
         _, committee = self.ledger.committee()
-        models = {n.pubkey: n.model_id for n in self.ledger.registered_nodes()}
+        models = {n.pubkey: n.model_id for n in registered}
         entries = [self._plan_entry(node, models.get(node, ""), committee, params)
                    for node in required if node not in planned]
         parts = _parts(entries, params.max_tx_bytes - TX_MARGIN_BYTES)
