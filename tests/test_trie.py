@@ -492,6 +492,16 @@ def test_error_messages_are_specific() -> None:
     entries, proof = t.prove(b"user/")
     with pytest.raises(ProofError, match="entry key outside prefix"):
         verify_prefix(t.root, b"user/", [*entries, (b"vser", b"x")], proof)
+    with pytest.raises(ProofError, match="entry key outside prefix: b'node/x'"):
+        verify_prefix(t.root, b"user/", [(b"node/x", b"3"), *entries], proof)
+    for bad, reason in (
+        ((b"user/a",), "not enough values"),
+        ((b"user/a", "1"), "value must be bytes"),
+        ((b"user/\x00", b"1"), "not ASCII"),
+        (None, "cannot unpack"),
+    ):
+        with pytest.raises(ProofError, match=f"malformed entry: .*{reason}"):
+            verify_prefix(t.root, b"user/", [bad, *entries[1:]], proof)
     with pytest.raises(ProofError, match="recomputed root does not match app hash"):
         verify_prefix(t.root, b"user/", entries[:1], proof)
     absent = t.prove(b"nodf")[1]

@@ -329,10 +329,17 @@ class TrieBuilder:
 
 def subtree_root(entries: Sequence[tuple[bytes, bytes]]) -> bytes:
     """Root hash of the trie holding exactly `entries` (sorted by key, no duplicates; ValueError
-    otherwise); EMPTY_ROOT for no entries. The checks of `check_key` and `leaf_hash` are inlined:
-    this is what a client runs over every entry of a signed list."""
-    b = TrieBuilder()
-    add = b.add
+    otherwise); EMPTY_ROOT for no entries. This is what a client runs over every entry of a signed
+    list, hence the specialised path below rather than `TrieBuilder`."""
+    return _leaves_root(*_leaves(entries))
+
+
+def _leaves(entries: Iterable[tuple[bytes, bytes]]) -> tuple[list[bytes], list[bytes]]:
+    """The terminated keys and leaf hashes of `entries`, checking each (the checks of `check_key`
+    are inlined) and their strictly increasing order; ValueError or TypeError naming the first
+    offence."""
+    tks: list[bytes] = []
+    hashes: list[bytes] = []
     sha = _sha256
     prev = b""
     for key, value in entries:
@@ -343,10 +350,40 @@ def subtree_root(entries: Sequence[tuple[bytes, bytes]]) -> bytes:
         if key <= prev:
             raise ValueError(f"entries not in strictly increasing key order at {key[:80]!r}")
         prev = key
-        n = len(key)
-        leaf = sha(b"\x00" + n.to_bytes(4, "big") + key + sha(value).digest()).digest()
-        add(key + b"\x00", 8 * n + 8, leaf)
-    return b.finish()
+        tks.append(key + b"\x00")
+        hashes.append(sha(b"\x00" + len(key).to_bytes(4, "big") + key + sha(value).digest()).digest())
+    return tks, hashes
+
+
+def _leaves_root(tks: list[bytes], hashes: list[bytes]) -> bytes:
+    """Root hash over leaves in strictly increasing order of terminated key: the Cartesian tree of
+    the neighbours' common-prefix lengths, as `TrieBuilder` makes it, without its per-item checks
+    (distinct sorted keys cannot violate them). Keys are compared as integers left-aligned to the
+    longest one; since no terminated key is a prefix of another, padding never hides a difference."""
+    if not tks:
+        return EMPTY_ROOT
+    width = max(map(len, tks))
+    ints = [int.from_bytes(tk, "big") << (8 * (width - len(tk))) for tk in tks]
+    top = 8 * width
+    sha = _sha256
+    lengths: list[int] = []
+    lefts: list[bytes] = []
+    cur = hashes[0]
+    splits = [top - (a ^ b).bit_length() for a, b in zip(ints, ints[1:], strict=False)]
+    for i, c in enumerate(splits):
+        if lengths and lengths[-1] > c:
+            rep = tks[i]
+            while lengths and lengths[-1] > c:
+                nb = lengths.pop()
+                cur = sha(b"\x01" + nb.to_bytes(2, "big") + _pack(rep, nb) + lefts.pop() + cur).digest()
+        lengths.append(c)
+        lefts.append(cur)
+        cur = hashes[i + 1]
+    rep = tks[-1]
+    while lengths:
+        nb = lengths.pop()
+        cur = sha(b"\x01" + nb.to_bytes(2, "big") + _pack(rep, nb) + lefts.pop() + cur).digest()
+    return cur
 
 
 class MemoryNodes:
@@ -782,27 +819,14 @@ def verify_prefix(root: bytes, prefix: bytes, entries: list[tuple[bytes, bytes]]
     if kind is ProofKind.SUBTREE:
         if not entries:
             raise ProofError("subtree proof with no entries")
-        b = TrieBuilder()
-        add = b.add
-        prev = b""
-        for entry in entries:
-            if not isinstance(entry, tuple | list) or len(entry) != 2:
-                raise ProofError("entry is not a (key, value) pair")
-            key, value = entry
-            try:
-                check_key(key)
-            except (TypeError, ValueError) as exc:
-                raise ProofError(f"malformed entry key: {exc}") from None
-            if not isinstance(value, bytes):
-                raise ProofError("entry value is not bytes")
-            if key <= prev:
-                raise ProofError("entries not in strictly increasing key order")
-            prev = key
-            tk = key + b"\x00"
-            if not tk.startswith(prefix):
-                raise ProofError(f"entry key outside prefix: {key[:80]!r}")
-            add(tk, 8 * len(tk), leaf_hash(key, value))
-        h = b.finish()
+        try:
+            tks, hashes = _leaves(entries)
+        except (TypeError, ValueError) as exc:
+            raise ProofError(f"malformed entry: {exc}") from None
+        outside = [tk for tk in (tks[0], tks[-1]) if not tk.startswith(prefix)]  # sorted: all between
+        if outside:
+            raise ProofError(f"entry key outside prefix: {outside[0][:-1][:80]!r}")
+        h = _leaves_root(tks, hashes)
     else:
         if entries:
             raise ProofError(f"{kind.name} proof (an absence proof) with entries")
