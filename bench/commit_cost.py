@@ -16,10 +16,18 @@ counted) are reported per block; on a shared 2-core machine CPU time is the stea
 since it does not count time spent waiting for a core, so the target column judges the CPU-time
 ratio.
 
-Two ways of making a block are measured:
-  write  the block only writes: batch.set() x 1,000, root(), commit()
-  rmw    as the chain's handlers do: each update reads the record first and each insert checks
-         that the key is absent (batch.get() x 1,000), then the same writes, root(), commit()
+Three ways of making a block are measured, one after the other on the same store:
+  write   the block only writes: batch.set() x 1,000, root(), commit()
+  rmw     as the chain's handlers do: each update reads the record first and each insert checks
+          that the key is absent (batch.get() x 1,000), then the same writes, root(), commit()
+  pruned  as write, on a store that keeps only the last 2 heights: each commit also deletes the
+          nodes that the commit before it replaced (what any keep_heights deletes per block once
+          the chain is longer than it); the heights of the first two modes are pruned first
+nodes/block is the mean net growth of the node table per measured block (nodes written less nodes
+deleted). Every block inserts 498 keys, so the state itself grows by about 1,000 nodes (a leaf and
+an inner node per key); an archive also keeps every path a block replaces. (The SQLite file does not
+shrink: deleted nodes free space inside pages that later appends, at higher ids, do not reuse until
+a page empties; PostgreSQL reuses it.)
 
     .venv/bin/python bench/commit_cost.py                      # 10k, 100k, 1M users
     .venv/bin/python bench/commit_cost.py --sizes 10000,100000 --blocks 5 --json out.json
@@ -39,14 +47,17 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from planetserve.chain.store import StateStore
+from sqlalchemy import func, select
+
+from planetserve.chain.store import StateStore, orphans_table
 from planetserve.chain.trie import PrefixProof, verify_prefix
 
 BLOCK_UPDATE_USERS = 251  # x 2 keys (user/ and ulist/ records) = 502 updates
 BLOCK_NEW_USERS = 166  # x 3 keys = 498 inserts
 BLOCK_KEYS = 2 * BLOCK_UPDATE_USERS + 3 * BLOCK_NEW_USERS
 REGIONS = ("ap-south", "eu-west", "sa-east", "us-east")
-MODES = ("write", "rmw")
+MODES = ("write", "rmw", "pruned")
+PRUNED_KEEP = 2
 TARGET_RATIO = 2.0
 
 
@@ -142,17 +153,36 @@ class Subject:
         self.store.bulk_load(state_entries(self.uids, self.rnd), 1)
         self.bulk_load_s = time.perf_counter() - t0
         self.inserted = 0
-        self.samples: dict[str, list[tuple[float, float, float]]] = {m: [] for m in MODES}
+        self.samples: dict[str, list[tuple[float, float, float, int]]] = {m: [] for m in MODES}
 
     def block(self, mode: str, j: int, keep: bool) -> None:
         rnd = self.rnd
         updates = [self.uids[i] for i in rnd.sample(range(len(self.uids)), BLOCK_UPDATE_USERS)]
         inserts = [user_id(self.inserted + t, b"new") for t in range(BLOCK_NEW_USERS)]
         self.inserted += BLOCK_NEW_USERS
-        sample = run_block(self.store, mode, updates, inserts, j, rnd)
+        store = self.store
+        first_id, orphans = store._next_id, self.orphan_ids()
+        sample = run_block(store, mode, updates, inserts, j, rnd)
+        deleted = orphans + self.orphan_ids(store.height) - self.orphan_ids()
+        sample = (*sample, store._next_id - first_id - deleted)
         self.uids.extend(inserts)
         if keep:
             self.samples[mode].append(sample)
+
+    def orphan_ids(self, height: int | None = None) -> int:
+        """How many replaced node ids wait for pruning (those of `height` only, if given)."""
+        q = select(func.coalesce(func.sum(func.length(orphans_table.c.ids)), 0))
+        if height is not None:
+            q = q.where(orphans_table.c.height == height)
+        with self.store._engine.connect() as conn:
+            return conn.execute(q).scalar() // 8
+
+    def pruning_backlog(self) -> bool:
+        """Whether heights older than the store keeps still have nodes to delete."""
+        store = self.store
+        with store._engine.connect() as conn:
+            oldest = conn.execute(select(func.min(orphans_table.c.height))).scalar()
+        return oldest is not None and oldest <= store.height - store.keep_heights + 1
 
     def result(self) -> dict[str, object]:
         self.store.close()
@@ -173,6 +203,11 @@ def run_worker(users: int, blocks: int, warmup: int, workdir: Path, seed: int) -
     subject = Subject(users, workdir, seed)
     j = 0
     for mode in MODES:
+        if mode == "pruned":
+            subject.store.keep_heights = PRUNED_KEEP
+            while subject.pruning_backlog():
+                j += 1
+                subject.block(mode, j, keep=False)
         for r in range(warmup + blocks):
             j += 1
             subject.block(mode, j, keep=r >= warmup)
@@ -210,13 +245,14 @@ def measure(sizes: list[int], blocks: int, warmup: int, rounds: int, workdir: Pa
         }
         for m in MODES:
             samples = row["samples"][m]
-            totals = [r + c for r, c, _ in samples]
+            totals = [r + c for r, c, _, _ in samples]
             out[m] = {
                 "blocks": len(samples),
                 "ms_per_block": statistics.median(totals),
-                "cpu_ms_per_block": statistics.median(cpu for _, _, cpu in samples),
-                "root_ms": statistics.median(r for r, _, _ in samples),
-                "commit_ms": statistics.median(c for _, c, _ in samples),
+                "cpu_ms_per_block": statistics.median(cpu for _, _, cpu, _ in samples),
+                "root_ms": statistics.median(r for r, _, _, _ in samples),
+                "commit_ms": statistics.median(c for _, c, _, _ in samples),
+                "node_growth": statistics.mean(g for _, _, _, g in samples),
                 "min_ms": min(totals),
                 "max_ms": max(totals),
             }
@@ -265,7 +301,7 @@ def print_tables(rows: list[dict], verify: dict, blocks: int, warmup: int) -> No
         hdr = (
             f"{'users':>10} {'state keys':>11} {'ms/block':>9} {'cpu ms':>8} {'root ms':>8}"
             f" {'commit ms':>10} {'min-max ms':>12} {'wall vs 1st':>12} {'cpu vs 1st':>11}"
-            f" {'target':>7} {'bulk load s':>12} {'db MiB':>7}"
+            f" {'target':>7} {'bulk load s':>12} {'db MiB':>7} {'nodes/block':>12}"
         )
         print(hdr)
         print("-" * len(hdr))
@@ -279,7 +315,7 @@ def print_tables(rows: list[dict], verify: dict, blocks: int, warmup: int) -> No
                 f"{r['users']:>10,} {r['state_keys']:>11,} {m['ms_per_block']:>9.1f}"
                 f" {m['cpu_ms_per_block']:>8.1f} {m['root_ms']:>8.1f} {m['commit_ms']:>10.1f}"
                 f" {span:>12} {m['ratio']:>11.2f}x {m['cpu_ratio']:>10.2f}x {ok:>7}"
-                f" {r['bulk_load_s']:>12.1f} {r['db_mb']:>7.0f}"
+                f" {r['bulk_load_s']:>12.1f} {r['db_mb']:>7.0f} {m['node_growth']:>12,.0f}"
             )
     v = verify
     print(f"\nClient-side verification of a {v['entries']:,}-entry prefix proof (decode + verify_prefix)")

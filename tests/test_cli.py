@@ -150,9 +150,11 @@ def test_node_homes_take_an_existing_key_and_are_never_overwritten(tmp_path):
 
 def test_genesis_init_builds_homes(tmp_path):
     out = json.loads(run("genesis", "init", str(tmp_path / "net"), "-n", "2", "--model", "gt=Reference",
-                         "--chain-id", "c1", "--json"))
+                         "--chain-id", "c1", "--keep-heights", "500", "--json"))
     genesis = json.loads(Path(out["genesis"]).read_text())
     assert genesis["chain_id"] == "c1" and len(genesis["validators"]) == 2
+    for v in out["validators"]:
+        assert json.loads((Path(v["home"]) / "config" / "planetserve.json").read_text())["keep_heights"] == 500
     assert [m["model_id"] for m in genesis["app_state"]["models"]] == ["gt"]
     assert len(genesis["app_state"]["committee"]) == 2
     assert "already" in run("genesis", "init", str(tmp_path / "net"), "-n", "2", code=1).lower()
@@ -215,3 +217,11 @@ def test_chain_start_runs_app_and_cometbft_until_terminated(tmp_path):
 
 def test_chain_app_refuses_a_home_without_config(tmp_path):
     assert "planetserve genesis init" in run("chain", "app", "--home", str(tmp_path), code=1)
+
+
+def test_chain_app_refuses_to_prune_the_height_clients_verify(tmp_path):
+    spec = json.loads(run("genesis", "init", str(tmp_path / "one"), "-n", "1", "--json"))
+    home = spec["validators"][0]["home"]
+    out = run("chain", "app", "--home", home, "--keep-heights", "1", code=1)
+    assert "keep_heights must be 0 (keep every height) or at least 2" in " ".join(out.split())
+    assert "x>=0" in run("genesis", "init", str(tmp_path / "two"), "--keep-heights", "-3", code=2)

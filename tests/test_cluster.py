@@ -59,6 +59,7 @@ def test_build_with_app_state_and_failing_app(tmp_path) -> None:
         "abci_listen": f"127.0.0.1:{v0.ports.abci}",
         "db": "postgresql://db/a",
         "chain_id": "app-chain",
+        "keep_heights": 0,
     }
     with pytest.raises(ClusterError, match="expects an ABCI app"):
         Cluster(spec)

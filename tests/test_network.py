@@ -6,10 +6,12 @@ import base64
 import hashlib
 import json
 import signal
+import sqlite3
 import subprocess
 import sys
 import threading
 import time
+from contextlib import closing
 from dataclasses import replace
 
 import pytest
@@ -352,3 +354,41 @@ def test_lying_endpoint_cannot_forge_the_commit(net):
             client.nodes("gt")
     finally:
         proxy.close()
+
+
+def _stored_nodes(i: int, net) -> int:
+    """Rows in validator i's trie node table, read beside the running app (SQLite WAL readers)."""
+    db = net.spec.validators[i].home / "data" / "planetserve.db"
+    with closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn:
+        return conn.execute("SELECT count(*) FROM state_nodes").fetchone()[0]
+
+
+def test_a_pruning_validator_agrees_and_serves_only_its_recent_heights(net):
+    """v3 restarts with keep_heights 20 in its planetserve.json: it deletes the trie nodes only
+    older heights used, keeps signing the same app hashes, answers verified lists at the recent
+    heights, and refuses older ones by name while an archive validator still answers them."""
+    config = net.spec.validators[3].home / "config" / "planetserve.json"
+    original = config.read_text()
+    net.stop(3)
+    config.write_text(json.dumps({**json.loads(original), "keep_heights": 20}))
+    try:
+        net.start(3)
+        client = ledger(net, 0)
+        for _ in range(3):
+            done = client.submit(KeySet.generate(), "register-user", {"address": "127.0.0.1:1", "region": "prune"})
+            assert done.outcome.code == 0, done.outcome.log
+        top = max(net.wait_for_height(max(done.height + 2, 2 + 20 + 3), timeout=60).values())  # height 2 pruned
+        net.wait_for_height(top, validators=[3], timeout=60)
+        assert_same_app_hashes(net, top)
+        pruner = ledger(net, 3)
+        pruner.min_height = done.height
+        listing, users = pruner.users("prune")
+        assert listing.verified and len(users) == 3
+        old = net.rpc(3).abci_query("/prefix", b"user/", height=2)
+        assert old.code != 0 and "height 2 is pruned" in old.log and "keeps the last 20 heights" in old.log
+        assert net.rpc(0).abci_query("/prefix", b"user/", height=2).code == 0
+        assert _stored_nodes(3, net) < _stored_nodes(0, net)
+    finally:
+        net.stop(3)
+        config.write_text(original)
+        net.start(3)

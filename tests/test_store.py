@@ -14,14 +14,18 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from sqlalchemy import select
 
+from planetserve.chain import store as store_module
 from planetserve.chain import trie
 from planetserve.chain.store import (
     StaleBatchError,
     StateStore,
     StoreError,
     TooManyEntriesError,
+    nodes_table,
     normalise_url,
+    roots_table,
 )
 from planetserve.chain.trie import EMPTY_ROOT, ProofError, subtree_root, verify_key, verify_prefix
 
@@ -602,3 +606,106 @@ def test_previous_height_from_undo_matches_the_trie_walk(store_url: str, seed: i
         verify_key(roots[previous - 1], key, value, proof)
     live.close()
     reopened.close()
+
+
+# -- pruning -------------------------------------------------------------------------------------
+
+
+def _stored_ids(s: StateStore) -> set[int]:
+    with s._engine.connect() as conn:
+        return {i for (i,) in conn.execute(select(nodes_table.c.id))}
+
+
+def _retained(s: StateStore) -> dict[int, int | None]:
+    """Height -> root node id of every height the store still serves."""
+    with s._engine.connect() as conn:
+        return dict(conn.execute(select(roots_table.c.height, roots_table.c.root_id)).all())
+
+
+def _reachable(s: StateStore, root_id: int | None) -> set[int]:
+    seen: set[int] = set()
+    todo = [] if root_id is None else [root_id]
+    while todo:
+        i = todo.pop()
+        seen.add(i)
+        _, left, right = s._load_full([i])[i]
+        if left is not None:
+            todo += (left, right)
+    return seen
+
+
+def _pruning_block(h: int, model: dict[bytes, bytes], rnd: random.Random) -> dict[bytes, bytes | None]:
+    """Random writes, with the blocks that leave nodes in place in between: rewriting values
+    unchanged, deleting only absent keys (the root stays), and deleting everything."""
+    if h == 5:
+        return dict(sorted(model.items())[:20])
+    if h == 6:
+        return {b"zz/absent-1": None, b"zz/absent-2": None}
+    if h == 11:
+        return dict.fromkeys(model)
+    return _random_blocks(rnd.randrange(10**6), n_blocks=1)[0]
+
+
+def _check_pruned(s: StateStore, roots: dict[int, bytes], keep: int) -> None:
+    """Exactly the last `keep` heights are served, each proven against its app hash, and the node
+    table holds exactly the nodes of their tries: nothing they need is gone, nothing else is left."""
+    h = s.height
+    retained = _retained(s)
+    assert sorted(retained) == list(range(max(1, h - keep + 1), h + 1))
+    assert _stored_ids(s) == set().union(*(_reachable(s, r) for r in retained.values()))
+    for height in retained:
+        entries, proof = s.prove_prefix(b"", 10_000, height)
+        verify_prefix(roots[height], b"", entries, proof)
+    for height in range(1, h - keep + 1):
+        with pytest.raises(ValueError, match=f"height {height} is pruned: .* keeps the last {keep} heights"):
+            s.prove_prefix(b"user/", 10_000, height)
+
+
+@pytest.mark.parametrize("keep", [2, 3, 7])
+def test_pruning_keeps_exactly_the_last_heights(store_url: str, tmp_path: Path, keep: int) -> None:
+    rnd = random.Random(keep)
+    s = StateStore(store_url, keep_heights=keep)
+    archive = StateStore(f"sqlite:///{tmp_path / 'archive.db'}")
+    model: dict[bytes, bytes] = {}
+    roots: dict[int, bytes] = {}
+    for h in range(1, 15):
+        block = _pruning_block(h, model, rnd)
+        roots[h] = _commit_block(s, h, block, model)
+        assert _commit_block(archive, h, block, {}) == roots[h]  # pruning never changes the app hash
+        _check_pruned(s, roots, keep)
+    s.close()
+    s = StateStore(store_url, keep_heights=keep)  # reopened, it goes on pruning where it left off
+    roots[15] = _commit_block(s, 15, {b"user/after": b"reopen"}, model)
+    _check_pruned(s, roots, keep)
+    assert len(_stored_ids(s)) < len(_stored_ids(archive))
+    s.close()
+    archive.close()
+
+
+def test_pruning_a_backlog_drains_over_later_commits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Turning pruning on for a store that kept everything: each commit deletes at most
+    PRUNE_MAX_IDS nodes (whole heights, at least one), and the backlog is gone after a few."""
+    url = f"sqlite:///{tmp_path / 'state.db'}"
+    rnd = random.Random(4)
+    s = StateStore(url)
+    model: dict[bytes, bytes] = {}
+    roots = {h: _commit_block(s, h, _pruning_block(h, model, rnd), model) for h in range(1, 11)}
+    s.close()
+    monkeypatch.setattr(store_module, "PRUNE_MAX_IDS", 40)  # a height of this backlog has 100+
+    s = StateStore(url, keep_heights=2)
+    before = len(_stored_ids(s))
+    roots[11] = _commit_block(s, 11, {b"user/x": b"1"}, model)
+    assert sorted(_retained(s)) == [10, 11]  # old heights stop being served at once ...
+    left = _stored_ids(s)
+    assert len(left) < before  # ... their nodes go one height per commit here
+    assert left > set().union(*(_reachable(s, r) for r in _retained(s).values()))
+    for h in range(12, 30):
+        roots[h] = _commit_block(s, h, {b"user/x": b"%d" % h}, model)
+    _check_pruned(s, roots, 2)
+    s.close()
+
+
+def test_keep_heights_must_leave_the_previous_height(tmp_path: Path) -> None:
+    for bad in (1, -1, "3", 2.0):
+        with pytest.raises(ValueError, match="keep_heights must be 0 .* or at least 2"):
+            StateStore(f"sqlite:///{tmp_path / 'state.db'}", keep_heights=bad)  # type: ignore[arg-type]

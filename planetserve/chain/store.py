@@ -12,13 +12,23 @@ Tables
     state_kv     key -> value, the latest committed state (bytewise key order on both databases)
     state_meta   name -> bytes: the committed height and app hash (names starting with "_"),
                  plus the application's own named blobs, written in the same transaction
-    state_roots  height -> app hash and root node id of every committed height
+    state_roots  height -> app hash and root node id of every retained committed height
+    state_orphans  height -> the ids of the nodes that height's commit replaced (packed, 8 bytes
+                 each, ascending): they belong to earlier heights only, so once every height
+                 before it is pruned they can be deleted
 
 Writes go to a `Batch` (a buffer over the committed state); `StateStore.commit` applies one batch
 in one database transaction: new trie nodes, kv rows, meta and the root of the new height. The work
 of a commit is proportional to the number of keys the batch changes times the depth of the trie:
 only the nodes on the changed paths are read (one query per trie level, through a bounded cache of
-inner nodes), and only new nodes are written; old nodes are never rewritten (nor yet pruned).
+inner nodes), and only new nodes are written; old nodes are never rewritten.
+
+Pruning (`keep_heights`): by default every committed height stays provable, and the node table
+grows with every block. With `keep_heights=K` each commit makes heights older than the last K
+unprovable and deletes the nodes only they used (those in orphan rows of heights up to the
+earliest retained one), in the commit's own transaction; at most `PRUNE_MAX_IDS` nodes per commit,
+so a backlog (pruning turned on for a long-running store) drains over the following blocks. The
+app hash does not depend on it: validators may keep different numbers of heights.
 Nothing here depends on wall-clock time, dict order or the database engine: the app hash is a
 function of the key/value set alone.
 
@@ -87,6 +97,10 @@ __all__ = [
 
 SCHEMA_VERSION = b"2"
 DEFAULT_MAX_ENTRIES = 10_000
+MIN_KEEP_HEIGHTS = 2
+"""Clients verify the state one height before the latest header, so at least two are kept."""
+PRUNE_MAX_IDS = 100_000
+"""Most nodes one commit deletes (about a tenth of a second of deletes)."""
 _HEIGHT = "_height"
 _APP_HASH = "_app_hash"
 _SCHEMA = "_schema"
@@ -107,6 +121,7 @@ _SQL_GET_KV = 'SELECT "key", "value" FROM state_kv WHERE "key" = ?'
 _SQL_SCAN_FIRST = 'SELECT "key", "value" FROM state_kv WHERE "key" >= ? AND "key" < ? ORDER BY "key" LIMIT ?'
 _SQL_SCAN_NEXT = 'SELECT "key", "value" FROM state_kv WHERE "key" > ? AND "key" < ? ORDER BY "key" LIMIT ?'
 _SQL_NODES = "SELECT id, body, left_id, right_id FROM state_nodes WHERE id "
+_SQL_DEL_NODE = "DELETE FROM state_nodes WHERE id = ?"
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +156,12 @@ roots_table = Table(
     Column("height", _ID, primary_key=True, autoincrement=False),
     Column("app_hash", LargeBinary(32), nullable=False),
     Column("root_id", BigInteger, nullable=True),
+)
+orphans_table = Table(
+    "state_orphans",
+    _md,
+    Column("height", _ID, primary_key=True, autoincrement=False),
+    Column("ids", LargeBinary, nullable=False),
 )
 
 
@@ -302,6 +323,22 @@ def _rewind(
     return sorted(rows.items())
 
 
+def _replaced(loaded: dict[int, NodeRecord], root_id: int | None, nodes: list[NewNode]) -> list[int]:
+    """The ids of the loaded (committed) nodes that the new trie no longer holds. An update loads
+    its paths from the root down, so a loaded node that survives is the new root, a child of a new
+    node, or below a surviving loaded node; every other loaded node was replaced."""
+    kept: set[int] = set()
+    todo = [root_id, *(c for _, _, _, left, right in nodes if left is not None for c in (left, right))]
+    while todo:
+        i = todo.pop()
+        if i in loaded and i not in kept:
+            kept.add(i)
+            _, left, right = loaded[i]
+            if left is not None:
+                todo += (left, right)
+    return sorted(loaded.keys() - kept)
+
+
 class Batch:
     """A write buffer over the committed state at the time it was made.
 
@@ -319,7 +356,7 @@ class Batch:
         self._meta: dict[str, bytes] = {}
         self._reads: dict[bytes, bytes | None] = {}
         self._version = 0
-        self._computed: tuple[int, bytes, int | None, list[NewNode]] | None = None
+        self._computed: tuple[int, bytes, int | None, list[NewNode], list[int]] | None = None
         self._done = False
 
     # -- reads ---------------------------------------------------------------------------------
@@ -416,14 +453,15 @@ class Batch:
         """The app hash the committed state would have with this batch applied."""
         return self._compute()[0]
 
-    def _compute(self) -> tuple[bytes, int | None, list[NewNode]]:
+    def _compute(self) -> tuple[bytes, int | None, list[NewNode], list[int]]:
+        """(root, root id, new nodes, ids of the committed nodes they replace)."""
         c = self._computed
         if c is not None and c[0] == self._version:
             self._store._check_fresh(self)
-            return c[1], c[2], c[3]
-        root, root_id, nodes = self._store._apply(self, sorted(self._pending.items()))
-        self._computed = (self._version, root, root_id, nodes)
-        return root, root_id, nodes
+            return c[1], c[2], c[3], c[4]
+        root, root_id, nodes, orphans = self._store._apply(self, sorted(self._pending.items()))
+        self._computed = (self._version, root, root_id, nodes, orphans)
+        return root, root_id, nodes, orphans
 
 
 class StateStore:
@@ -435,8 +473,15 @@ class StateStore:
         *,
         cache_bytes: int = 384 << 20,
         sqlite_synchronous: str = "NORMAL",
+        keep_heights: int = 0,
         echo: bool = False,
     ) -> None:
+        if type(keep_heights) is not int or keep_heights < 0 or 0 < keep_heights < MIN_KEEP_HEIGHTS:
+            raise ValueError(
+                f"keep_heights must be 0 (keep every height) or at least {MIN_KEEP_HEIGHTS} (clients "
+                f"verify the state one height before the latest), not {keep_heights!r}"
+            )
+        self.keep_heights = keep_heights
         u = normalise_url(url)
         self.url = u
         self._lock = threading.RLock()
@@ -517,6 +562,7 @@ class StateStore:
         # SQL on both databases but for the placeholder.
         fix = (lambda q: q) if self._dialect == "sqlite" else (lambda q: q.replace("?", "%s"))
         self._sql_ins_nodes = fix(_SQL_INS_NODES)
+        self._sql_del_node = fix(_SQL_DEL_NODE)
         self._sql_upsert_kv = fix(_SQL_UPSERT_KV)
         self._sql_del_kv = fix(_SQL_DEL_KV)
         self._sql_ins_kv = fix(_SQL_INS_KV)
@@ -579,7 +625,7 @@ class StateStore:
             previous = self._height
             all_meta = dict(batch._meta)
             all_meta.update(_check_meta(meta or {}))
-            root, root_id, new_nodes = batch._compute()
+            root, root_id, new_nodes, orphans = batch._compute()
             changes = sorted(batch._pending.items())
             undo = self._committed_values(batch, [k for k, _ in changes])
             sets = [(k, v) for k, v in changes if v is not None]
@@ -591,8 +637,13 @@ class StateStore:
                     cur.executemany(self._sql_upsert_kv, sets)
                 if dels:
                     cur.executemany(self._sql_del_kv, dels)
-                cur.close()
+                if orphans:
+                    ids = b"".join(i.to_bytes(8, "big") for i in orphans)
+                    conn.execute(insert(orphans_table), {"height": height, "ids": ids})
                 self._write_head(conn, height, root, root_id, all_meta)
+                if self.keep_heights:
+                    self._prune(conn, cur, height - self.keep_heights + 1)
+                cur.close()
             self._committed(height, root, root_id, len(new_nodes))
             self._undo = (previous, undo)
             batch._done = True
@@ -689,6 +740,12 @@ class StateStore:
             latest = height is None or height == self._height
             found = self._root_at(self._height if height is None else height)
             if found is None:
+                earliest = self._height - self.keep_heights + 1
+                if self.keep_heights and height is not None and 0 < height < earliest:
+                    raise ValueError(
+                        f"the state at height {height} is pruned: this validator keeps the last "
+                        f"{self.keep_heights} heights (from {earliest})"
+                    )
                 raise ValueError(f"no committed state at height {height}")
             root, root_id = found
             proof, subtree = make_prefix_proof(root, root_id, prefix, self._get_node)
@@ -748,6 +805,30 @@ class StateStore:
             cur.executemany(self._sql_ins_nodes, [(i, b, lf, rt) for i, _, b, lf, rt in nodes])
             cur.close()
         return len(nodes)
+
+    def _prune(self, conn: Connection, cur: Any, earliest: int) -> None:
+        """Make heights before `earliest` unprovable and delete the nodes no later height uses:
+        those that commits up to `earliest` replaced (at most PRUNE_MAX_IDS of them, whole
+        heights, oldest first; always at least one height)."""
+        conn.execute(roots_table.delete().where(roots_table.c.height < earliest))
+        rows = conn.execute(
+            select(orphans_table.c.height, func.length(orphans_table.c.ids))
+            .where(orphans_table.c.height <= earliest)
+            .order_by(orphans_table.c.height)
+        ).all()
+        heights, total = [], 0
+        for h, size in rows:
+            if heights and total + size // 8 > PRUNE_MAX_IDS:
+                break
+            heights.append(h)
+            total += size // 8
+        if not heights:
+            return
+        sel = orphans_table.c.height.in_(heights)
+        blobs = conn.execute(select(orphans_table.c.ids).where(sel)).scalars().all()
+        cur.executemany(self._sql_del_node, [(int.from_bytes(b[i : i + 8], "big"),)
+                                             for b in blobs for i in range(0, len(b), 8)])  # fmt: skip
+        conn.execute(orphans_table.delete().where(sel))
 
     def _write_head(
         self, conn: Connection, height: int, root: bytes, root_id: int | None, meta: dict[str, bytes]
@@ -880,8 +961,19 @@ class StateStore:
 
     def _apply(
         self, batch: Batch, changes: list[tuple[bytes, bytes | None]]
-    ) -> tuple[bytes, int | None, list[NewNode]]:
+    ) -> tuple[bytes, int | None, list[NewNode], list[int]]:
+        """The new root and nodes, and the committed nodes they replace (see `_replaced`)."""
         with self._lock:
             self._check_fresh(batch)
             ids = itertools.count(self._next_id)
-            return apply_changes(self._app_hash, self._root_id, changes, self._load, lambda _h: next(ids))
+            loaded: dict[int, NodeRecord] = {}
+
+            def load(refs: list[int]) -> dict[int, NodeRecord]:
+                got = self._load(refs)
+                loaded.update(got)
+                return got
+
+            root, root_id, nodes = apply_changes(
+                self._app_hash, self._root_id, changes, load, lambda _h: next(ids)
+            )
+            return root, root_id, nodes, _replaced(loaded, root_id, nodes)

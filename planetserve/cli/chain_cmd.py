@@ -58,9 +58,13 @@ def group() -> None:
                                         "postgresql+psycopg://...).")
 @click.option("--local", is_flag=True, help="Nodes share one address (all on one machine): accept "
                                             "duplicate IPs and unroutable peers.")
+@click.option("--keep-heights", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Recent heights whose state stays provable; trie nodes that only older heights "
+                   "used are deleted. 0 keeps every height (an archive, whose database grows by "
+                   "the trie paths each block replaces); at least 2 otherwise.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def init(home: Path, genesis: Path, peers: tuple[str, ...], moniker: str, p2p: str, external: str, rpc: str,
-         abci: str, db: str, local: bool, as_json: bool) -> None:
+         abci: str, db: str, local: bool, keep_heights: int, as_json: bool) -> None:
     """Make a node's home to join a running network (an institution joining the committee).
 
     The node starts as a full node: run it with `planetserve chain start --home HOME` and let it
@@ -71,7 +75,7 @@ def init(home: Path, genesis: Path, peers: tuple[str, ...], moniker: str, p2p: s
     """
     try:
         joined = join_home(home, genesis, peers, moniker=moniker, rpc=rpc, p2p=p2p, abci=abci,
-                           external=external, db_url=db, local=local)
+                           external=external, db_url=db, local=local, keep_heights=keep_heights)
     except NetworkBuildError as exc:
         fail(str(exc))
     keys = joined.keys
@@ -93,8 +97,11 @@ def init(home: Path, genesis: Path, peers: tuple[str, ...], moniker: str, p2p: s
 @group.command("app")
 @click.option("--home", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--db", help="State database URL (default: from the home's planetserve.json).")
+@click.option("--keep-heights", type=int, default=None,
+              help="Recent heights whose state stays provable (default: keep_heights in the home's "
+                   "planetserve.json, else 0: every height).")
 @click.option("--log-level", default="INFO", show_default=True)
-def app(home: Path, db: str | None, log_level: str) -> None:
+def app(home: Path, db: str | None, keep_heights: int | None, log_level: str) -> None:
     """Serve the ABCI application only (CometBFT connects to it)."""
     from planetserve.chain.app import Application
     from planetserve.chain.server import AbciServer
@@ -103,7 +110,11 @@ def app(home: Path, db: str | None, log_level: str) -> None:
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = app_config(home)
     host, _, port = config["abci_listen"].rpartition(":")
-    store = StateStore(db or config["db"])
+    keep = config.get("keep_heights", 0) if keep_heights is None else keep_heights
+    try:
+        store = StateStore(db or config["db"], keep_heights=keep)
+    except ValueError as exc:
+        fail(f"cannot open the state: {exc}")
     server = AbciServer(Application(store))
     # The app allocates many short-lived objects per transaction and keeps few cycles: collect
     # less often, and never rescan what start-up loaded.

@@ -98,9 +98,14 @@ def group() -> None:
 @click.option("--timeout-commit", default="1s", show_default=True, help="CometBFT timeout_commit.")
 @click.option("--db", "db_urls", multiple=True, metavar="URL",
               help="Database URL per validator, in order (default: SQLite in each home).")
+@click.option("--keep-heights", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Recent heights whose state stays provable; trie nodes that only older heights "
+                   "used are deleted. 0 keeps every height (an archive, whose database grows by "
+                   "the trie paths each block replaces); at least 2 otherwise.")
 @click.option("--json", "as_json", is_flag=True)
 def init(out: Path, validators: int, chain_id: str, models: tuple[str, ...], orgs: tuple[str, ...],
-         credential: str, timeout_commit: str, db_urls: tuple[str, ...], as_json: bool) -> None:
+         credential: str, timeout_commit: str, db_urls: tuple[str, ...], keep_heights: int,
+         as_json: bool) -> None:
     """Create OUT/v0..v{N-1}: CometBFT homes with one genesis whose committee is the N validators.
 
     \b
@@ -118,7 +123,7 @@ def init(out: Path, validators: int, chain_id: str, models: tuple[str, ...], org
     try:
         spec = build_network(
             out, validators, chain_id, builder,
-            timeout_commit=timeout_commit, db_urls=db_urls or None,
+            timeout_commit=timeout_commit, db_urls=db_urls or None, keep_heights=keep_heights,
         )
     except NetworkBuildError as exc:
         fail(str(exc))

@@ -279,6 +279,7 @@ def build_network(
     log_level: str = "state:info,*:error",
     max_block_bytes: int = DEFAULT_MAX_BLOCK_BYTES,
     extra_config: dict[str, dict[str, Any]] | None = None,
+    keep_heights: int = 0,
 ) -> NetworkSpec:
     """Create `root/v0 … root/v{n-1}` and a genesis shared by all of them.
 
@@ -288,6 +289,7 @@ def build_network(
       full nodes (power 0 in their ValidatorInfo) and can be added later by a validator update.
     - `power` is one voting power for everyone or one per node; `db_urls` one URL per node.
     - `extra_config` maps a config.toml section ("" for the top level) to keys to set.
+    - `keep_heights` is every app's state pruning (0: keep every height; see `StateStore`).
     """
     root = Path(root).absolute()
     if n < 1:
@@ -342,7 +344,7 @@ def build_network(
         for sec, kv in (extra_config or {}).items():
             edits.setdefault(sec, {}).update(kv)
         write_home(info.home, genesis_text, edits, abci_listen=info.abci_listen, db_url=info.db_url,
-                   chain_id=chain_id)
+                   chain_id=chain_id, keep_heights=keep_heights)
 
     spec = NetworkSpec(
         root=root, chain_id=chain_id, genesis_time=genesis_time, validators=infos, kvstore=use_kvstore
@@ -377,13 +379,14 @@ def node_config(*, moniker: str, proxy_app: str, rpc: str, p2p: str, peers: Sequ
 
 
 def write_home(home: Path, genesis_text: str, edits: dict[str, dict[str, Any]], *, abci_listen: str,
-               db_url: str, chain_id: str) -> None:
-    """The shared genesis, the edited config.toml and planetserve.json in an initialised home."""
+               db_url: str, chain_id: str, keep_heights: int = 0) -> None:
+    """The shared genesis, the edited config.toml and planetserve.json in an initialised home
+    (`keep_heights`: how many recent heights the app keeps provable, 0 for all)."""
     cfg = home / "config"
     (cfg / "genesis.json").write_text(genesis_text)
     toml_path = cfg / "config.toml"
     toml_path.write_text(edit_toml(toml_path.read_text(), edits))
-    app_cfg = {"abci_listen": abci_listen, "db": db_url, "chain_id": chain_id}
+    app_cfg = {"abci_listen": abci_listen, "db": db_url, "chain_id": chain_id, "keep_heights": keep_heights}
     (cfg / APP_CONFIG_FILE).write_text(json.dumps(app_cfg, indent=2) + "\n")
     (home / "logs").mkdir(exist_ok=True)
 
@@ -403,7 +406,7 @@ class JoiningNode:
 def join_home(home: Path, genesis_path: Path, peers: Sequence[str], *, moniker: str,
               rpc: str = "127.0.0.1:26657", p2p: str = "0.0.0.0:26656", abci: str = "127.0.0.1:26658",
               external: str = "", db_url: str = "", local: bool = False,
-              log_level: str = "state:info,*:error") -> JoiningNode:
+              log_level: str = "state:info,*:error", keep_heights: int = 0) -> JoiningNode:
     """A full node's home for the network of `genesis_path` (another institution's copy of it),
     following `peers` (node_id@host:port). Once it has synced, the committee can admit it."""
     try:
@@ -421,7 +424,8 @@ def join_home(home: Path, genesis_path: Path, peers: Sequence[str], *, moniker: 
     edits = node_config(moniker=moniker, proxy_app=f"tcp://{abci}", rpc=rpc, p2p=p2p, peers=peers,
                         log_level=log_level, local=local, external=external)
     write_home(home, genesis_text, edits, abci_listen=abci,
-               db_url=db_url or f"sqlite:///{home}/data/planetserve.db", chain_id=chain_id)
+               db_url=db_url or f"sqlite:///{home}/data/planetserve.db", chain_id=chain_id,
+               keep_heights=keep_heights)
     return JoiningNode(home, chain_id, node_id_from_key_file(home / "config" / "node_key.json"),
                        consensus_pubkey(home), keyset.public_summary())
 
