@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -709,3 +710,40 @@ def test_keep_heights_must_leave_the_previous_height(tmp_path: Path) -> None:
     for bad in (1, -1, "3", 2.0):
         with pytest.raises(ValueError, match="keep_heights must be 0 .* or at least 2"):
             StateStore(f"sqlite:///{tmp_path / 'state.db'}", keep_heights=bad)  # type: ignore[arg-type]
+
+
+def test_sigkill_while_pruning_leaves_a_consistent_store(tmp_path: Path) -> None:
+    """A process committing and pruning without pause is killed at an arbitrary point: the reopened
+    store holds exactly its last 3 heights' tries and carries on."""
+    db = tmp_path / "kill.db"
+    script = textwrap.dedent(f"""
+        from planetserve.chain.store import StateStore
+        s = StateStore({f"sqlite:///{db}"!r}, keep_heights=3)
+        for h in range(1, 100_000):
+            b = s.batch()
+            for i in range(300):
+                b.set(b"k/%d" % ((h * 7 + i * 13) % 2000), b"v%d" % h)
+            s.commit(b, h)
+            if h == 20:
+                print("going", flush=True)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "going"
+        time.sleep(random.uniform(0.2, 0.6))
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    s = StateStore(f"sqlite:///{db}", keep_heights=3)
+    h = s.height
+    assert h >= 20 and sorted(_retained(s)) == [h - 2, h - 1, h]
+    assert _stored_ids(s) == set().union(*(_reachable(s, r) for r in _retained(s).values()))
+    assert s.app_hash == subtree_root(all_entries(s))
+    b = s.batch()
+    b.set(b"k/after", b"kill")
+    s.commit(b, h + 1)
+    assert sorted(_retained(s)) == [h - 1, h, h + 1]
+    assert _stored_ids(s) == set().union(*(_reachable(s, r) for r in _retained(s).values()))
+    s.close()
