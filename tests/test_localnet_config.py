@@ -38,6 +38,7 @@ def test_a_small_file_overrides_what_it_names(tmp_path):
 validators = 1
 verifiers = false
 timeout_commit = "300ms"
+keep_heights = 5000
 [params]
 epoch_blocks = 60
 user_ttl_seconds = 120
@@ -60,6 +61,7 @@ http = "127.0.0.1:8080"
 http = "127.0.0.1:8090"
 """, tmp_path / "x.toml")
     assert config.validators == 1 and not config.verifiers and config.timeout_commit == "300ms"
+    assert config.keep_heights == 5000
     assert config.params == Params(epoch_blocks=60, results_blocks=16, vrf_window_blocks=10,
                                    plan_window_blocks=14, user_ttl_seconds=120)
     assert config.preset == "quick" and config.data_dir == tmp_path / "family"
@@ -87,7 +89,10 @@ def test_without_a_file_the_defaults(tmp_path, monkeypatch):
     ("[network\n", "not valid TOML"),
     ("colour = 1\n", "colour: unknown setting; the file takes client, dashboard, models, network, nodes, params, "
                      "relays"),
-    ("[network]\nvalidator = 4\n", "network.validator: unknown setting; network takes chain_id, timeout_commit"),
+    ("[network]\nvalidator = 4\n", "network.validator: unknown setting; network takes chain_id, keep_heights, "
+                                   "timeout_commit"),
+    ("[network]\nkeep_heights = 1\n", r"network.keep_heights: must be 0 \(keep every height\) or at least 2"),
+    ("[network]\nkeep_heights = -1\n", "network.keep_heights: must be an integer from 0 to 1000000000"),
     ("network = 3\n", r"network: must be a table \(\[network\]\)"),
     ("[network]\nvalidators = 0\n", "network.validators: must be an integer from 1 to 16, got 0"),
     ("[network]\nvalidators = \"4\"\n", "network.validators: must be an integer from 1 to 16, got '4'"),

@@ -70,6 +70,8 @@ class LocalnetConfig:
     validators: int = 4
     chain_id: str = "planetserve-localnet"
     timeout_commit: str = "1s"
+    keep_heights: int = 0
+    """Recent heights each validator's state keeps provable (0: all; see StateStore)."""
     verifiers: bool = True
     params: Params = field(default_factory=lambda: Params(**LOCALNET_PARAMS))
     preset: str = DEFAULT_PRESET
@@ -120,7 +122,8 @@ def parse_config(text: str, source: Path) -> LocalnetConfig:
         raise ConfigError(f"{source}: not valid TOML: {exc}") from exc
     reader = _Reader(source)
     reader.keys(raw, "", {"network", "params", "models", "nodes", "relays", "client", "dashboard"})
-    network = reader.table(raw, "network", {"validators", "chain_id", "timeout_commit", "verifiers"})
+    network = reader.table(raw, "network", {"validators", "chain_id", "timeout_commit", "keep_heights",
+                                            "verifiers"})
     models = reader.table(raw, "models", {"preset", "data_dir"})
     relays = reader.table(raw, "relays", {"count", "proxies"})
     client = reader.table(raw, "client", {"model", "prompt", "max_tokens", "http"})
@@ -133,6 +136,7 @@ def parse_config(text: str, source: Path) -> LocalnetConfig:
         chain_id=reader.ident(network, "network.chain_id", base.chain_id),
         timeout_commit=reader.pattern(network, "network.timeout_commit", base.timeout_commit, _DURATION,
                                       'a duration such as "1s" or "300ms"'),
+        keep_heights=reader.keep_heights(network, "network.keep_heights", base.keep_heights),
         verifiers=reader.boolean(network, "network.verifiers", base.verifiers),
         params=reader.params(raw.get("params", {})),
         preset=reader.choice(models, "models.preset", base.preset, tuple(sorted(PRESETS))),
@@ -201,6 +205,13 @@ class _Reader:
         value = self._get(table, where, default)
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
             raise self.error(where, f"must be an integer from {low} to {high}, got {value!r}")
+        return value
+
+    def keep_heights(self, table: dict[str, Any], where: str, default: int) -> int:
+        value = self.integer(table, where, default, 0, 10**9)
+        if value == 1:
+            raise self.error(where, "must be 0 (keep every height) or at least 2 (clients verify the "
+                                    "state one height before the latest), got 1")
         return value
 
     def boolean(self, table: dict[str, Any], where: str, default: bool) -> bool:

@@ -130,7 +130,7 @@ def build(root: Path, config: LocalnetConfig) -> NetworkSpec:
         ("gt", preset.recipe("gt").role)]
     spec = build_network(root, config.validators, config.chain_id,
                          app_state_builder(models, config.params, organisations=_organisations(root, config)),
-                         timeout_commit=config.timeout_commit)
+                         timeout_commit=config.timeout_commit, keep_heights=config.keep_heights)
     (root / MANIFEST).write_text(json.dumps({"format": 1, "config": str(config.source or "built-in")}) + "\n")
     return spec
 
