@@ -106,7 +106,9 @@ def test_transactions_and_verified_queries(localnet, tmp_path):
     assert len(committee["committee"]) == 4
     unverified = json.loads(run("query", "nodes", "--no-verify", "--node", node, "--json"))
     assert not unverified["verified"] and len(unverified["nodes"]) == 1
-    assert json.loads(run("query", "status", "--node", node, "--json"))["chain_id"] == "planetserve-localnet"
+    status = json.loads(run("query", "status", "--node", node, "--json"))
+    assert status["chain_id"] == "planetserve-localnet"
+    assert status["keep_heights"] == 0 and status["earliest_height"] == 1  # an archive
 
 
 def test_cli_errors_are_clear(localnet, tmp_path):

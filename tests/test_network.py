@@ -387,6 +387,9 @@ def test_a_pruning_validator_agrees_and_serves_only_its_recent_heights(net):
         old = net.rpc(3).abci_query("/prefix", b"user/", height=2)
         assert old.code != 0 and "height 2 is pruned" in old.log and "keeps the last 20 heights" in old.log
         assert net.rpc(0).abci_query("/prefix", b"user/", height=2).code == 0
+        said = json.loads(net.rpc(3).abci_info()["data"])
+        assert said["keep_heights"] == 20 and said["earliest_height"] > 2
+        assert json.loads(net.rpc(0).abci_info()["data"])["earliest_height"] == 1
         assert _stored_nodes(3, net) < _stored_nodes(0, net)
     finally:
         net.stop(3)

@@ -85,8 +85,10 @@ class Application:
     # -- handshake -------------------------------------------------------------------------------
 
     def info(self, _req: abci.RequestInfo) -> abci.ResponseInfo:
+        """`data` tells clients which heights this validator can prove (`abci_info` over RPC)."""
+        kept = {"keep_heights": self.store.keep_heights, "earliest_height": self.store.earliest_height}
         return abci.ResponseInfo(
-            data="planetserve",
+            data=json.dumps({"app": "planetserve", **kept}, separators=(",", ":")),
             version="0.1.0",
             app_version=APP_VERSION,
             last_block_height=self.store.height,

@@ -278,6 +278,10 @@ class RpcClient:
     def status(self) -> dict[str, Any]:
         return obj(self.call("status"), "status")
 
+    def abci_info(self) -> dict[str, Any]:
+        """The application's Info answer: {"data", "version", "last_block_height", ...}."""
+        return obj(obj(self.call("abci_info"), "abci_info").get("response"), "abci_info.response")
+
     def latest_height(self) -> int:
         sync = obj(self.status().get("sync_info"), "status.sync_info")
         return integer(sync.get("latest_block_height"), "latest_block_height")

@@ -579,6 +579,13 @@ class StateStore:
         return self._height
 
     @property
+    def earliest_height(self) -> int:
+        """The earliest height whose state can still be proven (1 on an archive; 0 when empty)."""
+        if not self._height:
+            return 0
+        return max(1, self._height - self.keep_heights + 1) if self.keep_heights else 1
+
+    @property
     def app_hash(self) -> bytes:
         """The root of the committed state (EMPTY_ROOT at height 0)."""
         return self._app_hash
@@ -740,11 +747,10 @@ class StateStore:
             latest = height is None or height == self._height
             found = self._root_at(self._height if height is None else height)
             if found is None:
-                earliest = self._height - self.keep_heights + 1
-                if self.keep_heights and height is not None and 0 < height < earliest:
+                if height is not None and 0 < height < self.earliest_height:
                     raise ValueError(
                         f"the state at height {height} is pruned: this validator keeps the last "
-                        f"{self.keep_heights} heights (from {earliest})"
+                        f"{self.keep_heights} heights (from {self.earliest_height})"
                     )
                 raise ValueError(f"no committed state at height {height}")
             root, root_id = found

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import click
@@ -206,9 +207,11 @@ def params(ledger: LedgerClient, as_json: bool) -> None:
 @json_option
 @ledger_options(verify=False)
 def status(ledger: LedgerClient, as_json: bool) -> None:
-    """The RPC endpoint's view of the chain: id, latest height and app hash."""
+    """The RPC endpoint's view of the chain: id, latest height and app hash, and the earliest
+    height whose state it can still prove (a validator pruning with keep_heights)."""
     try:
         raw = ledger.rpc.status()
+        app = ledger.rpc.abci_info()
     except RpcError as exc:
         fail(str(exc))
     info = raw["sync_info"]
@@ -219,8 +222,20 @@ def status(ledger: LedgerClient, as_json: bool) -> None:
         "app_hash": info["latest_app_hash"],
         "block_time": info["latest_block_time"],
         "catching_up": info["catching_up"],
+        **_retention(app.get("data")),
     }
     show_record(summary, as_json)
+
+
+def _retention(data: object) -> dict[str, int]:
+    """keep_heights and earliest_height from the app's Info data (absent if it does not say)."""
+    try:
+        said = json.loads(data) if isinstance(data, str) else {}
+    except json.JSONDecodeError:
+        return {}
+    if not isinstance(said, dict):
+        return {}
+    return {k: said[k] for k in ("keep_heights", "earliest_height") if type(said.get(k)) is int}
 
 
 def show_record(record: dict[str, Any], as_json: bool) -> None:
