@@ -224,6 +224,14 @@ def test_chain_app_refuses_a_home_without_config(tmp_path):
 def test_chain_app_refuses_to_prune_the_height_clients_verify(tmp_path):
     spec = json.loads(run("genesis", "init", str(tmp_path / "one"), "-n", "1", "--json"))
     home = spec["validators"][0]["home"]
-    out = run("chain", "app", "--home", home, "--keep-heights", "1", code=1)
-    assert "keep_heights must be 0 (keep every height) or at least 2" in " ".join(out.split())
-    assert "x>=0" in run("genesis", "init", str(tmp_path / "two"), "--keep-heights", "-3", code=2)
+    out = run("chain", "app", "--home", home, "--keep-heights", "1", code=2)
+    assert "must be 0 (keep every height) or at least 2" in " ".join(out.split())
+    config = Path(home) / "config" / "planetserve.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "keep_heights": 1}))
+    out = run("chain", "app", "--home", home, code=1)
+    assert "cannot open the state: keep_heights must be 0 (keep every height) or at least 2" in " ".join(out.split())
+    for bad in ("-3", "1"):
+        out = run("genesis", "init", str(tmp_path / "two"), "--keep-heights", bad, code=2)
+        assert f"must be 0 (keep every height) or at least 2 (clients verify the state one height before the " \
+               f"latest), got {bad}" in " ".join(out.split())
+    assert not (tmp_path / "two").exists()

@@ -165,6 +165,16 @@ orphans_table = Table(
 )
 
 
+def check_keep_heights(value: object) -> int:
+    """`value` as a pruning setting: 0 (keep every height) or at least MIN_KEEP_HEIGHTS."""
+    if type(value) is not int or value < 0 or 0 < value < MIN_KEEP_HEIGHTS:
+        raise ValueError(
+            f"must be 0 (keep every height) or at least {MIN_KEEP_HEIGHTS} (clients verify the state "
+            f"one height before the latest), got {value!r}"
+        )
+    return value
+
+
 class StoreError(Exception):
     """The store cannot do what was asked (wrong height, corrupt database, misuse)."""
 
@@ -476,12 +486,10 @@ class StateStore:
         keep_heights: int = 0,
         echo: bool = False,
     ) -> None:
-        if type(keep_heights) is not int or keep_heights < 0 or 0 < keep_heights < MIN_KEEP_HEIGHTS:
-            raise ValueError(
-                f"keep_heights must be 0 (keep every height) or at least {MIN_KEEP_HEIGHTS} (clients "
-                f"verify the state one height before the latest), not {keep_heights!r}"
-            )
-        self.keep_heights = keep_heights
+        try:
+            self.keep_heights = check_keep_heights(keep_heights)
+        except ValueError as exc:
+            raise ValueError(f"keep_heights {exc}") from None
         u = normalise_url(url)
         self.url = u
         self._lock = threading.RLock()

@@ -47,6 +47,24 @@ def setup_logging(level: str) -> None:
         logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
+def _keep_heights(_ctx: click.Context, _param: click.Parameter, value: int | None) -> int | None:
+    from planetserve.chain.store import check_keep_heights
+
+    try:
+        return None if value is None else check_keep_heights(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+def keep_heights_option(default: int | None = 0, where: str = "") -> Any:
+    """--keep-heights, checked as the state store checks it; `where` adds where the default comes from."""
+    return click.option(
+        "--keep-heights", type=int, default=default, show_default=default is not None, callback=_keep_heights,
+        help="Recent heights whose state stays provable; trie nodes that only older heights used are "
+             "deleted. 0 keeps every height (an archive, whose database grows by the trie paths each block "
+             "replaces); at least 2 otherwise." + where)
+
+
 def fail(message: str, code: int = 1) -> None:
     err_console.print(f"[bold red]error:[/] {message}")
     sys.exit(code)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import click
 
-from planetserve.cli import console, emit_json, fail
+from planetserve.cli import console, emit_json, fail, keep_heights_option
 from planetserve.genesis.network import (
     APP_CONFIG_FILE,
     KEYS_FILE,
@@ -58,10 +58,7 @@ def group() -> None:
                                         "postgresql+psycopg://...).")
 @click.option("--local", is_flag=True, help="Nodes share one address (all on one machine): accept "
                                             "duplicate IPs and unroutable peers.")
-@click.option("--keep-heights", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Recent heights whose state stays provable; trie nodes that only older heights "
-                   "used are deleted. 0 keeps every height (an archive, whose database grows by "
-                   "the trie paths each block replaces); at least 2 otherwise.")
+@keep_heights_option()
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def init(home: Path, genesis: Path, peers: tuple[str, ...], moniker: str, p2p: str, external: str, rpc: str,
          abci: str, db: str, local: bool, keep_heights: int, as_json: bool) -> None:
@@ -97,9 +94,7 @@ def init(home: Path, genesis: Path, peers: tuple[str, ...], moniker: str, p2p: s
 @group.command("app")
 @click.option("--home", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--db", help="State database URL (default: from the home's planetserve.json).")
-@click.option("--keep-heights", type=int, default=None,
-              help="Recent heights whose state stays provable (default: keep_heights in the home's "
-                   "planetserve.json, else 0: every height).")
+@keep_heights_option(None, " Default: keep_heights in the home's planetserve.json, else 0.")
 @click.option("--log-level", default="INFO", show_default=True)
 def app(home: Path, db: str | None, keep_heights: int | None, log_level: str) -> None:
     """Serve the ABCI application only (CometBFT connects to it)."""

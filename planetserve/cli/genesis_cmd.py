@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from planetserve.cli import console, emit_json, fail, table
+from planetserve.cli import console, emit_json, fail, keep_heights_option, table
 from planetserve.genesis.committee import ModelSpec, app_state_builder
 from planetserve.genesis.network import NetworkBuildError, build_network
 from planetserve.registry.credits import CREDIT_SECONDS
@@ -98,10 +98,7 @@ def group() -> None:
 @click.option("--timeout-commit", default="1s", show_default=True, help="CometBFT timeout_commit.")
 @click.option("--db", "db_urls", multiple=True, metavar="URL",
               help="Database URL per validator, in order (default: SQLite in each home).")
-@click.option("--keep-heights", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Recent heights whose state stays provable; trie nodes that only older heights "
-                   "used are deleted. 0 keeps every height (an archive, whose database grows by "
-                   "the trie paths each block replaces); at least 2 otherwise.")
+@keep_heights_option()
 @click.option("--json", "as_json", is_flag=True)
 def init(out: Path, validators: int, chain_id: str, models: tuple[str, ...], orgs: tuple[str, ...],
          credential: str, timeout_commit: str, db_urls: tuple[str, ...], keep_heights: int,

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from planetserve.chain.store import check_keep_heights
 from planetserve.models.recipes import DEFAULT_PRESET, NAMES, PRESETS
 from planetserve.node.behaviours import ALTER_PROMPTS, BEHAVIOURS, HONEST
 from planetserve.node.routes import PATH_LENGTH
@@ -209,10 +210,10 @@ class _Reader:
 
     def keep_heights(self, table: dict[str, Any], where: str, default: int) -> int:
         value = self.integer(table, where, default, 0, 10**9)
-        if value == 1:
-            raise self.error(where, "must be 0 (keep every height) or at least 2 (clients verify the "
-                                    "state one height before the latest), got 1")
-        return value
+        try:
+            return check_keep_heights(value)
+        except ValueError as exc:
+            raise self.error(where, str(exc)) from None
 
     def boolean(self, table: dict[str, Any], where: str, default: bool) -> bool:
         value = self._get(table, where, default)
