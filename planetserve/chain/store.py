@@ -100,7 +100,8 @@ DEFAULT_MAX_ENTRIES = 10_000
 MIN_KEEP_HEIGHTS = 2
 """Clients verify the state one height before the latest header, so at least two are kept."""
 PRUNE_MAX_IDS = 100_000
-"""Most nodes one commit deletes (about a tenth of a second of deletes)."""
+"""Most nodes one commit deletes, unless one height alone has more (about 0.3 s of SQLite deletes
+at 3 µs each)."""
 _HEIGHT = "_height"
 _APP_HASH = "_app_hash"
 _SCHEMA = "_schema"
