@@ -370,19 +370,16 @@ def _leaves_root(tks: list[bytes], hashes: list[bytes]) -> bytes:
     lefts: list[bytes] = []
     cur = hashes[0]
     splits = [top - (a ^ b).bit_length() for a, b in zip(ints, ints[1:], strict=False)]
+    splits.append(-1)  # after the last key every open node closes
     for i, c in enumerate(splits):
-        if lengths and lengths[-1] > c:
-            rep = tks[i]
-            while lengths and lengths[-1] > c:
-                nb = lengths.pop()
-                cur = sha(b"\x01" + nb.to_bytes(2, "big") + _pack(rep, nb) + lefts.pop() + cur).digest()
+        while lengths and lengths[-1] > c:
+            nb = lengths.pop()
+            cur = sha(b"\x01" + nb.to_bytes(2, "big") + _pack(tks[i], nb) + lefts.pop() + cur).digest()
+        if c < 0:
+            break
         lengths.append(c)
         lefts.append(cur)
         cur = hashes[i + 1]
-    rep = tks[-1]
-    while lengths:
-        nb = lengths.pop()
-        cur = sha(b"\x01" + nb.to_bytes(2, "big") + _pack(rep, nb) + lefts.pop() + cur).digest()
     return cur
 
 
