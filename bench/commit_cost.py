@@ -25,9 +25,10 @@ Three ways of making a block are measured, one after the other on the same store
           the chain is longer than it); the heights of the first two modes are pruned first
 nodes/block is the mean net growth of the node table per measured block (nodes written less nodes
 deleted). Every block inserts 498 keys, so the state itself grows by about 1,000 nodes (a leaf and
-an inner node per key); an archive also keeps every path a block replaces. (The SQLite file does not
-shrink: deleted nodes free space inside pages that later appends, at higher ids, do not reuse until
-a page empties; PostgreSQL reuses it.)
+an inner node per key); an archive also keeps every path a block replaces. KiB written is the size
+of the node bodies a block writes (what an archive keeps of it, before database overhead). (The
+SQLite file does not shrink: deleted nodes free space inside pages that later appends, at higher
+ids, do not reuse until a page empties; PostgreSQL reuses it.)
 
     .venv/bin/python bench/commit_cost.py                      # 10k, 100k, 1M users
     .venv/bin/python bench/commit_cost.py --sizes 10000,100000 --blocks 5 --json out.json
@@ -49,7 +50,7 @@ from pathlib import Path
 
 from sqlalchemy import func, select
 
-from planetserve.chain.store import StateStore, orphans_table
+from planetserve.chain.store import StateStore, nodes_table, orphans_table
 from planetserve.chain.trie import PrefixProof, verify_prefix
 
 BLOCK_UPDATE_USERS = 251  # x 2 keys (user/ and ulist/ records) = 502 updates
@@ -143,17 +144,17 @@ def run_block(
 class Subject:
     """One store of a given number of users and the users it holds."""
 
-    def __init__(self, users: int, workdir: Path, seed: int) -> None:
+    def __init__(self, users: int, workdir: Path, seed: int, cache_mib: int) -> None:
         self.users = users
         self.rnd = random.Random(seed)
         self.uids = sorted(user_id(i) for i in range(users))
         self.path = workdir / f"state-{users}.db"
-        self.store = StateStore(f"sqlite:///{self.path}")
+        self.store = StateStore(f"sqlite:///{self.path}", cache_bytes=cache_mib << 20)
         t0 = time.perf_counter()
         self.store.bulk_load(state_entries(self.uids, self.rnd), 1)
         self.bulk_load_s = time.perf_counter() - t0
         self.inserted = 0
-        self.samples: dict[str, list[tuple[float, float, float, int]]] = {m: [] for m in MODES}
+        self.samples: dict[str, list[tuple[float, float, float, int, int]]] = {m: [] for m in MODES}
 
     def block(self, mode: str, j: int, keep: bool) -> None:
         rnd = self.rnd
@@ -164,7 +165,11 @@ class Subject:
         first_id, orphans = store._next_id, self.orphan_ids()
         sample = run_block(store, mode, updates, inserts, j, rnd)
         deleted = orphans + self.orphan_ids(store.height) - self.orphan_ids()
-        sample = (*sample, store._next_id - first_id - deleted)
+        written = select(func.coalesce(func.sum(func.length(nodes_table.c.body)), 0)).where(
+            nodes_table.c.id >= first_id)
+        with store._engine.connect() as conn:
+            written_bytes = conn.execute(written).scalar()
+        sample = (*sample, store._next_id - first_id - deleted, written_bytes)
         self.uids.extend(inserts)
         if keep:
             self.samples[mode].append(sample)
@@ -198,9 +203,10 @@ class Subject:
         return out
 
 
-def run_worker(users: int, blocks: int, warmup: int, workdir: Path, seed: int) -> dict[str, object]:
+def run_worker(users: int, blocks: int, warmup: int, workdir: Path, seed: int,
+               cache_mib: int) -> dict[str, object]:
     """Measure one size in this process: bulk load, then `warmup + blocks` blocks per mode."""
-    subject = Subject(users, workdir, seed)
+    subject = Subject(users, workdir, seed, cache_mib)
     j = 0
     for mode in MODES:
         if mode == "pruned":
@@ -217,7 +223,8 @@ def run_worker(users: int, blocks: int, warmup: int, workdir: Path, seed: int) -
     return out
 
 
-def measure(sizes: list[int], blocks: int, warmup: int, rounds: int, workdir: Path, seed: int) -> list[dict]:
+def measure(sizes: list[int], blocks: int, warmup: int, rounds: int, workdir: Path, seed: int,
+            cache_mib: int) -> list[dict]:
     """Each size runs in a fresh interpreter (so no size pays for another's memory), `rounds`
     times in alternating order (so that load from other processes spreads over every size); the
     medians are over the blocks of all rounds."""
@@ -225,7 +232,8 @@ def measure(sizes: list[int], blocks: int, warmup: int, rounds: int, workdir: Pa
     for r in range(rounds):
         for n in sizes if r % 2 == 0 else list(reversed(sizes)):
             cmd = [sys.executable, __file__, "--worker", str(n), "--blocks", str(blocks),
-                   "--warmup", str(warmup), "--seed", str(seed + r), "--dir", str(workdir)]  # fmt: skip
+                   "--warmup", str(warmup), "--seed", str(seed + r), "--dir", str(workdir),
+                   "--cache-mib", str(cache_mib)]  # fmt: skip
             res = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
             print(f"  round {r + 1}: {n:,} users done", file=sys.stderr, flush=True)
             if n not in merged:
@@ -245,14 +253,15 @@ def measure(sizes: list[int], blocks: int, warmup: int, rounds: int, workdir: Pa
         }
         for m in MODES:
             samples = row["samples"][m]
-            totals = [r + c for r, c, _, _ in samples]
+            totals = [r + c for r, c, *_ in samples]
             out[m] = {
                 "blocks": len(samples),
                 "ms_per_block": statistics.median(totals),
-                "cpu_ms_per_block": statistics.median(cpu for _, _, cpu, _ in samples),
-                "root_ms": statistics.median(r for r, _, _, _ in samples),
-                "commit_ms": statistics.median(c for _, c, _, _ in samples),
-                "node_growth": statistics.mean(g for _, _, _, g in samples),
+                "cpu_ms_per_block": statistics.median(x[2] for x in samples),
+                "root_ms": statistics.median(x[0] for x in samples),
+                "commit_ms": statistics.median(x[1] for x in samples),
+                "node_growth": statistics.mean(x[3] for x in samples),
+                "written_kib": statistics.mean(x[4] for x in samples) / 1024,
                 "min_ms": min(totals),
                 "max_ms": max(totals),
             }
@@ -301,7 +310,7 @@ def print_tables(rows: list[dict], verify: dict, blocks: int, warmup: int) -> No
         hdr = (
             f"{'users':>10} {'state keys':>11} {'ms/block':>9} {'cpu ms':>8} {'root ms':>8}"
             f" {'commit ms':>10} {'min-max ms':>12} {'wall vs 1st':>12} {'cpu vs 1st':>11}"
-            f" {'target':>7} {'bulk load s':>12} {'db MiB':>7} {'nodes/block':>12}"
+            f" {'target':>7} {'bulk load s':>12} {'db MiB':>7} {'nodes/block':>12} {'KiB written':>12}"
         )
         print(hdr)
         print("-" * len(hdr))
@@ -316,6 +325,7 @@ def print_tables(rows: list[dict], verify: dict, blocks: int, warmup: int) -> No
                 f" {m['cpu_ms_per_block']:>8.1f} {m['root_ms']:>8.1f} {m['commit_ms']:>10.1f}"
                 f" {span:>12} {m['ratio']:>11.2f}x {m['cpu_ratio']:>10.2f}x {ok:>7}"
                 f" {r['bulk_load_s']:>12.1f} {r['db_mb']:>7.0f} {m['node_growth']:>12,.0f}"
+                f" {m['written_kib']:>12,.0f}"
             )
     v = verify
     print(f"\nClient-side verification of a {v['entries']:,}-entry prefix proof (decode + verify_prefix)")
@@ -341,18 +351,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", type=Path, default=None, help="where the databases go (default: a temp dir)")
     ap.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--cache-mib", type=int, default=384, help="the store's node cache (its default: 384)")
     ap.add_argument("--rounds", type=int, default=2, help="repetitions of every size, alternating order")
     ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker is not None:
         assert args.dir is not None
-        print(json.dumps(run_worker(args.worker, args.blocks, args.warmup, args.dir, args.seed)))
+        result = run_worker(args.worker, args.blocks, args.warmup, args.dir, args.seed, args.cache_mib)
+        print(json.dumps(result))
         return 0
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
 
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         work = Path(tmp)
-        rows = measure(sizes, args.blocks, args.warmup, args.rounds, work, args.seed)
+        rows = measure(sizes, args.blocks, args.warmup, args.rounds, work, args.seed, args.cache_mib)
         verify = measure_verify(
             args.verify_entries, args.verify_entries * 9, args.verify_runs, work, args.seed
         )
