@@ -629,9 +629,7 @@ def _reachable(s: StateStore, root_id: int | None) -> set[int]:
     while todo:
         i = todo.pop()
         seen.add(i)
-        _, left, right = s._load_full([i])[i]
-        if left is not None:
-            todo += (left, right)
+        todo += s._load_full([i])[i][1]
     return seen
 
 

@@ -42,57 +42,72 @@ SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[Heal
 # -- an independent reference implementation of the documented hashing ----------------------------
 
 
-def _bits(b: bytes) -> str:
-    return "".join(f"{x:08b}" for x in b)
-
-
 def _ref_root(items: dict[bytes, bytes]) -> bytes:
-    """Recursive, by the module docstring: split the terminated keys at their first differing bit."""
+    """Recursive, by the module docstring: a node per byte position where the terminated keys
+    below it first differ, a child per distinct byte there."""
     if not items:
         return hashlib.sha256(b"\x02").digest()
 
-    def node(keys: list[bytes]) -> bytes:
-        if len(keys) == 1:
-            k = keys[0]
+    def node(tks: list[bytes]) -> bytes:
+        if len(tks) == 1:
+            k = tks[0][:-1]
             vh = hashlib.sha256(items[k]).digest()
             return hashlib.sha256(b"\x00" + len(k).to_bytes(4, "big") + k + vh).digest()
-        bits = [_bits(k + b"\x00") for k in keys]
-        n = 0
-        while all(b[n] == bits[0][n] for b in bits):
-            n += 1
-        left = [k for k, b in zip(keys, bits, strict=True) if b[n] == "0"]
-        right = [k for k, b in zip(keys, bits, strict=True) if b[n] == "1"]
-        prefix_bits = bits[0][:n]
-        padded = prefix_bits + "0" * (-n % 8)
-        packed = int(padded, 2).to_bytes(len(padded) // 8, "big") if padded else b""
-        return hashlib.sha256(b"\x01" + n.to_bytes(2, "big") + packed + node(left) + node(right)).digest()
+        d = 0
+        while all(tk[d] == tks[0][d] for tk in tks):
+            d += 1
+        branches = sorted({tk[d] for tk in tks})
+        children = b"".join(bytes([c]) + node([tk for tk in tks if tk[d] == c]) for c in branches)
+        body = b"\x01" + d.to_bytes(2, "big") + tks[0][:d] + bytes([len(branches) - 1]) + children
+        return hashlib.sha256(body).digest()
 
-    return node(sorted(items))
+    return node(sorted(k + b"\x00" for k in items))
 
 
 class MemTrie:
     """Nodes in a dict, updated through apply_changes as the store does."""
 
-    def __init__(self) -> None:
+    def __init__(self, tell_current: bool = True) -> None:
         self.nodes = MemoryNodes()
         self.root = EMPTY_ROOT
         self.state: dict[bytes, bytes] = {}
+        self.tell_current = tell_current
         self.loads = 0
+        self.loaded_leaves = 0
 
     def load(self, hashes: list[bytes]) -> dict[bytes, trie.NodeRecord]:
         self.loads += 1
-        return self.nodes.load(hashes)
+        got = self.nodes.load(hashes)
+        self.loaded_leaves += sum(1 for body, _ in got.values() if body[0] == 0)
+        return got
 
-    def apply(self, changes: dict[bytes, bytes | None]) -> bytes:
-        self.root, ref, new = apply_changes(self.root, self.root, sorted(changes.items()), self.load)
+    def apply(self, changes: dict[bytes, bytes | None], current: dict[bytes, bytes] | None = None) -> bytes:
+        before = self.reachable()
+        if current is None and self.tell_current:
+            current = self.state
+        self.root, ref, new, replaced = apply_changes(
+            self.root, self.root, sorted(changes.items()), self.load, current=current
+        )
         assert self.root == EMPTY_ROOT or ref == self.root  # refs are hashes here
         self.nodes.add(new)
+        after = self.reachable()
+        # what the update reports replaced is what left the trie (a rewrite may recreate a node)
+        assert set(replaced) <= before and set(replaced) - after == before - after
         for k, v in changes.items():
             if v is None:
                 self.state.pop(k, None)
             else:
                 self.state[k] = v
         return self.root
+
+    def reachable(self) -> set[bytes]:
+        todo = [] if self.root == EMPTY_ROOT else [self.root]
+        seen = set()
+        while todo:
+            h = todo.pop()
+            seen.add(h)
+            todo += self.nodes.record(h)[1]
+        return seen
 
     def prove(self, prefix: bytes) -> tuple[list[tuple[bytes, bytes]], PrefixProof]:
         proof, sub = make_prefix_proof(self.root, self.root, prefix, self.nodes.record)
@@ -103,8 +118,8 @@ class MemTrie:
         return sorted((k, v) for k, v in self.state.items() if (k + b"\x00").startswith(prefix))
 
 
-def mem_trie(state: dict[bytes, bytes]) -> MemTrie:
-    t = MemTrie()
+def mem_trie(state: dict[bytes, bytes], tell_current: bool = True) -> MemTrie:
+    t = MemTrie(tell_current)
     t.apply(dict(state))
     return t
 
@@ -137,7 +152,7 @@ def test_known_answer() -> None:
     assert subtree_root([(b"a", b"1"), (b"b", b"2")]) == _ref_root({b"a": b"1", b"b": b"2"})
     root = subtree_root([(b"a", b"1"), (b"ab", b"2"), (b"b", b"3")])
     assert root.hex() == _ref_root({b"a": b"1", b"ab": b"2", b"b": b"3"}).hex()
-    assert root.hex() == "845178ac2d87d043d7100eeaff2a9a54e26ee98a51d15211f0dfe07eb9bd64e0"
+    assert root.hex() == "7e8162b19fdf3fcce60c2818fddb965649bcdc8adf11d9dab8862f06f76bb0e9"
 
 
 @SETTINGS
@@ -172,15 +187,33 @@ def test_root_independent_of_insertion_order(state: dict[bytes, bytes], rnd: ran
 @SETTINGS
 @given(state_st, st.dictionaries(key_st, st.one_of(st.none(), value_st), max_size=30))
 def test_apply_changes_matches_rebuild(state: dict[bytes, bytes], changes: dict[bytes, bytes | None]) -> None:
-    t = mem_trie(state)
-    t.apply(changes)
     final = dict(state)
     for k, v in changes.items():
         if v is None:
             final.pop(k, None)
         else:
             final[k] = v
-    assert t.root == subtree_root(sorted(final.items())) == _ref_root(final)
+    for tell_current in (True, False):
+        t = mem_trie(state, tell_current)
+        t.apply(changes)
+        assert t.root == subtree_root(sorted(final.items())) == _ref_root(final)
+
+
+def test_present_values_spare_the_leaf_loads() -> None:
+    """Told the present values, an update finds its own leaves by hash instead of loading them;
+    a wrong present value only costs the load."""
+    rnd = random.Random(3)
+    state = {f"user/{rnd.getrandbits(128):032x}".encode(): b"v" for _ in range(2000)}
+    updates = {k: b"w" for k in list(state)[:40]}
+    expected = subtree_root(sorted({**state, **updates}.items()))
+    told, untold = mem_trie(state), mem_trie(state, tell_current=False)
+    told.loaded_leaves = untold.loaded_leaves = 0
+    assert told.apply(updates) == untold.apply(updates) == expected
+    assert told.loaded_leaves == 0 and untold.loaded_leaves == len(updates)
+    wrong = mem_trie(state)
+    wrong.loaded_leaves = 0
+    assert wrong.apply(updates, current={k: b"stale" for k in updates}) == expected
+    assert wrong.loaded_leaves == len(updates)
 
 
 def test_apply_changes_loads_one_query_per_level() -> None:
@@ -249,7 +282,7 @@ def test_prefix_proofs_verify(state: dict[bytes, bytes], rnd: random.Random) -> 
             verify_key(t.root, key, state.get(key), decoded)
         if proof.kind is ProofKind.SUBTREE:
             # the subtree is the highest one under the prefix: its parent's prefix is shorter
-            assert not proof.steps or proof.steps[-1][0] < 8 * len(prefix)
+            assert not proof.steps or proof.steps[-1][0] < len(prefix)
 
 
 def test_empty_trie_and_single_key() -> None:
@@ -349,24 +382,32 @@ def _tamper_entries(entries: list[tuple[bytes, bytes]], prefix: bytes, rnd: rand
 def _tamper_proof(proof: PrefixProof, rnd: random.Random) -> list[PrefixProof]:
     out = []
     steps = list(proof.steps)
+
+    def with_step(i: int, step: tuple) -> PrefixProof:
+        return PrefixProof(proof.kind, (*steps[:i], step, *steps[i + 1 :]), proof.opening)
+
     if steps:
         i = rnd.randrange(len(steps))
-        nb, sib = steps[i]
-        flipped = bytes([sib[0] ^ 1]) + sib[1:]
-        out.append(
-            PrefixProof(proof.kind, tuple(steps[:i] + [(nb, flipped)] + steps[i + 1 :]), proof.opening)
-        )
+        d, sibs = steps[i]
+        c, h = sibs[0]
+        out.append(with_step(i, (d, ((c, bytes([h[0] ^ 1]) + h[1:]), *sibs[1:]))))
         out.append(PrefixProof(proof.kind, tuple(steps[:i] + steps[i + 1 :]), proof.opening))
-        for d in (-1, 1):
-            if 0 <= nb + d < trie.MAX_KEY_BITS:
-                moved = (*steps[:i], (nb + d, sib), *steps[i + 1 :])
-                out.append(PrefixProof(proof.kind, moved, proof.opening))
+        if len(sibs) > 1:
+            out.append(with_step(i, (d, sibs[1:])))  # a sibling left out
+        if c + 1 < 128 and (len(sibs) == 1 or sibs[1][0] > c + 1):
+            out.append(with_step(i, (d, ((c + 1, h), *sibs[1:]))))  # a sibling moved to another byte
+        for delta in (-1, 1):
+            if 0 <= d + delta < trie.MAX_DEPTH:
+                out.append(with_step(i, (d + delta, sibs)))
     op = proof.opening
     if isinstance(op, InnerOpening):
-        out.append(PrefixProof(proof.kind, proof.steps, InnerOpening(op.nbits, op.prefix, op.right, op.left)))
-        out.append(
-            PrefixProof(proof.kind, proof.steps, InnerOpening(op.nbits, op.prefix, bytes(32), op.right))
-        )
+        (c0, h0), (c1, h1), *more = op.children
+        swapped = ((c0, h1), (c1, h0), *more)
+        out.append(PrefixProof(proof.kind, proof.steps, InnerOpening(op.depth, op.prefix, swapped)))
+        zeroed = ((c0, bytes(32)), (c1, h1), *more)
+        out.append(PrefixProof(proof.kind, proof.steps, InnerOpening(op.depth, op.prefix, zeroed)))
+        if more:
+            out.append(PrefixProof(proof.kind, proof.steps, InnerOpening(op.depth, op.prefix, op.children[:-1])))
     if isinstance(op, LeafOpening):
         out.append(PrefixProof(proof.kind, proof.steps, LeafOpening(op.key + b"x", op.value_hash)))
         out.append(PrefixProof(proof.kind, proof.steps, LeafOpening(op.key, bytes(32))))
@@ -458,10 +499,10 @@ def test_decode_strictness() -> None:
     assert PrefixProof.decode(good) == proof
     version, kind, steps, opening = msgpack.unpackb(good)
     cases = [
-        [2, kind, steps, opening],  # unknown version
+        [1, kind, steps, opening],  # the binary trie's version
         [version, 9, steps, opening],  # unknown kind
         [version, kind, steps + b"\x00", opening],  # partial step
-        [version, kind, steps, [1, b"\x80", bytes(32), bytes(32)]],  # opening on a subtree proof
+        [version, kind, steps, [1, b"a", b"\x01" + bytes(32) + b"\x02" + bytes(32)]],  # opening on a subtree
         [version, kind, steps],  # wrong arity
         [True, kind, steps, opening],  # bool for int
         [version, kind, steps.hex(), opening],  # str for bin
@@ -471,7 +512,7 @@ def test_decode_strictness() -> None:
         with pytest.raises(ProofError):
             PrefixProof.decode(msgpack.packb(case, use_bin_type=True))
     # the same value, non-canonically encoded (uint8 for a positive fixint)
-    non_canonical = b"\x94\xcc\x01" + good[2:]
+    non_canonical = b"\x94\xcc\x02" + good[2:]
     with pytest.raises(ProofError, match="canonical"):
         PrefixProof.decode(non_canonical)
     with pytest.raises(ProofError, match="too|more than"):
@@ -479,12 +520,23 @@ def test_decode_strictness() -> None:
     with pytest.raises(ProofError):
         PrefixProof.decode("text")  # type: ignore[arg-type]
     # steps must strictly increase
-    bad_steps = (b"\x00\x05" + bytes(32)) * 2
+    bad_steps = (b"\x00\x05\x00" + b"a" + bytes(32)) * 2
     with pytest.raises(ProofError, match="increasing"):
-        PrefixProof.decode(msgpack.packb([1, 0, bad_steps, None], use_bin_type=True))
-    # inner opening with dirty padding bits
-    with pytest.raises(ProofError, match="padding"):
-        PrefixProof.decode(msgpack.packb([1, 2, b"", [3, b"\xff", bytes(32), bytes(32)]], use_bin_type=True))
+        PrefixProof.decode(msgpack.packb([2, 0, bad_steps, None], use_bin_type=True))
+    # a step whose siblings run past the end of the path
+    with pytest.raises(ProofError, match="truncated"):
+        PrefixProof.decode(msgpack.packb([2, 0, b"\x00\x05\x01" + b"a" + bytes(32), None], use_bin_type=True))
+    for children, reason in (
+        (b"\x01" + bytes(32), "2 to 128"),  # one child
+        (b"\x02" + bytes(32) + b"\x01" + bytes(32), "strictly increasing"),
+        (b"\x01" + bytes(32) + b"\x80" + bytes(32), "strictly increasing key bytes"),  # not a key byte
+        (b"\x01" + bytes(32) + b"\x02" + bytes(31), "whole number"),
+    ):
+        with pytest.raises(ProofError, match=reason):
+            PrefixProof.decode(msgpack.packb([2, 2, b"", [1, b"a", children]], use_bin_type=True))
+    with pytest.raises(ProofError, match="prefix does not match its depth"):
+        PrefixProof.decode(msgpack.packb([2, 2, b"", [2, b"a", b"\x01" + bytes(32) + b"\x02" + bytes(32)]],
+                                         use_bin_type=True))  # fmt: skip
 
 
 def test_error_messages_are_specific() -> None:
@@ -515,7 +567,7 @@ def test_error_messages_are_specific() -> None:
 
 
 def test_changes_shorter_than_the_trie_keys() -> None:
-    """Node prefixes and leaf keys longer than every changed key (the W-bit alignment edge)."""
+    """Node prefixes and leaf keys longer than every changed key."""
     state = {b"a" * 40 + bytes([c]): b"v" for c in range(33, 60)}
     state.update({b"b" * 30: b"w", b"a" * 41: b"x"})
     for changes in (
@@ -534,7 +586,7 @@ def test_changes_shorter_than_the_trie_keys() -> None:
 @SETTINGS
 @given(state_st, st.lists(st.tuples(key_st, st.one_of(st.none(), value_st)), max_size=25))
 def test_single_key_updates(state: dict[bytes, bytes], ops: list[tuple[bytes, bytes | None]]) -> None:
-    """One change per update: the single-path fast path, including deletes that collapse a node."""
+    """One change per update, including deletes that collapse a node into its last child."""
     t = mem_trie(state)
     model = dict(state)
     for key, value in ops:

@@ -4,7 +4,8 @@ SQLAlchemy Core over SQLite (the default: `sqlite:///path`, WAL) or PostgreSQL
 (`postgresql+psycopg://…`; `postgresql://…` and `postgres://…` are mapped to psycopg).
 
 Tables
-    state_nodes  id -> body, left id, right id: every trie node ever committed. Ids are handed out
+    state_nodes  id -> body, child ids: every trie node ever committed (a pruning store: of the
+                 retained heights). Ids are handed out
                  in commit order, so a block's new nodes are appended (a hash-keyed table would
                  put each new node on a random B-tree page); a parent row holds its children's
                  ids, and its body (the hash pre-image) their hashes. Leaf bodies carry their value,
@@ -46,10 +47,11 @@ from __future__ import annotations
 import itertools
 import logging
 import sqlite3
+import struct
 import threading
 import weakref
 from bisect import bisect_left
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +75,7 @@ from sqlalchemy.engine import URL, Connection, Engine, make_url
 from sqlalchemy.pool import StaticPool
 
 from planetserve.chain.trie import (
+    CHILD_LEN,
     EMPTY_ROOT,
     MAX_KEY_LEN,
     NewNode,
@@ -95,7 +98,7 @@ __all__ = [
     "normalise_url",
 ]
 
-SCHEMA_VERSION = b"2"
+SCHEMA_VERSION = b"3"
 DEFAULT_MAX_ENTRIES = 10_000
 MIN_KEEP_HEIGHTS = 2
 """Clients verify the state one height before the latest header, so at least two are kept."""
@@ -110,7 +113,7 @@ _IN_CHUNK = 500  # hashes per `IN (...)` query
 _SCAN_PAGE = 256  # rows per page when iterating
 _SQLITE_SYNC = ("OFF", "NORMAL", "FULL", "EXTRA")
 
-_SQL_INS_NODES = "INSERT INTO state_nodes (id, body, left_id, right_id) VALUES (?, ?, ?, ?)"
+_SQL_INS_NODES = "INSERT INTO state_nodes (id, body, kids) VALUES (?, ?, ?)"
 _SQL_UPSERT_KV = (
     'INSERT INTO state_kv ("key", "value") VALUES (?, ?) '
     'ON CONFLICT ("key") DO UPDATE SET "value" = excluded."value"'
@@ -121,7 +124,7 @@ _SQL_GET = 'SELECT "value" FROM state_kv WHERE "key" = ?'
 _SQL_GET_KV = 'SELECT "key", "value" FROM state_kv WHERE "key" = ?'
 _SQL_SCAN_FIRST = 'SELECT "key", "value" FROM state_kv WHERE "key" >= ? AND "key" < ? ORDER BY "key" LIMIT ?'
 _SQL_SCAN_NEXT = 'SELECT "key", "value" FROM state_kv WHERE "key" > ? AND "key" < ? ORDER BY "key" LIMIT ?'
-_SQL_NODES = "SELECT id, body, left_id, right_id FROM state_nodes WHERE id "
+_SQL_NODES = "SELECT id, body, kids FROM state_nodes WHERE id "
 _SQL_DEL_NODE = "DELETE FROM state_nodes WHERE id = ?"
 
 log = logging.getLogger(__name__)
@@ -135,8 +138,7 @@ nodes_table = Table(
     _md,
     Column("id", _ID, primary_key=True, autoincrement=False),
     Column("body", LargeBinary, nullable=False),
-    Column("left_id", BigInteger, nullable=True),
-    Column("right_id", BigInteger, nullable=True),
+    Column("kids", LargeBinary, nullable=True),  # the children's ids, 8 bytes each; NULL for a leaf
 )
 kv_table = Table(
     "state_kv",
@@ -242,12 +244,22 @@ class _Checkpointer:
             conn.close()
 
 
+def _pack_ids(ids: Sequence[int]) -> bytes:
+    return struct.pack(f">{len(ids)}Q", *ids)
+
+
+def _unpack_ids(blob: bytes) -> tuple[int, ...]:
+    return struct.unpack(f">{len(blob) >> 3}Q", blob)
+
+
 class _NodeCache:
     """A bounded cache of committed inner nodes by id (leaves are read from the database: each
     is touched once per change of its key, while inner nodes near the root are shared by every
     block). Two generations of plain dicts approximate LRU at O(1) per call: hits move entries
     into the young generation; when it is full the old one is dropped. Entries are packed as
-    body || left id || right id (8 bytes each) to keep the per-node footprint small."""
+    body || children's ids (8 bytes each): bytes are not tracked by the garbage collector, so a
+    large cache adds nothing to the collector's work (a tuple per entry would make every full
+    collection walk them all)."""
 
     OVERHEAD = 100
     """Approximate Python overhead per entry (dict slot, int key, bytes header)."""
@@ -271,14 +283,20 @@ class _NodeCache:
                     continue
                 self._insert(i, v)
                 young = self._young
-            out[i] = (v[:-16], int.from_bytes(v[-16:-8], "big"), int.from_bytes(v[-8:], "big"))
+            d = (v[1] << 8) | v[2]
+            end = 4 + d + CHILD_LEN * (v[3 + d] + 1)
+            out[i] = (v[:end], _unpack_ids(v[end:]))
         return missing
 
-    def put(self, i: int, body: bytes, left: int, right: int) -> None:
-        if body[0] != 1 or i in self._young:
-            return
-        self._old.pop(i, None)
-        self._insert(i, body + left.to_bytes(8, "big") + right.to_bytes(8, "big"))
+    def put(self, i: int, rec: NodeRecord) -> None:
+        if rec[1]:
+            self.put_packed(i, rec[0] + _pack_ids(rec[1]))
+
+    def put_packed(self, i: int, v: bytes) -> None:
+        """Cache the inner node `i` given as body || packed child ids."""
+        if i not in self._young:
+            self._old.pop(i, None)
+            self._insert(i, v)
 
     def _insert(self, i: int, v: bytes) -> None:
         self._young[i] = v
@@ -332,22 +350,6 @@ def _rewind(
             else:
                 rows[key] = old
     return sorted(rows.items())
-
-
-def _replaced(loaded: dict[int, NodeRecord], root_id: int | None, nodes: list[NewNode]) -> list[int]:
-    """The ids of the loaded (committed) nodes that the new trie no longer holds. An update loads
-    its paths from the root down, so a loaded node that survives is the new root, a child of a new
-    node, or below a surviving loaded node; every other loaded node was replaced."""
-    kept: set[int] = set()
-    todo = [root_id, *(c for _, _, _, left, right in nodes if left is not None for c in (left, right))]
-    while todo:
-        i = todo.pop()
-        if i in loaded and i not in kept:
-            kept.add(i)
-            _, left, right = loaded[i]
-            if left is not None:
-                todo += (left, right)
-    return sorted(loaded.keys() - kept)
 
 
 class Batch:
@@ -647,15 +649,14 @@ class StateStore:
             sets = [(k, v) for k, v in changes if v is not None]
             dels = [(k,) for k, v in changes if v is None]
             with self._engine.begin() as conn:
-                self._write_nodes(conn, new_nodes)
+                inner = self._write_nodes(conn, new_nodes)
                 cur = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
                 if sets:
                     cur.executemany(self._sql_upsert_kv, sets)
                 if dels:
                     cur.executemany(self._sql_del_kv, dels)
                 if orphans:
-                    ids = b"".join(i.to_bytes(8, "big") for i in orphans)
-                    conn.execute(insert(orphans_table), {"height": height, "ids": ids})
+                    conn.execute(insert(orphans_table), {"height": height, "ids": _pack_ids(orphans)})
                 self._write_head(conn, height, root, root_id, all_meta)
                 if self.keep_heights:
                     self._prune(conn, cur, height - self.keep_heights + 1)
@@ -663,10 +664,7 @@ class StateStore:
             self._committed(height, root, root_id, len(new_nodes))
             self._undo = (previous, undo)
             batch._done = True
-            put = self._cache.put
-            for ref, _, body, left, right in new_nodes:
-                if left is not None:
-                    put(ref, body, left, right)
+            self._warm(inner)
         return root
 
     def bulk_load(
@@ -727,14 +725,14 @@ class StateStore:
                 add_leaf(key, value)
                 kv_rows.append((key, value))
                 if len(kv_rows) >= chunk:
-                    self._warm(builder.nodes or [])
-                    written += self._write_nodes(conn, builder.nodes or [])
+                    self._warm(self._write_nodes(conn, builder.nodes or []))
+                    written += len(builder.nodes or [])
                     cur.executemany(self._sql_ins_kv, kv_rows)
                     builder.nodes = []
                     kv_rows = []
             root = builder.finish()
-            self._warm(builder.nodes or [])
-            written += self._write_nodes(conn, builder.nodes or [])
+            self._warm(self._write_nodes(conn, builder.nodes or []))
+            written += len(builder.nodes or [])
             if kv_rows:
                 cur.executemany(self._sql_ins_kv, kv_rows)
             cur.close()
@@ -813,13 +811,23 @@ class StateStore:
         if self._checkpointer is not None:
             self._checkpointer.poke()
 
-    def _write_nodes(self, conn: Connection, nodes: list[NewNode]) -> int:
-        """Append new nodes (their ids are consecutive from `_next_id`, in order)."""
-        if nodes:
+    def _write_nodes(self, conn: Connection, nodes: list[NewNode]) -> list[tuple[int, bytes]]:
+        """Append new nodes (their ids are consecutive from `_next_id`, in order). Returns the
+        inner ones as cache entries, for `_warm` once the transaction is safe."""
+        rows: list[tuple[int, bytes, bytes | None]] = []
+        inner: list[tuple[int, bytes]] = []
+        for i, _, body, kids in nodes:
+            if kids:
+                blob = _pack_ids(kids)
+                rows.append((i, body, blob))
+                inner.append((i, body + blob))
+            else:
+                rows.append((i, body, None))
+        if rows:
             cur = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
-            cur.executemany(self._sql_ins_nodes, [(i, b, lf, rt) for i, _, b, lf, rt in nodes])
+            cur.executemany(self._sql_ins_nodes, rows)
             cur.close()
-        return len(nodes)
+        return inner
 
     def _prune(self, conn: Connection, cur: Any, earliest: int) -> None:
         """Make heights before `earliest` unprovable and delete the nodes no later height uses:
@@ -841,8 +849,7 @@ class StateStore:
             return
         sel = orphans_table.c.height.in_(heights)
         blobs = conn.execute(select(orphans_table.c.ids).where(sel)).scalars().all()
-        cur.executemany(self._sql_del_node, [(int.from_bytes(b[i : i + 8], "big"),)
-                                             for b in blobs for i in range(0, len(b), 8)])  # fmt: skip
+        cur.executemany(self._sql_del_node, [(i,) for b in blobs for i in _unpack_ids(b)])
         conn.execute(orphans_table.delete().where(sel))
 
     def _write_head(
@@ -932,13 +939,12 @@ class StateStore:
             rows = self._query(self._sql_scan_first, (prefix, prefix + b"\x80", limit))
         return [(bytes(k), bytes(v)) for k, v in rows]
 
-    def _warm(self, nodes: list[NewNode]) -> None:
-        """Cache inner nodes being bulk-loaded (the cache keeps the last, i.e. the top, ones).
+    def _warm(self, entries: list[tuple[int, bytes]]) -> None:
+        """Cache new inner nodes (of a bulk load, the cache keeps the last, i.e. the top, ones).
         bulk_load empties the cache again if its transaction fails, since the ids get reused."""
-        put = self._cache.put
-        for ref, _, body, left, right in nodes:
-            if left is not None:
-                put(ref, body, left, right)
+        put = self._cache.put_packed
+        for i, v in entries:
+            put(i, v)
 
     def _get_node(self, node_id: int) -> NodeRecord:
         return self._load([node_id])[node_id]
@@ -952,8 +958,7 @@ class StateStore:
             put = cache.put
             for rec_id, rec in self._load_full(missing).items():
                 out[rec_id] = rec
-                if rec[1] is not None:
-                    put(rec_id, rec[0], rec[1], rec[2])
+                put(rec_id, rec)
         return out
 
     def _load_full(self, ids: list[int]) -> dict[int, NodeRecord]:
@@ -967,8 +972,8 @@ class StateStore:
                 rows = self._query(_SQL_NODES + "IN (" + ",".join("?" * len(part)) + ")", part)
             else:
                 rows = self._query(_SQL_NODES + "= ANY(%s)", (part,))
-            for i, body, left, right in rows:
-                out[i] = (bytes(body), left, right)
+            for i, body, kids in rows:
+                out[i] = (bytes(body), _unpack_ids(kids) if kids is not None else ())
         for i in ids:
             if i not in out:
                 raise StoreError(f"trie node {i} is missing: the database is corrupt")
@@ -977,18 +982,14 @@ class StateStore:
     def _apply(
         self, batch: Batch, changes: list[tuple[bytes, bytes | None]]
     ) -> tuple[bytes, int | None, list[NewNode], list[int]]:
-        """The new root and nodes, and the committed nodes they replace (see `_replaced`)."""
+        """The new root and nodes, and the ids of the committed nodes they replace."""
         with self._lock:
             self._check_fresh(batch)
             ids = itertools.count(self._next_id)
-            loaded: dict[int, NodeRecord] = {}
-
-            def load(refs: list[int]) -> dict[int, NodeRecord]:
-                got = self._load(refs)
-                loaded.update(got)
-                return got
-
-            root, root_id, nodes = apply_changes(
-                self._app_hash, self._root_id, changes, load, lambda _h: next(ids)
+            unread = [k for k, _ in changes if k not in batch._reads]
+            if unread:  # commit() needs them too, to undo the block
+                batch._reads.update(self._committed_values(batch, unread))
+            root, root_id, nodes, replaced = apply_changes(
+                self._app_hash, self._root_id, changes, self._load, lambda _h: next(ids), batch._reads
             )
-            return root, root_id, nodes, _replaced(loaded, root_id, nodes)
+            return root, root_id, nodes, sorted(replaced)
