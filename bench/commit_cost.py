@@ -50,6 +50,7 @@ from pathlib import Path
 
 from sqlalchemy import func, select
 
+from planetserve.chain.server import tune_gc
 from planetserve.chain.store import StateStore, nodes_table, orphans_table
 from planetserve.chain.trie import PrefixProof, verify_prefix
 
@@ -153,6 +154,7 @@ class Subject:
         t0 = time.perf_counter()
         self.store.bulk_load(state_entries(self.uids, self.rnd), 1)
         self.bulk_load_s = time.perf_counter() - t0
+        tune_gc()  # as `planetserve chain app` does once its state is open
         self.inserted = 0
         self.samples: dict[str, list[tuple[float, float, float, int, int]]] = {m: [] for m in MODES}
 

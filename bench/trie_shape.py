@@ -1,18 +1,19 @@
-"""How many trie nodes a 1,000-key block rewrites: the state's binary trie against a byte-wide one.
+"""How many trie nodes a 1,000-key block rewrites: a binary trie against the state's byte-wide one.
 
 The commit cost of a block is mostly Python's work per rewritten node (`bench/commit_cost.py`), so
 the number of nodes on the changed keys' paths decides how the cost grows with the state. This
 counts them, for the chain's key layout and block of `commit_cost.py`, in two shapes of compressed
 trie over the same terminated keys:
 
-  binary  the state's trie (crit-bit): an inner node wherever the keys below a bit prefix differ
-          in the next bit (what `planetserve.chain.trie` builds)
-  byte    one node per byte prefix where the keys below it differ in the next byte (a node per key
-          byte with up to 256 children, e.g. found through a child bitmap)
+  binary  a crit-bit trie: an inner node wherever the keys below a bit prefix differ in the next
+          bit (the state's earlier format, which missed the commit-cost target)
+  byte    one node per byte prefix where the keys below it differ in the next byte, up to 128
+          children (what `planetserve.chain.trie` builds)
 
 Leaves are one per changed key in both. Nothing is hashed or stored: the counts come from the
 sorted key set alone (a node sits at prefix p iff the first and last key starting with p differ
-at p's next bit or byte).
+at p's next bit or byte). Byte-wide nodes are wider (16 children on a level of hex digits), which
+costs little only because the store rewrites a node by splicing the changed child hashes into it.
 
     .venv/bin/python bench/trie_shape.py [--sizes 10000,100000,1000000]
 """

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import json
 import logging
 import signal
@@ -99,7 +98,7 @@ def init(home: Path, genesis: Path, peers: tuple[str, ...], moniker: str, p2p: s
 def app(home: Path, db: str | None, keep_heights: int | None, log_level: str) -> None:
     """Serve the ABCI application only (CometBFT connects to it)."""
     from planetserve.chain.app import Application
-    from planetserve.chain.server import AbciServer
+    from planetserve.chain.server import AbciServer, tune_gc
     from planetserve.chain.store import StateStore
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -111,10 +110,7 @@ def app(home: Path, db: str | None, keep_heights: int | None, log_level: str) ->
     except ValueError as exc:
         fail(f"cannot open the state: {exc}")
     server = AbciServer(Application(store))
-    # The app allocates many short-lived objects per transaction and keeps few cycles: collect
-    # less often, and never rescan what start-up loaded.
-    gc.freeze()
-    gc.set_threshold(100_000, 50, 100)
+    tune_gc()
     asyncio.run(server.serve(host, int(port)))
 
 
