@@ -85,9 +85,10 @@ class MemTrie:
         before = self.reachable()
         if current is None and self.tell_current:
             current = self.state
-        self.root, ref, new, replaced = apply_changes(
+        self.root, ref, new, replaced, previous = apply_changes(
             self.root, self.root, sorted(changes.items()), self.load, current=current
         )
+        assert previous == {k: self.state.get(k) for k in changes}
         assert self.root == EMPTY_ROOT or ref == self.root  # refs are hashes here
         self.nodes.add(new)
         after = self.reachable()

@@ -82,6 +82,7 @@ from planetserve.chain.trie import (
     NodeRecord,
     PrefixProof,
     TrieBuilder,
+    Update,
     apply_changes,
     check_key,
     check_prefix,
@@ -369,7 +370,7 @@ class Batch:
         self._meta: dict[str, bytes] = {}
         self._reads: dict[bytes, bytes | None] = {}
         self._version = 0
-        self._computed: tuple[int, bytes, int | None, list[NewNode], list[int]] | None = None
+        self._computed: tuple[int, Update] | None = None
         self._done = False
 
     # -- reads ---------------------------------------------------------------------------------
@@ -464,17 +465,16 @@ class Batch:
 
     def root(self) -> bytes:
         """The app hash the committed state would have with this batch applied."""
-        return self._compute()[0]
+        return self._compute().root
 
-    def _compute(self) -> tuple[bytes, int | None, list[NewNode], list[int]]:
-        """(root, root id, new nodes, ids of the committed nodes they replace)."""
+    def _compute(self) -> Update:
         c = self._computed
         if c is not None and c[0] == self._version:
             self._store._check_fresh(self)
-            return c[1], c[2], c[3], c[4]
-        root, root_id, nodes, orphans = self._store._apply(self, sorted(self._pending.items()))
-        self._computed = (self._version, root, root_id, nodes, orphans)
-        return root, root_id, nodes, orphans
+            return c[1]
+        update = self._store._apply(self, sorted(self._pending.items()))
+        self._computed = (self._version, update)
+        return update
 
 
 class StateStore:
@@ -645,9 +645,8 @@ class StateStore:
             previous = self._height
             all_meta = dict(batch._meta)
             all_meta.update(_check_meta(meta or {}))
-            root, root_id, new_nodes, orphans = batch._compute()
+            root, root_id, new_nodes, orphans, undo = batch._compute()
             changes = sorted(batch._pending.items())
-            undo = self._committed_values(batch, [k for k, _ in changes])
             sets = [(k, v) for k, v in changes if v is not None]
             dels = [(k,) for k, v in changes if v is None]
             with self._engine.begin() as conn:
@@ -981,17 +980,13 @@ class StateStore:
                 raise StoreError(f"trie node {i} is missing: the database is corrupt")
         return out
 
-    def _apply(
-        self, batch: Batch, changes: list[tuple[bytes, bytes | None]]
-    ) -> tuple[bytes, int | None, list[NewNode], list[int]]:
-        """The new root and nodes, and the ids of the committed nodes they replace."""
+    def _apply(self, batch: Batch, changes: list[tuple[bytes, bytes | None]]) -> Update:
+        """The new root and nodes, the ids of the committed nodes they replace (sorted, as the
+        orphan rows keep them) and the changed keys' previous values (the undo log)."""
         with self._lock:
             self._check_fresh(batch)
             ids = itertools.count(self._next_id)
-            unread = [k for k, _ in changes if k not in batch._reads]
-            if unread:  # commit() needs them too, to undo the block
-                batch._reads.update(self._committed_values(batch, unread))
-            root, root_id, nodes, replaced = apply_changes(
+            update = apply_changes(
                 self._app_hash, self._root_id, changes, self._load, lambda _h: next(ids), batch._reads
             )
-            return root, root_id, nodes, sorted(replaced)
+            return update._replace(replaced=sorted(update.replaced))

@@ -66,7 +66,7 @@ from bisect import bisect_left
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 
@@ -82,6 +82,7 @@ __all__ = [
     "ProofKind",
     "PrefixProof",
     "TrieBuilder",
+    "Update",
     "apply_changes",
     "check_key",
     "check_prefix",
@@ -410,6 +411,19 @@ class MemoryNodes:
 # -- updating ------------------------------------------------------------------------------------
 
 
+class Update(NamedTuple):
+    """What `apply_changes` made of a trie."""
+
+    root: bytes
+    root_ref: Ref
+    nodes: list[NewNode]
+    """Every node made, children before parents."""
+    replaced: list[Ref]
+    """The old nodes the new trie no longer holds."""
+    previous: dict[bytes, bytes | None]
+    """The value every changed key had (None: absent)."""
+
+
 def apply_changes(
     root: bytes,
     root_ref: Ref,
@@ -417,17 +431,16 @@ def apply_changes(
     load: Loader,
     new_ref: Callable[[bytes], Ref] | None = None,
     current: Mapping[bytes, bytes | None] | None = None,
-) -> tuple[bytes, Ref, list[NewNode], list[Ref]]:
+) -> Update:
     """Apply sorted, distinct (key, value) changes (value None deletes) to the trie `root`, whose
-    root node is stored at `root_ref`.
+    root node is stored at `root_ref`; new nodes get their refs from `new_ref` (by default the
+    hash).
 
-    Returns the new root hash, its ref, every node made (children before parents; refs from
-    `new_ref`, by default the hash) and the refs of the old nodes the new trie no longer holds.
-    Only the nodes on the paths of the changed keys are loaded, one `load` call per trie level (a
-    loader may return leaf bodies without their value). `current` may give the present values of
-    changed keys (None: absent): a child whose hash is the leaf of a lone change's key with its
-    present value is that leaf, and is not loaded (an update's own leaf, most of a block's loads
-    when the state is large).
+    Only the nodes on the paths of the changed keys are loaded, one `load` call per trie level
+    (leaf bodies with their value: the changed keys' previous values come from them, so a caller
+    needs no other read to undo the changes). `current` may give the present values of some
+    changed keys: a child whose hash is the leaf of a lone change's key with its present value is
+    that leaf, and is not loaded (a large state's updates are mostly such leaves).
 
     A touched node whose children stay the same bytes is rewritten by splicing the changed
     children's hashes into its body, so its cost does not grow with its width. Otherwise it is
@@ -437,7 +450,7 @@ def apply_changes(
     """
     n = len(changes)
     if not n:
-        return root, root_ref, [], []
+        return Update(root, root_ref, [], [], {})
     new_ref = new_ref or _hash_ref
     tks: list[bytes] = []
     prev = b""
@@ -449,6 +462,7 @@ def apply_changes(
             raise ValueError("changes not in strictly increasing key order")
         prev = key
         tks.append(key + b"\x00")
+    previous: dict[bytes, bytes | None] = dict.fromkeys((k for k, _ in changes), None)
     nodes: list[NewNode] = []
 
     def leaf(i: int) -> Item | None:
@@ -529,7 +543,9 @@ def apply_changes(
 
     if root == EMPTY_ROOT:
         result = merge(leaf(i) for i in range(n))
-        return (EMPTY_ROOT, None, nodes, []) if result is None else (result[2], result[3], nodes, [])
+        if result is None:
+            return Update(EMPTY_ROOT, None, nodes, [], previous)
+        return Update(result[2], result[3], nodes, [], previous)
 
     # Phase 1: load, level by level, every node whose region [lo, hi) of changes is not empty, and
     # split each inner node's region: [lo, a) and [b, hi) lie outside its prefix; inside, the
@@ -586,9 +602,11 @@ def apply_changes(
     for r, h, lo, hi in reversed(visits):
         body, kids = records[r]
         if body[0] != _INNER:
-            tk = body[5 : 5 + int.from_bytes(body[1:5], "big")] + b"\x00"
+            klen = int.from_bytes(body[1:5], "big")
+            tk = body[5 : 5 + klen] + b"\x00"
             j = bisect_left(tks, tk, lo, hi)
             if j < hi and tks[j] == tk:  # the leaf itself is replaced or deleted
+                previous[changes[j][0]] = body[37 + klen :]
                 replaced.append(r)
                 results[r] = merge(leaf(i) for i in range(lo, hi))
             else:
@@ -608,17 +626,17 @@ def apply_changes(
             results[r] = merge([*(leaf(i) for i in range(lo, a)), inside, *(leaf(i) for i in range(b, hi))])
     result = results[root_ref]
     if result is None:
-        return EMPTY_ROOT, None, nodes, replaced
-    return result[2], result[3], nodes, replaced
+        return Update(EMPTY_ROOT, None, nodes, replaced, previous)
+    return Update(result[2], result[3], nodes, replaced, previous)
 
 
 def _known_leaf(key: bytes, current: Mapping[bytes, bytes | None] | None, h: bytes) -> bytes | None:
-    """The body (without value) of the leaf with hash `h`, if it is `key` with its current value."""
+    """The body of the leaf with hash `h`, if it is `key` with its current value."""
     value = current.get(key) if current is not None else None
     if value is None:
         return None
     body = b"\x00" + len(key).to_bytes(4, "big") + key + _sha256(value).digest()
-    return body if _sha256(body).digest() == h else None
+    return body + value if _sha256(body).digest() == h else None
 
 
 # -- proofs --------------------------------------------------------------------------------------
