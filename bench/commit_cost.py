@@ -8,7 +8,9 @@ so 10k, 100k and 1M users are 30k, 300k and 3M state keys. Each block changes 1,
 existing users get their record rewritten (user/ and ulist/ keys, 502 updates) and 166 new users
 register (498 inserts). The base state is bulk-loaded as height 1; a few warm-up blocks run first,
 then the median over the measured blocks is reported. Target: the block cost at 1M users within 2x
-of the cost at 10k users.
+of the cost at 10k users. Each size is a store in its own process, under the garbage-collector
+settings of `planetserve chain app`; all sizes are loaded first and then take turns, a block each,
+so that they are measured over the same minutes of a machine whose speed drifts.
 
 Both wall time and the CPU time of the thread that makes and commits the block (time.thread_time:
 Python, hashing and the SQLite library all run on it; the background WAL checkpoint thread is not
@@ -156,9 +158,9 @@ class Subject:
         self.bulk_load_s = time.perf_counter() - t0
         tune_gc()  # as `planetserve chain app` does once its state is open
         self.inserted = 0
-        self.samples: dict[str, list[tuple[float, float, float, int, int]]] = {m: [] for m in MODES}
 
-    def block(self, mode: str, j: int, keep: bool) -> None:
+    def block(self, mode: str, j: int) -> tuple[float, float, float, int, int]:
+        """One block of `mode`: (root ms, commit ms, CPU ms, node table growth, bytes written)."""
         rnd = self.rnd
         updates = [self.uids[i] for i in rnd.sample(range(len(self.uids)), BLOCK_UPDATE_USERS)]
         inserts = [user_id(self.inserted + t, b"new") for t in range(BLOCK_NEW_USERS)]
@@ -173,8 +175,7 @@ class Subject:
             written_bytes = conn.execute(written).scalar()
         sample = (*sample, store._next_id - first_id - deleted, written_bytes)
         self.uids.extend(inserts)
-        if keep:
-            self.samples[mode].append(sample)
+        return sample
 
     def orphan_ids(self, height: int | None = None) -> int:
         """How many replaced node ids wait for pruning (those of `height` only, if given)."""
@@ -205,45 +206,79 @@ class Subject:
         return out
 
 
-def run_worker(users: int, blocks: int, warmup: int, workdir: Path, seed: int,
-               cache_mib: int) -> dict[str, object]:
-    """Measure one size in this process: bulk load, then `warmup + blocks` blocks per mode."""
+def serve_worker(users: int, workdir: Path, seed: int, cache_mib: int) -> None:
+    """One size in this process: bulk load, then make blocks as the parent asks, one JSON line in
+    and one out per request (so that the parent can interleave the sizes block by block)."""
     subject = Subject(users, workdir, seed, cache_mib)
+    print(json.dumps({"users": users, "bulk_load_s": subject.bulk_load_s}), flush=True)
     j = 0
-    for mode in MODES:
-        if mode == "pruned":
+    for line in sys.stdin:
+        req = json.loads(line)
+        reply: dict[str, object] = {}
+        if req["op"] == "block":
+            j += 1
+            reply["sample"] = subject.block(req["mode"], j)
+        elif req["op"] == "prune":  # switch to pruning and drain what earlier heights left
             subject.store.keep_heights = PRUNED_KEEP
             while subject.pruning_backlog():
                 j += 1
-                subject.block(mode, j, keep=False)
-        for r in range(warmup + blocks):
-            j += 1
-            subject.block(mode, j, keep=r >= warmup)
-    samples = {m: subject.samples[m] for m in MODES}
-    out = subject.result()
-    out["samples"] = samples
-    return out
+                subject.block("pruned", j)
+        else:
+            reply = subject.result()
+        print(json.dumps(reply), flush=True)
+        if req["op"] == "finish":
+            return
+
+
+class Worker:
+    """A `serve_worker` process for one size."""
+
+    def __init__(self, users: int, workdir: Path, seed: int, cache_mib: int) -> None:
+        cmd = [sys.executable, __file__, "--worker", str(users), "--seed", str(seed), "--dir", str(workdir),
+               "--cache-mib", str(cache_mib)]  # fmt: skip
+        self.users = users
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def reply(self) -> dict:
+        line = self.proc.stdout.readline()  # type: ignore[union-attr]
+        if not line:
+            raise RuntimeError(f"the {self.users:,}-user worker died (exit {self.proc.wait()})")
+        return json.loads(line)
+
+    def ask(self, **req: object) -> dict:
+        self.proc.stdin.write(json.dumps(req) + "\n")  # type: ignore[union-attr]
+        self.proc.stdin.flush()  # type: ignore[union-attr]
+        return self.reply()
 
 
 def measure(sizes: list[int], blocks: int, warmup: int, rounds: int, workdir: Path, seed: int,
             cache_mib: int) -> list[dict]:
-    """Each size runs in a fresh interpreter (so no size pays for another's memory), `rounds`
-    times in alternating order (so that load from other processes spreads over every size); the
-    medians are over the blocks of all rounds."""
-    merged: dict[int, dict] = {}
+    """Every size is a store in its own interpreter (so no size pays for another's memory); all
+    are loaded first, then the blocks alternate between them, one size at a time, in ascending
+    then descending order. The sizes are measured side by side over the same minutes, so a
+    machine that slows down for a while (other tenants, frequency changes) does not bias the
+    ratio. `rounds` repeats everything on fresh stores; the medians are over every round."""
+    merged = {n: {"users": n, "state_keys": 3 * n, "bulk_load_s": [], "db_mb": 0.0,
+                  "samples": {m: [] for m in MODES}} for n in sizes}  # fmt: skip
     for r in range(rounds):
-        for n in sizes if r % 2 == 0 else list(reversed(sizes)):
-            cmd = [sys.executable, __file__, "--worker", str(n), "--blocks", str(blocks),
-                   "--warmup", str(warmup), "--seed", str(seed + r), "--dir", str(workdir),
-                   "--cache-mib", str(cache_mib)]  # fmt: skip
-            res = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
-            print(f"  round {r + 1}: {n:,} users done", file=sys.stderr, flush=True)
-            if n not in merged:
-                merged[n] = {"users": n, "state_keys": res["state_keys"], "bulk_load_s": [],
-                             "db_mb": res["db_mb"], "samples": {m: [] for m in MODES}}  # fmt: skip
-            merged[n]["bulk_load_s"].append(res["bulk_load_s"])
-            for m in MODES:
-                merged[n]["samples"][m].extend(res["samples"][m])
+        workers = [Worker(n, workdir, seed + r, cache_mib) for n in sizes]
+        for w in workers:
+            merged[w.users]["bulk_load_s"].append(w.reply()["bulk_load_s"])
+        loaded = ", ".join(f"{n:,}" for n in sizes)
+        print(f"  round {r + 1}: {loaded} users loaded", file=sys.stderr, flush=True)
+        for mode in MODES:
+            if mode == "pruned":
+                for w in workers:
+                    w.ask(op="prune")
+            for b in range(warmup + blocks):
+                for w in workers if b % 2 == 0 else reversed(workers):
+                    sample = w.ask(op="block", mode=mode)["sample"]
+                    if b >= warmup:
+                        merged[w.users]["samples"][mode].append(sample)
+        for w in workers:
+            merged[w.users]["db_mb"] = w.ask(op="finish")["db_mb"]
+            w.proc.wait()
+        print(f"  round {r + 1} done", file=sys.stderr, flush=True)
     rows = []
     for n in sizes:
         row = merged[n]
@@ -346,7 +381,7 @@ def print_tables(rows: list[dict], verify: dict, blocks: int, warmup: int) -> No
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="10000,100000,1000000", help="comma-separated numbers of users")
-    ap.add_argument("--blocks", type=int, default=9, help="measured blocks per size, mode and round")
+    ap.add_argument("--blocks", type=int, default=15, help="measured blocks per size, mode and round")
     ap.add_argument("--warmup", type=int, default=2, help="unmeasured blocks first")
     ap.add_argument("--verify-entries", type=int, default=10_000)
     ap.add_argument("--verify-runs", type=int, default=7)
@@ -354,13 +389,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--cache-mib", type=int, default=384, help="the store's node cache (its default: 384)")
-    ap.add_argument("--rounds", type=int, default=2, help="repetitions of every size, alternating order")
+    ap.add_argument("--rounds", type=int, default=1, help="repetitions of the whole run on fresh stores")
     ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker is not None:
         assert args.dir is not None
-        result = run_worker(args.worker, args.blocks, args.warmup, args.dir, args.seed, args.cache_mib)
-        print(json.dumps(result))
+        serve_worker(args.worker, args.dir, args.seed, args.cache_mib)
         return 0
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
 
