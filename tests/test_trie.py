@@ -530,7 +530,7 @@ def test_decode_strictness() -> None:
     for children, reason in (
         (b"\x01" + bytes(32), "2 to 128"),  # one child
         (b"\x02" + bytes(32) + b"\x01" + bytes(32), "strictly increasing"),
-        (b"\x01" + bytes(32) + b"\x80" + bytes(32), "strictly increasing key bytes"),  # not a key byte
+        (b"\x01" + bytes(32) + b"\x80" + bytes(32), "increasing order of key byte"),  # not a key byte
         (b"\x01" + bytes(32) + b"\x02" + bytes(31), "whole number"),
     ):
         with pytest.raises(ProofError, match=reason):
@@ -565,6 +565,16 @@ def test_error_messages_are_specific() -> None:
         verify_prefix(t.root, b"user/", entries[::-1], proof)
     with pytest.raises(ProofError, match="subtree proof with no entries"):
         verify_prefix(t.root, b"user/", [], proof)
+    # "user/" has children a and b only: the node itself shows that no key starts with "user/c"
+    missing, no_c = t.prove(b"user/c")
+    assert missing == [] and no_c.kind is ProofKind.INNER_OPENING and no_c.opening.prefix == b"user/"
+    verify_prefix(t.root, b"user/c", [], no_c)
+    with pytest.raises(ProofError, match="absence proof does not diverge from prefix"):
+        verify_prefix(t.root, b"user/a", [], no_c)  # it has a child for a
+    (d, sibs), *_ = proof.steps  # the root's other child is "n"; claim it lies on the path too
+    onpath = PrefixProof(proof.kind, ((d, (*sibs, (ord("u"), bytes(32)))),), None)
+    with pytest.raises(ProofError, match="path sibling has the byte of the path itself"):
+        verify_prefix(t.root, b"user/", entries, onpath)
 
 
 def test_changes_shorter_than_the_trie_keys() -> None:

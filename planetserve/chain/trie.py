@@ -781,9 +781,9 @@ def _check_children(children: object, least: int, what: str) -> None:
             raise ProofError(f"{what} must be (byte, hash) pairs")
         c, h = child
         if type(c) is not int or not last < c < MAX_CHILDREN:
-            raise ProofError(f"{what} bytes are not strictly increasing key bytes")
+            raise ProofError(f"{what} are not in strictly increasing order of key byte")
         if not _is_hash(h):
-            raise ProofError(f"{what} hash is not a 32-byte hash")
+            raise ProofError(f"{what} include a hash that is not 32 bytes")
         last = c
 
 
