@@ -5,10 +5,10 @@ SQLAlchemy Core over SQLite (the default: `sqlite:///path`, WAL) or PostgreSQL
 
 Tables
     state_nodes  id -> body, child ids: every trie node ever committed (a pruning store: of the
-                 retained heights). Ids are handed out
-                 in commit order, so a block's new nodes are appended (a hash-keyed table would
-                 put each new node on a random B-tree page); a parent row holds its children's
-                 ids, and its body (the hash pre-image) their hashes. Leaf bodies carry their value,
+                 retained heights). Ids are handed out in commit order, so a block's new nodes
+                 are appended (a hash-keyed table would put each new node on a random B-tree
+                 page); a parent row holds its children's ids, and its body (the hash
+                 pre-image) their hashes. Leaf bodies carry their value,
                  so the state at any earlier committed height stays provable.
     state_kv     key -> value, the latest committed state (bytewise key order on both databases)
     state_meta   name -> bytes: the committed height and app hash (names starting with "_"),

@@ -171,13 +171,15 @@ def leaf_body(key: bytes, value: bytes) -> bytes:
     return b"\x00" + len(key).to_bytes(4, "big") + key + _sha256(value).digest() + value
 
 
+def _pack_children(children: Iterable[tuple[int, bytes]]) -> bytes:
+    return b"".join(bytes((c,)) + h for c, h in children)
+
+
 def inner_body(depth: int, prefix: bytes, children: Sequence[tuple[int, bytes]]) -> bytes:
     """An inner node's body (= its hash pre-image); `prefix` holds at least `depth` bytes and
     `children` are (byte, hash) in increasing byte order."""
-    return (
-        b"\x01" + depth.to_bytes(2, "big") + prefix[:depth] + bytes((len(children) - 1,))
-        + b"".join(bytes((c,)) + h for c, h in children)
-    )  # fmt: skip
+    head = b"\x01" + depth.to_bytes(2, "big") + prefix[:depth] + bytes((len(children) - 1,))
+    return head + _pack_children(children)
 
 
 def node_hash(body: bytes) -> bytes:
@@ -525,16 +527,15 @@ def apply_changes(
                     del slots[c]
                 else:
                     slots[c] = (item[2], item[3], item)
-            for c, item in added:
-                slots[c] = (item[2], item[3], item)  # type: ignore[index]
+            for c, new in added:
+                slots[c] = (new[2], new[3], new)
             if len(slots) < 2:
                 if not slots:
                     return None
                 ((c, (ch, ref, item)),) = slots.items()  # one child left: it takes the node's place
                 return item if item is not None else (q + bytes((c,)), d + 1, ch, ref)
             order = sorted(slots)
-            nb = b"\x01" + d.to_bytes(2, "big") + q + bytes((len(order) - 1,))
-            nb += b"".join(bytes((c,)) + slots[c][0] for c in order)
+            nb = inner_body(d, q, [(c, slots[c][0]) for c in order])
             refs = [slots[c][1] for c in order]
         nh = _sha256(nb).digest()
         nref = new_ref(nh)
@@ -668,10 +669,6 @@ class LeafOpening:
 
     key: bytes
     value_hash: bytes
-
-
-def _pack_children(children: Children) -> bytes:
-    return b"".join(bytes((c,)) + h for c, h in children)
 
 
 @dataclass(frozen=True)
