@@ -281,9 +281,7 @@ class TrieBuilder:
     def add(self, rep: bytes, depth: int, item_hash: bytes, item_ref: Ref = None) -> None:
         if self._cur is not None:
             prev = self._rep
-            n = min(len(prev), len(rep))
-            x = int.from_bytes(prev[:n], "big") ^ int.from_bytes(rep[:n], "big")
-            c = n - ((x.bit_length() + 7) >> 3)
+            c = _common(prev, rep)
             if c >= depth or c >= self._depth:
                 raise ValueError("trie items overlap (a key or subtree is repeated or nested)")
             if rep[c] < prev[c]:
