@@ -7,9 +7,11 @@ from harness import CHAIN_ID, AppHarness, sqlite_url
 
 from planetserve.chain import state as layout
 from planetserve.chain import tx as txlib
+from planetserve.chain.app import Application
 from planetserve.chain.errors import Code
 from planetserve.chain.handlers import node_pop_message
 from planetserve.chain.keys import KeySet
+from planetserve.chain.store import StateStore
 from planetserve.registry import codec
 from planetserve.registry.params import Params
 
@@ -108,6 +110,11 @@ def test_field_entity_and_authorization_refusals(h):
         (owner, "register-org", {"org_id": "bad id!", "name": "x"}, Code.INVALID_FIELD, "'org_id'"),
         (owner, "register-org", {"org_id": "org1", "name": "again"}, Code.ALREADY_EXISTS, "already registered"),
         (stranger, "register-user", {"address": "nohost", "region": "eu"}, Code.INVALID_FIELD, "host:port"),
+        # digits outside ASCII: which of them str.isdigit() knows depends on the Python version
+        (stranger, "register-user", {"address": "10.0.0.1:\u0668\u0660", "region": "eu"}, Code.INVALID_FIELD,
+         "port in 1-65535"),
+        (stranger, "register-user", {"address": "10.0.0.1:\U00011f51\U00011f50", "region": "eu"},
+         Code.INVALID_FIELD, "port in 1-65535"),
         (stranger, "heartbeat", {}, Code.UNKNOWN_ENTITY, "not registered"),
         (owner, "register-model-node", node_body(h, node, org_id="missing"), Code.UNKNOWN_ENTITY, "organisation"),
         (stranger, "register-model-node", node_body(h, node), Code.UNAUTHORIZED, "does not own"),
@@ -233,3 +240,38 @@ def test_recheck_validates_the_envelope_and_sequence_only(h):
     pending = h.tx(b, "register-org", {"org_id": "same", "name": "B"}, sequence=0)
     assert h.app.check_tx(abci.RequestCheckTx(tx=pending, type=abci.RECHECK)).code == 0
     assert code(h, pending) == Code.ALREADY_EXISTS
+
+
+def test_a_database_read_failure_stops_the_block_instead_of_failing_the_transaction(h, tmp_path):
+    """A driver error while a handler reads state would be code 12 on this validator only (the
+    others commit the transaction): it must stop the app, which CometBFT then replays."""
+    import sqlite3
+
+    from tendermint.abci import types_pb2 as abci
+
+    from planetserve.chain.store import StoreError
+
+    keys = KeySet.generate()
+    raw = h.tx(keys, "register-user", {"address": "10.0.0.1:9000", "region": "eu"})
+    with sqlite3.connect(tmp_path / "state.db") as other:
+        other.execute("ALTER TABLE state_kv RENAME TO state_kv_gone")
+    request = abci.RequestFinalizeBlock(txs=[raw], height=h.height + 1)
+    with pytest.raises(StoreError, match="state database read failed: no such table: state_kv"):
+        h.app.finalize_block(request)
+
+
+def test_init_chain_repeated_before_the_first_commit_keeps_the_genesis_state(h, tmp_path):
+    """CometBFT restarted after FinalizeBlock(1) and before Commit(1) runs InitChain again, then
+    FinalizeBlock(1): the block must be applied to the genesis state, not to an empty one."""
+    from tendermint.abci import types_pb2 as abci
+
+    first = abci.RequestFinalizeBlock(height=1)
+    h.app.finalize_block(first)
+    h.app.init_chain(h.genesis)
+    replayed = h.app.finalize_block(first).app_hash
+    h.app.commit(abci.RequestCommit())
+    with StateStore(sqlite_url(tmp_path, "once.db")) as store:
+        app = Application(store)
+        app.init_chain(h.genesis)
+        assert app.finalize_block(first).app_hash == replayed
+    assert layout.State(h.store.batch()).params() == Params(user_ttl_seconds=60)

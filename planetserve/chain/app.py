@@ -106,6 +106,7 @@ class Application:
             raise ValueError("genesis validators do not match the app_state committee")
         self.chain_id = req.chain_id
         self.block = self.store.batch()
+        self.block_height = 0  # a handshake repeating InitChain after FinalizeBlock(1) builds on this batch
         st = State(self.block)
         st.put_params(app_state.params)
         self._params = app_state.params
@@ -302,8 +303,8 @@ class Application:
         except RegistryError as exc:
             err = from_registry(exc)
             return Outcome(err.code, err.log, [])
-        except (StoreError, SQLAlchemyError):
-            raise  # the database failed, not the transaction: stop rather than diverge
+        except (StoreError, SQLAlchemyError, MemoryError, RecursionError):
+            raise  # the database or this process failed, not the transaction: stop rather than diverge
         except Exception as exc:  # a handler bug is deterministic: every validator refuses alike
             log.exception("handler %s failed", tx.type)
             return Outcome(Code.INTERNAL, f"internal: {tx.type} failed ({type(exc).__name__})", [])

@@ -12,6 +12,7 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
+from nacl.exceptions import CryptoError
 from nacl.public import PrivateKey
 from nacl.signing import SigningKey, VerifyKey
 
@@ -79,9 +80,11 @@ class KeySet:
 
 
 def verify_signature(public_key: bytes, message: bytes, signature: bytes) -> bool:
-    """Check an ed25519 signature; any malformed key or signature is simply invalid."""
+    """Check an ed25519 signature; any malformed key or signature is simply invalid. Only the
+    library's refusals count as invalid: running out of memory must not read as a bad signature on
+    one validator alone."""
     try:
         VerifyKey(public_key).verify(message, signature)
-    except Exception:
+    except (CryptoError, ValueError, TypeError):
         return False
     return True

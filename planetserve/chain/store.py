@@ -873,7 +873,9 @@ class StateStore:
     def _query(self, sql: str, params: Any) -> list[Any]:
         """Run one read on the reader connection (autocommit, held open: a pool checkout per
         read would cost more than the read). Rows are always fetched to the end, so that no
-        statement keeps a SQLite read snapshot open. A dropped connection is reopened once."""
+        statement keeps a SQLite read snapshot open. A dropped connection is reopened once; a
+        second failure of the driver is a StoreError, which stops a block instead of failing
+        one transaction on this validator alone."""
         with self._lock:
             for attempt in (1, 2):
                 try:
@@ -883,9 +885,11 @@ class StateStore:
                         self._rcur = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
                     self._rcur.execute(sql, params)
                     return list(self._rcur.fetchall())
-                except Exception:
+                except Exception as exc:
                     self._close_reader()
                     if attempt == 2:
+                        if isinstance(exc, self._engine.dialect.dbapi.Error):  # type: ignore[union-attr]
+                            raise StoreError(f"state database read failed: {exc}") from exc
                         raise
         raise AssertionError("unreachable")
 

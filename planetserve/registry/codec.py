@@ -12,6 +12,8 @@ from typing import Any
 import msgpack
 
 MAX_DEPTH = 8
+_UNDECODABLE = (msgpack.UnpackException, ValueError, TypeError)
+"""What msgpack raises for bad bytes; anything else (memory) is not the bytes' fault and propagates."""
 
 
 class CodecError(ValueError):
@@ -53,7 +55,7 @@ def unpack(data: bytes, max_size: int = 1 << 20) -> Any:
             use_list=True,
             strict_map_key=True,
         )
-    except Exception as exc:
+    except _UNDECODABLE as exc:
         raise CodecError(f"not msgpack: {type(exc).__name__}") from exc
     if pack(value) != data:
         raise CodecError("not in canonical form")
@@ -65,5 +67,5 @@ def unpack_stored(data: bytes) -> Any:
     canonical check that guards signed input would only cost time here."""
     try:
         return msgpack.unpackb(data, raw=False, use_list=True, strict_map_key=True)
-    except Exception as exc:
+    except _UNDECODABLE as exc:
         raise CodecError(f"not msgpack: {type(exc).__name__}") from exc

@@ -46,7 +46,7 @@ def address(body: dict[str, Any], name: str = "address") -> str:
     if not isinstance(value, str) or len(value) > 260 or ":" not in value:
         raise InvalidField(name, "must be host:port")
     host, _, port = value.rpartition(":")
-    if not _HOST.fullmatch(host) or not port.isdigit() or not 0 < int(port) < 65536:
+    if not _HOST.fullmatch(host) or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
         raise InvalidField(name, "must be host:port with a port in 1-65535")
     return value
 
