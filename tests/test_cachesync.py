@@ -189,6 +189,7 @@ def forge(drop: str = "", **fields: object) -> bytes:
     (forge(l=[1, 2, 0]), MalformedMessage, "capacity"),
     (forge(p=[1]), MalformedMessage, "plan id"),
     (b"\x00" * (5 << 20), MessageTooLarge, "limit"),
+    (forge(t={}), MalformedMessage, "message type {} "),
 ])
 def test_bad_messages_are_rejected_with_specific_errors(data: bytes, error: type[SyncError], match: str) -> None:
     a, b = pair()

@@ -162,6 +162,17 @@ def test_genesis_init_builds_homes(tmp_path):
     assert "already" in run("genesis", "init", str(tmp_path / "net"), "-n", "2", code=1).lower()
 
 
+def test_genesis_init_keeps_database_passwords_to_the_owner(tmp_path):
+    url = "postgresql+psycopg://ps:s3cret@127.0.0.1:5432/state"
+    printed = run("genesis", "init", str(tmp_path / "net"), "-n", "1", "--db", url, "--json")
+    assert "s3cret" not in printed
+    assert json.loads(printed)["validators"][0]["db_url"] == "postgresql+psycopg://ps:***@127.0.0.1:5432/state"
+    home = Path(json.loads(printed)["validators"][0]["home"])
+    for path in (home / "config" / "planetserve.json", tmp_path / "net" / "network.json"):
+        assert path.stat().st_mode & 0o777 == 0o600, path
+        assert "s3cret" in path.read_text()  # the app needs it, and only the owner can read it
+
+
 def test_genesis_init_with_organisations_and_sized_models(tmp_path):
     owner = "ab" * 32
     out = json.loads(run("genesis", "init", str(tmp_path / "net"), "-n", "1", "--model", "big=Big Model:80:1700",

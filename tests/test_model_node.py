@@ -363,6 +363,50 @@ def test_a_peer_failing_mid_answer_is_replaced_here_when_nothing_was_sent(quick_
     run(main())
 
 
+class BabblingNode(ModelNode):
+    """A peer that answers a forwarded job with more tokens than it asked for, without end."""
+
+    async def _serve_forward(self, body):
+        while True:
+            yield ["chunk", [5], None, 3, 0]
+            await asyncio.sleep(0)
+
+
+class StallingNode(ModelNode):
+    """A peer that takes a forwarded job and never answers it."""
+
+    async def _serve_forward(self, body):
+        await asyncio.Event().wait()
+        yield None
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize("peer", [BabblingNode, StallingNode])
+def test_a_peer_that_babbles_or_stalls_is_cut_off_and_the_job_served_here(quick_family, peer, monkeypatch):
+    """A forwarded job's replies are bounded by its max_tokens and by an idle time: the entry stops
+    collecting, holds nothing more of it, and computes the answer itself."""
+    import planetserve.node.model_node as model_node
+
+    monkeypatch.setattr(model_node, "FORWARD_IDLE_S", 1.0)
+
+    async def main():
+        bad = make_node(quick_family, peer)
+        entry = make_node(quick_family)
+        await start([bad, entry])
+        try:
+            signed((await complete(bad, SHARED + "Seed.", planetserve={"no_forward": True})).json())
+            await wait_until(lambda: entry.sync.search(entry.tokenizer(SHARED)["input_ids"]).holders
+                             >= {bad.node_id})
+            whole = await complete(entry, SHARED + "What is a dict?")
+            assert whole.status_code == 200, whole.text
+            assert signed(whole.json()).node.hex() == entry.node_id
+            assert entry.counters["forward_failures"] == 1 and bad.counters["received_forwards"] == 1
+        finally:
+            await stop([bad, entry])
+
+    run(main())
+
+
 def test_a_node_that_alters_prompts_signs_for_the_original(quick_family):
     async def main():
         import httpx

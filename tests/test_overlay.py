@@ -18,8 +18,9 @@ from overlaynet import chat, faulty, make_user, record, relays_on_one_path, star
 
 from planetserve.node import onion, sida
 from planetserve.node.directory import DirectoryView
-from planetserve.node.messages import Prompt
+from planetserve.node.messages import Part, Prompt
 from planetserve.node.openai_api import ApiError
+from planetserve.node.user import MAX_ANSWER_BYTES, MAX_PARTS_AHEAD, Exchange
 
 RELAYS = 12
 MODEL_NODES = 4
@@ -447,3 +448,55 @@ def test_naming_an_unknown_node_or_one_of_another_model_is_refused(quick_family)
             await net.close()
 
     run(main())
+
+
+def _part(seq: int, data: bytes = b"x", last: bool = False) -> Part:
+    return Part(b"r" * 16, seq, 200, "application/json", data, last)
+
+
+def test_an_answer_is_reassembled_in_order_and_parts_far_ahead_are_dropped():
+    async def main():
+        exchange = Exchange(b"r" * 16, b"n" * 32, (), 1)
+        exchange.add(_part(MAX_PARTS_AHEAD))  # beyond the window: a node flooding us is ignored
+        exchange.add(_part(2, b"c", last=True))
+        exchange.add(_part(1, b"b"))
+        exchange.add(_part(0, b"a"))
+        first = await exchange.next_part(1.0)
+        assert b"".join([d async for d in exchange.data(first, 1.0)]) == b"abc"
+        assert exchange.parts == {}
+
+    asyncio.run(main())
+
+
+def test_parts_out_of_order_do_not_extend_the_wait_for_the_next_one():
+    async def main():
+        exchange = Exchange(b"r" * 16, b"n" * 32, (), 1)
+
+        async def keep_sending_the_wrong_part():
+            while True:
+                exchange.add(_part(1))
+                await asyncio.sleep(0.02)
+
+        sender = asyncio.create_task(keep_sending_the_wrong_part())
+        with pytest.raises(ApiError) as caught:
+            await asyncio.wait_for(exchange.next_part(0.3), 10)
+        sender.cancel()
+        assert caught.value.status == 504 and caught.value.code == "timeout"
+
+    asyncio.run(main())
+
+
+def test_an_answer_longer_than_the_limit_is_refused():
+    async def main():
+        exchange = Exchange(b"r" * 16, b"n" * 32, (), 1)
+        chunk = b"x" * (1 << 20)
+        got = 0
+        with pytest.raises(ApiError) as caught:
+            first = _part(0, chunk)
+            async for data in exchange.data(first, 1.0):
+                got += len(data)
+                exchange.add(_part(exchange.next_seq, chunk))
+        assert caught.value.status == 502 and caught.value.code == "answer_too_large"
+        assert got == MAX_ANSWER_BYTES
+
+    asyncio.run(main())

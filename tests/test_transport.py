@@ -10,7 +10,14 @@ import struct
 import pytest
 
 from planetserve.chain.keys import KeySet
-from planetserve.node.transport import MAX_FRAME, Peering, RemoteError, TransportError, read_frame
+from planetserve.node.transport import (
+    MAX_FRAME,
+    MAX_IN_FLIGHT,
+    Peering,
+    RemoteError,
+    TransportError,
+    read_frame,
+)
 
 
 async def echo_handler(peer: bytes, msg_type: str, body):
@@ -155,6 +162,66 @@ def test_oversized_and_garbage_frames_close_only_that_connection():
         await asyncio.wait_for(conn2.closed.wait(), 5)
         conn3 = await a.connect(b.keys.public, f"127.0.0.1:{port}")
         assert (await conn3.call("echo", 2))["body"] == 2
+        await a.close()
+        await b.close()
+
+    run(main())
+
+
+def test_a_flood_of_messages_waits_for_free_handlers_and_none_is_lost():
+    """A peer sending faster than its messages are handled is held back by TCP: at most
+    MAX_IN_FLIGHT handlers run for one connection, and every message is handled in the end."""
+    async def main():
+        release = asyncio.Event()
+        running, handled, most = 0, [], 0
+
+        async def slow(peer, msg_type, body):
+            nonlocal running, most
+            running += 1
+            most = max(most, running)
+            await release.wait()
+            running -= 1
+            handled.append(body)
+
+        a_keys, b_keys = KeySet.generate(), KeySet.generate()
+        a = Peering(a_keys, echo_handler, lambda key: key == b_keys.public)
+        b = Peering(b_keys, slow, lambda key: key == a_keys.public)
+        port = await b.listen("127.0.0.1", 0)
+        conn = await a.connect(b_keys.public, f"127.0.0.1:{port}")
+        total = 3 * MAX_IN_FLIGHT
+        for i in range(total):
+            await conn.notify("hold", i)
+        await asyncio.sleep(0.3)
+        served = b.connections[a_keys.public]
+        assert (running, len(served.tasks), handled) == (MAX_IN_FLIGHT, MAX_IN_FLIGHT, [])
+        release.set()
+        for _ in range(100):
+            if len(handled) == total:
+                break
+            await asyncio.sleep(0.05)
+        assert sorted(handled) == list(range(total)) and most == MAX_IN_FLIGHT
+        assert (await served.call("echo", "still open"))["body"] == "still open"
+        await a.close()
+        await b.close()
+
+    run(main())
+
+
+def test_a_peer_that_reads_nothing_is_dropped_after_the_write_timeout():
+    async def main():
+        a_keys, b_keys = KeySet.generate(), KeySet.generate()
+        a = Peering(a_keys, echo_handler, lambda key: key == b_keys.public)
+        b = Peering(b_keys, echo_handler, lambda key: key == a_keys.public, write_timeout=0.5)
+        port = await b.listen("127.0.0.1", 0)
+        conn = await a.connect(b_keys.public, f"127.0.0.1:{port}")
+        await conn.call("echo", 1)
+        conn.writer.transport.pause_reading()  # a stops taking data from its socket
+        towards_a = b.connections[a_keys.public]
+        with pytest.raises(TransportError, match="took no data for 0.5 s: connection dropped"):
+            for _ in range(1000):  # far more than the sockets' buffers hold
+                await towards_a.notify("bulk", b"x" * (256 << 10))
+        await asyncio.wait_for(towards_a.closed.wait(), 5)
+        assert a_keys.public not in b.connections
         await a.close()
         await b.close()
 

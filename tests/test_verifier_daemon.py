@@ -29,7 +29,7 @@ from planetserve.registry.entities import ModelNode
 from planetserve.verifier import daemon as daemon_module
 from planetserve.verifier.config import CONFIG_FILE, STATUS_FILE, SUBMISSIONS_FILE, VerifierConfig
 from planetserve.verifier.daemon import Daemon, Journal, _parts
-from planetserve.verifier.overlay import NoAnswer, OverlayChannel, RelayUnavailable
+from planetserve.verifier.overlay import MAX_ANSWER_BYTES, NoAnswer, OverlayChannel, RelayUnavailable
 
 
 def test_config_loads_strictly(tmp_path):
@@ -59,6 +59,7 @@ def test_the_journal_survives_a_restart(tmp_path):
     again = Journal(tmp_path / "j.jsonl")
     assert again.get(3, node) == challenge and again.get(4, node) is None
     assert again.get(3, node).commitment == challenge.commitment
+    assert (tmp_path / "j.jsonl").stat().st_mode & 0o777 == 0o600  # challenges are secret until revealed
 
 
 def test_plan_parts_stay_under_the_limit_and_end_in_a_final_part():
@@ -177,6 +178,7 @@ def test_a_forwarded_answer_names_the_node_that_computed_it(relay):
     (200, {"choices": [{"text": "x"}]}, NoAnswer, "no planetserve extension"),
     (200, {"choices": []}, NoAnswer, "malformed answer"),
     (200, {"choices": [{"text": 5}], "planetserve": {}}, NoAnswer, "malformed answer"),
+    (200, {"choices": [{"text": "x" * MAX_ANSWER_BYTES}]}, NoAnswer, f"answer larger than {MAX_ANSWER_BYTES} bytes"),
 ])
 def test_what_is_not_an_answer(relay, status, body, error, message):
     relay.status, relay.body = status, body

@@ -79,6 +79,15 @@ class KeySet:
             raise KeyFileError(f"malformed key file {path}: {type(exc).__name__}") from exc
 
 
+def write_private(path: Path, text: str) -> None:
+    """Write a file only its owner can read (mode 0600, also when it existed): for anything that may
+    hold a secret, such as a database URL with its password."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+
+
 def verify_signature(public_key: bytes, message: bytes, signature: bytes) -> bool:
     """Check an ed25519 signature; any malformed key or signature is simply invalid. Only the
     library's refusals count as invalid: running out of memory must not read as a bad signature on

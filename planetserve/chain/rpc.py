@@ -192,6 +192,22 @@ def _outcome(raw: Any, what: str) -> TxOutcome:
 # --- the client ---------------------------------------------------------------------------------
 
 
+class TooLarge(Exception):
+    """An HTTP answer longer than its reader accepts."""
+
+
+def read_limited(response: httpx.Response, limit: int) -> bytes:
+    """The body of a streamed response; TooLarge as soon as it passes `limit` bytes, so that a
+    peer cannot make us hold more than that."""
+    chunks, size = [], 0
+    for chunk in response.iter_bytes():
+        size += len(chunk)
+        if size > limit:
+            raise TooLarge(f"answer larger than {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 class RpcClient:
     """JSON-RPC over HTTP POST to one CometBFT endpoint, e.g. `RpcClient("http://127.0.0.1:26657")`.
 
@@ -256,15 +272,12 @@ class RpcClient:
     def _post(self, method: str, body: dict[str, Any]) -> bytes:
         try:
             with self._http.stream("POST", self.url, json=body) as resp:
-                chunks, size = [], 0
-                for chunk in resp.iter_bytes():
-                    size += len(chunk)
-                    if size > self.max_response_bytes:
-                        raise RpcUnreachable(
-                            f"{method}: answer from {self.url} exceeds {self.max_response_bytes} bytes"
-                        )
-                    chunks.append(chunk)
-                data = b"".join(chunks)
+                try:
+                    data = read_limited(resp, self.max_response_bytes)
+                except TooLarge:
+                    raise RpcUnreachable(
+                        f"{method}: answer from {self.url} exceeds {self.max_response_bytes} bytes"
+                    ) from None
                 if resp.status_code >= 400 and not data.lstrip().startswith(b"{"):
                     raise RpcUnreachable(f"{method}: HTTP {resp.status_code} from {self.url}")
                 return data

@@ -96,6 +96,7 @@ __all__ = [
     "StateStore",
     "StoreError",
     "TooManyEntriesError",
+    "masked_url",
     "normalise_url",
 ]
 
@@ -189,6 +190,11 @@ class StaleBatchError(StoreError):
 
 class TooManyEntriesError(StoreError, ValueError):
     """A prefix query matches more entries than the caller allows."""
+
+
+def masked_url(url: str) -> str:
+    """A database URL as it may be shown: its password replaced by ***."""
+    return make_url(url).render_as_string(hide_password=True) if "://" in url else url
 
 
 def normalise_url(url: str) -> URL:

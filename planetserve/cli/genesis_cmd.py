@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from planetserve.chain.store import masked_url
 from planetserve.cli import console, emit_json, fail, keep_heights_option, table
 from planetserve.genesis.committee import ModelSpec, app_state_builder
 from planetserve.genesis.network import NetworkBuildError, build_network
@@ -126,7 +127,7 @@ def init(out: Path, validators: int, chain_id: str, models: tuple[str, ...], org
         fail(str(exc))
     if as_json:
         emit_json({"chain_id": spec.chain_id, "genesis": str(spec.genesis_path),
-                   "validators": [v.to_json() for v in spec.validators]})
+                   "validators": [{**v.to_json(), "db_url": masked_url(v.db_url)} for v in spec.validators]})
         return
     console.print(f"network [bold]{chain_id}[/] created under {out}")
     table("validators", ["moniker", "home", "rpc", "p2p", "abci"],

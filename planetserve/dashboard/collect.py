@@ -34,7 +34,7 @@ from typing import Any
 import httpx
 
 from planetserve.chain.client import TRANSIENT, LedgerClient, QueryRefused
-from planetserve.chain.rpc import RpcClient
+from planetserve.chain.rpc import RpcClient, read_limited
 from planetserve.registry.credits import format_credits
 from planetserve.registry.entities import ModelNode
 from planetserve.registry.epochs import Epoch, Schedule
@@ -55,21 +55,6 @@ MAX_ERROR_CHARS = 400
 def error_text(exc: BaseException) -> str:
     text = f"{type(exc).__name__}: {exc}"
     return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 1] + "…"
-
-
-class TooLarge(Exception):
-    """An answer larger than this reader accepts."""
-
-
-def read_json_limited(response: httpx.Response, limit: int) -> Any:
-    """The JSON body of a streamed response, refusing one longer than `limit` bytes."""
-    size, chunks = 0, []
-    for chunk in response.iter_bytes():
-        size += len(chunk)
-        if size > limit:
-            raise TooLarge(f"answer larger than {limit} bytes")
-        chunks.append(chunk)
-    return json.loads(b"".join(chunks))
 
 
 @dataclass(frozen=True)
@@ -353,7 +338,7 @@ class Collector:
             with self._http.stream("GET", f"{relay}/v1/planetserve/status") as reply:
                 if reply.status_code != 200:
                     raise ValueError(f"the relay answered HTTP {reply.status_code}")
-                status = read_json_limited(reply, MAX_RELAY_STATUS_BYTES)
+                status = json.loads(read_limited(reply, MAX_RELAY_STATUS_BYTES))
             counters = status.get("counters") or {}
             paths = [{"proxy": str(p.get("proxy", ""))[:64], "age": p.get("age"), "misses": p.get("misses")}
                      for p in status.get("paths", ())[:64] if isinstance(p, dict)]

@@ -30,7 +30,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from planetserve.chain.keys import KeySet
+from planetserve.chain.keys import KeySet, write_private
 
 SPEC_FILE = "network.json"
 KEYS_FILE = "planetserve_keys.json"
@@ -132,7 +132,7 @@ class NetworkSpec:
             "kvstore": self.kvstore,
             "validators": [v.to_json() for v in self.validators],
         }
-        path.write_text(json.dumps(body, indent=2) + "\n")
+        write_private(path, json.dumps(body, indent=2) + "\n")  # database URLs may carry passwords
         return path
 
     @classmethod
@@ -387,7 +387,7 @@ def write_home(home: Path, genesis_text: str, edits: dict[str, dict[str, Any]], 
     toml_path = cfg / "config.toml"
     toml_path.write_text(edit_toml(toml_path.read_text(), edits))
     app_cfg = {"abci_listen": abci_listen, "db": db_url, "chain_id": chain_id, "keep_heights": keep_heights}
-    (cfg / APP_CONFIG_FILE).write_text(json.dumps(app_cfg, indent=2) + "\n")
+    write_private(cfg / APP_CONFIG_FILE, json.dumps(app_cfg, indent=2) + "\n")  # the database URL
     (home / "logs").mkdir(exist_ok=True)
 
 

@@ -227,7 +227,7 @@ class WireCodec:
         if obj.get("v") != PROTOCOL_VERSION:
             raise MalformedMessage(f"unsupported protocol version {obj.get('v')!r}")
         kind = obj.get("t")
-        if kind not in _KEYS or isinstance(kind, bool) or set(obj) != _KEYS[kind]:
+        if type(kind) is not int or kind not in _KEYS or set(obj) != _KEYS[kind]:
             raise MalformedMessage(f"message type {kind!r} with fields {sorted(map(str, obj))} is unknown")
         limit = cfg.max_snapshot_bytes if kind == _SNAPSHOT else cfg.max_delta_bytes
         if len(data) > limit:

@@ -76,11 +76,34 @@ log = logging.getLogger(__name__)
 MAX_SESSIONS = 10_000
 MAX_FORWARD_STOP = 16
 MAX_FORWARD_PROMPT_CHARS = 1 << 20
+FORWARD_IDLE_S = 120.0
+"""A peer serving a forwarded job that sends nothing for this long has failed (it is served here)."""
 
 
 async def _replay(items: list[Any]) -> AsyncIterator[Any]:
     for item in items:
         yield item
+
+
+async def _bounded(replies: AsyncIterator[Any], max_tokens: int, idle: float) -> AsyncIterator[Any]:
+    """A forwarded job's replies, ended with TransportError once the peer sends more tokens, or more
+    replies, than the job asks for, or nothing for `idle` seconds: a peer in the group must not hold
+    our memory or one of our answers without end."""
+    tokens = 0
+    for count in itertools.count(1):
+        try:
+            reply = await asyncio.wait_for(anext(replies), idle)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise TransportError(f"the peer sent nothing for {idle:g} s") from None
+        if count > max_tokens + 2:  # a chunk per token, an empty last chunk, the signature
+            raise TransportError(f"the peer sent more than {max_tokens + 2} replies")
+        if isinstance(reply, list) and len(reply) == 5 and reply[0] == "chunk" and isinstance(reply[1], list):
+            tokens += len(reply[1])
+            if tokens > max_tokens:
+                raise TransportError(f"the peer sent more than the {max_tokens} tokens asked for")
+        yield reply
 
 
 def group_hash_key(model_id: str) -> bytes:
@@ -539,7 +562,7 @@ class ModelNode:
         token = self.forwards.start(peer_id, time.monotonic())
         try:
             conn = await self.peering.connect(bytes.fromhex(peer_id), address)
-            replies = conn.request("generate", job.to_wire())
+            replies = _bounded(conn.request("generate", job.to_wire()), job.max_tokens, FORWARD_IDLE_S)
             first = await anext(replies)
             if whole:
                 replies = _replay([reply async for reply in replies])

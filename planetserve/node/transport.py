@@ -8,7 +8,9 @@ another. The listener answers with its verdict, so a dialler that is not (yet) i
 verified list learns it at once instead of writing into a closed connection; a listener that does not
 know a key re-reads the list once before refusing (a peer that registered a moment ago). Frames are
 length-prefixed msgpack with a hard size limit; one connection per peer pair carries many concurrent
-streams (request id multiplexing), and writes wait for the socket to drain.
+streams (request id multiplexing). Memory per connection is bounded both ways: at most
+MAX_IN_FLIGHT incoming requests are handled at once (further frames wait in the peer's socket), and
+writes wait for the socket to drain, up to WRITE_TIMEOUT, after which the stalled peer is dropped.
 """
 
 from __future__ import annotations
@@ -42,6 +44,11 @@ log = logging.getLogger(__name__)
 MAX_FRAME = 4 * 1024 * 1024
 HANDSHAKE_TIMEOUT = 10.0
 STREAM_QUEUE = 64
+MAX_IN_FLIGHT = 64
+"""Requests and messages one connection handles at once; the next frame is read when one ends, so
+a peer sending faster than we handle waits on TCP instead of filling our memory."""
+WRITE_TIMEOUT = 60.0
+"""A peer that takes none of our bytes for this long is stalled: its connection is dropped."""
 HELLO_DOMAIN = b"planetserve/peer-hello/v1"
 CROSSED_DIAL_WINDOW = 10.0
 """Two connections to one peer opened this close together were dialled by both sides at once."""
@@ -119,12 +126,19 @@ async def read_frame(reader: asyncio.StreamReader, limit: int = MAX_FRAME) -> An
         raise TransportError(f"malformed frame: {type(exc).__name__}") from exc
 
 
-async def write_frame(writer: asyncio.StreamWriter, value: Any, limit: int = MAX_FRAME) -> None:
+async def write_frame(writer: asyncio.StreamWriter, value: Any, limit: int = MAX_FRAME,
+                      timeout: float = WRITE_TIMEOUT) -> None:
+    """Write one frame and wait until the socket takes it; a peer that reads nothing for `timeout`
+    seconds has its connection aborted (TransportError)."""
     body = msgpack.packb(value, use_bin_type=True)
     if len(body) > limit:
         raise TransportError(f"frame of {len(body)} bytes exceeds the limit of {limit}")
     writer.write(_LENGTH.pack(len(body)) + body)
-    await writer.drain()
+    try:
+        await asyncio.wait_for(writer.drain(), timeout)
+    except TimeoutError:
+        writer.transport.abort()
+        raise TransportError(f"peer took no data for {timeout:g} s: connection dropped") from None
 
 
 def _hello_message(listener: bytes, nonce: bytes) -> bytes:
@@ -146,18 +160,20 @@ class Connection:
     handler: Handler
     limit: int = MAX_FRAME
     outbound: bool = False
+    write_timeout: float = WRITE_TIMEOUT
     created: float = field(default_factory=time.monotonic)
     streams: dict[int, asyncio.Queue] = field(default_factory=dict)
     ids: Any = field(default_factory=lambda: itertools.count(1))
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     closed: asyncio.Event = field(default_factory=asyncio.Event)
     tasks: set[asyncio.Task] = field(default_factory=set)
+    slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(MAX_IN_FLIGHT))
 
     async def send(self, frame: list) -> None:
         if self.closed.is_set():
             raise TransportError("connection closed")
         async with self.lock:
-            await write_frame(self.writer, frame, self.limit)
+            await write_frame(self.writer, frame, self.limit, self.write_timeout)
 
     async def notify(self, msg_type: str, body: Any) -> None:
         """A one-way message."""
@@ -182,11 +198,17 @@ class Connection:
             self.streams.pop(stream, None)
 
     async def call(self, msg_type: str, body: Any) -> Any:
-        """A request with exactly one reply."""
-        replies = [reply async for reply in self.request(msg_type, body)]
-        if len(replies) != 1:
-            raise TransportError(f"expected one reply to {msg_type}, got {len(replies)}")
-        return replies[0]
+        """A request with exactly one reply; a second one ends it at once (a peer cannot make us
+        collect an endless stream)."""
+        got: list[Any] = []
+        async with contextlib.aclosing(self.request(msg_type, body)) as replies:
+            async for reply in replies:
+                got.append(reply)
+                if len(got) > 1:
+                    raise TransportError(f"expected one reply to {msg_type}, got more")
+        if not got:
+            raise TransportError(f"expected one reply to {msg_type}, got none")
+        return got[0]
 
     async def run(self) -> None:
         """Read frames until the connection ends; fail every open stream then."""
@@ -214,11 +236,16 @@ class Connection:
             if queue is not None:
                 await queue.put((kind, body))  # a slow consumer slows this connection: backpressure
         elif kind in ("msg", "req"):
+            await self.slots.acquire()
             task = asyncio.create_task(self._serve(kind, stream, msg_type, body))
             self.tasks.add(task)
-            task.add_done_callback(self.tasks.discard)
+            task.add_done_callback(self._done)
         else:
             raise TransportError(f"unknown frame kind {kind!r}")
+
+    def _done(self, task: asyncio.Task) -> None:
+        self.tasks.discard(task)
+        self.slots.release()
 
     async def _serve(self, kind: str, stream: int, msg_type: str, body: Any) -> None:
         try:
@@ -253,11 +280,13 @@ class Peering:
 
     def __init__(self, keys: KeySet, handler: Handler, authorize: Callable[[bytes], bool],
                  limit: int = MAX_FRAME, on_close: Callable[[bytes], None] | None = None,
-                 refresh: Callable[[], Awaitable[None]] | None = None) -> None:
+                 refresh: Callable[[], Awaitable[None]] | None = None,
+                 write_timeout: float = WRITE_TIMEOUT) -> None:
         self.keys = keys
         self.handler = handler
         self.authorize = authorize
         self.limit = limit
+        self.write_timeout = write_timeout
         self.on_close = on_close
         self.refresh = refresh
         self.server_ctx = _context(keys, ssl.PROTOCOL_TLS_SERVER)
@@ -302,7 +331,7 @@ class Peering:
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             nonce = secrets.token_bytes(32)
-            await write_frame(writer, [self.keys.public, nonce], self.limit)
+            await write_frame(writer, [self.keys.public, nonce], self.limit, HANDSHAKE_TIMEOUT)
             hello = await asyncio.wait_for(read_frame(reader, 1024), HANDSHAKE_TIMEOUT)
             if not (isinstance(hello, list) and len(hello) == 2 and all(type(v) is bytes for v in hello)):
                 raise TransportError("malformed hello")
@@ -313,14 +342,15 @@ class Peering:
                 await self.refresh()
             if not self.authorize(peer):
                 raise TransportError(f"peer {peer.hex()[:16]} is not in the verified list")
-            await write_frame(writer, ["ok"], self.limit)
+            await write_frame(writer, ["ok"], self.limit, HANDSHAKE_TIMEOUT)
         except (TransportError, TimeoutError, ConnectionError, ssl.SSLError) as exc:
             log.info("refused a peer connection: %s", exc)
             with contextlib.suppress(Exception):
-                await write_frame(writer, ["refused", str(exc)[:200]], self.limit)
+                await write_frame(writer, ["refused", str(exc)[:200]], self.limit, HANDSHAKE_TIMEOUT)
             writer.close()
             return
-        self._adopt(Connection(peer, reader, writer, self.handler, self.limit, outbound=False))
+        self._adopt(Connection(peer, reader, writer, self.handler, self.limit, outbound=False,
+                               write_timeout=self.write_timeout))
 
     async def connect(self, peer: bytes, address: str) -> Connection:
         """The live connection to `peer`, dialling `address` (host:port) if there is none."""
@@ -359,7 +389,7 @@ class Peering:
                     and greeting[0] == peer and type(greeting[1]) is bytes):
                 raise TransportError("malformed greeting")
             signature = self.keys.sign(_hello_message(peer, greeting[1]))
-            await write_frame(writer, [self.keys.public, signature], self.limit)
+            await write_frame(writer, [self.keys.public, signature], self.limit, HANDSHAKE_TIMEOUT)
             verdict = await asyncio.wait_for(read_frame(reader, 1024), HANDSHAKE_TIMEOUT)
             if verdict != ["ok"]:
                 reason = verdict[1] if isinstance(verdict, list) and len(verdict) == 2 else "no reason given"
@@ -367,7 +397,8 @@ class Peering:
         except (TransportError, TimeoutError, ConnectionError) as exc:
             writer.close()
             raise TransportError(f"handshake with {address} failed: {exc}") from exc
-        return Connection(peer, reader, writer, self.handler, self.limit, outbound=True)
+        return Connection(peer, reader, writer, self.handler, self.limit, outbound=True,
+                          write_timeout=self.write_timeout)
 
     async def close(self) -> None:
         if self.server is not None:

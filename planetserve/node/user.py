@@ -7,7 +7,7 @@ trusted or not: how the committee challenges a given node) as n S-IDA cloves ove
 and answered in reply parts that come back as cloves through the proxies the prompt listed. What the
 program receives is exactly what the model node's own API would have sent, streaming included; overlay
 failures become OpenAI-shaped errors with specific codes (`too_few_paths`, `timeout`, `model_not_found`,
-`node_not_found`, `node_model_mismatch`).
+`node_not_found`, `node_model_mismatch`, `answer_too_large`).
 """
 
 from __future__ import annotations
@@ -59,6 +59,10 @@ DROP_GRACE_SECONDS = 1.0
 NODE_AVOID_SECONDS = 60.0
 USER_LIMITS = ApiLimits(max_body_bytes=MAX_MESSAGE - (64 << 10))
 NODE_KEY = re.compile(r"[0-9a-fA-F]{64}")
+MAX_PARTS_AHEAD = 64
+"""Reply parts kept beyond the next one expected (parts overtake each other on different paths)."""
+MAX_ANSWER_BYTES = 16 << 20
+"""The most of one answer a model node can send: more is refused, streamed or not."""
 
 
 def too_few_paths(live: int, needed: int, detail: str = "") -> ApiError:
@@ -80,6 +84,11 @@ def timed_out(seconds: float) -> ApiError:
 def node_not_found(key: bytes) -> ApiError:
     return ApiError(404, f"No active registered model node has the key {key.hex()}.", type="not_found_error",
                     code="node_not_found", param="planetserve.node")
+
+
+def answer_too_large() -> ApiError:
+    return ApiError(502, f"The model node's answer exceeds {MAX_ANSWER_BYTES} bytes.", type="server_error",
+                    code="answer_too_large")
 
 
 def session_key(request: ApiRequest) -> str | None:
@@ -114,7 +123,9 @@ class Exchange:
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     def add(self, part: Part) -> None:
-        if part.seq >= self.next_seq:
+        """Keep a part of the answer; one far ahead of the next expected is dropped, so a node
+        cannot make us hold an unbounded answer out of order."""
+        if self.next_seq <= part.seq < self.next_seq + MAX_PARTS_AHEAD:
             self.parts[part.seq] = part
             self.changed.set()
 
@@ -129,6 +140,9 @@ class Exchange:
             self.fail(too_few_paths(live, self.k, f" of the {len(self.paths)} this request used"))
 
     async def next_part(self, timeout: float) -> Part:
+        """The next part in order, within `timeout` seconds however many other parts arrive."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
         while True:
             if self.next_seq in self.parts:
                 self.next_seq += 1
@@ -137,9 +151,22 @@ class Exchange:
                 raise self.failure
             self.changed.clear()
             try:
-                await asyncio.wait_for(self.changed.wait(), timeout)
+                await asyncio.wait_for(self.changed.wait(), max(deadline - loop.time(), 0.0))
             except TimeoutError:
                 raise timed_out(timeout) from None
+
+    async def data(self, first: Part, timeout: float) -> AsyncIterator[bytes]:
+        """The answer's bytes part by part, from `first` to the last; ApiError when it cannot finish
+        or grows past MAX_ANSWER_BYTES."""
+        part, size = first, 0
+        while True:
+            size += len(part.data)
+            if size > MAX_ANSWER_BYTES:
+                raise answer_too_large()
+            yield part.data
+            if part.last:
+                return
+            part = await self.next_part(timeout)
 
 
 class UserRelay:
@@ -352,25 +379,17 @@ class UserRelay:
             first = await exchange.next_part(self.config.response_timeout)
             if first.content_type == EVENT_STREAM:
                 return Reply(first.status, first.content_type, self._stream(exchange, first))
-            body = b"".join([data async for data in self._data(exchange, first)])
+            body = b"".join([data async for data in exchange.data(first, self.config.response_timeout)])
         except BaseException:
             self._finish(exchange, False)
             raise
         self._finish(exchange, True)
         return Reply(first.status, first.content_type, single_part(body))
 
-    async def _data(self, exchange: Exchange, first: Part) -> AsyncIterator[bytes]:
-        """The answer's bytes part by part, from `first` to the last; ApiError when it cannot finish."""
-        part = first
-        yield part.data
-        while not part.last:
-            part = await exchange.next_part(self.config.response_timeout)
-            yield part.data
-
     async def _stream(self, exchange: Exchange, first: Part) -> AsyncIterator[bytes]:
         ok = False
         try:
-            async for data in self._data(exchange, first):
+            async for data in exchange.data(first, self.config.response_timeout):
                 if data:
                     yield data
             ok = True

@@ -81,7 +81,8 @@ class Journal:
         line = json.dumps({"epoch": epoch, "node": node.hex(), "prompt": challenge.prompt,
                            "salt": challenge.salt.hex(), "temperature": challenge.temperature,
                            "question": challenge.question})
-        with self.path.open("a") as fh:
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)  # prompts before reveal
+        with os.fdopen(fd, "a") as fh:
             fh.write(line + "\n")
             fh.flush()
             os.fsync(fh.fileno())

@@ -5,6 +5,7 @@ request leaves it)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import httpx
@@ -15,6 +16,7 @@ from planetserve.chain.challenge import (
     response_from_extension,
     served_from_extension,
 )
+from planetserve.chain.rpc import TooLarge, read_limited
 from planetserve.registry.epochs import SignedResponse
 
 MAX_ANSWER_BYTES = 4 << 20
@@ -50,16 +52,18 @@ class OverlayChannel:
         else:
             body["prompt"] = challenge.prompt
         endpoint = "chat/completions" if challenge.question else "completions"
+        url = f"{self.relay.rstrip('/')}/v1/{endpoint}"
         try:
-            answer = httpx.post(f"{self.relay.rstrip('/')}/v1/{endpoint}", json=body, timeout=self.timeout)
+            with httpx.stream("POST", url, json=body, timeout=self.timeout) as answer:
+                content = read_limited(answer, MAX_ANSWER_BYTES)
+        except TooLarge:
+            raise NoAnswer(f"answer larger than {MAX_ANSWER_BYTES} bytes") from None
         except httpx.TimeoutException:
             raise NoAnswer(f"no answer within {self.timeout:g} s") from None
         except httpx.HTTPError as exc:
             raise RelayUnavailable(f"the user relay at {self.relay} is unreachable: {exc}") from exc
-        if len(answer.content) > MAX_ANSWER_BYTES:
-            raise NoAnswer(f"answer of {len(answer.content)} bytes exceeds {MAX_ANSWER_BYTES}")
         try:
-            payload = answer.json()
+            payload = json.loads(content)
         except ValueError:
             raise NoAnswer(f"HTTP {answer.status_code} with a body that is not JSON") from None
         if answer.status_code != 200:
