@@ -4,6 +4,7 @@ a misspelt setting is an error rather than silently ignored."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, fields
 from pathlib import Path
 from typing import ClassVar, Self
@@ -11,6 +12,34 @@ from typing import ClassVar, Self
 
 class HomeError(Exception):
     """The home directory is missing, incomplete or its configuration is malformed."""
+
+
+_HOST_PORT = re.compile(r"(?P<host>[A-Za-z0-9.\-]+|\[[0-9A-Fa-f:]+\]):(?P<port>[0-9]{1,5})")
+_HTTP_URL = re.compile(r"https?://[^\s/]+(/\S*)?")
+
+
+def is_host_port(text: str) -> bool:
+    """host:port with a port in 0-65535 (0: any free one, where the role listens)."""
+    match = _HOST_PORT.fullmatch(text)
+    return match is not None and int(match["port"]) <= 65535
+
+
+def is_http_url(text: str) -> bool:
+    return _HTTP_URL.fullmatch(text) is not None
+
+
+def check_addresses(file: str, config: object, host_ports: tuple[str, ...], urls: tuple[str, ...]) -> None:
+    """HomeError naming the first setting that is not host:port (empty allowed for `advertise`) or
+    not an http(s) URL (empty allowed for optional ones other than `rpc` and `relay`)."""
+    for name in host_ports:
+        value = getattr(config, name)
+        if (value or name != "advertise") and not is_host_port(value):
+            raise HomeError(f"{file}: {name} must be host:port such as 127.0.0.1:9000, got {value!r}")
+    for name in urls:
+        value = getattr(config, name)
+        if (value or name in ("rpc", "relay")) and not is_http_url(value):
+            raise HomeError(f"{file}: {name} must be an http:// URL such as http://127.0.0.1:26657, "
+                            f"got {value!r}")
 
 
 class HomeConfig:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -72,6 +73,9 @@ def test_keys_new_and_show(tmp_path):
     assert "seed" not in run("keys", "show", str(path))
     (tmp_path / "bad.json").write_text("{}")
     assert "malformed key file" in run("keys", "show", str(tmp_path / "bad.json"), code=1)
+    assert "no 'identity_seed' (a key file holds identity_seed, vrf_seed and x25519_secret" in " ".join(
+        run("keys", "show", str(tmp_path / "bad.json"), code=1).split())
+    assert "is a directory" in run("keys", "show", str(tmp_path), code=2)
 
 
 def test_transactions_and_verified_queries(localnet, tmp_path):
@@ -88,6 +92,8 @@ def test_transactions_and_verified_queries(localnet, tmp_path):
     assert done["code"] == 0 and done["height"] > 0
     registered = json.loads(run("tx", "register-user", "--address", "127.0.0.1:9301", "--region", "eu",
                                 "--keys", str(user), "--node", node, "--json"))
+    assert {"type": "register_user", "attributes": {"user": json.loads(
+        run("keys", "show", str(user), "--json"))["identity"]}} in registered["events"]
     after = str(registered["height"])
     nodes = json.loads(run("query", "nodes", "--model", "gt", "--region", "eu", "--genesis", genesis,
                            "--node", node, "--min-height", after, "--json"))
@@ -127,11 +133,40 @@ def test_cli_errors_are_clear(localnet, tmp_path):
               "--node", "http://127.0.0.1:1", code=1)
     assert "could not submit" in out
     assert "MODEL_ID=NAME" in run("genesis", "init", str(tmp_path / "g"), "--model", "nonsense", code=2)
+    out = run("tx", "register-model-node", "--org-id", "x", "--node-keys", str(keys), "--model-id", "gt",
+              "--address", "127.0.0.1:7000", "--hardware", "cpu", "--capacity", "1", "--keys", str(keys),
+              "--node", "http://127.0.0.1:1", code=1)
+    assert "could not submit" in out and "nothing accepts connections there" in out
+    assert "--capacity" in run("tx", "register-model-node", "--org-id", "x", "--node-keys", str(keys),
+                               "--model-id", "gt", "--address", "127.0.0.1:7000", "--hardware", "cpu",
+                               "--capacity", "-5", "--keys", str(keys), "--node", node, code=2)
+    assert "less than one minute" in run("tx", "deploy-model", "--org-id", "x", "--model-id", "gt",
+                                         "--hardware", "cpu", "--nodes", "1", "--days", "0.0001",
+                                         "--keys", str(keys), "--node", node, code=2)
+    out = " ".join(run("query", "status", "--node", "127.0.0.1:26657", code=2).split())
+    assert "--node must be an http:// URL such as http://127.0.0.1:26657, got '127.0.0.1:26657'" in out
+    (tmp_path / "empty.json").write_text("{}")
+    out = run("query", "nodes", "--genesis", str(tmp_path / "empty.json"), "--node", node, code=1)
+    assert "is not a usable genesis file: malformed genesis: missing chain_id" in out
+
+
+def test_a_proposal_names_its_id_for_the_votes(localnet):
+    root, up, _ = localnet
+    member = root / "v0" / "config" / "planetserve_keys.json"
+    other = json.loads(run("keys", "show", str(root / "v1" / "config" / "planetserve_keys.json"), "--json"))
+    out = run("tx", "propose-member", "--action", "remove", "--operator", other["identity"],
+              "--keys", str(member), "--node", up["rpc"][0])
+    assert "committed propose-member" in out
+    assert re.search(r"propose_member: action=remove proposal_id=\d+", out), out
+
+
+def genesis_file(tmp_path: Path) -> Path:
+    """A real one-validator network's genesis file."""
+    return Path(json.loads(run("genesis", "init", str(tmp_path / "net"), "-n", "1", "--json"))["genesis"])
 
 
 def test_node_homes_take_an_existing_key_and_are_never_overwritten(tmp_path):
-    genesis = tmp_path / "genesis.json"
-    genesis.write_text("{}")
+    genesis = genesis_file(tmp_path)
     key = tmp_path / "k.json"
     created = json.loads(run("keys", "new", str(key), "--json"))
     user = json.loads(run("node", "init-user", "--home", str(tmp_path / "u"), "--genesis", str(genesis),
@@ -148,6 +183,24 @@ def test_node_homes_take_an_existing_key_and_are_never_overwritten(tmp_path):
     (tmp_path / "bad.json").write_text("{}")
     assert "malformed key file" in run("node", "init-user", "--home", str(tmp_path / "w"), "--genesis",
                                        str(genesis), "--keys", str(tmp_path / "bad.json"), code=1)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--rpc", "127.0.0.1:26657"], "rpc must be an http:// URL"),
+    (["--peer", "nope"], "peer must be host:port"),
+    (["--http", "banana"], "http must be host:port"),
+    (["--advertise", "host-without-port"], "advertise must be host:port"),
+])
+def test_node_homes_refuse_unusable_addresses_before_writing_anything(tmp_path, args, message):
+    genesis = genesis_file(tmp_path)
+    for command in (["init-user"], ["init-model", "--org-id", "acme", "--model-id", "gt"]):
+        home = tmp_path / command[0]
+        assert message in run("node", *command, "--home", str(home), "--genesis", str(genesis), *args, code=1)
+        assert not home.exists()
+    (tmp_path / "empty.json").write_text("{}")
+    refused = run("node", "init-user", "--home", str(tmp_path / "u"), "--genesis", str(tmp_path / "empty.json"),
+                  code=1)
+    assert "is not a usable genesis file: malformed genesis: missing chain_id" in refused
 
 
 def test_genesis_init_builds_homes(tmp_path):
@@ -239,8 +292,9 @@ def test_chain_app_refuses_to_prune_the_height_clients_verify(tmp_path):
     assert "must be 0 (keep every height) or at least 2" in " ".join(out.split())
     config = Path(home) / "config" / "planetserve.json"
     config.write_text(json.dumps({**json.loads(config.read_text()), "keep_heights": 1}))
-    out = run("chain", "app", "--home", home, code=1)
-    assert "cannot open the state: keep_heights must be 0 (keep every height) or at least 2" in " ".join(out.split())
+    out = " ".join(run("chain", "app", "--home", home, code=1).split())
+    assert "cannot open the state at sqlite:///" in out
+    assert ": keep_heights must be 0 (keep every height) or at least 2" in out
     for bad in ("-3", "1"):
         out = run("genesis", "init", str(tmp_path / "two"), "--keep-heights", bad, code=2)
         assert f"must be 0 (keep every height) or at least 2 (clients verify the state one height before the " \

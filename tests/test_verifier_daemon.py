@@ -225,8 +225,8 @@ def test_cli_init_and_status(tmp_path):
     runner = CliRunner()
     keys = tmp_path / "member.json"
     KeySet.generate().save(keys)
-    genesis = tmp_path / "genesis.json"
-    genesis.write_text("{}")
+    assert runner.invoke(main, ["genesis", "init", str(tmp_path / "net"), "-n", "1"]).exit_code == 0
+    genesis = tmp_path / "net" / "v0" / "config" / "genesis.json"
     home = tmp_path / "ver"
     args = ["verifier", "init", "--home", str(home), "--keys", str(keys), "--genesis", str(genesis)]
     done = runner.invoke(main, [*args, "--model", "gt=gt", "--model", "big=/models/big", "--json"])
@@ -238,6 +238,13 @@ def test_cli_init_and_status(tmp_path):
     bad = runner.invoke(main, ["verifier", "init", "--home", str(tmp_path / "v2"), "--keys", str(keys),
                                "--genesis", str(genesis), "--model", "gt"])
     assert bad.exit_code != 0 and "MODEL_ID=REFERENCE" in bad.output
+    bad = runner.invoke(main, ["verifier", "init", "--home", str(tmp_path / "v3"), "--keys", str(keys),
+                               "--genesis", str(genesis), "--relay", "127.0.0.1:8080"])
+    assert bad.exit_code == 1 and "relay must be an http:// URL" in bad.output and not (tmp_path / "v3").exists()
+    (tmp_path / "empty.json").write_text("{}")
+    bad = runner.invoke(main, ["verifier", "init", "--home", str(tmp_path / "v4"), "--keys", str(keys),
+                               "--genesis", str(tmp_path / "empty.json")])
+    assert bad.exit_code == 1 and "not a usable genesis file" in bad.output
 
     missing = runner.invoke(main, ["verifier", "status", "--home", str(home)])
     assert missing.exit_code != 0 and "has not run yet" in missing.output
@@ -246,11 +253,18 @@ def test_cli_init_and_status(tmp_path):
                                                 "last_error": None}))
     (home / SUBMISSIONS_FILE).write_text(json.dumps({"time": 1, "epoch": 3, "type": "attest", "code": 0,
                                                      "height": 90, "log": ""}) + "\n")
+    with (home / SUBMISSIONS_FILE).open("a") as fh:
+        fh.write('{"time": 2, "epoch": 3, "ty')  # cut short by a crash
     shown = runner.invoke(main, ["verifier", "status", "--home", str(home)])
     assert shown.exit_code == 0 and "epoch 3" in shown.output and "leader" in shown.output
     assert "attest" in shown.output
     as_json = json.loads(runner.invoke(main, ["verifier", "status", "--home", str(home), "--json"]).output)
     assert as_json["submissions"][0]["type"] == "attest" and as_json["rejected"] == 1
+    assert len(as_json["submissions"]) == 1
+    for garbage in ("garbage", "{}"):
+        (home / STATUS_FILE).write_text(garbage)
+        refused = runner.invoke(main, ["verifier", "status", "--home", str(home)])
+        assert refused.exit_code == 1 and "is not the daemon's status" in refused.output
 
 
 def test_cli_run_explains_a_missing_home(tmp_path):

@@ -65,6 +65,10 @@ class Listing:
     verified: bool
 
 
+class TxNotCommitted(RpcError):
+    """A broadcast transaction that no block carried in time (it may still be committed)."""
+
+
 @dataclass(frozen=True)
 class Submitted:
     tx_hash: bytes
@@ -132,6 +136,8 @@ class LedgerClient:
         """Ask for the state whose app hash the latest verified header carries (height L-1 for
         header L), so a verified answer never waits for the next block."""
         if self.verifier is None or not verify:
+            if self.min_height and verify:
+                self._await_height(self.min_height)
             answer = self.rpc.abci_query(path, data, prove=False)
             self._check_answer(path, answer)
             return answer, None, b""
@@ -154,6 +160,14 @@ class LedgerClient:
         except trie.ProofError as exc:
             raise QueryRefused(f"malformed proof: {exc}") from exc
         return answer, proof, app_hash
+
+    def _await_height(self, height: int, timeout: float = 30.0) -> None:
+        """Unverified reads of `min_height`: wait until the endpoint has committed that height."""
+        deadline = time.monotonic() + timeout
+        while self.rpc.latest_height() < height:
+            if time.monotonic() > deadline:
+                raise QueryRefused(f"the endpoint has not committed height {height} within {timeout:g} s")
+            time.sleep(0.2)
 
     @staticmethod
     def _check_answer(path: str, answer: AbciQuery) -> None:
@@ -333,5 +347,7 @@ class LedgerClient:
                 return Submitted(checked.hash, found.height, found.result)
             except RpcResponseError:
                 if time.monotonic() > deadline:
-                    raise
+                    raise TxNotCommitted(f"{tx_type} was accepted into the mempool as tx "
+                                         f"{checked.hash.hex().upper()} but not seen in a block within "
+                                         f"{timeout:g} s") from None
                 time.sleep(0.2)

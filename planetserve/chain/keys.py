@@ -75,8 +75,14 @@ class KeySet:
             )
         except FileNotFoundError as exc:
             raise KeyFileError(f"no key file at {path}") from exc
-        except (ValueError, KeyError, TypeError) as exc:
-            raise KeyFileError(f"malformed key file {path}: {type(exc).__name__}") from exc
+        except OSError as exc:
+            raise KeyFileError(f"cannot read key file {path}: {exc.strerror or exc}") from exc
+        except KeyError as exc:
+            raise KeyFileError(f"malformed key file {path}: no {exc} (a key file holds identity_seed, "
+                               "vrf_seed and x25519_secret, each 32 bytes in hex)") from exc
+        except (ValueError, TypeError) as exc:  # the messages name positions and lengths, never key bytes
+            raise KeyFileError(f"malformed key file {path}: {type(exc).__name__}: {exc} (a key file holds "
+                               "identity_seed, vrf_seed and x25519_secret, each 32 bytes in hex)") from exc
 
 
 def write_private(path: Path, text: str) -> None:

@@ -283,6 +283,9 @@ class RpcClient:
                 return data
         except httpx.TimeoutException as exc:
             raise RpcUnreachable(f"{method}: {self.url} timed out") from exc
+        except httpx.ConnectError as exc:
+            raise RpcUnreachable(f"{method}: {self.url} unreachable: nothing accepts connections there "
+                                 "(is the validator's CometBFT RPC listening on it?)") from exc
         except httpx.HTTPError as exc:
             raise RpcUnreachable(f"{method}: {self.url} unreachable: {type(exc).__name__}") from exc
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from pathlib import Path
 from typing import Any
 
 import click
@@ -31,9 +32,11 @@ def emit_json(value: Any) -> None:
 
 
 def table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
+    """A table for people; a value too wide for the terminal folds onto more lines instead of being
+    cut (keys and addresses are copied from here)."""
     t = Table(title=title)
     for col in columns:
-        t.add_column(col)
+        t.add_column(col, overflow="fold")
     for row in rows:
         t.add_row(*(str(jsonable(c)) for c in row))
     console.print(t)
@@ -68,6 +71,28 @@ def keep_heights_option(default: int | None = 0, where: str = "") -> Any:
 def fail(message: str, code: int = 1) -> None:
     err_console.print(f"[bold red]error:[/] {message}")
     sys.exit(code)
+
+
+def check_genesis(path: Path) -> Path:
+    """`path` if it is a genesis file a light client can start from; otherwise a clear error now,
+    not when the role first reads the ledger."""
+    from planetserve.chain.lightclient import Genesis, VerificationError
+
+    try:
+        Genesis.from_file(path)
+    except VerificationError as exc:
+        fail(f"{path} is not a usable genesis file: {exc}")
+    return path
+
+
+def http_url(text: str, what: str) -> str:
+    """An http(s) URL without its trailing slash, or click.BadParameter naming `what`."""
+    from planetserve.config import is_http_url
+
+    if not is_http_url(text):
+        raise click.BadParameter(f"{what} must be an http:// URL such as http://127.0.0.1:26657, "
+                                 f"got {text!r}")
+    return text.rstrip("/")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

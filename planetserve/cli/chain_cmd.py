@@ -90,38 +90,49 @@ def init(home: Path, genesis: Path, peers: tuple[str, ...], moniker: str, p2p: s
     console.print(propose, soft_wrap=True)
 
 
+HOME_HELP = "The validator's home (CometBFT's config/ and data/, the app's config/planetserve.json)."
+
+
 @group.command("app")
-@click.option("--home", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--home", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help=HOME_HELP)
 @click.option("--db", help="State database URL (default: from the home's planetserve.json).")
 @keep_heights_option(None, " Default: keep_heights in the home's planetserve.json, else 0.")
-@click.option("--log-level", default="INFO", show_default=True)
+@click.option("--log-level", default="info", show_default=True,
+              type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False))
 def app(home: Path, db: str | None, keep_heights: int | None, log_level: str) -> None:
     """Serve the ABCI application only (CometBFT connects to it)."""
+    from sqlalchemy.exc import SQLAlchemyError
+
     from planetserve.chain.app import Application
     from planetserve.chain.server import AbciServer, tune_gc
-    from planetserve.chain.store import StateStore
+    from planetserve.chain.store import StateStore, StoreError, masked_url
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = app_config(home)
     host, _, port = config["abci_listen"].rpartition(":")
     keep = config.get("keep_heights", 0) if keep_heights is None else keep_heights
+    url = db or config["db"]
     try:
-        store = StateStore(db or config["db"], keep_heights=keep)
-    except ValueError as exc:
-        fail(f"cannot open the state: {exc}")
+        store = StateStore(url, keep_heights=keep)
+    except (ValueError, StoreError, SQLAlchemyError) as exc:
+        detail = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+        fail(f"cannot open the state at {masked_url(url)}: {detail}")
     server = AbciServer(Application(store))
     tune_gc()
     asyncio.run(server.serve(host, int(port)))
 
 
 @group.command("start")
-@click.option("--home", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--home", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help=HOME_HELP)
 def start(home: Path) -> None:
     """Run the ABCI app and CometBFT together until interrupted; if either exits, stop both."""
     app_config(home)
-    procs = [subprocess.Popen(app_command(home))]
-    time.sleep(1.0)
-    procs.append(subprocess.Popen([cometbft_binary(), "start", "--home", str(home)]))
+    try:
+        cometbft = cometbft_binary()
+    except NetworkBuildError as exc:
+        fail(str(exc))
     stopping = False
 
     def stop(*_args: object) -> None:
@@ -130,6 +141,9 @@ def start(home: Path) -> None:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    procs = [subprocess.Popen(app_command(home))]
+    time.sleep(1.0)
+    procs.append(subprocess.Popen([cometbft, "start", "--home", str(home)]))
     console.print(f"validator {home} running (app pid {procs[0].pid}, cometbft pid {procs[1].pid})")
     while not stopping and all(p.poll() is None for p in procs):
         time.sleep(0.2)

@@ -9,33 +9,27 @@ from pathlib import Path
 
 import click
 
-from planetserve.cli import console, fail, setup_logging
+from planetserve.cli import check_genesis, console, fail, http_url, setup_logging
+from planetserve.config import is_host_port
 
-_ADDRESS = re.compile(r"(?P<host>[A-Za-z0-9.\-]+|\[[0-9A-Fa-f:]+\]):(?P<port>[0-9]{1,5})")
 _KEY = re.compile(r"[0-9a-fA-F]{64}")
 
 
 def _address(_ctx: click.Context, _param: click.Parameter, text: str) -> tuple[str, int]:
-    match = _ADDRESS.fullmatch(text)
-    if match is None or int(match["port"]) > 65535:
+    if not is_host_port(text):
         raise click.BadParameter(f"takes HOST:PORT such as 127.0.0.1:8600 (port 0: a free one), got {text!r}")
-    return match["host"].strip("[]"), int(match["port"])
-
-
-def _url(text: str, what: str) -> str:
-    if not re.fullmatch(r"https?://[^\s/]+(/[^\s]*)?", text):
-        raise click.BadParameter(f"{what} must be an http:// URL, got {text!r}")
-    return text.rstrip("/")
+    host, _, port = text.rpartition(":")
+    return host.strip("[]"), int(port)
 
 
 def _urls(_ctx: click.Context, _param: click.Parameter, values: tuple[str, ...]) -> tuple[str, ...]:
-    return tuple(_url(v, "--rpc") for v in values)
+    return tuple(http_url(v, "--rpc") for v in values)
 
 
 def _relay(_ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
     if not value:
         return None
-    url = _url(value, "--relay")
+    url = http_url(value, "--relay")
     return url[: -len("/v1")] if url.endswith("/v1") else url
 
 
@@ -94,15 +88,11 @@ def command(genesis: Path, rpc: tuple[str, ...], relay: str | None, model: str |
 
     The JSON behind the page: GET /api/state; the chat: POST /api/chat {"prompt": "..."}.
     """
-    from planetserve.chain.lightclient import Genesis, VerificationError
     from planetserve.dashboard.collect import Settings
     from planetserve.dashboard.server import Dashboard, run_dashboard
 
     setup_logging(log_level)
-    try:
-        Genesis.from_file(genesis)
-    except VerificationError as exc:
-        fail(f"{genesis} is not a usable genesis file: {exc}")
+    check_genesis(genesis)
     host, port = http_addr
     settings = Settings(genesis=genesis.resolve(), rpc=rpc, relay=relay, model=model, labels=labels)
 

@@ -132,3 +132,9 @@ def init(out: Path, validators: int, chain_id: str, models: tuple[str, ...], org
     console.print(f"network [bold]{chain_id}[/] created under {out}")
     table("validators", ["moniker", "home", "rpc", "p2p", "abci"],
           [[v.moniker, v.home, v.rpc_url, v.ports.p2p, v.abci_listen] for v in spec.validators])
+    console.print("start each validator (ABCI app and CometBFT, until interrupted):")
+    for v in spec.validators:
+        console.print(f"  planetserve chain start --home {v.home}", soft_wrap=True)
+    console.print("then point the client commands at one of them:")
+    console.print(f"  export PLANETSERVE_NODE={spec.validators[0].rpc_url}", soft_wrap=True)
+    console.print(f"  export PLANETSERVE_GENESIS={spec.genesis_path}", soft_wrap=True)

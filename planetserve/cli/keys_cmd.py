@@ -28,7 +28,7 @@ def new(path: Path, as_json: bool) -> None:
 
 
 @group.command("show")
-@click.argument("path", type=click.Path(path_type=Path))
+@click.argument("path", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print the public keys as JSON.")
 def show(path: Path, as_json: bool) -> None:
     """Print the public keys of the key file at PATH."""

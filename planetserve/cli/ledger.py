@@ -11,6 +11,7 @@ import click
 
 from planetserve.chain.client import LedgerClient
 from planetserve.chain.rpc import RpcClient
+from planetserve.cli import http_url
 
 DEFAULT_NODE = "http://127.0.0.1:26657"
 
@@ -20,7 +21,9 @@ def ledger_options(verify: bool) -> Callable:
 
     def decorate(fn: Callable) -> Callable:
         @click.option("--node", envvar="PLANETSERVE_NODE", default=DEFAULT_NODE, show_default=True,
-                      help="CometBFT RPC endpoint (env PLANETSERVE_NODE).")
+                      callback=lambda _c, _p, value: http_url(value, "--node"),
+                      help="A validator's CometBFT RPC endpoint (env PLANETSERVE_NODE); `genesis init` "
+                           "prints each validator's.")
         @functools.wraps(fn)
         def wrapper(*args: Any, node: str, genesis: Path | None = None, no_verify: bool = False,
                     min_height: int = 0, **kwargs: Any) -> Any:
@@ -31,9 +34,12 @@ def ledger_options(verify: bool) -> Callable:
             if verify and not no_verify:
                 if genesis is None:
                     fail("--genesis is required to verify answers (or pass --no-verify to trust the node)")
-                from planetserve.chain.lightclient import LightClient
+                from planetserve.chain.lightclient import LightClient, VerificationError
 
-                verifier = LightClient.from_genesis_file(genesis, rpc)
+                try:
+                    verifier = LightClient.from_genesis_file(genesis, rpc)
+                except VerificationError as exc:
+                    fail(f"{genesis} is not a usable genesis file: {exc}")
             with rpc:
                 return fn(*args, ledger=LedgerClient(rpc, verifier, min_height), **kwargs)
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import click
 
 from planetserve.chain.keys import KeyFileError, KeySet
-from planetserve.cli import console, emit_json, fail, setup_logging
+from planetserve.cli import check_genesis, console, emit_json, fail, setup_logging
 from planetserve.node.behaviours import BEHAVIOURS, HONEST
 
 if TYPE_CHECKING:
@@ -81,7 +81,8 @@ def init_model(home: Path, genesis: Path, http_addr: str, node_keys: Path | None
     """Create a model node's home: configuration and a node key (never overwritten)."""
     from planetserve.node.home import ModelNodeConfig
 
-    config = ModelNodeConfig(genesis=str(genesis.resolve()), http=http_addr, **settings)  # type: ignore[arg-type]
+    config = ModelNodeConfig(genesis=str(check_genesis(genesis).resolve()), http=http_addr,
+                             **settings)  # type: ignore[arg-type]
     _create_home(home, config, node_keys, as_json, role="model node", key_name="node",
                  extra={"model_id": config.model_id, "address": config.address},
                  run=f"planetserve node model --home {home} --org-keys <organisation key file>")
@@ -189,7 +190,8 @@ def init_user(home: Path, genesis: Path, http_addr: str, key_file: Path | None, 
     """Create a user relay's home: configuration and a key (never overwritten)."""
     from planetserve.node.home import UserConfig
 
-    config = UserConfig(genesis=str(genesis.resolve()), http=http_addr, **settings)  # type: ignore[arg-type]
+    config = UserConfig(genesis=str(check_genesis(genesis).resolve()), http=http_addr,
+                        **settings)  # type: ignore[arg-type]
     if not config.proxies >= config.n >= config.k:
         fail(f"need --proxies >= --n >= --k, got {config.proxies}, {config.n}, {config.k}")
     _create_home(home, config, key_file, as_json, role="user relay", key_name="user",

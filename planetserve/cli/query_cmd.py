@@ -117,7 +117,8 @@ def epoch(ledger: LedgerClient, number: int | None, as_json: bool) -> None:
     except FAILURES as exc:
         fail(str(exc))
     if record is None:
-        fail(f"epoch {number} has no record yet (epochs are created near the end of the one before)", code=3)
+        which = "the current epoch" if number is None else f"epoch {number}"
+        fail(f"{which} has no record yet (epochs are created near the end of the one before)", code=3)
     end = schedule.end(record.number)
     timeline = {
         "heights": f"{record.start_height}-{end}",

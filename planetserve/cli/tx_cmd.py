@@ -9,12 +9,15 @@ from typing import Any
 
 import click
 
-from planetserve.chain.client import LedgerClient
+from planetserve.chain.client import LedgerClient, TxNotCommitted
 from planetserve.chain.errors import Code
 from planetserve.chain.keys import KeyFileError, KeySet
 from planetserve.chain.rpc import RpcError
-from planetserve.cli import console, emit_json, fail
+from planetserve.cli import console, emit_json, err_console, fail
 from planetserve.cli.ledger import ledger_options
+
+CAPACITY = click.IntRange(1, 1_000_000)
+"""What the chain accepts as a node's capacity."""
 
 
 def signer_option(fn):  # type: ignore[no-untyped-def]
@@ -47,22 +50,42 @@ def key_bytes(value: str, name: str) -> bytes:
     raise click.BadParameter(f"{value!r} is not a 32-byte key in hex or base64", param_hint=name)
 
 
+def _events(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """What the transaction did, as the chain's events say it ({"type", "attributes": {key: value}}),
+    without the one every transaction has."""
+    out = []
+    for event in raw:
+        attributes = {str(a.get("key")): str(a.get("value")) for a in event.get("attributes") or ()
+                      if isinstance(a, dict)}
+        if event.get("type") != "tx":
+            out.append({"type": str(event.get("type")), "attributes": attributes})
+    return out
+
+
 def submit(ledger: LedgerClient, keys: KeySet, tx_type: str, body: dict[str, Any], as_json: bool) -> None:
     try:
-        done = ledger.submit(keys, tx_type, body)
+        with err_console.status(f"submitting {tx_type} and waiting for a block...", spinner="dots"):
+            done = ledger.submit(keys, tx_type, body)
+    except TxNotCommitted as exc:
+        fail(f"{exc}: check with `planetserve query status` before sending it again (it may still commit)")
     except RpcError as exc:
         fail(f"could not submit: {exc}")
+    events = _events(done.outcome.events)
     result = {
         "type": tx_type,
         "hash": done.tx_hash.hex().upper(),
         "height": done.height,
         "code": done.outcome.code,
         "log": done.outcome.log,
+        "events": events,
     }
     if as_json:
         emit_json(result)
     elif done.outcome.code == 0:
         console.print(f"[green]committed[/] {tx_type} in block {done.height} (tx {result['hash']})")
+        for event in events:
+            shown = " ".join(f"{k}={v}" for k, v in event["attributes"].items())
+            console.print(f"  {event['type']}: {shown}")
     if done.outcome.code != 0:
         name = Code(done.outcome.code).name if done.outcome.code in Code._value2member_map_ else "?"
         fail(f"{tx_type} refused with code {done.outcome.code} ({name}): {done.outcome.log}", code=2)
@@ -86,7 +109,8 @@ def register_org(ledger: LedgerClient, keys_path: Path, org_id: str, name: str, 
 
 @group.command("register-user")
 @click.option("--address", required=True, help="host:port where this user relays traffic.")
-@click.option("--region", default="global", show_default=True)
+@click.option("--region", default="global", show_default=True,
+              help="Where the relay runs; clients ask for the user list of a region.")
 @signer_option
 @json_option
 @ledger_options(verify=False)
@@ -109,8 +133,8 @@ def heartbeat(ledger: LedgerClient, keys_path: Path, address: str | None, region
 
 
 @group.command("register-model")
-@click.option("--model-id", required=True)
-@click.option("--name", required=True)
+@click.option("--model-id", required=True, help="Identifier nodes and requests name the model by, e.g. 'gt'.")
+@click.option("--name", required=True, help="Display name.")
 @click.option("--layers", type=click.IntRange(1, 10_000),
               help="Transformer layers; with --layer-mib, a deployment on nodes that cannot hold the model "
                    "whole is split into layer pipelines.")
@@ -130,11 +154,11 @@ def register_model(ledger: LedgerClient, keys_path: Path, model_id: str, name: s
 @click.option("--org-id", required=True, help="The organisation the signer owns.")
 @click.option("--node-keys", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="The model node's own key file (it proves the key is held).")
-@click.option("--model-id", required=True)
+@click.option("--model-id", required=True, help="A registered model the node serves.")
 @click.option("--address", required=True, help="host:port of the node's peer port.")
 @click.option("--hardware", required=True, help="Hardware class, e.g. 'A100-80GB'.")
-@click.option("--capacity", required=True, type=int, help="Concurrent requests it can serve.")
-@click.option("--region", default="global", show_default=True)
+@click.option("--capacity", required=True, type=CAPACITY, help="Concurrent requests it can serve.")
+@click.option("--region", default="global", show_default=True, help="Where the node runs.")
 @click.option("--memory-mib", type=click.IntRange(0), help="Accelerator memory for weights (MiB); lets the "
                                                           "chain place layer pipelines on the node.")
 @click.option("--gflops", type=click.IntRange(0), help="Compute throughput (GFLOP/s), for pipelines.")
@@ -146,17 +170,21 @@ def register_model_node(ledger: LedgerClient, keys_path: Path, node_keys: Path, 
                         memory_mib: int | None, gflops: int | None, as_json: bool) -> None:
     """Register a model node of the signer's organisation."""
     sizes = {k: v for k, v in (("memory_mib", memory_mib), ("gflops", gflops)) if v is not None}
-    body = ledger.model_node_body(org_id, load_keys(node_keys), model_id=model_id, address=address,
-                                  hardware=hardware, capacity=capacity, region=region, **sizes)
+    try:
+        body = ledger.model_node_body(org_id, load_keys(node_keys), model_id=model_id, address=address,
+                                      hardware=hardware, capacity=capacity, region=region, **sizes)
+    except RpcError as exc:
+        fail(f"could not submit: {exc}")
     submit(ledger, load_keys(keys_path), "register-model-node", body, as_json)
 
 
 @group.command("update-model-node")
 @click.option("--node-pubkey", required=True, help="The node's identity key (hex).")
-@click.option("--address")
-@click.option("--capacity", type=int)
-@click.option("--region")
-@click.option("--status", type=click.Choice(["active", "inactive"]))
+@click.option("--address", help="A new host:port of the node's peer port.")
+@click.option("--capacity", type=CAPACITY, help="A new number of concurrent requests it can serve.")
+@click.option("--region", help="A new region.")
+@click.option("--status", type=click.Choice(["active", "inactive"]),
+              help="inactive takes the node out of the lists without unregistering it.")
 @signer_option
 @json_option
 @ledger_options(verify=False)
@@ -169,20 +197,25 @@ def update_model_node(ledger: LedgerClient, keys_path: Path, node_pubkey: str, a
 
 
 @group.command("propose-member")
-@click.option("--action", type=click.Choice(["add", "remove"]), default="add", show_default=True)
+@click.option("--action", type=click.Choice(["add", "remove"]), default="add", show_default=True,
+              help="Admit a new member or remove an existing one.")
 @click.option("--operator", required=True, help="Candidate's identity key (hex).")
 @click.option("--consensus-key", help="Candidate's CometBFT validator key (hex or base64).")
 @click.option("--vrf-key", help="Candidate's VRF key (hex).")
 @click.option("--x25519-key", help="Candidate's X25519 key (hex).")
 @click.option("--credential", help="Who the candidate is and why it may verify.")
-@click.option("--power", type=int, default=10, show_default=True)
+@click.option("--power", type=click.IntRange(1, 1_000_000), default=10, show_default=True,
+              help="The new member's voting power as a validator.")
 @signer_option
 @json_option
 @ledger_options(verify=False)
 def propose_member(ledger: LedgerClient, keys_path: Path, action: str, operator: str,
                    consensus_key: str | None, vrf_key: str | None, x25519_key: str | None,
                    credential: str | None, power: int, as_json: bool) -> None:
-    """Propose admitting or removing a committee member (applied at >2/3 of voting power)."""
+    """Propose admitting or removing a committee member (applied at >2/3 of voting power).
+
+    The proposer's vote counts; the output names the proposal_id the other members vote on with
+    `planetserve tx vote-member --proposal ID`."""
     body: dict[str, Any] = {"action": action, "operator": key_bytes(operator, "--operator")}
     if action == "add":
         missing = [n for n, v in (("--consensus-key", consensus_key), ("--vrf-key", vrf_key),
@@ -197,8 +230,10 @@ def propose_member(ledger: LedgerClient, keys_path: Path, action: str, operator:
 
 
 @group.command("vote-member")
-@click.option("--proposal", "proposal_id", required=True, type=int)
-@click.option("--approve/--reject", default=True, show_default=True)
+@click.option("--proposal", "proposal_id", required=True, type=click.IntRange(min=1),
+              help="The proposal_id that `tx propose-member` printed.")
+@click.option("--approve/--reject", default=True, show_default=True,
+              help="More than a third of the voting power rejecting drops the proposal.")
 @signer_option
 @json_option
 @ledger_options(verify=False)
@@ -224,6 +259,8 @@ def deploy_model(ledger: LedgerClient, keys_path: Path, org_id: str, model_id: s
     """Spend the organisation's contribution credits to have a model served by NODES servers of a
     hardware class for DAYS. The organisation's reputation must clear the trust threshold; the chain
     picks the servers and ends the deployment when its time is up. See `query credits ORG`."""
+    if days * 86_400 < 60:
+        raise click.BadParameter(f"{days:g} days is less than one minute", param_hint="--days")
     body = {"org_id": org_id, "model_id": model_id, "hardware": hardware, "nodes": nodes,
             "seconds": round(days * 86_400)}
     submit(ledger, load_keys(keys_path), "deploy-model", body, as_json)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from planetserve.cli import console, emit_json, fail, setup_logging, table
+from planetserve.cli import check_genesis, console, emit_json, fail, setup_logging, table
 
 HOME_HELP = "The verifier's home (verifier.json, its journals and status.json)."
 
@@ -53,6 +53,7 @@ def init(home: Path, key_file: Path, genesis: Path, models: tuple[str, ...], as_
          **settings: str) -> None:
     """Create a verifier's home (refuses to overwrite one)."""
     from planetserve.chain.keys import KeyFileError, KeySet
+    from planetserve.config import HomeError
     from planetserve.verifier.config import CONFIG_FILE, VerifierConfig
 
     if (home / CONFIG_FILE).exists():
@@ -67,8 +68,13 @@ def init(home: Path, key_file: Path, genesis: Path, models: tuple[str, ...], as_
         keys = KeySet.load(key_file)
     except KeyFileError as exc:
         fail(str(exc))
+    check_genesis(genesis)
     config = VerifierConfig(keys=str(key_file.resolve()), genesis=str(genesis.resolve()), models=mapping,
                             **settings)
+    try:
+        config.check()
+    except HomeError as exc:
+        fail(str(exc))
     config.save(home)
     if as_json:
         emit_json({"home": str(home), "member": keys.public.hex(), "models": mapping})
@@ -115,8 +121,12 @@ def status(home: Path, last: int, as_json: bool) -> None:
         state = json.loads((home / STATUS_FILE).read_text())
     except FileNotFoundError:
         fail(f"no {STATUS_FILE} in {home}: the daemon has not run yet")
+    except ValueError as exc:
+        fail(f"{home / STATUS_FILE} is not the daemon's status (not JSON: {exc})")
+    if not isinstance(state, dict) or not {"member", "submitted", "rejected"} <= set(state):
+        fail(f"{home / STATUS_FILE} is not the daemon's status (member, submitted, rejected missing)")
     lines = (home / SUBMISSIONS_FILE).read_text().splitlines() if (home / SUBMISSIONS_FILE).exists() else []
-    recent = [json.loads(line) for line in lines[-last:]] if last else []
+    recent = [entry for entry in map(_submission, lines[-last:] if last else []) if entry is not None]
     if as_json:
         emit_json({**state, "submissions": recent})
         return
@@ -126,4 +136,14 @@ def status(home: Path, last: int, as_json: bool) -> None:
     if state.get("last_error"):
         console.print(f"[yellow]last error: {state['last_error']}[/]")
     table("latest submissions", ["epoch", "type", "height", "code", "log"],
-          [[s["epoch"], s["type"], s["height"], s["code"], s["log"][:80]] for s in recent])
+          [[s.get("epoch"), s.get("type"), s.get("height"), s.get("code"), str(s.get("log", ""))[:80]]
+           for s in recent])
+
+
+def _submission(line: str) -> dict | None:
+    """One line of the submissions journal; a line cut short by a crash is skipped."""
+    try:
+        entry = json.loads(line)
+    except ValueError:
+        return None
+    return entry if isinstance(entry, dict) else None

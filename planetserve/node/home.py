@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from planetserve.chain.keys import KeySet
-from planetserve.config import HomeConfig, HomeError
+from planetserve.config import HomeConfig, HomeError, check_addresses
 from planetserve.node.behaviours import HONEST, check_behaviour
 
 CONFIG_FILE = "node.json"
@@ -66,6 +66,9 @@ class ModelNodeConfig(HomeConfig):
     def __post_init__(self) -> None:
         check_behaviour(self.behaviour)
 
+    def check(self) -> None:
+        check_addresses(self.FILE, self, ("http", "peer", "advertise"), ("rpc", "engine_url"))
+
     @property
     def address(self) -> str:
         return self.advertise or self.peer
@@ -96,6 +99,9 @@ class UserConfig(HomeConfig):
     list_interval: float = 5.0
     ping_interval: float = 10.0
 
+    def check(self) -> None:
+        check_addresses(self.FILE, self, ("http", "peer", "advertise"), ("rpc",))
+
     @property
     def address(self) -> str:
         return self.advertise or self.peer
@@ -105,6 +111,7 @@ def init_home(home: Path, config: HomeConfig, keys: KeySet | None = None) -> Key
     """Create the home: configuration and a node key, fresh unless `keys` is given (a key the node
     already registered under); an existing home key is never replaced."""
     keys_path = home / KEYS_FILE
+    config.check()
     if keys_path.exists():
         raise HomeError(f"{home} already has a node key; edit {home / config.FILE} to change settings")
     config.save(home)

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from planetserve import workloads
-from planetserve.config import HomeConfig, HomeError
+from planetserve.config import HomeConfig, HomeError, check_addresses
 from planetserve.verifier.credibility import GREEDY_TOLERANCE
 
 CONFIG_FILE = "verifier.json"
@@ -56,6 +56,7 @@ class VerifierConfig(HomeConfig):
     """Tries per challenge (2 s apart) before the node is reported as giving no valid answer."""
 
     def check(self) -> None:
+        check_addresses(CONFIG_FILE, self, (), ("rpc", "relay"))
         if not self.keys:
             raise HomeError(f"{CONFIG_FILE}: `keys` must name the member's key file")
         if self.credibility not in CREDIBILITIES:

@@ -38,6 +38,7 @@ def _longest(references: dict[str, ReferenceModel], text: str) -> int:
 def build_daemon(home: Path) -> tuple[Daemon, VerifierConfig]:
     config = VerifierConfig.load(home)
     keys = KeySet.load(Path(config.keys))
+    ledger = LedgerClient.verified(config.rpc, config.genesis)  # a bad genesis fails before models load
     references = reference_models(config)
     max_len = min(r.max_len for r in references.values())
     source = ChallengeSource(config.workload, scale=config.scale,
@@ -47,7 +48,6 @@ def build_daemon(home: Path) -> tuple[Daemon, VerifierConfig]:
                              greedy_share=config.greedy_share, chat_share=config.chat_share)
     source.warm_up()
     channel = OverlayChannel(config.relay, timeout=config.challenge_timeout, max_tokens=config.max_tokens)
-    ledger = LedgerClient.verified(config.rpc, config.genesis)
     daemon = Daemon(keys, ledger, references, channel, source, home,
                     calibrated=config.credibility == "calibrated", concurrency=config.concurrency,
                     attempts=config.attempts)
