@@ -122,7 +122,7 @@ def test_cli_errors_are_clear(localnet, tmp_path):
     node, genesis = up["rpc"][0], up["genesis"]
     keys = tmp_path / "k.json"
     run("keys", "new", str(keys))
-    out = run("tx", "heartbeat", "--keys", str(keys), "--node", node, code=2)
+    out = run("tx", "heartbeat", "--keys", str(keys), "--node", node, code=4)
     assert "code 8 (UNKNOWN_ENTITY)" in out and "not registered" in out
     assert "--genesis is required" in run("query", "nodes", "--node", node, code=1)
     assert "--region needs --model" in run("query", "nodes", "--region", "eu", "--genesis", genesis,

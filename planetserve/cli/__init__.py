@@ -50,6 +50,13 @@ def setup_logging(level: str) -> None:
         logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
+def log_level_option(default: str = "info") -> Any:
+    """--log-level of a long-running role (its messages go to stderr)."""
+    return click.option("--log-level", default=default, show_default=True,
+                        type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False),
+                        help="The least important messages shown (debug adds every HTTP request).")
+
+
 def _keep_heights(_ctx: click.Context, _param: click.Parameter, value: int | None) -> int | None:
     from planetserve.chain.store import check_keep_heights
 
@@ -66,6 +73,12 @@ def keep_heights_option(default: int | None = 0, where: str = "") -> Any:
         help="Recent heights whose state stays provable; trie nodes that only older heights used are "
              "deleted. 0 keeps every height (an archive, whose database grows by the trie paths each block "
              "replaces); at least 2 otherwise." + where)
+
+
+EXIT_NOT_FOUND = 3
+"""A query found no such entity."""
+EXIT_REFUSED = 4
+"""The chain refused a transaction (its numbered code is printed)."""
 
 
 def fail(message: str, code: int = 1) -> None:
@@ -109,6 +122,11 @@ def main() -> None:
       verifier    verifier init, verifier run (beside each validator)
       developer   localnet up|down|status     (the whole system on this machine)
       anyone      dashboard                   (a live web page of a network: ledger, nodes, overlay)
+      validator   chain init, chain app       (join a running network; the ABCI app alone)
+
+    
+    Exit codes: 0 done; 1 failed (the message says why); 2 wrong usage;
+    3 not found (query); 4 refused by the chain (tx: the code and reason are printed).
     """
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from planetserve.cli import console, emit_json, fail, keep_heights_option
+from planetserve.cli import console, emit_json, fail, keep_heights_option, log_level_option
 from planetserve.genesis.network import (
     APP_CONFIG_FILE,
     KEYS_FILE,
@@ -98,8 +98,7 @@ HOME_HELP = "The validator's home (CometBFT's config/ and data/, the app's confi
               help=HOME_HELP)
 @click.option("--db", help="State database URL (default: from the home's planetserve.json).")
 @keep_heights_option(None, " Default: keep_heights in the home's planetserve.json, else 0.")
-@click.option("--log-level", default="info", show_default=True,
-              type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False))
+@log_level_option()
 def app(home: Path, db: str | None, keep_heights: int | None, log_level: str) -> None:
     """Serve the ABCI application only (CometBFT connects to it)."""
     from sqlalchemy.exc import SQLAlchemyError

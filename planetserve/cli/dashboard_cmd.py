@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from planetserve.cli import check_genesis, console, fail, http_url, setup_logging
+from planetserve.cli import check_genesis, console, fail, http_url, log_level_option, setup_logging
 from planetserve.config import is_host_port
 
 _KEY = re.compile(r"[0-9a-fA-F]{64}")
@@ -44,7 +44,7 @@ def _labels(_ctx: click.Context, _param: click.Parameter, values: tuple[str, ...
     return labels
 
 
-@click.command("dashboard")
+@click.command("dashboard", short_help="Serve a live web page of a network: ledger, nodes, overlay, chat.")
 @click.option("--genesis", required=True, envvar="PLANETSERVE_GENESIS",
               type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Genesis file every ledger read is verified against (env PLANETSERVE_GENESIS).")
@@ -63,8 +63,7 @@ def _labels(_ctx: click.Context, _param: click.Parameter, values: tuple[str, ...
               metavar="HOST:PORT",
               help="HOST:PORT to serve the page on (port 0: a free one). Keep it on loopback: the chat box "
                    "spends your relay.")
-@click.option("--log-level", default="warning", show_default=True,
-              type=click.Choice(["debug", "info", "warning", "error"]))
+@log_level_option("warning")
 @click.option("--json", "as_json", is_flag=True, help="Print the ready line as JSON.")
 def command(genesis: Path, rpc: tuple[str, ...], relay: str | None, model: str | None, labels: dict[str, str],
           http_addr: tuple[str, int], log_level: str, as_json: bool) -> None:

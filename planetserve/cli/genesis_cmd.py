@@ -84,7 +84,8 @@ def group() -> None:
 @group.command("init")
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--validators", "-n", default=4, show_default=True, help="Number of validators.")
-@click.option("--chain-id", default="planetserve-local", show_default=True)
+@click.option("--chain-id", default="planetserve-local", show_default=True,
+              help="The network's name; every transaction is signed for it.")
 @click.option("--model", "models", multiple=True, metavar="ID=NAME[:LAYERS:LAYER_MIB]",
               help="A model registered at genesis (repeatable). Add :LAYERS:LAYER_MIB to declare its size "
                    "(number of layers, MiB per layer), so that deployments on nodes too small to hold it "
@@ -100,7 +101,7 @@ def group() -> None:
 @click.option("--db", "db_urls", multiple=True, metavar="URL",
               help="Database URL per validator, in order (default: SQLite in each home).")
 @keep_heights_option()
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the validators' homes and ports as JSON.")
 def init(out: Path, validators: int, chain_id: str, models: tuple[str, ...], orgs: tuple[str, ...],
          credential: str, timeout_commit: str, db_urls: tuple[str, ...], keep_heights: int,
          as_json: bool) -> None:

@@ -15,7 +15,7 @@ root_option = click.option("--root", type=click.Path(file_okay=False, path_type=
                            default=net.DEFAULT_ROOT, show_default=True, help="Where the network lives.")
 
 
-@click.group("localnet")
+@click.group("localnet", short_help="Run the whole system on 127.0.0.1 (up, status, down).")
 def group() -> None:
     """Run the whole planetserve system on 127.0.0.1 (state under localnet/build).
 
@@ -83,7 +83,8 @@ def _print_up(result: net.UpResult) -> None:
         console.print(f"client endpoint (OpenAI-compatible, anonymous): [bold]{result.client}[/]")
     if result.dashboard is not None:
         console.print(f"dashboard: [bold]{result.dashboard}[/]")
-    console.print("health: [bold]planetserve localnet status[/]; stop it with [bold]make localnet-stop[/]")
+    console.print("health: [bold]planetserve localnet status[/]; stop it with "
+                  "[bold]planetserve localnet down[/] (or make localnet-stop)")
 
 
 @group.command("down")
@@ -98,7 +99,7 @@ def down(root: Path) -> None:
 
 @group.command("status")
 @root_option
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
 def status(root: Path, as_json: bool) -> None:
     """Health of each process: validators, verifiers, model nodes, relays, the dashboard."""
     from planetserve.localnet import health
@@ -106,7 +107,8 @@ def status(root: Path, as_json: bool) -> None:
     try:
         groups = health.status(root)
     except FileNotFoundError:
-        fail(f"no localnet under {root}; start one with `make localnet`")
+        fail(f"no localnet under {root}; start one with `planetserve localnet up` (or `make localnet`) "
+             "from the project's directory, or name its --root")
     if as_json:
         emit_json(groups)
         return

@@ -24,12 +24,13 @@ data_option = click.option(
     help=f"Data directory (default: ${layout.DATA_ENV}, else ~/.cache/planetserve).",
 )
 preset_option = click.option(
-    "--preset", type=click.Choice(sorted(PRESETS)), default=DEFAULT_PRESET, show_default=True
+    "--preset", type=click.Choice(sorted(PRESETS)), default=DEFAULT_PRESET, show_default=True,
+    help="full: the real family (gt trains in minutes on two cores); quick: a miniature one for tests.",
 )
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 
 
-@click.group("models")
+@click.group("models", short_help="Train, list and try the model family every node can build.")
 def group() -> None:
     """The model family every node can build itself: gt (reference), small and tiny (weaker
     models a dishonest node could serve), gt-int8 and gt-int4 (quantized gt). Nothing is downloaded."""
@@ -282,7 +283,8 @@ def show(name: str, data_dir: Path | None, as_json: bool) -> None:
 @click.argument("name")
 @click.argument("prompt")
 @data_option
-@click.option("--max-tokens", default=64, show_default=True, type=click.IntRange(1, 4096))
+@click.option("--max-tokens", default=64, show_default=True, type=click.IntRange(1, 4096),
+              help="Most tokens to generate.")
 @click.option("--raw", is_flag=True, help="Continue PROMPT as plain text instead of as a chat message.")
 def generate(name: str, prompt: str, data_dir: Path | None, max_tokens: int, raw: bool) -> None:
     """Greedy sample from NAME: PROMPT as a user chat message (or, with --raw, text to continue)."""

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import click
 
 from planetserve.chain.keys import KeyFileError, KeySet
-from planetserve.cli import check_genesis, console, emit_json, fail, setup_logging
+from planetserve.cli import check_genesis, console, emit_json, fail, log_level_option, setup_logging
 from planetserve.node.behaviours import BEHAVIOURS, HONEST
 
 if TYPE_CHECKING:
@@ -62,7 +62,7 @@ def group() -> None:
                    "node a pipeline stage that serves the layers a deployment assigns it.")
 @click.option("--gflops", default=0, show_default=True, type=click.IntRange(0),
               help="Compute throughput (GFLOP/s), registered; pipelines place layers by it.")
-@click.option("--region", default="global", show_default=True)
+@click.option("--region", default="global", show_default=True, help="Where it runs (registered).")
 @click.option("--engine-url", default="", help="Use an OpenAI-compatible server (e.g. `vllm serve`) instead "
                                                 "of the built-in engine.")
 @click.option("--kv-events", default="",
@@ -110,8 +110,7 @@ def _create_home(home: Path, config: HomeConfig, key_file: Path | None, as_json:
 @click.option("--org-keys", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="The organisation's key file: registers the node (or updates its address and capacity) "
                    "when the ledger does not match the configuration.")
-@click.option("--log-level", default="info", show_default=True,
-              type=click.Choice(["debug", "info", "warning", "error"]))
+@log_level_option()
 @click.option("--json", "as_json", is_flag=True, help="Print the ready line as JSON.")
 def model(home: Path, org_keys: Path | None, log_level: str, as_json: bool) -> None:
     """Run a model node: register on the ledger, serve the model, forward within the group.
@@ -175,7 +174,7 @@ USER_HOME_HELP = "The relay's home directory (configuration user.json and key fi
 @click.option("--peer", default="127.0.0.1:9100", show_default=True,
               help="host:port of the TLS port other relays and model nodes dial.")
 @click.option("--advertise", default="", help="Address registered on the ledger (default: --peer).")
-@click.option("--region", default="global", show_default=True)
+@click.option("--region", default="global", show_default=True, help="Where it runs (registered).")
 @click.option("--proxies", default=5, show_default=True, type=click.IntRange(1, 16),
               help="Live proxies (onion paths) to keep; at least n.")
 @click.option("--n", "n", default=4, show_default=True, type=click.IntRange(1, 16),
@@ -202,8 +201,7 @@ def init_user(home: Path, genesis: Path, http_addr: str, key_file: Path | None, 
 @group.command("user")
 @click.option("--home", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
               help=USER_HOME_HELP)
-@click.option("--log-level", default="info", show_default=True,
-              type=click.Choice(["debug", "info", "warning", "error"]))
+@log_level_option()
 @click.option("--json", "as_json", is_flag=True, help="Print the ready line as JSON.")
 def user(home: Path, log_level: str, as_json: bool) -> None:
     """Run a user relay: register (heartbeats keep it listed), relay other users' paths, keep proxies,
@@ -277,10 +275,10 @@ def _peer_keys(_ctx: click.Context, _param: click.Parameter, values: tuple[str, 
               help="Hex key of a peer that may send it steps (repeatable): the pipeline's coordinator "
                    "and the stages before it.")
 @click.option("--data-dir", default=None, help="Where the model family is cached.")
-@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address the TLS peer port listens on.")
 @click.option("--port", default=0, show_default=True, type=click.IntRange(0, 65535),
               help="0 picks a free port (printed when ready).")
-@click.option("--device", default="cpu", show_default=True)
+@click.option("--device", default="cpu", show_default=True, help="torch device of the layers, e.g. cuda:0.")
 @click.option("--max-tokens", type=click.IntRange(1), help="Positions per request (default: the model's).")
 @click.option("--idle-timeout", type=click.FloatRange(min=0.1),
               help="Seconds before an idle request's KV cache is freed (default 60).")

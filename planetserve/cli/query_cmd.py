@@ -10,7 +10,7 @@ import click
 from planetserve.chain.client import LedgerClient, Listing, QueryRefused
 from planetserve.chain.lightclient import VerificationError
 from planetserve.chain.rpc import RpcError
-from planetserve.cli import console, emit_json, fail, table
+from planetserve.cli import EXIT_NOT_FOUND, console, emit_json, fail, table
 from planetserve.cli.ledger import ledger_options
 from planetserve.cli.tx_cmd import key_bytes
 from planetserve.registry.credits import format_credits
@@ -100,7 +100,7 @@ def node(ledger: LedgerClient, pubkey: str, as_json: bool) -> None:
     except FAILURES as exc:
         fail(str(exc))
     if record is None:
-        fail(f"no model node with key {pubkey}", code=3)
+        fail(f"no model node with key {pubkey}", code=EXIT_NOT_FOUND)
     show_record({**record.to_record(), "stage": list(stage) if stage else None}, as_json)
 
 
@@ -118,7 +118,8 @@ def epoch(ledger: LedgerClient, number: int | None, as_json: bool) -> None:
         fail(str(exc))
     if record is None:
         which = "the current epoch" if number is None else f"epoch {number}"
-        fail(f"{which} has no record yet (epochs are created near the end of the one before)", code=3)
+        fail(f"{which} has no record yet (epochs are created near the end of the one before)",
+             code=EXIT_NOT_FOUND)
     end = schedule.end(record.number)
     timeline = {
         "heights": f"{record.start_height}-{end}",
@@ -143,7 +144,7 @@ def reputation(ledger: LedgerClient, node_key: str, as_json: bool) -> None:
             show_record(record.to_record(), as_json)
             return
         if ledger.node(pubkey) is None:
-            fail(f"no model node with key {node_key}", code=3)
+            fail(f"no model node with key {node_key}", code=EXIT_NOT_FOUND)
         params = ledger.params()
     except FAILURES as exc:
         fail(str(exc))
@@ -175,7 +176,7 @@ def credits_(ledger: LedgerClient, org_id: str, as_json: bool) -> None:
     at a price of 1 (prices per hardware class are in the genesis)."""
     try:
         if ledger.org(org_id) is None:
-            fail(f"no organisation {org_id!r}", code=3)
+            fail(f"no organisation {org_id!r}", code=EXIT_NOT_FOUND)
         account = ledger.credits(org_id)
         _, deployments = ledger.deployments()
     except FAILURES as exc:

@@ -13,7 +13,7 @@ from planetserve.chain.client import LedgerClient, TxNotCommitted
 from planetserve.chain.errors import Code
 from planetserve.chain.keys import KeyFileError, KeySet
 from planetserve.chain.rpc import RpcError
-from planetserve.cli import console, emit_json, err_console, fail
+from planetserve.cli import EXIT_REFUSED, console, emit_json, err_console, fail
 from planetserve.cli.ledger import ledger_options
 
 CAPACITY = click.IntRange(1, 1_000_000)
@@ -88,10 +88,11 @@ def submit(ledger: LedgerClient, keys: KeySet, tx_type: str, body: dict[str, Any
             console.print(f"  {event['type']}: {shown}")
     if done.outcome.code != 0:
         name = Code(done.outcome.code).name if done.outcome.code in Code._value2member_map_ else "?"
-        fail(f"{tx_type} refused with code {done.outcome.code} ({name}): {done.outcome.log}", code=2)
+        fail(f"{tx_type} refused with code {done.outcome.code} ({name}): {done.outcome.log}",
+             code=EXIT_REFUSED)
 
 
-@click.group("tx")
+@click.group("tx", short_help="Sign and submit transactions; each waits for its block.")
 def group() -> None:
     """Sign and submit transactions (each waits until it is committed in a block)."""
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from planetserve.cli import check_genesis, console, emit_json, fail, setup_logging, table
+from planetserve.cli import check_genesis, console, emit_json, fail, log_level_option, setup_logging, table
 
 HOME_HELP = "The verifier's home (verifier.json, its journals and status.json)."
 
@@ -86,8 +86,7 @@ def init(home: Path, key_file: Path, genesis: Path, models: tuple[str, ...], as_
 @group.command("run")
 @click.option("--home", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
               help=HOME_HELP)
-@click.option("--log-level", default="info", show_default=True,
-              type=click.Choice(["debug", "info", "warning", "error"]))
+@log_level_option()
 def run(home: Path, log_level: str) -> None:
     """Run the daemon until interrupted; it resumes the current epoch from the ledger after a restart."""
     from planetserve.chain.client import QueryRefused
