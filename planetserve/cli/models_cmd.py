@@ -98,8 +98,9 @@ def train(preset: str, data_dir: Path | None, only: tuple[str, ...], force: bool
     """Train the family into DATA_DIR/models/<name>/, skipping checkpoints that match the recipe."""
     from planetserve.models.family import train_family
 
+    names = _split(only)  # refused before the progress display opens
     with Progress(*PROGRESS_COLUMNS, console=err_console if as_json else console) as progress:
-        reports = train_family(preset, data_dir, _split(only), force, RichReporter(progress))
+        reports = train_family(preset, data_dir, names, force, RichReporter(progress))
     rows = [_report_row(r) for r in reports]
     if as_json:
         emit_json(rows)
