@@ -178,8 +178,9 @@ def test_node_homes_take_an_existing_key_and_are_never_overwritten(tmp_path):
                           "--model-id", "gt", "--genesis", str(genesis), "--node-keys", str(key), "--json"))
     assert node["node"] == created["identity"]
     fresh = json.loads(run("node", "init-user", "--home", str(tmp_path / "v"), "--genesis", str(genesis),
-                           "--json"))
+                           "--node", "http://10.0.0.7:26657", "--json"))
     assert fresh["user"] != created["identity"]
+    assert json.loads((tmp_path / "v" / "user.json").read_text())["rpc"] == "http://10.0.0.7:26657"
     (tmp_path / "bad.json").write_text("{}")
     assert "malformed key file" in run("node", "init-user", "--home", str(tmp_path / "w"), "--genesis",
                                        str(genesis), "--keys", str(tmp_path / "bad.json"), code=1)

@@ -54,6 +54,7 @@ class VerifierProcess:
                 raise AssertionError(f"verifier exited: {(self.home / 'daemon.log').read_text()[-3000:]}")
             return (self.home / STATUS_FILE).exists()
         wait_until(ticked, timeout=120)
+        assert "running against" in (self.home / "daemon.log").read_text()  # its ready line
 
     def submissions(self) -> list[dict]:
         path = self.home / SUBMISSIONS_FILE

@@ -50,6 +50,12 @@ def setup_logging(level: str) -> None:
         logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
+rpc_option = click.option(
+    "--rpc", "--node", "rpc", default="http://127.0.0.1:26657", show_default=True, envvar="PLANETSERVE_NODE",
+    help="A validator's CometBFT RPC endpoint, which the role reads the ledger from (env PLANETSERVE_NODE).",
+)
+
+
 def log_level_option(default: str = "info") -> Any:
     """--log-level of a long-running role (its messages go to stderr)."""
     return click.option("--log-level", default=default, show_default=True,

@@ -11,7 +11,15 @@ from typing import TYPE_CHECKING
 import click
 
 from planetserve.chain.keys import KeyFileError, KeySet
-from planetserve.cli import check_genesis, console, emit_json, fail, log_level_option, setup_logging
+from planetserve.cli import (
+    check_genesis,
+    console,
+    emit_json,
+    fail,
+    log_level_option,
+    rpc_option,
+    setup_logging,
+)
 from planetserve.node.behaviours import BEHAVIOURS, HONEST
 
 if TYPE_CHECKING:
@@ -49,7 +57,7 @@ def group() -> None:
                    "Hugging Face checkpoint directory.")
 @click.option("--genesis", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Genesis file the ledger is verified against.")
-@click.option("--rpc", default="http://127.0.0.1:26657", show_default=True, help="CometBFT RPC endpoint.")
+@rpc_option
 @click.option("--http", "http_addr", default="127.0.0.1:8000", show_default=True,
               help="host:port of the OpenAI-compatible API.")
 @click.option("--peer", default="127.0.0.1:9000", show_default=True, help="host:port of the TLS peer port.")
@@ -69,7 +77,8 @@ def group() -> None:
               help="That server's KV-event ZMQ endpoint (vLLM --kv-events-config).")
 @click.option("--data-dir", default="", help="Where the model family is cached (default: PLANETSERVE_DATA "
                                              "or ~/.cache/planetserve).")
-@click.option("--node-keys", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+@click.option("--node-keys", "--keys", "node_keys",
+              type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Use this key file (copied into the home) instead of a fresh key: a node already "
                    "registered under it.")
 @click.option("--behaviour", default=HONEST, show_default=True, type=click.Choice(BEHAVIOURS),
@@ -168,7 +177,7 @@ USER_HOME_HELP = "The relay's home directory (configuration user.json and key fi
 @click.option("--home", required=True, type=click.Path(file_okay=False, path_type=Path), help=USER_HOME_HELP)
 @click.option("--genesis", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Genesis file the ledger is verified against.")
-@click.option("--rpc", default="http://127.0.0.1:26657", show_default=True, help="CometBFT RPC endpoint.")
+@rpc_option
 @click.option("--http", "http_addr", default="127.0.0.1:8080", show_default=True,
               help="host:port of the local OpenAI-compatible endpoint (keep it on loopback).")
 @click.option("--peer", default="127.0.0.1:9100", show_default=True,

@@ -7,7 +7,16 @@ from pathlib import Path
 
 import click
 
-from planetserve.cli import check_genesis, console, emit_json, fail, log_level_option, setup_logging, table
+from planetserve.cli import (
+    check_genesis,
+    console,
+    emit_json,
+    fail,
+    log_level_option,
+    rpc_option,
+    setup_logging,
+    table,
+)
 
 HOME_HELP = "The verifier's home (verifier.json, its journals and status.json)."
 
@@ -39,7 +48,7 @@ def group() -> None:
                    "config/planetserve_keys.json.")
 @click.option("--genesis", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Genesis file the ledger is verified against.")
-@click.option("--rpc", default="http://127.0.0.1:26657", show_default=True, help="CometBFT RPC endpoint.")
+@rpc_option
 @click.option("--relay", default="http://127.0.0.1:8080", show_default=True,
               help="A user relay's local OpenAI endpoint, which carries the challenges.")
 @click.option("--model", "models", multiple=True, metavar="MODEL_ID=REFERENCE",
@@ -87,7 +96,8 @@ def init(home: Path, key_file: Path, genesis: Path, models: tuple[str, ...], as_
 @click.option("--home", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
               help=HOME_HELP)
 @log_level_option()
-def run(home: Path, log_level: str) -> None:
+@click.option("--json", "as_json", is_flag=True, help="Print the ready line as JSON.")
+def run(home: Path, log_level: str, as_json: bool) -> None:
     """Run the daemon until interrupted; it resumes the current epoch from the ledger after a restart."""
     from planetserve.chain.client import QueryRefused
     from planetserve.chain.keys import KeyFileError
@@ -95,11 +105,23 @@ def run(home: Path, log_level: str) -> None:
     from planetserve.chain.rpc import RpcError
     from planetserve.config import HomeError
     from planetserve.models import ModelError
+    from planetserve.verifier.config import VerifierConfig
+    from planetserve.verifier.daemon import Daemon
     from planetserve.verifier.runner import run_verifier
 
     setup_logging(log_level)
+
+    def ready(daemon: Daemon, config: VerifierConfig) -> None:
+        line = {"member": daemon.me.hex(), "rpc": config.rpc, "relay": config.relay,
+                "models": dict(sorted(config.models.items()))}
+        if as_json:
+            click.echo(json.dumps(line))
+        else:
+            console.print(f"verifier {daemon.me.hex()[:16]}… running against {config.rpc}; challenges go "
+                          f"through {config.relay}; models {', '.join(sorted(config.models))}")
+
     try:
-        run_verifier(home)
+        run_verifier(home, ready)
     except (HomeError, KeyFileError, ModelError, ValueError, OSError) as exc:
         fail(str(exc))
     except (RpcError, VerificationError, QueryRefused) as exc:

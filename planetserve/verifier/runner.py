@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from planetserve.chain.client import LedgerClient
@@ -54,11 +55,13 @@ def build_daemon(home: Path) -> tuple[Daemon, VerifierConfig]:
     return daemon, config
 
 
-def run_verifier(home: Path) -> None:
-    """Run until SIGINT/SIGTERM."""
+def run_verifier(home: Path, ready: Callable[[Daemon, VerifierConfig], None] | None = None) -> None:
+    """Run until SIGINT/SIGTERM; `ready` hears once the models are loaded and the ledger is open."""
     daemon, config = build_daemon(home)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     log.info("verifier %s running against %s", daemon.me.hex()[:16], config.rpc)
+    if ready is not None:
+        ready(daemon, config)
     daemon.run(stop, config.poll_interval)
