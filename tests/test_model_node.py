@@ -50,6 +50,13 @@ async def settle(nodes: list[ModelNode], timeout: float = 10.0) -> None:
     raise AssertionError("group did not exchange loads")
 
 
+async def seed_shared_prefix(holder: ModelNode, entry: ModelNode) -> None:
+    """`holder` serves a prompt of the shared prefix itself, and `entry` learns that it holds it, so
+    that `entry` forwards the next prompt of that prefix to `holder`."""
+    signed((await complete(holder, SHARED + "Seed.", planetserve={"no_forward": True})).json())
+    await wait_until(lambda: entry.sync.search(entry.tokenizer(SHARED)["input_ids"]).holders >= {holder.node_id})
+
+
 async def wait_until(predicate, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -306,9 +313,7 @@ def test_a_peer_answer_that_does_not_check_fails_and_is_never_signed(quick_famil
         entry = make_node(quick_family)
         await start([forger, entry])
         try:
-            signed((await complete(forger, SHARED + "Seed.", planetserve={"no_forward": True})).json())
-            await wait_until(lambda: entry.sync.search(entry.tokenizer(SHARED)["input_ids"]).holders
-                             >= {forger.node_id})
+            await seed_shared_prefix(forger, entry)
             failed = await complete(entry, SHARED + "What is a dict?")
             assert failed.status_code == 500 and "planetserve" not in failed.json()
             assert "answer does not check (its signature does not verify)" in failed.json()["error"]["message"]
@@ -348,9 +353,7 @@ def test_a_peer_failing_mid_answer_is_replaced_here_when_nothing_was_sent(quick_
         entry = make_node(quick_family)
         await start([dying, entry])
         try:
-            signed((await complete(dying, SHARED + "Seed.", planetserve={"no_forward": True})).json())
-            await wait_until(lambda: entry.sync.search(entry.tokenizer(SHARED)["input_ids"]).holders
-                             >= {dying.node_id})
+            await seed_shared_prefix(dying, entry)
             whole = await complete(entry, SHARED + "What is a dict?")  # the client has seen nothing yet
             assert whole.status_code == 200, whole.text
             answer = whole.json()
@@ -394,9 +397,7 @@ def test_a_peer_that_babbles_or_stalls_is_cut_off_and_the_job_served_here(quick_
         entry = make_node(quick_family)
         await start([bad, entry])
         try:
-            signed((await complete(bad, SHARED + "Seed.", planetserve={"no_forward": True})).json())
-            await wait_until(lambda: entry.sync.search(entry.tokenizer(SHARED)["input_ids"]).holders
-                             >= {bad.node_id})
+            await seed_shared_prefix(bad, entry)
             whole = await complete(entry, SHARED + "What is a dict?")
             assert whole.status_code == 200, whole.text
             assert signed(whole.json()).node.hex() == entry.node_id
