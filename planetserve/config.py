@@ -28,16 +28,17 @@ def is_http_url(text: str) -> bool:
     return _HTTP_URL.fullmatch(text) is not None
 
 
-def check_addresses(file: str, config: object, host_ports: tuple[str, ...], urls: tuple[str, ...]) -> None:
-    """HomeError naming the first setting that is not host:port (empty allowed for `advertise`) or
-    not an http(s) URL (empty allowed for optional ones other than `rpc` and `relay`)."""
+def check_addresses(file: str, config: object, *, host_ports: tuple[str, ...] = (),
+                    urls: tuple[str, ...] = (), optional: tuple[str, ...] = ()) -> None:
+    """HomeError naming the first setting that is not host:port or not an http(s) URL; those named
+    in `optional` may also be empty."""
     for name in host_ports:
         value = getattr(config, name)
-        if (value or name != "advertise") and not is_host_port(value):
+        if (value or name not in optional) and not is_host_port(value):
             raise HomeError(f"{file}: {name} must be host:port such as 127.0.0.1:9000, got {value!r}")
     for name in urls:
         value = getattr(config, name)
-        if (value or name in ("rpc", "relay")) and not is_http_url(value):
+        if (value or name not in optional) and not is_http_url(value):
             raise HomeError(f"{file}: {name} must be an http:// URL such as http://127.0.0.1:26657, "
                             f"got {value!r}")
 
@@ -74,5 +75,7 @@ class HomeConfig:
         """Raise HomeError for settings that are present but unusable."""
 
     def save(self, home: Path) -> None:
+        """Write the configuration, refusing (HomeError) settings that `load` would refuse."""
+        self.check()
         home.mkdir(parents=True, exist_ok=True)
         (home / self.FILE).write_text(json.dumps(asdict(self), indent=2, sort_keys=True) + "\n")  # type: ignore[call-overload]

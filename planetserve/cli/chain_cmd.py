@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import signal
 import subprocess
 import time
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from planetserve.cli import console, emit_json, fail, keep_heights_option, log_level_option
+from planetserve.cli import console, emit_json, fail, keep_heights_option, log_level_option, setup_logging
 from planetserve.genesis.network import (
     APP_CONFIG_FILE,
     KEYS_FILE,
@@ -107,7 +106,7 @@ def app(home: Path, db: str | None, keep_heights: int | None, log_level: str) ->
     from planetserve.chain.server import AbciServer, tune_gc
     from planetserve.chain.store import StateStore, StoreError, masked_url
 
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(log_level)
     config = app_config(home)
     host, _, port = config["abci_listen"].rpartition(":")
     keep = config.get("keep_heights", 0) if keep_heights is None else keep_heights

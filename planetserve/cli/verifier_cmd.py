@@ -81,10 +81,9 @@ def init(home: Path, key_file: Path, genesis: Path, models: tuple[str, ...], as_
     config = VerifierConfig(keys=str(key_file.resolve()), genesis=str(genesis.resolve()), models=mapping,
                             **settings)
     try:
-        config.check()
+        config.save(home)
     except HomeError as exc:
         fail(str(exc))
-    config.save(home)
     if as_json:
         emit_json({"home": str(home), "member": keys.public.hex(), "models": mapping})
         return

@@ -67,7 +67,8 @@ class ModelNodeConfig(HomeConfig):
         check_behaviour(self.behaviour)
 
     def check(self) -> None:
-        check_addresses(self.FILE, self, ("http", "peer", "advertise"), ("rpc", "engine_url"))
+        check_addresses(self.FILE, self, host_ports=("http", "peer", "advertise"), urls=("rpc", "engine_url"),
+                        optional=("advertise", "engine_url"))
 
     @property
     def address(self) -> str:
@@ -100,7 +101,8 @@ class UserConfig(HomeConfig):
     ping_interval: float = 10.0
 
     def check(self) -> None:
-        check_addresses(self.FILE, self, ("http", "peer", "advertise"), ("rpc",))
+        check_addresses(self.FILE, self, host_ports=("http", "peer", "advertise"), urls=("rpc",),
+                        optional=("advertise",))
 
     @property
     def address(self) -> str:
@@ -111,7 +113,6 @@ def init_home(home: Path, config: HomeConfig, keys: KeySet | None = None) -> Key
     """Create the home: configuration and a node key, fresh unless `keys` is given (a key the node
     already registered under); an existing home key is never replaced."""
     keys_path = home / KEYS_FILE
-    config.check()
     if keys_path.exists():
         raise HomeError(f"{home} already has a node key; edit {home / config.FILE} to change settings")
     config.save(home)

@@ -56,7 +56,7 @@ class VerifierConfig(HomeConfig):
     """Tries per challenge (2 s apart) before the node is reported as giving no valid answer."""
 
     def check(self) -> None:
-        check_addresses(CONFIG_FILE, self, (), ("rpc", "relay"))
+        check_addresses(CONFIG_FILE, self, urls=("rpc", "relay"))
         if not self.keys:
             raise HomeError(f"{CONFIG_FILE}: `keys` must name the member's key file")
         if self.credibility not in CREDIBILITIES:
