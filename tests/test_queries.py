@@ -5,16 +5,15 @@ from __future__ import annotations
 import json
 
 import pytest
-from harness import CHAIN_ID, AppHarness, sqlite_url
+from harness import CHAIN_ID, AppHarness, node_body, sqlite_url
 from tendermint.abci import types_pb2 as abci
 from tendermint.crypto import keys_pb2
 
 from planetserve.chain import state as layout
 from planetserve.chain import trie
 from planetserve.chain.app import Application
-from planetserve.chain.client import QueryRefused, decode_entries
+from planetserve.chain.client import QueryRefused, decode_entries, holding_node
 from planetserve.chain.errors import Code
-from planetserve.chain.handlers import node_pop_message
 from planetserve.chain.keys import KeySet
 from planetserve.chain.store import StateStore
 from planetserve.registry import codec
@@ -29,12 +28,8 @@ def h(tmp_path):
     txs = [h.tx(owner, "register-org", {"org_id": "org1", "name": "O"})]
     for i in range(4):
         node = KeySet.generate()
-        txs.append(h.tx(owner, "register-model-node", {
-            "org_id": "org1", "node_pubkey": node.public,
-            "pop": node.sign(node_pop_message(CHAIN_ID, "org1", node.public)),
-            "model_id": "gt", "address": f"10.0.0.{i}:7000", "hardware": "A100", "capacity": 4,
-            "region": "eu" if i % 2 else "us",
-        }))
+        txs.append(h.tx(owner, "register-model-node",
+                        node_body(node, address=f"10.0.0.{i}:7000", region="eu" if i % 2 else "us")))
     for i in range(7):
         txs.append(h.tx(KeySet.generate(), "register-user", {"address": f"10.1.0.{i}:9000", "region": "eu"}))
     results = h.block(*txs)
@@ -86,7 +81,7 @@ def test_historical_height_is_proven_against_its_own_root(h):
     [
         ("/nope", b"x", Code.UNKNOWN_TYPE, "unknown query path"),
         ("/prefix", "é".encode(), Code.INVALID_FIELD, "ASCII"),
-        ("/prefix", layout.user_list_prefix("eu"), Code.INVALID_FIELD, "more than 5"),
+        ("/prefix", layout.user_list_prefix("eu"), Code.OVERSIZE, "more than 5"),
     ],
 )
 def test_query_refusals(h, path, data, code, words):
@@ -119,11 +114,7 @@ def test_repeated_queries_are_answered_alike_and_latest_moves_on(h):
     again = h.app.query(abci.RequestQuery(path="/prefix", data=prefix, prove=True, height=0))
     assert first.code == 0 and again == first
     owner, node = h.owner, KeySet.generate()
-    h.block(h.tx(owner, "register-model-node", {
-        "org_id": "org1", "node_pubkey": node.public,
-        "pop": node.sign(node_pop_message(CHAIN_ID, "org1", node.public)),
-        "model_id": "gt", "address": "10.0.9.9:7000", "hardware": "A100", "capacity": 4, "region": "eu",
-    }))
+    h.block(h.tx(owner, "register-model-node", node_body(node, address="10.0.9.9:7000")))
     later = h.app.query(abci.RequestQuery(path="/prefix", data=prefix, prove=True, height=0))
     assert later.height == first.height + 1
     assert len(decode_entries(later.value, prefix)) == len(decode_entries(first.value, prefix)) + 1
@@ -140,3 +131,26 @@ def test_genesis_whose_validators_differ_from_the_committee_is_refused(tmp_path)
                 "operator": "11" * 32, "consensus_key": "22" * 32, "vrf_key": "33" * 32,
                 "x25519_key": "44" * 32, "credential": "c", "power": 10}]}).encode(),
         ))
+
+
+def test_a_prefix_ending_in_nul_selects_one_key_and_verifies(h):
+    """The query the client's list paging uses to find the node that holds a list."""
+    key = layout.org_key("org1")
+    assert verified_list(h, key + b"\x00") == [(key, h.store.batch().get(key))]
+    assert verified_list(h, layout.ORG_PREFIX + b"\x00") == []  # no key equals a list prefix
+
+
+def test_the_node_holding_a_list_is_read_off_the_proof_for_its_prefix_key(h):
+    """`holding_node` (list paging): at the node's opening when no key equals the prefix, or at the
+    last step above the key's leaf when one does."""
+    owner = h.owner
+    assert all(r.code == 0 for r in h.block(*(h.tx(owner, "register-org", {"org_id": f"org1{c}", "name": c})
+                                              for c in "xy")).tx_results)
+    for prefix, want in ((layout.ORG_PREFIX, (layout.ORG_PREFIX + b"org1", [0, ord("x"), ord("y")])),
+                         (layout.org_key("org1"), (layout.org_key("org1"), [0, ord("x"), ord("y")]))):
+        res = h.query("/prefix", prefix + b"\x00")
+        assert holding_node(prefix, trie.PrefixProof.decode(res.proof_ops.ops[0].data)) == want
+    alone = layout.org_key("org1x")  # one entry: no node holds more
+    res = h.query("/prefix", alone + b"\x00")
+    with pytest.raises(QueryRefused, match="yet no trie node holds more than one of its entries"):
+        holding_node(alone, trie.PrefixProof.decode(res.proof_ops.ops[0].data))

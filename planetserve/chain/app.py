@@ -24,7 +24,7 @@ from planetserve.chain.epoch_handlers import EPOCH_HANDLERS
 from planetserve.chain.errors import CODESPACE, Code, TxError, from_registry
 from planetserve.chain.handlers import REGISTRY_HANDLERS, Context
 from planetserve.chain.state import IterableKV, State, TxScope
-from planetserve.chain.store import Batch, StateStore, StoreError
+from planetserve.chain.store import Batch, StateStore, StoreError, TooManyEntriesError
 from planetserve.chain.tx import Tx, decode
 from planetserve.registry.credits import Credits
 from planetserve.registry.entities import Proposal
@@ -237,6 +237,8 @@ class Application:
         max_entries = self.params.max_query_entries
         try:
             entries, proof = self.store.prove_prefix(prefix, max_entries, height)
+        except TooManyEntriesError as exc:  # the client reads such a list in parts (LedgerClient.entries)
+            return self._query_error(Code.OVERSIZE, str(exc))
         except (TypeError, ValueError) as exc:
             return self._query_error(Code.INVALID_FIELD, str(exc))
         if req.path == "/key":

@@ -19,6 +19,7 @@ import msgpack
 from planetserve.chain import state as layout
 from planetserve.chain import trie
 from planetserve.chain.app import PROOF_OP_TYPE
+from planetserve.chain.errors import Code
 from planetserve.chain.handlers import node_pop_message
 from planetserve.chain.keys import KeySet
 from planetserve.chain.lightclient import LightBlock, LightClient, VerificationError
@@ -44,7 +45,12 @@ MAX_ANSWER_BYTES = 64 << 20
 
 
 class QueryRefused(Exception):
-    """The RPC answer could not be verified, or the application refused the query."""
+    """The RPC answer could not be verified, or the application refused the query (`code`: its
+    result code; None when the answer itself was refused)."""
+
+    def __init__(self, message: str, code: int | None = None) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 TRANSIENT = (RpcError, QueryRefused, VerificationError, TimeoutError, OSError)
@@ -77,8 +83,9 @@ class Submitted:
 
 
 def decode_entries(value: bytes, prefix: bytes) -> list[tuple[bytes, bytes]]:
-    """The (key, value) pairs of a `/prefix` answer, which sends keys without the prefix. Not held
-    to canonical form: the proof, not the encoding, is what makes an answer trustworthy."""
+    """The (key, value) pairs of a `/prefix` answer, which sends keys without the prefix (a prefix
+    ending in NUL, which selects one key, sends it as b""). Not held to canonical form: the proof,
+    not the encoding, is what makes an answer trustworthy."""
     if len(value) > MAX_ANSWER_BYTES:
         raise QueryRefused(f"answer of {len(value)} bytes exceeds the limit of {MAX_ANSWER_BYTES}")
     try:
@@ -88,7 +95,21 @@ def decode_entries(value: bytes, prefix: bytes) -> list[tuple[bytes, bytes]]:
         raise QueryRefused(f"malformed list in the answer: {type(exc).__name__}") from exc
     if not all(type(k) is bytes and type(v) is bytes for k, v in pairs):
         raise QueryRefused("malformed list in the answer: keys and values must be bytes")
-    return [(prefix + k, v) for k, v in pairs]
+    base = prefix.removesuffix(b"\x00")
+    return [(base + k, v) for k, v in pairs]
+
+
+def holding_node(prefix: bytes, proof: trie.PrefixProof) -> tuple[bytes, list[int]]:
+    """The prefix and child bytes of the trie node that holds every entry under `prefix`, read off
+    the proof for the key `prefix` (`prefix` + NUL), whose path ends there: at that node opened, or
+    at its child for the key itself."""
+    op = proof.opening
+    if isinstance(op, trie.InnerOpening) and op.depth >= len(prefix) and op.prefix.startswith(prefix):
+        return op.prefix, [c for c, _ in op.children]
+    if proof.kind is trie.ProofKind.SUBTREE and proof.steps and proof.steps[-1][0] == len(prefix):
+        return prefix, sorted([0, *(c for c, _ in proof.steps[-1][1])])
+    raise QueryRefused(f"the list under {prefix[:80]!r} was refused as too long, yet no trie node holds "
+                       "more than one of its entries")
 
 
 class LedgerClient:
@@ -131,16 +152,18 @@ class LedgerClient:
     # -- verified reads --------------------------------------------------------------------------
 
     def _query(
-        self, path: str, data: bytes, verify: bool = True
-    ) -> tuple[AbciQuery, trie.PrefixProof | None, bytes]:
+        self, path: str, data: bytes, verify: bool = True, height: int = 0, shape: bool = False
+    ) -> tuple[AbciQuery, trie.PrefixProof | None, bytes | None]:
         """Ask for the state whose app hash the latest verified header carries (height L-1 for
-        header L), so a verified answer never waits for the next block."""
+        header L), so a verified answer never waits for the next block: the answer, its proof and
+        the app hash it was proven against (None: unverified). An unverified read is of `height`
+        (0: the latest) and carries a proof, unchecked, only when `shape` asks for it."""
         if self.verifier is None or not verify:
-            if self.min_height and verify:
+            if self.min_height and verify and not height:
                 self._await_height(self.min_height)
-            answer = self.rpc.abci_query(path, data, prove=False)
+            answer = self.rpc.abci_query(path, data, height=height, prove=shape)
             self._check_answer(path, answer)
-            return answer, None, b""
+            return answer, self._proof(path, data, answer) if shape else None, None
         latest = self._pinned or self.verifier.verified_light_block()
         height = latest.height - 1
         if height >= max(1, self.min_height):
@@ -152,14 +175,17 @@ class LedgerClient:
         self._check_answer(path, answer)
         if answer.height != height:
             raise QueryRefused(f"answer is for height {answer.height}, asked for height {height}")
+        return answer, self._proof(path, data, answer), app_hash
+
+    @staticmethod
+    def _proof(path: str, data: bytes, answer: AbciQuery) -> trie.PrefixProof:
         ops = [op for op in answer.proof_ops if op.type == PROOF_OP_TYPE]
         if len(ops) != 1 or ops[0].key != data:
             raise QueryRefused(f"proof missing or for another key in the answer to {path}")
         try:
-            proof = trie.PrefixProof.decode(ops[0].data)
+            return trie.PrefixProof.decode(ops[0].data)
         except trie.ProofError as exc:
             raise QueryRefused(f"malformed proof: {exc}") from exc
-        return answer, proof, app_hash
 
     def _await_height(self, height: int, timeout: float = 30.0) -> None:
         """Unverified reads of `min_height`: wait until the endpoint has committed that height."""
@@ -172,25 +198,57 @@ class LedgerClient:
     @staticmethod
     def _check_answer(path: str, answer: AbciQuery) -> None:
         if not answer.ok:
-            raise QueryRefused(f"query {path} refused (code {answer.code}): {answer.log}")
+            raise QueryRefused(f"query {path} refused (code {answer.code}): {answer.log}", answer.code)
 
     def entries(self, prefix: bytes) -> Listing:
-        """Every entry under a key prefix, complete and unaltered when verified."""
-        answer, proof, app_hash = self._query("/prefix", prefix)
-        height = answer.height
+        """Every entry under a key prefix, complete and unaltered when verified. A list longer than
+        one answer may be (the chain's `max_query_entries`) is read in parts, all of one height."""
+        try:
+            return self._listing(prefix)[0]
+        except QueryRefused as exc:
+            if exc.code != Code.OVERSIZE:
+                raise
+        if self.verifier is None or self._pinned is not None:
+            return self._listing_in_parts(prefix)
+        with self.snapshot():
+            return self._listing_in_parts(prefix)
+
+    def _listing(
+        self, prefix: bytes, height: int = 0, shape: bool = False
+    ) -> tuple[Listing, trie.PrefixProof | None]:
+        answer, proof, app_hash = self._query("/prefix", prefix, height=height, shape=shape)
         entries = decode_entries(answer.value, prefix)
-        if proof is not None:
+        if app_hash is not None:
             try:
                 trie.verify_prefix(app_hash, prefix, entries, proof)
             except trie.ProofError as exc:
                 raise QueryRefused(f"list does not match the committed app hash: {exc}") from exc
-        return Listing(height, entries, proof is not None)
+        return Listing(answer.height, entries, app_hash is not None), proof
+
+    def _listing_in_parts(self, prefix: bytes, height: int = 0) -> Listing:
+        """The entries under `prefix`, one part per child of the trie node that holds them all (a part
+        still too long is split the same way). The proof for the key `prefix` itself, which no list
+        prefix is, ends at that node and shows its children; each part is proven complete on its own,
+        so together they are the whole list."""
+        probe, proof = self._listing(prefix + b"\x00", height, shape=True)
+        base, children = holding_node(prefix, proof)  # type: ignore[arg-type]  # shape: always a proof
+        entries: list[tuple[bytes, bytes]] = []
+        for child in children:
+            part = base + bytes((child,))
+            try:
+                listing = self._listing(part, probe.height)[0]
+            except QueryRefused as exc:
+                if exc.code != Code.OVERSIZE:
+                    raise
+                listing = self._listing_in_parts(part, probe.height)
+            entries.extend(listing.entries)
+        return Listing(probe.height, entries, probe.verified)
 
     def value(self, key: bytes) -> tuple[int, bytes | None]:
         """One entry, or None when absent; a verified absence is proven too."""
         answer, proof, app_hash = self._query("/key", key)
         claimed = answer.value if answer.info == "found" else None
-        if proof is not None:
+        if app_hash is not None:
             try:
                 trie.verify_key(app_hash, key, claimed, proof)
             except trie.ProofError as exc:
