@@ -135,7 +135,7 @@ def run(home: Path, log_level: str, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
 def status(home: Path, last: int, as_json: bool) -> None:
     """What a running (or stopped) daemon last reported, and its latest transactions."""
-    from planetserve.verifier.config import STATUS_FILE, SUBMISSIONS_FILE
+    from planetserve.verifier.config import STATUS_FILE, read_submissions
 
     try:
         state = json.loads((home / STATUS_FILE).read_text())
@@ -145,8 +145,7 @@ def status(home: Path, last: int, as_json: bool) -> None:
         fail(f"{home / STATUS_FILE} is not the daemon's status (not JSON: {exc})")
     if not isinstance(state, dict) or not {"member", "submitted", "rejected"} <= set(state):
         fail(f"{home / STATUS_FILE} is not the daemon's status (member, submitted, rejected missing)")
-    lines = (home / SUBMISSIONS_FILE).read_text().splitlines() if (home / SUBMISSIONS_FILE).exists() else []
-    recent = [entry for entry in map(_submission, lines[-last:] if last else []) if entry is not None]
+    recent = read_submissions(home)[-last:] if last else []
     if as_json:
         emit_json({**state, "submissions": recent})
         return
@@ -158,12 +157,3 @@ def status(home: Path, last: int, as_json: bool) -> None:
     table("latest submissions", ["epoch", "type", "height", "code", "log"],
           [[s.get("epoch"), s.get("type"), s.get("height"), s.get("code"), str(s.get("log", ""))[:80]]
            for s in recent])
-
-
-def _submission(line: str) -> dict | None:
-    """One line of the submissions journal; a line cut short by a crash is skipped."""
-    try:
-        entry = json.loads(line)
-    except ValueError:
-        return None
-    return entry if isinstance(entry, dict) else None

@@ -175,8 +175,10 @@ def _xor(a: bytes, b: bytes) -> bytes:
 def build(route: Sequence[bytes], layers: Sequence[Layer]) -> bytes:
     """The packet for the first relay of `route` (identity keys), whose relays read `layers` in order."""
     hops = len(route)
-    if not 1 <= hops <= MAX_HOPS or len(layers) != hops:
-        raise ValueError(f"a path has 1..{MAX_HOPS} relays and one layer each")
+    if not 1 <= hops <= MAX_HOPS:
+        raise ValueError(f"a path has 1..{MAX_HOPS} relays, not {hops}")
+    if len(layers) != hops:
+        raise ValueError(f"a path needs one layer per relay: {hops} relays, {len(layers)} layers")
     ephemerals, keys = [], []
     for identity in route:
         secret = PrivateKey(secrets.token_bytes(KEY_SIZE))

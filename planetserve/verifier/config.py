@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import ClassVar
 
 from planetserve import workloads
@@ -18,6 +20,23 @@ SUBMISSIONS_FILE = "submissions.jsonl"
 """One line per transaction the daemon submitted: what, for which epoch, and the ledger's answer."""
 STATUS_FILE = "status.json"
 CREDIBILITIES = ("calibrated", "ppl")
+
+
+def read_submissions(home: Path) -> list[dict]:
+    """The submissions journal in order (none before the daemon's first); a line cut short by a crash
+    is skipped."""
+    path = home / SUBMISSIONS_FILE
+    if not path.exists():
+        return []
+    entries = []
+    for line in path.read_text().splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(entry, dict):
+            entries.append(entry)
+    return entries
 
 
 @dataclass

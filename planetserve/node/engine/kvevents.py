@@ -413,6 +413,7 @@ class SubscriberStats:
     gaps: int = 0
     resyncs: int = 0
     malformed: int = 0
+    other_topics: int = 0  # messages whose topic only shares the subscription's prefix
 
 
 class KVEventSubscriber:
@@ -479,6 +480,7 @@ class KVEventSubscriber:
                 log.warning("dropping a malformed kv-event message: %s", exc)
                 continue
             if topic != self.topic:
+                self.stats.other_topics += 1
                 continue
             self.stats.received += 1
             await self.handle(seq, payload)
