@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from harness import CHAIN_ID, AppHarness
+from harness import AppHarness, node_body
 
 from planetserve.chain import state as layout
 from planetserve.chain import vrf
 from planetserve.chain.challenge import Challenge, open_plan_entry, sign_response
-from planetserve.chain.handlers import node_pop_message
 from planetserve.chain.keys import KeySet
 from planetserve.chain.state import State
 from planetserve.registry.epochs import Epoch, Fault, PlanEntry, Schedule, SignedResponse
@@ -33,11 +32,8 @@ class Script:
         self.members = {m.public: m for m in h.members}
         txs = [h.tx(self.owner, "register-org", {"org_id": "org1", "name": "Org One"})]
         for node in self.nodes.values():
-            txs.append(h.tx(self.owner, "register-model-node", {
-                "org_id": "org1", "node_pubkey": node.public,
-                "pop": node.sign(node_pop_message(CHAIN_ID, "org1", node.public)),
-                "model_id": model_id, "address": NODE_ADDRESS, "hardware": "A100", "capacity": 4,
-                "region": "eu"}))
+            txs.append(h.tx(self.owner, "register-model-node",
+                            node_body(node, model_id=model_id, address=NODE_ADDRESS)))
         assert all(r.code == 0 for r in h.block(*txs).tx_results)
 
     # -- reading ---------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from tendermint.crypto import keys_pb2
 
 from planetserve.chain import tx as txlib
 from planetserve.chain.app import Application
+from planetserve.chain.handlers import node_pop_message
 from planetserve.chain.keys import KeySet
 from planetserve.chain.store import StateStore
 from planetserve.registry.entities import Member, Model
@@ -20,6 +21,15 @@ from planetserve.registry.params import Params
 
 CHAIN_ID = "planetserve-test"
 GENESIS_TIME = 1_700_000_000
+
+
+def node_body(node: KeySet, org_id: str = "org1", **fields: Any) -> dict[str, Any]:
+    """A register-model-node body for `node` on the test chain, its proof of possession signed; the
+    other fields default to a valid registration."""
+    return {"org_id": org_id, "node_pubkey": node.public,
+            "pop": node.sign(node_pop_message(CHAIN_ID, org_id, node.public)),
+            "model_id": "gt", "address": "10.0.0.1:7000", "hardware": "A100", "capacity": 4, "region": "eu",
+            **fields}
 
 
 class AppHarness:
@@ -61,6 +71,10 @@ class AppHarness:
 
     def check(self, raw: bytes) -> abci.ResponseCheckTx:
         return self.app.check_tx(abci.RequestCheckTx(tx=raw))
+
+    def registry_state(self) -> dict[bytes, bytes]:
+        """Every committed entry but the account sequences, which even a refused transaction advances."""
+        return {k: v for k, v in self.store.batch().iterate(b"") if not k.startswith(b"acct/")}
 
     def block(self, *txs: bytes, seconds: int = 5) -> abci.ResponseFinalizeBlock:
         self.height += 1

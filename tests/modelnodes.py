@@ -4,7 +4,6 @@ from the verified list instead)."""
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
@@ -13,6 +12,7 @@ import httpx
 
 from planetserve.chain.challenge import response_from_extension, response_valid
 from planetserve.chain.keys import KeySet
+from planetserve.genesis.network import free_ports
 from planetserve.models import load
 from planetserve.node.engine.builtin import BuiltinEngine
 from planetserve.node.group import GroupView
@@ -25,15 +25,10 @@ SHARED = ("The committee keeps a ledger of every model node, and each node answe
           "the standard library of the language in plain words. ") * 3
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def config(**overrides: object) -> ModelNodeConfig:
-    base = ModelNodeConfig(org_id="acme", model_id="gt", http=f"127.0.0.1:{free_port()}",
-                           peer=f"127.0.0.1:{free_port()}", capacity=2, max_prompt_tokens=400,
+    http, peer = free_ports(2)
+    base = ModelNodeConfig(org_id="acme", model_id="gt", http=f"127.0.0.1:{http}",
+                           peer=f"127.0.0.1:{peer}", capacity=2, max_prompt_tokens=400,
                            cache_tokens=4096, delta_interval=0.05, load_interval=0.1, sync_interval=1.0)
     return replace(base, **overrides)  # type: ignore[arg-type]
 

@@ -6,7 +6,6 @@ reachable by a request that names them)."""
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
@@ -149,14 +148,6 @@ async def start_overlay(data, users: list[UserRelay], model_nodes: int, untruste
     assert await overlay.client.paths.wait_live(overlay.client.paths.settings.target, 20), \
         overlay.client.paths.last_error
     return overlay
-
-
-async def wait_until(predicate, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached")
-        await asyncio.sleep(0.05)
 
 
 async def chat(user: UserRelay, content: str, *, stream: bool = False, max_tokens: int = 8,

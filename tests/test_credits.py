@@ -9,12 +9,11 @@ from dataclasses import replace
 import pytest
 from committee import EPOCH_PARAMS, Script
 from google.protobuf.timestamp_pb2 import Timestamp
-from harness import CHAIN_ID, GENESIS_TIME, AppHarness, sqlite_url
+from harness import GENESIS_TIME, AppHarness, node_body, sqlite_url
 
 from planetserve.chain import state as layout
 from planetserve.chain.app import Application
 from planetserve.chain.errors import Code
-from planetserve.chain.handlers import node_pop_message
 from planetserve.chain.keys import KeySet
 from planetserve.chain.store import StateStore
 from planetserve.registry import credits
@@ -48,10 +47,8 @@ def register_other_org(s: Script, org_id: str, count: int) -> KeySet:
     txs = [s.tx(owner, "register-org", {"org_id": org_id, "name": org_id})]
     for i in range(count):
         node = KeySet.generate()
-        txs.append(s.tx(owner, "register-model-node", {
-            "org_id": org_id, "node_pubkey": node.public,
-            "pop": node.sign(node_pop_message(CHAIN_ID, org_id, node.public)), "model_id": "gt",
-            "address": f"10.0.1.{i}:7000", "hardware": "A100", "capacity": 1, "region": "us"}))
+        txs.append(s.tx(owner, "register-model-node",
+                        node_body(node, org_id, address=f"10.0.1.{i}:7000", capacity=1, region="us")))
     assert all(c == 0 for c, _ in s.block(*txs))
     return owner
 
@@ -133,10 +130,9 @@ def test_dishonest_nodes_earn_nothing_and_block_their_organisation(s):
 def sized_nodes(s: Script, memories: list[int]) -> list[bytes]:
     """org1 nodes that declare their memory (MiB) and compute, in the Script's region."""
     keys = [KeySet.generate() for _ in memories]
-    assert all(c == 0 for c, _ in s.block(*[s.tx(s.owner, "register-model-node", {
-        "org_id": "org1", "node_pubkey": k.public, "pop": k.sign(node_pop_message(CHAIN_ID, "org1", k.public)),
-        "model_id": "gt", "address": f"10.0.2.{i}:7000", "hardware": "A100", "capacity": 1, "region": "eu",
-        "memory_mib": memory, "gflops": 100_000}) for i, (k, memory) in enumerate(zip(keys, memories, strict=True))]))
+    assert all(c == 0 for c, _ in s.block(*[s.tx(s.owner, "register-model-node", node_body(
+        k, address=f"10.0.2.{i}:7000", capacity=1, memory_mib=memory, gflops=100_000))
+        for i, (k, memory) in enumerate(zip(keys, memories, strict=True))]))
     return [k.public for k in keys]
 
 
@@ -208,9 +204,7 @@ def test_genesis_organisations_exist_with_their_owner_and_credits(tmp_path):
     h.app.init_chain(h.genesis)
 
     # the genesis owner acts on its organisation as if it had registered it
-    result = h.block(h.tx(owner, "register-model-node", {
-        "org_id": "acme", "node_pubkey": node.public, "pop": node.sign(node_pop_message(CHAIN_ID, "acme", node.public)),
-        "model_id": "big", "address": "10.0.0.1:7000", "hardware": "A100", "capacity": 1, "region": "eu"}))
+    result = h.block(h.tx(owner, "register-model-node", node_body(node, "acme", model_id="big", capacity=1)))
     assert [r.code for r in result.tx_results] == [0]
     st = layout.State(h.store.batch())
     acme = st.org("acme")

@@ -97,9 +97,12 @@ def test_the_page_and_its_assets_come_from_the_package(nowhere):
 
 
 def test_state_shows_every_failed_source_as_an_error(nowhere):
-    began = time.monotonic()
-    reply = httpx.get(f"{nowhere['url']}api/state", timeout=30)
-    assert reply.status_code == 200 and time.monotonic() - began < 10
+    async def twice() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=30) as client:
+            return list(await asyncio.gather(*(client.get(f"{nowhere['url']}api/state") for _ in range(2))))
+
+    reply, again = asyncio.run(twice())
+    assert reply.status_code == 200 and again.status_code == 200
     state = reply.json()
     assert {"time", "chain_id", "validators", "validators_agree", "ledger", "epoch", "nodes", "organisations",
             "overlay", "chat", "took_ms"} <= set(state)
@@ -117,8 +120,8 @@ def test_state_shows_every_failed_source_as_an_error(nowhere):
     assert overlay["relay"] == nowhere["relay"] and "ConnectError" in overlay["error"]
     assert overlay["live_paths"] is None and overlay["delivery_rate"] is None and overlay["paths"] == []
     assert set(state["chat"]) == {"chats", "answered", "failed"}
-    # polled again at once: the same snapshot (collections are shared, at most one a second)
-    assert httpx.get(f"{nowhere['url']}api/state").json()["time"] == state["time"]
+    # polled at the same time: one snapshot for both (collections are shared, at most one a second)
+    assert again.json()["time"] == state["time"]
 
 
 @pytest.mark.parametrize(("body", "status", "code"), [

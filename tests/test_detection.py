@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from bench import detection
 from planetserve.registry.params import PPM, Params
 from planetserve.registry.reputation import ReputationRule, median, update
 from planetserve.verifier import to_ppm
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench import detection  # noqa: E402
 
 
 def test_auc_matches_a_hand_count() -> None:
@@ -23,7 +19,7 @@ def test_auc_matches_a_hand_count() -> None:
     assert detection.auc([0.2, 0.5, 0.9], [0.2, 0.5, 0.9]) == 0.5
     # 0.9 beats 3; 0.8 beats 2 and ties 1; 0.7 beats 2; 0.4 beats 1: 8.5 of 12 pairs.
     assert detection.auc([0.9, 0.8, 0.7, 0.4], [0.5, 0.3, 0.8]) == pytest.approx(8.5 / 12)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="AUC needs scores on both sides"):
         detection.auc([], [1.0])
 
 

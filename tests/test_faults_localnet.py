@@ -6,7 +6,6 @@ daemon submits anything twice, honest nodes stay trusted, and the client still g
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
@@ -16,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 from chainnet import assert_same_app_hashes
-from test_localnet import localnet, quick_config
+from roles import localnet, quick_config
 
 from planetserve.chain.client import LedgerClient
 from planetserve.chain.errors import Code
@@ -29,7 +28,7 @@ from planetserve.localnet.config import load_config
 from planetserve.localnet.net import cluster_app
 from planetserve.registry import epochs, reputation
 from planetserve.registry.params import Params
-from planetserve.verifier.config import SUBMISSIONS_FILE
+from planetserve.verifier.config import read_submissions
 
 pytestmark = [pytest.mark.network, pytest.mark.faults, pytest.mark.soak]
 
@@ -101,8 +100,7 @@ def test_crashes_in_every_epoch_phase(tmp_path: Path, quick_family):
         assert all(client.epoch(n).finalized for n in range(first, last + 1))
         assert_same_app_hashes(cluster, min(top.values()) - 1)
         for role in verifiers.values():
-            path = role.home / SUBMISSIONS_FILE
-            codes = [json.loads(line).get("code") for line in path.read_text().splitlines()]
+            codes = [entry.get("code") for entry in read_submissions(role.home)]
             assert Code.ALREADY_EXISTS not in codes, f"{role.name} submitted something twice"
         names = {n["pubkey"]: n["name"] for n in up["nodes"]}
         honest = [key for key, name in names.items() if name.startswith("honest")]

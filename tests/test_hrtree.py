@@ -46,13 +46,13 @@ def test_chunk_hashes_are_keyed_deterministic_and_fit_the_width() -> None:
         assert all(0 <= h < 2**bits for h in ChunkHasher(plan, KEY, bits).path(prompt))
     assert ChunkHasher(plan, KEY, 8).path(prompt[:39]) == a[:9]  # only complete chunks
     for bad in (0, 33, True):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match=rf"hash_bits must be in \[1, 32\], got {bad!r}$"):
             ChunkHasher(plan, KEY, bad)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="the group key must be 1 to"):
         ChunkHasher(plan, b"", 8)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"token ids must be integers in \[0, 2\^32\)"):
         ChunkHasher(plan, KEY, 8).path([-1, 2, 3, 4])
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"token ids must be integers in \[0, 2\^32\)"):
         ChunkHasher(plan, KEY, 8).path([2**32, 2, 3, 4])
 
 

@@ -534,7 +534,7 @@ def test_trusted_store_persists_and_is_bound_to_its_genesis(tmp_path) -> None:
 
 def test_trust_level_bounds() -> None:
     chain = FakeChain([uniform(make_keys(1, "tl"))] * 2)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"trust level must be within \[1/3, 1\]"):
         chain.client(trust_level=(1, 4))
 
 

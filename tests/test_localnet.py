@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from roles import localnet, quick_config
 
 from planetserve.localnet import processes
 from planetserve.localnet.roles import existing_homes
@@ -25,13 +26,6 @@ pytestmark = pytest.mark.network
 NAMES = {"honest-a", "honest-b", "smaller", "clickbait"}
 CHROMIUM = Path("/usr/bin/chromium")
 """Debian's chromium (scripts/chromium.sh installs it; CI always runs it); never a downloaded browser."""
-
-
-def localnet(*args: str, timeout: float = 300) -> dict:
-    done = subprocess.run([sys.executable, "-m", "planetserve", "localnet", *args], capture_output=True,
-                          text=True, timeout=timeout)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout)
 
 
 def recorded(root: Path) -> list[dict[str, int]]:
@@ -108,22 +102,6 @@ def check_dashboard_in_browser(url: str, names: set[str], orgs: set[str]) -> dic
     assert requests and all(r.startswith(url) or r.startswith("data:") for r in requests), requests
     assert not errors, errors
     return shown
-
-
-def quick_config(tmp_path: Path, family: Path) -> Path:
-    """The default composition, on the quick model family, faster blocks and four relays."""
-    config = tmp_path / "localnet.toml"
-    config.write_text(f"""
-[network]
-timeout_commit = "500ms"
-[models]
-preset = "quick"
-data_dir = "{family}"
-[relays]
-count = 4
-proxies = 4
-""")
-    return config
 
 
 def test_localnet_runs_every_role_and_stops_them_all(tmp_path, quick_family):

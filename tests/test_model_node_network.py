@@ -4,88 +4,15 @@ the holder of a prefix, sign with the registered key, and drop a delisted member
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import time
-from pathlib import Path
-
-import httpx
 import pytest
 from chainnet import ledger, start_network
-from modelnodes import SHARED, free_port, signed
+from modelnodes import SHARED, signed
+from roles import NodeProcess, init_home, planetserve
+from waiting import wait_until
 
 from planetserve.chain.keys import KeySet
-from planetserve.node.home import ModelNodeConfig
 
 pytestmark = pytest.mark.network
-
-
-def planetserve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "planetserve", *args], capture_output=True, text=True,
-                          timeout=timeout)
-
-
-def init_home(home: Path, net, data: Path) -> None:
-    done = planetserve("node", "init-model", "--home", str(home), "--org-id", "acme", "--model-id", "gt",
-                       "--genesis", str(net.spec.genesis_path), "--rpc", net.rpc_url(0), "--data-dir", str(data),
-                       "--http", f"127.0.0.1:{free_port()}", "--peer", f"127.0.0.1:{free_port()}",
-                       "--capacity", "2", "--json")
-    assert done.returncode == 0, done.stderr
-    config = ModelNodeConfig.load(home)
-    config.list_interval = 1.0
-    config.delta_interval = 0.05
-    config.load_interval = 0.2
-    config.max_prompt_tokens = 400
-    config.save(home)
-
-
-class NodeProcess:
-    """A `planetserve node model` process; with `wait` False, `wait_ready` reads its ready line later
-    (a pipeline stage prints it only once a deployment assigned it layers)."""
-
-    def __init__(self, home: Path, org_keys: Path | None, *, wait: bool = True) -> None:
-        args = [sys.executable, "-m", "planetserve", "node", "model", "--home", str(home), "--json",
-                "--log-level", "warning"]
-        if org_keys is not None:
-            args += ["--org-keys", str(org_keys)]
-        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        if wait:
-            self.wait_ready()
-
-    def wait_ready(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            raise AssertionError(f"model node did not start: {self.proc.stderr.read()[-2000:]}")
-        self.ready = json.loads(line)
-        self.url = self.ready["http"]
-        return self.ready
-
-    def status(self) -> dict:
-        return httpx.get(f"{self.url}/v1/planetserve/status", timeout=10).json()
-
-    def complete(self, prompt: str, **extra: object) -> dict:
-        r = httpx.post(f"{self.url}/v1/completions", timeout=120,
-                       json={"model": "gt", "prompt": prompt, "max_tokens": 8, "temperature": 0, **extra})
-        assert r.status_code == 200, r.text
-        return r.json()
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-
-
-def wait_until(predicate, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached")
-        time.sleep(0.2)
 
 
 def test_model_nodes_register_group_forward_and_sign(tmp_path, quick_family):

@@ -5,14 +5,10 @@ and the churn simulation against its exact survival curve. Small sizes, fixed se
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.anonymity import (  # noqa: E402
+from bench.anonymity import (
     CONFIDENTIALITY_SYSTEMS,
     ENTROPY_SYSTEMS,
     a5_entropy,
@@ -21,7 +17,7 @@ from bench.anonymity import (  # noqa: E402
     recovery_closed_form,
     simulate,
 )
-from bench.churn import (  # noqa: E402
+from bench.churn import (
     a4_simulated,
     a4_success,
     crossover_minutes,

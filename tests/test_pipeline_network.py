@@ -11,13 +11,14 @@ import pytest
 import torch
 from chainnet import MODELS, ledger, start_network
 from modelfix import DEEP_LAYERS
-from modelnodes import free_port, signed
+from modelnodes import signed
 from openai import OpenAI
-from test_model_node_network import NodeProcess, planetserve, wait_until
-from test_overlay_network import RelayProcess, relay_retried, start_relays
+from roles import NodeProcess, RelayProcess, planetserve, relay_retried, start_relays
+from waiting import wait_until
 
 from planetserve.chain.challenge import Challenge
 from planetserve.chain.keys import KeySet
+from planetserve.genesis.network import free_ports
 from planetserve.models import LoadedModel
 from planetserve.node.home import ModelNodeConfig
 from planetserve.registry.credits import CREDIT_SECONDS
@@ -35,10 +36,11 @@ SHORT_S = 15
 
 
 def init_stage_home(home, net, deep: LoadedModel) -> None:
+    http, peer = free_ports(2)
     done = planetserve("node", "init-model", "--home", str(home), "--org-id", "acme", "--model-id", "deep",
                        "--model", str(deep.path), "--genesis", str(net.spec.genesis_path),
-                       "--rpc", net.rpc_url(0), "--http", f"127.0.0.1:{free_port()}",
-                       "--peer", f"127.0.0.1:{free_port()}", "--memory-mib", str(2 * LAYER_MIB),
+                       "--rpc", net.rpc_url(0), "--http", f"127.0.0.1:{http}",
+                       "--peer", f"127.0.0.1:{peer}", "--memory-mib", str(2 * LAYER_MIB),
                        "--gflops", "50", "--capacity", "2", "--json")
     assert done.returncode == 0, done.stderr
     config = ModelNodeConfig.load(home)
@@ -69,10 +71,11 @@ def greedy(deep: LoadedModel, n: int) -> list[int]:
 
 def ask(openai: OpenAI, node: str) -> dict:
     """A completion from exactly `node`."""
-    return relay_retried(lambda: openai.completions.create(
+    answer, _ = relay_retried(lambda: openai.completions.create(
         model="deep", prompt=PROMPT, max_tokens=8, temperature=0,
         extra_body={"ignore_eos": True, "planetserve": {"node": node, "no_forward": True}}).model_dump(),
         lambda: f"from {node[:16]}")
+    return answer
 
 
 def test_a_model_split_across_three_nodes_serves_through_the_overlay(tmp_path, deep_gt):

@@ -4,14 +4,10 @@ cases whose answer is known in closed form."""
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench import pipeline_sim as ps  # noqa: E402
+from bench import pipeline_sim as ps
 
 BF16 = ps.QWEN3_32B["bf16"]
 SHORT = ps.Trace("short", prompt_mean=80.0, output_mean=24.0)

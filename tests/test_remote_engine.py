@@ -16,6 +16,7 @@ import torch
 from aiohttp import web
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
+from waiting import run, until
 
 from planetserve.node.engine.base import (
     BlockStored,
@@ -106,10 +107,6 @@ class FakeEngine:
         pass
 
 
-def run(body: Callable[[], Awaitable[None]], timeout: float = 120) -> None:
-    asyncio.run(asyncio.wait_for(body(), timeout))
-
-
 def serve(engine: Any, tokenizer: Any, body: Callable[[httpx.AsyncClient], Awaitable[None]],
           **options: Any) -> None:
     async def main() -> None:
@@ -121,7 +118,7 @@ def serve(engine: Any, tokenizer: Any, body: Callable[[httpx.AsyncClient], Await
         finally:
             await server.close()
 
-    run(main)
+    run(main(), 120)
 
 
 def sse_events(text: str) -> list[Any]:
@@ -360,7 +357,7 @@ def scripted(handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
             await engine.close()
             await runner.cleanup()
 
-    run(main, 60)
+    run(main(), 60)
 
 
 def stream_of(data: bytes, content_type: str = "text/event-stream", status: int = 200):
@@ -502,7 +499,7 @@ def test_remote_engine_local_checks_timeouts_and_load() -> None:
             await collect(engine)
         await engine.close()
 
-    run(refused)
+    run(refused(), 120)
 
 
 # -- end to end -------------------------------------------------------------------------------------
@@ -511,13 +508,6 @@ def test_remote_engine_local_checks_timeouts_and_load() -> None:
 @pytest.fixture(scope="module")
 def model() -> torch.nn.Module:
     return random_llama(vocab_size=VOCAB, hidden_size=64, layers=2, max_len=512, seed=99)
-
-
-async def until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.02)
 
 
 def test_end_to_end_builtin_engine_behind_http_and_zmq(model: torch.nn.Module,
@@ -580,4 +570,4 @@ def test_end_to_end_builtin_engine_behind_http_and_zmq(model: torch.nn.Module,
             publisher.close()
             await engine.close()
 
-    run(main, 300)
+    run(main(), 300)

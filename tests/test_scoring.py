@@ -326,8 +326,10 @@ def test_credibility_formulas():
     assert greedy_credibility([-1.03, -2.0], [-1.0, -2.0]) == 1.0
     assert greedy_credibility([-1.55, -3.05], [-1.0, -2.0]) == pytest.approx(math.exp(-1.5))
     assert greedy_credibility([-1.5], [-1.0], tolerance=0.0) == pytest.approx(math.exp(-0.5))
-    for fn, args in ((credibility, ([],)), (calibrated_credibility, ([], [])),
-                     (calibrated_credibility, ([-1.0], [1.0, 2.0])), (greedy_credibility, ([], [])),
-                     (greedy_credibility, ([-1.0], [-1.0, -2.0]))):
-        with pytest.raises(ValueError):
+    for fn, args, message in ((credibility, ([],), "undefined for an empty response"),
+                              (calibrated_credibility, ([], []), "undefined for an empty response"),
+                              (calibrated_credibility, ([-1.0], [1.0, 2.0]), "one entropy per scored token"),
+                              (greedy_credibility, ([], []), "empty response has no choices"),
+                              (greedy_credibility, ([-1.0], [-1.0, -2.0]), "one top log-probability per")):
+        with pytest.raises(ValueError, match=message):
             fn(*args)

@@ -120,7 +120,7 @@ def test_default_limit() -> None:
 
 @pytest.mark.parametrize(("n", "k"), [(0, 0), (3, 0), (3, 4), (256, 3), (256, 256)])
 def test_bad_parameters(n: int, k: int) -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=f"need 1 <= k <= n <= {sida.MAX_N}, got n={n} k={k}$"):
         split(b"x", n, k)
 
 

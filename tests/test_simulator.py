@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.sim import (  # noqa: E402
+from bench.sim import (
     A100_LLAMA3_8B,
     Centralized,
     Cluster,
@@ -19,9 +15,9 @@ from bench.sim import (  # noqa: E402
     Prepared,
     summarize,
 )
-from bench.sim.cache import PrefixCache  # noqa: E402
-from planetserve import workloads as w  # noqa: E402
-from planetserve.node.engine.kvcache import block_hashes  # noqa: E402
+from bench.sim.cache import PrefixCache
+from planetserve import workloads as w
+from planetserve.node.engine.kvcache import block_hashes
 
 COSTS = A100_LLAMA3_8B
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from chainnet import assert_same_app_hashes
 from openai import OpenAI
-from test_model_node_network import wait_until
-from test_overlay_network import acme_network, start_relays
+from roles import acme_network, start_relays
+from waiting import wait_until
 
 from planetserve.chain.keys import KeySet
 from planetserve.localnet import processes

@@ -112,7 +112,7 @@ def test_failed_commit_writes_nothing(store_url: str, monkeypatch: pytest.Monkey
         raise RuntimeError("disk full")
 
     monkeypatch.setattr(s, "_write_head", boom)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="disk full"):
         s.commit(b, 2)
     monkeypatch.undo()
     assert s.height == 1
@@ -128,9 +128,9 @@ def test_failed_commit_writes_nothing(store_url: str, monkeypatch: pytest.Monkey
 
 def test_heights_must_increase(store: StateStore) -> None:
     store.commit(store.batch(), 5)
-    with pytest.raises(StoreError):
+    with pytest.raises(StoreError, match="height 5 is not above the committed height 5"):
         store.commit(store.batch(), 5)
-    with pytest.raises(StoreError):
+    with pytest.raises(StoreError, match="height 3 is not above the committed height 5"):
         store.commit(store.batch(), 3)
     store.commit(store.batch(), 6)
     assert store.height == 6
@@ -139,7 +139,7 @@ def test_heights_must_increase(store: StateStore) -> None:
 def test_meta_names(store: StateStore) -> None:
     with pytest.raises(ValueError, match="reserved"):
         store.commit(store.batch(), 1, {"_height": b"x"})
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="meta name must be a non-empty string"):
         store.batch().set_meta("", b"x")
     store.commit(store.batch(), 1, {"a": b"1"})
     store.commit(store.batch(), 2, {"a": b"2"})
@@ -149,14 +149,16 @@ def test_meta_names(store: StateStore) -> None:
 
 def test_invalid_writes(store: StateStore) -> None:
     b = store.batch()
-    for key in (b"", b"a\x00", "é".encode(), b"x" * (trie.MAX_KEY_LEN + 1)):
-        with pytest.raises(ValueError):
+    for key, message in ((b"", "state key must not be empty"), (b"a\x00", "is not ASCII without NUL"),
+                         ("é".encode(), "is not ASCII without NUL"),
+                         (b"x" * (trie.MAX_KEY_LEN + 1), f"longer than {trie.MAX_KEY_LEN}")):
+        with pytest.raises(ValueError, match=message):
             b.set(key, b"v")
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="state value must be bytes, not str"):
         b.set(b"a", "text")  # type: ignore[arg-type]
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="state key must be bytes, not str"):
         b.get("a")  # type: ignore[arg-type]
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="is not ASCII without NUL"):
         list(b.iterate(b"a\x00"))
 
 
@@ -203,14 +205,14 @@ def test_batch_isolation_and_staleness(store: StateStore) -> None:
     assert list(block.iterate()) == [(b"a", b"block")]
     assert block.root() != check.root()
     store.commit(block, 2)
-    for call in (
-        lambda: check.get(b"zz"),
-        lambda: list(check.iterate()),
-        check.root,
-        lambda: store.commit(check, 3),
-        lambda: store.commit(block, 3),
+    for call, message in (
+        (lambda: check.get(b"zz"), "batch predates the latest commit"),
+        (lambda: list(check.iterate()), "batch predates the latest commit"),
+        (check.root, "batch predates the latest commit"),
+        (lambda: store.commit(check, 3), "batch predates the latest commit"),
+        (lambda: store.commit(block, 3), "batch was already committed"),
     ):
-        with pytest.raises(StaleBatchError):
+        with pytest.raises(StaleBatchError, match=message):
             call()
     assert store.batch().get(b"a") == b"block"
     assert store.batch().get(b"c") is None
@@ -295,11 +297,11 @@ def test_prove_prefix_and_key(store: StateStore) -> None:
         value, proof = store.prove_key(key)
         assert value == state.get(key)
         verify_key(root, key, value, proof)
-    with pytest.raises(TooManyEntriesError):
+    with pytest.raises(TooManyEntriesError, match="more than 10 entries under b''"):
         store.prove_prefix(b"", 10)
-    with pytest.raises(ValueError):  # the app maps ValueError to a query error
+    with pytest.raises(ValueError, match="more than 10 entries"):  # the app maps ValueError to a query error
         store.prove_prefix(b"", 10)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="is not ASCII with at most one final NUL"):
         store.prove_prefix(b"a\x00b")
 
 
@@ -316,7 +318,7 @@ def test_proofs_at_earlier_heights(store: StateStore) -> None:
     entries, proof = store.prove_prefix(b"k/0", height=1)
     assert entries == [(b"k/%02d" % i, b"one") for i in range(10)]
     verify_prefix(r1, b"k/0", entries, proof)
-    with pytest.raises(ProofError):
+    with pytest.raises(ProofError, match="recomputed root does not match app hash"):
         verify_prefix(r2, b"k/0", entries, proof)
     value, proof = store.prove_key(b"k/01", height=1)
     assert value == b"one"
@@ -324,9 +326,9 @@ def test_proofs_at_earlier_heights(store: StateStore) -> None:
     value, proof = store.prove_key(b"k/01")
     assert value is None
     verify_key(r2, b"k/01", None, proof)
-    with pytest.raises(TooManyEntriesError):
+    with pytest.raises(TooManyEntriesError, match="more than 50 entries under b'k/'"):
         store.prove_prefix(b"k/", 50, height=1)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="no committed state at height 7"):
         store.prove_prefix(b"k/", height=7)
 
 
@@ -429,7 +431,7 @@ def test_bulk_load(store_url: str) -> None:
     root = s.bulk_load(iter(entries), 1, {"origin": b"bulk"}, chunk=700)
     assert root == subtree_root(entries) and s.height == 1
     assert s.get_meta("origin") == b"bulk"
-    with pytest.raises(StoreError):
+    with pytest.raises(StoreError, match=r"bulk_load needs an empty store \(height 0\)"):
         s.bulk_load([], 2)
     # incremental updates continue from the bulk-loaded trie
     b = s.batch()
@@ -450,7 +452,7 @@ def test_bulk_load(store_url: str) -> None:
 
 def test_bulk_load_rejects_unsorted(tmp_path: Path) -> None:
     s = StateStore(f"sqlite:///{tmp_path / 'x.db'}")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="bulk_load entries not strictly increasing at b'a'"):
         s.bulk_load([(b"b", b"1"), (b"a", b"1")], 1)
     assert s.height == 0
     assert StateStore(f"sqlite:///{tmp_path / 'x.db'}").batch().get(b"b") is None
@@ -497,8 +499,11 @@ def test_urls() -> None:
     assert normalise_url("postgresql+psycopg://u:p@h/db").drivername == "postgresql+psycopg"
     assert normalise_url("sqlite:///x.db").database == "x.db"
     assert normalise_url("/tmp/state.db").database == "/tmp/state.db"
-    for bad in ("mysql://u@h/db", "postgresql+asyncpg://u@h/db"):
-        with pytest.raises(ValueError):
+    for bad, message in (
+        ("mysql://u@h/db", "unsupported database URL 'mysql://u@h/db'"),
+        ("postgresql+asyncpg://u@h/db", r"unsupported PostgreSQL driver 'postgresql\+asyncpg'"),
+    ):
+        with pytest.raises(ValueError, match=message):
             normalise_url(bad)
 
 
@@ -512,7 +517,7 @@ def test_bulk_load_failure_then_retry(tmp_path: Path) -> None:
         yield from [(b"j/%04d" % i, b"w") for i in range(2500)]
         raise RuntimeError("source failed")
 
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="source failed"):
         s.bulk_load(bad(), 1, chunk=500)
     assert s.height == 0 and s.app_hash == EMPTY_ROOT
     root = s.bulk_load(good, 1, chunk=500)
@@ -559,6 +564,7 @@ def test_proofs_while_committing(tmp_path: Path) -> None:
     roots = {0: EMPTY_ROOT}
     stop = threading.Event()
     failures: list[BaseException] = []
+    verified: set[int] = set()  # heights the reader has checked a proof at
 
     def query() -> None:
         while not stop.is_set():
@@ -566,6 +572,7 @@ def test_proofs_while_committing(tmp_path: Path) -> None:
                 h = s.height
                 entries, proof = s.prove_prefix(b"k/", 100_000, height=h)
                 verify_prefix(roots[h], b"k/", entries, proof)
+                verified.add(h)
             except BaseException as exc:  # reported below
                 failures.append(exc)
                 return
@@ -581,10 +588,14 @@ def test_proofs_while_committing(tmp_path: Path) -> None:
                 b.delete(b"k/%d/0" % (h - 2))
             roots[h] = b.root()
             s.commit(b, h)
+            deadline = time.monotonic() + 10  # the reader keeps querying h while h + 1 commits
+            while h not in verified and not failures and time.monotonic() < deadline:
+                time.sleep(0.001)
     finally:
         stop.set()
         t.join()
     assert not failures, failures
+    assert verified >= set(range(1, 30))
     s.close()
 
 

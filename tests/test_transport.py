@@ -8,6 +8,7 @@ import ssl
 import struct
 
 import pytest
+from waiting import run
 
 from planetserve.chain.keys import KeySet
 from planetserve.node.transport import (
@@ -40,10 +41,6 @@ def peers(allowed_for_a=None, allowed_for_b=None):
     return a, b
 
 
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 30))
-
-
 def test_call_stream_and_reuse():
     async def main():
         a, b = peers()
@@ -62,7 +59,7 @@ def test_call_stream_and_reuse():
         await a.close()
         await b.close()
 
-    run(main())
+    run(main(), 30)
 
 
 def test_remote_error_is_reported_and_connection_survives():
@@ -76,7 +73,7 @@ def test_remote_error_is_reported_and_connection_survives():
         await a.close()
         await b.close()
 
-    run(main())
+    run(main(), 30)
 
 
 def test_pinning_refuses_a_listener_with_another_key():
@@ -89,7 +86,7 @@ def test_pinning_refuses_a_listener_with_another_key():
             await trusting.connect(impostor.public, f"127.0.0.1:{port}")
         await b.close()
 
-    run(main())
+    run(main(), 30)
 
 
 def test_listener_refuses_unlisted_dialler():
@@ -102,7 +99,7 @@ def test_listener_refuses_unlisted_dialler():
         await a.close()
         await b.close()
 
-    run(main())
+    run(main(), 30)
 
 
 def test_listener_rereads_its_list_once_for_an_unknown_dialler():
@@ -122,7 +119,7 @@ def test_listener_rereads_its_list_once_for_an_unknown_dialler():
         await a.close()
         await b.close()
 
-    run(main())
+    run(main(), 30)
 
 
 def test_dialler_refuses_unlisted_peer_before_connecting():
@@ -131,7 +128,7 @@ def test_dialler_refuses_unlisted_peer_before_connecting():
         with pytest.raises(TransportError, match="not in the verified list"):
             await a.connect(KeySet.generate().public, "127.0.0.1:1")
 
-    run(main())
+    run(main(), 30)
 
 
 def test_unreachable_peer_is_a_clear_error():
@@ -140,7 +137,7 @@ def test_unreachable_peer_is_a_clear_error():
         with pytest.raises(TransportError, match="cannot reach"):
             await a.connect(KeySet.generate().public, "127.0.0.1:1")
 
-    run(main())
+    run(main(), 30)
 
 
 def test_oversized_and_garbage_frames_close_only_that_connection():
@@ -165,7 +162,7 @@ def test_oversized_and_garbage_frames_close_only_that_connection():
         await a.close()
         await b.close()
 
-    run(main())
+    run(main(), 30)
 
 
 def test_a_flood_of_messages_waits_for_free_handlers_and_none_is_lost():
@@ -204,7 +201,7 @@ def test_a_flood_of_messages_waits_for_free_handlers_and_none_is_lost():
         await a.close()
         await b.close()
 
-    run(main())
+    run(main(), 30)
 
 
 def test_a_peer_that_reads_nothing_is_dropped_after_the_write_timeout():
@@ -225,7 +222,7 @@ def test_a_peer_that_reads_nothing_is_dropped_after_the_write_timeout():
         await a.close()
         await b.close()
 
-    run(main())
+    run(main(), 30)
 
 
 def test_plain_tcp_and_silent_clients_are_refused():
@@ -250,7 +247,7 @@ def test_plain_tcp_and_silent_clients_are_refused():
         assert b.connections == {}
         await b.close()
 
-    run(main())
+    run(main(), 30)
 
 
 def test_tls_is_1_3():
@@ -262,4 +259,4 @@ def test_tls_is_1_3():
         await a.close()
         await b.close()
 
-    run(main())
+    run(main(), 30)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import random
-import time
 
 import msgpack
 import pytest
@@ -236,17 +235,25 @@ def test_delete_everything() -> None:
 
 
 @pytest.mark.parametrize(
-    "key", [b"", b"a\x00b", b"\x00", "é".encode(), b"\xff", b"a" * (trie.MAX_KEY_LEN + 1)]
+    ("key", "message"),
+    [
+        (b"", "state key must not be empty"),
+        (b"a\x00b", "is not ASCII without NUL"),
+        (b"\x00", "is not ASCII without NUL"),
+        ("é".encode(), "is not ASCII without NUL"),
+        (b"\xff", "is not ASCII without NUL"),
+        (b"a" * (trie.MAX_KEY_LEN + 1), f"longer than {trie.MAX_KEY_LEN}$"),
+    ],
 )
-def test_invalid_keys(key: bytes) -> None:
-    with pytest.raises(ValueError):
+def test_invalid_keys(key: bytes, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
         trie.check_key(key)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=message):
         subtree_root([(key, b"v")])
 
 
 def test_key_must_be_bytes() -> None:
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="state key must be bytes, not str"):
         trie.check_key("abc")  # type: ignore[arg-type]
 
 
@@ -255,13 +262,21 @@ def test_subtree_root_rejects_unsorted_and_duplicates() -> None:
         subtree_root([(b"b", b"1"), (b"a", b"2")])
     with pytest.raises(ValueError, match="increasing"):
         subtree_root([(b"a", b"1"), (b"a", b"2")])
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="changes not in strictly increasing key order"):
         apply_changes(EMPTY_ROOT, None, [(b"b", b"1"), (b"a", b"2")], dict)
 
 
-@pytest.mark.parametrize("prefix", [b"a\x00b", b"\x00", b"\x80", b"ab\x00\x00"])
-def test_invalid_prefixes(prefix: bytes) -> None:
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize(
+    ("prefix", "message"),
+    [
+        (b"a\x00b", "is not ASCII with at most one final NUL"),
+        (b"\x00", "selects the empty key, which cannot exist"),
+        (b"\x80", "is not ASCII with at most one final NUL"),
+        (b"ab\x00\x00", "is not ASCII with at most one final NUL"),
+    ],
+)
+def test_invalid_prefixes(prefix: bytes, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
         verify_prefix(EMPTY_ROOT, prefix, [], PrefixProof(ProofKind.EMPTY))
 
 
@@ -314,25 +329,17 @@ def test_empty_trie_and_single_key() -> None:
         verify_prefix(t.root, b"key", [], proof)
 
 
-def test_verify_10k_entries_is_fast() -> None:
+def test_a_10k_entry_prefix_proof_round_trips_and_verifies() -> None:
+    """The size the signed lists reach (bench/list_verify.py measures its speed)."""
     rnd = random.Random(1)
     state = {f"node/{rnd.getrandbits(256):064x}".encode(): rnd.randbytes(200) for _ in range(10_000)}
     state.update({f"user/{rnd.getrandbits(256):064x}".encode(): b"u" for _ in range(2_000)})
     t = mem_trie(state)
     entries, proof = t.prove(b"node/")
     assert len(entries) == 10_000
-    encoded = proof.encode()
-    best = min(
-        _timed(lambda: verify_prefix(t.root, b"node/", entries, PrefixProof.decode(encoded)))
-        for _ in range(3)
-    )
-    assert best < 0.5  # typically ~30 ms; generous for slow CI machines
-
-
-def _timed(fn) -> float:  # type: ignore[no-untyped-def]
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+    verify_prefix(t.root, b"node/", entries, PrefixProof.decode(proof.encode()))
+    with pytest.raises(ProofError, match="recomputed root does not match app hash"):
+        verify_prefix(t.root, b"node/", entries[1:], PrefixProof.decode(proof.encode()))
 
 
 # -- soundness: nothing else verifies ------------------------------------------------------------
@@ -423,10 +430,9 @@ def test_tampering_fails(state: dict[bytes, bytes], rnd: random.Random) -> None:
     t = mem_trie(state)
     for prefix in prefixes_for(state, rnd)[:10]:
         entries, proof = t.prove(prefix)
-        for what, bad in _tamper_entries(entries, prefix, rnd):
+        for _, bad in _tamper_entries(entries, prefix, rnd):
             with pytest.raises(ProofError):
                 verify_prefix(t.root, prefix, bad, proof)
-            assert what
         for bad_proof in _tamper_proof(proof, rnd):
             with pytest.raises(ProofError):
                 verify_prefix(t.root, prefix, entries, bad_proof)

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from harness import CHAIN_ID, AppHarness, sqlite_url
+from harness import CHAIN_ID, AppHarness, node_body, sqlite_url
 
 from planetserve.chain import state as layout
 from planetserve.chain import tx as txlib
 from planetserve.chain.app import Application
 from planetserve.chain.errors import Code
-from planetserve.chain.handlers import node_pop_message
 from planetserve.chain.keys import KeySet
 from planetserve.chain.store import StateStore
 from planetserve.registry import codec
@@ -26,28 +25,11 @@ def code(h: AppHarness, raw: bytes, seconds: int = 5) -> int:
     return h.block(raw, seconds=seconds).tx_results[0].code
 
 
-def registry_state(h: AppHarness) -> dict[bytes, bytes]:
-    """All committed entries except account sequences."""
-    batch = h.store.batch()
-    return {k: v for k, v in batch.iterate(b"") if not k.startswith(b"acct/")}
-
-
-def node_body(h: AppHarness, node: KeySet, org_id: str = "org1", **overrides):
-    body = {
-        "org_id": org_id, "node_pubkey": node.public,
-        "pop": node.sign(node_pop_message(CHAIN_ID, org_id, node.public)),
-        "model_id": "gt", "address": "10.0.0.1:7000", "hardware": "A100", "capacity": 4,
-        "region": "eu",
-    }
-    body.update(overrides)
-    return body
-
-
 def test_valid_registrations_commit(h):
     owner, node, user = KeySet.generate(), KeySet.generate(), KeySet.generate()
     result = h.block(
         h.tx(owner, "register-org", {"org_id": "org1", "name": "Org One"}),
-        h.tx(owner, "register-model-node", node_body(h, node)),
+        h.tx(owner, "register-model-node", node_body(node)),
         h.tx(user, "register-user", {"address": "10.0.0.9:9000", "region": "eu"}),
     )
     assert [r.code for r in result.tx_results] == [0, 0, 0]
@@ -103,7 +85,7 @@ def test_signature_chain_sequence_and_type(h):
 def test_field_entity_and_authorization_refusals(h):
     owner, stranger, node = KeySet.generate(), KeySet.generate(), KeySet.generate()
     assert h.block(h.tx(owner, "register-org", {"org_id": "org1", "name": "Org One"})).tx_results[0].code == 0
-    before = registry_state(h)
+    before = h.registry_state()
     cases = [
         (owner, "register-org", {"org_id": "org2"}, Code.INVALID_FIELD, "'name': missing"),
         (owner, "register-org", {"org_id": "org2", "name": "x", "extra": 1}, Code.INVALID_FIELD, "unknown field"),
@@ -116,11 +98,11 @@ def test_field_entity_and_authorization_refusals(h):
         (stranger, "register-user", {"address": "10.0.0.1:\U00011f51\U00011f50", "region": "eu"},
          Code.INVALID_FIELD, "port in 1-65535"),
         (stranger, "heartbeat", {}, Code.UNKNOWN_ENTITY, "not registered"),
-        (owner, "register-model-node", node_body(h, node, org_id="missing"), Code.UNKNOWN_ENTITY, "organisation"),
-        (stranger, "register-model-node", node_body(h, node), Code.UNAUTHORIZED, "does not own"),
-        (owner, "register-model-node", node_body(h, node, model_id="nope"), Code.UNKNOWN_ENTITY, "model"),
-        (owner, "register-model-node", node_body(h, node, pop=b"\x01" * 64), Code.INVALID_FIELD, "pop"),
-        (owner, "register-model-node", node_body(h, node, capacity=0), Code.INVALID_FIELD, "capacity"),
+        (owner, "register-model-node", node_body(node, org_id="missing"), Code.UNKNOWN_ENTITY, "organisation"),
+        (stranger, "register-model-node", node_body(node), Code.UNAUTHORIZED, "does not own"),
+        (owner, "register-model-node", node_body(node, model_id="nope"), Code.UNKNOWN_ENTITY, "model"),
+        (owner, "register-model-node", node_body(node, pop=b"\x01" * 64), Code.INVALID_FIELD, "pop"),
+        (owner, "register-model-node", node_body(node, capacity=0), Code.INVALID_FIELD, "capacity"),
         (stranger, "register-model", {"model_id": "m2", "name": "x"}, Code.UNAUTHORIZED, "committee"),
         (stranger, "vote-member", {"proposal_id": 1, "approve": True}, Code.UNAUTHORIZED, "committee"),
     ]
@@ -131,7 +113,7 @@ def test_field_entity_and_authorization_refusals(h):
         assert res.codespace == "planetserve"
         result = h.block(raw).tx_results[0]
         assert result.code == code, (tx_type, result.log)
-    assert registry_state(h) == before
+    assert h.registry_state() == before
 
 
 def test_user_expiry_and_heartbeat(h):
@@ -163,13 +145,13 @@ def test_expired_user_in_mempool_gets_expired_code(h):
 def test_non_owner_cannot_update_node(h):
     owner, stranger, node = KeySet.generate(), KeySet.generate(), KeySet.generate()
     h.block(h.tx(owner, "register-org", {"org_id": "org1", "name": "O"}),
-            h.tx(owner, "register-model-node", node_body(h, node)))
+            h.tx(owner, "register-model-node", node_body(node)))
     res = h.block(h.tx(stranger, "update-model-node", {"node_pubkey": node.public, "capacity": 9}))
     assert res.tx_results[0].code == Code.UNAUTHORIZED
     res = h.block(h.tx(owner, "update-model-node", {"node_pubkey": node.public, "status": "inactive"}))
     assert res.tx_results[0].code == 0
     assert not list(h.store.batch().iterate(layout.node_list_prefix("gt")))
-    again = h.block(h.tx(owner, "register-model-node", node_body(h, node)))
+    again = h.block(h.tx(owner, "register-model-node", node_body(node)))
     assert again.tx_results[0].code == Code.ALREADY_EXISTS
 
 
@@ -210,10 +192,10 @@ def test_rejection_by_a_third_drops_the_proposal(tmp_path):
 def test_failed_tx_consumes_only_its_sequence(h):
     keys = KeySet.generate()
     h.block()
-    before = registry_state(h)
+    before = h.registry_state()
     bad = h.tx(keys, "register-org", {"org_id": "org1"})
     assert h.block(bad).tx_results[0].code == Code.INVALID_FIELD
-    assert registry_state(h) == before
+    assert h.registry_state() == before
     assert layout.State(h.store.batch()).sequence(keys.public) == 1
 
 

@@ -12,7 +12,6 @@ from collections.abc import Iterator
 import pytest
 from aiohttp import web
 from click.testing import CliRunner
-from modelnodes import free_port
 
 from planetserve.chain.challenge import (
     Challenge,
@@ -24,6 +23,7 @@ from planetserve.chain.challenge import (
 from planetserve.chain.keys import KeySet
 from planetserve.cli import main
 from planetserve.config import HomeError
+from planetserve.genesis.network import free_ports
 from planetserve.registry import codec
 from planetserve.registry.entities import ModelNode
 from planetserve.verifier import daemon as daemon_module
@@ -85,11 +85,12 @@ class FakeRelayAnswers:
         self.first: list[tuple[int, dict]] = []
         """(status, body) answered before the standing ones, in order."""
         self.received: list[dict] = []
-        self.port = free_port()
+        self.port = 0
         self.loop = asyncio.new_event_loop()
         started = threading.Event()
-        threading.Thread(target=self._serve, args=(started,), daemon=True).start()
-        started.wait(10)
+        self.thread = threading.Thread(target=self._serve, args=(started,), daemon=True)
+        self.thread.start()
+        assert started.wait(10), "the relay stand-in did not start"
 
     def _serve(self, started: threading.Event) -> None:
         asyncio.set_event_loop(self.loop)
@@ -105,9 +106,16 @@ class FakeRelayAnswers:
         app.router.add_post("/v1/chat/completions", completions)
         runner = web.AppRunner(app)
         self.loop.run_until_complete(runner.setup())
-        self.loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", self.port).start())
+        self.loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", 0).start())
+        self.port = runner.addresses[0][1]
         started.set()
         self.loop.run_forever()
+        self.loop.run_until_complete(runner.cleanup())
+        self.loop.close()
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
 
     @property
     def url(self) -> str:
@@ -118,7 +126,7 @@ class FakeRelayAnswers:
 def relay() -> Iterator[FakeRelayAnswers]:
     server = FakeRelayAnswers()
     yield server
-    server.loop.call_soon_threadsafe(server.loop.stop)
+    server.close()
 
 
 def test_a_signed_answer_comes_back_whole(relay):
@@ -215,7 +223,7 @@ def test_a_silent_node_and_a_missing_relay(relay):
     with pytest.raises(NoAnswer, match="no answer within 0.5 s"):
         OverlayChannel(relay.url, timeout=0.5).ask(bytes(32), "gt", Challenge.new("Why?", 0))
     with pytest.raises(RelayUnavailable, match="unreachable"):
-        OverlayChannel(f"http://127.0.0.1:{free_port()}").ask(bytes(32), "gt", Challenge.new("Why?", 0))
+        OverlayChannel(f"http://127.0.0.1:{free_ports(1)[0]}").ask(bytes(32), "gt", Challenge.new("Why?", 0))
 
 
 # -- the CLI ------------------------------------------------------------------------------------

@@ -7,7 +7,6 @@ rejoins without submitting anything twice."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -17,17 +16,16 @@ from pathlib import Path
 
 import pytest
 from chainnet import assert_same_app_hashes, ledger, start_network
-from modelnodes import free_port
-from test_model_node_network import NodeProcess, planetserve, wait_until
-from test_overlay_network import RelayProcess, start_relays
+from roles import NodeProcess, RelayProcess, planetserve, start_relays
+from waiting import wait_until
 
 from planetserve.chain.errors import Code
 from planetserve.chain.keys import KeySet
-from planetserve.genesis.network import KEYS_FILE
+from planetserve.genesis.network import KEYS_FILE, free_ports
 from planetserve.node.home import ModelNodeConfig
 from planetserve.registry import epochs, reputation
 from planetserve.registry.params import Params
-from planetserve.verifier.config import STATUS_FILE, SUBMISSIONS_FILE, VerifierConfig
+from planetserve.verifier.config import STATUS_FILE, VerifierConfig, read_submissions
 
 pytestmark = [pytest.mark.network, pytest.mark.faults]
 
@@ -57,8 +55,7 @@ class VerifierProcess:
         assert "running against" in (self.home / "daemon.log").read_text()  # its ready line
 
     def submissions(self) -> list[dict]:
-        path = self.home / SUBMISSIONS_FILE
-        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        return read_submissions(self.home)
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         self.proc.send_signal(sig)
@@ -71,10 +68,11 @@ class VerifierProcess:
 
 
 def model_node_home(home: Path, net, data: Path, model: str, behaviour: str) -> None:
+    http, peer = free_ports(2)
     done = planetserve("node", "init-model", "--home", str(home), "--org-id", "acme", "--model-id", "gt",
                        "--model", model, "--behaviour", behaviour, "--genesis", str(net.spec.genesis_path),
-                       "--rpc", net.rpc_url(0), "--data-dir", str(data), "--http", f"127.0.0.1:{free_port()}",
-                       "--peer", f"127.0.0.1:{free_port()}", "--capacity", "2", "--json")
+                       "--rpc", net.rpc_url(0), "--data-dir", str(data), "--http", f"127.0.0.1:{http}",
+                       "--peer", f"127.0.0.1:{peer}", "--capacity", "2", "--json")
     assert done.returncode == 0, done.stderr
     config = ModelNodeConfig.load(home)
     config.list_interval = 1.0
