@@ -21,10 +21,14 @@ MODELS = (("gt", "reference model"), ("small", "smaller model"))
 
 def start_network(root: Path, n: int = 4, db_urls: Sequence[str] | None = None,
                   timeout_commit: str = "300ms", params: Params | None = None, models: Sequence = MODELS,
-                  organisations: Sequence[GenesisOrganisation] = ()) -> Cluster:
+                  organisations: Sequence[GenesisOrganisation] = (), timeout_propose: str | None = None
+                  ) -> Cluster:
+    """`timeout_propose` (CometBFT's default: 3 s) bounds a height whose proposer is down: networks
+    whose tests stop validators set it lower."""
+    consensus = {"timeout_propose": timeout_propose} if timeout_propose else {}
     spec = build_network(root, n, "planetserve-test",
                          app_state_builder(models, params, organisations=organisations),
-                         timeout_commit=timeout_commit, db_urls=db_urls)
+                         timeout_commit=timeout_commit, db_urls=db_urls, extra_config={"consensus": consensus})
     cluster = Cluster(spec, cluster_app, start_timeout=60.0)
     cluster.start()
     cluster.wait_for_height(2, timeout=60.0)

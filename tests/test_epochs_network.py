@@ -31,7 +31,7 @@ CREDIBILITY = 750_000
 
 @pytest.fixture
 def net(tmp_path):
-    cluster = start_network(tmp_path / "net", params=PARAMS)
+    cluster = start_network(tmp_path / "net", params=PARAMS, timeout_commit="150ms", timeout_propose="1s")
     yield cluster
     cluster.close()
 
