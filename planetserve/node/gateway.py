@@ -18,6 +18,7 @@ from planetserve.node.engine.http_server import Reply
 from planetserve.node.messages import MessageError, Part, Prompt, open_message
 from planetserve.node.openai_api import Endpoint
 from planetserve.node.relay import Send
+from planetserve.node.tasks import stop_tasks
 from planetserve.node.transport import TransportError
 
 log = logging.getLogger(__name__)
@@ -130,5 +131,4 @@ class Gateway:
         self.counters["parts_sent"] += 1
 
     async def close(self) -> None:
-        for task in list(self.tasks):
-            task.cancel()
+        await stop_tasks(self.tasks)

@@ -68,6 +68,7 @@ from planetserve.node.openai_api import (
     render_prompt,
     too_large,
 )
+from planetserve.node.tasks import stop_tasks
 from planetserve.node.transport import Handler, Peering, RemoteError, TransportError
 from planetserve.registry.epochs import prompt_hash
 
@@ -291,11 +292,7 @@ class ModelNode:
         self._tasks = [asyncio.create_task(loop()) for loop in (self._sync_loop, self._group_loop)]
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await stop_tasks(self._tasks)
         await self.gateway.close()
         await self.http.close()
         await self.peering.close()

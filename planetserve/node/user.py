@@ -13,7 +13,6 @@ failures become OpenAI-shaped errors with specific codes (`too_few_paths`, `time
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import json
 import logging
@@ -49,6 +48,7 @@ from planetserve.node.openai_api import (
 )
 from planetserve.node.paths import Path, PathManager, PathSettings
 from planetserve.node.relay import Relay
+from planetserve.node.tasks import stop_tasks
 from planetserve.node.transport import Peering, TransportError
 
 log = logging.getLogger(__name__)
@@ -231,11 +231,7 @@ class UserRelay:
 
     async def close(self) -> None:
         await self.paths.close_all()
-        for task in list(self._tasks):
-            task.cancel()
-        for task in list(self._tasks):
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await stop_tasks(self._tasks)
         if self._runner is not None:
             await self._runner.cleanup()
         await self.peering.close()

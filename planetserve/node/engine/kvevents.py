@@ -36,6 +36,7 @@ import zmq
 import zmq.asyncio
 
 from planetserve.node.engine.base import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent
+from planetserve.node.tasks import stop_tasks
 
 log = logging.getLogger(__name__)
 
@@ -461,9 +462,7 @@ class KVEventSubscriber:
 
     async def close(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await stop_tasks([self._task])
             self._task = None
         if self._sub is not None:
             self._sub.close(linger=0)

@@ -10,12 +10,12 @@ measured live every `REFRESH_S` and the router re-snapshots them (Parallax refre
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 
 from planetserve.node.engine.base import CacheEvent, EngineError, EngineLoad, GenerationRequest, TokenChunk
 from planetserve.node.pipeline import PipelineClient, PipelineError
+from planetserve.node.tasks import stop_tasks
 from planetserve.node.transport import Peering
 
 log = logging.getLogger(__name__)
@@ -86,8 +86,6 @@ class PipelineEngine:
 
     async def close(self) -> None:
         if self._measuring is not None:
-            self._measuring.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._measuring
+            await stop_tasks([self._measuring])
         if self.client is not None and self.client.local is not None:
             self.client.local.close()
