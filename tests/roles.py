@@ -69,24 +69,19 @@ def init_home(home: Path, net, data: Path) -> None:
     config.save(home)
 
 
-class NodeProcess:
-    """A `planetserve node model` process; with `wait` False, `wait_ready` reads its ready line later
-    (a pipeline stage prints it only once a deployment assigned it layers)."""
+class RoleProcess:
+    """A `planetserve ARGS --json` role process that prints one JSON ready line once it serves."""
 
-    def __init__(self, home: Path, org_keys: Path | None, *, wait: bool = True) -> None:
-        args = [sys.executable, "-m", "planetserve", "node", "model", "--home", str(home), "--json",
-                "--log-level", "warning"]
-        if org_keys is not None:
-            args += ["--org-keys", str(org_keys)]
-        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    def __init__(self, what: str, *args: str) -> None:
+        self.what = what
+        self.proc = subprocess.Popen([sys.executable, "-m", "planetserve", *args, "--json", "--log-level", "warning"],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        if wait:
-            self.wait_ready()
 
     def wait_ready(self) -> dict:
         line = self.proc.stdout.readline()
         if not line:
-            raise AssertionError(f"model node did not start: {self.proc.stderr.read()[-2000:]}")
+            raise AssertionError(f"{self.what} did not start: {self.proc.stderr.read()[-2000:]}")
         self.ready = json.loads(line)
         self.url = self.ready["http"]
         return self.ready
@@ -94,18 +89,29 @@ class NodeProcess:
     def status(self) -> dict:
         return httpx.get(f"{self.url}/v1/planetserve/status", timeout=10).json()
 
-    def complete(self, prompt: str, **extra: object) -> dict:
-        r = httpx.post(f"{self.url}/v1/completions", timeout=120,
-                       json={"model": "gt", "prompt": prompt, "max_tokens": 8, "temperature": 0, **extra})
-        assert r.status_code == 200, r.text
-        return r.json()
-
     def stop(self) -> None:
         self.proc.terminate()
         try:
             self.proc.wait(15)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+
+
+class NodeProcess(RoleProcess):
+    """A `planetserve node model` process; with `wait` False, `wait_ready` reads its ready line later
+    (a pipeline stage prints it only once a deployment assigned it layers)."""
+
+    def __init__(self, home: Path, org_keys: Path | None, *, wait: bool = True) -> None:
+        super().__init__("model node", "node", "model", "--home", str(home),
+                         *(["--org-keys", str(org_keys)] if org_keys is not None else []))
+        if wait:
+            self.wait_ready()
+
+    def complete(self, prompt: str, **extra: object) -> dict:
+        r = httpx.post(f"{self.url}/v1/completions", timeout=120,
+                       json={"model": "gt", "prompt": prompt, "max_tokens": 8, "temperature": 0, **extra})
+        assert r.status_code == 200, r.text
+        return r.json()
 
 
 def init_user(home: Path, net) -> None:
@@ -120,30 +126,11 @@ def init_user(home: Path, net) -> None:
     config.save(home)
 
 
-class RelayProcess:
+class RelayProcess(RoleProcess):
+    """A `planetserve node user` process (a user relay)."""
+
     def __init__(self, home: Path) -> None:
-        self.home = home
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "planetserve", "node", "user", "--home", str(home), "--json",
-             "--log-level", "warning"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-
-    def wait_ready(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            raise AssertionError(f"user relay did not start: {self.proc.stderr.read()[-2000:]}")
-        self.ready = json.loads(line)
-        return self.ready
-
-    def status(self) -> dict:
-        return httpx.get(f"{self.ready['http']}/v1/planetserve/status", timeout=10).json()
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        super().__init__("user relay", "node", "user", "--home", str(home))
 
 
 def acme_node(tmp_path: Path, net, data: Path) -> NodeProcess:
