@@ -56,9 +56,13 @@ def test_the_journal_survives_a_restart(tmp_path):
     node = bytes(range(32))
     challenge = Challenge.new("How do tides work?", 700)
     journal.add(3, node, challenge)
+    with (tmp_path / "j.jsonl").open("a") as fh:
+        fh.write('{"epoch": 4, "node": "')  # a line cut short by a crash
     again = Journal(tmp_path / "j.jsonl")
     assert again.get(3, node) == challenge and again.get(4, node) is None
     assert again.get(3, node).commitment == challenge.commitment
+    again.add(5, node, challenge)  # written whole after the cut line
+    assert Journal(tmp_path / "j.jsonl").get(5, node) == challenge
     assert (tmp_path / "j.jsonl").stat().st_mode & 0o777 == 0o600  # challenges are secret until revealed
 
 

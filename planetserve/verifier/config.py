@@ -23,9 +23,12 @@ CREDIBILITIES = ("calibrated", "ppl")
 
 
 def read_submissions(home: Path) -> list[dict]:
-    """The submissions journal in order (none before the daemon's first); a line cut short by a crash
-    is skipped."""
-    path = home / SUBMISSIONS_FILE
+    """The submissions journal in order (none before the daemon's first)."""
+    return read_journal(home / SUBMISSIONS_FILE)
+
+
+def read_journal(path: Path) -> list[dict]:
+    """The objects of a JSON-lines journal in order; a line cut short by a crash is skipped."""
     if not path.exists():
         return []
     entries = []

@@ -41,7 +41,7 @@ from planetserve.registry.entities import Member, ModelNode
 from planetserve.registry.epochs import PLAN_COMMITTED, VALID, ChallengeResult, Schedule, SignedResponse
 from planetserve.registry.params import Params
 from planetserve.verifier.challenges import ChallengeError, ChallengeSource
-from planetserve.verifier.config import RECHALLENGE_FILE, STATUS_FILE, SUBMISSIONS_FILE
+from planetserve.verifier.config import RECHALLENGE_FILE, STATUS_FILE, SUBMISSIONS_FILE, read_journal
 from planetserve.verifier.credibility import Answer, ReferenceModel, Verdict
 from planetserve.verifier.overlay import NoAnswer, OverlayChannel, RelayUnavailable, Reply
 
@@ -70,12 +70,12 @@ class Journal:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.entries: dict[tuple[int, bytes], Challenge] = {}
-        if path.exists():
-            for line in path.read_text().splitlines():
-                if line.strip():
-                    item = json.loads(line)
-                    self.entries[item["epoch"], bytes.fromhex(item["node"])] = Challenge(
-                        item["prompt"], bytes.fromhex(item["salt"]), item["temperature"], item["question"])
+        for item in read_journal(path):
+            self.entries[item["epoch"], bytes.fromhex(item["node"])] = Challenge(
+                item["prompt"], bytes.fromhex(item["salt"]), item["temperature"], item["question"])
+        if path.exists() and path.read_bytes()[-1:] not in (b"", b"\n"):  # a crash cut the last line:
+            with path.open("a") as fh:                                    # end it, so the next is whole
+                fh.write("\n")
 
     def add(self, epoch: int, node: bytes, challenge: Challenge) -> None:
         line = json.dumps({"epoch": epoch, "node": node.hex(), "prompt": challenge.prompt,
