@@ -27,7 +27,7 @@ from planetserve.genesis.network import free_ports
 from planetserve.registry import codec
 from planetserve.registry.entities import ModelNode
 from planetserve.verifier import daemon as daemon_module
-from planetserve.verifier.config import CONFIG_FILE, STATUS_FILE, SUBMISSIONS_FILE, VerifierConfig
+from planetserve.verifier.config import CONFIG_FILE, STATUS_FILE, SUBMISSIONS_FILE, JsonLines, VerifierConfig
 from planetserve.verifier.daemon import Daemon, Journal, _parts
 from planetserve.verifier.overlay import MAX_ANSWER_BYTES, NoAnswer, OverlayChannel, RelayUnavailable
 
@@ -64,6 +64,21 @@ def test_the_journal_survives_a_restart(tmp_path):
     again.add(5, node, challenge)  # written whole after the cut line
     assert Journal(tmp_path / "j.jsonl").get(5, node) == challenge
     assert (tmp_path / "j.jsonl").stat().st_mode & 0o777 == 0o600  # challenges are secret until revealed
+
+
+def test_a_journal_line_cut_by_a_crash_is_skipped_and_ended(tmp_path):
+    path = tmp_path / SUBMISSIONS_FILE
+    JsonLines(path).append({"epoch": 1, "code": 0})
+    assert path.stat().st_mode & 0o777 == 0o600
+    with path.open("a") as fh:
+        fh.write('{"epoch": 2, "co')  # cut short by a crash
+    again = JsonLines(path)
+    assert again.read() == [{"epoch": 1, "code": 0}]
+    again.append({"epoch": 3, "code": 6}, durable=True)
+    assert JsonLines(path).read() == [{"epoch": 1, "code": 0}, {"epoch": 3, "code": 6}]
+    assert path.read_text().count("\n") == 3  # the cut line was ended, not glued to the next
+    (tmp_path / "empty").touch()
+    assert JsonLines(tmp_path / "empty").read() == [] and (tmp_path / "empty").read_bytes() == b""
 
 
 def test_plan_parts_stay_under_the_limit_and_end_in_a_final_part():

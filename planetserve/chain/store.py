@@ -571,8 +571,6 @@ class StateStore:
 
     def _prepare_statements(self) -> None:
         ins: Any = pg_dialect.insert if self._dialect == "postgresql" else sqlite_dialect.insert
-        up = ins(kv_table)
-        self._upsert_kv = up.on_conflict_do_update(index_elements=["key"], set_={"value": up.excluded.value})
         upm = ins(meta_table)
         self._upsert_meta = upm.on_conflict_do_update(
             index_elements=["name"], set_={"value": upm.excluded.value}

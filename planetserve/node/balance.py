@@ -66,10 +66,6 @@ class LoadReport:
     def lb_factor(self) -> float:
         return self.latency * self.queued / self.capacity
 
-    @property
-    def queue_ratio(self) -> float:
-        return self.queued / self.capacity
-
 
 class Candidate(Protocol):
     """A model node as the node table knows it (hrtree.NodeEntry is one)."""

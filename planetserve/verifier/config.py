@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from planetserve import workloads
 from planetserve.config import HomeConfig, HomeError, check_addresses
@@ -40,6 +41,33 @@ def read_journal(path: Path) -> list[dict]:
         if isinstance(entry, dict):
             entries.append(entry)
     return entries
+
+
+class JsonLines:
+    """An append-only journal of JSON objects, one a line, readable by the owner only. A crash can cut
+    its last line: reading skips it, and opening ends it, so the next entry is not glued onto it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        if not path.exists():
+            return
+        with path.open("rb+") as fh:
+            if fh.seek(0, os.SEEK_END):
+                fh.seek(-1, os.SEEK_END)
+                if fh.read(1) != b"\n":
+                    fh.write(b"\n")
+
+    def read(self) -> list[dict]:
+        return read_journal(self.path)
+
+    def append(self, entry: dict[str, Any], durable: bool = False) -> None:
+        """Add one entry; `durable` returns only once it is on disk."""
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        with os.fdopen(fd, "a") as fh:
+            fh.write(json.dumps(entry) + "\n")
+            if durable:
+                fh.flush()
+                os.fsync(fh.fileno())
 
 
 @dataclass

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterable
@@ -41,7 +40,7 @@ from planetserve.registry.entities import Member, ModelNode
 from planetserve.registry.epochs import PLAN_COMMITTED, VALID, ChallengeResult, Schedule, SignedResponse
 from planetserve.registry.params import Params
 from planetserve.verifier.challenges import ChallengeError, ChallengeSource
-from planetserve.verifier.config import RECHALLENGE_FILE, STATUS_FILE, SUBMISSIONS_FILE, read_journal
+from planetserve.verifier.config import RECHALLENGE_FILE, STATUS_FILE, SUBMISSIONS_FILE, JsonLines
 from planetserve.verifier.credibility import Answer, ReferenceModel, Verdict
 from planetserve.verifier.overlay import NoAnswer, OverlayChannel, RelayUnavailable, Reply
 
@@ -68,24 +67,16 @@ class Journal:
     """Re-challenge prompts and salts, appended and fsynced before their commitment is submitted."""
 
     def __init__(self, path: Path) -> None:
-        self.path = path
+        self.lines = JsonLines(path)  # owner-only: the prompts are secret until revealed
         self.entries: dict[tuple[int, bytes], Challenge] = {}
-        for item in read_journal(path):
+        for item in self.lines.read():
             self.entries[item["epoch"], bytes.fromhex(item["node"])] = Challenge(
                 item["prompt"], bytes.fromhex(item["salt"]), item["temperature"], item["question"])
-        if path.exists() and path.read_bytes()[-1:] not in (b"", b"\n"):  # a crash cut the last line:
-            with path.open("a") as fh:                                    # end it, so the next is whole
-                fh.write("\n")
 
     def add(self, epoch: int, node: bytes, challenge: Challenge) -> None:
-        line = json.dumps({"epoch": epoch, "node": node.hex(), "prompt": challenge.prompt,
+        self.lines.append({"epoch": epoch, "node": node.hex(), "prompt": challenge.prompt,
                            "salt": challenge.salt.hex(), "temperature": challenge.temperature,
-                           "question": challenge.question})
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)  # prompts before reveal
-        with os.fdopen(fd, "a") as fh:
-            fh.write(line + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
+                           "question": challenge.question}, durable=True)
         self.entries[epoch, node] = challenge
 
     def get(self, epoch: int, node: bytes) -> Challenge | None:
@@ -107,7 +98,7 @@ class Daemon:
         """Tries per challenge before the node is reported: one failure may be the network's (a
         forwarded answer cut off), and a user would ask again too."""
         self.journal = Journal(home / RECHALLENGE_FILE)
-        self.submissions = home / SUBMISSIONS_FILE
+        self.submissions = JsonLines(home / SUBMISSIONS_FILE)
         self.status_file = home / STATUS_FILE
         self.pool = ThreadPoolExecutor(concurrency, thread_name_prefix="challenge")
         self.pending: dict[tuple[int, bytes, str], Future[Asked]] = {}
@@ -177,9 +168,8 @@ class Daemon:
         done = self.ledger.submit(self.keys, tx_type, body)
         code, message = done.outcome.code, done.outcome.log
         self.status["submitted" if code == 0 else "rejected"] += 1
-        with self.submissions.open("a") as fh:
-            fh.write(json.dumps({"time": int(time.time()), "epoch": epoch, "type": tx_type, "code": code,
-                                 "height": done.height, "log": message}) + "\n")
+        self.submissions.append({"time": int(time.time()), "epoch": epoch, "type": tx_type, "code": code,
+                                 "height": done.height, "log": message})
         if code == 0:
             log.info("%s for epoch %d committed at height %d", tx_type, epoch, done.height)
             return True

@@ -3,7 +3,7 @@ load, and its prefix-cache state as a stream of block events (vLLM's KV-event vo
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -84,12 +84,6 @@ class CacheListeners:
 PromptLogprobs = list[dict[int, tuple[float, int]] | None]
 """Per prompt position: None for the first token (nothing predicts it), else token id -> (log-probability,
 rank in the vocabulary, 1 = likeliest) for the prompt's own token and the `top` likeliest tokens there."""
-
-
-class ScoringEngine(Protocol):
-    """An engine that can also score a prompt (vLLM's `prompt_logprobs`); verifiers use it."""
-
-    async def prompt_logprobs(self, ids: Sequence[int], top: int) -> PromptLogprobs: ...
 
 
 class Engine(Protocol):

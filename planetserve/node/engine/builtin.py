@@ -124,10 +124,6 @@ class EngineStats:
     cached_blocks: int
     steps: int
 
-    @property
-    def computed_tokens(self) -> int:
-        return self.prefill_tokens + self.decode_tokens
-
 
 @dataclass(eq=False)
 class _Sequence:
