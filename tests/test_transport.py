@@ -4,8 +4,10 @@ streams, limits and failure handling."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import ssl
 import struct
+import warnings
 
 import pytest
 from waiting import run
@@ -233,6 +235,7 @@ def test_plain_tcp_and_silent_clients_are_refused():
         writer.write(b"GET / HTTP/1.0\r\n\r\n")
         await writer.drain()
         assert await asyncio.wait_for(reader.read(), 15) == b""
+        writer.close()
         # a TLS client whose hello is malformed is dropped
         ctx = ssl.create_default_context()
         ctx.check_hostname = False
@@ -244,8 +247,40 @@ def test_plain_tcp_and_silent_clients_are_refused():
         await writer.drain()
         assert await read_frame(reader) == ["refused", "malformed frame: ValueError"]
         assert await asyncio.wait_for(reader.read(), 15) == b""
+        writer.close()
         assert b.connections == {}
         await b.close()
+
+    run(main(), 30)
+
+
+def test_a_dial_cancelled_mid_handshake_closes_its_socket():
+    async def main():
+        a, b = peers()
+        accepted: asyncio.Queue[asyncio.StreamReader] = asyncio.Queue()
+
+        async def silent(reader, writer):  # b's certificate, but no greeting ever
+            await accepted.put(reader)
+            await asyncio.sleep(30)
+
+        server = await asyncio.start_server(silent, "127.0.0.1", 0, ssl=b.server_ctx)
+        port = server.sockets[0].getsockname()[1]
+        dial = asyncio.create_task(a.connect(b.keys.public, f"127.0.0.1:{port}"))
+        reader = await asyncio.wait_for(accepted.get(), 10)
+        await asyncio.sleep(0.1)  # the dial now waits for the greeting
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            dial.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await dial
+            del dial
+            assert await asyncio.wait_for(reader.read(), 10) == b""
+            gc.collect()
+        # closed by the dial itself, not by the collector finding it open
+        assert [str(w.message) for w in caught if w.category is ResourceWarning] == []
+        assert a.connections == {}
+        server.close()
+        await a.close()
 
     run(main(), 30)
 

@@ -349,6 +349,9 @@ class Peering:
                 await write_frame(writer, ["refused", str(exc)[:200]], self.limit, HANDSHAKE_TIMEOUT)
             writer.close()
             return
+        except BaseException:  # cancelled mid-handshake (the transport is closing)
+            writer.close()
+            raise
         self._adopt(Connection(peer, reader, writer, self.handler, self.limit, outbound=False,
                                write_timeout=self.write_timeout))
 
@@ -373,10 +376,10 @@ class Peering:
         if not self.authorize(peer):
             raise TransportError(f"peer {peer.hex()[:16]} is not in the verified list")
         host, _, port = address.rpartition(":")
-        try:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(host, int(port), ssl=self.client_ctx, server_hostname=None),
-                HANDSHAKE_TIMEOUT)
+        try:  # not wait_for, which on Python 3.11 can swallow a cancellation arriving with the connection
+            async with asyncio.timeout(HANDSHAKE_TIMEOUT):
+                reader, writer = await asyncio.open_connection(host, int(port), ssl=self.client_ctx,
+                                                               server_hostname=None)
         except (OSError, ValueError, TimeoutError, ssl.SSLError) as exc:
             raise TransportError(f"cannot reach {address}: {exc}") from exc
         try:
@@ -394,9 +397,12 @@ class Peering:
             if verdict != ["ok"]:
                 reason = verdict[1] if isinstance(verdict, list) and len(verdict) == 2 else "no reason given"
                 raise TransportError(f"refused: {reason}")
-        except (TransportError, TimeoutError, ConnectionError) as exc:
+        except (TransportError, TimeoutError, ConnectionError, ssl.SSLError, ValueError) as exc:
             writer.close()
             raise TransportError(f"handshake with {address} failed: {exc}") from exc
+        except BaseException:  # cancelled mid-handshake: the socket must not wait for the collector
+            writer.close()
+            raise
         return Connection(peer, reader, writer, self.handler, self.limit, outbound=True,
                           write_timeout=self.write_timeout)
 
