@@ -70,18 +70,24 @@ def init_home(home: Path, net, data: Path) -> None:
 
 
 class RoleProcess:
-    """A `planetserve ARGS --json` role process that prints one JSON ready line once it serves."""
+    """A `planetserve ARGS --json` role process that prints one JSON ready line once it serves. Its log
+    goes to `log`: a pipe nobody reads while the process runs would fill and stall it."""
 
-    def __init__(self, what: str, *args: str) -> None:
+    def __init__(self, what: str, log: Path, *args: str) -> None:
         self.what = what
-        self.proc = subprocess.Popen([sys.executable, "-m", "planetserve", *args, "--json", "--log-level", "warning"],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.log = log
+        with log.open("a") as err:  # the process keeps its own descriptor
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "planetserve", *args, "--json", "--log-level", "warning"],
+                stdout=subprocess.PIPE, stderr=err, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    def log_tail(self) -> str:
+        return self.log.read_text()[-2000:]
 
     def wait_ready(self) -> dict:
         line = self.proc.stdout.readline()
         if not line:
-            raise AssertionError(f"{self.what} did not start: {self.proc.stderr.read()[-2000:]}")
+            raise AssertionError(f"{self.what} did not start: {self.log_tail()}")
         self.ready = json.loads(line)
         self.url = self.ready["http"]
         return self.ready
@@ -95,6 +101,8 @@ class RoleProcess:
             self.proc.wait(15)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+            self.proc.wait()
+        self.proc.stdout.close()
 
 
 class NodeProcess(RoleProcess):
@@ -102,7 +110,7 @@ class NodeProcess(RoleProcess):
     (a pipeline stage prints it only once a deployment assigned it layers)."""
 
     def __init__(self, home: Path, org_keys: Path | None, *, wait: bool = True) -> None:
-        super().__init__("model node", "node", "model", "--home", str(home),
+        super().__init__("model node", home / "node.log", "node", "model", "--home", str(home),
                          *(["--org-keys", str(org_keys)] if org_keys is not None else []))
         if wait:
             self.wait_ready()
@@ -130,7 +138,7 @@ class RelayProcess(RoleProcess):
     """A `planetserve node user` process (a user relay)."""
 
     def __init__(self, home: Path) -> None:
-        super().__init__("user relay", "node", "user", "--home", str(home))
+        super().__init__("user relay", home / "relay.log", "node", "user", "--home", str(home))
 
 
 def acme_node(tmp_path: Path, net, data: Path) -> NodeProcess:

@@ -43,11 +43,12 @@ def write_genesis(path: Path) -> Path:
     return path
 
 
-def start_dashboard(*args: str, timeout: float = 60.0) -> tuple[subprocess.Popen, dict]:
-    """`planetserve dashboard ... --http 127.0.0.1:0 --json` and its ready line."""
-    proc = subprocess.Popen([sys.executable, "-m", "planetserve", "dashboard", *args, "--http", "127.0.0.1:0",
-                             "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+def start_dashboard(log: Path, *args: str, timeout: float = 60.0) -> tuple[subprocess.Popen, dict]:
+    """`planetserve dashboard ... --http 127.0.0.1:0 --json` and its ready line; its log goes to `log`."""
+    with log.open("a") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "planetserve", "dashboard", *args, "--http",
+                                 "127.0.0.1:0", "--json"], stdout=subprocess.PIPE, stderr=err, text=True,
+                                start_new_session=True)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         ready, _, _ = select.select([proc.stdout], [], [], 0.5)
@@ -58,19 +59,23 @@ def start_dashboard(*args: str, timeout: float = 60.0) -> tuple[subprocess.Popen
         if proc.poll() is not None:
             break
     proc.kill()
-    raise AssertionError(f"the dashboard did not start: {proc.stderr.read()[-3000:]}")
+    proc.wait()
+    proc.stdout.close()
+    raise AssertionError(f"the dashboard did not start: {log.read_text()[-3000:]}")
 
 
 @pytest.fixture(scope="module")
 def nowhere(tmp_path_factory):
     """A dashboard whose two RPC endpoints and relay are closed ports."""
-    genesis = write_genesis(tmp_path_factory.mktemp("dashboard") / "genesis.json")
+    home = tmp_path_factory.mktemp("dashboard")
+    genesis = write_genesis(home / "genesis.json")
     rpc_a, rpc_b, relay = free_ports(3)
-    proc, ready = start_dashboard("--genesis", str(genesis), "--rpc", f"http://127.0.0.1:{rpc_a}",
+    proc, ready = start_dashboard(home / "dashboard.log", "--genesis", str(genesis), "--rpc", f"http://127.0.0.1:{rpc_a}",
                                   "--rpc", f"http://127.0.0.1:{rpc_b}", "--relay", f"http://127.0.0.1:{relay}/v1")
     yield ready
     os.killpg(proc.pid, signal.SIGTERM)
     assert proc.wait(timeout=15) == 0  # stops cleanly on SIGTERM
+    proc.stdout.close()
 
 
 def test_ready_line(nowhere):

@@ -246,11 +246,12 @@ def test_three_stage_processes(deep_gt: LoadedModel, tmp_path: Path):
 
     async def start(gpu: str, layers: tuple[int, int]) -> asyncio.subprocess.Process:
         KeySet.generate().save(tmp_path / f"{gpu}.json")
-        return await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "planetserve", "node", "stage", "--model", str(deep_gt.path),
-            "--layers", f"{layers[0]}:{layers[1]}", "--keys", str(tmp_path / f"{gpu}.json"),
-            "--allow", client_keys.public.hex(), "--port", "0",
-            stdout=asyncio.subprocess.PIPE, stderr=(tmp_path / f"{gpu}.log").open("w"), env=env)
+        with (tmp_path / f"{gpu}.log").open("w") as log:  # the stage keeps its own descriptor
+            return await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "planetserve", "node", "stage", "--model", str(deep_gt.path),
+                "--layers", f"{layers[0]}:{layers[1]}", "--keys", str(tmp_path / f"{gpu}.json"),
+                "--allow", client_keys.public.hex(), "--port", "0",
+                stdout=asyncio.subprocess.PIPE, stderr=log, env=env)
 
     async def main():
         procs = dict(zip(REPLICATED, await asyncio.gather(*(start(g, r) for g, r in REPLICATED.items())),

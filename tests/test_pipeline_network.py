@@ -56,7 +56,7 @@ def deploy(client, owner: KeySet, seconds: int):
 def registered(client, nodes: list[NodeProcess]) -> int:
     for node in nodes:
         if node.proc.poll() is not None:
-            raise AssertionError(f"a stage exited: {node.proc.stderr.read()[-2000:]}")
+            raise AssertionError(f"a stage exited: {node.log_tail()}")
     return len(client.nodes("deep")[1])
 
 

@@ -31,6 +31,7 @@ def served(quick_family):
     asyncio.run_coroutine_threadsafe(engine.close(), loop).result(30)
     loop.call_soon_threadsafe(loop.stop)
     thread.join(10)
+    loop.close()
 
 
 def pairs(tokenizer) -> list[tuple[list[int], list[int]]]:

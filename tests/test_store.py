@@ -475,13 +475,13 @@ def test_sigkill_after_commit_loses_nothing(tmp_path: Path) -> None:
         print(root.hex(), flush=True)
         time.sleep(60)
     """)
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout is not None
-        root_hex = proc.stdout.readline().strip()
-        os.kill(proc.pid, signal.SIGKILL)
-    finally:
-        proc.wait(timeout=30)
+    with subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True) as proc:
+        try:
+            assert proc.stdout is not None
+            root_hex = proc.stdout.readline().strip()
+            os.kill(proc.pid, signal.SIGKILL)
+        finally:
+            proc.wait(timeout=30)
     assert proc.returncode == -signal.SIGKILL
     s = StateStore(str(db))
     assert s.height == 3
@@ -736,14 +736,14 @@ def test_sigkill_while_pruning_leaves_a_consistent_store(tmp_path: Path) -> None
             if h == 20:
                 print("going", flush=True)
     """)
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout is not None
-        assert proc.stdout.readline().strip() == "going"
-        time.sleep(random.uniform(0.2, 0.6))
-        os.kill(proc.pid, signal.SIGKILL)
-    finally:
-        proc.wait(timeout=30)
+    with subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True) as proc:
+        try:
+            assert proc.stdout is not None
+            assert proc.stdout.readline().strip() == "going"
+            time.sleep(random.uniform(0.2, 0.6))
+            os.kill(proc.pid, signal.SIGKILL)
+        finally:
+            proc.wait(timeout=30)
     assert proc.returncode == -signal.SIGKILL
     s = StateStore(f"sqlite:///{db}", keep_heights=3)
     h = s.height
