@@ -26,10 +26,10 @@ from tendermint.abci import types_pb2 as abci  # noqa: E402
 from tendermint.crypto import keys_pb2  # noqa: E402
 from tx_throughput import planetserve_txs  # noqa: E402
 
-from planetserve.chain.app import Application  # noqa: E402
+from planetserve.chain.abci.app import Application  # noqa: E402
+from planetserve.chain.abci.server import tune_gc  # noqa: E402
+from planetserve.chain.abci.store import StateStore  # noqa: E402
 from planetserve.chain.keys import KeySet  # noqa: E402
-from planetserve.chain.server import tune_gc  # noqa: E402
-from planetserve.chain.store import StateStore  # noqa: E402
 from planetserve.chain.tx import decode  # noqa: E402
 from planetserve.registry.entities import Member  # noqa: E402
 from planetserve.registry.genesis import AppState  # noqa: E402

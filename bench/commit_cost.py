@@ -52,8 +52,8 @@ from pathlib import Path
 
 from sqlalchemy import func, select
 
-from planetserve.chain.server import tune_gc
-from planetserve.chain.store import StateStore, nodes_table, orphans_table
+from planetserve.chain.abci.server import tune_gc
+from planetserve.chain.abci.store import StateStore, nodes_table, orphans_table
 from planetserve.chain.trie import PrefixProof, verify_prefix
 
 BLOCK_UPDATE_USERS = 251  # x 2 keys (user/ and ulist/ records) = 502 updates

@@ -60,12 +60,12 @@ from nacl.signing import SigningKey
 from tendermint.abci import types_pb2 as abci
 from tendermint.crypto import keys_pb2
 
-from planetserve.chain import epochs as chain_epochs
-from planetserve.chain import state as layout
-from planetserve.chain.app import Application
+from planetserve.chain import layout
+from planetserve.chain.abci import epochs as chain_epochs
+from planetserve.chain.abci.app import Application
+from planetserve.chain.abci.state import State
+from planetserve.chain.abci.store import Batch, StateStore
 from planetserve.chain.keys import KeySet
-from planetserve.chain.state import State
-from planetserve.chain.store import Batch, StateStore
 from planetserve.registry import epochs, reputation
 from planetserve.registry.entities import Member, Model, ModelNode, Organisation
 from planetserve.registry.epochs import (
@@ -458,8 +458,8 @@ def print_table(rows: list[dict[str, Any]], rounds: int, db_label: str) -> None:
               f" {r['commit_ms']:>10.1f}"
               f" {r['commit_cpu_ms']:>8.1f} {r['total_ms']:>9.1f} {span:>12} {r['keys_written']:>13,}"
               f" {r['flips']:>6,} {r['faults']:>7,} {target:>7} {r['setup_s']:>8.1f}")
-    print("end-epoch = planetserve.chain.epochs.end_block (reads the evidence, decides, writes reputations);"
-          " root = the app hash (trie update) in FinalizeBlock; cpu = process CPU time")
+    print("end-epoch = planetserve.chain.abci.epochs.end_block (reads the evidence, decides, writes"
+          " reputations); root = the app hash (trie update) in FinalizeBlock; cpu = process CPU time")
     ordered = sorted(rows, key=lambda r: r["nodes"])
     biggest = ordered[-1]
     smaller = ordered[-2] if len(ordered) > 1 else biggest  # the next size down

@@ -26,8 +26,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from loadgen import run_load  # noqa: E402
 from tx_throughput import planetserve_txs  # noqa: E402
 
-from planetserve.chain import state as layout  # noqa: E402
-from planetserve.chain import trie  # noqa: E402
+from planetserve.chain import (
+    layout,  # noqa: E402
+    trie,  # noqa: E402
+)
 from planetserve.chain.client import LedgerClient, decode_entries  # noqa: E402
 from planetserve.chain.lightclient import LightClient  # noqa: E402
 from planetserve.chain.rpc import RpcClient  # noqa: E402

@@ -6,11 +6,10 @@ from typing import Any
 
 from harness import AppHarness, node_body
 
-from planetserve.chain import state as layout
-from planetserve.chain import vrf
+from planetserve.chain import layout, vrf
+from planetserve.chain.abci.state import State, members
 from planetserve.chain.challenge import Challenge, open_plan_entry, sign_response
 from planetserve.chain.keys import KeySet
-from planetserve.chain.state import State
 from planetserve.registry.epochs import Epoch, Fault, PlanEntry, Schedule, SignedResponse
 from planetserve.registry.params import Params
 
@@ -81,7 +80,7 @@ class Script:
 
     def plan(self, target: int, nodes: list[bytes] | None = None) -> tuple[dict, dict[bytes, Challenge]]:
         """A final commit-plan body for `nodes` (default: all), and the challenges it commits."""
-        committee = list(layout.members(self.h.store.batch()).values())
+        committee = list(members(self.h.store.batch()).values())
         challenges = {n: Challenge.new(f"Question {i} for epoch {target}: why is the sky blue?", TEMPERATURE)
                       for i, n in enumerate(nodes if nodes is not None else self.nodes)}
         entries = [c.plan_entry(n, committee) for n, c in challenges.items()]

@@ -37,7 +37,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 def pg_url() -> Iterator[str]:
     from sqlalchemy import create_engine, text
 
-    from planetserve.chain.store import normalise_url
+    from planetserve.chain.abci.store import normalise_url
 
     base = normalise_url(_pg_base_url())
     schema = f"t_{uuid.uuid4().hex[:16]}"

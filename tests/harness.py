@@ -11,10 +11,10 @@ from tendermint.abci import types_pb2 as abci
 from tendermint.crypto import keys_pb2
 
 from planetserve.chain import tx as txlib
-from planetserve.chain.app import Application
-from planetserve.chain.handlers import node_pop_message
+from planetserve.chain.abci.app import Application
+from planetserve.chain.abci.store import StateStore
 from planetserve.chain.keys import KeySet
-from planetserve.chain.store import StateStore
+from planetserve.chain.tx import node_pop_message
 from planetserve.registry.entities import Member, Model
 from planetserve.registry.genesis import AppState
 from planetserve.registry.params import Params

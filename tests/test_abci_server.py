@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from tendermint.abci import types_pb2 as abci
 
-from planetserve.chain.server import (
+from planetserve.chain.abci.server import (
     MAX_MESSAGE_BYTES,
     AbciServer,
     FrameReader,

@@ -11,11 +11,12 @@ from committee import EPOCH_PARAMS, Script
 from google.protobuf.timestamp_pb2 import Timestamp
 from harness import GENESIS_TIME, AppHarness, node_body, sqlite_url
 
-from planetserve.chain import state as layout
-from planetserve.chain.app import Application
+from planetserve.chain import layout
+from planetserve.chain.abci.app import Application
+from planetserve.chain.abci.state import State
+from planetserve.chain.abci.store import StateStore
 from planetserve.chain.errors import Code
 from planetserve.chain.keys import KeySet
-from planetserve.chain.store import StateStore
 from planetserve.registry import credits
 from planetserve.registry.entities import Model
 from planetserve.registry.genesis import GenesisOrganisation, parse_app_state
@@ -206,7 +207,7 @@ def test_genesis_organisations_exist_with_their_owner_and_credits(tmp_path):
     # the genesis owner acts on its organisation as if it had registered it
     result = h.block(h.tx(owner, "register-model-node", node_body(node, "acme", model_id="big", capacity=1)))
     assert [r.code for r in result.tx_results] == [0]
-    st = layout.State(h.store.batch())
+    st = State(h.store.batch())
     acme = st.org("acme")
     assert acme is not None and (acme.owner, acme.registered_at) == (owner.public, GENESIS_TIME)
     assert st.credits("acme") == credits.Credits("acme", balance=endowed, earned=0, spent=0)

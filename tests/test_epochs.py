@@ -9,8 +9,8 @@ import pytest
 from committee import EPOCH_PARAMS, TEMPERATURE, Script
 from harness import AppHarness, sqlite_url
 
-from planetserve.chain import state as layout
-from planetserve.chain import vrf
+from planetserve.chain import layout, vrf
+from planetserve.chain.abci.state import members
 from planetserve.chain.challenge import Challenge, SealedPromptError, open_plan_entry
 from planetserve.chain.errors import Code
 from planetserve.chain.keys import KeySet
@@ -262,7 +262,7 @@ def test_a_sealed_challenge_opens_whole_for_every_member_and_only_in_range(s):
     """Whichever member leads sends the challenge, so each one's sealed copy holds all of it: the text
     to commit, the temperature and, for a chat, the user message; a temperature no challenge may have
     is refused on opening."""
-    committee = list(layout.members(s.h.store.batch()).values())
+    committee = list(members(s.h.store.batch()).values())
     chat = Challenge.new("<|im_start|>user\nWhy?<|im_end|>\n", 0, "Why?")
     entry = PlanEntry.from_record(chat.plan_entry(bytes(32), committee))
     assert {open_plan_entry(entry, m.public, m.x25519) for m in s.members.values()} == {chat}

@@ -7,8 +7,8 @@ from harness import AppHarness, sqlite_url
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from planetserve.chain.app import HANDLERS
-from planetserve.chain.epoch_handlers import EPOCH_HANDLERS
+from planetserve.chain.abci.app import HANDLERS
+from planetserve.chain.abci.epoch_handlers import EPOCH_HANDLERS
 from planetserve.chain.errors import Code
 from planetserve.chain.keys import KeySet
 from planetserve.registry.params import Params

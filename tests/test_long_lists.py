@@ -12,7 +12,7 @@ import pytest
 from chainnet import ledger, start_network
 from tamper import TamperProxy
 
-from planetserve.chain import state as layout
+from planetserve.chain import layout
 from planetserve.chain.client import LedgerClient, QueryRefused
 from planetserve.chain.errors import Code
 from planetserve.chain.keys import KeySet

@@ -9,13 +9,12 @@ from harness import CHAIN_ID, AppHarness, node_body, sqlite_url
 from tendermint.abci import types_pb2 as abci
 from tendermint.crypto import keys_pb2
 
-from planetserve.chain import state as layout
-from planetserve.chain import trie
-from planetserve.chain.app import Application
+from planetserve.chain import layout, trie
+from planetserve.chain.abci.app import Application
+from planetserve.chain.abci.store import StateStore
 from planetserve.chain.client import QueryRefused, decode_entries, holding_node
 from planetserve.chain.errors import Code
 from planetserve.chain.keys import KeySet
-from planetserve.chain.store import StateStore
 from planetserve.registry import codec
 from planetserve.registry.entities import ModelNode
 from planetserve.registry.params import Params

@@ -17,9 +17,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import select
 
-from planetserve.chain import store as store_module
 from planetserve.chain import trie
-from planetserve.chain.store import (
+from planetserve.chain.abci import store as store_module
+from planetserve.chain.abci.store import (
     StaleBatchError,
     StateStore,
     StoreError,
@@ -465,7 +465,7 @@ def test_sigkill_after_commit_loses_nothing(tmp_path: Path) -> None:
     db = tmp_path / "kill.db"
     script = textwrap.dedent(f"""
         import sys, time
-        from planetserve.chain.store import StateStore
+        from planetserve.chain.abci.store import StateStore
         s = StateStore({str(db)!r})
         for h in range(1, 4):
             b = s.batch()
@@ -726,7 +726,7 @@ def test_sigkill_while_pruning_leaves_a_consistent_store(tmp_path: Path) -> None
     store holds exactly its last 3 heights' tries and carries on."""
     db = tmp_path / "kill.db"
     script = textwrap.dedent(f"""
-        from planetserve.chain.store import StateStore
+        from planetserve.chain.abci.store import StateStore
         s = StateStore({f"sqlite:///{db}"!r}, keep_heights=3)
         for h in range(1, 100_000):
             b = s.batch()

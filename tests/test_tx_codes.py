@@ -5,12 +5,13 @@ from __future__ import annotations
 import pytest
 from harness import CHAIN_ID, AppHarness, node_body, sqlite_url
 
-from planetserve.chain import state as layout
+from planetserve.chain import layout
 from planetserve.chain import tx as txlib
-from planetserve.chain.app import Application
+from planetserve.chain.abci.app import Application
+from planetserve.chain.abci.state import State
+from planetserve.chain.abci.store import StateStore
 from planetserve.chain.errors import Code
 from planetserve.chain.keys import KeySet
-from planetserve.chain.store import StateStore
 from planetserve.registry import codec
 from planetserve.registry.params import Params
 
@@ -33,7 +34,7 @@ def test_valid_registrations_commit(h):
         h.tx(user, "register-user", {"address": "10.0.0.9:9000", "region": "eu"}),
     )
     assert [r.code for r in result.tx_results] == [0, 0, 0]
-    st = layout.State(h.store.batch())
+    st = State(h.store.batch())
     assert st.org("org1").owner == owner.public
     assert st.node(node.public).model_id == "gt"
     assert st.user(user.public).expires_at == h.time + 60
@@ -122,11 +123,11 @@ def test_user_expiry_and_heartbeat(h):
     assert code(h, h.tx(user, "register-user", register)) == 0
     assert code(h, h.tx(user, "register-user", register)) == Code.ALREADY_EXISTS
     assert code(h, h.tx(user, "heartbeat", {"region": "us"}), seconds=30) == 0
-    st = layout.State(h.store.batch())
+    st = State(h.store.batch())
     assert st.user(user.public).region == "us"
     assert st.user(user.public).expires_at == h.time + 60
     h.block(seconds=61)
-    assert layout.State(h.store.batch()).user(user.public) is None
+    assert State(h.store.batch()).user(user.public) is None
     assert not list(h.store.batch().iterate(layout.user_list_prefix()))
     assert code(h, h.tx(user, "heartbeat", {})) == Code.UNKNOWN_ENTITY
     assert code(h, h.tx(user, "register-user", register)) == 0
@@ -169,7 +170,7 @@ def test_committee_admission_needs_more_than_two_thirds(tmp_path):
     assert again.tx_results[0].code == Code.ALREADY_EXISTS
     res = h.block(h.tx(h.members[2], "vote-member", {"proposal_id": 1, "approve": True}))
     assert [(u.pub_key.ed25519, u.power) for u in res.validator_updates] == [(consensus.public, 10)]
-    assert layout.State(h.store.batch()).member(candidate.public).credential == "University X"
+    assert State(h.store.batch()).member(candidate.public).credential == "University X"
     late = h.block(h.tx(h.members[3], "vote-member", {"proposal_id": 1, "approve": True}))
     assert late.tx_results[0].code == Code.UNKNOWN_ENTITY
     # removal: 5 members of power 10; 4 yes votes (40 of 50) are needed
@@ -186,7 +187,7 @@ def test_rejection_by_a_third_drops_the_proposal(tmp_path):
     h.block(h.tx(h.members[0], "propose-member", body))
     res = h.block(h.tx(h.members[2], "vote-member", {"proposal_id": 1, "approve": False}))
     assert res.tx_results[0].code == 0
-    assert layout.State(h.store.batch()).proposal(1) is None
+    assert State(h.store.batch()).proposal(1) is None
 
 
 def test_failed_tx_consumes_only_its_sequence(h):
@@ -196,7 +197,7 @@ def test_failed_tx_consumes_only_its_sequence(h):
     bad = h.tx(keys, "register-org", {"org_id": "org1"})
     assert h.block(bad).tx_results[0].code == Code.INVALID_FIELD
     assert h.registry_state() == before
-    assert layout.State(h.store.batch()).sequence(keys.public) == 1
+    assert State(h.store.batch()).sequence(keys.public) == 1
 
 
 def test_a_transaction_refused_by_check_tx_leaves_its_sequence_free(h):
@@ -231,7 +232,7 @@ def test_a_database_read_failure_stops_the_block_instead_of_failing_the_transact
 
     from tendermint.abci import types_pb2 as abci
 
-    from planetserve.chain.store import StoreError
+    from planetserve.chain.abci.store import StoreError
 
     keys = KeySet.generate()
     raw = h.tx(keys, "register-user", {"address": "10.0.0.1:9000", "region": "eu"})
@@ -256,4 +257,4 @@ def test_init_chain_repeated_before_the_first_commit_keeps_the_genesis_state(h, 
         app = Application(store)
         app.init_chain(h.genesis)
         assert app.finalize_block(first).app_hash == replayed
-    assert layout.State(h.store.batch()).params() == Params(user_ttl_seconds=60)
+    assert State(h.store.batch()).params() == Params(user_ttl_seconds=60)

@@ -16,15 +16,12 @@ from typing import Any, Protocol, TypeVar
 
 import msgpack
 
-from planetserve.chain import state as layout
-from planetserve.chain import trie
-from planetserve.chain.app import PROOF_OP_TYPE
+from planetserve.chain import layout, trie
 from planetserve.chain.errors import Code
-from planetserve.chain.handlers import node_pop_message
 from planetserve.chain.keys import KeySet
 from planetserve.chain.lightclient import LightBlock, LightClient, VerificationError
 from planetserve.chain.rpc import AbciQuery, RpcClient, RpcError, RpcResponseError, TxOutcome
-from planetserve.chain.tx import build
+from planetserve.chain.tx import build, node_pop_message
 from planetserve.registry import codec
 from planetserve.registry.credits import Credits, Deployment
 from planetserve.registry.entities import Member, Model, ModelNode, Organisation, Record, User
@@ -179,7 +176,7 @@ class LedgerClient:
 
     @staticmethod
     def _proof(path: str, data: bytes, answer: AbciQuery) -> trie.PrefixProof:
-        ops = [op for op in answer.proof_ops if op.type == PROOF_OP_TYPE]
+        ops = [op for op in answer.proof_ops if op.type == layout.PROOF_OP_TYPE]
         if len(ops) != 1 or ops[0].key != data:
             raise QueryRefused(f"proof missing or for another key in the answer to {path}")
         try:

@@ -1,6 +1,6 @@
 """The authenticated state: a canonical compressed byte-wide (256-ary) Patricia Merkle trie.
 
-Pure code: no I/O. The state store (`planetserve.chain.store`) keeps the nodes in a database and
+Pure code: no I/O. The state store (`planetserve.chain.abci.store`) keeps the nodes in a database and
 injects a loader; the client side only needs `verify_prefix` / `verify_key`.
 
 Keys

@@ -16,6 +16,7 @@ from planetserve.registry import codec
 
 VERSION = 1
 DOMAIN = "planetserve/tx/v1"
+NODE_POP_DOMAIN = "planetserve/node-pop/v1"
 
 
 @dataclass(frozen=True)
@@ -70,3 +71,8 @@ def decode(raw: bytes, max_bytes: int) -> Tx:
         if not ok:
             raise TxError(Code.UNDECODABLE, f"undecodable: {reason}")
     return Tx(tx_type, body, signer, sequence, chain_id, signature)
+
+
+def node_pop_message(chain_id: str, org_id: str, node_pubkey: bytes) -> bytes:
+    """What a model node's key signs to prove its owner holds it when the organisation registers it."""
+    return codec.pack([NODE_POP_DOMAIN, chain_id, org_id, node_pubkey])

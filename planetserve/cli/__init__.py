@@ -64,7 +64,7 @@ def log_level_option(default: str = "info") -> Any:
 
 
 def _keep_heights(_ctx: click.Context, _param: click.Parameter, value: int | None) -> int | None:
-    from planetserve.chain.store import check_keep_heights
+    from planetserve.chain.abci.store import check_keep_heights
 
     try:
         return None if value is None else check_keep_heights(value)

@@ -102,9 +102,9 @@ def app(home: Path, db: str | None, keep_heights: int | None, log_level: str) ->
     """Serve the ABCI application only (CometBFT connects to it)."""
     from sqlalchemy.exc import SQLAlchemyError
 
-    from planetserve.chain.app import Application
-    from planetserve.chain.server import AbciServer, tune_gc
-    from planetserve.chain.store import StateStore, StoreError, masked_url
+    from planetserve.chain.abci.app import Application
+    from planetserve.chain.abci.server import AbciServer, tune_gc
+    from planetserve.chain.abci.store import StateStore, StoreError, masked_url
 
     setup_logging(log_level)
     config = app_config(home)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from planetserve.chain.store import masked_url
+from planetserve.chain.abci.store import masked_url
 from planetserve.cli import console, emit_json, fail, keep_heights_option, table
 from planetserve.genesis.committee import ModelSpec, app_state_builder
 from planetserve.genesis.network import NetworkBuildError, build_network

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from planetserve.chain.store import check_keep_heights
+from planetserve.chain.abci.store import check_keep_heights
 from planetserve.models.recipes import DEFAULT_PRESET, NAMES, PRESETS
 from planetserve.node.behaviours import ALTER_PROMPTS, BEHAVIOURS, HONEST
 from planetserve.node.routes import PATH_LENGTH

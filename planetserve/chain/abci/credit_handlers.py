@@ -6,10 +6,10 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from planetserve.chain import state as layout
-from planetserve.chain.handlers import Context, owned_org
-from planetserve.chain.state import State
-from planetserve.chain.store import Batch
+from planetserve.chain import layout
+from planetserve.chain.abci.handlers import Context, owned_org
+from planetserve.chain.abci.state import State, due
+from planetserve.chain.abci.store import Batch
 from planetserve.registry import credits, fields, reputation
 from planetserve.registry.allocation import AllocationError
 from planetserve.registry.credits import Credits, Deployment
@@ -117,7 +117,7 @@ def deploy_model(ctx: Context, body: dict[str, Any]) -> None:
 def expire_deployments(batch: Batch, now: int) -> None:
     """Remove every deployment whose time ran out at or before this block's time."""
     st = State(batch)
-    for ident in layout.due(batch, layout.DEPLOYMENT_EXPIRY_PREFIX, now):
+    for ident in due(batch, layout.DEPLOYMENT_EXPIRY_PREFIX, now):
         deployment = st.deployment(int(ident))
         if deployment is not None:
             st.delete_deployment(deployment)

@@ -17,14 +17,14 @@ from sqlalchemy.exc import SQLAlchemyError
 from tendermint.abci import types_pb2 as abci
 from tendermint.crypto import keys_pb2, proof_pb2
 
-from planetserve.chain import epochs
-from planetserve.chain import state as layout
-from planetserve.chain.credit_handlers import CREDIT_HANDLERS, expire_deployments
-from planetserve.chain.epoch_handlers import EPOCH_HANDLERS
+from planetserve.chain import layout
+from planetserve.chain.abci import epochs
+from planetserve.chain.abci.credit_handlers import CREDIT_HANDLERS, expire_deployments
+from planetserve.chain.abci.epoch_handlers import EPOCH_HANDLERS
+from planetserve.chain.abci.handlers import REGISTRY_HANDLERS, Context
+from planetserve.chain.abci.state import IterableKV, State, TxScope, due, members
+from planetserve.chain.abci.store import Batch, StateStore, StoreError, TooManyEntriesError
 from planetserve.chain.errors import CODESPACE, Code, TxError, from_registry
-from planetserve.chain.handlers import REGISTRY_HANDLERS, Context
-from planetserve.chain.state import IterableKV, State, TxScope
-from planetserve.chain.store import Batch, StateStore, StoreError, TooManyEntriesError
 from planetserve.chain.tx import Tx, decode
 from planetserve.registry.credits import Credits
 from planetserve.registry.entities import Proposal
@@ -35,7 +35,6 @@ from planetserve.registry.params import Params
 log = logging.getLogger(__name__)
 
 APP_VERSION = 1
-PROOF_OP_TYPE = "planetserve/prefix"
 BLOCK_TIME_META = "block_time"
 CHAIN_ID_META = "chain_id"
 VERIFIED_CACHE = 100_000
@@ -246,7 +245,7 @@ class Application:
         else:  # keys without the prefix the client asked for: it knows that part
             cut = len(req.data)
             value = msgpack.packb([[k[cut:], v] for k, v in entries], use_bin_type=True)
-        op = proof_pb2.ProofOp(type=PROOF_OP_TYPE, key=req.data, data=proof.encode())
+        op = proof_pb2.ProofOp(type=layout.PROOF_OP_TYPE, key=req.data, data=proof.encode())
         ops = proof_pb2.ProofOps(ops=[op])
         answer = abci.ResponseQuery(
             code=0,
@@ -298,7 +297,7 @@ class Application:
             time=time,
             chain_id=self.chain_id,
             params=params,
-            load_committee=lambda: layout.members(batch),
+            load_committee=lambda: members(batch),
         )
         try:
             handler(ctx, tx.body)
@@ -352,7 +351,7 @@ class Application:
     def _expire_users(batch: Batch, now: int) -> None:
         """Remove every user whose time-to-live ran out at or before this block's time."""
         st = State(batch)
-        for ident in layout.due(batch, layout.EXPIRY_PREFIX, now):
+        for ident in due(batch, layout.EXPIRY_PREFIX, now):
             user = st.user(bytes.fromhex(ident.decode()))
             if user is not None:
                 st.delete_user(user)

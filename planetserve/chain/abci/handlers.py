@@ -8,9 +8,10 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
+from planetserve.chain.abci.state import State
 from planetserve.chain.keys import verify_signature
-from planetserve.chain.state import State
-from planetserve.registry import codec, fields, rules
+from planetserve.chain.tx import node_pop_message
+from planetserve.registry import fields, rules
 from planetserve.registry.entities import (
     MEMBER_ACTIONS,
     NODE_STATUSES,
@@ -29,8 +30,6 @@ from planetserve.registry.errors import (
     UnknownEntity,
 )
 from planetserve.registry.params import Params
-
-NODE_POP_DOMAIN = "planetserve/node-pop/v1"
 
 
 @dataclass
@@ -61,11 +60,6 @@ class Context:
         if member is None:
             raise Unauthorized("signer is not a committee member")
         return member
-
-
-def node_pop_message(chain_id: str, org_id: str, node_pubkey: bytes) -> bytes:
-    """What a model node's key signs to prove its owner holds it when the organisation registers it."""
-    return codec.pack([NODE_POP_DOMAIN, chain_id, org_id, node_pubkey])
 
 
 def register_org(ctx: Context, body: dict[str, Any]) -> None:

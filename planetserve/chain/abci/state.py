@@ -1,48 +1,46 @@
-"""The state layout: which key holds what, and typed access to it.
-
-Every key is ASCII. Identifier components are percent-escaped so that a prefix query for one model
-or region can never match another (model ids may contain '/').
-
-    acct/<signer hex>                       account sequence (int)
-    params                                  Params
-    org/<org>                               Organisation
-    user/<pubkey hex>                       User
-    ulist/<region>/<pubkey hex>             User            (the signed user list, per region)
-    uexp/<expires_at:012d>/<pubkey hex>     b""             (expiry index, swept every block)
-    model/<model>                           Model
-    node/<pubkey hex>                       ModelNode
-    nlist/<model>/<region>/<pubkey hex>     ModelNode       (the signed node list, per model/region)
-    member/<operator hex>                   Member
-    proposal/<id:012d>                      Proposal
-    next/proposal                           int
-
-Verification epochs (<e> is the epoch number as %010d):
-    epoch/<e>                               Epoch
-    vrf/<e>/<operator hex>                  VrfEntry        (proofs electing the leader of e)
-    plan/<e>/<node hex>                     PlanEntry
-    pcom/<e>/<commitment hex>               node pubkey     (no commitment twice in an epoch)
-    rch/<e>/<node hex>/<member hex>         Rechallenge
-    res/<e>/<node hex>/<submitter hex>      ChallengeResult
-    att/<e>/<node hex>/<submitter hex>      [[member, credibility ppm], ...] sorted by member
-    inv/<e>/<node hex>                      [member, ...]   (reports of no valid response)
-    fault/<operator hex>/<e>/<n:04d>        Fault
-    rep/<node hex>                          Reputation
-
-Contribution credits and deployments:
-    price/<hardware>                        credits per server-hour (int)
-    credit/<org>                            Credits         (credit-seconds)
-    deploy/<id:012d>                        Deployment
-    dnode/<node hex>                        deployment id   (nodes serving a deployment)
-    dexp/<expires_at:012d>/<id:012d>        b""             (expiry index, swept every block)
-    next/deployment                         int
-"""
+"""Typed access to the state through its key layout (chain/layout.py), and the per-transaction
+write buffer."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Protocol, TypeVar
-from urllib.parse import quote
+from typing import Protocol
 
+from planetserve.chain.layout import (
+    DEPLOYMENT_PREFIX,
+    MEMBER_PREFIX,
+    NEXT_DEPLOYMENT_KEY,
+    NEXT_PROPOSAL_KEY,
+    NODE_PREFIX,
+    PARAMS_KEY,
+    R,
+    account_key,
+    assigned_key,
+    attestation_key,
+    commitment_key,
+    credits_key,
+    deployment_expiry_key,
+    deployment_key,
+    epoch_key,
+    expiry_key,
+    fault_counter_key,
+    fault_key,
+    member_key,
+    model_key,
+    node_key,
+    node_list_key,
+    org_key,
+    plan_key,
+    price_key,
+    proposal_key,
+    rechallenge_key,
+    report_key,
+    reputation_key,
+    result_key,
+    user_key,
+    user_list_key,
+    vrf_prefix,
+)
 from planetserve.registry import codec, reputation
 from planetserve.registry.credits import Credits, Deployment
 from planetserve.registry.entities import (
@@ -65,8 +63,6 @@ from planetserve.registry.epochs import (
 )
 from planetserve.registry.params import Params
 
-R = TypeVar("R", bound=Record)
-
 
 class KV(Protocol):
     def get(self, key: bytes) -> bytes | None: ...
@@ -76,175 +72,6 @@ class KV(Protocol):
 
 class IterableKV(KV, Protocol):
     def iterate(self, prefix: bytes) -> Iterator[tuple[bytes, bytes]]: ...
-
-
-def _c(component: str) -> str:
-    return quote(component, safe="")
-
-
-def key(*parts: str) -> bytes:
-    return "/".join(parts).encode("ascii")
-
-
-def account_key(signer: bytes) -> bytes:
-    return key("acct", signer.hex())
-
-
-ORG_PREFIX = key("org", "")
-
-
-def org_key(org_id: str) -> bytes:
-    return key("org", _c(org_id))
-
-
-def user_key(pubkey: bytes) -> bytes:
-    return key("user", pubkey.hex())
-
-
-def user_list_prefix(region: str | None = None) -> bytes:
-    return key("ulist", _c(region), "") if region else key("ulist", "")
-
-
-def user_list_key(user: User) -> bytes:
-    return user_list_prefix(user.region) + user.pubkey.hex().encode()
-
-
-EXPIRY_PREFIX = key("uexp", "")
-
-
-def expiry_key(expires_at: int, pubkey: bytes) -> bytes:
-    return EXPIRY_PREFIX + f"{expires_at:012d}/{pubkey.hex()}".encode()
-
-
-def model_key(model_id: str) -> bytes:
-    return key("model", _c(model_id))
-
-
-def node_key(pubkey: bytes) -> bytes:
-    return key("node", pubkey.hex())
-
-
-def node_list_prefix(model_id: str | None = None, region: str | None = None) -> bytes:
-    if model_id is None:
-        return key("nlist", "")
-    if region is None:
-        return key("nlist", _c(model_id), "")
-    return key("nlist", _c(model_id), _c(region), "")
-
-
-def node_list_key(node: ModelNode) -> bytes:
-    return node_list_prefix(node.model_id, node.region) + node.pubkey.hex().encode()
-
-
-def member_key(operator: bytes) -> bytes:
-    return key("member", operator.hex())
-
-
-MEMBER_PREFIX = key("member", "")
-
-
-PROPOSAL_PREFIX = key("proposal", "")
-
-
-def proposal_key(proposal_id: int) -> bytes:
-    return PROPOSAL_PREFIX + f"{proposal_id:012d}".encode()
-
-
-def _e(epoch: int) -> str:
-    return f"{epoch:010d}"
-
-
-def epoch_key(epoch: int) -> bytes:
-    return key("epoch", _e(epoch))
-
-
-def vrf_prefix(epoch: int) -> bytes:
-    return key("vrf", _e(epoch), "")
-
-
-def plan_prefix(epoch: int) -> bytes:
-    return key("plan", _e(epoch), "")
-
-
-def plan_key(epoch: int, node: bytes) -> bytes:
-    return plan_prefix(epoch) + node.hex().encode()
-
-
-def commitment_key(epoch: int, commitment: bytes) -> bytes:
-    return key("pcom", _e(epoch), commitment.hex())
-
-
-def rechallenge_key(epoch: int, node: bytes, member: bytes) -> bytes:
-    return key("rch", _e(epoch), node.hex(), member.hex())
-
-
-def result_prefix(epoch: int, node: bytes | None = None) -> bytes:
-    return key("res", _e(epoch), node.hex(), "") if node else key("res", _e(epoch), "")
-
-
-def result_key(epoch: int, node: bytes, submitter: bytes) -> bytes:
-    return result_prefix(epoch, node) + submitter.hex().encode()
-
-
-def attestation_prefix(epoch: int) -> bytes:
-    return key("att", _e(epoch), "")
-
-
-def attestation_key(epoch: int, node: bytes, submitter: bytes) -> bytes:
-    return attestation_prefix(epoch) + f"{node.hex()}/{submitter.hex()}".encode()
-
-
-def report_prefix(epoch: int) -> bytes:
-    return key("inv", _e(epoch), "")
-
-
-def report_key(epoch: int, node: bytes) -> bytes:
-    return report_prefix(epoch) + node.hex().encode()
-
-
-def fault_prefix(operator: bytes | None = None) -> bytes:
-    return key("fault", operator.hex(), "") if operator else key("fault", "")
-
-
-REPUTATION_PREFIX = key("rep", "")
-
-
-def reputation_key(node: bytes) -> bytes:
-    return REPUTATION_PREFIX + node.hex().encode()
-
-
-def price_key(hardware: str) -> bytes:
-    return key("price", _c(hardware))
-
-
-CREDITS_PREFIX = key("credit", "")
-
-
-def credits_key(org_id: str) -> bytes:
-    return key("credit", _c(org_id))
-
-
-DEPLOYMENT_PREFIX = key("deploy", "")
-ASSIGNED_PREFIX = key("dnode", "")
-DEPLOYMENT_EXPIRY_PREFIX = key("dexp", "")
-NEXT_DEPLOYMENT_KEY = key("next", "deployment")
-
-
-def deployment_key(deployment_id: int) -> bytes:
-    return DEPLOYMENT_PREFIX + f"{deployment_id:012d}".encode()
-
-
-def assigned_key(node: bytes) -> bytes:
-    return ASSIGNED_PREFIX + node.hex().encode()
-
-
-def deployment_expiry_key(expires_at: int, deployment_id: int) -> bytes:
-    return DEPLOYMENT_EXPIRY_PREFIX + f"{expires_at:012d}/{deployment_id:012d}".encode()
-
-
-NODE_PREFIX = key("node", "")
-PARAMS_KEY = key("params")
-NEXT_PROPOSAL_KEY = key("next", "proposal")
 
 
 class TxScope:
@@ -440,10 +267,10 @@ class State:
 
     def add_fault(self, fault: Fault) -> None:
         """Faults of one operator are numbered in the order the chain recorded them."""
-        counter = key("next", "fault", fault.operator.hex())
+        counter = fault_counter_key(fault.operator)
         n = self.get_int(counter)
         self.put_int(counter, n + 1)
-        self._put(fault_prefix(fault.operator) + f"{_e(fault.epoch)}/{n:04d}".encode(), fault)
+        self._put(fault_key(fault.operator, fault.epoch, n), fault)
 
     def reputation(self, node: bytes) -> Reputation | None:
         return self._load(reputation_key(node), Reputation)
@@ -514,6 +341,3 @@ def due(kv: IterableKV, prefix: bytes, now: int) -> list[bytes]:
         out.append(ident)
     return out
 
-
-def decode_records(entries: list[tuple[bytes, bytes]], cls: type[R]) -> list[R]:
-    return [cls.decode(v) for _, v in entries]

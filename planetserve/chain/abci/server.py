@@ -17,7 +17,7 @@ from collections.abc import Callable
 from google.protobuf.message import DecodeError
 from tendermint.abci import types_pb2 as abci
 
-from planetserve.chain.app import Application
+from planetserve.chain.abci.app import Application
 from planetserve.chain.varint import encode_uvarint
 
 log = logging.getLogger(__name__)

@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import replace
 
-from planetserve.chain import state as layout
-from planetserve.chain.state import State
-from planetserve.chain.store import Batch
+from planetserve.chain import layout
+from planetserve.chain.abci.state import State, members
+from planetserve.chain.abci.store import Batch
 from planetserve.registry import codec, credits, epochs, finalization, reputation
 from planetserve.registry.entities import Member, ModelNode
 from planetserve.registry.epochs import PLAN_COMMITTED, PLAN_NONE, ChallengeResult, Epoch, Fault, Schedule
@@ -49,7 +49,7 @@ def end_block(batch: Batch, params: Params, height: int, time: int) -> None:
     if height != schedule.end(number):
         return
     st = State(batch)
-    committee = layout.members(batch)
+    committee = members(batch)
     current = st.epoch(number)
     if current is not None:
         _finalize(batch, st, params, current, committee, time)

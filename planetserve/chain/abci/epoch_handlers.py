@@ -10,7 +10,7 @@ from dataclasses import replace
 from typing import Any
 
 from planetserve.chain import vrf
-from planetserve.chain.handlers import Context
+from planetserve.chain.abci.handlers import Context
 from planetserve.chain.keys import verify_signature
 from planetserve.registry import credits, epochs, fields
 from planetserve.registry.epochs import (
