@@ -31,6 +31,7 @@ from loadgen import LoadResult, run_load  # noqa: E402
 
 from planetserve.chain import tx as txlib  # noqa: E402
 from planetserve.chain.keys import KeySet  # noqa: E402
+from planetserve.chain.messages import RegisterUser  # noqa: E402
 from planetserve.genesis.committee import app_state_builder  # noqa: E402
 from planetserve.genesis.network import build_network  # noqa: E402
 from planetserve.localnet.cluster import Cluster  # noqa: E402
@@ -42,9 +43,8 @@ MEMPOOL_SIZE = 50_000  # both networks: room for the whole load, so nothing is r
 
 def planetserve_txs(n: int, chain_id: str, region: str = "bench") -> list[bytes]:
     return [
-        txlib.build(KeySet.generate(), chain_id, "register-user",
-                    {"address": f"10.{i // 65536 % 256}.{i // 256 % 256}.{i % 256}:9000",
-                     "region": region}, 0)
+        txlib.sign(KeySet.generate(), chain_id,
+                   RegisterUser(f"10.{i // 65536 % 256}.{i // 256 % 256}.{i % 256}:9000", region), 0)
         for i in range(n)
     ]
 

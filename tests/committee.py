@@ -83,7 +83,7 @@ class Script:
         committee = list(members(self.h.store.batch()).values())
         challenges = {n: Challenge.new(f"Question {i} for epoch {target}: why is the sky blue?", TEMPERATURE)
                       for i, n in enumerate(nodes if nodes is not None else self.nodes)}
-        entries = [c.plan_entry(n, committee) for n, c in challenges.items()]
+        entries = [c.plan_entry(n, committee).body() for n, c in challenges.items()]
         return {"epoch": target, "entries": entries, "final": True}, challenges
 
     def plan_tx(self, target: int) -> tuple[bytes, dict[bytes, Challenge]]:
@@ -108,7 +108,7 @@ class Script:
         entries = []
         for node in nodes if nodes is not None else list(self.nodes):
             challenge = self.planned(number, node, leader)
-            entries.append({**challenge.reveal(self.answer(node, challenge.prompt)),
+            entries.append({**challenge.reveal(self.answer(node, challenge.prompt)).body(),
                             "credibility": credibility})
         return {"epoch": number, "kind": "leader", "results": entries}
 

@@ -19,6 +19,7 @@ from openai import APIStatusError
 
 from planetserve.chain.client import LedgerClient
 from planetserve.chain.keys import KeySet
+from planetserve.chain.messages import RegisterOrg
 from planetserve.genesis.network import free_ports
 from planetserve.localnet.cluster import Cluster
 from planetserve.node.home import ModelNodeConfig, UserConfig
@@ -145,7 +146,7 @@ def acme_node(tmp_path: Path, net, data: Path) -> NodeProcess:
     """Organisation acme registered, and its model node (quick gt) running and registered by it."""
     owner = KeySet.generate()
     owner.save(tmp_path / "acme.json")
-    assert ledger(net).submit(owner, "register-org", {"org_id": "acme", "name": "ACME"}).outcome.ok
+    assert ledger(net).submit(owner, RegisterOrg("acme", "ACME")).outcome.ok
     init_home(tmp_path / "mn", net, data)
     return NodeProcess(tmp_path / "mn", tmp_path / "acme.json")
 

@@ -115,7 +115,7 @@ def test_altered_prompt_is_the_leaders_fault(s):
     body = s.leader_results(1, HONEST)
     challenge = s.planned(1, node0, leader)
     altered = s.answer(node0, challenge.prompt + " Answer in one word.")
-    body["results"][0] = {**challenge.reveal(altered), "credibility": HONEST}
+    body["results"][0] = {**challenge.reveal(altered).body(), "credibility": HONEST}
     assert s.block(s.tx(leader, "submit-results", body)) == [(0, "ok")]
     result = s.state.result(1, node0, leader.public)
     assert result.status == epochs.FAULTY and "different prompt" in result.reason
@@ -153,7 +153,7 @@ def test_a_forwarded_answer_is_credited_to_the_node_that_computed_it(s):
     challenge = s.planned(1, node0, leader)
     entry_answer = s.answer(node0, challenge.prompt)
     computed = s.answer(node1, challenge.prompt, time=entry_answer.time - 1)
-    body["results"][0] = {**challenge.reveal(entry_answer, served=computed), "credibility": 200_000}
+    body["results"][0] = {**challenge.reveal(entry_answer, served=computed).body(), "credibility": 200_000}
     assert s.block(s.tx(leader, "submit-results", body)) == [(0, "ok")]
     assert s.state.result(1, node0, leader.public).served_by == node1
     assert all(c == 0 for c, _ in s.block(*s.attest_txs(1, leader.public, {node0: 200_000, node1: HONEST})))
@@ -175,7 +175,7 @@ def test_a_forged_serving_node_is_the_submitters_fault(s, forgery):
     computed = s.answer(node1, challenge.prompt)
     if forgery == "signature":
         computed = replace(computed, signature=bytes(64))
-    entry = {**challenge.reveal(entry_answer, served=computed), "credibility": HONEST}
+    entry = {**challenge.reveal(entry_answer, served=computed).body(), "credibility": HONEST}
     if forgery == "model":  # a key that is no node of the model
         stranger = KeySet.generate()
         entry["served"]["node"] = stranger.public
@@ -201,7 +201,7 @@ def test_skipped_node_is_rechallenged_by_members(s):
     commits = [s.tx(m, "commit-rechallenge", {"epoch": 1, "node": node0, "commitment": own[m.public].commitment})
                for m in members]
     assert all(c == 0 for c, _ in s.block(*commits))
-    bell = {**own[members[0].public].reveal(s.answer(node0, "ring\x07")), "prompt": "ring\x07"}
+    bell = {**own[members[0].public].reveal(s.answer(node0, "ring\x07")).body(), "prompt": "ring\x07"}
     refused = s.block(s.tx(members[0], "submit-results", {"epoch": 1, "kind": "rechallenge", "results": [bell]}))
     assert refused == [(Code.INVALID_FIELD, "invalid field: field 'prompt': must not contain control characters "
                                             "other than tab and line breaks")]
@@ -228,7 +228,7 @@ def test_a_temperature_other_than_the_committed_one_is_the_leaders_fault(s):
     body = s.leader_results(1, HONEST)
     challenge = s.planned(1, node0, leader)
     hotter = s.answer(node0, challenge.prompt, temperature=TEMPERATURE + 300)
-    body["results"][0] = {**challenge.reveal(hotter), "credibility": HONEST}
+    body["results"][0] = {**challenge.reveal(hotter).body(), "credibility": HONEST}
     assert s.block(s.tx(leader, "submit-results", body)) == [(0, "ok")]
     result = s.state.result(1, node0, leader.public)
     assert result.status == epochs.FAULTY
@@ -264,10 +264,10 @@ def test_a_sealed_challenge_opens_whole_for_every_member_and_only_in_range(s):
     is refused on opening."""
     committee = list(members(s.h.store.batch()).values())
     chat = Challenge.new("<|im_start|>user\nWhy?<|im_end|>\n", 0, "Why?")
-    entry = PlanEntry.from_record(chat.plan_entry(bytes(32), committee))
+    entry = PlanEntry.from_record(chat.plan_entry(bytes(32), committee).body())
     assert {open_plan_entry(entry, m.public, m.x25519) for m in s.members.values()} == {chat}
     hot = Challenge.new("Why?", epochs.MAX_CHALLENGE_TEMPERATURE + 1)
-    entry = PlanEntry.from_record(hot.plan_entry(bytes(32), committee))
+    entry = PlanEntry.from_record(hot.plan_entry(bytes(32), committee).body())
     member = next(iter(s.members.values()))
     with pytest.raises(SealedPromptError, match="sealed temperature 1001 is not an integer in"):
         open_plan_entry(entry, member.public, member.x25519)
@@ -432,7 +432,7 @@ def test_the_same_epochs_give_the_same_app_hashes_on_postgresql(s, pg_url):
     node0, node1 = list(s.nodes)
     body = s.leader_results(1, 100_000)
     challenge = s.planned(1, node0, leader)
-    body["results"][0] = {**challenge.reveal(s.answer(node0, challenge.prompt + "!")), "credibility": 1}
+    body["results"][0] = {**challenge.reveal(s.answer(node0, challenge.prompt + "!")).body(), "credibility": 1}
     assert s.block(s.tx(leader, "submit-results", body)) == [(0, "ok")]
     members = others(s, 1)
     assert all(c == 0 for c, _ in s.block(*s.attest_txs(1, leader.public, {node1: 100_000}),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import pytest
 from chainnet import assert_same_app_hashes, ledger, member_keys, start_network
@@ -16,6 +17,16 @@ from planetserve.chain import vrf
 from planetserve.chain.challenge import Challenge, open_plan_entry, sign_response
 from planetserve.chain.client import LedgerClient
 from planetserve.chain.keys import KeySet
+from planetserve.chain.messages import (
+    Attest,
+    CommitPlan,
+    CommitRechallenge,
+    RegisterModelNode,
+    RegisterOrg,
+    SubmitResults,
+    SubmitVrf,
+)
+from planetserve.chain.messages.epochs import Unanswered
 from planetserve.cli import main
 from planetserve.registry import epochs, reputation
 from planetserve.registry.credits import format_credits
@@ -45,10 +56,10 @@ class Committee:
         self.members = [member_keys(net, i) for i in range(4)]
         self.owner, self.nodes = KeySet.generate(), [KeySet.generate() for _ in range(2)]
         client = self.clients[0]
-        assert client.submit(self.owner, "register-org", {"org_id": "org-e", "name": "Org E"}).outcome.code == 0
+        assert client.submit(self.owner, RegisterOrg("org-e", "Org E")).outcome.code == 0
         for i, node in enumerate(self.nodes):
-            done = client.submit(self.owner, "register-model-node", client.model_node_body(
-                "org-e", node, model_id="gt", address=f"127.0.0.1:{7100 + i}", hardware="cpu", capacity=2,
+            done = client.submit(self.owner, RegisterModelNode.signed(
+                client.chain_id(), "org-e", node, model_id="gt", address=f"127.0.0.1:{7100 + i}", hardware="cpu", capacity=2,
                 region="local"))
             assert done.outcome.code == 0, done.outcome.log
 
@@ -62,10 +73,9 @@ class Committee:
     def client(self, online: list[int]) -> LedgerClient:
         return self.clients[online[0]]
 
-    def submit_all(self, online: list[int], tx_type: str, body_of) -> None:
+    def submit_all(self, online: list[int], msg_of) -> None:
         with ThreadPoolExecutor(len(online)) as pool:
-            outcomes = list(pool.map(
-                lambda i: self.clients[i].submit(self.members[i], tx_type, body_of(i)), online))
+            outcomes = list(pool.map(lambda i: self.clients[i].submit(self.members[i], msg_of(i)), online))
         assert [o.outcome.code for o in outcomes] == [0] * len(online), [o.outcome.log for o in outcomes]
 
     def elect_and_plan(self, number: int, online: list[int]) -> None:
@@ -76,13 +86,12 @@ class Committee:
         seed = client.epoch(number).seed
         planner = self.members[self.index(client.epoch(number - 1).leader)]
         _, committee = client.committee()
-        plan = {"epoch": number, "final": True, "entries": [
+        plan = CommitPlan(number, tuple(
             Challenge.new(f"Epoch {number} asks node {i}: what makes bread rise?", TEMPERATURE).plan_entry(
                 n.public, committee)
-            for i, n in enumerate(self.nodes)]}
-        self.submit_all(online, "submit-vrf",
-                        lambda i: {"epoch": number, "proof": vrf.prove(bytes(self.members[i].vrf), seed)})
-        done = self.own(planner).submit(planner, "commit-plan", plan)
+            for i, n in enumerate(self.nodes)), final=True)
+        self.submit_all(online, lambda i: SubmitVrf(number, vrf.prove(bytes(self.members[i].vrf), seed)))
+        done = self.own(planner).submit(planner, plan)
         assert done.outcome.code == 0, done.outcome.log
         self.net.wait_for_height(SCHEDULE.start(number), validators=online, timeout=120)
 
@@ -104,17 +113,16 @@ class Committee:
             if entry.node == skip:
                 continue
             if entry.node == claim_invalid:
-                results.append({"node": entry.node, "invalid": "no response within 60 s"})
+                results.append(Unanswered(entry.node, "no response within 60 s"))
                 continue
             challenge = open_plan_entry(entry, leader.public, leader.x25519)
             asked = challenge.prompt + (" Answer in one word." if entry.node == alter else "")
-            result = {**challenge.reveal(self.answer(entry.node, asked, challenge.temperature)),
-                      "credibility": (credibility or {}).get(entry.node, CREDIBILITY)}
+            result = replace(challenge.reveal(self.answer(entry.node, asked, challenge.temperature)),
+                             credibility=(credibility or {}).get(entry.node, CREDIBILITY))
             if entry.node == tamper:
-                result["response"]["text"] = "I am a very bad model."
+                result = replace(result, response=replace(result.response, text="I am a very bad model."))
             results.append(result)
-        done = self.own(leader).submit(leader, "submit-results",
-                                       {"epoch": number, "kind": "leader", "results": results})
+        done = self.own(leader).submit(leader, SubmitResults(number, "leader", tuple(results)))
         assert done.outcome.code == 0, done.outcome.log
         return leader
 
@@ -127,16 +135,14 @@ class Committee:
         """Each member commits its own prompt for the node, has it answered, and reveals it."""
         own = {i: Challenge.new(f"Member {i} asks in epoch {number}: how do tides work?", TEMPERATURE)
                for i in members}
-        self.submit_all(members, "commit-rechallenge",
-                        lambda i: {"epoch": number, "node": node, "commitment": own[i].commitment})
-        self.submit_all(members, "submit-results", lambda i: {
-            "epoch": number, "kind": "rechallenge",
-            "results": [own[i].reveal(self.answer(node, own[i].prompt))]})
+        self.submit_all(members, lambda i: CommitRechallenge(number, node, own[i].commitment))
+        self.submit_all(members, lambda i: SubmitResults(
+            number, "rechallenge", (own[i].reveal(self.answer(node, own[i].prompt)),)))
 
     def attest(self, number: int, online: list[int], submitter: KeySet, nodes: list[KeySet],
                credibility: dict[bytes, int] | None = None) -> None:
-        scores = [[n.public, submitter.public, (credibility or {}).get(n.public, CREDIBILITY)] for n in nodes]
-        self.submit_all(online, "attest", lambda i: {"epoch": number, "scores": scores})
+        scores = tuple((n.public, submitter.public, (credibility or {}).get(n.public, CREDIBILITY)) for n in nodes)
+        self.submit_all(online, lambda i: Attest(number, scores))
 
 
 def test_an_honest_epoch_end_to_end(net):

@@ -7,10 +7,10 @@ from harness import AppHarness, sqlite_url
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from planetserve.chain.abci.app import HANDLERS
-from planetserve.chain.abci.epoch_handlers import EPOCH_HANDLERS
 from planetserve.chain.errors import Code
 from planetserve.chain.keys import KeySet
+from planetserve.chain.messages import MESSAGES
+from planetserve.chain.messages import epochs as epoch_messages
 from planetserve.registry.params import Params
 
 KEYS = KeySet.generate()
@@ -69,7 +69,8 @@ FIELD_NAMES = ["org_id", "name", "address", "region", "model_id", "node_pubkey",
                "capacity", "status", "action", "operator", "consensus_key", "vrf_key", "x25519_key",
                "credential", "power", "proposal_id", "approve", "epoch", "proof", "entries", "final",
                "kind", "results", "scores", "node", "reason", "commitment", "extra"]
-MEMBER_TYPES = {"register-model", "propose-member", "vote-member", *EPOCH_HANDLERS}
+MEMBER_TYPES = {"register-model", "propose-member", "vote-member",
+                *(t for t, m in MESSAGES.items() if m.__module__ == epoch_messages.__name__)}
 values = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.text(max_size=80) | st.binary(max_size=80),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
@@ -78,7 +79,7 @@ values = st.recursive(
 
 
 @settings_
-@given(st.sampled_from(sorted(HANDLERS)),
+@given(st.sampled_from(sorted(MESSAGES)),
        st.dictionaries(st.sampled_from(FIELD_NAMES), values, max_size=9))
 def test_signed_random_bodies_never_crash_and_refusals_change_nothing(h, tx_type, body):
     signer = h.members[0] if tx_type in MEMBER_TYPES else KEYS

@@ -16,6 +16,7 @@ from planetserve.chain import layout
 from planetserve.chain.client import LedgerClient, QueryRefused
 from planetserve.chain.errors import Code
 from planetserve.chain.keys import KeySet
+from planetserve.chain.messages import RegisterUser
 from planetserve.chain.rpc import RpcClient
 from planetserve.localnet.cluster import Cluster
 from planetserve.registry import codec
@@ -50,7 +51,7 @@ def net(tmp_path_factory):
         for region, count in REGIONS.items():
             for _ in range(count):
                 user = KeySet.generate()
-                done = client.submit(user, "register-user", {"address": "10.0.0.1:9000", "region": region})
+                done = client.submit(user, RegisterUser("10.0.0.1:9000", region))
                 assert done.outcome.ok, done.outcome.log
                 users.setdefault(region, set()).add(user.public)
         yield Registered(cluster, users, client.min_height)

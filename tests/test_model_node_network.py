@@ -11,6 +11,7 @@ from roles import NodeProcess, init_home, planetserve
 from waiting import wait_until
 
 from planetserve.chain.keys import KeySet
+from planetserve.chain.messages import RegisterOrg, UpdateModelNode
 
 pytestmark = pytest.mark.network
 
@@ -23,7 +24,7 @@ def test_model_nodes_register_group_forward_and_sign(tmp_path, quick_family):
         owner = KeySet.generate()
         owner_path = tmp_path / "acme.json"
         owner.save(owner_path)
-        assert client.submit(owner, "register-org", {"org_id": "acme", "name": "ACME"}).outcome.ok
+        assert client.submit(owner, RegisterOrg("acme", "ACME")).outcome.ok
         homes = [tmp_path / f"mn{i}" for i in range(3)]
         for home in homes:
             init_home(home, net, quick_family)
@@ -57,8 +58,7 @@ def test_model_nodes_register_group_forward_and_sign(tmp_path, quick_family):
         assert nodes[1].status()["routes"].get("hit") == 1
 
         # the organisation delists node 0: node 1 drops it from its group and stops forwarding to it
-        done = client.submit(owner, "update-model-node", {"node_pubkey": bytes.fromhex(keys[0]),
-                                                          "status": "inactive"})
+        done = client.submit(owner, UpdateModelNode(bytes.fromhex(keys[0]), status="inactive"))
         assert done.outcome.ok, done.outcome.log
         wait_until(lambda: nodes[1].status()["group"] == [keys[1]])
         again = nodes[1].complete(SHARED + "What is a frozenset?")

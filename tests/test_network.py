@@ -22,6 +22,14 @@ from waiting import wait_until
 from planetserve.chain.client import QueryRefused
 from planetserve.chain.keys import KeySet
 from planetserve.chain.lightclient import VerificationError
+from planetserve.chain.messages import (
+    ProposeMember,
+    RegisterModel,
+    RegisterModelNode,
+    RegisterOrg,
+    RegisterUser,
+    VoteMember,
+)
 from planetserve.chain.rpc import RpcClient, RpcError
 from planetserve.genesis.network import edit_toml, free_ports
 from planetserve.registry import codec
@@ -39,12 +47,12 @@ def net(tmp_path_factory):
 
 def register_org_and_nodes(client, org_id: str, count: int) -> list[KeySet]:
     owner = KeySet.generate()
-    assert client.submit(owner, "register-org", {"org_id": org_id, "name": org_id}).outcome.code == 0
+    assert client.submit(owner, RegisterOrg(org_id, org_id)).outcome.code == 0
     nodes = []
     for i in range(count):
         node = KeySet.generate()
-        done = client.submit(owner, "register-model-node", client.model_node_body(
-            org_id, node, model_id="gt", address=f"127.0.0.1:{7000 + i}", hardware="cpu", capacity=2,
+        done = client.submit(owner, RegisterModelNode.signed(
+            client.chain_id(), org_id, node, model_id="gt", address=f"127.0.0.1:{7000 + i}", hardware="cpu", capacity=2,
             region="local"))
         assert done.outcome.code == 0, done.outcome.log
         nodes.append(node)
@@ -55,7 +63,7 @@ def test_registry_txs_commit_and_all_app_hashes_agree(net):
     clients = [ledger(net, i) for i in range(4)]
     nodes = register_org_and_nodes(clients[0], "org-a", 2)
     user = KeySet.generate()
-    done = clients[2].submit(user, "register-user", {"address": "127.0.0.1:9100", "region": "eu"})
+    done = clients[2].submit(user, RegisterUser("127.0.0.1:9100", "eu"))
     assert done.outcome.code == 0
     for client in clients:  # every validator answers the same verified lists
         client.min_height = done.height
@@ -71,7 +79,7 @@ def test_registry_txs_commit_and_all_app_hashes_agree(net):
 def test_refused_tx_reports_its_code_over_rpc(net):
     client = ledger(net, 1)
     stranger = KeySet.generate()
-    done = client.submit(stranger, "register-model", {"model_id": "m", "name": "n"})
+    done = client.submit(stranger, RegisterModel("m", "n"))
     assert done.outcome.code == 10 and "committee" in done.outcome.log
 
 
@@ -82,7 +90,7 @@ def test_one_down_continues_two_down_halts(net):
     start = max(net.wait_for_height(0, validators=[0, 1, 2]).values())
     net.wait_for_height(start + 3, validators=[0, 1, 2], timeout=30)
     owner = KeySet.generate()
-    assert client.submit(owner, "register-org", {"org_id": "while-down", "name": "x"}).outcome.code == 0
+    assert client.submit(owner, RegisterOrg("while-down", "x")).outcome.code == 0
     net.start(3)
     caught_up = max(net.wait_for_height(0, validators=[0]).values())
     net.wait_for_height(caught_up, validators=[3], timeout=60)
@@ -116,7 +124,7 @@ def test_a_partitioned_validator_commits_nothing_and_catches_up(net):
         net.start(3)
         isolated = net.rpc(3).latest_height()
         for i in range(3):
-            done = client.submit(KeySet.generate(), "register-org", {"org_id": f"partitioned-{i}", "name": "x"})
+            done = client.submit(KeySet.generate(), RegisterOrg(f"partitioned-{i}", "x"))
             assert done.outcome.code == 0, done.outcome.log
         top = max(net.wait_for_height(0, validators=[0, 1, 2]).values())
         assert top >= isolated + 3
@@ -142,7 +150,7 @@ def test_sigkill_app_under_load_recovers_same_app_hash(net):
             codes[user.public] = -1
             with suppress(Exception):  # the load only has to keep blocks busy
                 codes[user.public] = client.submit(
-                    user, "register-user", {"address": "127.0.0.1:1", "region": "load"}, timeout=20).outcome.code
+                    user, RegisterUser("127.0.0.1:1", "load"), timeout=20).outcome.code
 
     worker = threading.Thread(target=load, daemon=True)
     worker.start()
@@ -192,13 +200,14 @@ def test_an_institution_joins_from_its_own_home_and_is_admitted(net, tmp_path):
         newcomer = RpcClient(f"http://127.0.0.1:{ports[1]}")
         wait_until(lambda: _height(newcomer) >= client.rpc.latest_height() - 1, timeout=60)  # synced
 
-        body = {"action": "add", "operator": bytes.fromhex(joined["operator"]),
-                "consensus_key": bytes.fromhex(joined["consensus_key"]),
-                "vrf_key": bytes.fromhex(joined["vrf_key"]), "x25519_key": bytes.fromhex(joined["x25519_key"]),
-                "credential": "Institute of Tests", "power": 1}
-        assert client.submit(member_keys(net, 0), "propose-member", body).outcome.code == 0
+        proposal = ProposeMember("add", operator=bytes.fromhex(joined["operator"]),
+                                 consensus_key=bytes.fromhex(joined["consensus_key"]),
+                                 vrf_key=bytes.fromhex(joined["vrf_key"]),
+                                 x25519_key=bytes.fromhex(joined["x25519_key"]),
+                                 credential="Institute of Tests", power=1)
+        assert client.submit(member_keys(net, 0), proposal).outcome.code == 0
         for i in (1, 2):
-            done = client.submit(member_keys(net, i), "vote-member", {"proposal_id": 1, "approve": True})
+            done = client.submit(member_keys(net, i), VoteMember(1, True))
             assert done.outcome.code == 0, done.outcome.log
         height = client.rpc.latest_height()
         net.wait_for_height(height + 4)
@@ -372,7 +381,7 @@ def test_a_pruning_validator_agrees_and_serves_only_its_recent_heights(net):
         net.start(3)
         client = ledger(net, 0)
         for _ in range(3):
-            done = client.submit(KeySet.generate(), "register-user", {"address": "127.0.0.1:1", "region": "prune"})
+            done = client.submit(KeySet.generate(), RegisterUser("127.0.0.1:1", "prune"))
             assert done.outcome.code == 0, done.outcome.log
         top = max(net.wait_for_height(max(done.height + 2, 2 + 20 + 3), timeout=60).values())  # height 2 pruned
         net.wait_for_height(top, validators=[3], timeout=60)

@@ -10,6 +10,7 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
 from planetserve.chain.keys import KeySet
+from planetserve.chain.messages import RegisterOrg, RegisterUser
 
 pytestmark = [pytest.mark.network, pytest.mark.postgres]
 
@@ -27,10 +28,10 @@ def test_sqlite_and_postgres_validators_agree(tmp_path, pg_url):
             client = ledger(net, 1)
             for i in range(6):
                 user = KeySet.generate()
-                body = {"address": f"127.0.0.1:{9000 + i}", "region": "eu" if i % 2 else "us"}
-                assert client.submit(user, "register-user", body).outcome.code == 0
+                registration = RegisterUser(f"127.0.0.1:{9000 + i}", "eu" if i % 2 else "us")
+                assert client.submit(user, registration).outcome.code == 0
             owner = KeySet.generate()
-            assert client.submit(owner, "register-org", {"org_id": "pg-org", "name": "PG"}).outcome.code == 0
+            assert client.submit(owner, RegisterOrg("pg-org", "PG")).outcome.code == 0
             top = client.rpc.latest_height()
             assert_same_app_hashes(net, top)
             _, users = ledger(net, 3).users()

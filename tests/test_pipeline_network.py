@@ -18,6 +18,7 @@ from waiting import wait_until
 
 from planetserve.chain.challenge import Challenge
 from planetserve.chain.keys import KeySet
+from planetserve.chain.messages import DeployModel
 from planetserve.genesis.network import free_ports
 from planetserve.models import LoadedModel
 from planetserve.node.home import ModelNodeConfig
@@ -49,8 +50,7 @@ def init_stage_home(home, net, deep: LoadedModel) -> None:
 
 
 def deploy(client, owner: KeySet, seconds: int):
-    return client.submit(owner, "deploy-model", {"org_id": "acme", "model_id": "deep", "hardware": "cpu",
-                                                 "nodes": 3, "seconds": seconds})
+    return client.submit(owner, DeployModel("acme", "deep", "cpu", 3, seconds))
 
 
 def registered(client, nodes: list[NodeProcess]) -> int:

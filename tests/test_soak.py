@@ -18,6 +18,7 @@ from roles import acme_network, start_relays
 from waiting import wait_until
 
 from planetserve.chain.keys import KeySet
+from planetserve.chain.messages import RegisterOrg
 from planetserve.localnet import processes
 
 SECONDS = float(os.environ.get("SOAK_SECONDS", "600"))
@@ -62,7 +63,7 @@ def test_sustained_load_loses_nothing_and_memory_stays_bounded(tmp_path, quick_f
             while not stop.wait(TX_INTERVAL_S):
                 org = f"soak-{i}"
                 i += 1
-                done = client.submit(KeySet.generate(), "register-org", {"org_id": org, "name": "soak"})
+                done = client.submit(KeySet.generate(), RegisterOrg(org, "soak"))
                 (accepted if done.outcome.ok else refused).append(org)
 
         def prompts() -> None:

@@ -21,6 +21,7 @@ from planetserve.chain.challenge import (
     sign_response,
 )
 from planetserve.chain.keys import KeySet
+from planetserve.chain.messages.epochs import PlanItem
 from planetserve.cli import main
 from planetserve.config import HomeError
 from planetserve.genesis.network import free_ports
@@ -82,13 +83,12 @@ def test_a_journal_line_cut_by_a_crash_is_skipped_and_ended(tmp_path):
 
 
 def test_plan_parts_stay_under_the_limit_and_end_in_a_final_part():
-    entries = [{"node": bytes([i]) * 32, "commitment": bytes(32), "sealed": [[bytes(32), bytes(900)]]}
-               for i in range(10)]
-    size = len(codec.pack(entries[0]))
+    entries = [PlanItem(bytes([i]) * 32, bytes(32), ((bytes(32), bytes(900)),)) for i in range(10)]
+    size = len(codec.pack(entries[0].body()))
     parts = _parts(entries, 3 * size)
     assert [len(p) for p in parts] == [3, 3, 3, 1]
     assert [e for p in parts for e in p] == entries
-    assert all(len(codec.pack(p)) <= 3 * size + 4 for p in parts)
+    assert all(len(codec.pack([e.body() for e in p])) <= 3 * size + 4 for p in parts)
     assert _parts([], 1000) == [[]]  # nothing left to cover: one empty, final part
 
 

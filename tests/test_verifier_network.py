@@ -21,6 +21,7 @@ from waiting import wait_until
 
 from planetserve.chain.errors import Code
 from planetserve.chain.keys import KeySet
+from planetserve.chain.messages import RegisterOrg
 from planetserve.genesis.network import KEYS_FILE, free_ports
 from planetserve.node.home import ModelNodeConfig
 from planetserve.registry import epochs, reputation
@@ -105,7 +106,7 @@ def test_the_committee_verifies_model_nodes_epoch_after_epoch(tmp_path, quick_fa
         client = ledger(net)
         owner = KeySet.generate()
         owner.save(tmp_path / "acme.json")
-        assert client.submit(owner, "register-org", {"org_id": "acme", "name": "ACME"}).outcome.ok
+        assert client.submit(owner, RegisterOrg("acme", "ACME")).outcome.ok
         for name, (model, behaviour) in NODES.items():
             model_node_home(tmp_path / name, net, quick_family, model, behaviour)
             nodes[name] = NodeProcess(tmp_path / name, tmp_path / "acme.json")

@@ -11,6 +11,7 @@ from nacl.exceptions import CryptoError
 from nacl.public import PrivateKey, PublicKey, SealedBox
 
 from planetserve.chain.keys import KeySet, verify_signature
+from planetserve.chain.messages.epochs import PlanItem, Revealed, Served
 from planetserve.registry import codec, epochs
 from planetserve.registry.entities import Member
 from planetserve.registry.epochs import PlanEntry, SignedResponse
@@ -48,23 +49,19 @@ class Challenge:
     def sampling_temperature(self) -> float:
         return self.temperature / epochs.MILLI
 
-    def plan_entry(self, node: bytes, committee: list[Member]) -> dict:
+    def plan_entry(self, node: bytes, committee: list[Member]) -> PlanItem:
         """A commit-plan entry: the commitment, and the challenge sealed to every member's X25519 key
         (whichever member leads sends it)."""
         plaintext = codec.pack([self.prompt, self.salt, self.temperature, self.question])
-        sealed = sorted([m.operator, SealedBox(PublicKey(m.x25519_key)).encrypt(plaintext)]
+        sealed = sorted((m.operator, SealedBox(PublicKey(m.x25519_key)).encrypt(plaintext))
                         for m in committee)
-        return {"node": node, "commitment": self.commitment, "sealed": sealed}
+        return PlanItem(node, self.commitment, tuple(sealed))
 
-    def reveal(self, response: SignedResponse, served: SignedResponse | None = None) -> dict:
+    def reveal(self, response: SignedResponse, served: SignedResponse | None = None) -> Revealed:
         """A submit-results entry (without the leader's proposed credibility); `served` is the serving
         peer's own signature when the challenged node forwarded the prompt."""
-        entry = {"node": response.node, "prompt": self.prompt, "salt": self.salt,
-                 "temperature": self.temperature, "response": response.to_record()}
-        if served is not None:
-            entry["served"] = {"node": served.node, "time": served.time, "address": served.address,
-                               "signature": served.signature}
-        return entry
+        return Revealed(response.node, self.prompt, self.salt, self.temperature, response,
+                        served=Served.of(served) if served is not None else None)
 
 
 def open_plan_entry(entry: PlanEntry, operator: bytes, key: PrivateKey) -> Challenge:

@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 import msgpack
 
@@ -20,8 +20,9 @@ from planetserve.chain import layout, trie
 from planetserve.chain.errors import Code
 from planetserve.chain.keys import KeySet
 from planetserve.chain.lightclient import LightBlock, LightClient, VerificationError
+from planetserve.chain.messages.base import Message
 from planetserve.chain.rpc import AbciQuery, RpcClient, RpcError, RpcResponseError, TxOutcome
-from planetserve.chain.tx import build, node_pop_message
+from planetserve.chain.tx import sign
 from planetserve.registry import codec
 from planetserve.registry.credits import Credits, Deployment
 from planetserve.registry.entities import Member, Model, ModelNode, Organisation, Record, User
@@ -382,14 +383,9 @@ class LedgerClient:
     def chain_id(self) -> str:
         return self.rpc.status()["node_info"]["network"]
 
-    def model_node_body(self, org_id: str, node: KeySet, **fields: Any) -> dict[str, Any]:
-        """The body of register-model-node for `node`, with its proof of possession signed."""
-        return {"org_id": org_id, "node_pubkey": node.public,
-                "pop": node.sign(node_pop_message(self.chain_id(), org_id, node.public)), **fields}
-
-    def submit(self, keys: KeySet, tx_type: str, body: dict[str, Any], timeout: float = 30.0) -> Submitted:
+    def submit(self, keys: KeySet, msg: Message, timeout: float = 30.0) -> Submitted:
         """Sign with the account's next sequence, broadcast, and wait until the tx is in a block."""
-        raw = build(keys, self.chain_id(), tx_type, body, self.sequence(keys.public))
+        raw = sign(keys, self.chain_id(), msg, self.sequence(keys.public))
         checked = self.rpc.broadcast_tx_sync(raw)
         if not checked.ok:
             return Submitted(checked.hash, 0, TxOutcome(code=checked.code, data=b"", log=checked.log,
@@ -402,7 +398,7 @@ class LedgerClient:
                 return Submitted(checked.hash, found.height, found.result)
             except RpcResponseError:
                 if time.monotonic() > deadline:
-                    raise TxNotCommitted(f"{tx_type} was accepted into the mempool as tx "
+                    raise TxNotCommitted(f"{msg.TYPE} was accepted into the mempool as tx "
                                          f"{checked.hash.hex().upper()} but not seen in a block within "
                                          f"{timeout:g} s") from None
                 time.sleep(0.2)

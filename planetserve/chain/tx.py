@@ -12,11 +12,11 @@ from typing import Any
 
 from planetserve.chain.errors import Code, TxError
 from planetserve.chain.keys import KeySet, verify_signature
+from planetserve.chain.messages.base import Message
 from planetserve.registry import codec
 
 VERSION = 1
 DOMAIN = "planetserve/tx/v1"
-NODE_POP_DOMAIN = "planetserve/node-pop/v1"
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,11 @@ def build(keys: KeySet, chain_id: str, tx_type: str, body: dict[str, Any], seque
     return Tx(tx_type, body, keys.public, sequence, chain_id, keys.sign(unsigned.sign_bytes())).encode()
 
 
+def sign(keys: KeySet, chain_id: str, msg: Message, sequence: int) -> bytes:
+    """Sign and encode the transaction that carries `msg`."""
+    return build(keys, chain_id, msg.TYPE, msg.body(), sequence)
+
+
 def decode(raw: bytes, max_bytes: int) -> Tx:
     """Parse the envelope; raises TxError(OVERSIZE | UNDECODABLE) with the reason."""
     if len(raw) > max_bytes:
@@ -71,8 +76,3 @@ def decode(raw: bytes, max_bytes: int) -> Tx:
         if not ok:
             raise TxError(Code.UNDECODABLE, f"undecodable: {reason}")
     return Tx(tx_type, body, signer, sequence, chain_id, signature)
-
-
-def node_pop_message(chain_id: str, org_id: str, node_pubkey: bytes) -> bytes:
-    """What a model node's key signs to prove its owner holds it when the organisation registers it."""
-    return codec.pack([NODE_POP_DOMAIN, chain_id, org_id, node_pubkey])

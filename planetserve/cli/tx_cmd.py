@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,18 @@ import click
 from planetserve.chain.client import LedgerClient, TxNotCommitted
 from planetserve.chain.errors import Code
 from planetserve.chain.keys import KeyFileError, KeySet
+from planetserve.chain.messages import (
+    DeployModel,
+    Heartbeat,
+    ProposeMember,
+    RegisterModel,
+    RegisterModelNode,
+    RegisterOrg,
+    RegisterUser,
+    UpdateModelNode,
+    VoteMember,
+)
+from planetserve.chain.messages.base import Message
 from planetserve.chain.rpc import RpcError
 from planetserve.cli import EXIT_REFUSED, console, emit_json, err_console, fail
 from planetserve.cli.ledger import ledger_options
@@ -62,10 +75,11 @@ def _events(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def submit(ledger: LedgerClient, keys: KeySet, tx_type: str, body: dict[str, Any], as_json: bool) -> None:
+def submit(ledger: LedgerClient, keys: KeySet, msg: Message, as_json: bool) -> None:
+    tx_type = msg.TYPE
     try:
         with err_console.status(f"submitting {tx_type} and waiting for a block...", spinner="dots"):
-            done = ledger.submit(keys, tx_type, body)
+            done = ledger.submit(keys, msg)
     except TxNotCommitted as exc:
         fail(f"{exc}: check with `planetserve query status` before sending it again (it may still commit)")
     except RpcError as exc:
@@ -105,7 +119,7 @@ def group() -> None:
 @ledger_options(verify=False)
 def register_org(ledger: LedgerClient, keys_path: Path, org_id: str, name: str, as_json: bool) -> None:
     """Register an organisation owned by the signing key."""
-    submit(ledger, load_keys(keys_path), "register-org", {"org_id": org_id, "name": name}, as_json)
+    submit(ledger, load_keys(keys_path), RegisterOrg(org_id, name), as_json)
 
 
 @group.command("register-user")
@@ -117,7 +131,7 @@ def register_org(ledger: LedgerClient, keys_path: Path, org_id: str, name: str, 
 @ledger_options(verify=False)
 def register_user(ledger: LedgerClient, keys_path: Path, address: str, region: str, as_json: bool) -> None:
     """Register the signing key as a user relay (renew it with `tx heartbeat` before it expires)."""
-    submit(ledger, load_keys(keys_path), "register-user", {"address": address, "region": region}, as_json)
+    submit(ledger, load_keys(keys_path), RegisterUser(address, region), as_json)
 
 
 @group.command("heartbeat")
@@ -129,8 +143,7 @@ def register_user(ledger: LedgerClient, keys_path: Path, address: str, region: s
 def heartbeat(ledger: LedgerClient, keys_path: Path, address: str | None, region: str | None,
               as_json: bool) -> None:
     """Renew the signing user's registration for another time-to-live."""
-    body = {k: v for k, v in (("address", address), ("region", region)) if v is not None}
-    submit(ledger, load_keys(keys_path), "heartbeat", body, as_json)
+    submit(ledger, load_keys(keys_path), Heartbeat(address, region), as_json)
 
 
 @group.command("register-model")
@@ -146,9 +159,7 @@ def heartbeat(ledger: LedgerClient, keys_path: Path, address: str | None, region
 def register_model(ledger: LedgerClient, keys_path: Path, model_id: str, name: str, layers: int | None,
                    layer_mib: int | None, as_json: bool) -> None:
     """Register a model that nodes may serve (committee members only)."""
-    body: dict[str, object] = {"model_id": model_id, "name": name}
-    body.update({k: v for k, v in (("layers", layers), ("layer_mib", layer_mib)) if v is not None})
-    submit(ledger, load_keys(keys_path), "register-model", body, as_json)
+    submit(ledger, load_keys(keys_path), RegisterModel(model_id, name, layers, layer_mib), as_json)
 
 
 @group.command("register-model-node")
@@ -170,13 +181,14 @@ def register_model_node(ledger: LedgerClient, keys_path: Path, node_keys: Path, 
                         model_id: str, address: str, hardware: str, capacity: int, region: str,
                         memory_mib: int | None, gflops: int | None, as_json: bool) -> None:
     """Register a model node of the signer's organisation."""
-    sizes = {k: v for k, v in (("memory_mib", memory_mib), ("gflops", gflops)) if v is not None}
     try:
-        body = ledger.model_node_body(org_id, load_keys(node_keys), model_id=model_id, address=address,
-                                      hardware=hardware, capacity=capacity, region=region, **sizes)
+        chain_id = ledger.chain_id()
     except RpcError as exc:
         fail(f"could not submit: {exc}")
-    submit(ledger, load_keys(keys_path), "register-model-node", body, as_json)
+    registration = RegisterModelNode.signed(chain_id, org_id, load_keys(node_keys), model_id=model_id,
+                                            address=address, hardware=hardware, capacity=capacity,
+                                            region=region, memory_mib=memory_mib, gflops=gflops)
+    submit(ledger, load_keys(keys_path), registration, as_json)
 
 
 @group.command("update-model-node")
@@ -192,9 +204,8 @@ def register_model_node(ledger: LedgerClient, keys_path: Path, node_keys: Path, 
 def update_model_node(ledger: LedgerClient, keys_path: Path, node_pubkey: str, as_json: bool,
                       **changes: Any) -> None:
     """Change a model node of the signer's organisation."""
-    body = {k: v for k, v in changes.items() if v is not None}
-    body["node_pubkey"] = key_bytes(node_pubkey, "--node-pubkey")
-    submit(ledger, load_keys(keys_path), "update-model-node", body, as_json)
+    update = UpdateModelNode(key_bytes(node_pubkey, "--node-pubkey"), **changes)
+    submit(ledger, load_keys(keys_path), update, as_json)
 
 
 @group.command("propose-member")
@@ -217,17 +228,17 @@ def propose_member(ledger: LedgerClient, keys_path: Path, action: str, operator:
 
     The proposer's vote counts; the output names the proposal_id the other members vote on with
     `planetserve tx vote-member --proposal ID`."""
-    body: dict[str, Any] = {"action": action, "operator": key_bytes(operator, "--operator")}
+    proposal = ProposeMember(action, key_bytes(operator, "--operator"))
     if action == "add":
         missing = [n for n, v in (("--consensus-key", consensus_key), ("--vrf-key", vrf_key),
                                   ("--x25519-key", x25519_key), ("--credential", credential)) if not v]
         if missing:
             fail(f"adding a member needs {', '.join(missing)}")
-        body.update(consensus_key=key_bytes(consensus_key, "--consensus-key"),  # type: ignore[arg-type]
-                    vrf_key=key_bytes(vrf_key, "--vrf-key"),  # type: ignore[arg-type]
-                    x25519_key=key_bytes(x25519_key, "--x25519-key"),  # type: ignore[arg-type]
-                    credential=credential, power=power)
-    submit(ledger, load_keys(keys_path), "propose-member", body, as_json)
+        proposal = replace(proposal, consensus_key=key_bytes(consensus_key, "--consensus-key"),  # type: ignore[arg-type]
+                           vrf_key=key_bytes(vrf_key, "--vrf-key"),  # type: ignore[arg-type]
+                           x25519_key=key_bytes(x25519_key, "--x25519-key"),  # type: ignore[arg-type]
+                           credential=credential, power=power)
+    submit(ledger, load_keys(keys_path), proposal, as_json)
 
 
 @group.command("vote-member")
@@ -241,8 +252,7 @@ def propose_member(ledger: LedgerClient, keys_path: Path, action: str, operator:
 def vote_member(ledger: LedgerClient, keys_path: Path, proposal_id: int, approve: bool,
                 as_json: bool) -> None:
     """Vote on a pending committee proposal."""
-    submit(ledger, load_keys(keys_path), "vote-member",
-           {"proposal_id": proposal_id, "approve": approve}, as_json)
+    submit(ledger, load_keys(keys_path), VoteMember(proposal_id, approve), as_json)
 
 
 @group.command("deploy-model")
@@ -262,6 +272,5 @@ def deploy_model(ledger: LedgerClient, keys_path: Path, org_id: str, model_id: s
     picks the servers and ends the deployment when its time is up. See `query credits ORG`."""
     if days * 86_400 < 60:
         raise click.BadParameter(f"{days:g} days is less than one minute", param_hint="--days")
-    body = {"org_id": org_id, "model_id": model_id, "hardware": hardware, "nodes": nodes,
-            "seconds": round(days * 86_400)}
-    submit(ledger, load_keys(keys_path), "deploy-model", body, as_json)
+    deployment = DeployModel(org_id, model_id, hardware, nodes, round(days * 86_400))
+    submit(ledger, load_keys(keys_path), deployment, as_json)

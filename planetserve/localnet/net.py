@@ -22,6 +22,7 @@ import httpx
 
 from planetserve.chain.client import LedgerClient
 from planetserve.chain.lightclient import LightClient
+from planetserve.chain.messages.registry import RegisterOrg
 from planetserve.chain.rpc import RpcClient
 from planetserve.genesis.committee import app_state_builder
 from planetserve.genesis.network import SPEC_FILE, NetworkSpec, ValidatorInfo, build_network
@@ -139,8 +140,7 @@ def ensure_organisations(root: Path, config: LocalnetConfig, ledger: LedgerClien
     """Register the organisations a configuration added after the genesis was made."""
     for org in _organisations(root, config):
         if ledger.org(org.org_id) is None:
-            done = ledger.submit(roles.org_keys(root, org.org_id), "register-org",
-                                 {"org_id": org.org_id, "name": org.name})
+            done = ledger.submit(roles.org_keys(root, org.org_id), RegisterOrg(org.org_id, org.name))
             if not done.outcome.ok:
                 raise LocalnetError(f"registering organisation {org.org_id} failed: {done.outcome.log}")
 

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from planetserve.chain.client import LedgerClient
 from planetserve.chain.errors import Code
 from planetserve.chain.keys import KeySet
+from planetserve.chain.messages.base import Message
+from planetserve.chain.messages.registry import Heartbeat, RegisterModelNode, RegisterUser, UpdateModelNode
 from planetserve.node.home import ModelNodeConfig, UserConfig
 from planetserve.registry.entities import ModelNode, User
 
@@ -29,18 +31,18 @@ class Registered:
 SEQUENCE_ATTEMPTS = 5
 
 
-def _submit(ledger: LedgerClient, org_keys: KeySet, tx_type: str, body: dict) -> None:
+def _submit(ledger: LedgerClient, org_keys: KeySet, msg: Message) -> None:
     """Submit, retrying a sequence clash: an organisation's nodes starting together all sign with its
     key, and all but one of them took a sequence another one used first."""
     for _ in range(SEQUENCE_ATTEMPTS - 1):
-        result = ledger.submit(org_keys, tx_type, body)
+        result = ledger.submit(org_keys, msg)
         if result.outcome.code != Code.BAD_SEQUENCE:
             break
         time.sleep(0.5 + secrets.randbelow(1000) / 1000)
     else:
-        result = ledger.submit(org_keys, tx_type, body)
+        result = ledger.submit(org_keys, msg)
     if not result.outcome.ok:
-        raise RegistrationError(f"{tx_type} refused (code {result.outcome.code}): {result.outcome.log}")
+        raise RegistrationError(f"{msg.TYPE} refused (code {result.outcome.code}): {result.outcome.log}")
 
 
 def ensure_registered(ledger: LedgerClient, config: ModelNodeConfig, node_keys: KeySet,
@@ -56,11 +58,10 @@ def ensure_registered(ledger: LedgerClient, config: ModelNodeConfig, node_keys: 
                 f"--model-id {config.model_id} --address {config.address} --hardware {config.hardware} "
                 f"--capacity {config.capacity} --region {config.region} --keys <org keys>`, "
                 f"or pass --org-keys to this command")
-        body = ledger.model_node_body(config.org_id, node_keys, model_id=config.model_id,
-                                      address=config.address, hardware=config.hardware,
-                                      capacity=config.capacity, region=config.region,
-                                      **_sizes(config))
-        _submit(ledger, org_keys, "register-model-node", body)
+        registration = RegisterModelNode.signed(
+            ledger.chain_id(), config.org_id, node_keys, model_id=config.model_id, address=config.address,
+            hardware=config.hardware, capacity=config.capacity, region=config.region, **_sizes(config))
+        _submit(ledger, org_keys, registration)
         return Registered(_read(ledger, node_keys), "registered")
     if current.model_id != config.model_id or current.org_id != config.org_id:
         raise RegistrationError(
@@ -75,7 +76,7 @@ def ensure_registered(ledger: LedgerClient, config: ModelNodeConfig, node_keys: 
     if org_keys is None:
         raise RegistrationError(f"the registered {', '.join(sorted(changes))} differ from the configuration; "
                                 f"pass --org-keys so the organisation can update them")
-    _submit(ledger, org_keys, "update-model-node", {"node_pubkey": node_keys.public, **changes})
+    _submit(ledger, org_keys, UpdateModelNode(node_keys.public, **changes))
     return Registered(_read(ledger, node_keys), "updated")
 
 
@@ -98,7 +99,7 @@ def ensure_user(ledger: LedgerClient, config: UserConfig, keys: KeySet) -> tuple
     region ("renewed")."""
     current = ledger.user(keys.public)
     if current is None:
-        _submit(ledger, keys, "register-user", {"address": config.address, "region": config.region})
+        _submit(ledger, keys, RegisterUser(config.address, config.region))
         action = "registered"
     else:
         heartbeat(ledger, keys, config)
@@ -111,4 +112,4 @@ def ensure_user(ledger: LedgerClient, config: UserConfig, keys: KeySet) -> tuple
 
 def heartbeat(ledger: LedgerClient, keys: KeySet, config: UserConfig) -> None:
     """Renew the registration before its time-to-live runs out (and correct the address if it moved)."""
-    _submit(ledger, keys, "heartbeat", {"address": config.address, "region": config.region})
+    _submit(ledger, keys, Heartbeat(config.address, config.region))

@@ -93,7 +93,11 @@ def sig64(body: dict[str, Any], name: str) -> bytes:
 
 
 def integer(body: dict[str, Any], name: str, low: int, high: int) -> int:
-    value = body.get(name)
+    return within(name, body.get(name), low, high)
+
+
+def within(name: str, value: Any, low: int, high: int) -> int:
+    """An integer in low..high; the chain's parameters narrow some ranges that a message allows."""
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise InvalidField(name, f"must be an integer in {low}..{high}")
     return value

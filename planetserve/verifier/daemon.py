@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Hashable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,17 @@ from planetserve.chain.challenge import Challenge, SealedPromptError, milli, ope
 from planetserve.chain.client import TRANSIENT, LedgerClient
 from planetserve.chain.errors import Code
 from planetserve.chain.keys import KeySet
+from planetserve.chain.messages.base import Message
+from planetserve.chain.messages.epochs import (
+    Attest,
+    CommitPlan,
+    CommitRechallenge,
+    PlanItem,
+    Revealed,
+    SubmitResults,
+    SubmitVrf,
+    Unanswered,
+)
 from planetserve.registry import codec, credits, epochs
 from planetserve.registry.entities import Member, ModelNode
 from planetserve.registry.epochs import PLAN_COMMITTED, VALID, ChallengeResult, Schedule, SignedResponse
@@ -162,10 +173,11 @@ class Daemon:
 
     # -- submitting ------------------------------------------------------------------------------
 
-    def _submit(self, tx_type: str, body: dict[str, Any], epoch: int, keys: Iterable[Hashable] = ()) -> bool:
+    def _submit(self, msg: Message, epoch: int, keys: Iterable[Hashable] = ()) -> bool:
         """Submit and record the outcome. A refusal other than a stale sequence will not change on a
         retry, so the work items `keys` are given up for this epoch instead of being sent again."""
-        done = self.ledger.submit(self.keys, tx_type, body)
+        done = self.ledger.submit(self.keys, msg)
+        tx_type = msg.TYPE
         code, message = done.outcome.code, done.outcome.log
         self.status["submitted" if code == 0 else "rejected"] += 1
         self.submissions.append({"time": int(time.time()), "epoch": epoch, "type": tx_type, "code": code,
@@ -190,7 +202,7 @@ class Daemon:
                 or not self._open(schedule.in_vrf_window)):
             return
         proof = vrf.prove(bytes(self.keys.vrf), target.seed)
-        self._submit("submit-vrf", {"epoch": target_number, "proof": proof}, target_number, ["vrf"])
+        self._submit(SubmitVrf(target_number, proof), target_number, ["vrf"])
 
     def _plan(self, target_number: int, params: Params, schedule: Schedule) -> None:
         target = self.ledger.epoch(target_number)
@@ -210,15 +222,14 @@ class Daemon:
         for index, part in enumerate(parts):
             final = index == len(parts) - 1
             if not self._open(schedule.in_plan_window) or not self._submit(
-                    "commit-plan", {"epoch": target_number, "entries": part, "final": final}, target_number,
-                    ["plan"]):
+                    CommitPlan(target_number, tuple(part), final), target_number, ["plan"]):
                 return
 
-    def _plan_entry(self, node: bytes, model_id: str, committee: list[Member], params: Params) -> dict:
+    def _plan_entry(self, node: bytes, model_id: str, committee: list[Member], params: Params) -> PlanItem:
         """A fresh challenge for `node`, drawn again while its sealed copies would not fit a transaction."""
         for _ in range(PLAN_DRAWS):
             entry = self._fresh(model_id).plan_entry(node, committee)
-            if len(codec.pack(entry)) <= params.max_tx_bytes - TX_MARGIN_BYTES:
+            if len(codec.pack(entry.body())) <= params.max_tx_bytes - TX_MARGIN_BYTES:
                 return entry
         raise ChallengeError(f"no challenge small enough for a {len(committee)}-member plan entry in "
                              f"{PLAN_DRAWS} draws; lower max_prompt_tokens")
@@ -313,31 +324,30 @@ class Daemon:
         value = verdict.calibrated_ppm if self.calibrated else verdict.credibility_ppm
         return value if value is not None else 0
 
-    def _entry(self, number: int, asked: Asked, with_credibility: bool) -> dict[str, Any]:
+    def _entry(self, number: int, asked: Asked, with_credibility: bool) -> Revealed | Unanswered:
         """A submit-results entry: the revealed challenge, or an invalid claim when there is no answer
         the node can be held to."""
         if asked.reply is None:
             log.warning("node %s gave no answer in epoch %d: %s", asked.node.hex()[:16], number,
                         asked.failure)
-            return {"node": asked.node, "invalid": _reason(asked.failure)}
+            return Unanswered(asked.node, _reason(asked.failure))
         node = self.ledger.node(asked.node)
         response = asked.reply.response
         verdict = self._verdict(node, response, asked.challenge.prompt)
         if verdict is not None and not verdict.ok and not verdict.rejection.node_fault:
             log.warning("node %s's answer in epoch %d is not its own: %s", asked.node.hex()[:16], number,
                         verdict.detail)
-            return {"node": asked.node, "invalid": _reason(f"{verdict.rejection.value}: {verdict.detail}")}
+            return Unanswered(asked.node, _reason(f"{verdict.rejection.value}: {verdict.detail}"))
         entry = asked.challenge.reveal(response, asked.reply.served)
         if verdict is not None:
             self.scores[number, asked.node, self.me] = self._score(verdict)
             if with_credibility:
-                entry["credibility"] = self.scores[number, asked.node, self.me]
+                entry = replace(entry, credibility=self.scores[number, asked.node, self.me])
         return entry
 
     def _submit_leader(self, number: int, asked: Asked) -> None:
         entry = self._entry(number, asked, with_credibility=True)
-        self._submit("submit-results", {"epoch": number, "kind": "leader", "results": [entry]}, number,
-                     [(asked.node, "leader")])
+        self._submit(SubmitResults(number, "leader", (entry,)), number, [(asked.node, "leader")])
 
     def _rechallenge(self, number: int, leader: bytes) -> None:
         """Challenge, with a prompt of our own, each planned node the leader left without a valid result."""
@@ -357,15 +367,14 @@ class Daemon:
                 if challenge is None:
                     challenge = self._fresh(node.model_id)
                     self.journal.add(number, entry.node, challenge)
-                body = {"epoch": number, "node": entry.node, "commitment": challenge.commitment}
-                if not self._submit("commit-rechallenge", body, number, [(entry.node, "rechallenge")]):
+                commit = CommitRechallenge(number, entry.node, challenge.commitment)
+                if not self._submit(commit, number, [(entry.node, "rechallenge")]):
                     continue
             self._ask((number, entry.node, "rechallenge"), challenge, node)
 
     def _submit_rechallenge(self, number: int, asked: Asked) -> None:
         entry = self._entry(number, asked, with_credibility=False)
-        self._submit("submit-results", {"epoch": number, "kind": "rechallenge", "results": [entry]}, number,
-                     [(asked.node, "rechallenge")])
+        self._submit(SubmitResults(number, "rechallenge", (entry,)), number, [(asked.node, "rechallenge")])
 
     # -- attestations ----------------------------------------------------------------------------
 
@@ -381,9 +390,9 @@ class Daemon:
                 continue
             score = self._attested_score(number, result)
             if score is not None:
-                scores.append([result.node, result.submitter, score])
+                scores.append((result.node, result.submitter, score))
         if scores:
-            self._submit("attest", {"epoch": number, "scores": scores}, number,
+            self._submit(Attest(number, tuple(scores)), number,
                          [(node, submitter, "attest") for node, submitter, _ in scores])
 
     def _attested_score(self, number: int, result: ChallengeResult) -> int | None:
@@ -411,13 +420,13 @@ def _reason(text: str) -> str:
     return " ".join(text.split())[:256] or "no answer"
 
 
-def _parts(entries: list[dict], limit: int) -> list[list[dict]]:
+def _parts(entries: list[PlanItem], limit: int) -> list[list[PlanItem]]:
     """Plan entries in consecutive parts of at most `limit` encoded bytes; at least one (maybe empty)
     part, so that the last one, marked final, always exists."""
-    parts: list[list[dict]] = [[]]
+    parts: list[list[PlanItem]] = [[]]
     size = 0
     for entry in entries:
-        length = len(codec.pack(entry))
+        length = len(codec.pack(entry.body()))
         if parts[-1] and size + length > limit:
             parts.append([])
             size = 0

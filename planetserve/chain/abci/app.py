@@ -17,11 +17,11 @@ from sqlalchemy.exc import SQLAlchemyError
 from tendermint.abci import types_pb2 as abci
 from tendermint.crypto import keys_pb2, proof_pb2
 
-from planetserve.chain import layout
+from planetserve.chain import layout, messages
 from planetserve.chain.abci import epochs
-from planetserve.chain.abci.credit_handlers import CREDIT_HANDLERS, expire_deployments
-from planetserve.chain.abci.epoch_handlers import EPOCH_HANDLERS
-from planetserve.chain.abci.handlers import REGISTRY_HANDLERS, Context
+from planetserve.chain.abci.handlers import HANDLERS
+from planetserve.chain.abci.handlers.context import Context
+from planetserve.chain.abci.handlers.credits import expire_deployments
 from planetserve.chain.abci.state import IterableKV, State, TxScope, due, members
 from planetserve.chain.abci.store import Batch, StateStore, StoreError, TooManyEntriesError
 from planetserve.chain.errors import CODESPACE, Code, TxError, from_registry
@@ -40,7 +40,6 @@ CHAIN_ID_META = "chain_id"
 VERIFIED_CACHE = 100_000
 ANSWER_CACHE_ENTRIES = 16
 ANSWER_CACHE_MAX_BYTES = 8 << 20
-HANDLERS = {**REGISTRY_HANDLERS, **EPOCH_HANDLERS, **CREDIT_HANDLERS}
 
 
 @dataclass
@@ -288,7 +287,6 @@ class Application:
         st.put_int(layout.account_key(tx.signer), tx.sequence + 1)
         if envelope_only:
             return Outcome(Code.OK, "ok", [])
-        handler = HANDLERS[tx.type]
         scope = TxScope(batch)
         ctx = Context(
             state=State(scope),
@@ -300,7 +298,8 @@ class Application:
             load_committee=lambda: members(batch),
         )
         try:
-            handler(ctx, tx.body)
+            msg = messages.decode(tx.type, tx.body)
+            HANDLERS[type(msg)](ctx, msg)
         except RegistryError as exc:
             err = from_registry(exc)
             return Outcome(err.code, err.log, [])
@@ -338,7 +337,7 @@ class Application:
             raise TxError(
                 Code.WRONG_CHAIN_ID, f"wrong chain id: {tx.chain_id!r}, this chain is {self.chain_id!r}"
             )
-        if tx.type not in HANDLERS:
+        if tx.type not in messages.MESSAGES:
             raise TxError(Code.UNKNOWN_TYPE, f"unknown transaction type {tx.type!r}")
         if not self._signature_valid(tx, digest):
             raise TxError(Code.BAD_SIGNATURE, "bad signature: does not verify under the signer's key")

@@ -7,12 +7,21 @@ error: it is stored as a faulty result and its submitter is recorded faulty."""
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
 
 from planetserve.chain import vrf
-from planetserve.chain.abci.handlers import Context
+from planetserve.chain.abci.handlers.context import Context
 from planetserve.chain.keys import verify_signature
-from planetserve.registry import credits, epochs, fields
+from planetserve.chain.messages.epochs import (
+    Attest,
+    CommitPlan,
+    CommitRechallenge,
+    ReportInvalid,
+    Revealed,
+    SubmitResults,
+    SubmitVrf,
+    Unanswered,
+)
+from planetserve.registry import credits, epochs
 from planetserve.registry.epochs import (
     FAULTY,
     INVALID,
@@ -29,15 +38,6 @@ from planetserve.registry.epochs import (
     VrfEntry,
 )
 from planetserve.registry.errors import AlreadyExists, Expired, InvalidField, Unauthorized, UnknownEntity
-from planetserve.registry.reputation import PPM
-
-MAX_SEALED_BYTES = 8_192
-MAX_PROMPT_CHARS = 4_096
-MAX_TEMPERATURE = 2 * epochs.MILLI
-"""The hottest request a node may sign (the API's limit); challenges are held to 1.0."""
-MAX_RESPONSE_TOKENS = 4_096
-MAX_RESPONSE_CHARS = 32_768
-MAX_ENTRIES = 1_000
 
 
 def _schedule(ctx: Context) -> Schedule:
@@ -52,23 +52,9 @@ def _current(ctx: Context) -> tuple[int, Epoch]:
     return number, epoch
 
 
-def _epoch_field(body: dict[str, Any], expected: int) -> None:
-    got = fields.integer(body, "epoch", 0, 2**62)
+def _expect_epoch(got: int, expected: int) -> None:
     if got != expected:
         raise Expired(f"epoch {got} is not open for this transaction; it is for epoch {expected} now")
-
-
-def _entries(body: dict[str, Any], name: str) -> list[Any]:
-    value = body.get(name)
-    if not isinstance(value, list) or not 1 <= len(value) <= MAX_ENTRIES:
-        raise InvalidField(name, f"must be a list of 1..{MAX_ENTRIES} entries")
-    return value
-
-
-def _map(value: Any, name: str) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise InvalidField(name, "must be a map")
-    return value
 
 
 def _fault(ctx: Context, epoch: int, kind: str, node: bytes, detail: str) -> None:
@@ -82,12 +68,10 @@ def _fault(ctx: Context, epoch: int, kind: str, node: bytes, detail: str) -> Non
 # -- leader election ----------------------------------------------------------------------------
 
 
-def submit_vrf(ctx: Context, body: dict[str, Any]) -> None:
-    """A member's VRF proof over the next epoch's seed; the lowest output leads that epoch."""
-    fields.check_keys(body, {"epoch", "proof"})
+def submit_vrf(ctx: Context, msg: SubmitVrf) -> None:
     member = ctx.require_member()
     current, _ = _current(ctx)
-    _epoch_field(body, current + 1)
+    _expect_epoch(msg.epoch, current + 1)
     if not _schedule(ctx).in_vrf_window(ctx.height):
         raise Expired(f"the VRF window of epoch {current} is not open at height {ctx.height}")
     target = ctx.state.epoch(current + 1)
@@ -95,14 +79,11 @@ def submit_vrf(ctx: Context, body: dict[str, Any]) -> None:
         raise UnknownEntity(f"epoch {current + 1} has no seed yet")
     if ctx.state.vrf_entry(target.number, ctx.signer) is not None:
         raise AlreadyExists(f"signer already submitted a VRF proof for epoch {target.number}")
-    proof = body.get("proof")
-    if not isinstance(proof, bytes):
-        raise InvalidField("proof", "must be bytes")
     try:
-        output = vrf.verify(member.vrf_key, proof, target.seed)
+        output = vrf.verify(member.vrf_key, msg.proof, target.seed)
     except vrf.VrfError as exc:
         raise InvalidField("proof", f"{exc} (member's VRF key, epoch {target.number}'s seed)") from exc
-    ctx.state.put_vrf_entry(target.number, VrfEntry(ctx.signer, proof, output))
+    ctx.state.put_vrf_entry(target.number, VrfEntry(ctx.signer, msg.proof, output))
     if not target.leader_output or (output, ctx.signer) < (target.leader_output, target.leader):
         ctx.state.put_epoch(replace(target, leader=ctx.signer, leader_output=output, election="vrf"))
     ctx.emit("submit_vrf", epoch=str(target.number), operator=ctx.signer.hex())
@@ -117,27 +98,20 @@ def required_nodes(ctx: Context, target: Epoch) -> list[bytes]:
     return epochs.plan_nodes(target, ctx.state.iterate_nodes(), ctx.params.max_plan_nodes, followers)
 
 
-def _sealed(value: Any, committee: list[bytes]) -> tuple[list, ...]:
-    if not isinstance(value, list) or len(value) != len(committee):
+def _sealed(sealed: tuple[tuple[bytes, bytes], ...], committee: list[bytes]) -> tuple[list, ...]:
+    if len(sealed) != len(committee):
         raise InvalidField("sealed", "must hold one sealed box per committee member")
-    boxes = []
-    for item in value:
-        if (not isinstance(item, list) or len(item) != 2 or not isinstance(item[1], bytes)
-                or not 48 < len(item[1]) <= MAX_SEALED_BYTES):
-            raise InvalidField("sealed", f"entries must be [member, sealed box of 49..{MAX_SEALED_BYTES} B]")
-        boxes.append(item)
-    if sorted(b[0] for b in boxes) != committee:
+    if sorted(member for member, _ in sealed) != committee:
         raise InvalidField("sealed", "must hold exactly one box for each committee member")
-    return tuple(sorted(boxes))
+    return tuple(sorted([member, box] for member, box in sealed))
 
 
-def commit_plan(ctx: Context, body: dict[str, Any]) -> None:
+def commit_plan(ctx: Context, msg: CommitPlan) -> None:
     """The leader of epoch e commits, in one or more parts, the challenges of epoch e+1; the part
     marked final is refused unless the plan covers every node it must."""
-    fields.check_keys(body, {"epoch", "entries", "final"})
     ctx.require_member()
     current, _ = _current(ctx)
-    _epoch_field(body, current + 1)
+    _expect_epoch(msg.epoch, current + 1)
     target = ctx.state.epoch(current + 1)
     if target is None or not _schedule(ctx).in_plan_window(ctx.height):
         raise Expired(f"the plan window of epoch {current} is not open at height {ctx.height}")
@@ -145,31 +119,24 @@ def commit_plan(ctx: Context, body: dict[str, Any]) -> None:
         raise Unauthorized(f"only the leader of epoch {current} commits the plan of epoch {target.number}")
     if target.plan_status == PLAN_COMMITTED:
         raise AlreadyExists(f"the plan of epoch {target.number} is already committed")
-    final = fields.flag(body, "final")
-    raw_entries = body.get("entries")
-    if not isinstance(raw_entries, list) or len(raw_entries) > MAX_ENTRIES or not (raw_entries or final):
-        raise InvalidField("entries", f"must be a list of at most {MAX_ENTRIES} entries")
     committee = sorted(ctx.committee)
     required = set(required_nodes(ctx, target))
     added = 0
-    for raw in raw_entries:
-        entry = _map(raw, "entries")
-        fields.check_keys(entry, {"node", "commitment", "sealed"})
-        node = fields.key32(entry, "node")
-        commitment = fields.key32(entry, "commitment")
+    for entry in msg.entries:
+        node, commitment = entry.node, entry.commitment
         if node not in required:
             raise InvalidField("node", f"{node.hex()} is not among the nodes this plan must cover")
         if ctx.state.plan_entry(target.number, node) is not None:
             raise AlreadyExists(f"node {node.hex()} is already in the plan")
         if ctx.state.commitment_used(target.number, commitment):
             raise AlreadyExists(f"commitment {commitment.hex()} repeats one of this epoch's")
-        sealed = _sealed(entry.get("sealed"), committee)
+        sealed = _sealed(entry.sealed, committee)
         ctx.state.put_plan_entry(target.number, PlanEntry(node, commitment, sealed))
         ctx.state.use_commitment(target.number, commitment, node)
         added += 1
     planned = target.plan_nodes + added
     status = PLAN_PARTIAL
-    if final:
+    if msg.final:
         missing = sorted(n for n in required if ctx.state.plan_entry(target.number, n) is None)
         if missing:
             raise InvalidField("entries", f"the plan omits {len(missing)} node(s) it must cover, "
@@ -180,30 +147,6 @@ def commit_plan(ctx: Context, body: dict[str, Any]) -> None:
 
 
 # -- results ------------------------------------------------------------------------------------
-
-
-def _response(value: Any) -> SignedResponse:
-    raw = _map(value, "response")
-    fields.check_keys(raw, {"node", "prompt_hash", "token_ids", "text", "model_id", "temperature", "time",
-                            "address", "signature"})
-    tokens = raw.get("token_ids")
-    if (not isinstance(tokens, list) or len(tokens) > MAX_RESPONSE_TOKENS
-            or not all(type(t) is int and 0 <= t < 2**32 for t in tokens)):
-        raise InvalidField("token_ids", f"must be a list of at most {MAX_RESPONSE_TOKENS} token ids")
-    text = raw.get("text")
-    if not isinstance(text, str) or len(text) > MAX_RESPONSE_CHARS:
-        raise InvalidField("text", f"must be text of at most {MAX_RESPONSE_CHARS} characters")
-    return SignedResponse(
-        node=fields.key32(raw, "node"),
-        prompt_hash=fields.key32(raw, "prompt_hash"),
-        token_ids=tuple(tokens),
-        text=text,
-        model_id=fields.ident(raw, "model_id"),
-        temperature=fields.integer(raw, "temperature", 0, MAX_TEMPERATURE),
-        time=fields.integer(raw, "time", 0, 2**62),
-        address=fields.address(raw),
-        signature=fields.sig64(raw, "signature"),
-    )
 
 
 def _inconsistency(ctx: Context, node_model: str, node: bytes, commitment: bytes, prompt: str,
@@ -232,17 +175,6 @@ def _inconsistency(ctx: Context, node_model: str, node: bytes, commitment: bytes
     return None
 
 
-def _served(value: Any, response: SignedResponse) -> SignedResponse:
-    """The serving peer's signature over the challenged node's response, when it forwarded it."""
-    raw = _map(value, "served")
-    fields.check_keys(raw, {"node", "time", "address", "signature"})
-    served = replace(response, node=fields.key32(raw, "node"), time=fields.integer(raw, "time", 0, 2**62),
-                     address=fields.address(raw), signature=fields.sig64(raw, "signature"))
-    if served.node == response.node:
-        raise InvalidField("served", "names the challenged node itself; omit it for a direct answer")
-    return served
-
-
 def _served_inconsistency(ctx: Context, node_model: str, served: SignedResponse) -> tuple[str, str] | None:
     """Why a claimed serving peer cannot be credited: its signature or its model does not match."""
     if not verify_signature(served.node, served.sign_bytes(), served.signature):
@@ -253,13 +185,11 @@ def _served_inconsistency(ctx: Context, node_model: str, served: SignedResponse)
     return None
 
 
-def submit_results(ctx: Context, body: dict[str, Any]) -> None:
-    """The leader's results for the epoch's plan, or a member's results of its own re-challenges."""
-    fields.check_keys(body, {"epoch", "kind", "results"})
+def submit_results(ctx: Context, msg: SubmitResults) -> None:
     ctx.require_member()
     number, epoch = _current(ctx)
-    _epoch_field(body, number)
-    kind = fields.choice(body, "kind", epochs.RESULT_KINDS)
+    _expect_epoch(msg.epoch, number)
+    kind = msg.kind
     if kind == "leader":
         if ctx.signer != epoch.leader:
             raise Unauthorized(f"only the leader of epoch {number} submits its results")
@@ -267,13 +197,13 @@ def submit_results(ctx: Context, body: dict[str, Any]) -> None:
             raise UnknownEntity(f"epoch {number} has no committed plan")
         if not _schedule(ctx).in_results(ctx.height):
             raise Expired(f"the results of epoch {number} were due before offset {ctx.params.results_blocks}")
-    for raw in _entries(body, "results"):
-        _submit_one(ctx, epoch, kind, _map(raw, "results"))
+    for entry in msg.results:
+        _submit_one(ctx, epoch, kind, entry)
     ctx.emit("submit_results", epoch=str(number), result_kind=kind)
 
 
-def _submit_one(ctx: Context, epoch: Epoch, kind: str, entry: dict[str, Any]) -> None:
-    node = fields.key32(entry, "node")
+def _submit_one(ctx: Context, epoch: Epoch, kind: str, entry: Revealed | Unanswered) -> None:
+    node = entry.node
     plan = ctx.state.plan_entry(epoch.number, node)
     if plan is None or epoch.plan_status != PLAN_COMMITTED:
         raise UnknownEntity(f"node {node.hex()} is not in the plan of epoch {epoch.number}")
@@ -288,21 +218,12 @@ def _submit_one(ctx: Context, epoch: Epoch, kind: str, entry: dict[str, Any]) ->
         commitment, since = rech.commitment, rech.time
     registered = ctx.state.node(node)
     model_id = registered.model_id if registered is not None else ""
-    if "invalid" in entry:
-        fields.check_keys(entry, {"node", "invalid"})
-        reason = fields.text(entry, "invalid", 256)
-        result = ChallengeResult(node, ctx.signer, kind, INVALID, reason, "", b"", {}, -1, ctx.height)
+    if isinstance(entry, Unanswered):
+        result = ChallengeResult(node, ctx.signer, kind, INVALID, entry.invalid, "", b"", {}, -1, ctx.height)
     else:
-        fields.check_keys(entry, {"node", "prompt", "salt", "temperature", "response"},
-                          frozenset({"credibility", "served"}) if kind == "leader" else frozenset({"served"}))
-        prompt = fields.free_text(entry, "prompt", MAX_PROMPT_CHARS)
-        salt = fields.key32(entry, "salt")
-        temperature = fields.integer(entry, "temperature", 0, MAX_TEMPERATURE)
-        response = _response(entry.get("response"))
-        credibility = fields.integer(entry, "credibility", 0, PPM) if kind == "leader" else -1
-        if kind == "leader" and "credibility" not in entry:
-            raise InvalidField("credibility", "the leader proposes a credibility per node")
-        served = _served(entry["served"], response) if "served" in entry else None
+        prompt, salt, temperature, response = entry.prompt, entry.salt, entry.temperature, entry.response
+        credibility = entry.credibility if entry.credibility is not None else -1
+        served = entry.served.response(response) if entry.served is not None else None
         problem = _inconsistency(ctx, model_id, node, commitment, prompt, temperature, salt, response, since)
         if problem is None and served is not None:
             problem = _served_inconsistency(ctx, model_id, served)
@@ -322,18 +243,11 @@ def _submit_one(ctx: Context, epoch: Epoch, kind: str, entry: dict[str, Any]) ->
 # -- attestations, reports, re-challenges -------------------------------------------------------
 
 
-def attest(ctx: Context, body: dict[str, Any]) -> None:
-    """A member's own credibility for submitted results: [[node, submitter, credibility ppm], ...]."""
-    fields.check_keys(body, {"epoch", "scores"})
+def attest(ctx: Context, msg: Attest) -> None:
     ctx.require_member()
     number, _ = _current(ctx)
-    _epoch_field(body, number)
-    for raw in _entries(body, "scores"):
-        if not isinstance(raw, list) or len(raw) != 3:
-            raise InvalidField("scores", "entries must be [node, submitter, credibility]")
-        item = {"node": raw[0], "submitter": raw[1], "credibility": raw[2]}
-        node, submitter = fields.key32(item, "node"), fields.key32(item, "submitter")
-        credibility = fields.integer(item, "credibility", 0, PPM)
+    _expect_epoch(msg.epoch, number)
+    for node, submitter, credibility in msg.scores:
         result = ctx.state.result(number, node, submitter)
         if result is None or result.status != VALID:
             raise UnknownEntity(
@@ -352,30 +266,24 @@ def _add_report(ctx: Context, epoch: int, node: bytes) -> None:
     ctx.state.put_reports(epoch, node, [*reporters, ctx.signer])
 
 
-def _planned_node(ctx: Context, body: dict[str, Any], field: str) -> tuple[int, bytes]:
-    """The current epoch and the body's node, which a member may act on only if it is planned."""
-    fields.check_keys(body, {"epoch", "node", field})
+def _planned_node(ctx: Context, epoch: int, node: bytes) -> int:
+    """The current epoch, which must be `epoch`, where a member may act on `node` only if it is planned."""
     ctx.require_member()
     number, _ = _current(ctx)
-    _epoch_field(body, number)
-    node = fields.key32(body, "node")
+    _expect_epoch(epoch, number)
     if ctx.state.plan_entry(number, node) is None:
         raise UnknownEntity(f"node {node.hex()} is not in the plan of epoch {number}")
-    return number, node
+    return number
 
 
-def report_invalid(ctx: Context, body: dict[str, Any]) -> None:
-    """A member's report that a planned node gave no valid response."""
-    number, node = _planned_node(ctx, body, "reason")
-    fields.text(body, "reason", 256)
-    _add_report(ctx, number, node)
-    ctx.emit("report_invalid", epoch=str(number), node=node.hex())
+def report_invalid(ctx: Context, msg: ReportInvalid) -> None:
+    number = _planned_node(ctx, msg.epoch, msg.node)
+    _add_report(ctx, number, msg.node)
+    ctx.emit("report_invalid", epoch=str(number), node=msg.node.hex())
 
 
-def commit_rechallenge(ctx: Context, body: dict[str, Any]) -> None:
-    """A member commits H(prompt || salt) of its own challenge to a planned node before sending it."""
-    number, node = _planned_node(ctx, body, "commitment")
-    commitment = fields.key32(body, "commitment")
+def commit_rechallenge(ctx: Context, msg: CommitRechallenge) -> None:
+    number, node, commitment = _planned_node(ctx, msg.epoch, msg.node), msg.node, msg.commitment
     if ctx.state.rechallenge(number, node, ctx.signer) is not None:
         raise AlreadyExists(f"signer already re-challenges node {node.hex()} in epoch {number}")
     if ctx.state.commitment_used(number, commitment):
@@ -385,11 +293,11 @@ def commit_rechallenge(ctx: Context, body: dict[str, Any]) -> None:
     ctx.emit("commit_rechallenge", epoch=str(number), node=node.hex())
 
 
-EPOCH_HANDLERS = {
-    "submit-vrf": submit_vrf,
-    "commit-plan": commit_plan,
-    "submit-results": submit_results,
-    "attest": attest,
-    "report-invalid": report_invalid,
-    "commit-rechallenge": commit_rechallenge,
+HANDLERS = {
+    SubmitVrf: submit_vrf,
+    CommitPlan: commit_plan,
+    SubmitResults: submit_results,
+    Attest: attest,
+    ReportInvalid: report_invalid,
+    CommitRechallenge: commit_rechallenge,
 }

@@ -1,15 +1,15 @@
 """Spending contribution credits: `deploy-model` and the expiry of deployments (earning happens when
-an epoch is finalized, in chain/epochs.py)."""
+an epoch is finalized, in chain/abci/epochs.py)."""
 
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
 
 from planetserve.chain import layout
-from planetserve.chain.abci.handlers import Context, owned_org
+from planetserve.chain.abci.handlers.context import Context
 from planetserve.chain.abci.state import State, due
 from planetserve.chain.abci.store import Batch
+from planetserve.chain.messages.credits import DeployModel
 from planetserve.registry import credits, fields, reputation
 from planetserve.registry.allocation import AllocationError
 from planetserve.registry.credits import Credits, Deployment
@@ -67,18 +67,14 @@ def _afford(account: Credits, price: int) -> None:
                                   f"{account.org_id!r} has {credits.format_credits(account.balance)}")
 
 
-def deploy_model(ctx: Context, body: dict[str, Any]) -> None:
-    """An organisation spends credits to have its model served by `nodes` servers of a hardware class
-    for `seconds`; the chain picks the servers. A model that declares its size and that none of them
-    can hold whole is split into layer pipelines (Parallax phase 1) of at most `nodes` servers."""
-    fields.check_keys(body, {"org_id", "model_id", "hardware", "nodes", "seconds"})
-    org_id = fields.ident(body, "org_id")
-    model_id = fields.ident(body, "model_id")
-    hardware = fields.hardware(body)
-    count = fields.integer(body, "nodes", 1, ctx.params.max_deployment_nodes)
-    seconds = fields.integer(body, "seconds", ctx.params.min_deployment_seconds,
-                             ctx.params.max_deployment_seconds)
-    owned_org(ctx, org_id)
+def deploy_model(ctx: Context, msg: DeployModel) -> None:
+    """The chain picks the servers. A model that declares its size and that none of them can hold whole
+    is split into layer pipelines (Parallax phase 1) of at most `nodes` servers."""
+    org_id, model_id, hardware = msg.org_id, msg.model_id, msg.hardware
+    count = fields.within("nodes", msg.nodes, 1, ctx.params.max_deployment_nodes)
+    seconds = fields.within("seconds", msg.seconds, ctx.params.min_deployment_seconds,
+                            ctx.params.max_deployment_seconds)
+    ctx.owned_org(org_id)
     model = ctx.state.model(model_id)
     if model is None:
         raise UnknownEntity(f"model {model_id!r} is not registered")
@@ -123,4 +119,4 @@ def expire_deployments(batch: Batch, now: int) -> None:
             st.delete_deployment(deployment)
 
 
-CREDIT_HANDLERS = {"deploy-model": deploy_model}
+HANDLERS = {DeployModel: deploy_model}

@@ -1,0 +1,116 @@
+"""Handlers of the registry family. Each checks against the state, then writes through it; a refusal
+raises a RegistryError before any write becomes visible (the caller discards the TxScope)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from planetserve.chain.abci.handlers.context import Context
+from planetserve.chain.keys import verify_signature
+from planetserve.chain.messages.registry import (
+    Heartbeat,
+    RegisterModel,
+    RegisterModelNode,
+    RegisterOrg,
+    RegisterUser,
+    UpdateModelNode,
+    node_pop_message,
+)
+from planetserve.registry import rules
+from planetserve.registry.entities import Model, ModelNode, Organisation, User
+from planetserve.registry.errors import AlreadyExists, Expired, InvalidField, UnknownEntity
+
+
+def register_org(ctx: Context, msg: RegisterOrg) -> None:
+    if ctx.state.org(msg.org_id) is not None:
+        raise AlreadyExists(f"organisation {msg.org_id!r} is already registered")
+    ctx.state.put_org(Organisation(msg.org_id, msg.name, ctx.signer, ctx.time))
+    ctx.emit("register_org", org_id=msg.org_id)
+
+
+def register_user(ctx: Context, msg: RegisterUser) -> None:
+    existing = ctx.state.user(ctx.signer)
+    if existing is not None and not rules.is_expired(existing, ctx.time):
+        raise AlreadyExists("user key is already registered; send a heartbeat to renew it")
+    expires = rules.user_expiry(ctx.time, ctx.params.user_ttl_seconds)
+    if existing is not None:
+        ctx.state.delete_user(existing)
+    ctx.state.put_user(User(ctx.signer, msg.address, msg.region, ctx.time, expires))
+    ctx.emit("register_user", user=ctx.signer.hex())
+
+
+def heartbeat(ctx: Context, msg: Heartbeat) -> None:
+    user = ctx.state.user(ctx.signer)
+    if user is None:
+        raise UnknownEntity("user is not registered (or expired and was removed); register again")
+    if rules.is_expired(user, ctx.time):
+        raise Expired("user registration has expired; register again")
+    renewed = replace(
+        user,
+        address=msg.address or user.address,
+        region=msg.region or user.region,
+        expires_at=rules.user_expiry(ctx.time, ctx.params.user_ttl_seconds),
+    )
+    ctx.state.put_user(renewed)
+    ctx.emit("heartbeat", user=ctx.signer.hex())
+
+
+def register_model(ctx: Context, msg: RegisterModel) -> None:
+    ctx.require_member()
+    if ctx.state.model(msg.model_id) is not None:
+        raise AlreadyExists(f"model {msg.model_id!r} is already registered")
+    ctx.state.put_model(Model(msg.model_id, msg.name, ctx.time, msg.layers or 0, msg.layer_mib or 0))
+    ctx.emit("register_model", model_id=msg.model_id)
+
+
+def _known_model(ctx: Context, model_id: str) -> None:
+    if ctx.state.model(model_id) is None:
+        raise UnknownEntity(f"model {model_id!r} is not registered")
+
+
+def register_model_node(ctx: Context, msg: RegisterModelNode) -> None:
+    ctx.owned_org(msg.org_id)
+    _known_model(ctx, msg.model_id)
+    if not verify_signature(msg.node_pubkey, node_pop_message(ctx.chain_id, msg.org_id, msg.node_pubkey),
+                            msg.pop):
+        raise InvalidField("pop", "is not a signature by node_pubkey over the registration")
+    if ctx.state.node(msg.node_pubkey) is not None:
+        raise AlreadyExists("model node key is already registered")
+    ctx.state.put_node(ModelNode(
+        pubkey=msg.node_pubkey,
+        org_id=msg.org_id,
+        model_id=msg.model_id,
+        address=msg.address,
+        hardware=msg.hardware,
+        capacity=msg.capacity,
+        region=msg.region,
+        status="active",
+        registered_at=ctx.time,
+        memory_mib=msg.memory_mib or 0,
+        gflops=msg.gflops or 0,
+    ))
+    ctx.emit("register_model_node", node=msg.node_pubkey.hex(), org_id=msg.org_id, model_id=msg.model_id)
+
+
+def update_model_node(ctx: Context, msg: UpdateModelNode) -> None:
+    node = ctx.state.node(msg.node_pubkey)
+    if node is None:
+        raise UnknownEntity("model node is not registered")
+    ctx.owned_org(node.org_id)
+    changes = {name: value for name in ("address", "capacity", "region", "status", "model_id", "memory_mib",
+                                        "gflops") if (value := getattr(msg, name)) is not None}
+    updated = replace(node, **changes)
+    if updated.model_id != node.model_id:
+        _known_model(ctx, updated.model_id)
+    ctx.state.put_node(updated)
+    ctx.emit("update_model_node", node=msg.node_pubkey.hex())
+
+
+HANDLERS = {
+    RegisterOrg: register_org,
+    RegisterUser: register_user,
+    Heartbeat: heartbeat,
+    RegisterModel: register_model,
+    RegisterModelNode: register_model_node,
+    UpdateModelNode: update_model_node,
+}

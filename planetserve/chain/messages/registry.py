@@ -1,0 +1,141 @@
+"""Messages of the registry family: organisations, users, models and model nodes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Self
+
+from planetserve.chain.keys import KeySet
+from planetserve.chain.messages.base import Message
+from planetserve.registry import codec, fields
+from planetserve.registry.entities import NODE_STATUSES
+
+NODE_POP_DOMAIN = "planetserve/node-pop/v1"
+MAX_CAPACITY = 1_000_000
+
+
+def node_pop_message(chain_id: str, org_id: str, node_pubkey: bytes) -> bytes:
+    """What a model node's key signs to prove its owner holds it when the organisation registers it."""
+    return codec.pack([NODE_POP_DOMAIN, chain_id, org_id, node_pubkey])
+
+
+def _optional(body: dict[str, Any], name: str, check: Any, *args: Any) -> Any:
+    return check(body, name, *args) if name in body else None
+
+
+@dataclass(frozen=True)
+class RegisterOrg(Message):
+    TYPE: ClassVar[str] = "register-org"
+    org_id: str
+    name: str
+
+    @classmethod
+    def parse(cls, body: dict[str, Any]) -> Self:
+        return cls(fields.ident(body, "org_id"), fields.text(body, "name", 128))
+
+
+@dataclass(frozen=True)
+class RegisterUser(Message):
+    TYPE: ClassVar[str] = "register-user"
+    address: str
+    region: str
+
+    @classmethod
+    def parse(cls, body: dict[str, Any]) -> Self:
+        return cls(fields.address(body), fields.region(body))
+
+
+@dataclass(frozen=True)
+class Heartbeat(Message):
+    """Renews the signer's user registration, changing its address or region where given."""
+
+    TYPE: ClassVar[str] = "heartbeat"
+    address: str | None = None
+    region: str | None = None
+
+    @classmethod
+    def parse(cls, body: dict[str, Any]) -> Self:
+        return cls(_optional(body, "address", fields.address), _optional(body, "region", fields.region))
+
+
+@dataclass(frozen=True)
+class RegisterModel(Message):
+    """A model nodes may serve; `layers` and `layer_mib` (both or neither) size it for pipelines."""
+
+    TYPE: ClassVar[str] = "register-model"
+    model_id: str
+    name: str
+    layers: int | None = None
+    layer_mib: int | None = None
+
+    @classmethod
+    def parse(cls, body: dict[str, Any]) -> Self:
+        layers, layer_mib = fields.model_size(body)
+        return cls(fields.ident(body, "model_id"), fields.text(body, "name", 128), layers or None,
+                   layer_mib or None)
+
+
+@dataclass(frozen=True)
+class RegisterModelNode(Message):
+    """An organisation's model node, with the node key's signature proving the owner holds it."""
+
+    TYPE: ClassVar[str] = "register-model-node"
+    org_id: str
+    node_pubkey: bytes
+    pop: bytes
+    model_id: str
+    address: str
+    hardware: str
+    capacity: int
+    region: str
+    memory_mib: int | None = None
+    gflops: int | None = None
+
+    @classmethod
+    def signed(cls, chain_id: str, org_id: str, node: KeySet, **settings: Any) -> Self:
+        """The registration of `node`, its proof of possession signed with the node's own key."""
+        pop = node.sign(node_pop_message(chain_id, org_id, node.public))
+        return cls(org_id=org_id, node_pubkey=node.public, pop=pop, **settings)
+
+    @classmethod
+    def parse(cls, body: dict[str, Any]) -> Self:
+        return cls(
+            org_id=fields.ident(body, "org_id"),
+            node_pubkey=fields.key32(body, "node_pubkey"),
+            pop=fields.sig64(body, "pop"),
+            model_id=fields.ident(body, "model_id"),
+            address=fields.address(body),
+            hardware=fields.hardware(body),
+            capacity=fields.integer(body, "capacity", 1, MAX_CAPACITY),
+            region=fields.region(body),
+            memory_mib=_optional(body, "memory_mib", fields.integer, 0, fields.MAX_MIB),
+            gflops=_optional(body, "gflops", fields.integer, 0, fields.MAX_GFLOPS),
+        )
+
+
+@dataclass(frozen=True)
+class UpdateModelNode(Message):
+    """Changes the settings given of a model node of the signer's organisation."""
+
+    TYPE: ClassVar[str] = "update-model-node"
+    node_pubkey: bytes
+    address: str | None = None
+    capacity: int | None = None
+    region: str | None = None
+    status: str | None = None
+    model_id: str | None = None
+    memory_mib: int | None = None
+    gflops: int | None = None
+
+    @classmethod
+    def parse(cls, body: dict[str, Any]) -> Self:
+        return cls(
+            node_pubkey=fields.key32(body, "node_pubkey"),
+            address=_optional(body, "address", fields.address),
+            capacity=_optional(body, "capacity", fields.integer, 1, MAX_CAPACITY),
+            region=_optional(body, "region", fields.region),
+            status=_optional(body, "status", fields.choice, NODE_STATUSES),
+            model_id=_optional(body, "model_id", fields.ident),
+            memory_mib=_optional(body, "memory_mib", fields.integer, 0, fields.MAX_MIB),
+            gflops=_optional(body, "gflops", fields.integer, 0, fields.MAX_GFLOPS),
+        )
