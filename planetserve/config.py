@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import ClassVar, Self
 
@@ -79,3 +79,24 @@ class HomeConfig:
         self.check()
         home.mkdir(parents=True, exist_ok=True)
         (home / self.FILE).write_text(json.dumps(asdict(self), indent=2, sort_keys=True) + "\n")  # type: ignore[call-overload]
+
+
+@dataclass(kw_only=True)
+class LedgerHome(HomeConfig):
+    """The home of a role that reads the ledger (a model node, a user relay, a verifier): where it reads
+    it and what it verifies it against, declared once, with the check of every address it holds."""
+
+    rpc: str = "http://127.0.0.1:26657"
+    """A validator's CometBFT RPC endpoint."""
+    genesis: str = ""
+    """The genesis file the light client starts from."""
+    HOST_PORTS: ClassVar[tuple[str, ...]] = ()
+    """The role's other settings that must be host:port."""
+    URLS: ClassVar[tuple[str, ...]] = ()
+    """Its other settings that must be http(s) URLs (`rpc` always is)."""
+    OPTIONAL: ClassVar[tuple[str, ...]] = ()
+    """Those of them that may also be empty."""
+
+    def check(self) -> None:
+        check_addresses(self.FILE, self, host_ports=self.HOST_PORTS, urls=("rpc", *self.URLS),
+                        optional=self.OPTIONAL)

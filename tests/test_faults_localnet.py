@@ -25,7 +25,7 @@ from planetserve.genesis.network import NetworkSpec
 from planetserve.localnet import processes, roles
 from planetserve.localnet.cluster import Cluster
 from planetserve.localnet.config import load_config
-from planetserve.localnet.net import cluster_app
+from planetserve.localnet.net import cluster_app, make_plan
 from planetserve.registry import epochs, reputation
 from planetserve.registry.params import Params
 from planetserve.verifier.config import read_submissions
@@ -77,7 +77,7 @@ def test_crashes_in_every_epoch_phase(tmp_path: Path, quick_family):
         spec = NetworkSpec.load(root)
         cluster = Cluster(spec, cluster_app)
         config = load_config(config_path)
-        everyone = roles.roles(root, spec, config)
+        everyone = roles.roles(make_plan(root, config, spec))
         verifiers = {i: r for i, r in enumerate(r for r in everyone if r.kind == "verifier")}
         rpc = RpcClient(spec.validators[0].rpc_url)
         client = LedgerClient(rpc, LightClient.from_genesis_file(spec.genesis_path, rpc))

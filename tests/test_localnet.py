@@ -19,7 +19,7 @@ import pytest
 from roles import localnet, quick_config
 
 from planetserve.localnet import processes
-from planetserve.localnet.roles import existing_homes
+from planetserve.localnet.plan import existing_homes
 
 pytestmark = pytest.mark.network
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -202,11 +203,17 @@ class _Reader:
     def _get(self, table: dict[str, Any], where: str, default: Any) -> Any:
         return table.get(where.rpartition(".")[2], default)
 
-    def integer(self, table: dict[str, Any], where: str, default: int, low: int, high: int) -> int:
+    def _checked(self, table: dict[str, Any], where: str, default: Any, ok: Callable[[Any], bool],
+                 what: str) -> Any:
+        """The setting at `where` if `ok` takes it; else an error saying it must be `what`."""
         value = self._get(table, where, default)
-        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-            raise self.error(where, f"must be an integer from {low} to {high}, got {value!r}")
+        if not ok(value):
+            raise self.error(where, f"must be {what}, got {value!r}")
         return value
+
+    def integer(self, table: dict[str, Any], where: str, default: int, low: int, high: int) -> int:
+        return self._checked(table, where, default, lambda v: isinstance(v, int) and not isinstance(v, bool)
+                             and low <= v <= high, f"an integer from {low} to {high}")
 
     def keep_heights(self, table: dict[str, Any], where: str, default: int) -> int:
         value = self.integer(table, where, default, 0, 10**9)
@@ -216,29 +223,19 @@ class _Reader:
             raise self.error(where, str(exc)) from None
 
     def boolean(self, table: dict[str, Any], where: str, default: bool) -> bool:
-        value = self._get(table, where, default)
-        if not isinstance(value, bool):
-            raise self.error(where, f"must be true or false, got {value!r}")
-        return value
+        return self._checked(table, where, default, lambda v: isinstance(v, bool), "true or false")
 
     def string(self, table: dict[str, Any], where: str, default: str) -> str:
-        value = self._get(table, where, default)
-        if not isinstance(value, str) or not value.strip():
-            raise self.error(where, f"must be a non-empty string, got {value!r}")
-        return value
+        return self._checked(table, where, default, lambda v: isinstance(v, str) and bool(v.strip()),
+                             "a non-empty string")
 
     def pattern(self, table: dict[str, Any], where: str, default: str, regex: re.Pattern[str], what: str,
                 empty_ok: bool = False) -> str:
-        value = self._get(table, where, default)
-        if not isinstance(value, str) or not (regex.fullmatch(value) or (empty_ok and value == "")):
-            raise self.error(where, f"must be {what}, got {value!r}")
-        return value
+        return self._checked(table, where, default, lambda v: isinstance(v, str) and bool(
+            regex.fullmatch(v) or (empty_ok and v == "")), what)
 
     def choice(self, table: dict[str, Any], where: str, default: str, allowed: tuple[str, ...]) -> str:
-        value = self._get(table, where, default)
-        if value not in allowed:
-            raise self.error(where, f"must be one of {', '.join(allowed)}, got {value!r}")
-        return value
+        return self._checked(table, where, default, lambda v: v in allowed, f"one of {', '.join(allowed)}")
 
     def ident(self, table: dict[str, Any], where: str, default: str) -> str:
         value = self._get(table, where, default)

@@ -9,11 +9,19 @@ from typing import Any
 
 from planetserve.chain.client import QueryRefused
 from planetserve.chain.lightclient import VerificationError
-from planetserve.chain.rpc import RpcError
+from planetserve.chain.rpc import RpcClient, RpcError
 from planetserve.genesis.network import NetworkSpec
-from planetserve.localnet import processes, roles
-from planetserve.localnet.cluster import Cluster
-from planetserve.localnet.net import cluster_app, ledger_for
+from planetserve.localnet import processes
+from planetserve.localnet.plan import CLIENT, DASHBOARD, existing_homes
+from planetserve.localnet.probes import (
+    dashboard_address,
+    dashboard_serving,
+    http_status,
+    http_url,
+    ledger_for,
+    node_key,
+    verifier_status,
+)
 from planetserve.node.home import HomeError, ModelNodeConfig, UserConfig
 
 GROUPS = ("validators", "verifiers", "nodes", "relays", "dashboards")
@@ -25,28 +33,27 @@ def status(root: Path) -> dict[str, list[dict[str, Any]]]:
     `up` (its process runs) and `log`. Raises FileNotFoundError when there is no network there."""
     root = root.absolute()
     spec = NetworkSpec.load(root)
-    homes = roles.existing_homes(root)
+    homes = existing_homes(root)
     return {
         "validators": validators(spec),
         "verifiers": [verifier(home) for kind, home in homes if kind == "verifier"],
         "nodes": nodes(spec, [home for kind, home in homes if kind == "node"]),
         "relays": [relay(home) for kind, home in homes if kind == "relay"],
-        "dashboards": [dashboard(home) for kind, home in homes if kind == roles.DASHBOARD],
+        "dashboards": [dashboard(home) for kind, home in homes if kind == DASHBOARD],
     }
 
 
 def validators(spec: NetworkSpec) -> list[dict[str, Any]]:
-    cluster = Cluster(spec, cluster_app, rpc_timeout=2.0)
     out = []
     for v in spec.validators:
-        running = cluster.running(v.index)
+        app, cometbft = processes.running(v.home, "app"), processes.running(v.home, "cometbft")
         height = app_hash = None
-        with contextlib.suppress(RpcError):
-            info = cluster.status(v.index)["sync_info"]
+        with contextlib.suppress(RpcError), RpcClient(v.rpc_url, timeout=2.0) as rpc:
+            info = rpc.status()["sync_info"]
             height, app_hash = int(info["latest_block_height"]), info["latest_app_hash"]
-        out.append({"name": v.moniker, "up": running["app"] and running["cometbft"], "rpc": v.rpc_url,
-                    "app": running["app"], "cometbft": running["cometbft"], "height": height,
-                    "app_hash": app_hash, "log": str(v.home / "logs")})
+        out.append({"name": v.moniker, "up": app and cometbft, "rpc": v.rpc_url, "app": app,
+                    "cometbft": cometbft, "height": height, "app_hash": app_hash,
+                    "log": str(v.home / "logs")})
     return out
 
 
@@ -56,7 +63,7 @@ def _base(kind: str, home: Path) -> dict[str, Any]:
 
 
 def verifier(home: Path) -> dict[str, Any]:
-    state = roles.verifier_status(home) or {}
+    state = verifier_status(home) or {}
     return {**_base("verifier", home), "height": state.get("height"), "epoch": state.get("epoch"),
             "leader": state.get("leader"), "ticks": state.get("ticks"), "last_tick": state.get("updated"),
             "submitted": state.get("submitted"), "rejected": state.get("rejected"),
@@ -64,22 +71,22 @@ def verifier(home: Path) -> dict[str, Any]:
 
 
 def relay(home: Path) -> dict[str, Any]:
-    entry = {**_base("relay", home), "client": home.name == roles.CLIENT, "http": None, "live_paths": None,
+    entry = {**_base("relay", home), "client": home.name == CLIENT, "http": None, "live_paths": None,
              "relayed_paths": None}
     with contextlib.suppress(HomeError):
         config = UserConfig.load(home)
-        entry["http"] = roles.http_url(config.http) + "/v1"
-        state = roles.http_status(config.http) if entry["up"] else None
+        entry["http"] = http_url(config.http) + "/v1"
+        state = http_status(config.http) if entry["up"] else None
         if state is not None:
             entry.update(live_paths=len(state.get("paths", ())), relayed_paths=state.get("relayed_paths"))
     return entry
 
 
 def dashboard(home: Path) -> dict[str, Any]:
-    address = roles.dashboard_address(home)
-    url = None if address is None else roles.http_url(address) + "/"
-    entry = {**_base(roles.DASHBOARD, home), "url": url}
-    entry["serving"] = entry["up"] and roles.dashboard_serving(home)
+    address = dashboard_address(home)
+    url = None if address is None else http_url(address) + "/"
+    entry = {**_base(DASHBOARD, home), "url": url}
+    entry["serving"] = entry["up"] and address is not None and dashboard_serving(address)
     return entry
 
 
@@ -91,9 +98,9 @@ def nodes(spec: NetworkSpec, homes: list[Path]) -> list[dict[str, Any]]:
                  "org": None, "http": None, "serving": False, "trusted": None, "reputation": None}
         with contextlib.suppress(HomeError, OSError, ValueError):
             config = ModelNodeConfig.load(home)
-            entry.update(key=roles.node_key(home).hex(), model=config.model, model_id=config.model_id,
-                         behaviour=config.behaviour, org=config.org_id, http=roles.http_url(config.http))
-            entry["serving"] = entry["up"] and roles.http_status(config.http) is not None
+            entry.update(key=node_key(home).hex(), model=config.model, model_id=config.model_id,
+                         behaviour=config.behaviour, org=config.org_id, http=http_url(config.http))
+            entry["serving"] = entry["up"] and http_status(config.http) is not None
         out.append(entry)
     with contextlib.suppress(*LEDGER_ERRORS):
         _standing(spec, [e for e in out if e["key"]])

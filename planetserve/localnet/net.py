@@ -21,18 +21,17 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from planetserve.chain.client import LedgerClient
-from planetserve.chain.lightclient import LightClient
+from planetserve.chain.keys import KeySet
 from planetserve.chain.messages.registry import RegisterOrg
-from planetserve.chain.rpc import RpcClient
 from planetserve.genesis.committee import app_state_builder
 from planetserve.genesis.network import SPEC_FILE, NetworkSpec, ValidatorInfo, build_network
 from planetserve.localnet import roles
 from planetserve.localnet.cluster import Cluster, stop_all
 from planetserve.localnet.config import LocalnetConfig
+from planetserve.localnet.plan import CLIENT, DASHBOARD, NODES, Plan, genesis_organisations, organisation_keys
+from planetserve.localnet.probes import http_status, http_url, ledger_for
 from planetserve.models.recipes import PRESETS
-from planetserve.node.home import UserConfig
 from planetserve.registry.entities import ModelNode
-from planetserve.registry.genesis import GenesisOrganisation
 
 if TYPE_CHECKING:
     from planetserve.models.family import Reporter
@@ -98,17 +97,6 @@ class UpResult:
         }
 
 
-def ledger_for(spec: NetworkSpec, index: int = 0) -> LedgerClient:
-    rpc = RpcClient(spec.validators[index].rpc_url)
-    return LedgerClient(rpc, LightClient.from_genesis_file(spec.genesis_path, rpc))
-
-
-def _organisations(root: Path, config: LocalnetConfig) -> list[GenesisOrganisation]:
-    orgs = {node.org_id for node in config.nodes}
-    return [GenesisOrganisation(org_id, org_id, roles.org_keys(root, org_id).public)
-            for org_id in sorted(orgs)]
-
-
 def existing(root: Path, config: LocalnetConfig) -> NetworkSpec | None:
     """The network already under `root` (None: none yet), if `config` can run on it."""
     if (root / SPEC_FILE).exists():
@@ -124,23 +112,31 @@ def existing(root: Path, config: LocalnetConfig) -> NetworkSpec | None:
     return None
 
 
-def build(root: Path, config: LocalnetConfig) -> NetworkSpec:
-    """Build the network under `root` from `config`."""
+def build(root: Path, config: LocalnetConfig, org_keys: dict[str, KeySet]) -> NetworkSpec:
+    """Build the network under `root` from `config`, its genesis declaring the organisations of `org_keys`."""
     preset = PRESETS[config.preset]
     models = [(model_id, preset.recipe(model_id).role) for model_id in config.model_ids] or [
         ("gt", preset.recipe("gt").role)]
+    organisations = genesis_organisations(org_keys)
     spec = build_network(root, config.validators, config.chain_id,
-                         app_state_builder(models, config.params, organisations=_organisations(root, config)),
+                         app_state_builder(models, config.params, organisations=organisations),
                          timeout_commit=config.timeout_commit, keep_heights=config.keep_heights)
     (root / MANIFEST).write_text(json.dumps({"format": 1, "config": str(config.source or "built-in")}) + "\n")
     return spec
 
 
-def ensure_organisations(root: Path, config: LocalnetConfig, ledger: LedgerClient) -> None:
+def make_plan(root: Path, config: LocalnetConfig, spec: NetworkSpec | None) -> Plan:
+    """The plan of `config` under `root`: each organisation's key read (or made) once, and the network
+    `spec` already there, else built now with those keys."""
+    org_keys = organisation_keys(root, config)
+    return Plan(root, config, spec or build(root, config, org_keys), org_keys)
+
+
+def ensure_organisations(plan: Plan, ledger: LedgerClient) -> None:
     """Register the organisations a configuration added after the genesis was made."""
-    for org in _organisations(root, config):
+    for org in plan.organisations:
         if ledger.org(org.org_id) is None:
-            done = ledger.submit(roles.org_keys(root, org.org_id), RegisterOrg(org.org_id, org.name))
+            done = ledger.submit(plan.org_keys[org.org_id], RegisterOrg(org.org_id, org.name))
             if not done.outcome.ok:
                 raise LocalnetError(f"registering organisation {org.org_id} failed: {done.outcome.log}")
 
@@ -157,15 +153,16 @@ def up(root: Path, config: LocalnetConfig, progress: Progress = lambda _: None,
         progress(f"training or reusing the {config.preset} model family in {family}")
         train_family(config.preset, family, reporter=reporter)
     progress("starting validators and waiting for blocks")
-    spec = spec or build(root, config)
+    plan = make_plan(root, config, spec)
+    spec = plan.spec
     cluster = Cluster(spec, cluster_app, start_timeout=60.0)
     before = [f"validator {v.moniker}" for v in spec.validators if not all(cluster.running(v.index).values())]
     cluster.start()
     cluster.wait_for_height(2, timeout=90.0)
     ledger = ledger_for(spec)
-    ensure_organisations(root, config, ledger)
+    ensure_organisations(plan, ledger)
 
-    everyone = roles.roles(root, spec, config)
+    everyone = roles.roles(plan)
     started = [r for r in everyone if roles.start(r) is not None]
     roles.wait_ready(everyone, READY_TIMEOUT, lambda waiting: progress(
         f"waiting for {len(waiting)} process(es) to be ready: {', '.join(r.describe() for r in waiting[:4])}"
@@ -173,29 +170,28 @@ def up(root: Path, config: LocalnetConfig, progress: Progress = lambda _: None,
 
     client = answer = None
     if config.has_client:
-        relay = next(r for r in everyone if r.name == roles.CLIENT)
-        client = roles.http_url(UserConfig.load(relay.home).http) + "/v1"
+        relay = next(r for r in everyone if r.name == CLIENT)
+        client = http_url(relay.http) + "/v1"
         progress(f"asking {config.client_model} through the client relay: {config.prompt!r}")
         answer = ask(relay, config)
     listing, nodes = ledger.nodes(config.client_model)
-    names = {roles.node_key(r.home).hex(): r.name for r in everyone if r.kind == "node"}
-    board = next((r for r in everyone if r.kind == roles.DASHBOARD), None)
-    address = roles.dashboard_address(board.home) if board is not None else None
+    names = {r.key.hex(): r.name for r in everyone if r.kind == "node"}
+    board = next((r for r in everyone if r.kind == DASHBOARD), None)
     return UpResult(spec, listing.height, nodes, names, config.client_model, client, answer,
                     before + [r.describe() for r in started],
-                    roles.http_url(address) + "/" if address is not None else None)
+                    http_url(board.http) + "/" if board is not None else None)
 
 
 def ask(relay: roles.Role, config: LocalnetConfig) -> Answer:
     """One chat completion through the client relay. Its 502 and 503 answers (a proxy the model node
     has not read yet, a path that just broke) are worth a retry, as its documentation says."""
-    url = roles.http_url(UserConfig.load(relay.home).http)
+    url = http_url(relay.http)
     body = {"model": config.client_model, "messages": [{"role": "user", "content": config.prompt}],
             "max_tokens": config.max_tokens, "temperature": 0}
     deadline = time.monotonic() + ANSWER_TIMEOUT
     errors: list[str] = []
     while True:
-        status = roles.http_status(UserConfig.load(relay.home).http) or {}
+        status = http_status(relay.http) or {}
         if status.get("model_nodes"):  # the relay has read the trusted list
             began = time.monotonic()
             try:
@@ -215,7 +211,7 @@ def ask(relay: roles.Role, config: LocalnetConfig) -> Answer:
         time.sleep(2.0)
     why = "; ".join(errors[-3:]) or "it lists no trusted model node"
     raise LocalnetError(f"the client relay gave no answer ({why}); see {relay.log} and the model nodes' "
-                        f"logs under {relay.home.parent.parent / roles.NODES}/*/logs/ (the processes keep "
+                        f"logs under {relay.home.parent.parent / NODES}/*/logs/ (the processes keep "
                         "running until `planetserve localnet down`)")
 
 

@@ -38,12 +38,17 @@ def alive(entry: Mapping[str, int]) -> bool:
     return start is not None and start == int(entry["start"])
 
 
-def read_pids(home: Path) -> dict[str, dict[str, int]]:
+def read_object(path: Path) -> dict | None:
+    """The JSON object in `path`, None when it is missing, unreadable or holds something else."""
     try:
-        body = json.loads((home / PIDS_FILE).read_text())
+        body = json.loads(path.read_text())
     except (OSError, ValueError):
-        return {}
-    return body if isinstance(body, dict) else {}
+        return None
+    return body if isinstance(body, dict) else None
+
+
+def read_pids(home: Path) -> dict[str, dict[str, int]]:
+    return read_object(home / PIDS_FILE) or {}
 
 
 def write_pids(home: Path, pids: dict[str, dict[str, int]]) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from planetserve.chain.keys import KeySet
-from planetserve.config import HomeConfig, HomeError, check_addresses
+from planetserve.config import HomeConfig, HomeError, LedgerHome
 from planetserve.node.behaviours import HONEST, check_behaviour
 
 CONFIG_FILE = "node.json"
@@ -18,17 +18,18 @@ __all__ = ["HomeConfig", "HomeError", "ModelNodeConfig", "UserConfig", "init_hom
 
 
 @dataclass
-class ModelNodeConfig(HomeConfig):
+class ModelNodeConfig(LedgerHome):
     FILE: ClassVar[str] = CONFIG_FILE
     INIT: ClassVar[str] = "node init-model"
+    HOST_PORTS: ClassVar[tuple[str, ...]] = ("http", "peer", "advertise")
+    URLS: ClassVar[tuple[str, ...]] = ("engine_url",)
+    OPTIONAL: ClassVar[tuple[str, ...]] = ("advertise", "engine_url")
 
     org_id: str
     model_id: str
     """The model id registered on the ledger (the group this node joins)."""
     model: str = "gt"
     """What the built-in engine loads: a trained family name or a Hugging Face checkpoint directory."""
-    rpc: str = "http://127.0.0.1:26657"
-    genesis: str = ""
     http: str = "127.0.0.1:8000"
     """OpenAI-compatible API (host:port)."""
     peer: str = "127.0.0.1:9000"
@@ -66,24 +67,20 @@ class ModelNodeConfig(HomeConfig):
     def __post_init__(self) -> None:
         check_behaviour(self.behaviour)
 
-    def check(self) -> None:
-        check_addresses(self.FILE, self, host_ports=("http", "peer", "advertise"), urls=("rpc", "engine_url"),
-                        optional=("advertise", "engine_url"))
-
     @property
     def address(self) -> str:
         return self.advertise or self.peer
 
 
 @dataclass
-class UserConfig(HomeConfig):
+class UserConfig(LedgerHome):
     """A user relay: relays for others, keeps its own proxies, serves the local OpenAI endpoint."""
 
     FILE: ClassVar[str] = USER_CONFIG_FILE
     INIT: ClassVar[str] = "node init-user"
+    HOST_PORTS: ClassVar[tuple[str, ...]] = ("http", "peer", "advertise")
+    OPTIONAL: ClassVar[tuple[str, ...]] = ("advertise",)
 
-    rpc: str = "http://127.0.0.1:26657"
-    genesis: str = ""
     http: str = "127.0.0.1:8080"
     """The local OpenAI-compatible endpoint (host:port); keep it on loopback."""
     peer: str = "127.0.0.1:9100"
@@ -99,10 +96,6 @@ class UserConfig(HomeConfig):
     """Seconds to wait for the first part of an answer, and between parts."""
     list_interval: float = 5.0
     ping_interval: float = 10.0
-
-    def check(self) -> None:
-        check_addresses(self.FILE, self, host_ports=("http", "peer", "advertise"), urls=("rpc",),
-                        optional=("advertise",))
 
     @property
     def address(self) -> str:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from planetserve import workloads
-from planetserve.config import HomeConfig, HomeError, check_addresses
+from planetserve.config import HomeError, LedgerHome
 from planetserve.verifier.credibility import GREEDY_TOLERANCE
 
 CONFIG_FILE = "verifier.json"
@@ -71,14 +71,13 @@ class JsonLines:
 
 
 @dataclass
-class VerifierConfig(HomeConfig):
+class VerifierConfig(LedgerHome):
     FILE: ClassVar[str] = CONFIG_FILE
     INIT: ClassVar[str] = "verifier init"
+    URLS: ClassVar[tuple[str, ...]] = ("relay",)
 
     keys: str
     """The committee member's key file (operator, VRF and X25519 keys): the validator's own."""
-    rpc: str = "http://127.0.0.1:26657"
-    genesis: str = ""
     relay: str = "http://127.0.0.1:8080"
     """A user relay's local OpenAI-compatible endpoint: challenges travel the anonymous overlay."""
     models: dict[str, str] = field(default_factory=lambda: {"gt": "gt"})
@@ -106,7 +105,7 @@ class VerifierConfig(HomeConfig):
     """Tries per challenge (2 s apart) before the node is reported as giving no valid answer."""
 
     def check(self) -> None:
-        check_addresses(CONFIG_FILE, self, urls=("rpc", "relay"))
+        super().check()
         if not self.keys:
             raise HomeError(f"{CONFIG_FILE}: `keys` must name the member's key file")
         if self.credibility not in CREDIBILITIES:
