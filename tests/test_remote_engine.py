@@ -32,14 +32,8 @@ from planetserve.node.engine.kvcache import block_hashes
 from planetserve.node.engine.kvevents import KVEventPublisher
 from planetserve.node.engine.profile import random_llama
 from planetserve.node.engine.remote import RemoteEngine, RemoteEngineError
-from planetserve.node.openai_api import (
-    ApiLimits,
-    PlanetServeOptions,
-    SSEDecoder,
-    SSEError,
-    TextAssembler,
-    parse_chat_request,
-)
+from planetserve.node.engine.wire import SSEDecoder, SSEError
+from planetserve.node.openai_api import ApiLimits, PlanetServeOptions, TextAssembler, parse_chat_request
 
 VOCAB = 512
 SPECIAL = ["<unk>", "<s>", "</s>", "user", "assistant", "system", ":"]

@@ -18,9 +18,9 @@ from typing import Any
 
 from planetserve.chain.client import TRANSIENT, LedgerClient
 from planetserve.chain.keys import KeySet
+from planetserve.node.engine.base import Tokenizer
 from planetserve.node.home import ModelNodeConfig
 from planetserve.node.model_node import StageRole
-from planetserve.node.openai_api import Tokenizer
 from planetserve.node.transport import Peering
 from planetserve.registry.credits import Deployment
 from planetserve.registry.entities import Model

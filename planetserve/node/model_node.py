@@ -48,7 +48,14 @@ from planetserve.node.balance import (
 from planetserve.node.behaviours import ALTER_PROMPTS, clickbait_request
 from planetserve.node.cachesync import CacheSync, SyncConfig, SyncError
 from planetserve.node.directory import Directory, DirectoryView, OnDemand
-from planetserve.node.engine.base import CacheEvent, Engine, EngineError, GenerationRequest, TokenChunk
+from planetserve.node.engine.base import (
+    CacheEvent,
+    Engine,
+    EngineError,
+    GenerationRequest,
+    TokenChunk,
+    Tokenizer,
+)
 from planetserve.node.engine.http_server import EngineServer, Generation, Production
 from planetserve.node.engine.kvevents import PrefixMirror
 from planetserve.node.gateway import Gateway
@@ -61,7 +68,6 @@ from planetserve.node.openai_api import (
     ApiLimits,
     ApiRequest,
     PlanetServeOptions,
-    Tokenizer,
     bad_request,
     build_generation,
     prompt_text,

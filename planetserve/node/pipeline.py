@@ -39,8 +39,7 @@ import numpy as np
 import torch
 
 from planetserve.node.chains import Chain, ChainRouter, Hop, NoChainError
-from planetserve.node.engine.base import GenerationRequest, TokenChunk
-from planetserve.node.openai_api import Tokenizer
+from planetserve.node.engine.base import GenerationRequest, TokenChunk, Tokenizer
 from planetserve.node.stages import (
     STAGE_MSG,
     ModelShape,

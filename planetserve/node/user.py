@@ -31,10 +31,10 @@ from planetserve.chain.keys import KeySet
 from planetserve.node import onion, sida
 from planetserve.node.directory import Directory, DirectoryView, OnDemand
 from planetserve.node.engine.http_server import EVENT_STREAM, Reply, read_body, send_reply, single_part
+from planetserve.node.engine.wire import SSE_DONE, sse
 from planetserve.node.home import UserConfig
 from planetserve.node.messages import MAX_MESSAGE, MessageError, Part, Prompt, open_message
 from planetserve.node.openai_api import (
-    SSE_DONE,
     ApiError,
     ApiLimits,
     ApiRequest,
@@ -44,7 +44,6 @@ from planetserve.node.openai_api import (
     models_body,
     parse_json_body,
     parse_request,
-    sse,
 )
 from planetserve.node.paths import Path, PathManager, PathSettings
 from planetserve.node.relay import Relay

@@ -12,18 +12,24 @@ from typing import Any
 
 from aiohttp import web
 
-from planetserve.node.engine.base import Engine, EngineError, GenerationRequest, PromptLogprobs, TokenChunk
+from planetserve.node.engine.base import (
+    Engine,
+    EngineError,
+    GenerationRequest,
+    PromptLogprobs,
+    TokenChunk,
+    Tokenizer,
+)
 from planetserve.node.engine.kvevents import KVEventPublisher
+from planetserve.node.engine.wire import SSE_DONE, sse
 from planetserve.node.openai_api import (
     DEFAULT_LIMITS,
-    SSE_DONE,
     ApiError,
     ApiLimits,
     ApiRequest,
     Endpoint,
     ResponseMeta,
     TextAssembler,
-    Tokenizer,
     build_generation,
     check_model,
     chunk_body,
@@ -33,7 +39,6 @@ from planetserve.node.openai_api import (
     prompt_logprobs_body,
     render_prompt,
     response_body,
-    sse,
     too_large,
     usage_body,
     usage_chunk,
