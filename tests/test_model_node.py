@@ -18,7 +18,7 @@ from planetserve.node.balance import LoadReport
 from planetserve.node.behaviours import clickbait
 from planetserve.node.engine.http_server import Generation
 from planetserve.node.model_node import Job, ModelNode
-from planetserve.node.transport import Peering, TransportError
+from planetserve.node.overlay.transport import Peering, TransportError
 from planetserve.registry.epochs import prompt_hash
 
 

@@ -27,6 +27,7 @@ from planetserve.models import LoadedModel, load
 from planetserve.node import stages
 from planetserve.node.chains import ChainRouter, Hop, LatencyTable, LayerDag
 from planetserve.node.engine.base import GenerationRequest
+from planetserve.node.overlay.transport import Peering, RemoteError
 from planetserve.node.pipeline import PipelineClient, PipelineError, StageAddress, sampler
 from planetserve.node.stages import (
     ModelShape,
@@ -38,7 +39,6 @@ from planetserve.node.stages import (
     encode_tensor,
     serve_stage,
 )
-from planetserve.node.transport import Peering, RemoteError
 
 PROMPT = "Return a new"
 LAYERS = DEEP_LAYERS

@@ -21,7 +21,7 @@ from planetserve.chain.keys import KeySet
 from planetserve.node.engine.base import Tokenizer
 from planetserve.node.home import ModelNodeConfig
 from planetserve.node.model_node import StageRole
-from planetserve.node.transport import Peering
+from planetserve.node.overlay.transport import Peering
 from planetserve.registry.credits import Deployment
 from planetserve.registry.entities import Model
 

@@ -47,7 +47,6 @@ from planetserve.node.balance import (
 )
 from planetserve.node.behaviours import ALTER_PROMPTS, clickbait_request
 from planetserve.node.cachesync import CacheSync, SyncConfig, SyncError
-from planetserve.node.directory import Directory, DirectoryView, OnDemand
 from planetserve.node.engine.base import (
     CacheEvent,
     Engine,
@@ -58,11 +57,9 @@ from planetserve.node.engine.base import (
 )
 from planetserve.node.engine.http_server import EngineServer, Generation, Production
 from planetserve.node.engine.kvevents import PrefixMirror
-from planetserve.node.gateway import Gateway
 from planetserve.node.group import EMPTY, Group, GroupView
 from planetserve.node.home import ModelNodeConfig
 from planetserve.node.hrtree import SearchResult
-from planetserve.node.onion import exchange_secret
 from planetserve.node.openai_api import (
     ApiError,
     ApiLimits,
@@ -74,8 +71,11 @@ from planetserve.node.openai_api import (
     render_prompt,
     too_large,
 )
+from planetserve.node.overlay.directory import Directory, DirectoryView, OnDemand
+from planetserve.node.overlay.gateway import Gateway
+from planetserve.node.overlay.onion import exchange_secret
+from planetserve.node.overlay.transport import Handler, Peering, RemoteError, TransportError
 from planetserve.node.tasks import stop_tasks
-from planetserve.node.transport import Handler, Peering, RemoteError, TransportError
 from planetserve.registry.epochs import prompt_hash
 
 log = logging.getLogger(__name__)

@@ -40,6 +40,7 @@ import torch
 
 from planetserve.node.chains import Chain, ChainRouter, Hop, NoChainError
 from planetserve.node.engine.base import GenerationRequest, TokenChunk, Tokenizer
+from planetserve.node.overlay.transport import Peering, RemoteError, TransportError
 from planetserve.node.stages import (
     STAGE_MSG,
     ModelShape,
@@ -48,7 +49,6 @@ from planetserve.node.stages import (
     decode_tensor,
     max_step_tokens,
 )
-from planetserve.node.transport import Peering, RemoteError, TransportError
 
 log = logging.getLogger(__name__)
 

@@ -24,11 +24,11 @@ from planetserve.node.assignment import (
     wait_for_assignment,
 )
 from planetserve.node.behaviours import HONEST
-from planetserve.node.directory import Directory
 from planetserve.node.engine.base import Engine, Tokenizer
 from planetserve.node.group import Group
 from planetserve.node.home import ModelNodeConfig, UserConfig, load_keys
 from planetserve.node.model_node import ModelNode
+from planetserve.node.overlay.directory import Directory
 from planetserve.node.registration import (
     Registered,
     RegistrationError,

@@ -28,12 +28,9 @@ from typing import Any
 from aiohttp import web
 
 from planetserve.chain.keys import KeySet
-from planetserve.node import onion, sida
-from planetserve.node.directory import Directory, DirectoryView, OnDemand
 from planetserve.node.engine.http_server import EVENT_STREAM, Reply, read_body, send_reply, single_part
 from planetserve.node.engine.wire import SSE_DONE, sse
 from planetserve.node.home import UserConfig
-from planetserve.node.messages import MAX_MESSAGE, MessageError, Part, Prompt, open_message
 from planetserve.node.openai_api import (
     ApiError,
     ApiLimits,
@@ -45,10 +42,13 @@ from planetserve.node.openai_api import (
     parse_json_body,
     parse_request,
 )
-from planetserve.node.paths import Path, PathManager, PathSettings
-from planetserve.node.relay import Relay
+from planetserve.node.overlay import onion, sida
+from planetserve.node.overlay.directory import Directory, DirectoryView, OnDemand
+from planetserve.node.overlay.messages import MAX_MESSAGE, MessageError, Part, Prompt, open_message
+from planetserve.node.overlay.paths import Path, PathManager, PathSettings
+from planetserve.node.overlay.relay import Relay
+from planetserve.node.overlay.transport import Peering, TransportError
 from planetserve.node.tasks import stop_tasks
-from planetserve.node.transport import Peering, TransportError
 
 log = logging.getLogger(__name__)
 
