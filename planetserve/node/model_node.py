@@ -36,17 +36,7 @@ from planetserve.chain.challenge import (
     sign_response,
 )
 from planetserve.chain.keys import KeySet
-from planetserve.node.balance import (
-    BalancePolicy,
-    Decision,
-    LatencyEWMA,
-    LoadReport,
-    Reason,
-    checked,
-    route,
-)
 from planetserve.node.behaviours import ALTER_PROMPTS, clickbait_request
-from planetserve.node.cachesync import CacheSync, SyncConfig, SyncError
 from planetserve.node.engine.base import (
     CacheEvent,
     Engine,
@@ -57,9 +47,7 @@ from planetserve.node.engine.base import (
 )
 from planetserve.node.engine.http_server import EngineServer, Generation, Production
 from planetserve.node.engine.kvevents import PrefixMirror
-from planetserve.node.group import EMPTY, Group, GroupView
 from planetserve.node.home import ModelNodeConfig
-from planetserve.node.hrtree import SearchResult
 from planetserve.node.openai_api import (
     ApiError,
     ApiLimits,
@@ -75,6 +63,18 @@ from planetserve.node.overlay.directory import Directory, DirectoryView, OnDeman
 from planetserve.node.overlay.gateway import Gateway
 from planetserve.node.overlay.onion import exchange_secret
 from planetserve.node.overlay.transport import Handler, Peering, RemoteError, TransportError
+from planetserve.node.routing.balance import (
+    BalancePolicy,
+    Decision,
+    LatencyEWMA,
+    LoadReport,
+    Reason,
+    checked,
+    route,
+)
+from planetserve.node.routing.cachesync import CacheSync, SyncConfig, SyncError
+from planetserve.node.routing.group import EMPTY, Group, GroupView
+from planetserve.node.routing.hrtree import SearchResult
 from planetserve.node.tasks import stop_tasks
 from planetserve.registry.epochs import prompt_hash
 

@@ -25,7 +25,6 @@ from planetserve.node.assignment import (
 )
 from planetserve.node.behaviours import HONEST
 from planetserve.node.engine.base import Engine, Tokenizer
-from planetserve.node.group import Group
 from planetserve.node.home import ModelNodeConfig, UserConfig, load_keys
 from planetserve.node.model_node import ModelNode
 from planetserve.node.overlay.directory import Directory
@@ -36,6 +35,7 @@ from planetserve.node.registration import (
     ensure_user,
     heartbeat,
 )
+from planetserve.node.routing.group import Group
 from planetserve.node.user import UserRelay
 from planetserve.registry.credits import Deployment
 from planetserve.registry.entities import Model, User

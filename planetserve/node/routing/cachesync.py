@@ -49,8 +49,8 @@ from typing import Any
 
 import msgpack
 
-from planetserve.node.balance import LoadReport
-from planetserve.node.hrtree import (
+from planetserve.node.routing.balance import LoadReport
+from planetserve.node.routing.hrtree import (
     ChunkHasher,
     HRTree,
     Path,
@@ -60,7 +60,7 @@ from planetserve.node.hrtree import (
     path_width,
     root_path,
 )
-from planetserve.node.sentry import MAX_PLAN_CHUNKS, ChunkPlan, PlanId, Sentry
+from planetserve.node.routing.sentry import MAX_PLAN_CHUNKS, ChunkPlan, PlanId, Sentry
 
 PROTOCOL_VERSION = 1
 MAX_ID_LEN = 128
