@@ -21,7 +21,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from aiohttp import web
@@ -36,7 +36,7 @@ from planetserve.chain.challenge import (
     sign_response,
 )
 from planetserve.chain.keys import KeySet
-from planetserve.node.behaviours import ALTER_PROMPTS, clickbait_request
+from planetserve.node.behaviours import ALTER_PROMPTS, clickbait
 from planetserve.node.engine.base import (
     CacheEvent,
     Engine,
@@ -111,6 +111,20 @@ async def _bounded(replies: AsyncIterator[Any], max_tokens: int, idle: float) ->
             if tokens > max_tokens:
                 raise TransportError(f"the peer sent more than the {max_tokens} tokens asked for")
         yield reply
+
+
+def clickbait_request(request: ApiRequest) -> ApiRequest:
+    """The request an alter-prompts node answers: a completion's text prompt, or a chat's last user
+    message (its last message when no user spoke), wrapped by `clickbait`; the chat template then
+    renders the altered conversation as it would any other."""
+    if request.endpoint == "completions":
+        if not isinstance(request.prompt, str):
+            raise ValueError("only text prompts can be rewritten")
+        return replace(request, prompt=clickbait(request.prompt))
+    messages = list(request.messages)
+    index = max((i for i, m in enumerate(messages) if m.role == "user"), default=len(messages) - 1)
+    messages[index] = replace(messages[index], content=clickbait(messages[index].content))
+    return replace(request, messages=tuple(messages))
 
 
 def group_hash_key(model_id: str) -> bytes:
