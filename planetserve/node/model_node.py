@@ -62,7 +62,8 @@ from planetserve.node.openai_api import (
 from planetserve.node.overlay.directory import Directory, DirectoryView, OnDemand
 from planetserve.node.overlay.gateway import Gateway
 from planetserve.node.overlay.onion import exchange_secret
-from planetserve.node.overlay.transport import Handler, Peering, RemoteError, TransportError
+from planetserve.node.overlay.transport import Peering, RemoteError, TransportError
+from planetserve.node.pipeline.assignment import StageRole
 from planetserve.node.routing.balance import (
     BalancePolicy,
     Decision,
@@ -220,18 +221,6 @@ class Forwards:
 
     def latency(self) -> dict[str, float]:
         return {peer: ewma.value for peer, ewma in self._latency.items() if ewma.value is not None}
-
-
-@dataclass(frozen=True)
-class StageRole:
-    """A node that is also a stage of its deployment's layer pipeline: the other stages (each a
-    coordinator of its own requests) may run steps of `msg_type` on it through `handler`."""
-
-    layers: tuple[int, int, int]
-    """(first layer, end layer, pipeline) as the ledger assigned them."""
-    msg_type: str
-    peers: frozenset[bytes]
-    handler: Handler
 
 
 class ModelNodeServer(EngineServer):

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable
 
 from planetserve.node.engine.base import CacheEvent, EngineError, EngineLoad, GenerationRequest, TokenChunk
 from planetserve.node.overlay.transport import Peering
-from planetserve.node.pipeline import PipelineClient, PipelineError
+from planetserve.node.pipeline.coordinator import PipelineClient, PipelineError
 from planetserve.node.tasks import stop_tasks
 
 log = logging.getLogger(__name__)
