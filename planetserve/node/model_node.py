@@ -36,19 +36,8 @@ from planetserve.chain.challenge import (
     sign_response,
 )
 from planetserve.chain.keys import KeySet
-from planetserve.node.behaviours import ALTER_PROMPTS, clickbait
-from planetserve.node.engine.base import (
-    CacheEvent,
-    Engine,
-    EngineError,
-    GenerationRequest,
-    TokenChunk,
-    Tokenizer,
-)
-from planetserve.node.engine.http_server import EngineServer, Generation, Production
-from planetserve.node.engine.kvevents import PrefixMirror
-from planetserve.node.home import ModelNodeConfig
-from planetserve.node.openai_api import (
+from planetserve.node.api.engine_server import EngineServer, Generation, Production
+from planetserve.node.api.openai import (
     ApiError,
     ApiLimits,
     ApiRequest,
@@ -59,6 +48,17 @@ from planetserve.node.openai_api import (
     render_prompt,
     too_large,
 )
+from planetserve.node.behaviours import ALTER_PROMPTS, clickbait
+from planetserve.node.engine.base import (
+    CacheEvent,
+    Engine,
+    EngineError,
+    GenerationRequest,
+    TokenChunk,
+    Tokenizer,
+)
+from planetserve.node.engine.kvevents import PrefixMirror
+from planetserve.node.home import ModelNodeConfig
 from planetserve.node.overlay.directory import Directory, DirectoryView, OnDemand
 from planetserve.node.overlay.gateway import Gateway
 from planetserve.node.overlay.onion import exchange_secret

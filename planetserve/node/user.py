@@ -28,10 +28,8 @@ from typing import Any
 from aiohttp import web
 
 from planetserve.chain.keys import KeySet
-from planetserve.node.engine.http_server import EVENT_STREAM, Reply, read_body, send_reply, single_part
-from planetserve.node.engine.wire import SSE_DONE, sse
-from planetserve.node.home import UserConfig
-from planetserve.node.openai_api import (
+from planetserve.node.api.engine_server import EVENT_STREAM, Reply, read_body, send_reply, single_part
+from planetserve.node.api.openai import (
     ApiError,
     ApiLimits,
     ApiRequest,
@@ -42,6 +40,8 @@ from planetserve.node.openai_api import (
     parse_json_body,
     parse_request,
 )
+from planetserve.node.engine.wire import SSE_DONE, sse
+from planetserve.node.home import UserConfig
 from planetserve.node.overlay import onion, sida
 from planetserve.node.overlay.directory import Directory, DirectoryView, OnDemand
 from planetserve.node.overlay.messages import MAX_MESSAGE, MessageError, Part, Prompt, open_message

@@ -12,17 +12,7 @@ from typing import Any
 
 from aiohttp import web
 
-from planetserve.node.engine.base import (
-    Engine,
-    EngineError,
-    GenerationRequest,
-    PromptLogprobs,
-    TokenChunk,
-    Tokenizer,
-)
-from planetserve.node.engine.kvevents import KVEventPublisher
-from planetserve.node.engine.wire import SSE_DONE, sse
-from planetserve.node.openai_api import (
+from planetserve.node.api.openai import (
     DEFAULT_LIMITS,
     ApiError,
     ApiLimits,
@@ -43,6 +33,16 @@ from planetserve.node.openai_api import (
     usage_body,
     usage_chunk,
 )
+from planetserve.node.engine.base import (
+    Engine,
+    EngineError,
+    GenerationRequest,
+    PromptLogprobs,
+    TokenChunk,
+    Tokenizer,
+)
+from planetserve.node.engine.kvevents import KVEventPublisher
+from planetserve.node.engine.wire import SSE_DONE, sse
 
 log = logging.getLogger(__name__)
 
