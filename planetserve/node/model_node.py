@@ -24,8 +24,6 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from aiohttp import web
-
 from planetserve.chain.challenge import (
     ResponseFormatError,
     milli,
@@ -228,9 +226,9 @@ class ModelNodeServer(EngineServer):
 
     def __init__(self, node: ModelNode, limits: ApiLimits) -> None:
         super().__init__(node.engine, node.tokenizer, model_name=node.config.model_id, limits=limits,
-                         vocab_size=node.vocab_size, eos_token_ids=node.eos_ids)
+                         vocab_size=node.vocab_size, eos_token_ids=node.eos_ids,
+                         documents={"/v1/planetserve/status": node.status})
         self.node = node
-        self.app.router.add_get("/v1/planetserve/status", self._status)
 
     async def produce(self, request: ApiRequest, prompt_ids: Sequence[int],
                       generation: GenerationRequest) -> Production:
@@ -241,9 +239,6 @@ class ModelNodeServer(EngineServer):
             return self.node.alter_prompt(job, request)
         return await self.node.produce(job, tuple(prompt_ids), generation, request.planetserve,
                                        whole=not request.stream)
-
-    async def _status(self, _: web.Request) -> web.Response:
-        return web.json_response(self.node.status())
 
 
 class ModelNode:

@@ -13,8 +13,8 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from planetserve.node.api.engine_server import Reply
 from planetserve.node.api.openai import Endpoint
+from planetserve.node.api.surface import Reply
 from planetserve.node.overlay import onion, sida
 from planetserve.node.overlay.messages import MessageError, Part, Prompt, open_message
 from planetserve.node.overlay.relay import Send
