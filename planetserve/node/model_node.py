@@ -340,8 +340,8 @@ class ModelNode:
         self.view = view
         now = time.monotonic()
         current = {k.hex() for k in view.members} - {self.node_id}
-        for entry in self.sync.tree.table:
-            if entry.node_id != self.node_id and entry.node_id not in current:
+        for entry in self.sync.peers():
+            if entry.node_id not in current:
                 self.sync.remove_peer(entry.node_id)
                 conn = self.peering.connections.get(bytes.fromhex(entry.node_id))
                 if conn is not None:
@@ -349,8 +349,7 @@ class ModelNode:
         for key, node in view.members.items():
             if key != self.keys.public:
                 self.sync.add_peer(key.hex(), now=now, address=node.address, trusted=True)
-        self.sync.tree.table.upsert(self.node_id, address=self.config.address,
-                                    trusted=self.keys.public in view.members)
+        self.sync.describe_self(address=self.config.address, trusted=self.keys.public in view.members)
 
     def _cache_events_from_engine(self, events: list[CacheEvent]) -> None:
         """Engine thread → event loop: the sync state is only touched from the loop."""
@@ -369,8 +368,7 @@ class ModelNode:
     def _set_own_load(self) -> LoadReport:
         load = self.engine.load()
         report = LoadReport(self.latency.value or 0.0, load.running + load.queued, max(1, load.capacity))
-        self.sync.load = report
-        self.sync.tree.table.upsert(self.node_id, load=report)
+        self.sync.report_load(report)
         return report
 
     async def _sync_loop(self) -> None:
@@ -382,8 +380,8 @@ class ModelNode:
             await asyncio.sleep(interval)
 
     async def _broadcast(self, message: bytes) -> None:
-        for entry in self.sync.tree.table:
-            if entry.node_id == self.node_id or not entry.address:
+        for entry in self.sync.peers():
+            if not entry.address:
                 continue
             try:
                 await self.peering.notify(bytes.fromhex(entry.node_id), entry.address, "cache", message)
@@ -459,7 +457,7 @@ class ModelNode:
         and the one-hop rule."""
         affinity = self.sessions.get(options.session_id) if options.session_id else None
         now = time.monotonic()
-        candidates = checked(self.sync.tree.table, self.node_id, inflight=self.forwards.inflight(now),
+        candidates = checked(self.sync.nodes(), self.node_id, inflight=self.forwards.inflight(now),
                              latency=self.forwards.latency(),
                              capacity={k.hex(): n.capacity for k, n in self.view.members.items()})
         return route(self.node_id, candidates, holders=result.holders if result.matched else (),
@@ -477,12 +475,12 @@ class ModelNode:
         decision = self.decide(result, options)
         self.routes[decision.reason.value] = self.routes.get(decision.reason.value, 0) + 1
         if decision.forward:
-            entry = self.sync.tree.table.get(decision.target)
-            if entry is not None and entry.address:
+            address = self.sync.address(decision.target)
+            if address:
                 hit = decision.reason == Reason.HIT
                 claimed = self.sync.claimed_tokens(prompt_ids, result.depth) if hit else 0
                 try:
-                    production = await self._remote(decision.target, entry.address, job,
+                    production = await self._remote(decision.target, address, job,
                                                     decision.reason.value, whole, claimed)
                 except (TransportError, ApiError) as exc:
                     self.counters["forward_failures"] += 1
@@ -632,8 +630,7 @@ class ModelNode:
             "trusted": self.keys.public in self.view.members,
             "load": {"latency": load.latency, "queued": load.queued, "capacity": load.capacity,
                      "lb_factor": load.lb_factor},
-            "cache_entries": self.sync.tree.entries(self.node_id), "tree_size": len(self.sync.tree),
-            "plan_version": self.sync.plan.version, "counters": dict(self.counters),
+            **self.sync.status(), "counters": dict(self.counters),
             "routes": dict(self.routes),
             "forwards": {"inflight": self.forwards.inflight(time.monotonic()),
                          "latency": self.forwards.latency()},
