@@ -51,8 +51,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from planetserve.node.routes import PATH_LENGTH, choose_routes  # noqa: E402
-from planetserve.node.sida import DEFAULT_K, DEFAULT_N  # noqa: E402
+from planetserve.node.overlay.routes import PATH_LENGTH, choose_routes
+from planetserve.node.overlay.sida import DEFAULT_K, DEFAULT_N
 
 USERS = 10_000
 FRACTIONS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.2, 0.3, 0.5)

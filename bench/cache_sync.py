@@ -29,9 +29,9 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from planetserve.node.balance import LoadReport
-from planetserve.node.cachesync import CacheSync, SyncConfig
-from planetserve.node.sentry import Sentry, SentryConfig
+from planetserve.node.routing.balance import LoadReport
+from planetserve.node.routing.cachesync import CacheSync, SyncConfig
+from planetserve.node.routing.sentry import Sentry, SentryConfig
 
 KEY = b"bench-group-key-0123456789abcdef"
 STEP = 0.05

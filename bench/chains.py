@@ -31,7 +31,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from planetserve.node.chains import Latencies, LatencyTable, LayerDag, select_chain  # noqa: E402
+from planetserve.node.pipeline.chains import Latencies, LatencyTable, LayerDag, select_chain
 
 LAYERS = 80
 PAPER_MS = {4: 0.0136, 256: 6.6339}

@@ -50,8 +50,8 @@ from bench.anonymity import (  # noqa: E402
     random_walk,
     routes_of,
 )
-from planetserve.node.routes import PATH_LENGTH, choose_routes  # noqa: E402
-from planetserve.node.sida import DEFAULT_K, DEFAULT_N  # noqa: E402
+from planetserve.node.overlay.routes import PATH_LENGTH, choose_routes
+from planetserve.node.overlay.sida import DEFAULT_K, DEFAULT_N
 
 A4_FRACTIONS = (0.01, 0.03, 0.05, 0.1)
 PAPER_A4 = (0.03, 0.95)

@@ -20,7 +20,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 
-from planetserve.node import sida
+from planetserve.node.overlay import sida
 
 TOOLUSE_TOKENS = 7206
 BYTES_PER_TOKEN = 4

@@ -39,8 +39,8 @@ from bench.sim import (  # noqa: E402
     summarize,
 )
 from bench.sim.costs import A6000_LLAMA3_8B  # noqa: E402
-from planetserve.node.balance import BalancePolicy  # noqa: E402
-from planetserve.node.cachesync import SyncConfig  # noqa: E402
+from planetserve.node.routing.balance import BalancePolicy
+from planetserve.node.routing.cachesync import SyncConfig
 from planetserve.workloads import MIXED_RATIO, generate  # noqa: E402
 
 DEFAULT_RATES = {"tooluse": (1.0, 2.0), "coding": (1.0, 2.0), "longdoc": (0.4, 0.8), "mixed": (1.0, 1.5, 2.0)}

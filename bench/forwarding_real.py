@@ -28,11 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.sim import A100_LLAMA3_8B, Cluster, NoForwarding, Overlay, Prepared, fit_measured, summarize  # noqa: E402
 from planetserve.chain.keys import KeySet  # noqa: E402
-from planetserve.node.cachesync import SyncConfig  # noqa: E402
 from planetserve.node.engine.profile import measure_costs  # noqa: E402
-from planetserve.node.group import GroupView  # noqa: E402
 from planetserve.node.home import ModelNodeConfig  # noqa: E402
 from planetserve.node.model_node import ModelNode  # noqa: E402
+from planetserve.node.routing.cachesync import SyncConfig
+from planetserve.node.routing.group import GroupView
 from planetserve.node.runner import builtin_engine  # noqa: E402
 from planetserve.registry.entities import ModelNode as NodeRecord  # noqa: E402
 from planetserve.workloads import Request, detokenize, generate  # noqa: E402

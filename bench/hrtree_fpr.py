@@ -31,9 +31,9 @@ import time
 import tracemalloc
 from collections import Counter
 
-from planetserve.node.cachesync import LocalCache
-from planetserve.node.hrtree import ChunkHasher, HRTree
-from planetserve.node.sentry import ChunkPlan
+from planetserve.node.routing.cachesync import LocalCache
+from planetserve.node.routing.hrtree import ChunkHasher, HRTree
+from planetserve.node.routing.sentry import ChunkPlan
 
 KEY = b"bench-group-key-0123456789abcdef"
 CHUNK = 16

@@ -72,7 +72,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from planetserve.node.chains import Latencies, LatencyTable, LayerDag, select_chain  # noqa: E402
+from planetserve.node.pipeline.chains import Latencies, LatencyTable, LayerDag, select_chain
 from planetserve.registry.allocation import Allocation, AllocationParams, Gpu, allocate, join  # noqa: E402
 
 KV_RESERVE = 0.2

@@ -31,12 +31,12 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from planetserve.chain.keys import KeySet
-from planetserve.node import onion, sida
-from planetserve.node.directory import DirectoryView
 from planetserve.node.home import UserConfig
-from planetserve.node.paths import Path, PathManager, PathSettings
-from planetserve.node.relay import Relay
-from planetserve.node.transport import Peering, TransportError, read_frame, write_frame
+from planetserve.node.overlay import onion, sida
+from planetserve.node.overlay.directory import DirectoryView
+from planetserve.node.overlay.paths import Path, PathManager, PathSettings
+from planetserve.node.overlay.relay import Relay
+from planetserve.node.overlay.transport import Peering, TransportError, read_frame, write_frame
 from planetserve.node.user import UserRelay
 from planetserve.registry.entities import ModelNode, User
 

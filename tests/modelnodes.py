@@ -15,9 +15,9 @@ from planetserve.chain.keys import KeySet
 from planetserve.genesis.network import free_ports
 from planetserve.models import load
 from planetserve.node.engine.builtin import BuiltinEngine
-from planetserve.node.group import GroupView
 from planetserve.node.home import ModelNodeConfig
 from planetserve.node.model_node import ModelNode
+from planetserve.node.routing.group import GroupView
 from planetserve.registry.entities import ModelNode as NodeRecord
 from planetserve.registry.epochs import SignedResponse
 

@@ -13,11 +13,11 @@ import httpx
 from modelnodes import make_node, view
 
 from planetserve.chain.keys import KeySet
-from planetserve.node.directory import DirectoryView
 from planetserve.node.home import UserConfig
 from planetserve.node.model_node import ModelNode
-from planetserve.node.paths import Path, PathSettings
-from planetserve.node.relay import Relay
+from planetserve.node.overlay.directory import DirectoryView
+from planetserve.node.overlay.paths import Path, PathSettings
+from planetserve.node.overlay.relay import Relay
 from planetserve.node.user import UserRelay
 from planetserve.registry.entities import ModelNode as NodeRecord
 from planetserve.registry.entities import User

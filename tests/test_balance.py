@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from planetserve.node.balance import (
+from planetserve.node.routing.balance import (
     ALPHA,
     BalancePolicy,
     LatencyEWMA,
@@ -19,7 +19,7 @@ from planetserve.node.balance import (
     rank_key,
     route,
 )
-from planetserve.node.hrtree import NodeTable
+from planetserve.node.routing.hrtree import NodeTable
 
 
 @dataclass

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from planetserve.node.balance import LoadReport
-from planetserve.node.cachesync import (
+from planetserve.node.routing.balance import LoadReport
+from planetserve.node.routing.cachesync import (
     CacheSync,
     Delta,
     EntryLimitExceeded,
@@ -27,7 +27,7 @@ from planetserve.node.cachesync import (
     UnknownPeer,
     WireCodec,
 )
-from planetserve.node.sentry import ChunkPlan, Sentry, SentryConfig
+from planetserve.node.routing.sentry import ChunkPlan, Sentry, SentryConfig
 
 KEY = b"group-key-0123456789abcdef012345"
 CONFIG = SyncConfig()

@@ -10,7 +10,7 @@ import random
 import numpy as np
 import pytest
 
-from planetserve.node.chains import (
+from planetserve.node.pipeline.chains import (
     ALPHA,
     Chain,
     ChainRouter,

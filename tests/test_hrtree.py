@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planetserve.node.hrtree import (
+from planetserve.node.routing.hrtree import (
     ChunkHasher,
     HRTree,
     NodeTable,
@@ -16,7 +16,7 @@ from planetserve.node.hrtree import (
     encode_path,
     path_width,
 )
-from planetserve.node.sentry import ChunkPlan, Sentry, SentryConfig, common_prefixes
+from planetserve.node.routing.sentry import ChunkPlan, Sentry, SentryConfig, common_prefixes
 
 KEY = b"group-key-0123456789abcdef012345"
 

@@ -14,11 +14,11 @@ from waiting import run, until
 
 from planetserve.chain.challenge import response_from_extension, response_valid, served_from_extension
 from planetserve.chain.keys import KeySet
-from planetserve.node.balance import LoadReport
+from planetserve.node.api.engine_server import Generation
 from planetserve.node.behaviours import clickbait
-from planetserve.node.engine.http_server import Generation
 from planetserve.node.model_node import Job, ModelNode
-from planetserve.node.transport import Peering, TransportError
+from planetserve.node.overlay.transport import Peering, TransportError
+from planetserve.node.routing.balance import LoadReport
 from planetserve.registry.epochs import prompt_hash
 
 

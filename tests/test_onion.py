@@ -10,9 +10,9 @@ import msgpack
 import pytest
 from nacl.signing import SigningKey
 
-from planetserve.node import messages, onion
-from planetserve.node.messages import MessageError, Part, Prompt, open_message
-from planetserve.node.routes import NotEnoughRelays, choose_routes
+from planetserve.node.overlay import messages, onion
+from planetserve.node.overlay.messages import MessageError, Part, Prompt, open_message
+from planetserve.node.overlay.routes import NotEnoughRelays, choose_routes
 
 
 def keys(count: int) -> list[SigningKey]:

@@ -17,10 +17,10 @@ from modelnodes import signed
 from overlaynet import chat, faulty, make_user, record, relays_on_one_path, start_overlay
 from waiting import run, until
 
-from planetserve.node import onion, sida
-from planetserve.node.directory import DirectoryView
-from planetserve.node.messages import Part, Prompt
-from planetserve.node.openai_api import ApiError
+from planetserve.node.api.openai import ApiError
+from planetserve.node.overlay import onion, sida
+from planetserve.node.overlay.directory import DirectoryView
+from planetserve.node.overlay.messages import Part, Prompt
 from planetserve.node.user import MAX_ANSWER_BYTES, MAX_PARTS_AHEAD, Exchange
 
 RELAYS = 12

@@ -1,7 +1,7 @@
-"""Pipeline execution (node/stages.py, node/pipeline.py): a model split by layers across stage servers,
-hidden states over real TLS on loopback, gives the unsplit model's logits and tokens; a stage lost
-mid-request moves the request to another chain without changing its output; malformed steps are
-refused with a reason while the server keeps serving."""
+"""Pipeline execution (node/pipeline/stages.py, node/pipeline/coordinator.py): a model split by layers
+across stage servers, hidden states over real TLS on loopback, gives the unsplit model's logits and
+tokens; a stage lost mid-request moves the request to another chain without changing its output;
+malformed steps are refused with a reason while the server keeps serving."""
 
 from __future__ import annotations
 
@@ -24,11 +24,12 @@ from waiting import run, until
 
 from planetserve.chain.keys import KeySet
 from planetserve.models import LoadedModel, load
-from planetserve.node import stages
-from planetserve.node.chains import ChainRouter, Hop, LatencyTable, LayerDag
 from planetserve.node.engine.base import GenerationRequest
-from planetserve.node.pipeline import PipelineClient, PipelineError, StageAddress, sampler
-from planetserve.node.stages import (
+from planetserve.node.overlay.transport import Peering, RemoteError
+from planetserve.node.pipeline import stages
+from planetserve.node.pipeline.chains import ChainRouter, Hop, LatencyTable, LayerDag
+from planetserve.node.pipeline.coordinator import PipelineClient, PipelineError, StageAddress, sampler
+from planetserve.node.pipeline.stages import (
     ModelShape,
     RunningStage,
     StageError,
@@ -38,7 +39,6 @@ from planetserve.node.stages import (
     encode_tensor,
     serve_stage,
 )
-from planetserve.node.transport import Peering, RemoteError
 
 PROMPT = "Return a new"
 LAYERS = DEEP_LAYERS
@@ -422,7 +422,7 @@ def test_a_local_stage_and_live_measurements(deep_gt: LoadedModel):
 
 def test_the_pipeline_engine_serves_like_an_engine(deep_gt: LoadedModel):
     from planetserve.node.engine.base import EngineError
-    from planetserve.node.engine.pipelined import PipelineEngine
+    from planetserve.node.pipeline.engine import PipelineEngine
 
     ids = prompt_ids(deep_gt)
 

@@ -18,6 +18,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 from waiting import run, until
 
+from planetserve.node.api.engine_server import EngineServer
+from planetserve.node.api.openai import ApiLimits, PlanetServeOptions, TextAssembler, parse_chat_request
 from planetserve.node.engine.base import (
     BlockStored,
     CacheEvent,
@@ -27,19 +29,11 @@ from planetserve.node.engine.base import (
     TokenChunk,
 )
 from planetserve.node.engine.builtin import BuiltinEngine
-from planetserve.node.engine.http_server import EngineServer
 from planetserve.node.engine.kvcache import block_hashes
 from planetserve.node.engine.kvevents import KVEventPublisher
 from planetserve.node.engine.profile import random_llama
 from planetserve.node.engine.remote import RemoteEngine, RemoteEngineError
-from planetserve.node.openai_api import (
-    ApiLimits,
-    PlanetServeOptions,
-    SSEDecoder,
-    SSEError,
-    TextAssembler,
-    parse_chat_request,
-)
+from planetserve.node.engine.wire import SSEDecoder, SSEError
 
 VOCAB = 512
 SPECIAL = ["<unk>", "<s>", "</s>", "user", "assistant", "system", ":"]

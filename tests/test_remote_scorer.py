@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from planetserve.models import load
+from planetserve.node.api.engine_server import EngineServer
 from planetserve.node.engine.builtin import BuiltinEngine
-from planetserve.node.engine.http_server import EngineServer
 from planetserve.verifier import OnePassScorer, OpenAIScorer, ScoringError
 
 

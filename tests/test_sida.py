@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planetserve.node import sida
-from planetserve.node.sida import (
+from planetserve.node.overlay import sida
+from planetserve.node.overlay.sida import (
     AuthenticationError,
     Clove,
     CloveError,

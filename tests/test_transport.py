@@ -13,7 +13,7 @@ import pytest
 from waiting import run
 
 from planetserve.chain.keys import KeySet
-from planetserve.node.transport import (
+from planetserve.node.overlay.transport import (
     MAX_FRAME,
     MAX_IN_FLIGHT,
     Peering,

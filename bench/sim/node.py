@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from planetserve.node.balance import LatencyEWMA, LoadReport
+from planetserve.node.routing.balance import LatencyEWMA, LoadReport
 from planetserve.workloads import Request
 
 from .cache import PrefixCache

@@ -3,14 +3,14 @@
 - `NoForwarding`: every node serves what reaches it (round robin over the group, no cache sharing);
 - `Overlay(balance=False)`: the HR-tree alone, forwarding a hit to any holder and serving a miss
   locally (the paper's ablation step "HR-tree" without load balancing);
-- `Overlay(balance=True)`: PlanetServe, Algorithm 2 with F_LB = L·(Q/C) (`planetserve.node.balance`);
+- `Overlay(balance=True)`: PlanetServe, Algorithm 2 with F_LB = L·(Q/C) (`planetserve.node.routing.balance`);
 - `Centralized`: one router with perfect, instant knowledge of every cache and every queue (the
   SGLang router's cache-aware policy).
 
-Both overlay policies run the real protocol (`planetserve.node.cachesync`, `hrtree`, `sentry`): each
-node routes from its own HR-tree, which learns its peers' caches only from their messages (deltas every
-100 ms, snapshots every 5 s, one network delay later) and from its own speculative insertions; load
-reports ride on those messages.
+Both overlay policies run the real protocol (`planetserve.node.routing`: `cachesync`, `hrtree`,
+`sentry`): each node routes from its own HR-tree, which learns its peers' caches only from their
+messages (deltas every 100 ms, snapshots every 5 s, one network delay later) and from its own
+speculative insertions; load reports ride on those messages.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from planetserve.node.balance import BalancePolicy, route
-from planetserve.node.cachesync import CacheSync, SyncConfig
-from planetserve.node.sentry import Sentry, SentryConfig
+from planetserve.node.routing.balance import BalancePolicy, route
+from planetserve.node.routing.cachesync import CacheSync, SyncConfig
+from planetserve.node.routing.sentry import Sentry, SentryConfig
 from planetserve.workloads import Request
 
 from .cluster import Cluster

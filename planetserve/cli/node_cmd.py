@@ -136,9 +136,9 @@ def model(home: Path, org_keys: Path | None, log_level: str, as_json: bool) -> N
     from planetserve.chain.lightclient import VerificationError
     from planetserve.chain.rpc import RpcError
     from planetserve.models import ModelError
-    from planetserve.node.assignment import AssignmentError
     from planetserve.node.home import HomeError
     from planetserve.node.model_node import ModelNode
+    from planetserve.node.pipeline.assignment import AssignmentError
     from planetserve.node.registration import Registered, RegistrationError
     from planetserve.node.runner import run_model_node
 
@@ -297,7 +297,7 @@ def stage(model: str, layers: tuple[int, int], key_file: Path, allow: set[bytes]
     (or, on the last stage, logits) out, over TLS with one KV cache per request. Prints one JSON line,
     {"key", "layers", "address"}, once it listens."""
     from planetserve.models import ModelError
-    from planetserve.node.stages import RunningStage, StageError, StageModel, run_stage
+    from planetserve.node.pipeline.stages import RunningStage, StageError, StageModel, run_stage
 
     def ready(running: RunningStage) -> None:
         click.echo(json.dumps({"key": keys.public.hex(), "layers": list(layers),

@@ -17,7 +17,7 @@ from typing import Any
 from planetserve.chain.abci.store import check_keep_heights
 from planetserve.models.recipes import DEFAULT_PRESET, NAMES, PRESETS
 from planetserve.node.behaviours import ALTER_PROMPTS, BEHAVIOURS, HONEST
-from planetserve.node.routes import PATH_LENGTH
+from planetserve.node.overlay.routes import PATH_LENGTH
 from planetserve.registry import fields
 from planetserve.registry.errors import InvalidField
 from planetserve.registry.params import Params

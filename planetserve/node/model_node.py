@@ -21,10 +21,8 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
-
-from aiohttp import web
 
 from planetserve.chain.challenge import (
     ResponseFormatError,
@@ -36,7 +34,35 @@ from planetserve.chain.challenge import (
     sign_response,
 )
 from planetserve.chain.keys import KeySet
-from planetserve.node.balance import (
+from planetserve.node.api.engine_server import EngineServer, Generation, Production
+from planetserve.node.api.openai import (
+    ApiError,
+    ApiLimits,
+    ApiRequest,
+    PlanetServeOptions,
+    bad_request,
+    build_generation,
+    prompt_text,
+    render_prompt,
+    too_large,
+)
+from planetserve.node.behaviours import ALTER_PROMPTS, clickbait
+from planetserve.node.engine.base import (
+    CacheEvent,
+    Engine,
+    EngineError,
+    GenerationRequest,
+    TokenChunk,
+    Tokenizer,
+)
+from planetserve.node.engine.kvevents import PrefixMirror
+from planetserve.node.home import ModelNodeConfig
+from planetserve.node.overlay.directory import Directory, DirectoryView, OnDemand
+from planetserve.node.overlay.gateway import Gateway
+from planetserve.node.overlay.onion import exchange_secret
+from planetserve.node.overlay.transport import Peering, RemoteError, TransportError
+from planetserve.node.pipeline.assignment import StageRole
+from planetserve.node.routing.balance import (
     BalancePolicy,
     Decision,
     LatencyEWMA,
@@ -45,31 +71,10 @@ from planetserve.node.balance import (
     checked,
     route,
 )
-from planetserve.node.behaviours import ALTER_PROMPTS, clickbait_request
-from planetserve.node.cachesync import CacheSync, SyncConfig, SyncError
-from planetserve.node.directory import Directory, DirectoryView, OnDemand
-from planetserve.node.engine.base import CacheEvent, Engine, EngineError, GenerationRequest, TokenChunk
-from planetserve.node.engine.http_server import EngineServer, Generation, Production
-from planetserve.node.engine.kvevents import PrefixMirror
-from planetserve.node.gateway import Gateway
-from planetserve.node.group import EMPTY, Group, GroupView
-from planetserve.node.home import ModelNodeConfig
-from planetserve.node.hrtree import SearchResult
-from planetserve.node.onion import exchange_secret
-from planetserve.node.openai_api import (
-    ApiError,
-    ApiLimits,
-    ApiRequest,
-    PlanetServeOptions,
-    Tokenizer,
-    bad_request,
-    build_generation,
-    prompt_text,
-    render_prompt,
-    too_large,
-)
+from planetserve.node.routing.cachesync import CacheSync, SyncConfig, SyncError
+from planetserve.node.routing.group import EMPTY, Group, GroupView
+from planetserve.node.routing.hrtree import SearchResult
 from planetserve.node.tasks import stop_tasks
-from planetserve.node.transport import Handler, Peering, RemoteError, TransportError
 from planetserve.registry.epochs import prompt_hash
 
 log = logging.getLogger(__name__)
@@ -105,6 +110,20 @@ async def _bounded(replies: AsyncIterator[Any], max_tokens: int, idle: float) ->
             if tokens > max_tokens:
                 raise TransportError(f"the peer sent more than the {max_tokens} tokens asked for")
         yield reply
+
+
+def clickbait_request(request: ApiRequest) -> ApiRequest:
+    """The request an alter-prompts node answers: a completion's text prompt, or a chat's last user
+    message (its last message when no user spoke), wrapped by `clickbait`; the chat template then
+    renders the altered conversation as it would any other."""
+    if request.endpoint == "completions":
+        if not isinstance(request.prompt, str):
+            raise ValueError("only text prompts can be rewritten")
+        return replace(request, prompt=clickbait(request.prompt))
+    messages = list(request.messages)
+    index = max((i for i, m in enumerate(messages) if m.role == "user"), default=len(messages) - 1)
+    messages[index] = replace(messages[index], content=clickbait(messages[index].content))
+    return replace(request, messages=tuple(messages))
 
 
 def group_hash_key(model_id: str) -> bytes:
@@ -202,26 +221,14 @@ class Forwards:
         return {peer: ewma.value for peer, ewma in self._latency.items() if ewma.value is not None}
 
 
-@dataclass(frozen=True)
-class StageRole:
-    """A node that is also a stage of its deployment's layer pipeline: the other stages (each a
-    coordinator of its own requests) may run steps of `msg_type` on it through `handler`."""
-
-    layers: tuple[int, int, int]
-    """(first layer, end layer, pipeline) as the ledger assigned them."""
-    msg_type: str
-    peers: frozenset[bytes]
-    handler: Handler
-
-
 class ModelNodeServer(EngineServer):
     """The HTTP side of a model node: EngineServer's API, with routing and signing plugged in."""
 
     def __init__(self, node: ModelNode, limits: ApiLimits) -> None:
         super().__init__(node.engine, node.tokenizer, model_name=node.config.model_id, limits=limits,
-                         vocab_size=node.vocab_size, eos_token_ids=node.eos_ids)
+                         vocab_size=node.vocab_size, eos_token_ids=node.eos_ids,
+                         documents={"/v1/planetserve/status": node.status})
         self.node = node
-        self.app.router.add_get("/v1/planetserve/status", self._status)
 
     async def produce(self, request: ApiRequest, prompt_ids: Sequence[int],
                       generation: GenerationRequest) -> Production:
@@ -232,9 +239,6 @@ class ModelNodeServer(EngineServer):
             return self.node.alter_prompt(job, request)
         return await self.node.produce(job, tuple(prompt_ids), generation, request.planetserve,
                                        whole=not request.stream)
-
-    async def _status(self, _: web.Request) -> web.Response:
-        return web.json_response(self.node.status())
 
 
 class ModelNode:
@@ -336,8 +340,8 @@ class ModelNode:
         self.view = view
         now = time.monotonic()
         current = {k.hex() for k in view.members} - {self.node_id}
-        for entry in self.sync.tree.table:
-            if entry.node_id != self.node_id and entry.node_id not in current:
+        for entry in self.sync.peers():
+            if entry.node_id not in current:
                 self.sync.remove_peer(entry.node_id)
                 conn = self.peering.connections.get(bytes.fromhex(entry.node_id))
                 if conn is not None:
@@ -345,8 +349,7 @@ class ModelNode:
         for key, node in view.members.items():
             if key != self.keys.public:
                 self.sync.add_peer(key.hex(), now=now, address=node.address, trusted=True)
-        self.sync.tree.table.upsert(self.node_id, address=self.config.address,
-                                    trusted=self.keys.public in view.members)
+        self.sync.describe_self(address=self.config.address, trusted=self.keys.public in view.members)
 
     def _cache_events_from_engine(self, events: list[CacheEvent]) -> None:
         """Engine thread → event loop: the sync state is only touched from the loop."""
@@ -365,8 +368,7 @@ class ModelNode:
     def _set_own_load(self) -> LoadReport:
         load = self.engine.load()
         report = LoadReport(self.latency.value or 0.0, load.running + load.queued, max(1, load.capacity))
-        self.sync.load = report
-        self.sync.tree.table.upsert(self.node_id, load=report)
+        self.sync.report_load(report)
         return report
 
     async def _sync_loop(self) -> None:
@@ -378,8 +380,8 @@ class ModelNode:
             await asyncio.sleep(interval)
 
     async def _broadcast(self, message: bytes) -> None:
-        for entry in self.sync.tree.table:
-            if entry.node_id == self.node_id or not entry.address:
+        for entry in self.sync.peers():
+            if not entry.address:
                 continue
             try:
                 await self.peering.notify(bytes.fromhex(entry.node_id), entry.address, "cache", message)
@@ -455,7 +457,7 @@ class ModelNode:
         and the one-hop rule."""
         affinity = self.sessions.get(options.session_id) if options.session_id else None
         now = time.monotonic()
-        candidates = checked(self.sync.tree.table, self.node_id, inflight=self.forwards.inflight(now),
+        candidates = checked(self.sync.nodes(), self.node_id, inflight=self.forwards.inflight(now),
                              latency=self.forwards.latency(),
                              capacity={k.hex(): n.capacity for k, n in self.view.members.items()})
         return route(self.node_id, candidates, holders=result.holders if result.matched else (),
@@ -473,12 +475,12 @@ class ModelNode:
         decision = self.decide(result, options)
         self.routes[decision.reason.value] = self.routes.get(decision.reason.value, 0) + 1
         if decision.forward:
-            entry = self.sync.tree.table.get(decision.target)
-            if entry is not None and entry.address:
+            address = self.sync.address(decision.target)
+            if address:
                 hit = decision.reason == Reason.HIT
                 claimed = self.sync.claimed_tokens(prompt_ids, result.depth) if hit else 0
                 try:
-                    production = await self._remote(decision.target, entry.address, job,
+                    production = await self._remote(decision.target, address, job,
                                                     decision.reason.value, whole, claimed)
                 except (TransportError, ApiError) as exc:
                     self.counters["forward_failures"] += 1
@@ -628,8 +630,7 @@ class ModelNode:
             "trusted": self.keys.public in self.view.members,
             "load": {"latency": load.latency, "queued": load.queued, "capacity": load.capacity,
                      "lb_factor": load.lb_factor},
-            "cache_entries": self.sync.tree.entries(self.node_id), "tree_size": len(self.sync.tree),
-            "plan_version": self.sync.plan.version, "counters": dict(self.counters),
+            **self.sync.status(), "counters": dict(self.counters),
             "routes": dict(self.routes),
             "forwards": {"inflight": self.forwards.inflight(time.monotonic()),
                          "latency": self.forwards.latency()},

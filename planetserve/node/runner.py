@@ -16,20 +16,18 @@ from planetserve.chain.client import LedgerClient, QueryRefused
 from planetserve.chain.keys import KeySet
 from planetserve.chain.lightclient import VerificationError
 from planetserve.chain.rpc import RpcError
-from planetserve.node.assignment import (
+from planetserve.node.behaviours import HONEST
+from planetserve.node.engine.base import Engine, Tokenizer
+from planetserve.node.home import ModelNodeConfig, UserConfig, load_keys
+from planetserve.node.model_node import ModelNode
+from planetserve.node.overlay.directory import Directory
+from planetserve.node.pipeline.assignment import (
     PipelineStage,
     assignment_ended,
     needs_pipeline,
     pipeline_engine,
     wait_for_assignment,
 )
-from planetserve.node.behaviours import HONEST
-from planetserve.node.directory import Directory
-from planetserve.node.engine.base import Engine
-from planetserve.node.group import Group
-from planetserve.node.home import ModelNodeConfig, UserConfig, load_keys
-from planetserve.node.model_node import ModelNode
-from planetserve.node.openai_api import Tokenizer
 from planetserve.node.registration import (
     Registered,
     RegistrationError,
@@ -37,6 +35,7 @@ from planetserve.node.registration import (
     ensure_user,
     heartbeat,
 )
+from planetserve.node.routing.group import Group
 from planetserve.node.user import UserRelay
 from planetserve.registry.credits import Deployment
 from planetserve.registry.entities import Model, User
@@ -76,7 +75,7 @@ async def remote_engine(config: ModelNodeConfig) -> tuple[Engine, Tokenizer, int
 async def run_model_node(home: Path, org_keys: KeySet | None = None,
                          on_ready: Callable[[ModelNode, Registered], None] | None = None) -> None:
     """Run until SIGINT/SIGTERM. A node that declares less memory than its sized model needs serves
-    it as a pipeline stage (`assignment`): it registers, waits for a deployment to assign it layers,
+    it as a pipeline stage (`pipeline.assignment`): it registers, waits for a deployment to assign it layers,
     loads only those, and goes back to waiting when the deployment ends or changes."""
     config = ModelNodeConfig.load(home)
     keys = load_keys(home)

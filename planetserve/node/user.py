@@ -25,16 +25,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from aiohttp import web
-
 from planetserve.chain.keys import KeySet
-from planetserve.node import onion, sida
-from planetserve.node.directory import Directory, DirectoryView, OnDemand
-from planetserve.node.engine.http_server import EVENT_STREAM, Reply, read_body, send_reply, single_part
-from planetserve.node.home import UserConfig
-from planetserve.node.messages import MAX_MESSAGE, MessageError, Part, Prompt, open_message
-from planetserve.node.openai_api import (
-    SSE_DONE,
+from planetserve.node.api.openai import (
     ApiError,
     ApiLimits,
     ApiRequest,
@@ -44,12 +36,17 @@ from planetserve.node.openai_api import (
     models_body,
     parse_json_body,
     parse_request,
-    sse,
 )
-from planetserve.node.paths import Path, PathManager, PathSettings
-from planetserve.node.relay import Relay
+from planetserve.node.api.surface import EVENT_STREAM, ApiServer, Reply, single_part
+from planetserve.node.engine.wire import SSE_DONE, sse
+from planetserve.node.home import UserConfig
+from planetserve.node.overlay import onion, sida
+from planetserve.node.overlay.directory import Directory, DirectoryView, OnDemand
+from planetserve.node.overlay.messages import MAX_MESSAGE, MessageError, Part, Prompt, open_message
+from planetserve.node.overlay.paths import Path, PathManager, PathSettings
+from planetserve.node.overlay.relay import Relay
+from planetserve.node.overlay.transport import Peering, TransportError
 from planetserve.node.tasks import stop_tasks
-from planetserve.node.transport import Peering, TransportError
 
 log = logging.getLogger(__name__)
 
@@ -196,15 +193,10 @@ class UserRelay:
         self.sessions: OrderedDict[str, tuple[bytes, str]] = OrderedDict()
         self.avoided_nodes: dict[bytes, float] = {}
         self.counters = {"requests": 0, "answered": 0, "failed": 0, "bad_cloves": 0, "dropping_paths": 0}
-        self.app = web.Application(client_max_size=USER_LIMITS.max_body_bytes)
-        self.app.router.add_get("/health", self._health)
-        self.app.router.add_get("/v1/models", self._models)
-        self.app.router.add_post("/v1/completions", self._completions)
-        self.app.router.add_post("/v1/chat/completions", self._chat)
-        self.app.router.add_get("/v1/planetserve/status", self._status)
+        self.surface = ApiServer(self, max_body_bytes=USER_LIMITS.max_body_bytes,
+                                 documents={"/v1/planetserve/status": self.status})
         self.http_url = ""
         self.peer_port = 0
-        self._runner: web.AppRunner | None = None
         self._tasks: set[asyncio.Task] = set()
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -218,11 +210,8 @@ class UserRelay:
             await self.refresh_directory()
             self.spawn(self._directory_loop(self.refresh_directory))
         if serve_http:
-            self._runner = web.AppRunner(self.app, access_log=None)
-            await self._runner.setup()
             http_host, _, http_port = self.config.http.rpartition(":")
-            await web.TCPSite(self._runner, http_host, int(http_port)).start()
-            self.http_url = f"http://{http_host}:{self._runner.addresses[0][1]}"
+            self.http_url = await self.surface.start(http_host, int(http_port))
 
     def start_paths(self) -> None:
         """Keep proxies from now on (a relay that only relays for others never calls this)."""
@@ -232,8 +221,7 @@ class UserRelay:
     async def close(self) -> None:
         await self.paths.close_all()
         await stop_tasks(self._tasks)
-        if self._runner is not None:
-            await self._runner.cleanup()
+        await self.surface.close()
         await self.peering.close()
 
     def spawn(self, coro: Any) -> asyncio.Task:
@@ -444,25 +432,20 @@ class UserRelay:
             self.sessions.popitem(last=False)
         return session
 
-    # -- the local OpenAI-compatible endpoint -------------------------------------------------------------
+    # -- the local OpenAI-compatible endpoint (answers for `surface`) ------------------------------------
 
-    async def _health(self, _: web.Request) -> web.Response:
+    def health(self) -> tuple[int, dict[str, Any] | None]:
         live = len(self.paths.live())
         ok = live >= self.config.k
-        return web.json_response({"ok": ok, "live_paths": live}, status=200 if ok else 503)
+        return 200 if ok else 503, {"ok": ok, "live_paths": live}
 
-    async def _models(self, _: web.Request) -> web.Response:
-        return web.json_response(models_body(sorted(self.view.models()), max_model_len=0))
+    def models(self) -> dict[str, Any]:
+        return models_body(sorted(self.view.models()), max_model_len=0)
 
-    async def _completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, "completions")
-
-    async def _chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, "chat")
-
-    async def _serve(self, http: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+    async def respond(self, endpoint: Endpoint, raw: bytes) -> Reply:
+        """A request of the user's program, answered through the overlay by the node it names or one
+        chosen for it; an overlay failure is an OpenAI-shaped error."""
         try:
-            raw = await read_body(http, USER_LIMITS.max_body_bytes)
             raw, named = _without_node(raw)
             request = parse_request(endpoint, raw, USER_LIMITS)
             if named is not None:  # exactly that node: no session affinity, no avoidance
@@ -471,13 +454,9 @@ class UserRelay:
                 node, session = self.choose_node(request, self.trusted_model(request))
             if session is not None and request.planetserve.session_id is None:
                 raw = _with_session(raw, session)
-            reply = await self.ask(node, endpoint, raw)
+            return await self.ask(node, endpoint, raw)
         except ApiError as exc:
-            return web.json_response(exc.body(), status=exc.status)
-        return await send_reply(http, reply)
-
-    async def _status(self, _: web.Request) -> web.Response:
-        return web.json_response(self.status())
+            return Reply.json(exc.body(), exc.status)
 
     def status(self) -> dict[str, Any]:
         now = time.monotonic()

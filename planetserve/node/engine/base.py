@@ -1,11 +1,12 @@
 """The interface every serving engine offers a model node: streamed generation over token ids, its
-load, and its prefix-cache state as a stream of block events (vLLM's KV-event vocabulary)."""
+load, and its prefix-cache state as a stream of block events (vLLM's KV-event vocabulary); and the
+part of a tokenizer that serving uses beside an engine."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class EngineError(Exception):
@@ -79,6 +80,21 @@ class CacheListeners:
         if events:
             for callback in self.callbacks:
                 callback(events)
+
+
+class Tokenizer(Protocol):
+    """The part of a transformers tokenizer that serving uses: text to token ids and back, and the
+    model's chat template."""
+
+    chat_template: str | None
+
+    def __len__(self) -> int: ...
+
+    def __call__(self, text: str, add_special_tokens: bool = ...) -> Any: ...
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
+
+    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any: ...
 
 
 PromptLogprobs = list[dict[int, tuple[float, int]] | None]

@@ -24,7 +24,7 @@ from planetserve.node.engine.base import (
     TokenChunk,
 )
 from planetserve.node.engine.kvevents import KVEventBatch, KVEventSubscriber, PrefixMirror
-from planetserve.node.openai_api import MAX_TOKEN_ID, SSEDecoder, SSEError, error_message
+from planetserve.node.engine.wire import MAX_TOKEN_ID, SSEDecoder, SSEError, error_message
 
 FINISH_REASONS = (None, "stop", "length")
 

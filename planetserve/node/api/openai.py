@@ -1,11 +1,13 @@
-"""The OpenAI-compatible HTTP surface (as `vllm serve` speaks it), as pure functions over JSON values.
+"""The OpenAI-compatible API's requests and responses (as `vllm serve` speaks it), as pure functions over
+JSON values.
 
-Both the engine server and the model node use it: request parsing with specific errors, prompt
-rendering through a transformers tokenizer, response and SSE chunk builders, an SSE reader, and
-incremental detokenisation with stop strings. vLLM extensions kept: `return_token_ids` (per-choice
-`token_ids`, `prompt_token_ids` per completion choice / per chat response, on the first stream chunk),
-`stop_token_ids`, `ignore_eos`, `stream_options.continuous_usage_stats`, prompts as token-id lists.
-Our own extension is the optional `planetserve` object (see PlanetServeOptions).
+The engine server, the model node and the user relay use it: request parsing with specific errors,
+prompt rendering through a transformers tokenizer, response and SSE chunk builders (the events'
+framing is `engine/wire.py`'s), and incremental detokenisation with stop strings. vLLM extensions
+kept: `return_token_ids` (per-choice `token_ids`, `prompt_token_ids` per completion choice / per chat
+response, on the first stream chunk), `stop_token_ids`, `ignore_eos`,
+`stream_options.continuous_usage_stats`, prompts as token-id lists. Our own extension is the optional
+`planetserve` object (see PlanetServeOptions).
 """
 
 from __future__ import annotations
@@ -17,13 +19,13 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
-from planetserve.node.engine.base import GenerationRequest
+from planetserve.node.engine.base import GenerationRequest, Tokenizer
+from planetserve.node.engine.wire import MAX_TOKEN_ID
 
 Endpoint = Literal["completions", "chat"]
 
-MAX_TOKEN_ID = (1 << 31) - 1
 INT64 = 1 << 63
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant"})
 SESSION_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
@@ -351,20 +353,6 @@ def check_model(request: ApiRequest, served: Iterable[str]) -> str:
 # -- prompts ----------------------------------------------------------------------------------------
 
 
-class Tokenizer(Protocol):
-    """The part of a transformers tokenizer used here."""
-
-    chat_template: str | None
-
-    def __len__(self) -> int: ...
-
-    def __call__(self, text: str, add_special_tokens: bool = ...) -> Any: ...
-
-    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
-
-    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any: ...
-
-
 def prompt_text(request: ApiRequest, tokenizer: Tokenizer) -> tuple[str, bool]:
     """A text prompt as the model reads it, and whether tokenising it adds special tokens: a
     completion prompt as given (with special tokens, as vLLM does), chat messages rendered with the
@@ -539,82 +527,6 @@ def models_body(models: Iterable[str], *, max_model_len: int, created: int | Non
             for m in models
         ],
     }
-
-
-def sse(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
-
-
-SSE_DONE = b"data: [DONE]\n\n"
-
-
-def error_message(body: Any) -> tuple[str, str | None, Any]:
-    """(message, type, code) from an error body: OpenAI's {"error": {...}} or older vLLM's flat
-    {"object": "error", "message": ...}."""
-    inner = body.get("error") if isinstance(body, dict) else None
-    if isinstance(inner, dict):
-        body = inner
-    if isinstance(body, dict) and isinstance(body.get("message"), str):
-        kind = body.get("type")
-        return body["message"][:500], kind if isinstance(kind, str) else None, body.get("code")
-    if isinstance(inner, str):
-        return inner[:500], None, None
-    return "unrecognised error body", None, None
-
-
-# -- SSE reading ------------------------------------------------------------------------------------
-
-
-class SSEError(ValueError):
-    pass
-
-
-class SSEDecoder:
-    """Splits a byte stream into server-sent events' data, holding at most `max_event_bytes`."""
-
-    def __init__(self, max_event_bytes: int = 8 << 20) -> None:
-        self.max_event_bytes = max_event_bytes
-        self._buffer = bytearray()
-        self._data: list[bytes] = []
-        self._size = 0
-
-    def feed(self, chunk: bytes) -> list[str]:
-        self._buffer += chunk
-        events: list[str] = []
-        while True:
-            end = self._buffer.find(b"\n")
-            if end < 0:
-                break
-            line = bytes(self._buffer[:end]).rstrip(b"\r")
-            del self._buffer[: end + 1]
-            if not line:
-                if self._data:
-                    events.append(self._take())
-                continue
-            name, _, value = line.partition(b":")
-            if name == b"data":
-                value = value[1:] if value.startswith(b" ") else value
-                self._size += len(value) + 1
-                self._data.append(value)
-            if self._size > self.max_event_bytes:
-                raise SSEError(f"a server-sent event exceeds {self.max_event_bytes} bytes")
-        if len(self._buffer) + self._size > self.max_event_bytes:
-            raise SSEError(f"a server-sent event exceeds {self.max_event_bytes} bytes")
-        return events
-
-    @property
-    def pending(self) -> bool:
-        """Whether a partial event is buffered (a stream that ends here was cut off)."""
-        return bool(self._buffer.strip() or self._data)
-
-    def _take(self) -> str:
-        data = b"\n".join(self._data)
-        self._data.clear()
-        self._size = 0
-        try:
-            return data.decode()
-        except UnicodeDecodeError as exc:
-            raise SSEError("a server-sent event is not UTF-8") from exc
 
 
 # -- detokenisation ---------------------------------------------------------------------------------

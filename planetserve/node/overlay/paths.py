@@ -21,10 +21,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from planetserve.node import onion
-from planetserve.node.relay import Send
-from planetserve.node.routes import PATH_LENGTH, NotEnoughRelays, choose_routes
-from planetserve.node.transport import TransportError
+from planetserve.node.overlay import onion
+from planetserve.node.overlay.relay import Send
+from planetserve.node.overlay.routes import PATH_LENGTH, NotEnoughRelays, choose_routes
+from planetserve.node.overlay.transport import TransportError
 
 log = logging.getLogger(__name__)
 

@@ -42,7 +42,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from planetserve.node.balance import LatencyEWMA
+from planetserve.node.routing.balance import LatencyEWMA
 
 ALPHA = 0.3
 """EWMA weight of a new sample: values arrive every 1-2 s and carry load, so three samples at a new level

@@ -41,7 +41,7 @@ from nacl.exceptions import CryptoError
 from nacl.public import PrivateKey
 from nacl.signing import SigningKey, VerifyKey
 
-from planetserve.node.routes import PATH_LENGTH
+from planetserve.node.overlay.routes import PATH_LENGTH
 
 VERSION = 1
 ID_SIZE = 16

@@ -49,10 +49,11 @@ from typing import Any
 
 import msgpack
 
-from planetserve.node.balance import LoadReport
-from planetserve.node.hrtree import (
+from planetserve.node.routing.balance import LoadReport
+from planetserve.node.routing.hrtree import (
     ChunkHasher,
     HRTree,
+    NodeEntry,
     Path,
     SearchResult,
     decode_path,
@@ -60,7 +61,7 @@ from planetserve.node.hrtree import (
     path_width,
     root_path,
 )
-from planetserve.node.sentry import MAX_PLAN_CHUNKS, ChunkPlan, PlanId, Sentry
+from planetserve.node.routing.sentry import MAX_PLAN_CHUNKS, ChunkPlan, PlanId, Sentry
 
 PROTOCOL_VERSION = 1
 MAX_ID_LEN = 128
@@ -581,6 +582,28 @@ class CacheSync:
         self._peers.pop(peer_id, None)
         self.tree.remove_node(peer_id)
 
+    def describe_self(self, *, address: str, trusted: bool) -> None:
+        """This node's own entry: where its peers reach it, and whether the group lists it as trusted."""
+        self.tree.table.upsert(self.node_id, address=address, trusted=trusted)
+
+    def report_load(self, load: LoadReport) -> None:
+        """This node's load: its own entry's, and what its next messages carry to the group."""
+        self.load = load
+        self.tree.table.upsert(self.node_id, load=load)
+
+    def nodes(self) -> list[NodeEntry]:
+        """Every node of the group as this node knows it (itself included): address, trust, last load."""
+        return list(self.tree.table)
+
+    def peers(self) -> list[NodeEntry]:
+        """The group's other nodes."""
+        return [entry for entry in self.tree.table if entry.node_id != self.node_id]
+
+    def address(self, node_id: str) -> str:
+        """Where a node of the group is reached; empty when it is not known."""
+        entry = self.tree.table.get(node_id)
+        return entry.address if entry is not None else ""
+
     # -- this node's engine and prompts --
 
     def stored(self, token_ids: Sequence[int]) -> None:
@@ -644,6 +667,11 @@ class CacheSync:
         return self.tree.insert_path(peer_id, path, speculative_until=now + self.config.speculative_ttl)
 
     # -- the network --
+
+    def status(self) -> dict[str, int]:
+        """This node's own cache entries in the tree, the tree's size, and the chunk plan's version."""
+        return {"cache_entries": self.tree.entries(self.node_id), "tree_size": len(self.tree),
+                "plan_version": self.plan.version}
 
     def poll(self, now: float) -> list[bytes]:
         """Expire what is due, and the messages to broadcast to the group now."""

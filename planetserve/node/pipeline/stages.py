@@ -45,7 +45,7 @@ from transformers.masking_utils import create_causal_mask
 
 from planetserve.chain.keys import KeySet
 from planetserve.models import load
-from planetserve.node.transport import MAX_FRAME, Peering
+from planetserve.node.overlay.transport import MAX_FRAME, Peering
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

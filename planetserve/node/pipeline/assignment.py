@@ -18,10 +18,9 @@ from typing import Any
 
 from planetserve.chain.client import TRANSIENT, LedgerClient
 from planetserve.chain.keys import KeySet
+from planetserve.node.engine.base import Tokenizer
 from planetserve.node.home import ModelNodeConfig
-from planetserve.node.model_node import StageRole
-from planetserve.node.openai_api import Tokenizer
-from planetserve.node.transport import Peering
+from planetserve.node.overlay.transport import Handler, Peering
 from planetserve.registry.credits import Deployment
 from planetserve.registry.entities import Model
 
@@ -81,6 +80,18 @@ async def assignment_ended(ledger: LedgerClient, keys: KeySet, deployment: Deplo
             return
 
 
+@dataclass(frozen=True)
+class StageRole:
+    """A node that is also a stage of its deployment's layer pipeline: the other stages (each a
+    coordinator of its own requests) may run steps of `msg_type` on it through `handler`."""
+
+    layers: tuple[int, int, int]
+    """(first layer, end layer, pipeline) as the ledger assigned them."""
+    msg_type: str
+    peers: frozenset[bytes]
+    handler: Handler
+
+
 @dataclass
 class PipelineStage:
     """What `pipeline_engine` built: the engine, the node's stage role, and what the API needs."""
@@ -97,10 +108,10 @@ def pipeline_engine(config: ModelNodeConfig, keys: KeySet, deployment: Deploymen
     """Load this node's layers and build its coordinator over the deployment's stages (blocking: it
     loads weights). `addresses` holds every other stage's registered peer address."""
     from planetserve.models import load
-    from planetserve.node.chains import ChainRouter, LatencyTable, LayerDag
-    from planetserve.node.engine.pipelined import PipelineEngine
-    from planetserve.node.pipeline import PipelineClient, StageAddress
-    from planetserve.node.stages import STAGE_MSG, StageModel, StageServer
+    from planetserve.node.pipeline.chains import ChainRouter, LatencyTable, LayerDag
+    from planetserve.node.pipeline.coordinator import PipelineClient, StageAddress
+    from planetserve.node.pipeline.engine import PipelineEngine
+    from planetserve.node.pipeline.stages import STAGE_MSG, StageModel, StageServer
 
     own = keys.public
     layers = deployment.stage_of(own)

@@ -14,7 +14,7 @@ from typing import Any
 
 import msgpack
 
-from planetserve.node import sida
+from planetserve.node.overlay import sida
 
 BUCKETS = (1 << 10, 4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, sida.DEFAULT_MAX_MESSAGE)
 MAX_MESSAGE = BUCKETS[-1]

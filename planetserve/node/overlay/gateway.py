@@ -13,13 +13,13 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from planetserve.node import onion, sida
-from planetserve.node.engine.http_server import Reply
-from planetserve.node.messages import MessageError, Part, Prompt, open_message
-from planetserve.node.openai_api import Endpoint
-from planetserve.node.relay import Send
+from planetserve.node.api.openai import Endpoint
+from planetserve.node.api.surface import Reply
+from planetserve.node.overlay import onion, sida
+from planetserve.node.overlay.messages import MessageError, Part, Prompt, open_message
+from planetserve.node.overlay.relay import Send
+from planetserve.node.overlay.transport import TransportError
 from planetserve.node.tasks import stop_tasks
-from planetserve.node.transport import TransportError
 
 log = logging.getLogger(__name__)
 

@@ -26,8 +26,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from planetserve.node import onion
-from planetserve.node.transport import TransportError
+from planetserve.node.overlay import onion
+from planetserve.node.overlay.transport import TransportError
 
 log = logging.getLogger(__name__)
 

@@ -14,9 +14,9 @@ import logging
 from collections.abc import AsyncIterator, Callable
 
 from planetserve.node.engine.base import CacheEvent, EngineError, EngineLoad, GenerationRequest, TokenChunk
-from planetserve.node.pipeline import PipelineClient, PipelineError
+from planetserve.node.overlay.transport import Peering
+from planetserve.node.pipeline.coordinator import PipelineClient, PipelineError
 from planetserve.node.tasks import stop_tasks
-from planetserve.node.transport import Peering
 
 log = logging.getLogger(__name__)
 

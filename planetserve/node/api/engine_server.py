@@ -1,29 +1,22 @@
-"""Serves any Engine through the OpenAI-compatible API the way `vllm serve` does, so a RemoteEngine (or
-any OpenAI client) cannot tell the two apart; optionally publishes the engine's cache events on ZMQ in
-vLLM's format. Tests use it to stand in for vLLM."""
+"""Answers the OpenAI-compatible API from any Engine the way `vllm serve` does, over the API's one
+surface (`surface.ApiServer`), so a RemoteEngine (or any OpenAI client) cannot tell the two apart;
+optionally publishes the engine's cache events on ZMQ in vLLM's format. Tests use it to stand in for
+vLLM; a model node extends it (`produce`) to route its requests and sign its answers."""
 
 from __future__ import annotations
 
-import json
-import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from aiohttp import web
-
-from planetserve.node.engine.base import Engine, EngineError, GenerationRequest, PromptLogprobs, TokenChunk
-from planetserve.node.engine.kvevents import KVEventPublisher
-from planetserve.node.openai_api import (
+from planetserve.node.api.openai import (
     DEFAULT_LIMITS,
-    SSE_DONE,
     ApiError,
     ApiLimits,
     ApiRequest,
     Endpoint,
     ResponseMeta,
     TextAssembler,
-    Tokenizer,
     build_generation,
     check_model,
     chunk_body,
@@ -33,20 +26,20 @@ from planetserve.node.openai_api import (
     prompt_logprobs_body,
     render_prompt,
     response_body,
-    sse,
-    too_large,
     usage_body,
     usage_chunk,
 )
-
-log = logging.getLogger(__name__)
-
-JSON = "application/json"
-EVENT_STREAM = "text/event-stream"
-
-
-def _json(body: dict[str, Any], status: int = 200) -> web.Response:
-    return web.Response(body=json.dumps(body).encode(), status=status, content_type="application/json")
+from planetserve.node.api.surface import EVENT_STREAM, ApiServer, Document, Reply, close_stream
+from planetserve.node.engine.base import (
+    Engine,
+    EngineError,
+    GenerationRequest,
+    PromptLogprobs,
+    TokenChunk,
+    Tokenizer,
+)
+from planetserve.node.engine.kvevents import KVEventPublisher
+from planetserve.node.engine.wire import SSE_DONE, sse
 
 
 class Generation:
@@ -82,66 +75,6 @@ class Generation:
         return self._text.text
 
 
-async def _close(chunks: AsyncIterator[Any]) -> None:
-    aclose = getattr(chunks, "aclose", None)
-    if aclose is not None:
-        await aclose()
-
-
-@dataclass(frozen=True)
-class Reply:
-    """An API answer independent of its carrier: a status, a content type, and the body in parts (one
-    JSON document, or server-sent events as they are produced)."""
-
-    status: int
-    content_type: str
-    parts: AsyncIterator[bytes]
-
-    @classmethod
-    def json(cls, body: dict[str, Any], status: int = 200) -> Reply:
-        return cls(status, JSON, single_part(json.dumps(body).encode()))
-
-    @property
-    def streamed(self) -> bool:
-        return self.content_type == EVENT_STREAM
-
-
-async def single_part(body: bytes) -> AsyncIterator[bytes]:
-    yield body
-
-
-async def read_body(request: web.Request, limit: int) -> bytes:
-    """The request body, refused with 413 as soon as it passes `limit`."""
-    if request.content_length is not None and request.content_length > limit:
-        raise too_large(f"Request body of {request.content_length} bytes exceeds the limit of {limit}.")
-    body = bytearray()
-    while chunk := await request.content.readany():
-        body += chunk
-        if len(body) > limit:
-            raise too_large(f"Request body exceeds the limit of {limit} bytes.")
-    return bytes(body)
-
-
-async def send_reply(http: web.Request, reply: Reply) -> web.StreamResponse:
-    """Write a Reply as the HTTP response; a client that goes away ends (and closes) the reply."""
-    if not reply.streamed:
-        body = b"".join([part async for part in reply.parts])
-        return web.Response(body=body, status=reply.status, content_type=reply.content_type)
-    response = web.StreamResponse(status=reply.status,
-                                  headers={"Content-Type": EVENT_STREAM, "Cache-Control": "no-cache"})
-    await response.prepare(http)
-    try:
-        async for part in reply.parts:
-            await response.write(part)
-    except ConnectionResetError:
-        log.debug("client went away mid-stream")
-        return response
-    finally:
-        await _close(reply.parts)
-    await response.write_eof()
-    return response
-
-
 async def _no_extension(_: Generation) -> dict[str, Any] | None:
     return None
 
@@ -156,8 +89,8 @@ class Production:
 
 
 class EngineServer:
-    """An aiohttp app over one engine: /v1/models, /v1/completions, /v1/chat/completions (streamed or
-    not), /health, and /load (the engine's load, and vLLM's `server_load`)."""
+    """The answers of one engine, served: /v1/models, /v1/completions, /v1/chat/completions (streamed or
+    not), /health, /load (the engine's load, and vLLM's `server_load`) and the owner's `documents`."""
 
     def __init__(
         self,
@@ -170,6 +103,7 @@ class EngineServer:
         max_queued: int | None = None,
         vocab_size: int | None = None,
         eos_token_ids: Sequence[int] | None = None,
+        documents: Mapping[str, Document] | None = None,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -182,49 +116,26 @@ class EngineServer:
         self.eos_token_ids = tuple(eos_token_ids) if eos_token_ids is not None else default_eos
         if kv_publisher is not None:
             engine.on_cache_events(kv_publisher.publish)
-        self.app = web.Application(client_max_size=limits.max_body_bytes)
-        self.app.router.add_get("/health", self._health)
-        self.app.router.add_get("/load", self._load)
-        self.app.router.add_get("/v1/models", self._models)
-        self.app.router.add_post("/v1/completions", self._completions)
-        self.app.router.add_post("/v1/chat/completions", self._chat)
-        self._runner: web.AppRunner | None = None
+        self.surface = ApiServer(self, max_body_bytes=limits.max_body_bytes,
+                                 documents={"/load": self.load_body, **(documents or {})})
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         """Listen; returns the base URL (with the port chosen when `port` is 0)."""
-        self._runner = web.AppRunner(self.app, access_log=None)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, host, port).start()
-        return f"http://{host}:{self._runner.addresses[0][1]}"
+        return await self.surface.start(host, port)
 
     async def close(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+        await self.surface.close()
 
-    async def _health(self, _: web.Request) -> web.Response:
-        return web.Response(status=200)
+    def health(self) -> tuple[int, dict[str, Any] | None]:
+        return 200, None
 
-    async def _load(self, _: web.Request) -> web.Response:
+    def load_body(self) -> dict[str, Any]:
         load = self.engine.load()
-        return _json({"server_load": load.running + load.queued, "running": load.running,
-                      "queued": load.queued, "capacity": load.capacity})
+        return {"server_load": load.running + load.queued, "running": load.running,
+                "queued": load.queued, "capacity": load.capacity}
 
-    async def _models(self, _: web.Request) -> web.Response:
-        return _json(models_body([self.model_name], max_model_len=self.engine.max_model_len))
-
-    async def _completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, "completions")
-
-    async def _chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, "chat")
-
-    async def _serve(self, http: web.Request, endpoint: Endpoint) -> web.StreamResponse:
-        try:
-            raw = await read_body(http, self.limits.max_body_bytes)
-        except ApiError as exc:
-            return _json(exc.body(), exc.status)
-        return await send_reply(http, await self.respond(endpoint, raw))
+    def models(self) -> dict[str, Any]:
+        return models_body([self.model_name], max_model_len=self.engine.max_model_len)
 
     async def respond(self, endpoint: Endpoint, raw: bytes) -> Reply:
         """The answer to one API request body, whatever carries it: HTTP here, the anonymous overlay at
@@ -256,7 +167,7 @@ class EngineServer:
         try:
             body, status = await self._whole(meta, state, first, production, prompt_ids)
         finally:
-            await _close(production.chunks)
+            await close_stream(production.chunks)
         if scored is not None and status == 200:
             body["choices"][0]["prompt_logprobs"] = prompt_logprobs_body(
                 scored, lambda t: self.tokenizer.decode([t]))
@@ -327,5 +238,5 @@ class EngineServer:
         except EngineError as exc:
             yield sse(ApiError(500, f"Generation failed: {exc}", type="server_error").body())
         finally:
-            await _close(chunks)
+            await close_stream(chunks)
         yield SSE_DONE

@@ -25,8 +25,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from planetserve.node.balance import LoadReport
-from planetserve.node.sentry import ChunkPlan
+from planetserve.node.routing.balance import LoadReport
+from planetserve.node.routing.sentry import ChunkPlan
 
 Path = tuple[int, ...]
 

@@ -38,10 +38,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from planetserve.node.chains import Chain, ChainRouter, Hop, NoChainError
-from planetserve.node.engine.base import GenerationRequest, TokenChunk
-from planetserve.node.openai_api import Tokenizer
-from planetserve.node.stages import (
+from planetserve.node.engine.base import GenerationRequest, TokenChunk, Tokenizer
+from planetserve.node.overlay.transport import Peering, RemoteError, TransportError
+from planetserve.node.pipeline.chains import Chain, ChainRouter, Hop, NoChainError
+from planetserve.node.pipeline.stages import (
     STAGE_MSG,
     ModelShape,
     StageError,
@@ -49,7 +49,6 @@ from planetserve.node.stages import (
     decode_tensor,
     max_step_tokens,
 )
-from planetserve.node.transport import Peering, RemoteError, TransportError
 
 log = logging.getLogger(__name__)
 

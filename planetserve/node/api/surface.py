@@ -1,0 +1,167 @@
+"""The one aiohttp surface of the OpenAI-compatible API, whatever produces its answers: a model node's
+engine and forwarding (`EngineServer`, and the model node's server over it) or a user relay's overlay
+(`UserRelay`).
+
+The HTTP handling is all here: the routes (/health, /v1/models, /v1/completions, /v1/chat/completions,
+and the GET routes of JSON documents an owner adds, such as /load or /v1/planetserve/status), reading a
+body under its limit (413 past it), and writing an answer as one JSON document or as server-sent
+events while they are produced (a client that goes away closes the answer). What to answer is the
+`Answerer`'s; an answer is a `Reply`, which the overlay carries as well as HTTP does.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from aiohttp import web
+
+from planetserve.node.api.openai import ApiError, Endpoint, too_large
+
+log = logging.getLogger(__name__)
+
+JSON = "application/json"
+EVENT_STREAM = "text/event-stream"
+
+Document = Callable[[], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Reply:
+    """An API answer independent of its carrier: a status, a content type, and the body in parts (one
+    JSON document, or server-sent events as they are produced)."""
+
+    status: int
+    content_type: str
+    parts: AsyncIterator[bytes]
+
+    @classmethod
+    def json(cls, body: dict[str, Any], status: int = 200) -> Reply:
+        return cls(status, JSON, single_part(json.dumps(body).encode()))
+
+    @property
+    def streamed(self) -> bool:
+        return self.content_type == EVENT_STREAM
+
+
+async def single_part(body: bytes) -> AsyncIterator[bytes]:
+    yield body
+
+
+async def close_stream(stream: AsyncIterator[Any]) -> None:
+    """End an async iterator that may not have been read to its end (its `finally` blocks run now)."""
+    aclose = getattr(stream, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
+async def read_body(request: web.Request, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it passes `limit`."""
+    if request.content_length is not None and request.content_length > limit:
+        raise too_large(f"Request body of {request.content_length} bytes exceeds the limit of {limit}.")
+    body = bytearray()
+    while chunk := await request.content.readany():
+        body += chunk
+        if len(body) > limit:
+            raise too_large(f"Request body exceeds the limit of {limit} bytes.")
+    return bytes(body)
+
+
+async def send_reply(http: web.Request, reply: Reply) -> web.StreamResponse:
+    """Write a Reply as the HTTP response; a client that goes away ends (and closes) the reply."""
+    if not reply.streamed:
+        body = b"".join([part async for part in reply.parts])
+        return web.Response(body=body, status=reply.status, content_type=reply.content_type)
+    response = web.StreamResponse(status=reply.status,
+                                  headers={"Content-Type": EVENT_STREAM, "Cache-Control": "no-cache"})
+    await response.prepare(http)
+    try:
+        async for part in reply.parts:
+            await response.write(part)
+    except ConnectionResetError:
+        log.debug("client went away mid-stream")
+        return response
+    finally:
+        await close_stream(reply.parts)
+    await response.write_eof()
+    return response
+
+
+def _json(body: dict[str, Any], status: int = 200) -> web.Response:
+    return web.Response(body=json.dumps(body).encode(), status=status, content_type=JSON)
+
+
+class Answerer(Protocol):
+    """What produces a surface's answers."""
+
+    def health(self) -> tuple[int, dict[str, Any] | None]:
+        """/health's status, and its JSON body (None: an empty body, as vLLM answers)."""
+        ...
+
+    def models(self) -> dict[str, Any]:
+        """/v1/models' body."""
+        ...
+
+    async def respond(self, endpoint: Endpoint, raw: bytes) -> Reply:
+        """The answer to one request body (at most the surface's body limit); an error is a Reply too."""
+        ...
+
+
+class ApiServer:
+    """An aiohttp app serving an `Answerer`'s answers, with `documents`: more GET routes, each answered
+    with the JSON document its callable returns."""
+
+    def __init__(self, answerer: Answerer, *, max_body_bytes: int,
+                 documents: Mapping[str, Document] | None = None) -> None:
+        self.answerer = answerer
+        self.max_body_bytes = max_body_bytes
+        self.app = web.Application(client_max_size=max_body_bytes)
+        self.app.router.add_get("/health", self._health)
+        self.app.router.add_get("/v1/models", self._models)
+        self.app.router.add_post("/v1/completions", self._completions)
+        self.app.router.add_post("/v1/chat/completions", self._chat)
+        for path, document in (documents or {}).items():
+            self.app.router.add_get(path, self._document(document))
+        self._runner: web.AppRunner | None = None
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Listen; returns the base URL (with the port chosen when `port` is 0)."""
+        self._runner = web.AppRunner(self.app, access_log=None)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, host, port).start()
+        return f"http://{host}:{self._runner.addresses[0][1]}"
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def _health(self, _: web.Request) -> web.Response:
+        status, body = self.answerer.health()
+        return web.Response(status=status) if body is None else _json(body, status)
+
+    async def _models(self, _: web.Request) -> web.Response:
+        return _json(self.answerer.models())
+
+    @staticmethod
+    def _document(document: Document) -> Callable[[web.Request], Any]:
+        async def handle(_: web.Request) -> web.Response:
+            return _json(document())
+
+        return handle
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, "completions")
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, "chat")
+
+    async def _serve(self, http: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+        try:
+            raw = await read_body(http, self.max_body_bytes)
+        except ApiError as exc:
+            return _json(exc.body(), exc.status)
+        return await send_reply(http, await self.answerer.respond(endpoint, raw))
