@@ -1,6 +1,6 @@
-"""The one direction of imports that docs/architecture.md's map draws, held against the code: every
-import of every module (at its top or inside a function) is walked, and an import that runs against
-the map fails here naming the two modules. Clients are also shown, in a fresh interpreter, not to
+"""The one direction of imports that docs/architecture.md's maps draw (the packages, and node/'s wings),
+held against the code: every import of every module (at its top or inside a function) is walked, and an
+import that runs against the map fails here naming the two modules. Clients are also shown, in a fresh interpreter, not to
 load the ABCI application."""
 
 from __future__ import annotations
@@ -16,6 +16,10 @@ import planetserve
 
 PACKAGE = Path(planetserve.__file__).parent
 
+NODE_OUTSIDE = {"chain", "registry", "models", "config"}
+NODE = {"node", "node.engine", "node.api", "node.routing", "node.overlay", "node.pipeline", "node.tasks",
+        "node.home", "node.behaviours"}
+"""node/'s roles (model_node, user, registration, runner), its wings and its shared modules."""
 ALLOWED: dict[str, set[str]] = {
     "registry": set(),
     "models": set(),
@@ -24,13 +28,21 @@ ALLOWED: dict[str, set[str]] = {
     "chain": {"registry"},
     "chain.abci": {"chain", "registry"},
     "verifier": {"chain", "registry", "models", "workloads", "config"},
-    "node": {"chain", "registry", "models", "config"},
+    "node": NODE_OUTSIDE | NODE,
+    "node.engine": NODE_OUTSIDE | {"node.tasks"},
+    "node.api": NODE_OUTSIDE | {"node.engine"},
+    "node.routing": NODE_OUTSIDE,
+    "node.overlay": NODE_OUTSIDE | {"node.api", "node.tasks"},
+    "node.pipeline": NODE_OUTSIDE | {"node.engine", "node.overlay", "node.routing", "node.home", "node.tasks"},
+    "node.tasks": set(),
+    "node.behaviours": set(),
+    "node.home": NODE_OUTSIDE | {"node.behaviours"},
     "genesis": {"chain", "chain.abci", "registry"},
     "dashboard": {"chain", "registry"},
-    "localnet": {"chain", "chain.abci", "registry", "models", "config", "genesis", "node", "verifier",
-                 "dashboard", "workloads"},
-    "cli": {"chain", "chain.abci", "registry", "models", "config", "workloads", "genesis", "node",
-            "verifier", "dashboard", "localnet"},
+    "localnet": {"chain", "chain.abci", "registry", "models", "config", "genesis", "verifier", "dashboard",
+                 "workloads"} | NODE,
+    "cli": {"chain", "chain.abci", "registry", "models", "config", "workloads", "genesis", "verifier",
+            "dashboard", "localnet"} | NODE,
     "__main__": {"cli"},
     "__init__": set(),
 }
