@@ -218,8 +218,9 @@ def test_overloaded_holder_falls_back_to_the_least_loaded(quick_family):
             signed((await complete(holder, SHARED + "Seed the cache.", planetserve={"no_forward": True})).json())
             await until(lambda: nodes[1].sync.search(holder.tokenizer(SHARED)["input_ids"]).holders
                              >= {holder.node_id})
-            # overload the holder: one running and two waiting long generations (Q = 3 >= 2·C)
-            busy = [asyncio.create_task(complete(holder, f"Busy {i}.", max_tokens=300,
+            # overload the holder: one running and two waiting long generations (Q = 3 >= 2·C); past
+            # the end-of-sequence token, so that how soon the trained model would stop does not matter
+            busy = [asyncio.create_task(complete(holder, f"Busy {i}.", max_tokens=300, ignore_eos=True,
                                                  planetserve={"no_forward": True})) for i in range(3)]
             await until(lambda: (e := nodes[1].sync.tree.table.get(holder.node_id)).load is not None
                              and e.load.queued >= 2)
