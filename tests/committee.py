@@ -10,6 +10,7 @@ from planetserve.chain import layout, vrf
 from planetserve.chain.abci.state import State, members
 from planetserve.chain.challenge import Challenge, open_plan_entry, sign_response
 from planetserve.chain.keys import KeySet
+from planetserve.registry import reputation
 from planetserve.registry.epochs import Epoch, Fault, PlanEntry, Schedule, SignedResponse
 from planetserve.registry.params import Params
 
@@ -129,3 +130,21 @@ class Script:
         assert all(code == 0 for code, _ in results), results
         self.run_to(self.schedule.start(number))
         return challenges
+
+
+RULE = reputation.ReputationRule.from_params(EPOCH_PARAMS)
+HONEST = 800_000
+
+
+def expected(*credibilities: int) -> int:
+    """The reputation a node reaches from the initial one through these credibilities."""
+    value, window = RULE.initial, ()
+    for c in credibilities:
+        value, window = reputation.update(RULE, value, c, window)
+    return value
+
+
+def finish(s: Script, number: int) -> None:
+    """To the end of the epoch, electing and planning the next one on the way."""
+    s.run_election_and_plan(number + 1)
+    assert s.epoch(number).finalized

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from committee import EPOCH_PARAMS, TEMPERATURE, Script
+from committee import EPOCH_PARAMS, HONEST, RULE, TEMPERATURE, Script, expected, finish
 from harness import AppHarness, sqlite_url
 
 from planetserve.chain import layout, vrf
@@ -18,20 +18,10 @@ from planetserve.registry import epochs, reputation
 from planetserve.registry.entities import ModelNode
 from planetserve.registry.epochs import PlanEntry
 
-RULE = reputation.ReputationRule.from_params(EPOCH_PARAMS)
-HONEST = 800_000
-
 
 @pytest.fixture
 def s(tmp_path) -> Script:
     return Script(AppHarness(sqlite_url(tmp_path), members=4, params=EPOCH_PARAMS))
-
-
-def expected(*credibilities: int) -> int:
-    value, window = RULE.initial, ()
-    for c in credibilities:
-        value, window = reputation.update(RULE, value, c, window)
-    return value
 
 
 def others(s: Script, number: int) -> list:
@@ -42,12 +32,6 @@ def others(s: Script, number: int) -> list:
 def listed(s: Script) -> list[bytes]:
     """The nodes on the signed node list."""
     return [ModelNode.decode(v).pubkey for _, v in s.h.store.batch().iterate(layout.node_list_prefix())]
-
-
-def finish(s: Script, number: int) -> None:
-    """To the end of the epoch, electing and planning the next one on the way."""
-    s.run_election_and_plan(number + 1)
-    assert s.epoch(number).finalized
 
 
 def honest_epoch(s: Script, number: int, scores: dict[bytes, int]) -> None:
@@ -141,27 +125,6 @@ def test_altered_response_is_the_leaders_fault(s):
     finish(s, 1)
     assert s.faults(leader.public) == ["altered-response", "skipped-node"]
     assert s.reputation(node0) is None
-
-
-def test_a_forwarded_answer_is_credited_to_the_node_that_computed_it(s):
-    """node0 forwarded its challenge to node1 and signed node1's answer: node1's own signature rides
-    along, so the (low) credibility goes to node1; node1 is scored once, node0 not this epoch."""
-    s.run_election_and_plan(1)
-    leader = s.leader(1)
-    node0, node1 = list(s.nodes)
-    body = s.leader_results(1, HONEST)
-    challenge = s.planned(1, node0, leader)
-    entry_answer = s.answer(node0, challenge.prompt)
-    computed = s.answer(node1, challenge.prompt, time=entry_answer.time - 1)
-    body["results"][0] = {**challenge.reveal(entry_answer, served=computed).body(), "credibility": 200_000}
-    assert s.block(s.tx(leader, "submit-results", body)) == [(0, "ok")]
-    assert s.state.result(1, node0, leader.public).served_by == node1
-    assert all(c == 0 for c, _ in s.block(*s.attest_txs(1, leader.public, {node0: 200_000, node1: HONEST})))
-    finish(s, 1)
-    assert s.faults(leader.public) == []
-    assert s.reputation(node1) == expected(200_000)  # node0's challenge, computed by node1, came first
-    assert s.reputation(node0) is None
-    assert s.epoch(1).scored == 1
 
 
 @pytest.mark.faults

@@ -178,7 +178,9 @@ class ChallengeResult(Record):
     status: valid (signed and consistent), invalid (no valid response claimed), faulty (the
     submission itself contradicts the plan or the signature; the submitter is recorded faulty).
     served_by: the node that computed the response when the challenged node forwarded it (its own
-    signature was checked); its credibility is credited to that node. Empty when served directly."""
+    signature was checked, and it was listed); the challenged node answers for the response, and the
+    serving node is credited with its credibility too. Empty when served directly or when the serving
+    node was not listed (then `reason` says so)."""
 
     node: bytes
     submitter: bytes
@@ -191,10 +193,6 @@ class ChallengeResult(Record):
     credibility: int
     height: int
     served_by: bytes = b""
-
-    @property
-    def scored_node(self) -> bytes:
-        return self.served_by or self.node
 
 
 @dataclass(frozen=True)

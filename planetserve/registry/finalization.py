@@ -8,9 +8,11 @@ Per node of the plan, in key order:
 - Without such a result, the node is cut (C(T) = 0) only when members holding more than 1/3 of the
   power reported no valid response from it; the leader's own "invalid" claim counts as its report.
 - Otherwise its reputation does not change this epoch.
-A response the challenged node forwarded within its group, with the serving node's own signature,
-is the serving node's: C(T) goes to it. A node gets at most one C(T) per epoch, the first in plan
-order; a challenged node whose answer was computed elsewhere is then not scored by it.
+The node a challenge addressed answers for its answer, whoever computed it: C(T) is the challenged
+node's, so a forward never hides it. When it forwarded the challenge within its group, the serving
+node's own signature rides along and the serving node is credited with the same C(T) too, unless it
+got one of its own this epoch (it is planned itself, or served an earlier challenge). A node gets at
+most one C(T) per epoch: planned nodes in plan order first, then serving nodes in plan order.
 Faults: a leader that submitted nothing for a committed plan withheld its results; one that left a
 node out skipped it; one whose proposed credibility strays beyond the tolerance from the median
 deviated; one that claimed an invalid response where members holding more than 2/3 of the power
@@ -43,6 +45,8 @@ class Verdict:
     node: bytes
     credibility: int
     source: str
+    served_by: bytes = b""
+    """The group peer that computed the scored response, when the node forwarded its challenge."""
 
     @property
     def scored(self) -> bool:
@@ -82,7 +86,7 @@ def _scored(ev: Evidence, node: bytes, total: int, findings: list[Finding]) -> V
         if result.kind == "leader" and abs(result.credibility - value) > ev.tolerance:
             findings.append(Finding(ev.leader, "deviating-credibility", node,
                                     f"proposed {result.credibility} ppm against the median {value}"))
-        return Verdict(result.scored_node, value, f"{result.kind}:{result.submitter.hex()}")
+        return Verdict(node, value, f"{result.kind}:{result.submitter.hex()}", result.served_by)
     return None
 
 
@@ -120,7 +124,7 @@ def decide(ev: Evidence) -> tuple[list[Verdict], list[Finding]]:
                 reporters.add(ev.leader)
             if 3 * _power(reporters, ev.power) > total:
                 verdict = Verdict(node, 0, "invalid-reports")
-        if verdict is not None and verdict.node not in scored:
+        if verdict is not None:
             verdicts.append(verdict)
             scored.add(verdict.node)
         if own is not None and own.status == INVALID:
@@ -128,4 +132,15 @@ def decide(ev: Evidence) -> tuple[list[Verdict], list[Finding]]:
             if rules.supermajority(_power(answered, ev.power), total):
                 findings.append(Finding(ev.leader, "false-invalid-report", node,
                                         "members holding more than 2/3 of the power got valid responses"))
-    return verdicts, findings
+    return verdicts + _serving_peers(verdicts, scored), findings
+
+
+def _serving_peers(verdicts: list[Verdict], scored: set[bytes]) -> list[Verdict]:
+    """The serving peers' credit: each forwarded verdict's C(T) for the peer that computed it, in plan
+    order, for peers without a C(T) of their own."""
+    out = []
+    for verdict in verdicts:
+        if verdict.served_by and verdict.served_by not in scored:
+            out.append(Verdict(verdict.served_by, verdict.credibility, verdict.source + ":served"))
+            scored.add(verdict.served_by)
+    return out

@@ -122,6 +122,7 @@ class Reason(StrEnum):
     HIT = "hit"
     HIT_OVERLOADED = "hit-overloaded"
     MISS = "miss"
+    NEW_NODE = "new-node"
     NO_CANDIDATES = "no-candidates"
 
 
@@ -145,12 +146,15 @@ def route(self_id: str, candidates: Iterable[Candidate], *, holders: Collection[
     `holders` are the nodes the HR-tree matched (empty on a miss); `forwarded` says the request already
     took its one forwarding hop; `affinity` is the node a session's follow-up asks for. Only trusted
     candidates with a known load are ever chosen (the receiving node included); with none, it serves
-    the request itself.
+    the request itself. A node that has not served a request yet (no latency sample of its own) serves
+    its misses itself: ranked at the group's mean it would forward every one, and it would never earn
+    a reputation of its own (nor be caught serving another model).
     """
     policy = policy or BalancePolicy()
     if forwarded:
         return Decision(self_id, Reason.ALREADY_FORWARDED, False, "a request is forwarded at most once")
-    eligible = effective_loads({c.node_id: c.load for c in candidates if c.trusted and c.load is not None})
+    reported = {c.node_id: c.load for c in candidates if c.trusted and c.load is not None}
+    eligible = effective_loads(reported)
     notes: list[str] = []
     if affinity is not None:
         load = eligible.get(affinity)
@@ -173,6 +177,9 @@ def route(self_id: str, candidates: Iterable[Candidate], *, holders: Collection[
             return _decide(self_id, best(eligible), Reason.HIT_OVERLOADED,
                            "; ".join([*notes, "least-loaded overall"]))
         notes.append("no trusted holder")
+    if self_id in reported and reported[self_id].latency == 0:
+        return Decision(self_id, Reason.NEW_NODE, False,
+                        "; ".join([*notes, "no latency sample of its own yet"]))
     return _decide(self_id, best(eligible), Reason.MISS, "; ".join([*notes, "least-loaded overall"]))
 
 

@@ -185,6 +185,13 @@ def _served_inconsistency(ctx: Context, node_model: str, served: SignedResponse)
     return None
 
 
+def _listed(ctx: Context, node: bytes) -> bool:
+    """Whether `node` is on the verified node list (active and trusted): only such a peer is credited
+    with an answer it computed, since only such a peer may be forwarded to."""
+    peer = ctx.state.node(node)
+    return peer is not None and peer.status == "active" and ctx.state.trusted(node)
+
+
 def submit_results(ctx: Context, msg: SubmitResults) -> None:
     ctx.require_member()
     number, epoch = _current(ctx)
@@ -228,6 +235,8 @@ def _submit_one(ctx: Context, epoch: Epoch, kind: str, entry: Revealed | Unanswe
         if problem is None and served is not None:
             problem = _served_inconsistency(ctx, model_id, served)
         status, reason = VALID, ""
+        if problem is None and served is not None and not _listed(ctx, served.node):
+            served, reason = None, "the serving node is not listed (inactive or untrusted): not credited"
         if problem is not None:
             fault_kind, reason = problem
             status = FAULTY if fault_kind else INVALID

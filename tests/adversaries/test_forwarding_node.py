@@ -1,0 +1,84 @@
+"""A model node that forwards its challenges to a peer, hoping the peer's answer is scored instead of
+its own (docs/threat-model.md, "Forwarding to hide"): the node a challenge addressed answers for what
+it returned, and only a listed peer is credited with an answer it computed."""
+
+from __future__ import annotations
+
+import pytest
+from committee import EPOCH_PARAMS, HONEST, Script, expected, finish
+from harness import AppHarness, sqlite_url
+
+from planetserve.registry import finalization
+from planetserve.registry.epochs import VALID, ChallengeResult
+
+WEAK = 200_000
+
+
+@pytest.fixture
+def s(tmp_path) -> Script:
+    return Script(AppHarness(sqlite_url(tmp_path), members=4, params=EPOCH_PARAMS))
+
+
+def forwarded_epoch(s: Script, delist_peer: bool = False) -> tuple[bytes, bytes, ChallengeResult]:
+    """Epoch 1 in which node0 signs, as its own answer, the (weak) answer node1 computed for node0's
+    challenge; node1 answers its own challenge well. With `delist_peer`, node1's organisation takes it
+    off the list once the plan is committed. Returns node0, node1 and node0's stored result."""
+    s.run_election_and_plan(1)
+    leader = s.leader(1)
+    node0, node1 = list(s.nodes)
+    if delist_peer:
+        update = s.tx(s.owner, "update-model-node", {"node_pubkey": node1, "status": "inactive"})
+        assert s.block(update) == [(0, "ok")]
+    body = s.leader_results(1, HONEST)
+    challenge = s.planned(1, node0, leader)
+    returned = s.answer(node0, challenge.prompt)
+    computed = s.answer(node1, challenge.prompt, time=returned.time - 1)
+    body["results"][0] = {**challenge.reveal(returned, served=computed).body(), "credibility": WEAK}
+    assert s.block(s.tx(leader, "submit-results", body)) == [(0, "ok")]
+    assert all(c == 0 for c, _ in s.block(*s.attest_txs(1, leader.public, {node0: WEAK, node1: HONEST})))
+    result = s.state.result(1, node0, leader.public)
+    assert result is not None and result.status == VALID
+    return node0, node1, result
+
+
+def test_a_node_that_forwards_its_challenge_is_scored_on_what_it_returned(s):
+    node0, node1, result = forwarded_epoch(s)
+    assert result.served_by == node1
+    finish(s, 1)
+    assert s.reputation(node0) == expected(WEAK)  # the forward did not hide node0
+    assert s.reputation(node1) == expected(HONEST)  # node1 keeps the verdict of its own challenge
+    assert s.epoch(1).scored == 2
+    assert all(s.faults(m) == [] for m in s.members)
+
+
+def test_a_serving_peer_off_the_list_is_not_credited(s):
+    """node1 was taken off the list (inactive) before the results came in: node0 still answers for the
+    answer, and node1 is not credited with it."""
+    node0, node1, result = forwarded_epoch(s, delist_peer=True)
+    assert result.served_by == b"" and "not listed" in result.reason
+    back = s.tx(s.owner, "update-model-node", {"node_pubkey": node1, "status": "active"})
+    assert s.block(back) == [(0, "ok")]  # listed again, so that the next plan covers it
+    finish(s, 1)
+    assert s.reputation(node0) == expected(WEAK)
+    assert all(s.faults(m) == [] for m in s.members)
+
+
+def test_a_serving_peer_without_a_challenge_of_its_own_is_credited_too():
+    """The pure rule: C(T) is the challenged node's, and the peer that computed it gets the same once,
+    after every planned node, unless it has its own."""
+    challenged, peer, planned_peer, member = b"a" * 32, b"p" * 32, b"q" * 32, b"m" * 32
+
+    def result(node: bytes, credibility: int, served_by: bytes) -> ChallengeResult:
+        return ChallengeResult(node, member, "leader", VALID, "", "prompt", b"s" * 32, {}, credibility, 1,
+                               served_by)
+
+    evidence = finalization.Evidence(
+        leader=member, plan_nodes=[challenged, planned_peer],
+        results={challenged: [result(challenged, WEAK, peer)],
+                 planned_peer: [result(planned_peer, HONEST, challenged)]},
+        attestations={(challenged, member): [(member, WEAK)], (planned_peer, member): [(member, HONEST)]},
+        reports={}, power={member: 1}, tolerance=0)
+    verdicts, findings = finalization.decide(evidence)
+    assert [(v.node, v.credibility) for v in verdicts] == [(challenged, WEAK), (planned_peer, HONEST),
+                                                           (peer, WEAK)]
+    assert findings == []
