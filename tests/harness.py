@@ -49,11 +49,13 @@ def raw(value: Any) -> Any:
 
 class AppHarness:
     def __init__(self, db_url: str, members: int = 1, params: Params | None = None,
-                 models: tuple[tuple[str, str], ...] = (("gt", "reference"),)) -> None:
+                 models: tuple[tuple[str, str], ...] = (("gt", "reference"),),
+                 keys: tuple[list[KeySet], list[KeySet]] | None = None) -> None:
+        """`keys`: the members' operator and consensus keys, to run two chains of one committee."""
         self.store = StateStore(db_url)
         self.app = Application(self.store)
-        self.members = [KeySet.generate() for _ in range(members)]
-        self.consensus = [KeySet.generate() for _ in range(members)]
+        self.members, self.consensus = keys or ([KeySet.generate() for _ in range(members)],
+                                                [KeySet.generate() for _ in range(members)])
         self.sequences: dict[bytes, int] = {}
         self.height = 0
         self.time = GENESIS_TIME

@@ -24,6 +24,7 @@ from planetserve.registry.entities import ModelNode, Record
 from planetserve.registry.params import Params
 
 SEED_DOMAIN = "planetserve/epoch-seed/v1"
+NEXT_SEED_DOMAIN = "planetserve/epoch-seed/v2"
 COMMIT_DOMAIN = "planetserve/challenge/v2"
 RESPONSE_DOMAIN = "planetserve/response/v2"
 MILLI = 1_000
@@ -75,8 +76,12 @@ class Schedule:
         return self.end(epoch) - max(self.vrf_window_blocks, self.plan_window_blocks) + 1
 
 
-def epoch_seed(previous_app_hash: bytes, epoch: int) -> bytes:
-    return hashlib.sha256(codec.pack([SEED_DOMAIN, previous_app_hash, epoch])).digest()
+def epoch_seed(previous_seed: bytes, drawn: Iterable[tuple[bytes, bytes]], epoch: int) -> bytes:
+    """The seed of `epoch`: the seed of the epoch before it and the VRF outputs (by operator) that the
+    election of that epoch drew from it. Nothing in it is a value a block proposer picks (an app or
+    block hash could be ground by trying transaction sets); a member can only withhold its own output,
+    choosing between two seeds at the cost of its chance to lead."""
+    return hashlib.sha256(codec.pack([NEXT_SEED_DOMAIN, epoch, previous_seed, sorted(drawn)])).digest()
 
 
 def genesis_seed(chain_id: str) -> bytes:

@@ -178,7 +178,7 @@ class Application:
         self.block_time = req.time.seconds
         self._expire_users(self.block, self.block_time)
         expire_deployments(self.block, self.block_time)
-        epochs.begin_block(self.block, self.params, req.height, self.block_time, self.store.app_hash)
+        epochs.begin_block(self.block, self.params, req.height, self.block_time)
         results: list[abci.ExecTxResult] = []
         updates: dict[bytes, int] = {}
         for raw in req.txs:

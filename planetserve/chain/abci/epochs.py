@@ -14,7 +14,15 @@ from planetserve.chain.abci.state import State, members
 from planetserve.chain.abci.store import Batch
 from planetserve.registry import codec, credits, epochs, finalization, reputation
 from planetserve.registry.entities import Member, ModelNode
-from planetserve.registry.epochs import PLAN_COMMITTED, PLAN_NONE, ChallengeResult, Epoch, Fault, Schedule
+from planetserve.registry.epochs import (
+    PLAN_COMMITTED,
+    PLAN_NONE,
+    ChallengeResult,
+    Epoch,
+    Fault,
+    Schedule,
+    VrfEntry,
+)
 from planetserve.registry.params import Params
 
 
@@ -25,7 +33,7 @@ def genesis(st: State, chain_id: str, committee: list[Member]) -> None:
     st.put_epoch(Epoch(0, 1, 0, seed, leader, b"", "genesis", b"", PLAN_NONE, 0, 0, False, 0, 0))
 
 
-def begin_block(batch: Batch, params: Params, height: int, time: int, previous_app_hash: bytes) -> None:
+def begin_block(batch: Batch, params: Params, height: int, time: int) -> None:
     schedule = Schedule.from_params(params)
     st = State(batch)
     number = schedule.epoch_of(height)
@@ -35,9 +43,12 @@ def begin_block(batch: Batch, params: Params, height: int, time: int, previous_a
             st.put_epoch(replace(current, start_time=time))
     if height == schedule.setup_height(number):
         current = st.epoch(number)
+        drawn = [(e.operator, e.output) for e in layout.decode_records(
+            list(batch.iterate(layout.vrf_prefix(number))), VrfEntry)]
+        seed = epochs.epoch_seed(current.seed if current else b"", drawn, number + 1)
         st.put_epoch(Epoch(
             number=number + 1, start_height=schedule.start(number + 1), start_time=0,
-            seed=epochs.epoch_seed(previous_app_hash, number + 1), leader=b"", leader_output=b"",
+            seed=seed, leader=b"", leader_output=b"",
             election="pending", plan_leader=current.leader if current else b"", plan_status=PLAN_NONE,
             plan_nodes=0, plan_cutoff=time, finalized=False, scored=0, faults=0,
         ))
