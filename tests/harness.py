@@ -9,9 +9,11 @@ from typing import Any
 from google.protobuf.timestamp_pb2 import Timestamp
 from tendermint.abci import types_pb2 as abci
 from tendermint.crypto import keys_pb2
+from tendermint.types import validator_pb2
 
 from planetserve.chain import tx as txlib
 from planetserve.chain.abci.app import Application
+from planetserve.chain.abci.epochs import validator_address
 from planetserve.chain.abci.store import StateStore
 from planetserve.chain.keys import KeySet
 from planetserve.chain.messages.base import Body
@@ -57,6 +59,9 @@ class AppHarness:
         self.members, self.consensus = keys or ([KeySet.generate() for _ in range(members)],
                                                 [KeySet.generate() for _ in range(members)])
         self.sequences: dict[bytes, int] = {}
+        self.responses: list[abci.ResponseFinalizeBlock] = []
+        self.absent: set[bytes] = set()
+        """Consensus keys of the validators that miss the commits of the blocks to come."""
         self.height = 0
         self.time = GENESIS_TIME
         state = AppState(
@@ -94,12 +99,20 @@ class AppHarness:
         return {k: v for k, v in self.store.batch().iterate(b"") if not k.startswith(b"acct/")}
 
     def block(self, *txs: bytes, seconds: int = 5) -> abci.ResponseFinalizeBlock:
+        """The next block, its commit information naming the validators in `absent` as having missed
+        the previous block's commit (as CometBFT reports them)."""
         self.height += 1
         self.time += seconds
-        request = abci.RequestFinalizeBlock(txs=list(txs), height=self.height, time=Timestamp(seconds=self.time))
+        votes = [abci.VoteInfo(validator=abci.Validator(address=validator_address(c.public), power=10),
+                               block_id_flag=validator_pb2.BLOCK_ID_FLAG_ABSENT if c.public in self.absent
+                               else validator_pb2.BLOCK_ID_FLAG_COMMIT)
+                 for c in self.consensus]
+        request = abci.RequestFinalizeBlock(txs=list(txs), height=self.height, time=Timestamp(seconds=self.time),
+                                            decided_last_commit=abci.CommitInfo(votes=votes))
         result = self.app.finalize_block(request)
         self.app.commit(abci.RequestCommit())
         self.blocks.append((request, result.app_hash))
+        self.responses.append(result)
         return result
 
     def replay(self, db_url: str) -> list[tuple[bytes, bytes]]:

@@ -27,6 +27,7 @@ Verification epochs (<e> is the epoch number as %010d):
     att/<e>/<node hex>/<submitter hex>      [[member, credibility ppm], ...] sorted by member
     inv/<e>/<node hex>                      [member, ...]   (reports of no valid response)
     fault/<operator hex>/<e>/<n:04d>        Fault
+    miss/<e>/<operator hex>                 int             (commits the member's validator missed in e)
     rep/<node hex>                          Reputation
 
 Contribution credits and deployments:
@@ -182,6 +183,15 @@ def fault_prefix(operator: bytes | None = None) -> bytes:
 
 def fault_key(operator: bytes, epoch: int, number: int) -> bytes:
     return fault_prefix(operator) + f"{_e(epoch)}/{number:04d}".encode()
+
+
+def fault_epoch(key: bytes) -> int:
+    """The epoch a fault record's key files it under."""
+    return int(key.split(b"/")[2])
+
+
+def missed_key(epoch: int, operator: bytes) -> bytes:
+    return key("miss", _e(epoch), operator.hex())
 
 
 def fault_counter_key(operator: bytes) -> bytes:

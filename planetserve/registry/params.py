@@ -34,6 +34,13 @@ class Params(Record):
     abnormal_threshold_ppm: int = 400_000
     untrusted_threshold_ppm: int = 400_000
     initial_reputation_ppm: int = 500_000
+    # Consequences of members' faults: a member recorded with member_fault_limit faults within its
+    # last member_fault_window epochs loses its power, as a removal vote would take it; a member whose
+    # validator missed more than missed_blocks_ppm of an epoch's commits is recorded faulty (one that
+    # is down misses them all; one that is merely slow, a few).
+    member_fault_window: int = 10
+    member_fault_limit: int = 5
+    missed_blocks_ppm: int = 900_000
     # Deployments paid with contribution credits.
     max_deployment_nodes: int = 1_000
     min_deployment_seconds: int = 60

@@ -16,6 +16,7 @@ import msgpack
 from sqlalchemy.exc import SQLAlchemyError
 from tendermint.abci import types_pb2 as abci
 from tendermint.crypto import keys_pb2, proof_pb2
+from tendermint.types import validator_pb2
 
 from planetserve.chain import layout, messages
 from planetserve.chain.abci import epochs
@@ -179,6 +180,9 @@ class Application:
         self._expire_users(self.block, self.block_time)
         expire_deployments(self.block, self.block_time)
         epochs.begin_block(self.block, self.params, req.height, self.block_time)
+        epochs.record_commit(self.block, self.params, req.height,
+                             (v.validator.address for v in req.decided_last_commit.votes
+                              if v.block_id_flag == validator_pb2.BLOCK_ID_FLAG_ABSENT))
         results: list[abci.ExecTxResult] = []
         updates: dict[bytes, int] = {}
         for raw in req.txs:
@@ -192,9 +196,12 @@ class Application:
                 )
             )
         self._expire_proposals(self.block, req.height)
-        epochs.end_block(self.block, self.params, req.height, self.block_time)
+        removed = epochs.end_block(self.block, self.params, req.height, self.block_time)
+        updates.update((r.consensus_key, 0) for r in removed)
         return abci.ResponseFinalizeBlock(
             tx_results=results,
+            events=_events([("member_removed", {"operator": r.operator.hex(), "faults": str(r.faults)})
+                            for r in removed]),
             validator_updates=[
                 abci.ValidatorUpdate(pub_key=keys_pb2.PublicKey(ed25519=k), power=p)
                 for k, p in sorted(updates.items())

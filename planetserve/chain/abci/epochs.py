@@ -1,13 +1,16 @@
-"""The epoch timeline as block hooks: epochs open, next epochs get their seed, epochs finalize.
+"""The epoch timeline as block hooks: epochs open, next epochs get their seed, members' missed
+commits are counted, epochs finalize, and members with too many faults lose their power.
 
-Called by the application inside FinalizeBlock: `begin_block` before the block's transactions,
-`end_block` after them. Both read and write only the block's batch, in key order.
+Called by the application inside FinalizeBlock: `begin_block` and `record_commit` before the block's
+transactions, `end_block` after them. All read and write only the block's batch, in key order.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import defaultdict
-from dataclasses import replace
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
 
 from planetserve.chain import layout
 from planetserve.chain.abci.state import State, members
@@ -23,7 +26,7 @@ from planetserve.registry.epochs import (
     Schedule,
     VrfEntry,
 )
-from planetserve.registry.params import Params
+from planetserve.registry.params import PPM, Params
 
 
 def genesis(st: State, chain_id: str, committee: list[Member]) -> None:
@@ -54,26 +57,82 @@ def begin_block(batch: Batch, params: Params, height: int, time: int) -> None:
         ))
 
 
-def end_block(batch: Batch, params: Params, height: int, time: int) -> None:
+def validator_address(consensus_key: bytes) -> bytes:
+    """CometBFT's address of an ed25519 validator key: the first 20 bytes of its SHA-256."""
+    return hashlib.sha256(consensus_key).digest()[:20]
+
+
+def record_commit(batch: Batch, params: Params, height: int, absent: Iterable[bytes]) -> None:
+    """Count, for the epoch of `height`, each member whose validator (by address) the block's commit
+    information reports absent from the previous block's commit."""
+    missing = set(absent)
+    if not missing:
+        return
+    st = State(batch)
+    number = Schedule.from_params(params).epoch_of(height)
+    for operator, member in members(batch).items():
+        if validator_address(member.consensus_key) in missing:
+            st.add_missed(number, operator)
+
+
+@dataclass(frozen=True)
+class Removal:
+    """A member the chain took the power of, for its faults."""
+
+    operator: bytes
+    consensus_key: bytes
+    faults: int
+
+
+def end_block(batch: Batch, params: Params, height: int, time: int) -> list[Removal]:
     schedule = Schedule.from_params(params)
     number = schedule.epoch_of(height)
     if height != schedule.end(number):
-        return
+        return []
     st = State(batch)
     committee = members(batch)
     current = st.epoch(number)
     if current is not None:
         _finalize(batch, st, params, current, committee, time)
+    _missed_blocks(st, params, number, committee)
+    removed = _remove_faulty(st, params, number, committee)
+    committee = members(batch)
     upcoming = st.epoch(number + 1)
     if upcoming is None:
-        return
-    if not upcoming.leader:
+        return removed
+    if upcoming.leader not in committee:
         upcoming = replace(upcoming, election="fallback",
                            leader=epochs.fallback_leader(upcoming.seed, sorted(committee)))
     st.put_epoch(upcoming)
     if upcoming.plan_status != PLAN_COMMITTED and upcoming.plan_leader in committee:
         st.add_fault(Fault(upcoming.plan_leader, number, "no-plan", b"",
                            f"did not commit the plan of epoch {number + 1}"))
+    return removed
+
+
+def _missed_blocks(st: State, params: Params, number: int, committee: dict[bytes, Member]) -> None:
+    """A `missed-blocks` fault for each member whose validator missed more than the allowed share of
+    the epoch's commits."""
+    for operator in sorted(committee):
+        missed = st.missed(number, operator)
+        if missed * PPM > params.missed_blocks_ppm * params.epoch_blocks:
+            st.add_fault(Fault(operator, number, "missed-blocks", b"",
+                               f"missed {missed} of the epoch's {params.epoch_blocks} commits"))
+
+
+def _remove_faulty(st: State, params: Params, number: int, committee: dict[bytes, Member]) -> list[Removal]:
+    """Take the power of each member (in key order) with member_fault_limit faults or more in its last
+    member_fault_window epochs, as an approved removal would; the last member always stays."""
+    first = number - params.member_fault_window + 1
+    remaining = len(committee)
+    removed = []
+    for operator in sorted(committee):
+        faults = st.faults_since(operator, first)
+        if faults >= params.member_fault_limit and remaining > 1:
+            st.delete_member(operator)
+            removed.append(Removal(operator, committee[operator].consensus_key, faults))
+            remaining -= 1
+    return removed
 
 
 def _evidence(batch: Batch, epoch: Epoch, committee: dict[bytes, Member], params: Params

@@ -24,8 +24,11 @@ from planetserve.chain.layout import (
     epoch_key,
     expiry_key,
     fault_counter_key,
+    fault_epoch,
     fault_key,
+    fault_prefix,
     member_key,
+    missed_key,
     model_key,
     node_key,
     node_list_key,
@@ -271,6 +274,16 @@ class State:
         n = self.get_int(counter)
         self.put_int(counter, n + 1)
         self._put(fault_key(fault.operator, fault.epoch, n), fault)
+
+    def faults_since(self, operator: bytes, first_epoch: int) -> int:
+        """How many faults of the operator the chain recorded in epochs from `first_epoch` on."""
+        return sum(1 for k, _ in self.kv.iterate(fault_prefix(operator)) if fault_epoch(k) >= first_epoch)
+
+    def missed(self, epoch: int, operator: bytes) -> int:
+        return self.get_int(missed_key(epoch, operator))
+
+    def add_missed(self, epoch: int, operator: bytes) -> None:
+        self.put_int(missed_key(epoch, operator), self.missed(epoch, operator) + 1)
 
     def reputation(self, node: bytes) -> Reputation | None:
         return self._load(reputation_key(node), Reputation)
