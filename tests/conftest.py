@@ -56,3 +56,4 @@ def pg_url() -> Iterator[str]:
 
 # -- end PostgreSQL --------------------------------------------------------------------------------
 from modelfix import deep_gt, quick_family  # noqa: E402,F401  (session fixtures: the quick model family)
+from relaystandin import relay  # noqa: E402,F401  (a stand-in for a user relay's endpoint)

@@ -3,14 +3,10 @@ how it reads a user relay's answers (a real HTTP server answering as a relay wou
 
 from __future__ import annotations
 
-import asyncio
 import json
-import threading
 import time
-from collections.abc import Iterator
 
 import pytest
-from aiohttp import web
 from click.testing import CliRunner
 
 from planetserve.chain.challenge import (
@@ -93,59 +89,6 @@ def test_plan_parts_stay_under_the_limit_and_end_in_a_final_part():
 
 
 # -- reading a relay's answers ------------------------------------------------------------------
-
-
-class FakeRelayAnswers:
-    """A real HTTP server on a free port whose answer to /v1/completions and /v1/chat/completions the test
-    sets; it records each request's path and body."""
-
-    def __init__(self) -> None:
-        self.status, self.body, self.delay = 200, {}, 0.0
-        self.first: list[tuple[int, dict]] = []
-        """(status, body) answered before the standing ones, in order."""
-        self.received: list[dict] = []
-        self.port = 0
-        self.loop = asyncio.new_event_loop()
-        started = threading.Event()
-        self.thread = threading.Thread(target=self._serve, args=(started,), daemon=True)
-        self.thread.start()
-        assert started.wait(10), "the relay stand-in did not start"
-
-    def _serve(self, started: threading.Event) -> None:
-        asyncio.set_event_loop(self.loop)
-
-        async def completions(request: web.Request) -> web.Response:
-            self.received.append({"path": request.path, **await request.json()})
-            await asyncio.sleep(self.delay)
-            status, body = self.first.pop(0) if self.first else (self.status, self.body)
-            return web.json_response(body, status=status)
-
-        app = web.Application()
-        app.router.add_post("/v1/completions", completions)
-        app.router.add_post("/v1/chat/completions", completions)
-        runner = web.AppRunner(app)
-        self.loop.run_until_complete(runner.setup())
-        self.loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", 0).start())
-        self.port = runner.addresses[0][1]
-        started.set()
-        self.loop.run_forever()
-        self.loop.run_until_complete(runner.cleanup())
-        self.loop.close()
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-
-@pytest.fixture
-def relay() -> Iterator[FakeRelayAnswers]:
-    server = FakeRelayAnswers()
-    yield server
-    server.close()
 
 
 def test_a_signed_answer_comes_back_whole(relay):

@@ -49,6 +49,17 @@ class Challenge:
     def sampling_temperature(self) -> float:
         return self.temperature / epochs.MILLI
 
+    def signed_otherwise(self, response: SignedResponse, now: int, tolerance: int) -> str:
+        """Why `response` does not answer this challenge as it was sent (another temperature, or a
+        signed time more than `tolerance` seconds from `now`); empty when it does. Revealed, such a
+        response would be the submitter's fault on the ledger, so a node could frame its challenger."""
+        if response.temperature != self.temperature:
+            return (f"the node signed temperature {response.temperature / epochs.MILLI:g}, "
+                    f"it was asked {self.sampling_temperature:g}")
+        if abs(response.time - now) > tolerance:
+            return f"the node signed time {response.time}, {response.time - now:+d} s from its answer"
+        return ""
+
     def plan_entry(self, node: bytes, committee: list[Member]) -> PlanItem:
         """A commit-plan entry: the commitment, and the challenge sealed to every member's X25519 key
         (whichever member leads sends it)."""

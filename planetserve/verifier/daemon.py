@@ -62,6 +62,9 @@ TX_MARGIN_BYTES = 1_024
 PLAN_DRAWS = 8
 ERROR_BACKOFF_MAX = 30.0
 RETRY_DELAY_S = 2.0
+SIGNED_TIME_TOLERANCE_S = 60
+"""How far from its arrival an answer's signed time may be: half the chain's default slack, so an answer
+this member reveals never makes it `stale-response`-faulty for the node's choice of time."""
 
 
 @dataclass(frozen=True)
@@ -257,6 +260,10 @@ class Daemon:
                     time.sleep(RETRY_DELAY_S)
                 try:
                     reply = self.channel.ask(node.pubkey, node.model_id, challenge)
+                    now = int(time.time())
+                    mismatch = challenge.signed_otherwise(reply.response, now, SIGNED_TIME_TOLERANCE_S)
+                    if mismatch:
+                        raise NoAnswer(mismatch)
                     return Asked(challenge, node.pubkey, reply)
                 except NoAnswer as exc:
                     failures.append(str(exc))
