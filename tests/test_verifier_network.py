@@ -149,10 +149,10 @@ def test_the_committee_verifies_model_nodes_epoch_after_epoch(tmp_path, quick_fa
         assert {(e, k) for e, k, _ in faults} <= {(victim_epoch, "skipped-node"), (victim_epoch, "withheld-results")}
         assert {operator for _, _, operator in faults} <= {leader}
 
-        # A challenge a node forwarded within the group is credited to the node that computed it, so
-        # nodes are scored in varying numbers of epochs. The smaller model is the fastest node, which the
-        # load balancer favours until it falls out of the trusted list. Both dishonest nodes fall out of
-        # it: a greedy answer must be the reference's own choice at every step.
+        # The challenged node answers for what it returned, even when a peer computed it. The smaller
+        # model is the fastest node, which the load balancer favours until it falls out of the trusted
+        # list. Both dishonest nodes fall out of it: a greedy answer must be the reference's own choice
+        # at every step.
         reps = {name: client.reputation(k) for name, k in key.items()}
         values = {name: r.value if r is not None else RULE.initial for name, r in reps.items()}
         print({name: (r.value, r.window) if r else None for name, r in reps.items()})
