@@ -114,14 +114,16 @@ def test_a_node_without_a_latency_sample_ranks_at_the_mean_latency() -> None:
     assert route("self", [node("self", 0.0, 1), node("new", 0.0, 0)]).target == "self"  # no samples: a tie
 
 
-def test_a_node_without_a_latency_sample_of_its_own_serves_its_misses() -> None:
-    """Ranked at the group's mean it would forward every miss to an idle peer and never be scored on
-    an answer of its own; a hit still goes to the holder, and the first sample ends the rule."""
+def test_a_node_without_a_latency_sample_of_its_own_serves_what_it_receives() -> None:
+    """Ranked at the group's mean it would forward every miss to an idle peer, and a prefix every
+    request shares would send it every hit: it would never be scored on an answer of its own. Its
+    first sample ends the rule."""
     group = [node("new", 0.0, 1), node("idle", 0.5, 0)]
-    decision = route("new", group)
-    assert (decision.target, decision.reason, decision.forward) == ("new", Reason.NEW_NODE, False)
-    assert route("new", group, holders={"idle"}).target == "idle"
+    for holders in (set(), {"idle"}):
+        decision = route("new", group, holders=holders)
+        assert (decision.target, decision.reason, decision.forward) == ("new", Reason.NEW_NODE, False)
     assert route("new", [node("new", 0.5, 1), node("idle", 0.5, 0)]).target == "idle"
+    assert route("new", [node("new", 0.5, 1), node("idle", 0.5, 0)], holders={"idle"}).target == "idle"
 
 
 def test_nodes_without_a_load_report_are_not_candidates() -> None:

@@ -52,6 +52,8 @@ def test_model_nodes_register_group_forward_and_sign(tmp_path, quick_family):
         assert registered is not None and registered.address == first.address  # the registered key signed
 
         wait_until(lambda: nodes[1].status()["tree_size"] > 0)
+        nodes[1].complete("Warm up.", planetserve={"no_forward": True})  # a latency sample of its own
+        wait_until(lambda: nodes[1].status()["load"]["latency"] > 0)
         answer = nodes[1].complete(SHARED + "What is a set?")
         assert signed(answer).node.hex() == keys[1]  # the entry node answers for what node 0 computed
         assert answer["planetserve"]["served_by"] == keys[0] and answer["planetserve"]["route"] == "hit"

@@ -147,8 +147,9 @@ def route(self_id: str, candidates: Iterable[Candidate], *, holders: Collection[
     took its one forwarding hop; `affinity` is the node a session's follow-up asks for. Only trusted
     candidates with a known load are ever chosen (the receiving node included); with none, it serves
     the request itself. A node that has not served a request yet (no latency sample of its own) serves
-    its misses itself: ranked at the group's mean it would forward every one, and it would never earn
-    a reputation of its own (nor be caught serving another model).
+    what it receives itself, hits included: ranked at the group's mean it would forward every miss, a
+    prefix every request shares (a chat template) would send it every hit, and it would never earn a
+    reputation of its own (nor be caught serving another model).
     """
     policy = policy or BalancePolicy()
     if forwarded:
@@ -164,6 +165,10 @@ def route(self_id: str, candidates: Iterable[Candidate], *, holders: Collection[
     if not eligible:
         return Decision(self_id, Reason.NO_CANDIDATES, False, "; ".join([*notes, "no trusted candidate"]))
 
+    if self_id in reported and reported[self_id].latency == 0:
+        return Decision(self_id, Reason.NEW_NODE, False,
+                        "; ".join([*notes, "no latency sample of its own yet"]))
+
     def best(ids: Iterable[str]) -> str:
         return min(ids, key=lambda n: rank_key(eligible[n], n, self_id))
 
@@ -177,9 +182,6 @@ def route(self_id: str, candidates: Iterable[Candidate], *, holders: Collection[
             return _decide(self_id, best(eligible), Reason.HIT_OVERLOADED,
                            "; ".join([*notes, "least-loaded overall"]))
         notes.append("no trusted holder")
-    if self_id in reported and reported[self_id].latency == 0:
-        return Decision(self_id, Reason.NEW_NODE, False,
-                        "; ".join([*notes, "no latency sample of its own yet"]))
     return _decide(self_id, best(eligible), Reason.MISS, "; ".join([*notes, "least-loaded overall"]))
 
 
