@@ -3,8 +3,11 @@ leader and members (seed planetserve.md 3.4 and 4.4), as a pure function of what
 
 Per node of the plan, in key order:
 - The candidate results are the leader's, if valid, then valid re-challenges in submitter order.
-  The first whose attesting members hold more than 2/3 of the power gives C(T): the median of the
-  attested credibilities.
+  Those whose attesting members hold more than 2/3 of the power are attested; the first attested one
+  the node computed itself (no `served_by`) gives C(T), the median of its attested credibilities, and
+  only without one does the first attested forwarded one. A forward shows the serving peer's model,
+  not the node's; members re-challenge a node whose leader result was forwarded, so a node that sends
+  its challenges to honest peers is still scored on its own answers when it serves any.
 - Without such a result, the node is cut (C(T) = 0) only when members holding more than 1/3 of the
   power reported no valid response from it; the leader's own "invalid" claim counts as its report.
 - Otherwise its reputation does not change this epoch.
@@ -74,9 +77,18 @@ def _candidates(node_results: list[ChallengeResult]) -> list[ChallengeResult]:
 
 
 def _scored(ev: Evidence, node: bytes, total: int, findings: list[Finding]) -> Verdict | None:
+    attested = []
     for result in _candidates(ev.results.get(node, [])):
         scores = [(m, c) for m, c in ev.attestations.get((node, result.submitter), []) if m in ev.power]
-        if not rules.supermajority(_power([m for m, _ in scores], ev.power), total):
+        if rules.supermajority(_power([m for m, _ in scores], ev.power), total):
+            attested.append((result, scores))
+    if not attested:
+        return None
+    own = [(result, scores) for result, scores in attested if not result.served_by]
+    chosen = (own or attested)[0][0]
+    verdict = None
+    for result, scores in attested:
+        if result is not chosen and result.kind != "leader":
             continue
         value = median([c for _, c in scores])
         for member, credibility in scores:
@@ -86,8 +98,9 @@ def _scored(ev: Evidence, node: bytes, total: int, findings: list[Finding]) -> V
         if result.kind == "leader" and abs(result.credibility - value) > ev.tolerance:
             findings.append(Finding(ev.leader, "deviating-credibility", node,
                                     f"proposed {result.credibility} ppm against the median {value}"))
-        return Verdict(node, value, f"{result.kind}:{result.submitter.hex()}", result.served_by)
-    return None
+        if result is chosen:
+            verdict = Verdict(node, value, f"{result.kind}:{result.submitter.hex()}", result.served_by)
+    return verdict
 
 
 def to_pipelines(verdicts: list[Verdict], pipelines: dict[bytes, tuple[bytes, ...]]) -> list[Verdict]:

@@ -357,9 +357,11 @@ class Daemon:
         self._submit(SubmitResults(number, "leader", (entry,)), number, [(asked.node, "leader")])
 
     def _rechallenge(self, number: int, leader: bytes) -> None:
-        """Challenge, with a prompt of our own, each planned node the leader left without a valid result."""
+        """Challenge, with a prompt of our own, each planned node the leader left without a valid result
+        of the node's own: none, or one a peer computed (which shows the peer's model, not the node's)."""
         results = self.ledger.results(number)
-        answered = {r.node for r in results if r.submitter == leader and r.status == VALID}
+        answered = {r.node for r in results
+                    if r.submitter == leader and r.status == VALID and not r.served_by}
         mine = {r.node for r in results if r.submitter == self.me}
         for entry in self.ledger.plan(number)[1]:
             key = (entry.node, "rechallenge")

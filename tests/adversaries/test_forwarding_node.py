@@ -5,9 +5,10 @@ it returned, and only a listed peer is credited with an answer it computed."""
 from __future__ import annotations
 
 import pytest
-from committee import EPOCH_PARAMS, HONEST, Script, expected, finish
+from committee import EPOCH_PARAMS, HONEST, TEMPERATURE, Script, expected, finish
 from harness import AppHarness, sqlite_url
 
+from planetserve.chain.challenge import Challenge
 from planetserve.registry import finalization
 from planetserve.registry.epochs import VALID, ChallengeResult
 
@@ -19,10 +20,12 @@ def s(tmp_path) -> Script:
     return Script(AppHarness(sqlite_url(tmp_path), members=4, params=EPOCH_PARAMS))
 
 
-def forwarded_epoch(s: Script, delist_peer: bool = False) -> tuple[bytes, bytes, ChallengeResult]:
-    """Epoch 1 in which node0 signs, as its own answer, the (weak) answer node1 computed for node0's
-    challenge; node1 answers its own challenge well. With `delist_peer`, node1's organisation takes it
-    off the list once the plan is committed. Returns node0, node1 and node0's stored result."""
+def forwarded_epoch(s: Script, delist_peer: bool = False, peer_scores: int = WEAK
+                    ) -> tuple[bytes, bytes, ChallengeResult]:
+    """Epoch 1 in which node0 signs, as its own answer, the answer node1 computed for node0's challenge
+    (attested `peer_scores`); node1 answers its own challenge well. With `delist_peer`, node1's
+    organisation takes it off the list once the plan is committed. Returns node0, node1 and node0's
+    stored result."""
     s.run_election_and_plan(1)
     leader = s.leader(1)
     node0, node1 = list(s.nodes)
@@ -33,9 +36,9 @@ def forwarded_epoch(s: Script, delist_peer: bool = False) -> tuple[bytes, bytes,
     challenge = s.planned(1, node0, leader)
     returned = s.answer(node0, challenge.prompt)
     computed = s.answer(node1, challenge.prompt, time=returned.time - 1)
-    body["results"][0] = {**challenge.reveal(returned, served=computed).body(), "credibility": WEAK}
+    body["results"][0] = {**challenge.reveal(returned, served=computed).body(), "credibility": peer_scores}
     assert s.block(s.tx(leader, "submit-results", body)) == [(0, "ok")]
-    assert all(c == 0 for c, _ in s.block(*s.attest_txs(1, leader.public, {node0: WEAK, node1: HONEST})))
+    assert all(c == 0 for c, _ in s.block(*s.attest_txs(1, leader.public, {node0: peer_scores, node1: HONEST})))
     result = s.state.result(1, node0, leader.public)
     assert result is not None and result.status == VALID
     return node0, node1, result
@@ -82,3 +85,25 @@ def test_a_serving_peer_without_a_challenge_of_its_own_is_credited_too():
     assert [(v.node, v.credibility) for v in verdicts] == [(challenged, WEAK), (planned_peer, HONEST),
                                                            (peer, WEAK)]
     assert findings == []
+
+
+def test_the_nodes_own_answer_on_re_challenge_outweighs_its_forwarded_one(s):
+    """node0 forwarded the leader's challenge to an honest peer (whose answer would score well), then
+    answered the members' re-challenges itself, badly: its C(T) is its own answer's."""
+    node0, node1, forwarded = forwarded_epoch(s, peer_scores=HONEST)
+    leader = s.leader(1)
+    members = [m for k, m in s.members.items() if k != leader.public]
+    own = {m.public: Challenge.new(f"Member {i} asks: how do tides work?", TEMPERATURE)
+           for i, m in enumerate(members)}
+    commits = [s.tx(m, "commit-rechallenge", {"epoch": 1, "node": node0, "commitment": own[m.public].commitment})
+               for m in members]
+    assert all(c == 0 for c, _ in s.block(*commits))
+    reveals = [s.tx(m, "submit-results", {"epoch": 1, "kind": "rechallenge", "results": [
+        own[m.public].reveal(s.answer(node0, own[m.public].prompt))]}) for m in members]
+    assert all(c == 0 for c, _ in s.block(*reveals))
+    first = min(m.public for m in members)
+    assert all(c == 0 for c, _ in s.block(*s.attest_txs(1, first, {node0: WEAK})))
+    finish(s, 1)
+    assert s.reputation(node0) == expected(WEAK)
+    assert s.reputation(node1) == expected(HONEST)
+    assert all(s.faults(m) == [] for m in s.members)
