@@ -181,13 +181,12 @@ def fault_prefix(operator: bytes | None = None) -> bytes:
     return key("fault", operator.hex(), "") if operator else key("fault", "")
 
 
+def fault_epoch_prefix(operator: bytes, epoch: int) -> bytes:
+    return fault_prefix(operator) + f"{_e(epoch)}/".encode()
+
+
 def fault_key(operator: bytes, epoch: int, number: int) -> bytes:
-    return fault_prefix(operator) + f"{_e(epoch)}/{number:04d}".encode()
-
-
-def fault_epoch(key: bytes) -> int:
-    """The epoch a fault record's key files it under."""
-    return int(key.split(b"/")[2])
+    return fault_epoch_prefix(operator, epoch) + f"{number:04d}".encode()
 
 
 def missed_key(epoch: int, operator: bytes) -> bytes:

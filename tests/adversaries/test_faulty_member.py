@@ -84,3 +84,14 @@ def test_a_validator_that_misses_a_few_commits_is_not_faulty(tmp_path):
     epoch(s, 1)
     assert all(s.faults(m) == [] for m in s.members)
     assert removals(s) == []
+
+
+def test_faults_older_than_the_window_do_not_count(tmp_path):
+    """Faulty in epochs 1, 6 and 7: three faults, the limit, but only two within the last four epochs."""
+    s = Script(AppHarness(sqlite_url(tmp_path), members=4, params=PARAMS))
+    cheat = sorted(s.members)[3]
+    s.run_election_and_plan(1)
+    for number in range(1, 8):
+        epoch(s, number, cheat if number in (1, 6, 7) else b"")
+    assert s.faults(cheat) == ["deviating-attestation"] * PARAMS.member_fault_limit
+    assert cheat in members(s.h.store.batch()) and removals(s) == []

@@ -96,7 +96,8 @@ def end_block(batch: Batch, params: Params, height: int, time: int) -> list[Remo
         _finalize(batch, st, params, current, committee, time)
     _missed_blocks(st, params, number, committee)
     removed = _remove_faulty(st, params, number, committee)
-    committee = members(batch)
+    for removal in removed:
+        del committee[removal.operator]
     upcoming = st.epoch(number + 1)
     if upcoming is None:
         return removed
@@ -123,11 +124,11 @@ def _missed_blocks(st: State, params: Params, number: int, committee: dict[bytes
 def _remove_faulty(st: State, params: Params, number: int, committee: dict[bytes, Member]) -> list[Removal]:
     """Take the power of each member (in key order) with member_fault_limit faults or more in its last
     member_fault_window epochs, as an approved removal would; the last member always stays."""
-    first = number - params.member_fault_window + 1
+    window = range(max(0, number - params.member_fault_window + 1), number + 1)
     remaining = len(committee)
     removed = []
     for operator in sorted(committee):
-        faults = st.faults_since(operator, first)
+        faults = st.faults_in(operator, window)
         if faults >= params.member_fault_limit and remaining > 1:
             st.delete_member(operator)
             removed.append(Removal(operator, committee[operator].consensus_key, faults))

@@ -24,9 +24,8 @@ from planetserve.chain.layout import (
     epoch_key,
     expiry_key,
     fault_counter_key,
-    fault_epoch,
+    fault_epoch_prefix,
     fault_key,
-    fault_prefix,
     member_key,
     missed_key,
     model_key,
@@ -275,9 +274,10 @@ class State:
         self.put_int(counter, n + 1)
         self._put(fault_key(fault.operator, fault.epoch, n), fault)
 
-    def faults_since(self, operator: bytes, first_epoch: int) -> int:
-        """How many faults of the operator the chain recorded in epochs from `first_epoch` on."""
-        return sum(1 for k, _ in self.kv.iterate(fault_prefix(operator)) if fault_epoch(k) >= first_epoch)
+    def faults_in(self, operator: bytes, epochs: range) -> int:
+        """How many faults of the operator the chain recorded in these epochs: one prefix read per
+        epoch, so the cost stays with the window, not with the operator's whole history."""
+        return sum(1 for epoch in epochs for _ in self.kv.iterate(fault_epoch_prefix(operator, epoch)))
 
     def missed(self, epoch: int, operator: bytes) -> int:
         return self.get_int(missed_key(epoch, operator))
