@@ -16,9 +16,9 @@ from planetserve.chain.abci.app import Application
 from planetserve.chain.abci.epochs import validator_address
 from planetserve.chain.abci.store import StateStore
 from planetserve.chain.keys import KeySet
-from planetserve.chain.messages.base import Body
+from planetserve.chain.messages.base import wire
 from planetserve.chain.messages.registry import node_pop_message
-from planetserve.registry.entities import Member, Model, Record
+from planetserve.registry.entities import Member, Model
 from planetserve.registry.genesis import AppState
 from planetserve.registry.params import Params
 
@@ -33,20 +33,6 @@ def node_body(node: KeySet, org_id: str = "org1", **fields: Any) -> dict[str, An
             "pop": node.sign(node_pop_message(CHAIN_ID, org_id, node.public)),
             "model_id": "gt", "address": "10.0.0.1:7000", "hardware": "A100", "capacity": 4, "region": "eu",
             **fields}
-
-
-def raw(value: Any) -> Any:
-    """A body as it goes on the wire, from one a test wrote with messages, parts or records in it (the
-    tests of refusals write bodies no message would)."""
-    if isinstance(value, Body):
-        return value.body()
-    if isinstance(value, Record):
-        return value.to_record()
-    if isinstance(value, dict):
-        return {k: raw(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [raw(v) for v in value]
-    return value
 
 
 class AppHarness:
@@ -85,11 +71,12 @@ class AppHarness:
 
     def tx(self, keys: KeySet, tx_type: str, body: dict[str, Any], sequence: int | None = None,
            chain_id: str = CHAIN_ID) -> bytes:
-        """A signed transaction with the signer's next sequence (tracked locally)."""
+        """A signed transaction with the signer's next sequence (tracked locally); messages, parts and
+        records inside `body` are written in their wire form."""
         seq = self.sequences.get(keys.public, 0) if sequence is None else sequence
         if sequence is None:
             self.sequences[keys.public] = seq + 1
-        return txlib.build(keys, chain_id, tx_type, raw(body), seq)
+        return txlib.build(keys, chain_id, tx_type, wire(body), seq)
 
     def check(self, raw: bytes) -> abci.ResponseCheckTx:
         return self.app.check_tx(abci.RequestCheckTx(tx=raw))

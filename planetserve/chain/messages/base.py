@@ -16,12 +16,15 @@ from planetserve.registry.errors import InvalidField
 
 
 def wire(value: Any) -> Any:
-    """The body form of a field's value."""
+    """The body form of a value: messages, parts and records as maps, sequences as arrays, inside maps
+    and arrays too."""
     if isinstance(value, Body):
         return value.body()
     if isinstance(value, Record):
         return value.to_record()
-    if isinstance(value, tuple):
+    if isinstance(value, dict):
+        return {k: wire(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
         return [wire(item) for item in value]
     return value
 

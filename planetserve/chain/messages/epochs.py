@@ -3,7 +3,7 @@ reports and re-challenges (docs/architecture.md, "Verification epochs")."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Self
 
 from planetserve.chain.messages.base import Body, Message, as_map
@@ -137,8 +137,7 @@ class Served(Body):
 
     def response(self, answer: SignedResponse) -> SignedResponse:
         """The response as the serving peer signed it."""
-        return SignedResponse(self.node, answer.prompt_hash, answer.token_ids, answer.text, answer.model_id,
-                              answer.temperature, self.time, self.address, self.signature)
+        return replace(answer, node=self.node, time=self.time, address=self.address, signature=self.signature)
 
 
 @dataclass(frozen=True)
