@@ -58,10 +58,11 @@ EXAMPLES = [
     SubmitResults(1, "leader", (Revealed(KEY, "why?", bytes(32), 700, RESPONSE, credibility=5,
                                          served=Served(bytes(32), 5, "10.0.0.2:7000", SIG)),
                                 Unanswered(bytes(32), "timed out"))),
+    SubmitResults(1, "rechallenge", (Unanswered(KEY, "timed out", bytes(32)),)),
     SubmitResults(1, "rechallenge", (Revealed(KEY, "why?", bytes(32), 0, RESPONSE),)),
     Attest(1, ((KEY, KEY, 1000),)),
     ReportInvalid(1, KEY, "no answer"),
-    CommitRechallenge(1, KEY, bytes(32)),
+    CommitRechallenge(1, bytes(32)),
     DeployModel("acme", "gt", "cpu", 2, 3600),
 ]
 

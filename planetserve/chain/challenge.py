@@ -16,6 +16,20 @@ from planetserve.registry import codec, epochs
 from planetserve.registry.entities import Member
 from planetserve.registry.epochs import PlanEntry, SignedResponse
 
+DEFAULT_MAX_TOKENS = 64
+MAX_CHALLENGE_TOKENS = 1 << 16
+SEALED_BUCKET_BYTES = 512
+"""Sealed copies are padded to a power of two times this, so an entry's length on the ledger says
+only roughly how long its prompt is, and nothing of its temperature or form."""
+
+
+def padded_size(length: int) -> int:
+    """The bucket a plaintext of `length` bytes is padded to."""
+    size = SEALED_BUCKET_BYTES
+    while size < length:
+        size *= 2
+    return size
+
 
 class SealedPromptError(Exception):
     """A plan's sealed prompt cannot be opened by this member or does not match its commitment."""
@@ -36,10 +50,14 @@ class Challenge:
     question: str = ""
     """When the challenge is sent as a chat: its one user message, which the model's chat template
     renders as `prompt`. Empty for a completion prompt, sent as `prompt` itself."""
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    """The output cap a user of the drawn workload would ask for; sealed with the prompt so that every
+    member who sends it asks for the same."""
 
     @classmethod
-    def new(cls, prompt: str, temperature: int, question: str = "") -> Challenge:
-        return cls(prompt, secrets.token_bytes(32), temperature, question)
+    def new(cls, prompt: str, temperature: int, question: str = "",
+            max_tokens: int = DEFAULT_MAX_TOKENS) -> Challenge:
+        return cls(prompt, secrets.token_bytes(32), temperature, question, max_tokens)
 
     @property
     def commitment(self) -> bytes:
@@ -60,10 +78,16 @@ class Challenge:
             return f"the node signed time {response.time}, {response.time - now:+d} s from its answer"
         return ""
 
+    def tag(self, node: bytes) -> bytes:
+        """What a member commits before re-challenging `node` with this challenge."""
+        return epochs.rechallenge_tag(node, self.commitment)
+
     def plan_entry(self, node: bytes, committee: list[Member]) -> PlanItem:
         """A commit-plan entry: the commitment, and the challenge sealed to every member's X25519 key
-        (whichever member leads sends it)."""
-        plaintext = codec.pack([self.prompt, self.salt, self.temperature, self.question])
+        (whichever member leads sends it), padded to its size bucket."""
+        packed = codec.pack([self.prompt, self.salt, self.temperature, self.question, self.max_tokens])
+        framed = len(packed).to_bytes(4, "big") + packed
+        plaintext = framed + bytes(padded_size(len(framed)) - len(framed))
         sealed = sorted((m.operator, SealedBox(PublicKey(m.x25519_key)).encrypt(plaintext))
                         for m in committee)
         return PlanItem(node, self.commitment, tuple(sealed))
@@ -81,15 +105,20 @@ def open_plan_entry(entry: PlanEntry, operator: bytes, key: PrivateKey) -> Chall
     if box is None:
         raise SealedPromptError("the plan entry holds no prompt sealed to this member")
     try:
-        prompt, salt, temperature, question = codec.unpack(SealedBox(key).decrypt(box))
+        plaintext = SealedBox(key).decrypt(box)
+        length = int.from_bytes(plaintext[:4], "big")
+        prompt, salt, temperature, question, max_tokens = codec.unpack(plaintext[4:4 + length])
     except (CryptoError, codec.CodecError, ValueError, TypeError) as exc:
         raise SealedPromptError(f"sealed prompt does not open: {type(exc).__name__}") from exc
     if type(temperature) is not int or not 0 <= temperature <= epochs.MAX_CHALLENGE_TEMPERATURE:
         raise SealedPromptError(f"sealed temperature {temperature!r} is not an integer in "
                                 f"[0, {epochs.MAX_CHALLENGE_TEMPERATURE}]")
+    if type(max_tokens) is not int or not 1 <= max_tokens <= MAX_CHALLENGE_TOKENS:
+        raise SealedPromptError(f"sealed max_tokens {max_tokens!r} is not an integer in "
+                                f"[1, {MAX_CHALLENGE_TOKENS}]")
     if not all(isinstance(text, str) for text in (prompt, question)):
         raise SealedPromptError("sealed prompt or question is not text")
-    challenge = Challenge(prompt, salt, temperature, question)
+    challenge = Challenge(prompt, salt, temperature, question, max_tokens)
     if challenge.commitment != entry.commitment:
         raise SealedPromptError("sealed prompt does not match the plan's commitment")
     return challenge

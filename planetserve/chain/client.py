@@ -363,8 +363,8 @@ class LedgerClient:
         _, raw = self.value(layout.report_key(number, node))
         return [] if raw is None else list(codec.unpack(raw))
 
-    def rechallenge(self, number: int, node: bytes, member: bytes) -> Rechallenge | None:
-        return self._entity(layout.rechallenge_key(number, node, member), Rechallenge)
+    def rechallenge(self, number: int, member: bytes, tag: bytes) -> Rechallenge | None:
+        return self._entity(layout.rechallenge_key(number, member, tag), Rechallenge)
 
     def params(self) -> Params:
         params = self._entity(layout.PARAMS_KEY, Params)

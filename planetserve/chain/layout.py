@@ -22,7 +22,8 @@ Verification epochs (<e> is the epoch number as %010d):
     vrf/<e>/<operator hex>                  VrfEntry        (proofs electing the leader of e)
     plan/<e>/<node hex>                     PlanEntry
     pcom/<e>/<commitment hex>               node pubkey     (no commitment twice in an epoch)
-    rch/<e>/<node hex>/<member hex>         Rechallenge
+    rch/<e>/<member hex>/<tag hex>          Rechallenge     (the tag hides the node until the reveal)
+    rchn/<e>/<member hex>                   int             (re-challenges the member committed in e)
     res/<e>/<node hex>/<submitter hex>      ChallengeResult
     att/<e>/<node hex>/<submitter hex>      [[member, credibility ppm], ...] sorted by member
     inv/<e>/<node hex>                      [member, ...]   (reports of no valid response)
@@ -149,8 +150,12 @@ def commitment_key(epoch: int, commitment: bytes) -> bytes:
     return key("pcom", _e(epoch), commitment.hex())
 
 
-def rechallenge_key(epoch: int, node: bytes, member: bytes) -> bytes:
-    return key("rch", _e(epoch), node.hex(), member.hex())
+def rechallenge_key(epoch: int, member: bytes, tag: bytes) -> bytes:
+    return key("rch", _e(epoch), member.hex(), tag.hex())
+
+
+def rechallenge_count_key(epoch: int, member: bytes) -> bytes:
+    return key("rchn", _e(epoch), member.hex())
 
 
 def result_prefix(epoch: int, node: bytes | None = None) -> bytes:

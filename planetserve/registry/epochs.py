@@ -27,6 +27,7 @@ SEED_DOMAIN = "planetserve/epoch-seed/v1"
 NEXT_SEED_DOMAIN = "planetserve/epoch-seed/v2"
 COMMIT_DOMAIN = "planetserve/challenge/v2"
 RESPONSE_DOMAIN = "planetserve/response/v2"
+RECHALLENGE_DOMAIN = "planetserve/rechallenge/v1"
 MILLI = 1_000
 """Temperatures are signed and committed in thousandths, so that no float enters state."""
 MAX_CHALLENGE_TEMPERATURE = MILLI
@@ -118,6 +119,13 @@ def commitment(prompt: str, temperature: int, salt: bytes) -> bytes:
     return hashlib.sha256(codec.pack([COMMIT_DOMAIN, prompt, temperature, salt])).digest()
 
 
+def rechallenge_tag(node: bytes, commitment: bytes) -> bytes:
+    """What a member commits before it re-challenges `node`: H(node || commitment). It binds the node and
+    the challenge without naming either (the commitment's salt hides both), so nothing on the ledger says
+    which node is about to be asked again until the answer is revealed."""
+    return hashlib.sha256(codec.pack([RECHALLENGE_DOMAIN, node, commitment])).digest()
+
+
 def prompt_hash(prompt: str) -> bytes:
     return hashlib.sha256(prompt.encode()).digest()
 
@@ -202,9 +210,11 @@ class ChallengeResult(Record):
 
 @dataclass(frozen=True)
 class Rechallenge(Record):
-    node: bytes
+    """A member's committed re-challenge: `tag` is rechallenge_tag(node, commitment), opened when the
+    member reveals the challenge and the node's answer (or claims it had none)."""
+
     member: bytes
-    commitment: bytes
+    tag: bytes
     time: int
 
 

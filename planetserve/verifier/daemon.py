@@ -85,12 +85,13 @@ class Journal:
         self.entries: dict[tuple[int, bytes], Challenge] = {}
         for item in self.lines.read():
             self.entries[item["epoch"], bytes.fromhex(item["node"])] = Challenge(
-                item["prompt"], bytes.fromhex(item["salt"]), item["temperature"], item["question"])
+                item["prompt"], bytes.fromhex(item["salt"]), item["temperature"], item["question"],
+                item["max_tokens"])
 
     def add(self, epoch: int, node: bytes, challenge: Challenge) -> None:
         self.lines.append({"epoch": epoch, "node": node.hex(), "prompt": challenge.prompt,
                            "salt": challenge.salt.hex(), "temperature": challenge.temperature,
-                           "question": challenge.question}, durable=True)
+                           "question": challenge.question, "max_tokens": challenge.max_tokens}, durable=True)
         self.entries[epoch, node] = challenge
 
     def get(self, epoch: int, node: bytes) -> Challenge | None:
@@ -245,9 +246,10 @@ class Daemon:
         drawn = self.source.draw(1)[0]
         reference = self.references.get(model_id)
         rendered = reference.chat_prompt(drawn.text) if drawn.chat and reference is not None else None
+        max_tokens = min(drawn.max_tokens, self.channel.max_tokens)
         if rendered is None:
-            return Challenge.new(drawn.text, milli(drawn.temperature))
-        return Challenge.new(rendered, milli(drawn.temperature), drawn.text)
+            return Challenge.new(drawn.text, milli(drawn.temperature), max_tokens=max_tokens)
+        return Challenge.new(rendered, milli(drawn.temperature), drawn.text, max_tokens)
 
     def _ask(self, key: tuple[int, bytes, str], challenge: Challenge, node: ModelNode) -> None:
         if key in self.pending:
@@ -331,29 +333,30 @@ class Daemon:
         value = verdict.calibrated_ppm if self.calibrated else verdict.credibility_ppm
         return value if value is not None else 0
 
-    def _entry(self, number: int, asked: Asked, with_credibility: bool) -> Revealed | Unanswered:
+    def _entry(self, number: int, asked: Asked, kind: str) -> Revealed | Unanswered:
         """A submit-results entry: the revealed challenge, or an invalid claim when there is no answer
-        the node can be held to."""
+        the node can be held to (a re-challenger's names its challenge, which opens its tag)."""
+        commitment = asked.challenge.commitment if kind == "rechallenge" else None
         if asked.reply is None:
             log.warning("node %s gave no answer in epoch %d: %s", asked.node.hex()[:16], number,
                         asked.failure)
-            return Unanswered(asked.node, _reason(asked.failure))
+            return Unanswered(asked.node, _reason(asked.failure), commitment)
         node = self.ledger.node(asked.node)
         response = asked.reply.response
         verdict = self._verdict(node, response, asked.challenge.prompt)
         if verdict is not None and not verdict.ok and not verdict.rejection.node_fault:
             log.warning("node %s's answer in epoch %d is not its own: %s", asked.node.hex()[:16], number,
                         verdict.detail)
-            return Unanswered(asked.node, _reason(f"{verdict.rejection.value}: {verdict.detail}"))
+            return Unanswered(asked.node, _reason(f"{verdict.rejection.value}: {verdict.detail}"), commitment)
         entry = asked.challenge.reveal(response, asked.reply.served)
         if verdict is not None:
             self.scores[number, asked.node, self.me] = self._score(verdict)
-            if with_credibility:
+            if kind == "leader":
                 entry = replace(entry, credibility=self.scores[number, asked.node, self.me])
         return entry
 
     def _submit_leader(self, number: int, asked: Asked) -> None:
-        entry = self._entry(number, asked, with_credibility=True)
+        entry = self._entry(number, asked, "leader")
         self._submit(SubmitResults(number, "leader", (entry,)), number, [(asked.node, "leader")])
 
     def _rechallenge(self, number: int, leader: bytes) -> None:
@@ -372,17 +375,19 @@ class Daemon:
             if node is None:
                 continue
             challenge = self.journal.get(number, entry.node)
-            if challenge is None or self.ledger.rechallenge(number, entry.node, self.me) is None:
+            committed = challenge is not None and self.ledger.rechallenge(
+                number, self.me, challenge.tag(entry.node)) is not None
+            if not committed:
                 if challenge is None:
                     challenge = self._fresh(node.model_id)
                     self.journal.add(number, entry.node, challenge)
-                commit = CommitRechallenge(number, entry.node, challenge.commitment)
+                commit = CommitRechallenge(number, challenge.tag(entry.node))
                 if not self._submit(commit, number, [(entry.node, "rechallenge")]):
                     continue
             self._ask((number, entry.node, "rechallenge"), challenge, node)
 
     def _submit_rechallenge(self, number: int, asked: Asked) -> None:
-        entry = self._entry(number, asked, with_credibility=False)
+        entry = self._entry(number, asked, "rechallenge")
         self._submit(SubmitResults(number, "rechallenge", (entry,)), number, [(asked.node, "rechallenge")])
 
     # -- attestations ----------------------------------------------------------------------------

@@ -95,7 +95,7 @@ def test_the_nodes_own_answer_on_re_challenge_outweighs_its_forwarded_one(s):
     members = [m for k, m in s.members.items() if k != leader.public]
     own = {m.public: Challenge.new(f"Member {i} asks: how do tides work?", TEMPERATURE)
            for i, m in enumerate(members)}
-    commits = [s.tx(m, "commit-rechallenge", {"epoch": 1, "node": node0, "commitment": own[m.public].commitment})
+    commits = [s.tx(m, "commit-rechallenge", {"epoch": 1, "tag": own[m.public].tag(node0)})
                for m in members]
     assert all(c == 0 for c, _ in s.block(*commits))
     reveals = [s.tx(m, "submit-results", {"epoch": 1, "kind": "rechallenge", "results": [

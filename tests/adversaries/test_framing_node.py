@@ -42,7 +42,7 @@ def test_an_answer_signed_otherwise_is_claimed_invalid_not_revealed(relay, tmp_p
     node = KeySet.generate()
     daemon, done = asked(relay, tmp_path, node, temperature, int(time.time()) + skew)
     assert done.reply is None and reason in done.failure and done.failure.startswith("2 attempts")
-    entry = daemon._entry(1, done, with_credibility=True)
+    entry = daemon._entry(1, done, "leader")
     assert isinstance(entry, Unanswered) and entry.node == node.public and reason in entry.invalid
 
 

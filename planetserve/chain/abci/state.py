@@ -35,6 +35,7 @@ from planetserve.chain.layout import (
     plan_key,
     price_key,
     proposal_key,
+    rechallenge_count_key,
     rechallenge_key,
     report_key,
     reputation_key,
@@ -241,11 +242,16 @@ class State:
     def use_commitment(self, epoch: int, commitment: bytes, node: bytes) -> None:
         self.kv.set(commitment_key(epoch, commitment), node)
 
-    def rechallenge(self, epoch: int, node: bytes, member: bytes) -> Rechallenge | None:
-        return self._load(rechallenge_key(epoch, node, member), Rechallenge)
+    def rechallenge(self, epoch: int, member: bytes, tag: bytes) -> Rechallenge | None:
+        return self._load(rechallenge_key(epoch, member, tag), Rechallenge)
+
+    def rechallenges_committed(self, epoch: int, member: bytes) -> int:
+        return self.get_int(rechallenge_count_key(epoch, member))
 
     def put_rechallenge(self, epoch: int, entry: Rechallenge) -> None:
-        self._put(rechallenge_key(epoch, entry.node, entry.member), entry)
+        self._put(rechallenge_key(epoch, entry.member, entry.tag), entry)
+        count = rechallenge_count_key(epoch, entry.member)
+        self.put_int(count, self.get_int(count) + 1)
 
     def result(self, epoch: int, node: bytes, submitter: bytes) -> ChallengeResult | None:
         return self._load(result_key(epoch, node, submitter), ChallengeResult)

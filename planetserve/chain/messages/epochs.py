@@ -170,14 +170,17 @@ class Revealed(Body):
 
 @dataclass(frozen=True)
 class Unanswered(Body):
-    """A claim that the node gave no valid response, and why."""
+    """A claim that the node gave no valid response, and why; a re-challenger names the commitment of
+    the challenge it sent, which opens its committed tag."""
 
     node: bytes
     invalid: str
+    commitment: bytes | None = None
 
     @classmethod
     def parse(cls, body: dict[str, Any]) -> Self:
-        return cls(fields.key32(body, "node"), fields.text(body, "invalid", 256))
+        return cls(fields.key32(body, "node"), fields.text(body, "invalid", 256),
+                   fields.key32(body, "commitment") if "commitment" in body else None)
 
 
 def _result(raw: Any, kind: str) -> Revealed | Unanswered:
@@ -245,13 +248,13 @@ class ReportInvalid(Message):
 
 @dataclass(frozen=True)
 class CommitRechallenge(Message):
-    """A member commits H(prompt || salt) of its own challenge to a planned node before sending it."""
+    """A member commits its own challenge of a planned node before sending it: the tag
+    `epochs.rechallenge_tag(node, commitment)`, which does not name the node."""
 
     TYPE: ClassVar[str] = "commit-rechallenge"
     epoch: int
-    node: bytes
-    commitment: bytes
+    tag: bytes
 
     @classmethod
     def parse(cls, body: dict[str, Any]) -> Self:
-        return cls(_epoch(body), fields.key32(body, "node"), fields.key32(body, "commitment"))
+        return cls(_epoch(body), fields.key32(body, "tag"))

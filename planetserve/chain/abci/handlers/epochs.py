@@ -219,10 +219,7 @@ def _submit_one(ctx: Context, epoch: Epoch, kind: str, entry: Revealed | Unanswe
     if kind == "leader":
         commitment, since = plan.commitment, epoch.start_time
     else:
-        rech = ctx.state.rechallenge(epoch.number, node, ctx.signer)
-        if rech is None:
-            raise UnknownEntity(f"signer committed no re-challenge of node {node.hex()}")
-        commitment, since = rech.commitment, rech.time
+        commitment, since = _opened_rechallenge(ctx, epoch.number, entry)
     registered = ctx.state.node(node)
     model_id = registered.model_id if registered is not None else ""
     if isinstance(entry, Unanswered):
@@ -292,14 +289,39 @@ def report_invalid(ctx: Context, msg: ReportInvalid) -> None:
 
 
 def commit_rechallenge(ctx: Context, msg: CommitRechallenge) -> None:
-    number, node, commitment = _planned_node(ctx, msg.epoch, msg.node), msg.node, msg.commitment
-    if ctx.state.rechallenge(number, node, ctx.signer) is not None:
-        raise AlreadyExists(f"signer already re-challenges node {node.hex()} in epoch {number}")
+    """A tag, not a node: which node is asked again stays hidden until the answer is revealed. A member
+    commits at most one re-challenge per planned node."""
+    ctx.require_member()
+    number, epoch = _current(ctx)
+    _expect_epoch(msg.epoch, number)
+    if epoch.plan_status != PLAN_COMMITTED:
+        raise UnknownEntity(f"epoch {number} has no committed plan")
+    if ctx.state.rechallenge(number, ctx.signer, msg.tag) is not None:
+        raise AlreadyExists(f"signer already committed re-challenge {msg.tag.hex()} in epoch {number}")
+    if ctx.state.rechallenges_committed(number, ctx.signer) >= epoch.plan_nodes:
+        raise Unauthorized(f"signer already committed as many re-challenges as epoch {number} plans "
+                           f"nodes ({epoch.plan_nodes})")
+    ctx.state.put_rechallenge(number, Rechallenge(ctx.signer, msg.tag, ctx.time))
+    ctx.emit("commit_rechallenge", epoch=str(number), tag=msg.tag.hex())
+
+
+def _opened_rechallenge(ctx: Context, number: int, entry: Revealed | Unanswered) -> tuple[bytes, int]:
+    """The commitment of the signer's re-challenge of `entry.node` and when it was committed: the entry
+    opens one of the signer's tags, whose commitment no other challenge of the epoch used."""
+    if isinstance(entry, Revealed):
+        commitment = epochs.commitment(entry.prompt, entry.temperature, entry.salt)
+    elif entry.commitment is not None:
+        commitment = entry.commitment
+    else:
+        raise InvalidField("commitment", "a re-challenge claimed unanswered names its challenge's commitment")
+    rech = ctx.state.rechallenge(number, ctx.signer, epochs.rechallenge_tag(entry.node, commitment))
+    if rech is None:
+        raise UnknownEntity(f"signer committed no re-challenge of node {entry.node.hex()} with this "
+                            "challenge")
     if ctx.state.commitment_used(number, commitment):
         raise AlreadyExists(f"commitment {commitment.hex()} repeats one of this epoch's")
-    ctx.state.put_rechallenge(number, Rechallenge(node, ctx.signer, commitment, ctx.time))
-    ctx.state.use_commitment(number, commitment, node)
-    ctx.emit("commit_rechallenge", epoch=str(number), node=node.hex())
+    ctx.state.use_commitment(number, commitment, entry.node)
+    return commitment, rech.time
 
 
 HANDLERS = {

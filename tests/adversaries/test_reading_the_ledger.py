@@ -1,0 +1,108 @@
+"""A model node that reads the ledger to learn when and with what it will be challenged: the plan's
+sealed entries and the members' re-challenge commitments are public state. It learns neither which node
+a re-challenge is for before the answer is revealed, nor the length, temperature or form of a planned
+prompt beyond its size bucket (docs/threat-model.md, "Recognising challenges")."""
+
+from __future__ import annotations
+
+import pytest
+from committee import EPOCH_PARAMS, HONEST, TEMPERATURE, Script
+from harness import AppHarness, sqlite_url
+
+from planetserve.chain.abci.state import members
+from planetserve.chain.challenge import SEALED_BUCKET_BYTES, Challenge, open_plan_entry
+from planetserve.chain.errors import Code
+from planetserve.registry import epochs
+from planetserve.registry.epochs import PlanEntry
+
+
+@pytest.fixture
+def s(tmp_path) -> Script:
+    return Script(AppHarness(sqlite_url(tmp_path), members=4, params=EPOCH_PARAMS))
+
+
+def skipped_by_the_leader(s: Script) -> tuple[bytes, bytes, list]:
+    """Epoch 1 with node0 left out of the leader's results, so the other members re-challenge it."""
+    s.run_election_and_plan(1)
+    node0, node1 = list(s.nodes)
+    assert s.block(s.tx(s.leader(1), "submit-results", s.leader_results(1, HONEST, [node1]))) == [(0, "ok")]
+    leader = s.epoch(1).leader
+    return node0, node1, [m for k, m in s.members.items() if k != leader]
+
+
+def mentions(data: bytes, node: bytes) -> bool:
+    return node in data or node.hex().encode() in data
+
+
+def test_a_re_challenge_names_no_node_until_its_answer_is_revealed(s):
+    node0, _, others = skipped_by_the_leader(s)
+    own = {m.public: Challenge.new(f"Member {i} asks: how do tides work?", TEMPERATURE) for i, m in enumerate(others)}
+    before = s.h.registry_state()
+    commits = [s.tx(m, "commit-rechallenge", {"epoch": 1, "tag": own[m.public].tag(node0)}) for m in others]
+    assert all(c == 0 for c, _ in s.block(*commits))
+    written = {k: v for k, v in s.h.registry_state().items() if before.get(k) != v}
+    assert written, "the commitments wrote nothing"
+    assert not any(mentions(k, node0) or mentions(v, node0) for k, v in written.items())
+    events = s.h.responses[-1].tx_results
+    assert not any(mentions(a.key.encode() + a.value.encode(), node0)
+                   for r in events for e in r.events for a in e.attributes)
+    # revealed, the answer names its node, as it must for the result to count
+    reveals = [s.tx(m, "submit-results", {"epoch": 1, "kind": "rechallenge", "results": [
+        own[m.public].reveal(s.answer(node0, own[m.public].prompt))]}) for m in others]
+    assert all(c == 0 for c, _ in s.block(*reveals))
+    assert all(s.state.result(1, node0, m.public).status == epochs.VALID for m in others)
+
+
+def test_a_re_challenge_opens_only_for_its_node_once_and_within_the_plan(s):
+    node0, node1, others = skipped_by_the_leader(s)
+    member = others[0]
+    challenge = Challenge.new("How do tides work?", TEMPERATURE)
+    assert s.block(s.tx(member, "commit-rechallenge", {"epoch": 1, "tag": challenge.tag(node0)}))[0][0] == 0
+    # the tag binds the node: the same challenge revealed as node1's does not open it
+    as_node1 = challenge.reveal(s.answer(node1, challenge.prompt))
+    assert s.block(s.tx(member, "submit-results", {"epoch": 1, "kind": "rechallenge", "results": [as_node1]})) == [
+        (Code.UNKNOWN_ENTITY, f"unknown entity: signer committed no re-challenge of node {node1.hex()} with this "
+                              "challenge")]
+    # a claim of no answer must name the challenge it opens
+    unnamed = {"node": node0, "invalid": "no answer"}
+    assert s.block(s.tx(member, "submit-results", {"epoch": 1, "kind": "rechallenge", "results": [unnamed]})) == [
+        (Code.INVALID_FIELD, "invalid field: field 'commitment': a re-challenge claimed unanswered names its "
+                             "challenge's commitment")]
+    named = {**unnamed, "commitment": challenge.commitment}
+    assert s.block(s.tx(member, "submit-results", {"epoch": 1, "kind": "rechallenge", "results": [named]})) == [
+        (0, "ok")]
+    assert member.public in s.state.reports(1, node0)
+    # no more re-challenges than the plan has nodes (two), and no tag twice
+    again = s.tx(member, "commit-rechallenge", {"epoch": 1, "tag": challenge.tag(node0)})
+    assert s.block(again)[0][0] == Code.ALREADY_EXISTS
+    second = Challenge.new("Why is the sea salty?", TEMPERATURE).tag(node1)
+    assert s.block(s.tx(member, "commit-rechallenge", {"epoch": 1, "tag": second}))[0][0] == 0
+    third = Challenge.new("Why is the sky blue?", TEMPERATURE).tag(node1)
+    code, log = s.block(s.tx(member, "commit-rechallenge", {"epoch": 1, "tag": third}))[0]
+    assert code == Code.UNAUTHORIZED and "as many re-challenges as epoch 1 plans nodes (2)" in log
+    # a planned prompt cannot come back as a re-challenge: its commitment is the plan's
+    other = others[1]
+    planned = s.planned(1, node0, other)
+    assert s.block(s.tx(other, "commit-rechallenge", {"epoch": 1, "tag": planned.tag(node0)}))[0][0] == 0
+    replay = planned.reveal(s.answer(node0, planned.prompt))
+    code, log = s.block(s.tx(other, "submit-results", {"epoch": 1, "kind": "rechallenge", "results": [replay]}))[0]
+    assert code == Code.ALREADY_EXISTS and "repeats one of this epoch's" in log
+
+
+def test_a_planned_entry_shows_only_its_size_bucket(s):
+    """Greedy or sampled, chat or completion, short or three times as long: the sealed copies have one
+    length, so a node reading its plan entry learns nothing of the prompt it is about to get."""
+    committee = list(members(s.h.store.batch()).values())
+    node = next(iter(s.nodes))
+    variants = [Challenge.new("Why?", 0), Challenge.new("Why is the sky blue? " * 3, 700, max_tokens=5),
+                Challenge.new("<|im_start|>user\nWhy?<|im_end|>\n", 1_000, "Why?", max_tokens=500)]
+    lengths = set()
+    for challenge in variants:
+        entry = PlanEntry.from_record(challenge.plan_entry(node, committee).body())
+        lengths |= {len(sealed) for _, sealed in entry.sealed}
+        opened = open_plan_entry(entry, s.h.members[0].public, s.h.members[0].x25519)
+        assert opened == challenge  # whole, max_tokens included
+    assert len(lengths) == 1
+    long = Challenge.new("word " * SEALED_BUCKET_BYTES, 0).plan_entry(node, committee)
+    assert {len(sealed) for _, sealed in long.sealed} != lengths  # a longer bucket, not an unbounded one
+    assert epochs.commitment(variants[0].prompt, 0, variants[0].salt) == variants[0].commitment
