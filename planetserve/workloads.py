@@ -29,9 +29,9 @@ Every prompt ends with a question built from an imperative docstring sentence ("
 number of items in the queue?"), so a challenge prompt made here looks like any other user prompt.
 
 Each request also says how it is sent and sampled: half as a chat message (the rest as a bare
-completion prompt); greedily for half of them, at temperature 0.7 or 1.0 (the API's default) for a
-quarter each. The traces publish neither; this mix is ours, and the verifier's challenges draw from it
-too, so that neither tells a challenge apart.
+completion prompt), half of them streamed; greedily for half of them, at temperature 0.7 or 1.0 (the
+API's default) for a quarter each. The traces publish neither; this mix is ours, and the verifier's
+challenges draw from it too, so that neither tells a challenge apart.
 """
 
 from __future__ import annotations
@@ -59,6 +59,12 @@ TEMPERATURES = {0.0: 2, 0.7: 1, 1.0: 1}
 DEFAULT_TEMPERATURE = 1.0
 CHAT_SHARE = 0.5
 """The share of new requests sent as a one-message chat rather than a completion prompt."""
+STREAM_SHARE = 0.5
+"""The share of new requests whose program asks for the answer streamed; a follow-up keeps its
+session's."""
+FOLLOWUP_SHARE = 0.25
+"""The chance that a user's request continues a recent session (ours: the traces publish none); what
+`generate` is told by callers that model users' traffic as a whole, challenges included."""
 
 _PIECE = re.compile(r"\n\n| ?[^\W\d_]+| ?\d{1,3}| ?_+| ?[^\w\s]+| ")
 _SENTENCE_SPLIT = re.compile(r"(?<=[.?!])\s+(?=[A-Z])")
@@ -121,6 +127,8 @@ class Request:
     temperature: float = DEFAULT_TEMPERATURE
     chat: bool = False
     """Sent as the user message of a chat (rendered by the model's template) rather than as raw text."""
+    stream: bool = False
+    """Whether the program asks for the answer streamed."""
 
     @property
     def prompt_ids(self) -> tuple[int, ...]:
@@ -338,7 +346,8 @@ def _follow_up(parent: Request, session: str, rid: int, arrival: float, writer: 
     paragraph = tokenize(PARAGRAPH)
     suffix = (*parent.suffix_ids, *paragraph, *answer, *paragraph, *question)
     return Request(rid, arrival, parent.workload, parent.prefix_id, parent.prefix_ids, suffix,
-                   parent.max_tokens, parent.output_len, session, parent.temperature, parent.chat)
+                   parent.max_tokens, parent.output_len, session, parent.temperature, parent.chat,
+                   parent.stream)
 
 
 def _temperatures(rng: np.random.Generator) -> Iterator[float]:
@@ -375,6 +384,7 @@ def generate(
     rng = np.random.default_rng([seed, 1])
     sampling = _temperatures(np.random.default_rng([seed, 4]))
     forms = np.random.default_rng([seed, 5])
+    streams = np.random.default_rng([seed, 6])
     writer = _Writer(random.Random(f"questions:{seed}"))
     arrivals = poisson_arrivals(rate, np.random.default_rng([seed, 2]), count=count, duration=duration)
     recent: dict[str, list[Request]] = {n: [] for n in names}
@@ -390,7 +400,8 @@ def generate(
             request = _follow_up(requests[parent.id], session, rid, arrival, writer, scale)
         else:
             request = replace(sources[name].request(rid, arrival, rng, writer), temperature=next(sampling),
-                              chat=bool(forms.random() < CHAT_SHARE))
+                              chat=bool(forms.random() < CHAT_SHARE),
+                              stream=bool(streams.random() < STREAM_SHARE))
         pool.append(request)
         del pool[:-32]
         requests.append(request)

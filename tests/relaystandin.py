@@ -1,9 +1,11 @@
 """A stand-in for a user relay's OpenAI endpoint, for tests of what a verifier does with the answers a
-model node gives: a real HTTP server on a free port whose answers the test sets."""
+model node gives: a real HTTP server on a free port whose answers the test sets, streamed as the
+OpenAI API streams them when the request asks for it."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from collections.abc import Iterator
 
@@ -31,9 +33,12 @@ class FakeRelayAnswers:
         asyncio.set_event_loop(self.loop)
 
         async def completions(request: web.Request) -> web.Response:
-            self.received.append({"path": request.path, **await request.json()})
+            asked = await request.json()
+            self.received.append({"path": request.path, **asked})
             await asyncio.sleep(self.delay)
             status, body = self.first.pop(0) if self.first else (self.status, self.body)
+            if status == 200 and asked.get("stream"):
+                return web.Response(text=streamed(body), content_type="text/event-stream")
             return web.json_response(body, status=status)
 
         app = web.Application()
@@ -55,6 +60,18 @@ class FakeRelayAnswers:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+
+def streamed(body: dict) -> str:
+    """`body` as server-sent events: each choice's text in two chunks (as deltas for a chat), and the
+    `planetserve` extension on the last chunk."""
+    chunks = []
+    for choice in body.get("choices", []):
+        text = choice["message"]["content"] if "message" in choice else choice.get("text", "")
+        for part in (text[: len(text) // 2], text[len(text) // 2:]) if isinstance(text, str) else (text,):
+            chunks.append({"choices": [{"delta": {"content": part}} if "message" in choice else {"text": part}]})
+    chunks.append({"choices": [], **({"planetserve": body["planetserve"]} if "planetserve" in body else {})})
+    return "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
 
 
 @pytest.fixture

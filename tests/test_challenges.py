@@ -62,3 +62,18 @@ def test_challenges_are_sent_and_sampled_like_user_requests():
     for bad in ({"greedy_share": 1.5}, {"chat_share": -0.1}):
         with pytest.raises(ValueError, match="must lie in"):
             ChallengeSource("mixed", **bad)
+
+
+def test_challenges_continue_sessions_as_often_as_users_do():
+    """A follow-up challenge carries its session's earlier turns (sent first, unscored) as prefixes of
+    its text. Without follow-ups, none carries any."""
+    drawn = ChallengeSource("mixed", scale=SCALE).draw(400)
+    followups = [c for c in drawn if c.earlier]
+    users = workloads.generate("mixed", rate=1.0, count=400, seed=5, scale=SCALE, followup=workloads.FOLLOWUP_SHARE)
+    continued = sum(1 for i, u in enumerate(users) if u.session is not None
+                    and any(p.session == u.session for p in users[:i]))
+    assert abs(len(followups) / len(drawn) - continued / len(users)) < 0.1
+    assert all(list(c.earlier) == sorted(set(c.earlier)) and c.earlier[-1] < len(c.text) for c in followups)
+    assert not any(c.earlier for c in ChallengeSource("mixed", scale=SCALE, followup_share=0).draw(100))
+    with pytest.raises(ValueError, match="followup_share must lie in"):
+        ChallengeSource("mixed", followup_share=2)

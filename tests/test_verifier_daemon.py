@@ -91,19 +91,23 @@ def test_plan_parts_stay_under_the_limit_and_end_in_a_final_part():
 # -- reading a relay's answers ------------------------------------------------------------------
 
 
-def test_a_signed_answer_comes_back_whole(relay):
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_signed_answer_comes_back_whole(relay, stream):
+    """Streamed or not (as often as users' programs stream), the answer is the signed text and the
+    request asks for the challenge's own output cap."""
     node = KeySet.generate()
     response = sign_response(node, "Why is the sky blue?", [5, 6], "Light.", "gt", int(time.time()), "h:1", 500)
     relay.body = {"choices": [{"text": "Light."}], "planetserve": response_extension(response)}
-    challenge = Challenge.new("Why is the sky blue?", 500)
-    got = OverlayChannel(relay.url, max_tokens=12).ask(node.public, "gt", challenge)
+    challenge = Challenge.new("Why is the sky blue?", 500, max_tokens=12)
+    got = OverlayChannel(relay.url, stream_share=float(stream)).ask(node.public, "gt", challenge)
     assert got.response == response and response_valid(got.response) and got.served is None
-    sent = relay.received[0]
-    assert sent == {"path": "/v1/completions", "model": "gt", "prompt": "Why is the sky blue?", "max_tokens": 12,
-                    "temperature": 0.5, "planetserve": {"node": node.public.hex()}}
+    assert relay.received[0] == {"path": "/v1/completions", "model": "gt", "prompt": "Why is the sky blue?",
+                                 "max_tokens": 12, "temperature": 0.5, "stream": stream,
+                                 "planetserve": {"node": node.public.hex()}}
 
 
-def test_a_chat_challenge_goes_as_its_one_message(relay):
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_chat_challenge_goes_as_its_one_message(relay, stream):
     """A chat challenge is sent as the user's message, as a chat program would; the node signs the
     rendered template, which is what the challenge commits."""
     node = KeySet.generate()
@@ -111,14 +115,32 @@ def test_a_chat_challenge_goes_as_its_one_message(relay):
     response = sign_response(node, rendered, [5, 6], "Light.", "gt", int(time.time()), "h:1", 0)
     relay.body = {"choices": [{"message": {"role": "assistant", "content": "Light."}}],
                   "planetserve": response_extension(response)}
-    challenge = Challenge.new(rendered, 0, "Why is the sky blue?")
-    got = OverlayChannel(relay.url, max_tokens=12).ask(node.public, "gt", challenge)
+    challenge = Challenge.new(rendered, 0, "Why is the sky blue?", max_tokens=12)
+    got = OverlayChannel(relay.url, stream_share=float(stream)).ask(node.public, "gt", challenge)
     assert got.response == response
     assert relay.received[0] == {"path": "/v1/chat/completions", "model": "gt", "max_tokens": 12,
-                                 "temperature": 0.0, "planetserve": {"node": node.public.hex()},
+                                 "temperature": 0.0, "stream": stream, "planetserve": {"node": node.public.hex()},
                                  "messages": [{"role": "user", "content": "Why is the sky blue?"}]}
     relay.body = {"choices": [{"text": "Light."}], "planetserve": response_extension(response)}
     with pytest.raises(NoAnswer, match="malformed answer"):
+        OverlayChannel(relay.url, stream_share=float(stream)).ask(node.public, "gt", challenge)
+
+
+def test_a_follow_up_challenge_sends_its_first_turn_under_the_same_session(relay):
+    """As a user's program continues a conversation: the previous turn first, then the follow-up, both
+    under one session id; a first turn the node does not answer is its failure to answer."""
+    node = KeySet.generate()
+    response = sign_response(node, "Why? And how?", [5, 6], "Light.", "gt", int(time.time()), "h:1", 0)
+    relay.body = {"choices": [{"text": "Light."}], "planetserve": response_extension(response)}
+    challenge = Challenge.new("Why? And how?", 0, max_tokens=12, earlier=(4,))
+    assert OverlayChannel(relay.url).ask(node.public, "gt", challenge).response == response
+    first, second = relay.received
+    assert (first["prompt"], second["prompt"]) == ("Why?", "Why? And how?")
+    assert first["planetserve"]["session_id"] == second["planetserve"]["session_id"]
+    assert first["planetserve"]["node"] == second["planetserve"]["node"] == node.public.hex()
+    assert {k: v for k, v in first.items() if k != "prompt"} == {k: v for k, v in second.items() if k != "prompt"}
+    relay.first = [(502, {"error": {"code": "node_unreachable", "message": "gone"}})]
+    with pytest.raises(NoAnswer, match="turn 1 of the session failed: HTTP 502 node_unreachable"):
         OverlayChannel(relay.url).ask(node.public, "gt", challenge)
 
 
@@ -150,10 +172,11 @@ def test_a_forwarded_answer_names_the_node_that_computed_it(relay):
     (200, {"choices": [{"text": 5}], "planetserve": {}}, NoAnswer, "malformed answer"),
     (200, {"choices": [{"text": "x" * MAX_ANSWER_BYTES}]}, NoAnswer, f"answer larger than {MAX_ANSWER_BYTES} bytes"),
 ])
-def test_what_is_not_an_answer(relay, status, body, error, message):
+@pytest.mark.parametrize("stream", [False, True])
+def test_what_is_not_an_answer(relay, status, body, error, message, stream):
     relay.status, relay.body = status, body
     with pytest.raises(error, match=message):
-        OverlayChannel(relay.url).ask(bytes(32), "gt", Challenge.new("Why?", 0))
+        OverlayChannel(relay.url, stream_share=float(stream)).ask(bytes(32), "gt", Challenge.new("Why?", 0))
 
 
 def test_a_challenge_is_tried_again_before_the_node_is_reported(relay, tmp_path, monkeypatch):

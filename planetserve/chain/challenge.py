@@ -4,6 +4,7 @@ chain checks are made in one place."""
 
 from __future__ import annotations
 
+import itertools
 import secrets
 from dataclasses import dataclass, replace
 
@@ -18,6 +19,7 @@ from planetserve.registry.epochs import PlanEntry, SignedResponse
 
 DEFAULT_MAX_TOKENS = 64
 MAX_CHALLENGE_TOKENS = 1 << 16
+MAX_EARLIER_TURNS = 32
 SEALED_BUCKET_BYTES = 512
 """Sealed copies are padded to a power of two times this, so an entry's length on the ledger says
 only roughly how long its prompt is, and nothing of its temperature or form."""
@@ -53,11 +55,19 @@ class Challenge:
     max_tokens: int = DEFAULT_MAX_TOKENS
     """The output cap a user of the drawn workload would ask for; sealed with the prompt so that every
     member who sends it asks for the same."""
+    earlier: tuple[int, ...] = ()
+    """For a follow-up: the lengths of the session's earlier turns, each a prefix of the text sent (the
+    question, or the prompt), sent first under the same session id and not scored."""
 
     @classmethod
     def new(cls, prompt: str, temperature: int, question: str = "",
-            max_tokens: int = DEFAULT_MAX_TOKENS) -> Challenge:
-        return cls(prompt, secrets.token_bytes(32), temperature, question, max_tokens)
+            max_tokens: int = DEFAULT_MAX_TOKENS, earlier: tuple[int, ...] = ()) -> Challenge:
+        return cls(prompt, secrets.token_bytes(32), temperature, question, max_tokens, tuple(earlier))
+
+    def turns(self) -> list[str]:
+        """What is sent, in order and under one session id: the earlier turns, then the challenge."""
+        text = self.question or self.prompt
+        return [text[:length] for length in self.earlier] + [text]
 
     @property
     def commitment(self) -> bytes:
@@ -85,7 +95,8 @@ class Challenge:
     def plan_entry(self, node: bytes, committee: list[Member]) -> PlanItem:
         """A commit-plan entry: the commitment, and the challenge sealed to every member's X25519 key
         (whichever member leads sends it), padded to its size bucket."""
-        packed = codec.pack([self.prompt, self.salt, self.temperature, self.question, self.max_tokens])
+        packed = codec.pack([self.prompt, self.salt, self.temperature, self.question, self.max_tokens,
+                             list(self.earlier)])
         framed = len(packed).to_bytes(4, "big") + packed
         plaintext = framed + bytes(padded_size(len(framed)) - len(framed))
         sealed = sorted((m.operator, SealedBox(PublicKey(m.x25519_key)).encrypt(plaintext))
@@ -107,7 +118,7 @@ def open_plan_entry(entry: PlanEntry, operator: bytes, key: PrivateKey) -> Chall
     try:
         plaintext = SealedBox(key).decrypt(box)
         length = int.from_bytes(plaintext[:4], "big")
-        prompt, salt, temperature, question, max_tokens = codec.unpack(plaintext[4:4 + length])
+        prompt, salt, temperature, question, max_tokens, earlier = codec.unpack(plaintext[4:4 + length])
     except (CryptoError, codec.CodecError, ValueError, TypeError) as exc:
         raise SealedPromptError(f"sealed prompt does not open: {type(exc).__name__}") from exc
     if type(temperature) is not int or not 0 <= temperature <= epochs.MAX_CHALLENGE_TEMPERATURE:
@@ -118,10 +129,20 @@ def open_plan_entry(entry: PlanEntry, operator: bytes, key: PrivateKey) -> Chall
                                 f"[1, {MAX_CHALLENGE_TOKENS}]")
     if not all(isinstance(text, str) for text in (prompt, question)):
         raise SealedPromptError("sealed prompt or question is not text")
-    challenge = Challenge(prompt, salt, temperature, question, max_tokens)
+    if not _turn_lengths(earlier, len(question or prompt)):
+        raise SealedPromptError(f"sealed earlier turns {earlier!r} are not increasing prefix lengths of "
+                                f"the text (at most {MAX_EARLIER_TURNS})")
+    challenge = Challenge(prompt, salt, temperature, question, max_tokens, tuple(earlier))
     if challenge.commitment != entry.commitment:
         raise SealedPromptError("sealed prompt does not match the plan's commitment")
     return challenge
+
+
+def _turn_lengths(earlier: object, length: int) -> bool:
+    if not isinstance(earlier, list) or len(earlier) > MAX_EARLIER_TURNS:
+        return False
+    bounds = [0, *earlier, length]
+    return all(type(n) is int for n in earlier) and all(a < b for a, b in itertools.pairwise(bounds))
 
 
 def sign_response(keys: KeySet, prompt: str, token_ids: list[int], text: str, model_id: str, time: int,

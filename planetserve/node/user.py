@@ -31,11 +31,13 @@ from planetserve.node.api.openai import (
     ApiLimits,
     ApiRequest,
     Endpoint,
+    PlanetServeOptions,
     bad_request,
+    canonical_body,
     check_model,
     models_body,
     parse_json_body,
-    parse_request,
+    parse_request_body,
 )
 from planetserve.node.api.surface import EVENT_STREAM, ApiServer, Reply, single_part
 from planetserve.node.engine.wire import SSE_DONE, sse
@@ -412,10 +414,10 @@ class UserRelay:
                               f"`{request.model[:200]}`.", "model", code="node_model_mismatch")
         return key
 
-    def choose_node(self, request: ApiRequest, model: str) -> tuple[bytes, str | None]:
+    def choose_node(self, request: ApiRequest, model: str) -> tuple[bytes, str]:
         """A trusted node of the model, and the session id to give it: every request of a conversation
         goes to the same entry node under the same random session id, so the group serves it where its
-        KV cache is."""
+        KV cache is; any other request gets a fresh one (so a session id says nothing of who sent it)."""
         key = session_key(request)
         if key is not None and (known := self.sessions.get(key)) is not None and known[0] in self.view.nodes:
             self.sessions.move_to_end(key)
@@ -424,12 +426,24 @@ class UserRelay:
         now = time.monotonic()
         reachable = [n for n in nodes if self.avoided_nodes.get(n.pubkey, 0.0) <= now]
         chosen = secrets.choice(reachable or nodes).pubkey
-        if key is None:
-            return chosen, None
-        session = (chosen, request.planetserve.session_id or secrets.token_hex(16))
-        self.sessions[key] = session
-        while len(self.sessions) > MAX_SESSIONS:
-            self.sessions.popitem(last=False)
+        return chosen, self._start_session(key, chosen)
+
+    def named_session(self, request: ApiRequest, node: bytes) -> str:
+        """The session id for a request to a node it names: its conversation's, when that was with this
+        node, else a new one (so a challenge's follow-up arrives like a user's)."""
+        key = session_key(request)
+        known = self.sessions.get(key) if key is not None else None
+        if known is not None and known[0] == node:
+            self.sessions.move_to_end(key)
+            return known[1]
+        return self._start_session(key, node)
+
+    def _start_session(self, key: str | None, node: bytes) -> str:
+        session = new_session_id()
+        if key is not None:
+            self.sessions[key] = (node, session)
+            while len(self.sessions) > MAX_SESSIONS:
+                self.sessions.popitem(last=False)
         return session
 
     # -- the local OpenAI-compatible endpoint (answers for `surface`) ------------------------------------
@@ -444,17 +458,20 @@ class UserRelay:
 
     async def respond(self, endpoint: Endpoint, raw: bytes) -> Reply:
         """A request of the user's program, answered through the overlay by the node it names or one
-        chosen for it; an overlay failure is an OpenAI-shaped error."""
+        chosen for it; an overlay failure is an OpenAI-shaped error. What travels is the request
+        re-encoded canonically under this relay's session id, with the model it resolved to, and
+        nothing else the program wrote (`canonical_body`)."""
         try:
-            raw, named = _without_node(raw)
-            request = parse_request(endpoint, raw, USER_LIMITS)
-            if named is not None:  # exactly that node: no session affinity, no avoidance
-                node, session = self.named_node(named, request), None
+            body = parse_json_body(raw, USER_LIMITS)
+            named = _named_node(body)
+            request = parse_request_body(endpoint, body, USER_LIMITS)
+            if named is not None:  # exactly that node, whatever the conversation's was; no avoidance
+                node = self.named_node(named, request)
+                model, session = self.view.node(node).model_id, self.named_session(request, node)
             else:
-                node, session = self.choose_node(request, self.trusted_model(request))
-            if session is not None and request.planetserve.session_id is None:
-                raw = _with_session(raw, session)
-            return await self.ask(node, endpoint, raw)
+                model = self.trusted_model(request)
+                node, session = self.choose_node(request, model)
+            return await self.ask(node, endpoint, relayed_body(request, model, session))
         except ApiError as exc:
             return Reply.json(exc.body(), exc.status)
 
@@ -473,23 +490,25 @@ class UserRelay:
         }
 
 
-def _without_node(raw: bytes) -> tuple[bytes, bytes | None]:
-    """The request body without `planetserve.node`, and the key it names: the field is this relay's
-    alone (model nodes refuse unknown `planetserve` fields), so it never travels on."""
-    body = parse_json_body(raw, USER_LIMITS)
+def new_session_id() -> str:
+    return secrets.token_hex(16)
+
+
+def relayed_body(request: ApiRequest, model: str, session_id: str) -> bytes:
+    """What leaves the relay for a program's request: the request in its canonical encoding, naming the
+    model it resolved to and carrying the relay's session id as its only extension."""
+    options = PlanetServeOptions(session_id=session_id)
+    return canonical_body(replace(request, model=model, planetserve=options))
+
+
+def _named_node(body: dict[str, Any]) -> bytes | None:
+    """The key `planetserve.node` names, taken out of the body: the field is this relay's alone, so it
+    never travels on."""
     options = body.get("planetserve")
     if not isinstance(options, dict) or "node" not in options:
-        return raw, None
+        return None
     key = options.pop("node")
     if not isinstance(key, str) or not NODE_KEY.fullmatch(key):
         raise bad_request("`planetserve.node` must be a model node's key as 64 hex digits.",
                           "planetserve.node")
-    return json.dumps(body, separators=(",", ":")).encode(), bytes.fromhex(key)
-
-
-def _with_session(raw: bytes, session_id: str) -> bytes:
-    """The request body with our session id in its `planetserve` extension (already parsed once, so it
-    is a JSON object)."""
-    body = json.loads(raw)
-    body.setdefault("planetserve", {})["session_id"] = session_id
-    return json.dumps(body).encode()
+    return bytes.fromhex(key)

@@ -4,7 +4,8 @@ A challenge must look like any user's prompt, or a dishonest node could serve ch
 everything else cheaply. So challenges are drawn from the very generator of users' synthetic workloads
 (`planetserve.workloads`): the same shared prefixes (tool documentation, programming problems, long
 documents) with the same popularity, the same question forms, the same length distribution and output
-caps, sent in the same forms (chat or completion) and sampled at the same temperatures. Each draw seeds
+caps, sent in the same forms (chat or completion) and sampled at the same temperatures, as follow-ups
+of a session as often as users' requests are (the previous turn is sent first). Each draw seeds
 the generator from `secrets`, so nodes cannot predict the next challenge, and a record of every prompt
 already used (by sha256) makes sure none is ever sent twice, to any node in any epoch; given a file,
 the record survives restarts.
@@ -21,8 +22,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from planetserve import workloads
+from planetserve.chain.challenge import Challenge, milli
 
 MAX_REDRAWS = 64
+RUN = 64
+"""Requests per generator run a challenge is picked from: enough for sessions to be continued as they
+are in users' traffic."""
 _ONE = 1_000_000
 
 
@@ -40,6 +45,20 @@ class ChallengePrompt:
     """The sampling temperature a user of this workload would ask for."""
     chat: bool
     """Whether a user would send it as a chat message rather than as a completion prompt."""
+    earlier: tuple[int, ...] = ()
+    """For a follow-up: the lengths (in characters) of the session's earlier turns, each a prefix of
+    `text`, which a user would have sent first under the same session id (the challenge sends them too,
+    unscored, so that a session seen before says nothing)."""
+
+
+def to_challenge(drawn: ChallengePrompt, rendered: str | None, max_tokens: int) -> Challenge:
+    """The challenge of a drawn prompt, asking for at most `max_tokens`: a chat is committed as
+    `rendered`, the text the reference model's chat template makes of it (which the node will sign);
+    without one, the prompt goes as a completion."""
+    cap = min(drawn.max_tokens, max_tokens)
+    if rendered is None:
+        return Challenge.new(drawn.text, milli(drawn.temperature), max_tokens=cap, earlier=drawn.earlier)
+    return Challenge.new(rendered, milli(drawn.temperature), drawn.text, cap, drawn.earlier)
 
 
 def prompt_digest(text: str) -> str:
@@ -55,14 +74,17 @@ class ChallengeSource:
 
     def __init__(self, workload: str = "mixed", *, scale: float = 1.0, max_prompt_len: int | None = None,
                  used_file: Path | None = None, length: Callable[[str], int] | None = None,
-                 greedy_share: float | None = None, chat_share: float | None = None) -> None:
+                 greedy_share: float | None = None, chat_share: float | None = None,
+                 followup_share: float = workloads.FOLLOWUP_SHARE) -> None:
         if workload not in workloads.WORKLOADS:
             raise ValueError(f"unknown workload {workload!r}; choose from {', '.join(workloads.WORKLOADS)}")
-        for name, share in (("greedy_share", greedy_share), ("chat_share", chat_share)):
+        for name, share in (("greedy_share", greedy_share), ("chat_share", chat_share),
+                            ("followup_share", followup_share)):
             if share is not None and not 0 <= share <= 1:
                 raise ValueError(f"{name} must lie in [0, 1], got {share}")
         self.greedy_share = greedy_share
         self.chat_share = chat_share
+        self.followup_share = followup_share
         self.workload = workload
         self.scale = scale
         self.max_prompt_len = max_prompt_len
@@ -79,28 +101,40 @@ class ChallengeSource:
         workloads.generate(self.workload, rate=1.0, count=1, seed=0, scale=self.scale)
 
     def draw(self, count: int) -> list[ChallengePrompt]:
-        """`count` prompts never drawn before (by this source or, through its file, by an earlier one)."""
+        """`count` prompts never drawn before (by this source or, through its file, by an earlier one),
+        each picked uniformly from a run of users' requests, so that follow-ups, which a run has only
+        once its sessions have started, are as common among challenges as among users' requests."""
         fresh: list[ChallengePrompt] = []
+        pick = secrets.SystemRandom()
         for _ in range(MAX_REDRAWS):
-            seed = secrets.randbits(63)
-            for request in workloads.generate(self.workload, rate=1.0, count=2 * (count - len(fresh)),
-                                              seed=seed, scale=self.scale):
-                text = request.text
-                if self._too_long(request.prompt_len, text):
-                    continue
-                digest = prompt_digest(text)
-                if digest in self.used:
-                    continue
-                self.used.add(digest)
-                fresh.append(ChallengePrompt(text, request.max_tokens, request.workload,
-                                             self._temperature(request.temperature),
-                                             self._chat(request.chat)))
-                if len(fresh) == count:
-                    self._record(fresh)
-                    return fresh
+            candidates = self._run(max(RUN, 2 * (count - len(fresh))))
+            for drawn in pick.sample(candidates, min(len(candidates), count - len(fresh))):
+                self.used.add(prompt_digest(drawn.text))
+                fresh.append(drawn)
+            if len(fresh) == count:
+                self._record(fresh)
+                return fresh
         self._record(fresh)
         raise ChallengeError(f"only {len(fresh)} of {count} fresh challenges after {MAX_REDRAWS} draws; "
                              f"raise max_prompt_len or scale")
+
+    def _run(self, length: int) -> list[ChallengePrompt]:
+        """The requests of one generator run that fit and were never used, follow-ups with the lengths
+        of their sessions' earlier turns."""
+        sessions: dict[str, tuple[int, ...]] = {}
+        candidates = []
+        for request in workloads.generate(self.workload, rate=1.0, count=length, seed=secrets.randbits(63),
+                                          scale=self.scale, followup=self.followup_share):
+            text = request.text
+            earlier = sessions.get(request.session, ()) if request.session is not None else ()
+            if request.session is not None:
+                sessions[request.session] = (*earlier, len(text))
+            if self._too_long(request.prompt_len, text) or prompt_digest(text) in self.used:
+                continue
+            temperature, chat = self._temperature(request.temperature), self._chat(request.chat)
+            candidates.append(ChallengePrompt(text, request.max_tokens, request.workload, temperature, chat,
+                                              earlier))
+        return candidates
 
     def _temperature(self, drawn: float) -> float:
         if self.greedy_share is None:

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from planetserve.chain import vrf
-from planetserve.chain.challenge import Challenge, SealedPromptError, milli, open_plan_entry
+from planetserve.chain.challenge import Challenge, SealedPromptError, open_plan_entry
 from planetserve.chain.client import TRANSIENT, LedgerClient
 from planetserve.chain.errors import Code
 from planetserve.chain.keys import KeySet
@@ -50,7 +50,7 @@ from planetserve.registry import codec, credits, epochs
 from planetserve.registry.entities import Member, ModelNode
 from planetserve.registry.epochs import PLAN_COMMITTED, VALID, ChallengeResult, Schedule, SignedResponse
 from planetserve.registry.params import Params
-from planetserve.verifier.challenges import ChallengeError, ChallengeSource
+from planetserve.verifier.challenges import ChallengeError, ChallengeSource, to_challenge
 from planetserve.verifier.config import RECHALLENGE_FILE, STATUS_FILE, SUBMISSIONS_FILE, JsonLines
 from planetserve.verifier.credibility import Answer, ReferenceModel, Verdict
 from planetserve.verifier.overlay import NoAnswer, OverlayChannel, RelayUnavailable, Reply
@@ -86,12 +86,13 @@ class Journal:
         for item in self.lines.read():
             self.entries[item["epoch"], bytes.fromhex(item["node"])] = Challenge(
                 item["prompt"], bytes.fromhex(item["salt"]), item["temperature"], item["question"],
-                item["max_tokens"])
+                item["max_tokens"], tuple(item["earlier"]))
 
     def add(self, epoch: int, node: bytes, challenge: Challenge) -> None:
         self.lines.append({"epoch": epoch, "node": node.hex(), "prompt": challenge.prompt,
                            "salt": challenge.salt.hex(), "temperature": challenge.temperature,
-                           "question": challenge.question, "max_tokens": challenge.max_tokens}, durable=True)
+                           "question": challenge.question, "max_tokens": challenge.max_tokens,
+                           "earlier": list(challenge.earlier)}, durable=True)
         self.entries[epoch, node] = challenge
 
     def get(self, epoch: int, node: bytes) -> Challenge | None:
@@ -246,10 +247,7 @@ class Daemon:
         drawn = self.source.draw(1)[0]
         reference = self.references.get(model_id)
         rendered = reference.chat_prompt(drawn.text) if drawn.chat and reference is not None else None
-        max_tokens = min(drawn.max_tokens, self.channel.max_tokens)
-        if rendered is None:
-            return Challenge.new(drawn.text, milli(drawn.temperature), max_tokens=max_tokens)
-        return Challenge.new(rendered, milli(drawn.temperature), drawn.text, max_tokens)
+        return to_challenge(drawn, rendered, self.channel.max_tokens)
 
     def _ask(self, key: tuple[int, bytes, str], challenge: Challenge, node: ModelNode) -> None:
         if key in self.pending:

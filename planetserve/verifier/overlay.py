@@ -1,15 +1,19 @@
 """Sending a challenge to one model node through a user relay's local OpenAI-compatible endpoint, as
-any program of a user would: on the wire it is an ordinary chat or completion request. The relay's
-`planetserve.node` extension picks the node (trusted or not; the relay strips the field before the
-request leaves it)."""
+any program of a user would: on the wire it is an ordinary chat or completion request, streamed as
+often as users' programs stream (`workloads.STREAM_SHARE`). The relay's `planetserve.node` extension
+picks the node (trusted or not); the relay re-encodes every request canonically, so what leaves it is
+the same whichever program sent it."""
 
 from __future__ import annotations
 
 import json
+import secrets
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 
+from planetserve import workloads
 from planetserve.chain.challenge import (
     Challenge,
     ResponseFormatError,
@@ -40,19 +44,30 @@ class OverlayChannel:
     relay: str
     timeout: float = 60.0
     max_tokens: int = 64
+    """The most tokens a challenge asks for (a drawn cap above it is lowered to it)."""
+    stream_share: float = workloads.STREAM_SHARE
 
     def ask(self, node: bytes, model_id: str, challenge: Challenge) -> Reply:
         """The node's signed answer to `challenge` (a chat when it has a question, else a completion),
-        sampled at its temperature, or NoAnswer. Whether the answer is the right one (its signer, prompt,
-        temperature and content) is for the caller to check."""
-        body: dict = {"model": model_id, "max_tokens": self.max_tokens,
-                      "temperature": challenge.sampling_temperature, "planetserve": {"node": node.hex()}}
-        if challenge.question:
-            body["messages"] = [{"role": "user", "content": challenge.question}]
-        else:
-            body["prompt"] = challenge.prompt
-        endpoint = "chat/completions" if challenge.question else "completions"
-        url = f"{self.relay.rstrip('/')}/v1/{endpoint}"
+        sampled at its temperature, or NoAnswer. A follow-up's earlier turns go first, under the session
+        id the challenge then uses; a failed earlier turn is the node's failure to answer.
+        Whether the answer is the right one (its signer, prompt, temperature and content) is for the
+        caller to check."""
+        stream = secrets.randbelow(1_000_000) < self.stream_share * 1_000_000
+        options: dict = {"node": node.hex()}
+        chat = bool(challenge.question)
+        *earlier, text = challenge.turns()
+        if earlier:
+            options["session_id"] = secrets.token_hex(16)
+        for turn, before in enumerate(earlier, start=1):
+            try:
+                self._answer(request_body(model_id, challenge, before, chat, stream, options), chat, stream)
+            except NoAnswer as exc:
+                raise NoAnswer(f"turn {turn} of the session failed: {exc}"[:256]) from None
+        return self._answer(request_body(model_id, challenge, text, chat, stream, options), chat, stream)
+
+    def _answer(self, body: dict, chat: bool, stream: bool) -> Reply:
+        url = f"{self.relay.rstrip('/')}/v1/{'chat/completions' if chat else 'completions'}"
         try:
             with httpx.stream("POST", url, json=body, timeout=self.timeout) as answer:
                 content = read_limited(answer, MAX_ANSWER_BYTES)
@@ -63,7 +78,8 @@ class OverlayChannel:
         except httpx.HTTPError as exc:
             raise RelayUnavailable(f"the user relay at {self.relay} is unreachable: {exc}") from exc
         try:
-            payload = json.loads(content)
+            streamed = stream and answer.status_code == 200
+            payload = _assembled(content, chat) if streamed else json.loads(content)
         except ValueError:
             raise NoAnswer(f"HTTP {answer.status_code} with a body that is not JSON") from None
         if answer.status_code != 200:
@@ -75,7 +91,7 @@ class OverlayChannel:
             raise NoAnswer(f"HTTP {answer.status_code} {code or ''}: {message}"[:256])
         try:
             choice = payload["choices"][0]
-            text = choice["message"]["content"] if challenge.question else choice["text"]
+            text = choice["message"]["content"] if chat else choice["text"]
             if not isinstance(text, str):
                 raise TypeError("text")
             extension = payload.get("planetserve")
@@ -83,6 +99,46 @@ class OverlayChannel:
         except (KeyError, IndexError, TypeError, ResponseFormatError) as exc:
             raise NoAnswer(f"malformed answer: {exc}"[:256]) from None
         return Reply(response, served_from_extension(extension.get("served"), response))
+
+
+def request_body(model_id: str, challenge: Challenge, text: str, chat: bool, stream: bool,
+                 options: dict[str, str]) -> dict[str, Any]:
+    """What a user's program would send for `text` at the challenge's temperature and output cap."""
+    body: dict[str, Any] = {"model": model_id, "max_tokens": challenge.max_tokens, "stream": stream,
+                            "temperature": challenge.sampling_temperature, "planetserve": options}
+    if chat:
+        body["messages"] = [{"role": "user", "content": text}]
+    else:
+        body["prompt"] = text
+    return body
+
+
+def _assembled(content: bytes, chat: bool) -> Any:
+    """A streamed answer as the one body it would have been: its text joined, the signed extension of
+    its last chunk (ValueError for an event that is not JSON)."""
+    chunks = [json.loads(line[6:]) for line in content.decode(errors="replace").splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    text, extension, choices = [], None, 0
+    for chunk in chunks:
+        if not isinstance(chunk, dict):
+            raise ValueError("a streamed event is not an object")
+        if "error" in chunk:
+            return chunk
+        for choice in chunk.get("choices") or []:
+            if not isinstance(choice, dict) or (chat and not isinstance(choice.get("delta"), dict)):
+                raise NoAnswer("malformed answer: a streamed choice is not a chat delta" if chat
+                               else "malformed answer: a streamed choice is not an object")
+            part = choice["delta"].get("content", "") if chat else choice.get("text")
+            if not isinstance(part, str):
+                raise NoAnswer("malformed answer: a streamed choice carries no text")
+            text.append(part)
+            choices += 1
+        extension = chunk.get("planetserve", extension)
+    if not choices:
+        raise NoAnswer("malformed answer: the stream carried no choice")
+    joined = "".join(text)
+    choice = {"message": {"content": joined}} if chat else {"text": joined}
+    return {"choices": [choice], "planetserve": extension}
 
 
 class RelayUnavailable(Exception):

@@ -335,9 +335,68 @@ def parse_chat_request(body: dict[str, Any], limits: ApiLimits = DEFAULT_LIMITS)
                       continue_final_message=continue_final, **fields)
 
 
+def message_body(message: ChatMessage) -> dict[str, str]:
+    """A chat message as JSON (and as a chat template reads it)."""
+    name = {"name": message.name} if message.name is not None else {}
+    return {"role": message.role, "content": message.content, **name}
+
+
 def parse_request(endpoint: Endpoint, raw: bytes, limits: ApiLimits = DEFAULT_LIMITS) -> ApiRequest:
-    body = parse_json_body(raw, limits)
+    return parse_request_body(endpoint, parse_json_body(raw, limits), limits)
+
+
+def parse_request_body(endpoint: Endpoint, body: dict[str, Any],
+                       limits: ApiLimits = DEFAULT_LIMITS) -> ApiRequest:
     return parse_chat_request(body, limits) if endpoint == "chat" else parse_completion_request(body, limits)
+
+
+def _options_body(options: PlanetServeOptions) -> dict[str, Any]:
+    body: dict[str, Any] = {}
+    if options.session_id is not None:
+        body["session_id"] = options.session_id
+    if options.hops:
+        body["hops"] = options.hops
+    if options.no_forward:
+        body["no_forward"] = True
+    return body
+
+
+def canonical_body(request: ApiRequest) -> bytes:
+    """The request in its one encoding, whatever program wrote it: the fields it carries, in one order,
+    in compact JSON, parsed back to the same request. A relay sends this rather than the program's
+    bytes, so that key order, spacing, number spelling and fields that change nothing (`user`,
+    `metadata`, `n: 1`, unknown extensions) tell no program, and no challenge, from another."""
+    body: dict[str, Any] = {"model": request.model} if request.model is not None else {}
+    if request.endpoint == "chat":
+        body["messages"] = [message_body(m) for m in request.messages]
+    else:
+        body["prompt"] = list(request.prompt) if isinstance(request.prompt, tuple) else request.prompt
+    if request.max_tokens is not None:
+        body["max_tokens"] = request.max_tokens
+    body["temperature"] = request.temperature
+    if request.seed is not None:
+        body["seed"] = request.seed
+    body["stream"] = request.stream
+    if request.stream:
+        body["stream_options"] = {"include_usage": request.include_usage,
+                                  "continuous_usage_stats": request.continuous_usage}
+    if request.stop:
+        body["stop"] = list(request.stop)
+    if request.stop_token_ids:
+        body["stop_token_ids"] = list(request.stop_token_ids)
+    if request.ignore_eos:
+        body["ignore_eos"] = True
+    if request.return_token_ids:
+        body["return_token_ids"] = True
+    if not request.add_generation_prompt:
+        body["add_generation_prompt"] = False
+    if request.continue_final_message:
+        body["continue_final_message"] = True
+    if request.prompt_logprobs is not None:
+        body["prompt_logprobs"] = request.prompt_logprobs
+    if options := _options_body(request.planetserve):
+        body["planetserve"] = options
+    return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 def check_model(request: ApiRequest, served: Iterable[str]) -> str:
@@ -365,10 +424,7 @@ def prompt_text(request: ApiRequest, tokenizer: Tokenizer) -> tuple[str, bool]:
     if not getattr(tokenizer, "chat_template", None):
         raise bad_request("This model has no chat template; use /v1/completions.", "messages",
                           code="no_chat_template")
-    conversation = [
-        {"role": m.role, "content": m.content, **({"name": m.name} if m.name is not None else {})}
-        for m in request.messages
-    ]
+    conversation = [message_body(m) for m in request.messages]
     try:
         text = tokenizer.apply_chat_template(
             conversation, tokenize=False, add_generation_prompt=request.add_generation_prompt,
