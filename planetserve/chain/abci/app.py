@@ -196,11 +196,12 @@ class Application:
             )
         self._expire_proposals(self.block, req.height)
         removed = epochs.end_block(self.block, self.params, req.height, self.block_time)
+        healed = deployments.heal_at_epoch_end(self.block, self.params, req.height, self.block_time)
         updates.update((r.consensus_key, 0) for r in removed)
         return abci.ResponseFinalizeBlock(
             tx_results=results,
-            events=_events([("member_removed", {"operator": r.operator.hex(), "faults": str(r.faults)})
-                            for r in removed]),
+            events=_events([*(("member_removed", {"operator": r.operator.hex(), "faults": str(r.faults)})
+                              for r in removed), *healed]),
             validator_updates=[
                 abci.ValidatorUpdate(pub_key=keys_pb2.PublicKey(ed25519=k), power=p)
                 for k, p in sorted(updates.items())
