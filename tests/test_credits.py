@@ -128,11 +128,11 @@ def test_dishonest_nodes_earn_nothing_and_block_their_organisation(s):
     assert code == Code.LOW_REPUTATION
 
 
-def sized_nodes(s: Script, memories: list[int]) -> list[bytes]:
-    """org1 nodes that declare their memory (MiB) and compute, in the Script's region."""
+def sized_nodes(s: Script, memories: list[int], model_id: str = "big") -> list[bytes]:
+    """org1 nodes of the model that declare their memory (MiB) and compute, in the Script's region."""
     keys = [KeySet.generate() for _ in memories]
     assert all(c == 0 for c, _ in s.block(*[s.tx(s.owner, "register-model-node", node_body(
-        k, address=f"10.0.2.{i}:7000", capacity=1, memory_mib=memory, gflops=100_000))
+        k, model_id=model_id, address=f"10.0.2.{i}:7000", capacity=1, memory_mib=memory, gflops=100_000))
         for i, (k, memory) in enumerate(zip(keys, memories, strict=True))]))
     return [k.public for k in keys]
 
@@ -146,7 +146,15 @@ def test_a_model_no_node_holds_whole_is_split_into_layer_pipelines(s):
     assert s.block(s.tx(member, "register-model", {"model_id": "big", "name": "Big", "layers": 8,
                                                    "layer_mib": 1_000})) == [(0, "ok")]
     assert s.state.model("big").layers == 8
-    # nothing declares memory yet: no node holds big whole, and no pipeline can be formed
+    # no node is registered for big: the gt nodes are not assigned a deployment of it; then, in the
+    # same block, a node of big that declares no memory registers
+    body = {"org_id": "org1", "model_id": "big", "hardware": "A100", "nodes": 5, "seconds": 60}
+    undeclared = KeySet.generate()
+    (code, log), registered = s.block(s.tx(s.owner, "deploy-model", body), s.tx(
+        s.owner, "register-model-node", node_body(undeclared, model_id="big", address="10.0.3.1:7000")))
+    assert code == Code.UNAVAILABLE and "no trusted, unassigned A100 node is registered for model 'big'" in log
+    assert registered == (0, "ok")
+    # no node holds big whole, and no pipeline can be formed
     code, log = deploy(s, s.owner, model_id="big", nodes=5, seconds=60)
     assert code == Code.UNAVAILABLE and "no pipeline can be formed" in log
     nodes = sized_nodes(s, [3_000, 3_000, 2_000, 4_000, 4_500])  # 3 + 3 + 2 and 4 + 4 layers
@@ -178,7 +186,7 @@ def test_a_model_no_node_holds_whole_is_split_into_layer_pipelines(s):
     body, _ = s.plan(3, [follower])
     code, log = s.block(s.tx(planner, "commit-plan", {**body, "final": False}))[0]
     assert code == Code.INVALID_FIELD and "not among the nodes this plan must cover" in log
-    body, _ = s.plan(3, [*s.nodes, *entries])
+    body, _ = s.plan(3, [*s.nodes, undeclared.public, *entries])
     assert s.block(s.tx(planner, "commit-plan", body)) == [(0, "ok")]  # final: entries cover the pipelines
     # a node that holds the model whole is deployed as before, whole
     whole = sized_nodes(s, [9_000])

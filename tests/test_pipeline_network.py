@@ -3,7 +3,9 @@ processes each declare memory for two of the model's six layers; an organisation
 Parallax's phase-1 allocation on the ledger; each node reads its layer range from the verified state,
 loads only those layers, and coordinates requests through the deployment's stages. Requests through
 the anonymous overlay, to each of the three nodes, come back signed with the unsplit model's greedy
-tokens, and the verifier's challenge of the pipeline's entry scores as an honest answer."""
+tokens, and the verifier's challenge of the pipeline's entry scores as an honest answer. When a stage
+leaves (set inactive, then stopped), the ledger plans the pipeline again over the remaining stages and
+a standby node, and requests to each of them are served again."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from waiting import wait_until
 
 from planetserve.chain.challenge import Challenge
 from planetserve.chain.keys import KeySet
-from planetserve.chain.messages import DeployModel
+from planetserve.chain.messages import DeployModel, UpdateModelNode
 from planetserve.genesis.network import free_ports
 from planetserve.models import LoadedModel
 from planetserve.node.home import ModelNodeConfig
@@ -138,6 +140,25 @@ def test_a_model_split_across_three_nodes_serves_through_the_overlay(tmp_path, d
         verdict = reference.verify_one(reply.response, challenge.prompt, entry)
         # greedy through the split model is the unsplit model's choice at every step
         assert verdict.ok and verdict.calibrated == 1.0, verdict
+
+        # a stage leaves: acme sets it inactive and stops it; in that transaction the ledger plans
+        # the pipeline again over the two remaining stages and a standby node, which all serve
+        process = {r["node"]: node for r, node in zip(ready, nodes, strict=True)}
+        init_stage_home(tmp_path / "stage3", net, deep_gt)
+        standby = NodeProcess(tmp_path / "stage3", owner_path, wait=False)
+        nodes.append(standby)
+        wait_until(lambda: registered(client, nodes) == 4, timeout=90)  # registered, then waiting
+        leaving = stages[1][2]
+        left = client.submit(owner, UpdateModelNode(bytes.fromhex(leaving), status="inactive"))
+        assert left.outcome.ok, left.outcome.log
+        process.pop(leaving).stop()
+        healed = [node.wait_ready() for node in (*process.values(), standby)]
+        assert sorted(tuple(r["stage"][:2]) for r in healed) == [(0, 2), (2, 4), (4, 6)]
+        assert all(client.stage(bytes.fromhex(r["node"])) == tuple(r["stage"]) for r in healed)
+        assert client.deployment_of(bytes.fromhex(leaving)) is None
+        for r in healed:  # every stage coordinates again, the standby node's layers included
+            response = signed(ask(openai, r["node"]))
+            assert response.node.hex() == r["node"] and list(response.token_ids) == expected
     finally:
         for relay in relays:
             relay.stop()

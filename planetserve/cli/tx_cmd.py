@@ -269,7 +269,19 @@ def deploy_model(ledger: LedgerClient, keys_path: Path, org_id: str, model_id: s
                  days: float, as_json: bool) -> None:
     """Spend the organisation's contribution credits to have a model served by NODES servers of a
     hardware class for DAYS. The organisation's reputation must clear the trust threshold; the chain
-    picks the servers and ends the deployment when its time is up. See `query credits ORG`."""
+    picks the servers and ends the deployment when its time is up. See `query credits ORG`.
+
+    Only active, trusted nodes registered for the model, of the class, serving no other deployment
+    are assigned: NODES of those that hold the model whole, or, for a model registered with its
+    size that none of them holds whole, layer pipelines of at most NODES of them. Otherwise the
+    chain refuses (code 15, unavailable) and spends nothing: no such node is registered for the
+    model, fewer than NODES hold it whole, or no pipeline can be formed or fits in NODES.
+
+    When an assigned node leaves (set inactive), changes its model, class or memory, or becomes
+    untrusted, the chain re-assigns its share: at once for a change of registration, at the end of
+    the epoch for trust. A node that holds the model whole is replaced by another; pipelines are
+    planned again over the remaining and standby nodes. Servers that cannot be replaced are
+    refunded for the time left; a deployment left without servers ends."""
     if days * 86_400 < 60:
         raise click.BadParameter(f"{days:g} days is less than one minute", param_hint="--days")
     deployment = DeployModel(org_id, model_id, hardware, nodes, round(days * 86_400))

@@ -83,6 +83,15 @@ def whole_model_nodes(model: Model, nodes: list[ModelNode]) -> list[ModelNode]:
     return [n for n in nodes if n.memory_mib >= model.layers * model.layer_mib]
 
 
+def holds_share(model: Model, deployment: Deployment, node: ModelNode) -> bool:
+    """Whether the node's declared memory (and compute, for a stage) still holds what the deployment
+    assigns it: the whole model, or its stage's layers."""
+    stage = deployment.stage_of(node.pubkey)
+    if stage is None:
+        return bool(whole_model_nodes(model, [node]))
+    return node.gflops > 0 and node.memory_mib // model.layer_mib >= stage[1] - stage[0]
+
+
 def pipeline_stages(model: Model, nodes: list[ModelNode], count: int, t_comp_us: int, rtt_us: int
                     ) -> tuple[tuple[bytes, int, int, int], ...]:
     """Stages for a sized model over nodes that cannot hold it whole: phase 1 over every node that

@@ -19,10 +19,9 @@ from tendermint.crypto import keys_pb2, proof_pb2
 from tendermint.types import validator_pb2
 
 from planetserve.chain import layout, messages
-from planetserve.chain.abci import epochs
+from planetserve.chain.abci import deployments, epochs
 from planetserve.chain.abci.handlers import HANDLERS
 from planetserve.chain.abci.handlers.context import Context
-from planetserve.chain.abci.handlers.credits import expire_deployments
 from planetserve.chain.abci.state import IterableKV, State, TxScope, due, members
 from planetserve.chain.abci.store import Batch, StateStore, StoreError, TooManyEntriesError
 from planetserve.chain.errors import CODESPACE, Code, TxError, from_registry
@@ -178,7 +177,7 @@ class Application:
         self.block_height = req.height
         self.block_time = req.time.seconds
         self._expire_users(self.block, self.block_time)
-        expire_deployments(self.block, self.block_time)
+        deployments.expire(self.block, self.block_time)
         epochs.begin_block(self.block, self.params, req.height, self.block_time)
         epochs.record_commit(self.block, self.params, req.height,
                              (v.validator.address for v in req.decided_last_commit.votes
@@ -197,11 +196,12 @@ class Application:
             )
         self._expire_proposals(self.block, req.height)
         removed = epochs.end_block(self.block, self.params, req.height, self.block_time)
+        healed = deployments.heal_at_epoch_end(self.block, self.params, req.height, self.block_time)
         updates.update((r.consensus_key, 0) for r in removed)
         return abci.ResponseFinalizeBlock(
             tx_results=results,
-            events=_events([("member_removed", {"operator": r.operator.hex(), "faults": str(r.faults)})
-                            for r in removed]),
+            events=_events([*(("member_removed", {"operator": r.operator.hex(), "faults": str(r.faults)})
+                              for r in removed), *healed]),
             validator_updates=[
                 abci.ValidatorUpdate(pub_key=keys_pb2.PublicKey(ed25519=k), power=p)
                 for k, p in sorted(updates.items())

@@ -318,6 +318,11 @@ class State:
     def deployment(self, deployment_id: int) -> Deployment | None:
         return self._load(deployment_key(deployment_id), Deployment)
 
+    def deployment_of(self, node: bytes) -> Deployment | None:
+        """The deployment the node is assigned to, if any."""
+        raw = self.kv.get(assigned_key(node))
+        return None if raw is None else self.deployment(int(codec.unpack_stored(raw)))
+
     def put_deployment(self, deployment: Deployment) -> None:
         self._put(deployment_key(deployment.deployment_id), deployment)
         for node in deployment.nodes:

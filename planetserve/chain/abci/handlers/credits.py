@@ -1,20 +1,17 @@
-"""Spending contribution credits: `deploy-model` and the expiry of deployments (earning happens when
-an epoch is finalized, in chain/abci/epochs.py)."""
+"""Spending contribution credits: `deploy-model` (earning happens when an epoch is finalized, in
+chain/abci/epochs.py; healing and expiry of deployments in chain/abci/deployments.py)."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from planetserve.chain import layout
+from planetserve.chain.abci.deployments import Pool
 from planetserve.chain.abci.handlers.context import Context
-from planetserve.chain.abci.state import State, due
-from planetserve.chain.abci.store import Batch
 from planetserve.chain.messages.credits import DeployModel
 from planetserve.registry import credits, fields, reputation
 from planetserve.registry.allocation import AllocationError
 from planetserve.registry.credits import Credits, Deployment
 from planetserve.registry.entities import Model, ModelNode
-from planetserve.registry.epochs import Reputation
 from planetserve.registry.errors import (
     InsufficientCredits,
     InvalidField,
@@ -23,29 +20,6 @@ from planetserve.registry.errors import (
     UnknownEntity,
 )
 from planetserve.registry.params import PPM
-
-
-def _reputations(ctx: Context) -> dict[bytes, Reputation]:
-    records = (Reputation.decode(v) for _, v in ctx.state.kv.iterate(layout.REPUTATION_PREFIX))
-    return {r.node: r for r in records}
-
-
-def _organisation_reputation(ctx: Context, org_id: str, rule: reputation.ReputationRule,
-                             reps: dict[bytes, Reputation]) -> int:
-    return reputation.organisation_reputation(
-        reps[n.pubkey].value if n.pubkey in reps else rule.initial
-        for n in ctx.state.iterate_nodes() if n.org_id == org_id)
-
-
-def _available(ctx: Context, hardware: str, rule: reputation.ReputationRule,
-               reps: dict[bytes, Reputation]) -> list[ModelNode]:
-    """Active, trusted nodes of the class that serve no other deployment, in key order."""
-    assigned = {k for k, _ in ctx.state.kv.iterate(layout.ASSIGNED_PREFIX)}
-    fresh = reputation.never_scored_trusted(rule)
-    return [n for n in ctx.state.iterate_nodes()
-            if n.hardware == hardware and n.status == "active"
-            and layout.assigned_key(n.pubkey) not in assigned
-            and (reps[n.pubkey].trusted if n.pubkey in reps else fresh)]
 
 
 def _pipeline(ctx: Context, model: Model, available: list[ModelNode], count: int) -> tuple:
@@ -68,8 +42,10 @@ def _afford(account: Credits, price: int) -> None:
 
 
 def deploy_model(ctx: Context, msg: DeployModel) -> None:
-    """The chain picks the servers. A model that declares its size and that none of them can hold whole
-    is split into layer pipelines (Parallax phase 1) of at most `nodes` servers."""
+    """The chain picks the servers among the available nodes registered for the model: `nodes` of those
+    that hold it whole or, for a model that declares its size and that none of them holds whole,
+    layer pipelines (Parallax phase 1) of at most `nodes` servers. It refuses what it cannot deliver
+    rather than assign nodes that serve another model."""
     org_id, model_id, hardware = msg.org_id, msg.model_id, msg.hardware
     count = fields.within("nodes", msg.nodes, 1, ctx.params.max_deployment_nodes)
     seconds = fields.within("seconds", msg.seconds, ctx.params.min_deployment_seconds,
@@ -81,14 +57,18 @@ def deploy_model(ctx: Context, msg: DeployModel) -> None:
     rate = ctx.state.price(hardware)
     if rate == 0:
         raise InvalidField("hardware", f"hardware class {hardware!r} has no price in this chain's genesis")
-    rule = reputation.ReputationRule.from_params(ctx.params)
-    reps = _reputations(ctx)
-    org_rep = _organisation_reputation(ctx, org_id, rule, reps)
-    if not reputation.is_trusted(rule, org_rep):
+    pool = Pool.read(ctx.state, ctx.params)
+    org_rep = reputation.organisation_reputation(
+        pool.reputation(n.pubkey) for n in ctx.state.iterate_nodes() if n.org_id == org_id)
+    if not reputation.is_trusted(pool.rule, org_rep):
         raise LowReputation(f"organisation {org_id!r} has reputation {org_rep / PPM:.6f}, below the "
-                            f"{rule.untrusted / PPM:.6f} needed to deploy (it must contribute trusted nodes)")
+                            f"{pool.rule.untrusted / PPM:.6f} needed to deploy "
+                            f"(it must contribute trusted nodes)")
     account = ctx.state.credits(org_id)
-    available = _available(ctx, hardware, rule, reps)
+    available = pool.available(model_id, hardware)
+    if not available:
+        raise Unavailable(f"no trusted, unassigned {hardware} node is registered for model {model_id!r}; "
+                          f"only nodes that serve a model are assigned its deployments")
     whole = credits.whole_model_nodes(model, available)
     deployment_id = ctx.state.next_deployment_id()
     stages: tuple = ()
@@ -96,7 +76,7 @@ def deploy_model(ctx: Context, msg: DeployModel) -> None:
         _afford(account, credits.cost(rate, count, seconds))
         if len(whole) < count:
             raise Unavailable(f"asks for {count} {hardware} node(s) holding model {model_id!r}; "
-                              f"{len(whole)} trusted, unassigned ones exist")
+                              f"{len(whole)} trusted, unassigned ones serve it")
         chosen = credits.assign_nodes(deployment_id, [n.pubkey for n in whole], count)
     else:
         stages = _pipeline(ctx, model, available, count)
@@ -108,15 +88,6 @@ def deploy_model(ctx: Context, msg: DeployModel) -> None:
     ctx.state.put_credits(replace(account, balance=account.balance - price, spent=account.spent + price))
     ctx.emit("deploy_model", deployment_id=str(deployment_id), org_id=org_id, model_id=model_id,
              stages=str(len(stages)))
-
-
-def expire_deployments(batch: Batch, now: int) -> None:
-    """Remove every deployment whose time ran out at or before this block's time."""
-    st = State(batch)
-    for ident in due(batch, layout.DEPLOYMENT_EXPIRY_PREFIX, now):
-        deployment = st.deployment(int(ident))
-        if deployment is not None:
-            st.delete_deployment(deployment)
 
 
 HANDLERS = {DeployModel: deploy_model}

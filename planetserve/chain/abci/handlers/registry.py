@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from planetserve.chain.abci.deployments import heal_node
 from planetserve.chain.abci.handlers.context import Context
 from planetserve.chain.keys import verify_signature
 from planetserve.chain.messages.registry import (
@@ -104,6 +105,8 @@ def update_model_node(ctx: Context, msg: UpdateModelNode) -> None:
         _known_model(ctx, updated.model_id)
     ctx.state.put_node(updated)
     ctx.emit("update_model_node", node=msg.node_pubkey.hex())
+    for kind, attributes in heal_node(ctx.state, ctx.params, ctx.time, msg.node_pubkey):
+        ctx.emit(kind, **attributes)
 
 
 HANDLERS = {
