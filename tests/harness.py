@@ -19,7 +19,7 @@ from planetserve.chain.keys import KeySet
 from planetserve.chain.messages.base import wire
 from planetserve.chain.messages.registry import node_pop_message
 from planetserve.registry.entities import Member, Model
-from planetserve.registry.genesis import AppState
+from planetserve.registry.genesis import AppState, GenesisOrganisation
 from planetserve.registry.params import Params
 
 CHAIN_ID = "planetserve-test"
@@ -38,8 +38,10 @@ def node_body(node: KeySet, org_id: str = "org1", **fields: Any) -> dict[str, An
 class AppHarness:
     def __init__(self, db_url: str, members: int = 1, params: Params | None = None,
                  models: tuple[tuple[str, str], ...] = (("gt", "reference"),),
-                 keys: tuple[list[KeySet], list[KeySet]] | None = None) -> None:
-        """`keys`: the members' operator and consensus keys, to run two chains of one committee."""
+                 keys: tuple[list[KeySet], list[KeySet]] | None = None,
+                 organisations: tuple[GenesisOrganisation, ...] = ()) -> None:
+        """`keys`: the members' operator and consensus keys, to run two chains of one committee;
+        `organisations`: those of the genesis, with their credits."""
         self.store = StateStore(db_url)
         self.app = Application(self.store)
         self.members, self.consensus = keys or ([KeySet.generate() for _ in range(members)],
@@ -58,6 +60,7 @@ class AppHarness:
                 for i, (m, c) in enumerate(zip(self.members, self.consensus, strict=True))
             ),
             models=tuple(Model(i, n, 0) for i, n in models),
+            organisations=organisations,
         )
         self.genesis = abci.RequestInitChain(
             chain_id=CHAIN_ID,

@@ -86,7 +86,7 @@ def test_credits_are_earned_then_spent_on_a_deployment_that_expires(s):
         "too long": (deploy(s, s.owner, seconds=91 * DAY), Code.INVALID_FIELD, "seconds"),
         "too short": (deploy(s, s.owner, seconds=59), Code.INVALID_FIELD, "'seconds': must be an integer in 60.."),
         "not owner": (deploy(s, other), Code.UNAUTHORIZED, "does not own"),
-        "over-ask": (deploy(s, s.owner, nodes=36, seconds=60), Code.UNAVAILABLE, "35 trusted"),
+        "over-ask": (deploy(s, s.owner, nodes=36, seconds=60), Code.UNAVAILABLE, "35 listed"),
         "no credits": (deploy(s, other, org_id="org2", nodes=1, seconds=60), Code.INSUFFICIENT_CREDITS,
                        "has 0.000"),
         "over budget": (deploy(s, s.owner, seconds=5 * DAY + 1), Code.INSUFFICIENT_CREDITS, "costs"),

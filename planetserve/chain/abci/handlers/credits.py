@@ -14,7 +14,6 @@ from planetserve.registry import credits, fields, reputation
 from planetserve.registry.allocation import AllocationError
 from planetserve.registry.credits import Credits, Deployment
 from planetserve.registry.entities import Model, ModelNode
-from planetserve.registry.epochs import Reputation
 from planetserve.registry.errors import (
     InsufficientCredits,
     InvalidField,
@@ -25,27 +24,13 @@ from planetserve.registry.errors import (
 from planetserve.registry.params import PPM
 
 
-def _reputations(ctx: Context) -> dict[bytes, Reputation]:
-    records = (Reputation.decode(v) for _, v in ctx.state.kv.iterate(layout.REPUTATION_PREFIX))
-    return {r.node: r for r in records}
-
-
-def _organisation_reputation(ctx: Context, org_id: str, rule: reputation.ReputationRule,
-                             reps: dict[bytes, Reputation]) -> int:
-    return reputation.organisation_reputation(
-        reps[n.pubkey].value if n.pubkey in reps else rule.initial
-        for n in ctx.state.iterate_nodes() if n.org_id == org_id)
-
-
-def _available(ctx: Context, hardware: str, rule: reputation.ReputationRule,
-               reps: dict[bytes, Reputation]) -> list[ModelNode]:
-    """Active, trusted nodes of the class that serve no other deployment, in key order."""
+def _available(ctx: Context, hardware: str) -> list[ModelNode]:
+    """Listed nodes (active, trusted, past probation) of the class that serve no other deployment, in
+    key order."""
     assigned = {k for k, _ in ctx.state.kv.iterate(layout.ASSIGNED_PREFIX)}
-    fresh = reputation.never_scored_trusted(rule)
     return [n for n in ctx.state.iterate_nodes()
-            if n.hardware == hardware and n.status == "active"
-            and layout.assigned_key(n.pubkey) not in assigned
-            and (reps[n.pubkey].trusted if n.pubkey in reps else fresh)]
+            if n.hardware == hardware and layout.assigned_key(n.pubkey) not in assigned
+            and ctx.state.listed(n)]
 
 
 def _pipeline(ctx: Context, model: Model, available: list[ModelNode], count: int) -> tuple:
@@ -82,13 +67,12 @@ def deploy_model(ctx: Context, msg: DeployModel) -> None:
     if rate == 0:
         raise InvalidField("hardware", f"hardware class {hardware!r} has no price in this chain's genesis")
     rule = reputation.ReputationRule.from_params(ctx.params)
-    reps = _reputations(ctx)
-    org_rep = _organisation_reputation(ctx, org_id, rule, reps)
+    org_rep = reputation.organisation_reputation(ctx.state.org_reputations(org_id))
     if not reputation.is_trusted(rule, org_rep):
         raise LowReputation(f"organisation {org_id!r} has reputation {org_rep / PPM:.6f}, below the "
                             f"{rule.untrusted / PPM:.6f} needed to deploy (it must contribute trusted nodes)")
     account = ctx.state.credits(org_id)
-    available = _available(ctx, hardware, rule, reps)
+    available = _available(ctx, hardware)
     whole = credits.whole_model_nodes(model, available)
     deployment_id = ctx.state.next_deployment_id()
     stages: tuple = ()
@@ -96,7 +80,7 @@ def deploy_model(ctx: Context, msg: DeployModel) -> None:
         _afford(account, credits.cost(rate, count, seconds))
         if len(whole) < count:
             raise Unavailable(f"asks for {count} {hardware} node(s) holding model {model_id!r}; "
-                              f"{len(whole)} trusted, unassigned ones exist")
+                              f"{len(whole)} listed, unassigned ones exist")
         chosen = credits.assign_nodes(deployment_id, [n.pubkey for n in whole], count)
     else:
         stages = _pipeline(ctx, model, available, count)
