@@ -8,8 +8,9 @@ block's own FinalizeBlock and before its Commit, as if its transactions had run:
 executing 10k transactions would take far longer than the block being measured), on the heights
 where the chain would hold it:
 
-    height 2    N model nodes (model "gt", 100 organisations, 4 regions) with their list entries;
-                half of them already have a Reputation (earlier epochs), some of those untrusted
+    height 2    N model nodes (model "gt", 100 organisations, 4 regions) with their list entries
+                and Reputation records: half of them scored in earlier epochs, some of those
+                untrusted; the other half never scored, past probation
     height 9    epoch 0's plan window: epoch 1's plan is committed (N PlanEntry: a 32-byte
                 commitment and 4 sealed boxes of ~300 B each; N pcom/ keys), epoch 1's leader is
                 fixed (election "vrf"; 4 VRF entries)
@@ -172,7 +173,7 @@ class Evidence:
         self.pubkeys = [bytes(k.verify_key) for k in self.keys]
         self.leader = rnd.choice(chain.operators)
         self.nodes: list[ModelNode] = []
-        self.previous: list[Reputation | None] = []
+        self.previous: list[Reputation] = []
         self.base: list[int] = []  # the credibility around which the members attest
         self.deviant: list[bool] = []
         for i, pk in enumerate(self.pubkeys):
@@ -183,19 +184,19 @@ class Evidence:
                 registered_at=GENESIS_TIME + NODES_HEIGHT * BLOCK_SECONDS,
             ))
             k = i % 20
-            if i % 2 == 0:  # a new node: no reputation yet
-                self.previous.append(None)
+            if i % 2 == 0:  # a new node: never scored, at the initial reputation
+                self.previous.append(Reputation(pk, self.rule.initial, (), 0, 0, True, 0))
                 self.base.append(200_000 if k == 0 else 850_000 + rnd.randrange(-30_000, 30_000))
             elif k == 1:  # untrusted after one bad epoch; recovers now
                 window = (800_000, 800_000, 800_000, 300_000)
-                self.previous.append(Reputation(pk, 350_000, window, 4, 0, False))
+                self.previous.append(Reputation(pk, 350_000, window, 4, 0, False, 0))
                 self.base.append(950_000)
             elif k == 3:  # trusted; fails this epoch
-                self.previous.append(Reputation(pk, 600_000, (800_000,) * 4, 4, 0, True))
+                self.previous.append(Reputation(pk, 600_000, (800_000,) * 4, 4, 0, True, 0))
                 self.base.append(100_000)
             else:  # trusted and stays so
                 value = 700_000 + rnd.randrange(-50_000, 50_000)
-                self.previous.append(Reputation(pk, value, (800_000,) * 4, 4, 0, True))
+                self.previous.append(Reputation(pk, value, (800_000,) * 4, 4, 0, True, 0))
                 self.base.append(850_000 + rnd.randrange(-30_000, 30_000))
             self.deviant.append(i % 100 == 7)
         self.prompts = [words(rnd, 200) for _ in range(n)]
@@ -206,10 +207,8 @@ class Evidence:
         """(credibility, reputation, window, trusted now, trusted before) of node i."""
         credibility = reputation.median(self.attested(i))
         prev = self.previous[i]
-        value, window = reputation.update(
-            self.rule, prev.value if prev else self.rule.initial, credibility, prev.window if prev else ())
-        before = prev.trusted if prev else reputation.never_scored_trusted(self.rule)
-        return credibility, value, window, reputation.is_trusted(self.rule, value), before
+        value, window = reputation.update(self.rule, prev.value, credibility, prev.window)
+        return credibility, value, window, reputation.is_trusted(self.rule, value), prev.trusted
 
     def attested(self, i: int) -> list[int]:
         b = self.base[i]
@@ -224,9 +223,8 @@ class Evidence:
             owner = self.rnd.randbytes(32)
             st.put_org(Organisation(f"org-{o:03d}", f"Organisation {o}", owner, self.chain.time))
         for node, prev in zip(self.nodes, self.previous, strict=True):
-            if prev is not None:
-                st.put_reputation(prev)
-            st.put_node(node, prev.trusted if prev else True)
+            st.put_reputation(prev)
+            st.put_node(node, prev.listable)
 
     def write_plan(self, st: State, number: int = EPOCH) -> None:
         """The committed plan of epoch `number` and its leader (the plan of the epoch after the
@@ -365,7 +363,7 @@ def verify(chain: Chain, ev: Evidence) -> dict[str, int]:
         prev = ev.previous[i]
         assert rep is not None and rep.last_epoch == EPOCH, f"node {i}: no reputation of epoch {EPOCH}"
         assert (rep.value, rep.window, rep.trusted) == (value, window, trusted), f"node {i}: {rep}"
-        assert rep.epochs == (prev.epochs if prev else 0) + 1
+        assert rep.epochs == prev.epochs + 1
         flips += trusted != before
         listed += trusted
     in_list = sum(1 for _ in st.kv.iterate(layout.node_list_prefix(MODEL)))

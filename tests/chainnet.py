@@ -17,6 +17,10 @@ from planetserve.registry.genesis import GenesisOrganisation
 from planetserve.registry.params import Params
 
 MODELS = (("gt", "reference model"), ("small", "smaller model"))
+LISTED_AT_ONCE = Params(probation_epochs=0)
+"""The default genesis parameters of test networks: nodes are listed from registration, since these
+tests are about the ledger, the overlay and the committee, not probation (which the harness tests:
+tests/adversaries/test_whitewashing_node.py)."""
 
 
 def start_network(root: Path, n: int = 4, db_urls: Sequence[str] | None = None,
@@ -27,7 +31,7 @@ def start_network(root: Path, n: int = 4, db_urls: Sequence[str] | None = None,
     whose tests stop validators set it lower."""
     consensus = {"timeout_propose": timeout_propose} if timeout_propose else {}
     spec = build_network(root, n, "planetserve-test",
-                         app_state_builder(models, params, organisations=organisations),
+                         app_state_builder(models, params or LISTED_AT_ONCE, organisations=organisations),
                          timeout_commit=timeout_commit, db_urls=db_urls, extra_config={"consensus": consensus})
     cluster = Cluster(spec, cluster_app, start_timeout=60.0)
     cluster.start()

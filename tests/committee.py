@@ -10,12 +10,17 @@ from planetserve.chain import layout, vrf
 from planetserve.chain.abci.state import State, members
 from planetserve.chain.challenge import Challenge, open_plan_entry, sign_response
 from planetserve.chain.keys import KeySet
-from planetserve.registry import reputation
+from planetserve.registry import epochs, reputation
+from planetserve.registry.entities import ModelNode
 from planetserve.registry.epochs import Epoch, Fault, PlanEntry, Schedule, SignedResponse
 from planetserve.registry.params import Params
 
-EPOCH_PARAMS = Params(epoch_blocks=10, results_blocks=4, vrf_window_blocks=3, plan_window_blocks=3)
+EPOCH_PARAMS = Params(epoch_blocks=10, results_blocks=4, vrf_window_blocks=3, plan_window_blocks=3,
+                      probation_epochs=0)
+"""Short epochs. Nodes are listed from registration: these tests are about scoring, forwarding and
+faults; probation has its own (tests/adversaries/test_whitewashing_node.py)."""
 NODE_ADDRESS = "10.0.0.7:7000"
+PLAN_PART = 3
 TEMPERATURE = 700
 """Every scripted challenge asks for sampling at 0.7 (thousandths, as signed and committed)."""
 
@@ -51,8 +56,13 @@ class Script:
         return self.members[self.epoch(number).leader]
 
     def reputation(self, node: bytes) -> int | None:
+        """The node's reputation; None while no epoch has scored it (it stands where it registered)."""
         rep = self.state.reputation(node)
-        return None if rep is None else rep.value
+        return None if rep is None or rep.epochs == 0 else rep.value
+
+    def planned_nodes(self, number: int) -> list[bytes]:
+        """The nodes the plan of epoch `number` challenges, in key order."""
+        return [PlanEntry.decode(v).node for _, v in self.h.store.batch().iterate(layout.plan_prefix(number))]
 
     def faults(self, operator: bytes) -> list[str]:
         batch = self.h.store.batch()
@@ -72,6 +82,15 @@ class Script:
     def tx(self, signer: KeySet, tx_type: str, body: dict[str, Any]) -> bytes:
         return self.h.tx(signer, tx_type, body)
 
+    def register_node(self, owner: KeySet, org_id: str) -> bytes:
+        """A fresh key registered by `owner` in its organisation `org_id`: the Script signs its
+        answers, and plans it once the chain requires it."""
+        key = KeySet.generate()
+        registration = self.tx(owner, "register-model-node", node_body(key, org_id, address=NODE_ADDRESS))
+        assert self.block(registration) == [(0, "ok")]
+        self.nodes[key.public] = key
+        return key.public
+
     # -- committee actions ------------------------------------------------------------------------
 
     def vrf_txs(self, target: int, members: list[KeySet] | None = None) -> list[bytes]:
@@ -80,16 +99,27 @@ class Script:
                 for m in (members if members is not None else list(self.members.values()))]
 
     def plan(self, target: int, nodes: list[bytes] | None = None) -> tuple[dict, dict[bytes, Challenge]]:
-        """A final commit-plan body for `nodes` (default: all), and the challenges it commits."""
+        """A final commit-plan body for `nodes` (default: those of the Script's nodes that the plan must
+        cover, as a planning member computes them), and the challenges it commits."""
+        if nodes is None:
+            required = set(epochs.plan_nodes(self.epoch(target), self.state.iterate_nodes(),
+                                             self.state.params().max_plan_nodes))
+            nodes = [n for n in self.nodes if n in required]
         committee = list(members(self.h.store.batch()).values())
         challenges = {n: Challenge.new(f"Question {i} for epoch {target}: why is the sky blue?", TEMPERATURE)
-                      for i, n in enumerate(nodes if nodes is not None else self.nodes)}
+                      for i, n in enumerate(nodes)}
         entries = [c.plan_entry(n, committee).body() for n, c in challenges.items()]
         return {"epoch": target, "entries": entries, "final": True}, challenges
 
-    def plan_tx(self, target: int) -> tuple[bytes, dict[bytes, Challenge]]:
+    def plan_txs(self, target: int) -> tuple[list[bytes], dict[bytes, Challenge]]:
+        """The plan of `target` in parts of at most PLAN_PART entries (sealed copies are padded, so a
+        plan of many nodes does not fit one transaction); the last part is final."""
         body, challenges = self.plan(target)
-        return self.tx(self.leader(target - 1), "commit-plan", body), challenges
+        entries = body["entries"]
+        parts = [entries[i:i + PLAN_PART] for i in range(0, len(entries), PLAN_PART)] or [[]]
+        planner = self.leader(target - 1)
+        return [self.tx(planner, "commit-plan", {**body, "entries": part, "final": i == len(parts) - 1})
+                for i, part in enumerate(parts)], challenges
 
     def planned(self, number: int, node: bytes, member: KeySet) -> Challenge:
         """What a member reads from the plan: its sealed copy of the node's prompt."""
@@ -102,15 +132,16 @@ class Script:
         return sign_response(self.nodes[node], prompt, [11, 12, 13], text, model_id,
                              self.h.time if time is None else time, NODE_ADDRESS, temperature)
 
-    def leader_results(self, number: int, credibility: int, nodes: list[bytes] | None = None,
+    def leader_results(self, number: int, credibility: int | dict[bytes, int], nodes: list[bytes] | None = None,
                        ) -> dict[str, Any]:
-        """Honest leader results: each planned prompt answered by its node."""
+        """Honest leader results: each planned prompt answered by its node, the leader proposing
+        `credibility` (one for every node, or each node's)."""
         leader = self.leader(number)
         entries = []
         for node in nodes if nodes is not None else list(self.nodes):
             challenge = self.planned(number, node, leader)
             entries.append({**challenge.reveal(self.answer(node, challenge.prompt)).body(),
-                            "credibility": credibility})
+                            "credibility": credibility[node] if isinstance(credibility, dict) else credibility})
         return {"epoch": number, "kind": "leader", "results": entries}
 
     def attest_txs(self, number: int, submitter: bytes, scores: dict[bytes, int],
@@ -125,8 +156,8 @@ class Script:
         assert self.h.height < self.schedule.setup_height(number - 1), "too late to elect and plan"
         self.run_to(self.schedule.setup_height(number - 1))
         self.h.block()  # the setup block creates the record of `number`
-        plan_tx, challenges = self.plan_tx(number)
-        results = self.block(plan_tx, *self.vrf_txs(number))
+        plan_txs, challenges = self.plan_txs(number)
+        results = self.block(*plan_txs, *self.vrf_txs(number))
         assert all(code == 0 for code, _ in results), results
         self.run_to(self.schedule.start(number))
         return challenges
@@ -136,12 +167,27 @@ RULE = reputation.ReputationRule.from_params(EPOCH_PARAMS)
 HONEST = 800_000
 
 
-def expected(*credibilities: int) -> int:
-    """The reputation a node reaches from the initial one through these credibilities."""
-    value, window = RULE.initial, ()
+def expected(*credibilities: int, start: int = RULE.initial) -> int:
+    """The reputation a node reaches from `start` (default: the initial one) through these credibilities."""
+    value, window = start, ()
     for c in credibilities:
         value, window = reputation.update(RULE, value, c, window)
     return value
+
+
+def listed(s: Script) -> list[bytes]:
+    """The nodes on the signed node list, in list order."""
+    return [ModelNode.decode(v).pubkey for _, v in s.h.store.batch().iterate(layout.node_list_prefix())]
+
+
+def honest_epoch(s: Script, number: int, scores: dict[bytes, int]) -> None:
+    """Epoch `number` scored by an honest leader and committee: each node of `scores` (its planned
+    nodes) gets that credibility, proposed and attested alike; then on to the next epoch."""
+    leader = s.epoch(number).leader
+    assert s.block(s.tx(s.leader(number), "submit-results",
+                        s.leader_results(number, scores, list(scores)))) == [(0, "ok")]
+    assert all(c == 0 for c, _ in s.block(*s.attest_txs(number, leader, scores)))
+    finish(s, number)
 
 
 def finish(s: Script, number: int) -> None:

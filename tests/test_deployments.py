@@ -24,16 +24,16 @@ def c(tmp_path) -> Chain:
 
 def test_a_model_no_node_serves_is_refused_and_nodes_of_other_models_are_never_assigned(c):
     code, log = c.deploy("third", nodes=1)
-    assert code == Code.UNAVAILABLE and "no trusted, unassigned A100 node is registered for model 'third'" in log
+    assert code == Code.UNAVAILABLE and "no listed, unassigned A100 node is registered for model 'third'" in log
     others = c.register("other", 2)
     code, log = c.deploy("other", nodes=3)
-    assert code == Code.UNAVAILABLE and "asks for 3 A100 node(s) holding model 'other'; 2 trusted" in log
+    assert code == Code.UNAVAILABLE and "asks for 3 A100 node(s) holding model 'other'; 2 listed" in log
     assert c.s.state.credits(ACME).balance == FUNDS  # refusals cost nothing
     assert c.deploy("other", nodes=2) == (0, "ok")
     assert sorted(c.deployment(c.s.state.get_int(layout.NEXT_DEPLOYMENT_KEY)).nodes) == sorted(others)
     # the five gt nodes serve gt only: every one of them, and nothing else, can be assigned it
     code, log = c.deploy("gt", nodes=6)
-    assert code == Code.UNAVAILABLE and "5 trusted, unassigned ones serve it" in log
+    assert code == Code.UNAVAILABLE and "5 listed, unassigned ones serve it" in log
     assert sorted(c.assigned()) == sorted(others)
 
 

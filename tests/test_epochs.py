@@ -6,16 +6,15 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from committee import EPOCH_PARAMS, HONEST, RULE, TEMPERATURE, Script, expected, finish
+from committee import EPOCH_PARAMS, HONEST, RULE, TEMPERATURE, Script, expected, finish, honest_epoch, listed
 from harness import AppHarness, sqlite_url
 
-from planetserve.chain import layout, vrf
+from planetserve.chain import vrf
 from planetserve.chain.abci.state import members
 from planetserve.chain.challenge import Challenge, SealedPromptError, open_plan_entry
 from planetserve.chain.errors import Code
 from planetserve.chain.keys import KeySet
 from planetserve.registry import epochs, reputation
-from planetserve.registry.entities import ModelNode
 from planetserve.registry.epochs import PlanEntry
 
 
@@ -27,20 +26,6 @@ def s(tmp_path) -> Script:
 def others(s: Script, number: int) -> list:
     leader = s.epoch(number).leader
     return [m for k, m in s.members.items() if k != leader]
-
-
-def listed(s: Script) -> list[bytes]:
-    """The nodes on the signed node list."""
-    return [ModelNode.decode(v).pubkey for _, v in s.h.store.batch().iterate(layout.node_list_prefix())]
-
-
-def honest_epoch(s: Script, number: int, scores: dict[bytes, int]) -> None:
-    """Results and attestations of `scores` for a planned epoch, then on to the next."""
-    leader = s.epoch(number).leader
-    assert s.block(s.tx(s.leader(number), "submit-results",
-                        s.leader_results(number, HONEST))) == [(0, "ok")]
-    assert all(c == 0 for c, _ in s.block(*s.attest_txs(number, leader, scores)))
-    finish(s, number)
 
 
 def test_honest_epoch(s):

@@ -34,7 +34,8 @@ from planetserve.registry.params import Params
 
 pytestmark = [pytest.mark.network, pytest.mark.faults]
 
-PARAMS = Params(epoch_blocks=40, results_blocks=15, vrf_window_blocks=15, plan_window_blocks=15)
+PARAMS = Params(epoch_blocks=40, results_blocks=15, vrf_window_blocks=15, plan_window_blocks=15,
+                probation_epochs=0)  # nodes listed from registration: the test reads the list
 SCHEDULE = epochs.Schedule.from_params(PARAMS)
 RULE = reputation.ReputationRule.from_params(PARAMS)
 CREDIBILITY = 750_000

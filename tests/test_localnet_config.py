@@ -63,7 +63,7 @@ http = "127.0.0.1:8090"
     assert config.validators == 1 and not config.verifiers and config.timeout_commit == "300ms"
     assert config.keep_heights == 5000
     assert config.params == Params(epoch_blocks=60, results_blocks=16, vrf_window_blocks=10,
-                                   plan_window_blocks=14, user_ttl_seconds=120)
+                                   plan_window_blocks=14, probation_epochs=0, user_ttl_seconds=120)
     assert config.preset == "quick" and config.data_dir == tmp_path / "family"
     assert config.family_dir(tmp_path / "root") == tmp_path / "family"
     assert config.nodes == (NodeSpec("a", org="org-a"), NodeSpec("b", model="small", org="shared", capacity=4))

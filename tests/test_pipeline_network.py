@@ -84,7 +84,7 @@ def test_a_model_split_across_three_nodes_serves_through_the_overlay(tmp_path, d
     owner = KeySet.generate()
     owner_path = tmp_path / "acme.json"
     owner.save(owner_path)
-    net = start_network(tmp_path / "net", params=Params(min_deployment_seconds=SHORT_S),
+    net = start_network(tmp_path / "net", params=Params(min_deployment_seconds=SHORT_S, probation_epochs=0),
                         models=(*MODELS, ("deep", "six-layer gt", DEEP_LAYERS, LAYER_MIB)),
                         organisations=(GenesisOrganisation("acme", "ACME", owner.public, 100 * CREDIT_SECONDS),))
     nodes: list[NodeProcess] = []

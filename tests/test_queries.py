@@ -22,7 +22,8 @@ from planetserve.registry.params import Params
 
 @pytest.fixture
 def h(tmp_path):
-    h = AppHarness(sqlite_url(tmp_path), params=Params(max_query_entries=5))
+    # Nodes are listed from registration (no probation): these tests read the lists, not how nodes get on them.
+    h = AppHarness(sqlite_url(tmp_path), params=Params(max_query_entries=5, probation_epochs=0))
     owner = KeySet.generate()
     txs = [h.tx(owner, "register-org", {"org_id": "org1", "name": "O"})]
     for i in range(4):

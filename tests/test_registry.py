@@ -54,6 +54,10 @@ def test_params_from_genesis():
         Params.from_genesis({"max_tx_bytes": 0})
     with pytest.raises(InvalidField, match="positive integer"):
         Params.from_genesis({"max_tx_bytes": True})
+    assert Params().probation_epochs == 3  # the chain's default: trust is earned
+    assert Params.from_genesis({"probation_epochs": 0}).probation_epochs == 0  # listed from registration
+    with pytest.raises(InvalidField, match="'probation_epochs': must be a non-negative integer"):
+        Params.from_genesis({"probation_epochs": -1})
     assert Params.from_genesis({"min_deployment_seconds": 10}).min_deployment_seconds == 10
     with pytest.raises(InvalidField, match="'min_deployment_seconds': must be at most max_deployment_seconds"):
         Params.from_genesis({"min_deployment_seconds": 100, "max_deployment_seconds": 99})

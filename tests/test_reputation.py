@@ -17,6 +17,8 @@ from planetserve.registry.reputation import (
     is_trusted,
     median,
     organisation_reputation,
+    probation_left,
+    starting,
     update,
 )
 
@@ -201,6 +203,7 @@ def test_invalid_update_inputs_are_refused(previous, credibility, window, messag
     ({"gamma": 0}, "gamma"),
     ({"alpha": PPM + 1}, "alpha"),
     ({"abnormal": -1}, "abnormal"),
+    ({"probation": -1}, "probation"),
 ])
 def test_invalid_rules_are_refused(change, message):
     with pytest.raises(ValueError, match=message):
@@ -210,7 +213,7 @@ def test_invalid_rules_are_refused(change, message):
 def test_rule_from_params():
     rule = ReputationRule.from_params(Params())
     assert rule == ReputationRule(alpha=400_000, beta=600_000, window=5, gamma=200_000, abnormal=400_000,
-                                  untrusted=400_000, initial=500_000)
+                                  untrusted=400_000, initial=500_000, probation=3)
 
 
 def test_median():
@@ -226,3 +229,20 @@ def test_organisation_reputation_is_the_minimum_of_its_nodes():
     assert organisation_reputation([800_000, 150_000, 900_000]) == 150_000
     assert organisation_reputation(iter([600_000])) == 600_000
     assert organisation_reputation([]) == 0
+
+
+def test_a_new_key_starts_at_most_at_its_organisations_reputation():
+    assert starting(RULE, []) == RULE.initial  # an organisation's first key
+    assert starting(RULE, [900_000, 700_000]) == RULE.initial  # a good record does not raise it
+    assert starting(RULE, [900_000, 120_000]) == 120_000  # one punished node marks every new key
+
+
+def test_probation_passes_only_on_consecutive_trusted_epochs():
+    left = RULE.probation
+    assert left == 3
+    left = probation_left(RULE, left, trusted=True)
+    left = probation_left(RULE, left, trusted=True)
+    assert left == 1
+    assert probation_left(RULE, left, trusted=False) == 3  # an untrusted epoch starts it over
+    assert probation_left(RULE, left, trusted=True) == 0
+    assert probation_left(RULE, 0, trusted=False) == 0  # once passed, reputation alone decides

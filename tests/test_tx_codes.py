@@ -15,10 +15,13 @@ from planetserve.chain.keys import KeySet
 from planetserve.registry import codec
 from planetserve.registry.params import Params
 
+PARAMS = Params(user_ttl_seconds=60, probation_epochs=0)
+"""Nodes are listed from registration, so that a test can see an update take one off the list."""
+
 
 @pytest.fixture
 def h(tmp_path):
-    return AppHarness(sqlite_url(tmp_path), params=Params(user_ttl_seconds=60))
+    return AppHarness(sqlite_url(tmp_path), params=PARAMS)
 
 
 def code(h: AppHarness, raw: bytes, seconds: int = 5) -> int:
@@ -149,6 +152,7 @@ def test_non_owner_cannot_update_node(h):
             h.tx(owner, "register-model-node", node_body(node)))
     res = h.block(h.tx(stranger, "update-model-node", {"node_pubkey": node.public, "capacity": 9}))
     assert res.tx_results[0].code == Code.UNAUTHORIZED
+    assert len(list(h.store.batch().iterate(layout.node_list_prefix("gt")))) == 1
     res = h.block(h.tx(owner, "update-model-node", {"node_pubkey": node.public, "status": "inactive"}))
     assert res.tx_results[0].code == 0
     assert not list(h.store.batch().iterate(layout.node_list_prefix("gt")))
@@ -257,4 +261,4 @@ def test_init_chain_repeated_before_the_first_commit_keeps_the_genesis_state(h, 
         app = Application(store)
         app.init_chain(h.genesis)
         assert app.finalize_block(first).app_hash == replayed
-    assert State(h.store.batch()).params() == Params(user_ttl_seconds=60)
+    assert State(h.store.batch()).params() == PARAMS

@@ -30,7 +30,8 @@ from planetserve.verifier.config import STATUS_FILE, VerifierConfig, read_submis
 
 pytestmark = [pytest.mark.network, pytest.mark.faults]
 
-PARAMS = Params(epoch_blocks=40, results_blocks=16, vrf_window_blocks=10, plan_window_blocks=14)
+PARAMS = Params(epoch_blocks=40, results_blocks=16, vrf_window_blocks=10, plan_window_blocks=14,
+                probation_epochs=0)  # nodes listed from registration: the client asks them at once
 SCHEDULE = epochs.Schedule.from_params(PARAMS)
 RULE = reputation.ReputationRule.from_params(PARAMS)
 SCORED_EPOCHS = 6

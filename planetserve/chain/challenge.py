@@ -20,17 +20,14 @@ from planetserve.registry.epochs import PlanEntry, SignedResponse
 DEFAULT_MAX_TOKENS = 64
 MAX_CHALLENGE_TOKENS = 1 << 16
 MAX_EARLIER_TURNS = 32
-SEALED_BUCKET_BYTES = 512
-"""Sealed copies are padded to a power of two times this, so an entry's length on the ledger says
-only roughly how long its prompt is, and nothing of its temperature or form."""
+SEALED_BUCKET_BYTES = 1024
+"""Sealed copies are padded to a multiple of this, so an entry's length on the ledger says only
+roughly how long its prompt is (about 200 tokens a step), and nothing of its temperature or cap."""
 
 
 def padded_size(length: int) -> int:
     """The bucket a plaintext of `length` bytes is padded to."""
-    size = SEALED_BUCKET_BYTES
-    while size < length:
-        size *= 2
-    return size
+    return -(-length // SEALED_BUCKET_BYTES) * SEALED_BUCKET_BYTES
 
 
 class SealedPromptError(Exception):

@@ -296,7 +296,8 @@ class LedgerClient:
         return self._entity(layout.reputation_key(node), Reputation)
 
     def reputations(self) -> tuple[Listing, list[Reputation]]:
-        """Every node's reputation record (a node never scored has none: it stands at the initial value)."""
+        """Every registered node's reputation record (written at registration: a node never scored stands
+        where it registered, `epochs` 0)."""
         listing = self.entries(layout.REPUTATION_PREFIX)
         return listing, layout.decode_records(listing.entries, Reputation)
 

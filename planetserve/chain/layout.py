@@ -13,6 +13,7 @@ or region can never match another (model ids may contain '/').
     model/<model>                           Model
     node/<pubkey hex>                       ModelNode
     nlist/<model>/<region>/<pubkey hex>     ModelNode       (the signed node list, per model/region)
+    orgnode/<org>/<pubkey hex>              b""             (every node an organisation registered)
     member/<operator hex>                   Member
     proposal/<id:012d>                      Proposal
     next/proposal                           int
@@ -110,6 +111,14 @@ def node_list_prefix(model_id: str | None = None, region: str | None = None) -> 
 
 def node_list_key(node: ModelNode) -> bytes:
     return node_list_prefix(node.model_id, node.region) + node.pubkey.hex().encode()
+
+
+def org_node_prefix(org_id: str) -> bytes:
+    return key("orgnode", _c(org_id), "")
+
+
+def org_node_key(org_id: str, node: bytes) -> bytes:
+    return org_node_prefix(org_id) + node.hex().encode()
 
 
 def member_key(operator: bytes) -> bytes:

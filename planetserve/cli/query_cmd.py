@@ -15,7 +15,6 @@ from planetserve.cli.ledger import ledger_options
 from planetserve.cli.tx_cmd import key_bytes
 from planetserve.registry.credits import format_credits
 from planetserve.registry.epochs import Schedule
-from planetserve.registry.reputation import ReputationRule, never_scored_trusted
 
 FAILURES = (QueryRefused, RpcError, VerificationError)
 
@@ -135,22 +134,17 @@ def epoch(ledger: LedgerClient, number: int | None, as_json: bool) -> None:
 @json_option
 @ledger_options(verify=True)
 def reputation(ledger: LedgerClient, node_key: str, as_json: bool) -> None:
-    """A model node's reputation (parts per million; untrusted below the threshold in `query params`)
-    and its window of recent credibilities. A node never scored has the initial reputation."""
+    """A model node's reputation (parts per million; untrusted below the threshold in `query params`),
+    its window of recent credibilities, and its probation: the scored epochs it must still end trusted
+    before it is listed. Every registered node has one, from registration on."""
     pubkey = key_bytes(node_key, "NODE")
     try:
         record = ledger.reputation(pubkey)
-        if record is not None:
-            show_record(record.to_record(), as_json)
-            return
-        if ledger.node(pubkey) is None:
-            fail(f"no model node with key {node_key}", code=EXIT_NOT_FOUND)
-        params = ledger.params()
     except FAILURES as exc:
         fail(str(exc))
-    rule = ReputationRule.from_params(params)
-    show_record({"node": pubkey, "value": rule.initial, "window": [], "epochs": 0, "last_epoch": None,
-                 "trusted": never_scored_trusted(rule)}, as_json)
+    if record is None:
+        fail(f"no model node with key {node_key}", code=EXIT_NOT_FOUND)
+    show_record(record.to_record(), as_json)
 
 
 @group.command("faults")

@@ -24,8 +24,9 @@ from planetserve.registry.params import Params
 
 DEFAULT_FILE = Path("localnet/localnet.toml")
 LOCALNET_PARAMS = {"epoch_blocks": 40, "results_blocks": 16, "vrf_window_blocks": 10,
-                   "plan_window_blocks": 14}
-"""Epochs of about 40 blocks (the verifier network test's), so a localnet scores its nodes within minutes."""
+                   "plan_window_blocks": 14, "probation_epochs": 0}
+"""Epochs of about 40 blocks (the verifier network test's), so a localnet scores its nodes within minutes;
+nodes listed from registration (no probation), so its client is answered as soon as it starts."""
 CLOVES = 4
 """n: cloves per message, one per path, so a relay keeps at least this many proxies."""
 _NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,31}")

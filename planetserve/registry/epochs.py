@@ -229,7 +229,10 @@ class Fault(Record):
 
 @dataclass(frozen=True)
 class Reputation(Record):
-    """A model node's reputation (ppm) and its window of the last W credibilities."""
+    """A model node's standing, written when it registers: its reputation (ppm) and its window of the
+    last W credibilities; `epochs` it was scored in, the last one `last_epoch` (0 while never scored:
+    epoch 0 has no plan); `trusted` by the reputation rule; `probation`, the consecutive scored epochs
+    it must still end trusted before it is listed (registry/reputation.py)."""
 
     node: bytes
     value: int
@@ -237,3 +240,9 @@ class Reputation(Record):
     epochs: int
     last_epoch: int
     trusted: bool
+    probation: int
+
+    @property
+    def listable(self) -> bool:
+        """Trusted and past probation: listed while its node is active."""
+        return self.trusted and self.probation == 0

@@ -9,6 +9,8 @@ from planetserve.registry.entities import Record
 from planetserve.registry.errors import InvalidField
 
 PPM = 1_000_000
+MAY_BE_ZERO = frozenset({"probation_epochs"})
+"""Parameters for which 0 means something (no probation); every other one must be positive."""
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,10 @@ class Params(Record):
     abnormal_threshold_ppm: int = 400_000
     untrusted_threshold_ppm: int = 400_000
     initial_reputation_ppm: int = 500_000
+    # Trust is earned: a newly registered node is challenged but not listed until it has been scored
+    # trusted in probation_epochs consecutive finalized epochs (0: listed from registration). Its
+    # starting reputation is at most its organisation's (registry/reputation.py).
+    probation_epochs: int = 3
     # Consequences of members' faults: a member recorded with member_fault_limit faults within its
     # last member_fault_window epochs loses its power, as a removal vote would take it; a member whose
     # validator missed more than missed_blocks_ppm of an epoch's commits is recorded faulty (one that
@@ -57,8 +63,9 @@ class Params(Record):
         for name, value in raw.items():
             if name not in known:
                 raise InvalidField(name, "unknown parameter")
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise InvalidField(name, "must be a positive integer")
+            least = 0 if name in MAY_BE_ZERO else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise InvalidField(name, f"must be a {'non-negative' if least == 0 else 'positive'} integer")
         params = cls(**raw)
         params.check()
         return params

@@ -12,6 +12,13 @@ Fixed point: every fraction is an integer in parts per million (PPM = 1_000_000 
 c/W > γ is c·PPM > g·W. Each update puts α·R/PPM + factor·C over one common denominator and rounds
 once, half up, so the result is the exact rational value to within 0.5 ppm and identical on every
 replica. The result is clamped to [0, PPM] (it can only leave that range if α + β > 1).
+
+Trust is earned. A new key starts at the initial reputation bounded by its organisation's
+(`starting`), so a punished operator's fresh key inherits the mark its punished node left. It is on
+probation: challenged every epoch like any node, but not listed until it has ended `probation`
+consecutive scored epochs trusted (`probation_left`). Organisations are free to register, so a new
+organisation escapes the mark; probation, which every new key serves, is what makes a fresh start
+cost epochs.
 """
 
 from __future__ import annotations
@@ -34,13 +41,17 @@ class ReputationRule:
     abnormal: int
     untrusted: int
     initial: int
+    probation: int
+    """Consecutive scored epochs a new key must end trusted before it is listed (not in ppm)."""
 
     def __post_init__(self) -> None:
         if self.window < 1:
             raise ValueError(f"reputation window must be at least 1, got {self.window}")
+        if self.probation < 0:
+            raise ValueError(f"probation must be at least 0 epochs, got {self.probation}")
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name != "window" and not 0 <= value <= PPM:
+            if f.name not in ("window", "probation") and not 0 <= value <= PPM:
                 raise ValueError(f"reputation {f.name} must be in [0, {PPM}] ppm, got {value}")
         if self.gamma == 0:
             raise ValueError("reputation gamma must be positive: the punished factor divides by it")
@@ -55,6 +66,7 @@ class ReputationRule:
             abnormal=params.abnormal_threshold_ppm,
             untrusted=params.untrusted_threshold_ppm,
             initial=params.initial_reputation_ppm,
+            probation=params.probation_epochs,
         )
 
 
@@ -89,9 +101,22 @@ def update(rule: ReputationRule, previous: int, credibility: int,
     return min(reputation, PPM), new_window
 
 
-def never_scored_trusted(rule: ReputationRule) -> bool:
-    """A node without a reputation record stands at the initial reputation."""
-    return is_trusted(rule, rule.initial)
+def starting(rule: ReputationRule, organisation: Iterable[int]) -> int:
+    """A new key's reputation: the initial one, or its organisation's reputation (the reputations of
+    every node it registered, deactivated ones included) if that is lower. Taking a punished node out
+    of service or registering a fresh key beside it does not clear the organisation's record; an
+    organisation's first key starts at the initial reputation (there is nothing to bound it by)."""
+    return min((rule.initial, *organisation))
+
+
+def probation_left(rule: ReputationRule, left: int, trusted: bool) -> int:
+    """A node's probation after a scored epoch it ended `trusted` or not. One epoch fewer when trusted;
+    all of them again when not, so only consecutive trusted epochs pass it (a node cannot bank trusted
+    epochs, then cheat and still be listed). Once passed (0) it stays passed: from then on the key has
+    a history, and its reputation alone decides whether it is listed."""
+    if left == 0:
+        return 0
+    return left - 1 if trusted else rule.probation
 
 
 def is_trusted(rule: ReputationRule, reputation: int) -> bool:

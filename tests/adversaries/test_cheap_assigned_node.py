@@ -29,7 +29,7 @@ def test_an_assigned_node_serving_a_cheaper_model_loses_its_share_at_the_epochs_
     assert s.block(s.tx(leader, "submit-results", body)) == [(0, "ok")]
     assert all(code == 0 for code, _ in s.block(*s.attest_txs(1, leader.public, scores)))
     finish(s, 1)
-    assert not s.state.trusted(cheap)
+    assert not s.state.listable(cheap) and not s.state.reputation(cheap).trusted
     last = s.schedule.end(1)  # the epoch's last block: finalization, then healing
     healing = [height for height, result in enumerate(c.h.responses, 1) if events(result, "deployment_healed")]
     assert healing == [last]
@@ -39,6 +39,6 @@ def test_an_assigned_node_serving_a_cheaper_model_loses_its_share_at_the_epochs_
     assert healed["joined"] == replacement.hex() and replacement in standby
     assert s.state.deployment_of(cheap) is None and cheap not in c.assigned()
     assert c.deployment().cost == before.cost and s.state.credits("acme").spent == before.cost
-    assert all(s.state.trusted(n) for n in s.nodes if n != cheap)
+    assert all(s.state.listable(n) for n in s.nodes if n != cheap)
     assert all(s.faults(m) == [] for m in s.members)
     assert c.replays(tmp_path)

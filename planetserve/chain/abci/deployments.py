@@ -43,18 +43,16 @@ class Pool:
         records = (Reputation.decode(v) for _, v in st.kv.iterate(layout.REPUTATION_PREFIX))
         return cls(st, params, reputation.ReputationRule.from_params(params), {r.node: r for r in records})
 
-    def reputation(self, node: bytes) -> int:
-        return self.reps[node].value if node in self.reps else self.rule.initial
-
-    def trusted(self, node: bytes) -> bool:
-        return self.reps[node].trusted if node in self.reps else reputation.never_scored_trusted(self.rule)
-
     def unfit(self, node: ModelNode | None, model_id: str, hardware: str) -> str:
-        """Why the node cannot serve a deployment of the model on the class ('' when it can)."""
+        """Why the node cannot serve a deployment of the model on the class ('' when it can): it must
+        be listed (active, trusted and past probation) and serve the model on the class."""
         if node is None or node.status != "active":
             return "inactive"
-        if not self.trusted(node.pubkey):
+        rep = self.reps.get(node.pubkey)  # every registered node has one
+        if rep is None or not rep.trusted:
             return "untrusted"
+        if not rep.listable:
+            return "on-probation"
         if node.model_id != model_id:
             return "other-model"
         return "other-hardware" if node.hardware != hardware else ""

@@ -158,10 +158,20 @@ def _evidence(batch: Batch, epoch: Epoch, committee: dict[bytes, Member], params
     )
 
 
+def _scored(rule: reputation.ReputationRule, previous: epochs.Reputation, credibility: int,
+            number: int) -> epochs.Reputation:
+    """A node's reputation record after epoch `number` gave it C(T) = `credibility`."""
+    value, window = reputation.update(rule, previous.value, credibility, previous.window)
+    trusted = reputation.is_trusted(rule, value)
+    return epochs.Reputation(previous.node, value, window, previous.epochs + 1, number, trusted,
+                             reputation.probation_left(rule, previous.probation, trusted))
+
+
 def _finalize(batch: Batch, st: State, params: Params, epoch: Epoch, committee: dict[bytes, Member],
               time: int) -> None:
-    """Apply the epoch's verdicts to reputations, credit the organisations of verified, trusted
-    nodes for their serving time in the epoch, and record the epoch's faults."""
+    """Apply the epoch's verdicts to reputations, credit the organisations of verified, listed
+    nodes for their serving time in the epoch, and record the epoch's faults. A node on probation
+    earns nothing: it is not listed, so it served no users."""
     verdicts: list[finalization.Verdict] = []
     findings: list[finalization.Finding] = []
     if epoch.plan_status == PLAN_COMMITTED:
@@ -172,20 +182,15 @@ def _finalize(batch: Batch, st: State, params: Params, epoch: Epoch, committee: 
     earnings: dict[str, int] = defaultdict(int)
     for verdict in verdicts:
         raw = batch.get(layout.node_key(verdict.node))
-        if raw is None:
-            continue
         previous = st.reputation(verdict.node)
-        value, window = reputation.update(
-            rule, previous.value if previous else rule.initial, verdict.credibility,
-            previous.window if previous else ())
-        trusted = reputation.is_trusted(rule, value)
-        was_trusted = previous.trusted if previous else reputation.never_scored_trusted(rule)
-        st.put_reputation(epochs.Reputation(verdict.node, value, window,
-                                            (previous.epochs if previous else 0) + 1, epoch.number, trusted))
+        if raw is None or previous is None:
+            continue
+        record = _scored(rule, previous, verdict.credibility, epoch.number)
+        st.put_reputation(record)
         node = ModelNode.decode(raw)
-        if trusted != was_trusted:
-            st.put_node(node, trusted)
-        if trusted and verdict.scored and verdict.credibility >= rule.abnormal:
+        if record.listable != previous.listable:
+            st.put_node(node, record.listable)
+        if record.listable and verdict.scored and verdict.credibility >= rule.abnormal:
             serving = time - max(epoch.start_time, node.registered_at)
             earnings[node.org_id] += credits.earned(st.price(node.hardware), serving)
     for org_id in sorted(earnings):

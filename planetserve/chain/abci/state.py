@@ -32,6 +32,8 @@ from planetserve.chain.layout import (
     node_key,
     node_list_key,
     org_key,
+    org_node_key,
+    org_node_prefix,
     plan_key,
     price_key,
     proposal_key,
@@ -44,7 +46,7 @@ from planetserve.chain.layout import (
     user_list_key,
     vrf_prefix,
 )
-from planetserve.registry import codec, reputation
+from planetserve.registry import codec
 from planetserve.registry.credits import Credits, Deployment
 from planetserve.registry.entities import (
     Member,
@@ -187,18 +189,33 @@ class State:
     def node(self, pubkey: bytes) -> ModelNode | None:
         return self._load(node_key(pubkey), ModelNode)
 
-    def put_node(self, node: ModelNode, trusted: bool | None = None) -> None:
-        """Store a model node with its list entry: only active, trusted nodes are listed.
-        `trusted` is the node's reputation verdict when the caller already knows it."""
+    def put_node(self, node: ModelNode, listable: bool | None = None) -> None:
+        """Store a model node with its list entry: only active nodes whose reputation record lets them
+        be listed (trusted and past probation) are. `listable` is that record's verdict when the caller
+        already knows it."""
         old = self.node(node.pubkey)
         if old is not None:
             self.kv.delete(node_list_key(old))
         record = node.encode()
         self.kv.set(node_key(node.pubkey), record)
-        if trusted is None:
-            trusted = self.trusted(node.pubkey)
-        if node.status == "active" and trusted:
+        if listable is None:
+            listable = self.listable(node.pubkey)
+        if node.status == "active" and listable:
             self.kv.set(node_list_key(node), record)
+
+    def listed(self, node: ModelNode) -> bool:
+        """Whether the node is on the verified node list: active, trusted and past probation."""
+        return node.status == "active" and self.listable(node.pubkey)
+
+    def add_org_node(self, org_id: str, node: bytes) -> None:
+        self.kv.set(org_node_key(org_id, node), b"")
+
+    def org_reputations(self, org_id: str) -> list[int]:
+        """The reputations of every node the organisation registered, deactivated ones included, in
+        key order: its record, which a node taken out of service does not leave."""
+        prefix = org_node_prefix(org_id)
+        return [rep.value for k, _ in self.kv.iterate(prefix)
+                if (rep := self.reputation(bytes.fromhex(k[len(prefix):].decode()))) is not None]
 
     def member(self, operator: bytes) -> Member | None:
         return self._load(member_key(operator), Member)
@@ -294,12 +311,10 @@ class State:
     def reputation(self, node: bytes) -> Reputation | None:
         return self._load(reputation_key(node), Reputation)
 
-    def trusted(self, node: bytes) -> bool:
-        """Whether a node may be listed: its recorded verdict, or the initial reputation's."""
+    def listable(self, node: bytes) -> bool:
+        """Whether the node's reputation record lets it be listed (every registered node has one)."""
         rep = self.reputation(node)
-        if rep is not None:
-            return rep.trusted
-        return reputation.never_scored_trusted(reputation.ReputationRule.from_params(self.params()))
+        return rep is not None and rep.listable
 
     def put_reputation(self, rep: Reputation) -> None:
         self._put(reputation_key(rep.node), rep)

@@ -58,8 +58,7 @@ def deploy_model(ctx: Context, msg: DeployModel) -> None:
     if rate == 0:
         raise InvalidField("hardware", f"hardware class {hardware!r} has no price in this chain's genesis")
     pool = Pool.read(ctx.state, ctx.params)
-    org_rep = reputation.organisation_reputation(
-        pool.reputation(n.pubkey) for n in ctx.state.iterate_nodes() if n.org_id == org_id)
+    org_rep = reputation.organisation_reputation(ctx.state.org_reputations(org_id))
     if not reputation.is_trusted(pool.rule, org_rep):
         raise LowReputation(f"organisation {org_id!r} has reputation {org_rep / PPM:.6f}, below the "
                             f"{pool.rule.untrusted / PPM:.6f} needed to deploy "
@@ -67,7 +66,7 @@ def deploy_model(ctx: Context, msg: DeployModel) -> None:
     account = ctx.state.credits(org_id)
     available = pool.available(model_id, hardware)
     if not available:
-        raise Unavailable(f"no trusted, unassigned {hardware} node is registered for model {model_id!r}; "
+        raise Unavailable(f"no listed, unassigned {hardware} node is registered for model {model_id!r}; "
                           f"only nodes that serve a model are assigned its deployments")
     whole = credits.whole_model_nodes(model, available)
     deployment_id = ctx.state.next_deployment_id()
@@ -76,7 +75,7 @@ def deploy_model(ctx: Context, msg: DeployModel) -> None:
         _afford(account, credits.cost(rate, count, seconds))
         if len(whole) < count:
             raise Unavailable(f"asks for {count} {hardware} node(s) holding model {model_id!r}; "
-                              f"{len(whole)} trusted, unassigned ones serve it")
+                              f"{len(whole)} listed, unassigned ones serve it")
         chosen = credits.assign_nodes(deployment_id, [n.pubkey for n in whole], count)
     else:
         stages = _pipeline(ctx, model, available, count)

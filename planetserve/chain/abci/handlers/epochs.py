@@ -186,10 +186,10 @@ def _served_inconsistency(ctx: Context, node_model: str, served: SignedResponse)
 
 
 def _listed(ctx: Context, node: bytes) -> bool:
-    """Whether `node` is on the verified node list (active and trusted): only such a peer is credited
-    with an answer it computed, since only such a peer may be forwarded to."""
+    """Whether `node` is on the verified node list (active, trusted, past probation): only such a peer
+    is credited with an answer it computed, since only such a peer may be forwarded to."""
     peer = ctx.state.node(node)
-    return peer is not None and peer.status == "active" and ctx.state.trusted(node)
+    return peer is not None and ctx.state.listed(peer)
 
 
 def submit_results(ctx: Context, msg: SubmitResults) -> None:
@@ -233,7 +233,8 @@ def _submit_one(ctx: Context, epoch: Epoch, kind: str, entry: Revealed | Unanswe
             problem = _served_inconsistency(ctx, model_id, served)
         status, reason = VALID, ""
         if problem is None and served is not None and not _listed(ctx, served.node):
-            served, reason = None, "the serving node is not listed (inactive or untrusted): not credited"
+            served = None
+            reason = "the serving node is not listed (inactive, untrusted or on probation): not credited"
         if problem is not None:
             fault_kind, reason = problem
             status = FAULTY if fault_kind else INVALID

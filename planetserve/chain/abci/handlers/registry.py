@@ -17,8 +17,9 @@ from planetserve.chain.messages.registry import (
     UpdateModelNode,
     node_pop_message,
 )
-from planetserve.registry import rules
+from planetserve.registry import reputation, rules
 from planetserve.registry.entities import Model, ModelNode, Organisation, User
+from planetserve.registry.epochs import Reputation
 from planetserve.registry.errors import AlreadyExists, Expired, InvalidField, UnknownEntity
 
 
@@ -77,6 +78,7 @@ def register_model_node(ctx: Context, msg: RegisterModelNode) -> None:
         raise InvalidField("pop", "is not a signature by node_pubkey over the registration")
     if ctx.state.node(msg.node_pubkey) is not None:
         raise AlreadyExists("model node key is already registered")
+    start = _new_standing(ctx, msg.org_id, msg.node_pubkey)
     ctx.state.put_node(ModelNode(
         pubkey=msg.node_pubkey,
         org_id=msg.org_id,
@@ -90,7 +92,19 @@ def register_model_node(ctx: Context, msg: RegisterModelNode) -> None:
         memory_mib=msg.memory_mib or 0,
         gflops=msg.gflops or 0,
     ))
-    ctx.emit("register_model_node", node=msg.node_pubkey.hex(), org_id=msg.org_id, model_id=msg.model_id)
+    ctx.emit("register_model_node", node=msg.node_pubkey.hex(), org_id=msg.org_id, model_id=msg.model_id,
+             reputation=str(start.value), probation=str(start.probation))
+
+
+def _new_standing(ctx: Context, org_id: str, node: bytes) -> Reputation:
+    """A new key's reputation record, stored before its node so that the node is listed only once it
+    has earned it: bounded by its organisation's record, on probation for the genesis' epochs."""
+    rule = reputation.ReputationRule.from_params(ctx.params)
+    value = reputation.starting(rule, ctx.state.org_reputations(org_id))
+    record = Reputation(node, value, (), 0, 0, reputation.is_trusted(rule, value), rule.probation)
+    ctx.state.put_reputation(record)
+    ctx.state.add_org_node(org_id, node)
+    return record
 
 
 def update_model_node(ctx: Context, msg: UpdateModelNode) -> None:
