@@ -1,13 +1,17 @@
 """A model node that signs what it was not asked (another temperature, or another time), so that its
 answer, revealed, makes the honest member who submits it faulty (docs/threat-model.md, "Framing the
 challenger"): the member's daemon checks what the node signed before it reveals, and claims no valid
-response instead; the node's answer is never revealed against the member."""
+response instead; the node's answer is never revealed against the member. The members who then
+re-challenge it meet the same answer, and their claims make the node's score 0: the node is scored,
+and untrusted, and no member is faulted."""
 
 from __future__ import annotations
 
 import time
 
 import pytest
+from committee import EPOCH_PARAMS, HONEST, TEMPERATURE, Script, expected, finish, listed
+from harness import AppHarness, sqlite_url
 
 from planetserve.chain.challenge import Challenge, response_extension, sign_response
 from planetserve.chain.keys import KeySet
@@ -50,3 +54,42 @@ def test_an_answer_signed_as_asked_is_revealed(relay, tmp_path):
     node = KeySet.generate()
     _, done = asked(relay, tmp_path, node, ASKED, int(time.time()))
     assert done.reply is not None and done.reply.response.temperature == ASKED
+
+
+def test_a_framing_node_is_scored_and_untrusted_and_no_member_is_faulted(relay, tmp_path, monkeypatch):
+    """The leader's daemon and two members' daemons ask the framing node through the relay and each
+    claims no valid answer (the re-challengers naming their committed challenges); those claims, from
+    three quarters of the power, make the node's C(T) 0."""
+    monkeypatch.setattr(daemon_module, "RETRY_DELAY_S", 0.0)
+    s = Script(AppHarness(sqlite_url(tmp_path), members=4, params=EPOCH_PARAMS))
+    framing, honest = list(s.nodes)
+    s.run_election_and_plan(1)
+    leader = s.leader(1)
+    # whatever it is asked, it signs temperature 1, not the committed 0.7
+    relay.body = {"choices": [{"text": "Light."}], "planetserve": response_extension(
+        sign_response(s.nodes[framing], "Why?", [5, 6], "Light.", "gt", int(time.time()), "h:1", 1_000))}
+    registered = ModelNode(framing, "org1", "gt", "h:1", "cpu", 1, "eu", "active", 0)
+
+    def claim(member: KeySet, challenge: Challenge, kind: str) -> Unanswered:
+        daemon = Daemon(member, None, {}, OverlayChannel(relay.url), None, tmp_path / member.public.hex(), attempts=2)
+        daemon._ask((1, framing, kind), challenge, registered)
+        entry = daemon._entry(1, daemon.pending[1, framing, kind].result(timeout=30), kind)
+        assert isinstance(entry, Unanswered) and "signed temperature 1" in entry.invalid
+        return entry
+
+    planned = claim(leader, s.planned(1, framing, leader), "leader")
+    body = s.leader_results(1, HONEST, [honest])
+    body["results"].append(planned.body())
+    assert s.block(s.tx(leader, "submit-results", body)) == [(0, "ok")]
+    for member in [m for k, m in s.members.items() if k != leader.public][:2]:
+        own = Challenge.new("Why is the sea salty?", TEMPERATURE)
+        assert s.block(s.tx(member, "commit-rechallenge", {"epoch": 1, "tag": own.tag(framing)}))[0][0] == 0
+        entry = claim(member, own, "rechallenge")
+        assert s.block(s.tx(member, "submit-results", {"epoch": 1, "kind": "rechallenge",
+                                                        "results": [entry]})) == [(0, "ok")]
+    assert all(c == 0 for c, _ in s.block(*s.attest_txs(1, leader.public, {honest: HONEST})))
+    finish(s, 1)
+    assert s.reputation(framing) == expected(0) and not s.state.reputation(framing).trusted
+    assert framing not in listed(s) and honest in listed(s)
+    assert s.reputation(honest) == expected(HONEST)
+    assert all(s.faults(m) == [] for m in s.members)
