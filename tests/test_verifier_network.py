@@ -1,9 +1,10 @@
-"""The whole verification loop on a real network, nothing scripted: four validators each with its own
-`planetserve verifier run` daemon, four model node processes of one organisation (two honest gt, one
-serving the smallest model, tiny, while claiming gt, one answering clickbait rewrites of its prompts) and user
-relay processes carrying the challenges. Epoch after epoch the ledger scores the nodes, and both
-dishonest nodes fall out of the trusted list; one daemon is killed mid-epoch and restarted, and it
-rejoins without submitting anything twice."""
+"""The whole verification loop on a real network, nothing scripted, with the localnet's composition:
+four validators each with its own `planetserve verifier run` daemon, four model node processes of one
+organisation (honest-a and honest-b serving gt, `smaller` serving the smallest model, tiny, while
+claiming gt, `clickbait` answering clickbait rewrites of its prompts) and user relay processes carrying
+the challenges. For ten epochs the ledger scores every planned node in every epoch, both honest nodes
+are trusted at the end of every one, and both dishonest nodes end untrusted and off the signed list;
+one daemon is killed mid-epoch and restarted, and it rejoins without submitting anything twice."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ PARAMS = Params(epoch_blocks=40, results_blocks=16, vrf_window_blocks=10, plan_w
                 probation_epochs=0)  # nodes listed from registration: the client asks them at once
 SCHEDULE = epochs.Schedule.from_params(PARAMS)
 RULE = reputation.ReputationRule.from_params(PARAMS)
-SCORED_EPOCHS = 6
+SCORED_EPOCHS = 10
 NODES = {"honest-a": ("gt", "honest"), "honest-b": ("gt", "honest"), "smaller": ("tiny", "honest"),
          "clickbait": ("gt", "alter-prompts")}
 
@@ -143,7 +144,13 @@ def test_the_committee_verifies_model_nodes_epoch_after_epoch(tmp_path, quick_fa
         client.min_height = SCHEDULE.end(last)
         for number in range(first, last + 1):
             record = client.epoch(number)
-            assert record.finalized and record.plan_nodes == len(NODES) and record.scored >= 1, record
+            assert record.finalized and record.plan_nodes == len(NODES), record
+            with client.snapshot(SCHEDULE.end(number)):  # right after the epoch was finalized
+                standing = {name: client.reputation(k) for name, k in key.items()}
+            # every planned node was scored in this epoch, on an answer it returned
+            assert all(r.last_epoch == number for r in standing.values()), (number, standing)
+            # and the honest nodes were trusted at the end of every finalized epoch
+            assert all(standing[name].trusted for name in ("honest-a", "honest-b")), (number, standing)
         # the faults: only the killed leader's, for results it could not submit in time (members then
         # re-challenged those nodes)
         faults = [(f.epoch, f.kind, f.operator) for f in client.faults()[1] if f.epoch >= first]
@@ -164,6 +171,8 @@ def test_the_committee_verifies_model_nodes_epoch_after_epoch(tmp_path, quick_fa
         for name in ("smaller", "clickbait"):
             assert values[name] < min(values["honest-a"], values["honest-b"]), reps
             assert values[name] < RULE.untrusted and not reps[name].trusted, reps
+        listed = {n.pubkey for n in client.nodes("gt")[1]}
+        assert listed == {key["honest-a"], key["honest-b"]}, listed  # the dishonest two are delisted
 
         # nothing was submitted twice, and the restarted daemon took part again
         for daemon in daemons:

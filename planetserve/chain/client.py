@@ -118,6 +118,8 @@ class LedgerClient:
         # transaction, so a client reads its own writes.
         self.min_height = min_height
         self._pinned: LightBlock | None = None
+        self._past = False
+        """Whether the pinned header was asked for by height: then it is read whatever min_height says."""
 
     @contextlib.contextmanager
     def snapshot(self, height: int | None = None) -> Iterator[int]:
@@ -134,10 +136,11 @@ class LedgerClient:
             self._pinned = None
         else:
             self._pinned = self.verifier.verified_light_block(None if height is None else height + 1)
+        self._past = height is not None
         try:
             yield self._pinned.height if self._pinned is not None else 0
         finally:
-            self._pinned = None
+            self._pinned, self._past = None, False
 
     @classmethod
     def verified(cls, rpc_url: str, genesis: str | Path) -> LedgerClient:
@@ -164,7 +167,7 @@ class LedgerClient:
             return answer, self._proof(path, data, answer) if shape else None, None
         latest = self._pinned or self.verifier.verified_light_block()
         height = latest.height - 1
-        if height >= max(1, self.min_height):
+        if height >= max(1, self.min_height) or self._past:
             app_hash = latest.header.app_hash
         else:  # reading our own write, or only genesis exists: wait for the header after it
             height = max(1, self.min_height)
