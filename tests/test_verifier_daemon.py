@@ -51,7 +51,7 @@ def test_config_loads_strictly(tmp_path):
 def test_the_journal_survives_a_restart(tmp_path):
     journal = Journal(tmp_path / "j.jsonl")
     node = bytes(range(32))
-    challenge = Challenge.new("How do tides work?", 700)
+    challenge = Challenge.new("How do tides work? And why?", 700, max_tokens=9, earlier=(18,))
     journal.add(3, node, challenge)
     with (tmp_path / "j.jsonl").open("a") as fh:
         fh.write('{"epoch": 4, "node": "')  # a line cut short by a crash
@@ -61,6 +61,11 @@ def test_the_journal_survives_a_restart(tmp_path):
     again.add(5, node, challenge)  # written whole after the cut line
     assert Journal(tmp_path / "j.jsonl").get(5, node) == challenge
     assert (tmp_path / "j.jsonl").stat().st_mode & 0o777 == 0o600  # challenges are secret until revealed
+    # a line an earlier version wrote (no cap, no earlier turns) asks the default cap
+    with (tmp_path / "j.jsonl").open("a") as fh:
+        fh.write(json.dumps({"epoch": 6, "node": node.hex(), "prompt": "Why?", "salt": "00" * 32,
+                             "temperature": 0, "question": ""}) + "\n")
+    assert Journal(tmp_path / "j.jsonl").get(6, node) == Challenge("Why?", bytes(32), 0)
 
 
 def test_a_journal_line_cut_by_a_crash_is_skipped_and_ended(tmp_path):

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from planetserve.chain import vrf
-from planetserve.chain.challenge import Challenge, SealedPromptError, open_plan_entry
+from planetserve.chain.challenge import DEFAULT_MAX_TOKENS, Challenge, SealedPromptError, open_plan_entry
 from planetserve.chain.client import TRANSIENT, LedgerClient
 from planetserve.chain.errors import Code
 from planetserve.chain.keys import KeySet
@@ -84,9 +84,10 @@ class Journal:
         self.lines = JsonLines(path)  # owner-only: the prompts are secret until revealed
         self.entries: dict[tuple[int, bytes], Challenge] = {}
         for item in self.lines.read():
+            # a line written before challenges sealed their cap and earlier turns asked the default cap
             self.entries[item["epoch"], bytes.fromhex(item["node"])] = Challenge(
                 item["prompt"], bytes.fromhex(item["salt"]), item["temperature"], item["question"],
-                item["max_tokens"], tuple(item["earlier"]))
+                item.get("max_tokens", DEFAULT_MAX_TOKENS), tuple(item.get("earlier", ())))
 
     def add(self, epoch: int, node: bytes, challenge: Challenge) -> None:
         self.lines.append({"epoch": epoch, "node": node.hex(), "prompt": challenge.prompt,
