@@ -3,19 +3,21 @@ leader and members (seed planetserve.md 3.4 and 4.4), as a pure function of what
 
 Per node of the plan, in key order:
 - The candidate results are the leader's, if valid, then valid re-challenges in submitter order.
-  Those whose attesting members hold more than 2/3 of the power are attested; the first attested one
-  the node computed itself (no `served_by`) gives C(T), the median of its attested credibilities, and
-  only without one does the first attested forwarded one. A forward shows the serving peer's model,
-  not the node's; members re-challenge a node whose leader result was forwarded, so a node that sends
-  its challenges to honest peers is still scored on its own answers when it serves any.
-- Without such a result, the node is cut (C(T) = 0) only when members holding more than 1/3 of the
-  power reported no valid response from it; the leader's own "invalid" claim counts as its report.
+  Those whose attesting members hold more than 2/3 of the power are attested, each worth the median
+  of its attested credibilities.
+- Every attested answer counts against the node that computed it: the challenged node, or the group
+  peer whose own signature (`served_by`) shows it computed the answer for the challenged node. A node
+  that computed any attested answer this epoch, for its own challenges or as a serving peer, gets as
+  C(T) the median of them all: a forward shows the serving peer's model, so a fast peer that serves
+  its group's challenges with a cheaper model is caught on them, and an honest node that forwarded to
+  it is scored on what it computed itself (members re-challenge a node whose leader result was
+  forwarded). A planned node that computed none answers for what it returned: C(T) is its first
+  attested forwarded result's, so a forward never hides it.
+- Without an attested result, the node is cut (C(T) = 0) only when members holding more than 1/3 of
+  the power reported no valid response from it; the leader's own "invalid" claim counts as its report.
 - Otherwise its reputation does not change this epoch.
-The node a challenge addressed answers for its answer, whoever computed it: C(T) is the challenged
-node's, so a forward never hides it. When it forwarded the challenge within its group, the serving
-node's own signature rides along and the serving node is credited with the same C(T) too, unless it
-got one of its own this epoch (it is planned itself, or served an earlier challenge). A node gets at
-most one C(T) per epoch: planned nodes in plan order first, then serving nodes in plan order.
+A serving peer that is not planned gets the median of what it computed, after every planned node. A
+node gets at most one C(T) per epoch.
 Faults: a leader that submitted nothing for a committed plan withheld its results; one that left a
 node out skipped it; one whose proposed credibility strays beyond the tolerance from the median
 deviated; one that claimed an invalid response where members holding more than 2/3 of the power
@@ -76,19 +78,14 @@ def _candidates(node_results: list[ChallengeResult]) -> list[ChallengeResult]:
     return leader + others
 
 
-def _scored(ev: Evidence, node: bytes, total: int, findings: list[Finding]) -> Verdict | None:
+def _attested(ev: Evidence, node: bytes, total: int, findings: list[Finding]
+              ) -> list[tuple[ChallengeResult, int]]:
+    """The node's candidate results that members holding more than 2/3 of the power attested, each with
+    the median of its attestations; an attestation or a leader's proposal far from it is a finding."""
     attested = []
     for result in _candidates(ev.results.get(node, [])):
         scores = [(m, c) for m, c in ev.attestations.get((node, result.submitter), []) if m in ev.power]
-        if rules.supermajority(_power([m for m, _ in scores], ev.power), total):
-            attested.append((result, scores))
-    if not attested:
-        return None
-    own = [(result, scores) for result, scores in attested if not result.served_by]
-    chosen = (own or attested)[0][0]
-    verdict = None
-    for result, scores in attested:
-        if result is not chosen and result.kind != "leader":
+        if not rules.supermajority(_power([m for m, _ in scores], ev.power), total):
             continue
         value = median([c for _, c in scores])
         for member, credibility in scores:
@@ -98,9 +95,8 @@ def _scored(ev: Evidence, node: bytes, total: int, findings: list[Finding]) -> V
         if result.kind == "leader" and abs(result.credibility - value) > ev.tolerance:
             findings.append(Finding(ev.leader, "deviating-credibility", node,
                                     f"proposed {result.credibility} ppm against the median {value}"))
-        if result is chosen:
-            verdict = Verdict(node, value, f"{result.kind}:{result.submitter.hex()}", result.served_by)
-    return verdict
+        attested.append((result, value))
+    return attested
 
 
 def to_pipelines(verdicts: list[Verdict], pipelines: dict[bytes, tuple[bytes, ...]]) -> list[Verdict]:
@@ -125,12 +121,17 @@ def decide(ev: Evidence) -> tuple[list[Verdict], list[Finding]]:
     if ev.plan_nodes and not leader_submitted:
         findings.append(Finding(ev.leader, "withheld-results", b"",
                                 f"no results for any of the {len(ev.plan_nodes)} planned challenges"))
+    attested = {node: _attested(ev, node, total, findings) for node in ev.plan_nodes}
+    computed: dict[bytes, list[int]] = {}
+    for node in ev.plan_nodes:
+        for result, value in attested[node]:
+            computed.setdefault(result.served_by or node, []).append(value)
     for node in ev.plan_nodes:
         node_results = ev.results.get(node, [])
         own = next((r for r in node_results if r.kind == "leader"), None)
         if own is None and leader_submitted:
             findings.append(Finding(ev.leader, "skipped-node", node, "planned node left out of the results"))
-        verdict = _scored(ev, node, total, findings)
+        verdict = _verdict(node, attested[node], computed)
         if verdict is None:
             reporters = set(ev.reports.get(node, ()))
             if own is not None and own.status == INVALID:
@@ -145,15 +146,18 @@ def decide(ev: Evidence) -> tuple[list[Verdict], list[Finding]]:
             if rules.supermajority(_power(answered, ev.power), total):
                 findings.append(Finding(ev.leader, "false-invalid-report", node,
                                         "members holding more than 2/3 of the power got valid responses"))
-    return verdicts + _serving_peers(verdicts, scored), findings
+    serving = [Verdict(peer, median(values), "served") for peer, values in computed.items()
+               if peer not in scored]
+    return verdicts + serving, findings
 
 
-def _serving_peers(verdicts: list[Verdict], scored: set[bytes]) -> list[Verdict]:
-    """The serving peers' credit: each forwarded verdict's C(T) for the peer that computed it, in plan
-    order, for peers without a C(T) of their own."""
-    out = []
-    for verdict in verdicts:
-        if verdict.served_by and verdict.served_by not in scored:
-            out.append(Verdict(verdict.served_by, verdict.credibility, verdict.source + ":served"))
-            scored.add(verdict.served_by)
-    return out
+def _verdict(node: bytes, attested: list[tuple[ChallengeResult, int]], computed: dict[bytes, list[int]]
+             ) -> Verdict | None:
+    """The median of every attested answer the node computed; without one, its first attested forwarded
+    result (it answers for what it returned); without that, none."""
+    if node in computed:
+        return Verdict(node, median(computed[node]), "computed")
+    if attested:
+        result, value = attested[0]
+        return Verdict(node, value, f"{result.kind}:{result.submitter.hex()}", result.served_by)
+    return None

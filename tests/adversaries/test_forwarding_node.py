@@ -1,6 +1,9 @@
 """A model node that forwards its challenges to a peer, hoping the peer's answer is scored instead of
 its own (docs/threat-model.md, "Forwarding to hide"): the node a challenge addressed answers for what
-it returned, and only a listed peer is credited with an answer it computed."""
+it returned, and only a listed peer is credited with an answer it computed. And the other way round,
+a fast peer serving its group's challenges with a cheaper model: every answer counts against the node
+that computed it, so the peer is caught on them and the honest node that forwarded to it is scored on
+what it computed itself."""
 
 from __future__ import annotations
 
@@ -49,7 +52,8 @@ def test_a_node_that_forwards_its_challenge_is_scored_on_what_it_returned(s):
     assert result.served_by == node1
     finish(s, 1)
     assert s.reputation(node0) == expected(WEAK)  # the forward did not hide node0
-    assert s.reputation(node1) == expected(HONEST)  # node1 keeps the verdict of its own challenge
+    # node1 computed two answers: its own challenge's and node0's, and is scored on both
+    assert s.reputation(node1) == expected((HONEST + WEAK) // 2)
     assert s.epoch(1).scored == 2
     assert all(s.faults(m) == [] for m in s.members)
 
@@ -66,9 +70,10 @@ def test_a_serving_peer_off_the_list_is_not_credited(s):
     assert all(s.faults(m) == [] for m in s.members)
 
 
-def test_a_serving_peer_without_a_challenge_of_its_own_is_credited_too():
-    """The pure rule: C(T) is the challenged node's, and the peer that computed it gets the same once,
-    after every planned node, unless it has its own."""
+def test_every_answer_counts_against_the_node_that_computed_it():
+    """The pure rule: a node that computed attested answers (its own, or as a serving peer) gets their
+    median; a planned node that computed none answers for what it returned; a serving peer that is not
+    planned is scored after every planned node."""
     challenged, peer, planned_peer, member = b"a" * 32, b"p" * 32, b"q" * 32, b"m" * 32
 
     def result(node: bytes, credibility: int, served_by: bytes) -> ChallengeResult:
@@ -82,9 +87,42 @@ def test_a_serving_peer_without_a_challenge_of_its_own_is_credited_too():
         attestations={(challenged, member): [(member, WEAK)], (planned_peer, member): [(member, HONEST)]},
         reports={}, power={member: 1}, tolerance=0)
     verdicts, findings = finalization.decide(evidence)
-    assert [(v.node, v.credibility) for v in verdicts] == [(challenged, WEAK), (planned_peer, HONEST),
+    # `challenged` computed planned_peer's answer; planned_peer computed nothing and answers for what it
+    # returned; `peer`, not planned, computed challenged's
+    assert [(v.node, v.credibility) for v in verdicts] == [(challenged, HONEST), (planned_peer, HONEST),
                                                            (peer, WEAK)]
     assert findings == []
+
+
+def test_a_fast_peer_serving_its_groups_challenges_with_a_cheaper_model_is_caught_on_them(s):
+    """node1 (fast, cheap) computes node0's challenge and every re-challenge of node0, badly; its own
+    challenge it answers well (a question any model ends at once). It is scored on everything it
+    computed; node0, which forwarded in good faith, answers for its leader result only while it
+    computed nothing, and here it computed one re-challenge itself, well."""
+    node0, node1, _ = forwarded_epoch(s, peer_scores=0)
+    leader = s.leader(1)
+    members = [m for k, m in s.members.items() if k != leader.public]
+    own = {m.public: Challenge.new(f"Member {i} asks: how do tides work?", TEMPERATURE)
+           for i, m in enumerate(members)}
+    commits = [s.tx(m, "commit-rechallenge", {"epoch": 1, "tag": own[m.public].tag(node0)}) for m in members]
+    assert all(c == 0 for c, _ in s.block(*commits))
+    reveals = []
+    for i, m in enumerate(members):
+        returned = s.answer(node0, own[m.public].prompt)
+        served = s.answer(node1, own[m.public].prompt, time=returned.time - 1) if i else None
+        reveals.append(s.tx(m, "submit-results", {"epoch": 1, "kind": "rechallenge", "results": [
+            own[m.public].reveal(returned, served=served)]}))
+    assert all(c == 0 for c, _ in s.block(*reveals))
+    scores = {m.public: HONEST if i == 0 else 0 for i, m in enumerate(members)}
+    for submitter, score in scores.items():
+        assert all(c == 0 for c, _ in s.block(*s.attest_txs(1, submitter, {node0: score})))
+    finish(s, 1)
+    # node1 computed: its own (HONEST), node0's leader challenge (0) and two re-challenges (0, 0)
+    assert s.reputation(node1) == expected(0)
+    assert not s.state.reputation(node1).trusted
+    # node0 computed one re-challenge itself: that is what it is scored on
+    assert s.reputation(node0) == expected(HONEST)
+    assert all(s.faults(m) == [] for m in s.members)
 
 
 def test_the_nodes_own_answer_on_re_challenge_outweighs_its_forwarded_one(s):
