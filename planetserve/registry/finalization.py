@@ -11,8 +11,8 @@ Per node of the plan, in key order:
   C(T) the median of them all: a forward shows the serving peer's model, so a fast peer that serves
   its group's challenges with a cheaper model is caught on them, and an honest node that forwarded to
   it is scored on what it computed itself (members re-challenge a node whose leader result was
-  forwarded). A planned node that computed none answers for what it returned: C(T) is its first
-  attested forwarded result's, so a forward never hides it.
+  forwarded). A planned node that computed none answers for what it returned: C(T) is the median of
+  its attested results, so a forward never hides it.
 - Without an attested result, the node is cut (C(T) = 0) only when members holding more than 1/3 of
   the power reported no valid response from it; the leader's own "invalid" claim counts as its report.
 - Otherwise its reputation does not change this epoch.
@@ -50,8 +50,6 @@ class Verdict:
     node: bytes
     credibility: int
     source: str
-    served_by: bytes = b""
-    """The group peer that computed the scored response, when the node forwarded its challenge."""
 
     @property
     def scored(self) -> bool:
@@ -153,11 +151,10 @@ def decide(ev: Evidence) -> tuple[list[Verdict], list[Finding]]:
 
 def _verdict(node: bytes, attested: list[tuple[ChallengeResult, int]], computed: dict[bytes, list[int]]
              ) -> Verdict | None:
-    """The median of every attested answer the node computed; without one, its first attested forwarded
-    result (it answers for what it returned); without that, none."""
+    """The median of every attested answer the node computed; without one, the median of its attested
+    (forwarded) results, since it answers for what it returned; without those, none."""
     if node in computed:
         return Verdict(node, median(computed[node]), "computed")
     if attested:
-        result, value = attested[0]
-        return Verdict(node, value, f"{result.kind}:{result.submitter.hex()}", result.served_by)
+        return Verdict(node, median([value for _, value in attested]), "returned")
     return None

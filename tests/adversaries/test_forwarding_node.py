@@ -94,6 +94,22 @@ def test_every_answer_counts_against_the_node_that_computed_it():
     assert findings == []
 
 
+def test_a_node_that_computed_nothing_answers_for_the_median_of_what_it_returned():
+    """All three of a node's results were computed by peers, one of them a cheat: the node answers for
+    the median of what it returned, and each peer for what it computed."""
+    node, cheap, honest1, honest2, member = b"n" * 32, b"c" * 32, b"h" * 32, b"i" * 32, b"m" * 32
+    results = [ChallengeResult(node, member, "leader", VALID, "", "p", b"s" * 32, {}, 0, 1, cheap)]
+    results += [ChallengeResult(node, m, "rechallenge", VALID, "", "p", b"s" * 32, {}, -1, 1, peer)
+                for m, peer in ((b"x" * 32, honest1), (b"y" * 32, honest2))]
+    attestations = {(node, member): [(member, 0)], (node, b"x" * 32): [(member, HONEST)],
+                    (node, b"y" * 32): [(member, HONEST)]}
+    evidence = finalization.Evidence(leader=member, plan_nodes=[node], results={node: results},
+                                     attestations=attestations, reports={}, power={member: 1}, tolerance=0)
+    verdicts, _ = finalization.decide(evidence)
+    assert [(v.node, v.credibility) for v in verdicts] == [(node, HONEST), (cheap, 0), (honest1, HONEST),
+                                                           (honest2, HONEST)]
+
+
 def test_a_fast_peer_serving_its_groups_challenges_with_a_cheaper_model_is_caught_on_them(s):
     """node1 (fast, cheap) computes node0's challenge and every re-challenge of node0, badly; its own
     challenge it answers well (a question any model ends at once). It is scored on everything it
