@@ -62,6 +62,10 @@ TX_MARGIN_BYTES = 1_024
 PLAN_DRAWS = 8
 ERROR_BACKOFF_MAX = 30.0
 RETRY_DELAY_S = 2.0
+SETTLE_BLOCKS = 5
+"""The leader sends an epoch's challenges from this many blocks into it (at most half the results
+window): the previous epoch's finalization may just have delisted a node, and a challenged node that
+forwards on a view of the list a few seconds old would answer for what an unlisted peer computed."""
 SIGNED_TIME_TOLERANCE_S = 60
 """How far from its arrival an answer's signed time may be: half the chain's default slack, so an answer
 this member reveals never makes it `stale-response`-faulty for the node's choice of time."""
@@ -160,7 +164,8 @@ class Daemon:
             if schedule.in_vrf_window(upcoming):
                 self._prove(number + 1, schedule)
             planned = current.plan_status == PLAN_COMMITTED
-            if planned and current.leader == self.me and schedule.in_results(upcoming):
+            settled = upcoming >= schedule.start(number) + min(SETTLE_BLOCKS, params.results_blocks // 2)
+            if planned and current.leader == self.me and schedule.in_results(upcoming) and settled:
                 self._lead(number)
             self._attest(number)
             if planned and not schedule.in_results(upcoming):
