@@ -8,15 +8,16 @@ Per node of the plan, in key order:
 - Every attested answer counts against the node that computed it: the challenged node, or the group
   peer whose own signature (`served_by`) shows it computed the answer for the challenged node. A node
   that computed any attested answer this epoch, for its own challenges or as a serving peer, gets as
-  C(T) the median of them all: a forward shows the serving peer's model, so a fast peer that serves
+  C(T) the median of them all, each weighted by its number of tokens (an answer that a model ends at
+  once says little, a long one much): a forward shows the serving peer's model, so a fast peer that serves
   its group's challenges with a cheaper model is caught on them, and an honest node that forwarded to
   it is scored on what it computed itself (members re-challenge a node whose leader result was
-  forwarded). A planned node that computed none answers for what it returned: C(T) is the median of
-  its attested results, so a forward never hides it.
+  forwarded). A planned node that computed none answers for what it returned: C(T) is the weighted
+  median of its attested results, so a forward never hides it.
 - Without an attested result, the node is cut (C(T) = 0) only when members holding more than 1/3 of
   the power reported no valid response from it; the leader's own "invalid" claim counts as its report.
 - Otherwise its reputation does not change this epoch.
-A serving peer that is not planned gets the median of what it computed, after every planned node. A
+A serving peer that is not planned gets the weighted median of what it computed, after every planned node. A
 node gets at most one C(T) per epoch.
 Faults: a leader that submitted nothing for a committed plan withheld its results; one that left a
 node out skipped it; one whose proposed credibility strays beyond the tolerance from the median
@@ -120,10 +121,10 @@ def decide(ev: Evidence) -> tuple[list[Verdict], list[Finding]]:
         findings.append(Finding(ev.leader, "withheld-results", b"",
                                 f"no results for any of the {len(ev.plan_nodes)} planned challenges"))
     attested = {node: _attested(ev, node, total, findings) for node in ev.plan_nodes}
-    computed: dict[bytes, list[int]] = {}
+    computed: dict[bytes, list[tuple[int, int]]] = {}
     for node in ev.plan_nodes:
         for result, value in attested[node]:
-            computed.setdefault(result.served_by or node, []).append(value)
+            computed.setdefault(result.served_by or node, []).append((value, _tokens(result)))
     for node in ev.plan_nodes:
         node_results = ev.results.get(node, [])
         own = next((r for r in node_results if r.kind == "leader"), None)
@@ -144,17 +145,35 @@ def decide(ev: Evidence) -> tuple[list[Verdict], list[Finding]]:
             if rules.supermajority(_power(answered, ev.power), total):
                 findings.append(Finding(ev.leader, "false-invalid-report", node,
                                         "members holding more than 2/3 of the power got valid responses"))
-    serving = [Verdict(peer, median(values), "served") for peer, values in computed.items()
+    serving = [Verdict(peer, weighted_median(values), "served") for peer, values in computed.items()
                if peer not in scored]
     return verdicts + serving, findings
 
 
-def _verdict(node: bytes, attested: list[tuple[ChallengeResult, int]], computed: dict[bytes, list[int]]
-             ) -> Verdict | None:
-    """The median of every attested answer the node computed; without one, the median of its attested
-    (forwarded) results, since it answers for what it returned; without those, none."""
+def _verdict(node: bytes, attested: list[tuple[ChallengeResult, int]],
+             computed: dict[bytes, list[tuple[int, int]]]) -> Verdict | None:
+    """The weighted median of every attested answer the node computed; without one, that of its
+    attested (forwarded) results, since it answers for what it returned; without those, none."""
     if node in computed:
-        return Verdict(node, median(computed[node]), "computed")
+        return Verdict(node, weighted_median(computed[node]), "computed")
     if attested:
-        return Verdict(node, median([value for _, value in attested]), "returned")
+        return Verdict(node, weighted_median([(value, _tokens(r)) for r, value in attested]), "returned")
     return None
+
+
+def _tokens(result: ChallengeResult) -> int:
+    """An answer's weight as evidence: its number of tokens (at least 1)."""
+    ids = result.response.get("token_ids", ()) if isinstance(result.response, dict) else ()
+    return max(1, len(ids))
+
+
+def weighted_median(values: list[tuple[int, int]]) -> int:
+    """The lower weighted median of (value, weight) pairs: the least value whose cumulative weight, in
+    value order, reaches half the total (integers; ties in value order)."""
+    total = sum(weight for _, weight in values)
+    cumulative = 0
+    for value, weight in sorted(values):
+        cumulative += weight
+        if 2 * cumulative >= total:
+            return value
+    raise ValueError("weighted median of no values")

@@ -52,8 +52,8 @@ def test_a_node_that_forwards_its_challenge_is_scored_on_what_it_returned(s):
     assert result.served_by == node1
     finish(s, 1)
     assert s.reputation(node0) == expected(WEAK)  # the forward did not hide node0
-    # node1 computed two answers: its own challenge's and node0's, and is scored on both
-    assert s.reputation(node1) == expected((HONEST + WEAK) // 2)
+    # node1 computed two answers of one length, its own challenge's and node0's: the lower median
+    assert s.reputation(node1) == expected(WEAK)
     assert s.epoch(1).scored == 2
     assert all(s.faults(m) == [] for m in s.members)
 
@@ -161,3 +161,26 @@ def test_the_nodes_own_answer_on_re_challenge_outweighs_its_forwarded_one(s):
     assert s.reputation(node0) == expected(WEAK)
     assert s.reputation(node1) == expected(HONEST)
     assert all(s.faults(m) == [] for m in s.members)
+
+
+def test_answers_weigh_by_their_tokens_so_answers_any_model_ends_at_once_cannot_outvote_a_long_one():
+    """A cheap serving peer's own challenges are questions every model ends at once (one token, scored
+    1); the one long answer it computed for a peer scores 0. Token for token, the long one decides."""
+    peer, other, member = b"p" * 32, b"o" * 32, b"m" * 32
+
+    def result(node: bytes, submitter: bytes, kind: str, tokens: int, served_by: bytes = b"") -> ChallengeResult:
+        return ChallengeResult(node, submitter, kind, VALID, "", "p", b"s" * 32,
+                               {"token_ids": list(range(tokens))}, -1, 1, served_by)
+
+    own = [result(peer, member, "leader", 1)] + [result(peer, bytes([i]) * 32, "rechallenge", 1) for i in (1, 2)]
+    served = [result(other, member, "leader", 32, served_by=peer)]
+    scores = {(peer, r.submitter): [(member, HONEST)] for r in own} | {(other, member): [(member, 0)]}
+    evidence = finalization.Evidence(leader=member, plan_nodes=[other, peer], results={peer: own, other: served},
+                                     attestations=scores, reports={}, power={member: 1}, tolerance=0)
+    verdicts, _ = finalization.decide(evidence)
+    assert [(v.node, v.credibility) for v in verdicts] == [(other, 0), (peer, 0)]
+    assert finalization.weighted_median([(HONEST, 3), (0, 32)]) == 0
+    assert finalization.weighted_median([(HONEST, 32), (0, 3)]) == HONEST
+    assert finalization.weighted_median([(5, 1), (9, 1)]) == 5
+    with pytest.raises(ValueError):
+        finalization.weighted_median([])
