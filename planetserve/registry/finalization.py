@@ -163,8 +163,7 @@ def _verdict(node: bytes, attested: list[tuple[ChallengeResult, int]],
 
 def _tokens(result: ChallengeResult) -> int:
     """An answer's weight as evidence: its number of tokens (at least 1)."""
-    ids = result.response.get("token_ids", ()) if isinstance(result.response, dict) else ()
-    return max(1, len(ids))
+    return max(1, len(result.response.get("token_ids", ())))
 
 
 def weighted_median(values: list[tuple[int, int]]) -> int:

@@ -105,12 +105,9 @@ class ChallengeSource:
         each picked uniformly from a run of users' requests, so that follow-ups, which a run has only
         once its sessions have started, are as common among challenges as among users' requests."""
         fresh: list[ChallengePrompt] = []
-        pick = secrets.SystemRandom()
         for _ in range(MAX_REDRAWS):
-            candidates = self._run(max(RUN, 2 * (count - len(fresh))))
-            for drawn in pick.sample(candidates, min(len(candidates), count - len(fresh))):
-                self.used.add(prompt_digest(drawn.text))
-                fresh.append(drawn)
+            need = count - len(fresh)
+            fresh += self._run(max(RUN, 2 * need), need)
             if len(fresh) == count:
                 self._record(fresh)
                 return fresh
@@ -118,23 +115,32 @@ class ChallengeSource:
         raise ChallengeError(f"only {len(fresh)} of {count} fresh challenges after {MAX_REDRAWS} draws; "
                              f"raise max_prompt_len or scale")
 
-    def _run(self, length: int) -> list[ChallengePrompt]:
-        """The requests of one generator run that fit and were never used, follow-ups with the lengths
-        of their sessions' earlier turns."""
+    def _run(self, length: int, need: int) -> list[ChallengePrompt]:
+        """Up to `need` requests of one generator run, picked uniformly among those that fit and were
+        never used (each checked only when its turn in a shuffle comes, so a run costs tokenizing only
+        what is tried), follow-ups with the lengths of their sessions' earlier turns."""
         sessions: dict[str, tuple[int, ...]] = {}
-        candidates = []
+        turns = []
         for request in workloads.generate(self.workload, rate=1.0, count=length, seed=secrets.randbits(63),
                                           scale=self.scale, followup=self.followup_share):
-            text = request.text
             earlier = sessions.get(request.session, ()) if request.session is not None else ()
             if request.session is not None:
-                sessions[request.session] = (*earlier, len(text))
-            if self._too_long(request.prompt_len, text) or prompt_digest(text) in self.used:
+                sessions[request.session] = (*earlier, len(request.text))
+            turns.append((request, earlier))
+        secrets.SystemRandom().shuffle(turns)
+        picked: list[ChallengePrompt] = []
+        for request, earlier in turns:
+            if len(picked) == need:
+                break
+            text = request.text
+            digest = prompt_digest(text)
+            if digest in self.used or self._too_long(request.prompt_len, text):
                 continue
-            temperature, chat = self._temperature(request.temperature), self._chat(request.chat)
-            candidates.append(ChallengePrompt(text, request.max_tokens, request.workload, temperature, chat,
-                                              earlier))
-        return candidates
+            self.used.add(digest)
+            picked.append(ChallengePrompt(text, request.max_tokens, request.workload,
+                                          self._temperature(request.temperature), self._chat(request.chat),
+                                          earlier))
+        return picked
 
     def _temperature(self, drawn: float) -> float:
         if self.greedy_share is None:
