@@ -2,22 +2,34 @@
 
 Every variant answers the same natural challenge prompts (the question part of `planetserve.workloads`
 requests, as a one-message chat) under each of the workload's decodings, at most 64 new tokens: greedily,
-sampling at temperature 0.7 ("warm") and at temperature 1 ("sampled"):
+sampling at temperature 0.7 ("warm") and at temperature 1 ("sampled"). Sampling is the protocol's
+(`planetserve.sampling`): prompt i is asked with seed + i, whatever the variant, and the answer is signed
+with it, as every request carries a seed the requester chose.
 
-- gt: the honest node; small, tiny: weaker models claiming gt; gt-int8, gt-int4: quantised gt;
+- gt: the honest node (transformers' generate, one prompt at a time); gt-engine: the honest node on the
+  built-in serving engine, prompts batched eight at a time (another engine and batch shape than the
+  verifier's, so its answers measure the honest rate of deviation across engines);
+- small, tiny: weaker models claiming gt; gt-int8, gt-int4: quantised gt;
 - gt_cb: gt answering a clickbait rewrite of the prompt, scored against the original prompt;
 - gt_ic: gt's answer with a long off-topic passage (fiction, documentary, pop psychology, advert) injected
   after it, before the stop token.
 
-The verifier's reference model is gt; every answer is signed with the temperature it was asked for and
-checked by `ReferenceModel.verify`, which gives both credibilities: the paper's 1/PPL and the calibrated
-one (the greedy rule for temperature 0, the entropy-relative one otherwise). Per variant and decoding: the
+- small-nongreedy (mix only): gt on greedy requests, small on sampled ones (a node that cheats only where
+  it once could not be checked).
+
+The verifier's reference model is gt; every answer is signed with the temperature and seed it was asked
+for and checked by `ReferenceModel.verify`, which gives both credibilities: the paper's 1/PPL and the
+calibrated one (every token against the honest choice under the signed decoding, `choice_credibility`),
+with the count of tokens beyond the tolerance. Per variant and decoding: the
 credibility distribution and the AUC against honest gt (Mann-Whitney: the chance that a random honest
 answer scores above a random answer of the variant, 0.5 = indistinguishable). Reputation: 35 epochs of
 the ledger's integer rule (`registry.reputation.update`, `Params` defaults) at gamma = 1, 1/3 and 1/5;
-each epoch a node answers `--challenges` prompts, and C(T) is their median in ppm. A node either answers
-from one decoding's pool, or ("mix", what a live network sees) takes each challenge's decoding from the
-workload's temperature weights (`workloads.TEMPERATURES`) and the answer from that decoding's pool.
+each epoch a node answers `--challenges` prompts, and C(T) is as the ledger takes it: the product of
+their credibilities in ppm (`finalization.product`), 0 while the evidence across epochs flags the node
+(`registry.evidence`, over the answers' checked and deviating tokens; the calibrated rule only). A node
+either answers from one decoding's pool, or ("mix", what a live network sees) takes each challenge's
+decoding from the workload's temperature weights (`workloads.TEMPERATURES`) and the answer from that
+decoding's pool.
 The paper's targets: every dishonest variant untrusted (< 0.4) within 5 epochs at gamma = 1/5, no honest
 node ever untrusted; the false-flag rate is the share of seeds in which an honest node ever is.
 
@@ -38,20 +50,28 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from transformers import LogitsProcessorList
 
 from planetserve.chain.challenge import milli, sign_response
 from planetserve.chain.keys import KeySet
 from planetserve.models import LoadedModel, load
 from planetserve.node.behaviours import clickbait
+from planetserve.node.engine.base import GenerationRequest
+from planetserve.node.engine.builtin import BuiltinEngine
+from planetserve.registry.evidence import EvidenceRule, accumulate, flagged
+from planetserve.registry.finalization import product
 from planetserve.registry.params import PPM, Params
-from planetserve.registry.reputation import ReputationRule, is_trusted, median, update
-from planetserve.verifier import Answer, ReferenceModel, to_ppm
+from planetserve.registry.reputation import ReputationRule, is_trusted, update
+from planetserve.sampling import GumbelProcessor
+from planetserve.verifier import Answer, Decoding, ReferenceModel, to_ppm
 from planetserve.workloads import TEMPERATURES, detokenize, generate
 
 QUICK_DATA = "/tmp/ps-quick-models"
 HONEST = "gt"
 MODELS = ("gt", "small", "tiny", "gt-int8", "gt-int4")
-VARIANTS = (*MODELS, "gt_cb", "gt_ic")
+ENGINE = "gt-engine"
+NONGREEDY = "small-nongreedy"
+VARIANTS = (MODELS[0], ENGINE, *MODELS[1:], "gt_cb", "gt_ic")
 DECODINGS = ("greedy", "warm", "sampled")
 TEMPERATURE = {"greedy": 0.0, "warm": 0.7, "sampled": 1.0}
 """The temperature each decoding answers at and signs: the workload's own (`workloads.TEMPERATURES`)."""
@@ -63,8 +83,7 @@ GAMMAS = {"1": PPM, "1/3": PPM // 3, "1/5": PPM // 5}
 EPOCHS = 35
 DETECT_WITHIN = 5
 MAX_NEW_TOKENS = 64
-SAMPLING = {"do_sample": True, "top_k": 0, "top_p": 1.0}
-"""Plain sampling from the whole (temperature-scaled) distribution."""
+ENGINE_BATCH = 8
 QUESTION_SCALE = 0.02
 """Workload lengths scaled so far down that a request's suffix is its question alone."""
 
@@ -114,19 +133,36 @@ def answer(loaded: LoadedModel, reference: ReferenceModel, prompts: Sequence[str
            seed: int, max_new_tokens: int = MAX_NEW_TOKENS) -> list[list[int]]:
     """The model's response ids per chat prompt at `temperature` (0: greedy), stop token included when it
     stopped. Prompt i samples under seed + i whatever the model and temperature, so variants share their
-    random numbers."""
-    decoding = {**SAMPLING, "temperature": temperature} if temperature else {"do_sample": False}
+    noise, as nodes asked the same request with the same seed would."""
     responses = []
     for i, prompt in enumerate(prompts):
         ids = reference.prompt_ids(prompt)
-        with torch.random.fork_rng():
-            torch.manual_seed(seed + i)
-            out = loaded.model.generate(torch.tensor([ids], device=loaded.model.device),
-                                        max_new_tokens=max_new_tokens,
-                                        eos_token_id=list(loaded.stop_token_ids),
-                                        pad_token_id=loaded.tokenizer.pad_token_id, **decoding)
+        noise = LogitsProcessorList([GumbelProcessor(temperature, seed + i, len(ids))] if temperature else [])
+        out = loaded.model.generate(torch.tensor([ids], device=loaded.model.device), do_sample=False,
+                                    max_new_tokens=max_new_tokens, logits_processor=noise,
+                                    eos_token_id=list(loaded.stop_token_ids),
+                                    pad_token_id=loaded.tokenizer.pad_token_id)
         responses.append(out[0, len(ids):].tolist())
     return responses
+
+
+def engine_answers(loaded: LoadedModel, reference: ReferenceModel, prompts: Sequence[str], temperature: float,
+                   seed: int, max_new_tokens: int = MAX_NEW_TOKENS) -> list[list[int]]:
+    """The same answers from the built-in serving engine, `ENGINE_BATCH` requests decoding together."""
+    import asyncio
+
+    async def run() -> list[list[int]]:
+        engine = BuiltinEngine(loaded.model, loaded.model_id, loaded.stop_token_ids, max_batch=ENGINE_BATCH)
+        try:
+            async def one(i: int, prompt: str) -> list[int]:
+                request = GenerationRequest(tuple(reference.prompt_ids(prompt)), max_new_tokens, temperature,
+                                            seed + i)
+                return [t async for chunk in engine.generate(request) for t in chunk.token_ids]
+            return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+        finally:
+            await engine.close()
+
+    return asyncio.run(run())
 
 
 @dataclass(frozen=True)
@@ -136,28 +172,34 @@ class Pool:
     credibility: tuple[float, ...]
     calibrated: tuple[float, ...]
     tokens: tuple[int, ...]
+    deviations: tuple[int, ...] = ()
+    """Per answer, its tokens beyond the verifier's tolerance."""
+    worst: float = 0.0
+    """The largest shortfall of any token (nats)."""
 
     def values(self, definition: str) -> tuple[float, ...]:
         return self.credibility if definition == "1/PPL" else self.calibrated
 
 
 def score(reference: ReferenceModel, prompts: Sequence[str], responses: Sequence[Sequence[int]],
-          claimed_id: str, temperature: float) -> Pool:
-    """Sign every response as a node claiming the reference's model, asked for answers at `temperature`,
-    and run the verifier's checks and scoring on it, as the committee does (the signed temperature picks
-    the calibrated rule)."""
+          claimed_id: str, temperature: float, seed: int) -> Pool:
+    """Sign every response as a node claiming the reference's model, asked for answers at `temperature`
+    (prompt i with seed + i), and run the verifier's checks and scoring on it, as the committee does."""
     keys = KeySet.generate()
     answers = []
-    for prompt, ids in zip(prompts, responses, strict=True):
+    for i, (prompt, ids) in enumerate(zip(prompts, responses, strict=True)):
         text = reference.tokenizer.decode(ids, skip_special_tokens=True)
         answers.append(Answer(sign_response(keys, prompt, list(ids), text, claimed_id, 0, "bench:0",
-                                            milli(temperature)), prompt))
+                                            milli(temperature), seed + i), prompt))
     verdicts = reference.verify(answers)
     bad = [v for v in verdicts if not v.ok]
     if bad:
         raise RuntimeError(f"{len(bad)} answers rejected, first: {bad[0].rejection}: {bad[0].detail}")
+    pairs = [(reference.prompt_ids(p), list(r)) for p, r in zip(prompts, responses, strict=True)]
+    decodings = [Decoding(temperature, seed + i) for i in range(len(pairs))]
+    worst = max(max(s.shortfalls or (0.0,)) for s in reference.scorer.score_choices(pairs, decodings))
     return Pool(tuple(v.credibility for v in verdicts), tuple(v.calibrated for v in verdicts),
-                tuple(v.tokens for v in verdicts))
+                tuple(v.tokens for v in verdicts), tuple(v.deviations for v in verdicts), worst)
 
 
 def build_pools(data_dir: str | None, count: int, seed: int = 0
@@ -175,14 +217,18 @@ def build_pools(data_dir: str | None, count: int, seed: int = 0
         loaded = gt if name == HONEST else load(name, data_dir)
         for decoding, temperature in TEMPERATURE.items():
             responses = answer(loaded, reference, prompts, temperature, seed)
-            pools[name, decoding] = score(reference, prompts, responses, gt.model_id, temperature)
+            pools[name, decoding] = score(reference, prompts, responses, gt.model_id, temperature, seed)
             if name == HONEST:
+                served = engine_answers(gt, reference, prompts, temperature, seed)
+                pools[ENGINE, decoding] = score(reference, prompts, served, gt.model_id, temperature, seed)
                 forged = [inject(r, continuations[i % len(continuations)], gt.stop_token_ids)
                           for i, r in enumerate(responses)]
-                pools["gt_ic", decoding] = score(reference, prompts, forged, gt.model_id, temperature)
+                pools["gt_ic", decoding] = score(reference, prompts, forged, gt.model_id, temperature, seed)
                 baited = answer(gt, reference, baits, temperature, seed)
-                pools["gt_cb", decoding] = score(reference, prompts, baited, gt.model_id, temperature)
-    return questions, {(v, d): pools[v, d] for v in VARIANTS for d in DECODINGS}
+                pools["gt_cb", decoding] = score(reference, prompts, baited, gt.model_id, temperature, seed)
+    ordered = {(v, d): pools[v, d] for v in VARIANTS for d in DECODINGS}
+    ordered |= {(NONGREEDY, d): pools[HONEST if d == "greedy" else "small", d] for d in DECODINGS}
+    return questions, ordered
 
 
 def auc(honest: Sequence[float], other: Sequence[float]) -> float:
@@ -224,9 +270,27 @@ def mix_draws(pool_size: int, epochs: int, challenges: int, seed: int, label: st
     return decodings, rng.integers(pool_size, size=(epochs, challenges))
 
 
-def epoch_credibilities(ppm: Sequence[int], picks: np.ndarray) -> list[int]:
-    """C(T) per epoch: the median (in integers, as the ledger takes it) of that epoch's answers."""
-    return [median([ppm[i] for i in row]) for row in picks]
+@dataclass(frozen=True)
+class Answers:
+    """A node's pool as the ledger sees each answer: credibility ppm, tokens, deviating tokens."""
+
+    ppm: Sequence[int]
+    tokens: Sequence[int]
+    deviations: Sequence[int]
+
+
+def epoch_credibilities(answers: Answers, picks: np.ndarray, rule: EvidenceRule | None = None) -> list[int]:
+    """C(T) per epoch as the ledger takes it: the product of that epoch's answers, 0 while the evidence
+    across epochs (under `rule`; none for 1/PPL, which counts no deviations) flags the node."""
+    cusum, out = 0, []
+    for row in picks:
+        value = product([answers.ppm[i] for i in row])
+        if rule is not None:
+            cusum = accumulate(rule, cusum, sum(answers.tokens[i] for i in row),
+                               sum(answers.deviations[i] for i in row))
+            value = 0 if flagged(rule, cusum) else value
+        out.append(value)
+    return out
 
 
 def first_untrusted(rule: ReputationRule, reputations: Sequence[int]) -> int | None:
@@ -249,20 +313,23 @@ class Outcome:
         return statistics.median(epochs) if len(epochs) * 2 > len(self.flagged_at) else None
 
 
-def node_credibilities(ppm: dict[tuple[str, str], list[int]], key: tuple[str, str], epochs: int,
-                       challenges: int, seed: int) -> list[int]:
+def node_credibilities(pools: dict[tuple[str, str], Answers], key: tuple[str, str], epochs: int,
+                       challenges: int, seed: int, rule: EvidenceRule | None) -> list[int]:
     """C(T) per epoch of node `key`: answers from its own pool, or for a mix node from the pool of each
     challenge's drawn decoding (the pools concatenated in DECODINGS order, so one index picks both)."""
     label = "/".join(key)
     variant, decoding = key
     if decoding != MIX:
-        return epoch_credibilities(ppm[key], draws(len(ppm[key]), epochs, challenges, seed, label))
-    sizes = {len(ppm[variant, d]) for d in DECODINGS}
+        size = len(pools[key].ppm)
+        return epoch_credibilities(pools[key], draws(size, epochs, challenges, seed, label), rule)
+    sizes = {len(pools[variant, d].ppm) for d in DECODINGS}
     if len(sizes) != 1:
         raise ValueError(f"{variant}'s pools differ in size: {sizes}")
     size = sizes.pop()
     chosen, picks = mix_draws(size, epochs, challenges, seed, label)
-    return epoch_credibilities([c for d in DECODINGS for c in ppm[variant, d]], chosen * size + picks)
+    joined = Answers(*([x for d in DECODINGS for x in getattr(pools[variant, d], f)]
+                       for f in ("ppm", "tokens", "deviations")))
+    return epoch_credibilities(joined, chosen * size + picks, rule)
 
 
 def nodes(pools: dict[tuple[str, str], Pool]) -> list[tuple[str, str]]:
@@ -277,15 +344,18 @@ def simulate(pools: dict[tuple[str, str], Pool], definition: str, gamma: int, se
              epochs: int = EPOCHS, params: Params | None = None) -> dict[tuple[str, str], Outcome]:
     """Every node of `nodes(pools)` over `seeds` runs, under `params` (the defaults) with gamma replaced."""
     rule = replace(ReputationRule.from_params(params or Params()), gamma=gamma)
-    ppm = {key: [to_ppm(v) for v in pool.values(definition)] for key, pool in pools.items()}
+    evidence_rule = EvidenceRule.from_params(params or Params()) if definition == "calibrated" else None
+    answers = {key: Answers([to_ppm(v) for v in pool.values(definition)], pool.tokens,
+                            pool.deviations or (0,) * len(pool.tokens)) for key, pool in pools.items()}
     outcomes = {}
     for key in nodes(pools):
-        rows, flagged = [], []
+        rows, first = [], []
         for seed in range(seeds):
-            reputations = trajectory(rule, node_credibilities(ppm, key, epochs, challenges, seed))
+            credibilities = node_credibilities(answers, key, epochs, challenges, seed, evidence_rule)
+            reputations = trajectory(rule, credibilities)
             rows.append(reputations)
-            flagged.append(first_untrusted(rule, reputations))
-        outcomes[key] = Outcome(np.array(rows) / PPM, flagged)
+            first.append(first_untrusted(rule, reputations))
+        outcomes[key] = Outcome(np.array(rows) / PPM, first)
     return outcomes
 
 
@@ -296,11 +366,13 @@ def print_distributions(pools: dict[tuple[str, str], Pool], decoding: str) -> No
     print(f"\n### Credibility per answer, {decoding} answers\n")
     columns = (f"{d} mean | {d} q1 / median / q3 | " + " | ".join(f"{d} AUC vs gt {h}" for h in DECODINGS)
                for d in DEFINITIONS)
-    print("| variant | tokens | " + " | ".join(columns) + " |")
-    print("| --- | ---: |" + (" ---: |" * (2 + len(DECODINGS))) * len(DEFINITIONS))
+    print("| variant | tokens | answers deviating | deviating tokens | worst shortfall (nats) | "
+          + " | ".join(columns) + " |")
+    print("| --- | ---: | ---: | ---: | ---: |" + (" ---: |" * (2 + len(DECODINGS))) * len(DEFINITIONS))
     for variant in VARIANTS:
         pool = pools[variant, decoding]
-        cells = []
+        cells = [f"{sum(d > 0 for d in pool.deviations) / len(pool.deviations):.0%}",
+                 f"{sum(pool.deviations) / sum(pool.tokens):.2%}", f"{pool.worst:.2g}"]
         for d in DEFINITIONS:
             values = pool.values(d)
             q1, q2, q3 = quartiles(values)
@@ -348,7 +420,8 @@ def verdict(outcomes: dict[str, dict[tuple[str, str], Outcome]], definition: str
         print(f"  honest false-flag rate over {EPOCHS} epochs, γ={g}: {rates} (target 0)")
 
 
-COLOURS = {"gt": "tab:green", "small": "tab:orange", "tiny": "tab:red", "gt-int8": "tab:olive",
+COLOURS = {"gt": "tab:green", ENGINE: "tab:cyan", NONGREEDY: "tab:pink",
+           "small": "tab:orange", "tiny": "tab:red", "gt-int8": "tab:olive",
            "gt-int4": "tab:brown", "gt_cb": "tab:purple", "gt_ic": "tab:blue"}
 
 

@@ -257,7 +257,8 @@ class Evidence:
         for i, (key, pk) in enumerate(zip(self.keys, self.pubkeys, strict=True)):
             tokens = tuple(self.rnd.randrange(50_000) for _ in range(100))
             unsigned = SignedResponse(pk, epochs.prompt_hash(self.prompts[i]), tokens, words(self.rnd, 400),
-                                      MODEL, TEMPERATURE, now - 2, self.nodes[i].address, b"")
+                                      MODEL, TEMPERATURE, epochs.challenge_seed(self.salts[i]), now - 2,
+                                      self.nodes[i].address, b"")
             response = replace(unsigned, signature=key.sign(unsigned.sign_bytes()).signature)
             st.put_result(EPOCH, ChallengeResult(pk, self.leader, "leader", VALID, "", self.prompts[i],
                                                  self.salts[i], response.to_record(), self.base[i], height))

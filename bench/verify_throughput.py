@@ -3,7 +3,8 @@ the one-pass engine (batched, and one response at a time) against the paper's Al
 model in the same run, every response 100 tokens.
 
 - gt: the family's reference model (trained; `planetserve models train` builds it), answering chat
-  questions by sampling at temperature 1 with stop tokens held off until 100 tokens.
+  questions by sampling at temperature 1 (the protocol's seeded sampler, answer i under seed i) with stop
+  tokens held off until 100 tokens.
 - random Llama: a few hundred million parameters from `LlamaConfig`, RANDOM WEIGHTS, scored for speed only
   (its credibilities mean nothing); random prompt and response ids.
 
@@ -24,11 +25,12 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessorList
 
 from planetserve.chain.challenge import sign_response
 from planetserve.chain.keys import KeySet
 from planetserve.models import LoadedModel, load
+from planetserve.sampling import GumbelProcessor
 from planetserve.verifier import Algorithm3Scorer, Answer, OnePassScorer, Pair, ReferenceModel
 
 RESPONSE_TOKENS = 100
@@ -55,16 +57,15 @@ def gt_batch(loaded: LoadedModel, count: int) -> tuple[list[Pair], list[Answer]]
             [{"role": "user", "content": f"What does {TOPICS[i % len(TOPICS)]}() do?"}], tokenize=False,
             add_generation_prompt=True)
         ids = reference.prompt_ids(prompt)
-        with torch.random.fork_rng():
-            torch.manual_seed(i)
-            out = loaded.model.generate(
-                torch.tensor([ids], device=loaded.model.device), do_sample=True, temperature=1.0, top_k=0,
-                top_p=1.0, min_new_tokens=RESPONSE_TOKENS, max_new_tokens=RESPONSE_TOKENS,
-                eos_token_id=list(loaded.stop_token_ids), pad_token_id=loaded.tokenizer.pad_token_id)
+        noise = LogitsProcessorList([GumbelProcessor(1.0, i, len(ids))])
+        out = loaded.model.generate(
+            torch.tensor([ids], device=loaded.model.device), do_sample=False, logits_processor=noise,
+            min_new_tokens=RESPONSE_TOKENS, max_new_tokens=RESPONSE_TOKENS,
+            eos_token_id=list(loaded.stop_token_ids), pad_token_id=loaded.tokenizer.pad_token_id)
         response = out[0, len(ids):].tolist()
         pairs.append((ids, response))
         text = loaded.tokenizer.decode(response, skip_special_tokens=True)
-        signed = sign_response(keys, prompt, response, text, loaded.model_id, 0, "bench:0", 1000)
+        signed = sign_response(keys, prompt, response, text, loaded.model_id, 0, "bench:0", 1000, i)
         answers.append(Answer(signed, prompt))
     return pairs, answers
 

@@ -127,10 +127,14 @@ class Script:
         assert entry is not None
         return open_plan_entry(entry, member.public, member.x25519)
 
-    def answer(self, node: bytes, prompt: str, model_id: str = "gt", time: int | None = None,
-               text: str = "Because of Rayleigh scattering.", temperature: int = TEMPERATURE) -> SignedResponse:
-        return sign_response(self.nodes[node], prompt, [11, 12, 13], text, model_id,
-                             self.h.time if time is None else time, NODE_ADDRESS, temperature)
+    def answer(self, node: bytes, challenge: Challenge, model_id: str = "gt", time: int | None = None,
+               text: str = "Because of Rayleigh scattering.", temperature: int = TEMPERATURE,
+               prompt: str | None = None) -> SignedResponse:
+        """The node's signed answer to `challenge` (or to `prompt` instead, an altered one), with the
+        challenge's seed."""
+        return sign_response(self.nodes[node], challenge.prompt if prompt is None else prompt, [11, 12, 13], text,
+                             model_id, self.h.time if time is None else time, NODE_ADDRESS, temperature,
+                             challenge.seed)
 
     def leader_results(self, number: int, credibility: int | dict[bytes, int], nodes: list[bytes] | None = None,
                        ) -> dict[str, Any]:
@@ -140,14 +144,16 @@ class Script:
         entries = []
         for node in nodes if nodes is not None else list(self.nodes):
             challenge = self.planned(number, node, leader)
-            entries.append({**challenge.reveal(self.answer(node, challenge.prompt)).body(),
+            entries.append({**challenge.reveal(self.answer(node, challenge)).body(),
                             "credibility": credibility[node] if isinstance(credibility, dict) else credibility})
         return {"epoch": number, "kind": "leader", "results": entries}
 
     def attest_txs(self, number: int, submitter: bytes, scores: dict[bytes, int],
-                   members: list[KeySet] | None = None) -> list[bytes]:
-        return [self.tx(m, "attest", {"epoch": number,
-                                      "scores": [[n, submitter, c] for n, c in sorted(scores.items())]})
+                   members: list[KeySet] | None = None, deviations: dict[bytes, int] | None = None) -> list[bytes]:
+        """Every member's (or `members`') attestation of `submitter`'s results: each node's credibility and
+        its count of deviating tokens (none unless given)."""
+        entries = [[n, submitter, c, (deviations or {}).get(n, 0)] for n, c in sorted(scores.items())]
+        return [self.tx(m, "attest", {"epoch": number, "scores": entries})
                 for m in (members if members is not None else list(self.members.values()))]
 
     def run_election_and_plan(self, number: int) -> dict[bytes, Challenge]:
@@ -164,7 +170,7 @@ class Script:
 
 
 RULE = reputation.ReputationRule.from_params(EPOCH_PARAMS)
-HONEST = 800_000
+HONEST = 1_000_000
 
 
 def expected(*credibilities: int, start: int = RULE.initial) -> int:
@@ -180,13 +186,15 @@ def listed(s: Script) -> list[bytes]:
     return [ModelNode.decode(v).pubkey for _, v in s.h.store.batch().iterate(layout.node_list_prefix())]
 
 
-def honest_epoch(s: Script, number: int, scores: dict[bytes, int]) -> None:
+def honest_epoch(s: Script, number: int, scores: dict[bytes, int], deviations: dict[bytes, int] | None = None
+                 ) -> None:
     """Epoch `number` scored by an honest leader and committee: each node of `scores` (its planned
-    nodes) gets that credibility, proposed and attested alike; then on to the next epoch."""
+    nodes) gets that credibility, proposed and attested alike, with its deviating tokens; then on to the
+    next epoch."""
     leader = s.epoch(number).leader
     assert s.block(s.tx(s.leader(number), "submit-results",
                         s.leader_results(number, scores, list(scores)))) == [(0, "ok")]
-    assert all(c == 0 for c, _ in s.block(*s.attest_txs(number, leader, scores)))
+    assert all(c == 0 for c, _ in s.block(*s.attest_txs(number, leader, scores, deviations=deviations)))
     finish(s, number)
 
 

@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 
 from bench import detection
+from planetserve.registry.evidence import EvidenceRule, accumulate, flagged
+from planetserve.registry.finalization import product
 from planetserve.registry.params import PPM, Params
-from planetserve.registry.reputation import ReputationRule, median, update
+from planetserve.registry.reputation import ReputationRule, update
 from planetserve.verifier import to_ppm
 
 
@@ -54,24 +56,32 @@ def test_trajectory_is_the_ledgers_update_step_by_step() -> None:
     assert detection.first_untrusted(rule, detection.trajectory(rule, [PPM] * 5)) is None
 
 
-def test_epoch_credibility_is_the_median_of_seeded_draws() -> None:
+def test_epoch_credibility_is_the_ledgers_product_of_seeded_draws_and_the_evidence_flags() -> None:
     picks = detection.draws(10, 35, 3, seed=4, label="small/sampled")
     assert picks.shape == (35, 3)
     assert np.array_equal(picks, detection.draws(10, 35, 3, seed=4, label="small/sampled"))
     assert not np.array_equal(picks, detection.draws(10, 35, 3, seed=5, label="small/sampled"))
-    ppm = [i * 90_000 for i in range(10)]
-    assert detection.epoch_credibilities(ppm, picks) == [median([ppm[i] for i in row]) for row in picks]
+    ppm = [PPM - i * 9_000 for i in range(10)]
+    answers = detection.Answers(ppm, [30] * 10, [1 if i == 9 else 0 for i in range(10)])
+    assert detection.epoch_credibilities(answers, picks) == [product([ppm[i] for i in row]) for row in picks]
+    rule = EvidenceRule.from_params(Params())
+    cusum, expected = 0, []
+    for row in picks:
+        cusum = accumulate(rule, cusum, 90, sum(answers.deviations[i] for i in row))
+        expected.append(0 if flagged(rule, cusum) else product([ppm[i] for i in row]))
+    assert detection.epoch_credibilities(answers, picks, rule) == expected and 0 in expected
 
 
 def test_simulation_replays_each_seed_through_the_ledger_rule() -> None:
-    pool = detection.Pool((0.2, 0.3, 0.9), (0.5, 1.0, 0.1), (5, 6, 7))
+    pool = detection.Pool((0.2, 0.3, 0.9), (0.5, 1.0, 0.1), (5, 6, 7), (0, 0, 0))
     outcome = detection.simulate({("x", "sampled"): pool}, "calibrated", PPM // 3, seeds=3, challenges=3,
                                  epochs=6)[("x", "sampled")]
     rule = ReputationRule.from_params(Params(reputation_gamma_ppm=PPM // 3))
-    ppm = [500_000, PPM, 100_000]
+    answers = detection.Answers([500_000, PPM, 100_000], (5, 6, 7), (0, 0, 0))
     for seed in range(3):
         picks = detection.draws(3, 6, 3, seed, "x/sampled")
-        expected = detection.trajectory(rule, detection.epoch_credibilities(ppm, picks))
+        expected = detection.trajectory(rule, detection.epoch_credibilities(answers, picks,
+                                                                            EvidenceRule.from_params(Params())))
         assert outcome.trajectories[seed].tolist() == [r / PPM for r in expected]
         assert outcome.flagged_at[seed] == detection.first_untrusted(rule, expected)
 
@@ -90,15 +100,15 @@ def test_mix_draws_follow_the_workloads_temperatures() -> None:
 
 
 def test_a_mix_node_answers_each_challenge_from_its_decodings_pool() -> None:
-    pools = {("x", d): detection.Pool((0.1,) * 4, tuple(k / 10 + i / 100 for i in range(4)), (5,) * 4)
+    pools = {("x", d): detection.Pool((0.1,) * 4, tuple(k / 10 + i / 100 for i in range(4)), (5,) * 4, (0,) * 4)
              for k, d in enumerate(detection.DECODINGS)}
     outcomes = detection.simulate(pools, "calibrated", PPM // 5, seeds=2, challenges=3, epochs=6)
     assert list(outcomes) == [("x", detection.MIX), *pools]
     rule = ReputationRule.from_params(Params(reputation_gamma_ppm=PPM // 5))
     for seed in range(2):
         decodings, picks = detection.mix_draws(4, 6, 3, seed, "x/mix")
-        credibilities = [median([to_ppm(pools["x", detection.DECODINGS[d]].calibrated[i])
-                                 for d, i in zip(row_d, row_i, strict=True)])
+        credibilities = [product([to_ppm(pools["x", detection.DECODINGS[d]].calibrated[i])
+                                  for d, i in zip(row_d, row_i, strict=True)])
                          for row_d, row_i in zip(decodings, picks, strict=True)]
         expected = detection.trajectory(rule, credibilities)
         assert outcomes["x", detection.MIX].trajectories[seed].tolist() == [r / PPM for r in expected]
@@ -109,11 +119,16 @@ def test_a_mix_node_answers_each_challenge_from_its_decodings_pool() -> None:
 def test_three_prompts_score_every_variant(quick_family: Path) -> None:
     questions, pools = detection.build_pools(str(quick_family), 3)
     assert len(questions) == 3
-    assert set(pools) == {(v, d) for v in detection.VARIANTS for d in detection.DECODINGS}
+    variants = (*detection.VARIANTS, detection.NONGREEDY)
+    assert set(pools) == {(v, d) for v in variants for d in detection.DECODINGS}
     for pool in pools.values():
         for definition in detection.DEFINITIONS:
             values = pool.values(definition)
-            assert len(values) == 3 and all(0 < v <= 1 for v in values)
+            assert len(values) == 3 and all(0 <= v <= 1 for v in values)
     for decoding in detection.DECODINGS:
         honest, injected = pools["gt", decoding].tokens, pools["gt_ic", decoding].tokens
         assert all(i > h for h, i in zip(honest, injected, strict=True))
+        # honest answers, from transformers or from the batched serving engine, are the honest choice
+        for source in ("gt", detection.ENGINE):
+            assert pools[source, decoding].calibrated == (1.0,) * 3 and pools[source, decoding].deviations == (0,) * 3
+        assert sum(pools["gt_ic", decoding].deviations) > 0

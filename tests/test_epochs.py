@@ -36,7 +36,7 @@ def test_honest_epoch(s):
     assert epoch.election == "vrf"
     assert epoch.leader == min(outputs, key=lambda k: (outputs[k], k))
     assert epoch.plan_status == epochs.PLAN_COMMITTED and epoch.plan_nodes == 2
-    assert s.block(s.tx(s.leader(1), "submit-results", s.leader_results(1, HONEST))) == [(0, "ok")]
+    assert s.block(s.tx(s.leader(1), "submit-results", s.leader_results(1, 800_000))) == [(0, "ok")]
     attested = dict(zip(sorted(s.members), (790_000, 800_000, 810_000, 805_000), strict=True))
     txs = [s.tx(m, "attest", {"epoch": 1, "scores": [[n, epoch.leader, attested[m.public]] for n in s.nodes]})
            for m in s.members.values()]
@@ -83,7 +83,7 @@ def test_altered_prompt_is_the_leaders_fault(s):
     node0, node1 = list(s.nodes)
     body = s.leader_results(1, HONEST)
     challenge = s.planned(1, node0, leader)
-    altered = s.answer(node0, challenge.prompt + " Answer in one word.")
+    altered = s.answer(node0, challenge, prompt=challenge.prompt + " Answer in one word.")
     body["results"][0] = {**challenge.reveal(altered).body(), "credibility": HONEST}
     assert s.block(s.tx(leader, "submit-results", body)) == [(0, "ok")]
     result = s.state.result(1, node0, leader.public)
@@ -119,8 +119,8 @@ def test_a_forged_serving_node_is_the_submitters_fault(s, forgery):
     leader = s.leader(1)
     node0, node1 = list(s.nodes)
     challenge = s.planned(1, node0, leader)
-    entry_answer = s.answer(node0, challenge.prompt)
-    computed = s.answer(node1, challenge.prompt)
+    entry_answer = s.answer(node0, challenge)
+    computed = s.answer(node1, challenge)
     if forgery == "signature":
         computed = replace(computed, signature=bytes(64))
     entry = {**challenge.reveal(entry_answer, served=computed).body(), "credibility": HONEST}
@@ -149,12 +149,13 @@ def test_skipped_node_is_rechallenged_by_members(s):
     commits = [s.tx(m, "commit-rechallenge", {"epoch": 1, "tag": own[m.public].tag(node0)})
                for m in members]
     assert all(c == 0 for c, _ in s.block(*commits))
-    bell = {**own[members[0].public].reveal(s.answer(node0, "ring\x07")).body(), "prompt": "ring\x07"}
+    bell = {**own[members[0].public].reveal(s.answer(node0, own[members[0].public],
+                                                               prompt="ring\x07")).body(), "prompt": "ring\x07"}
     refused = s.block(s.tx(members[0], "submit-results", {"epoch": 1, "kind": "rechallenge", "results": [bell]}))
     assert refused == [(Code.INVALID_FIELD, "invalid field: field 'prompt': must not contain control characters "
                                             "other than tab and line breaks")]
     reveals = [s.tx(m, "submit-results", {"epoch": 1, "kind": "rechallenge", "results": [
-        own[m.public].reveal(s.answer(node0, own[m.public].prompt))]}) for m in members]
+        own[m.public].reveal(s.answer(node0, own[m.public]))]}) for m in members]
     assert all(c == 0 for c, _ in s.block(*reveals))
     first = min(m.public for m in members)
     assert all(c == 0 for c, _ in s.block(*s.attest_txs(1, first, {node0: 700_000})))
@@ -175,7 +176,7 @@ def test_a_temperature_other_than_the_committed_one_is_the_leaders_fault(s):
     node0, node1 = list(s.nodes)
     body = s.leader_results(1, HONEST)
     challenge = s.planned(1, node0, leader)
-    hotter = s.answer(node0, challenge.prompt, temperature=TEMPERATURE + 300)
+    hotter = s.answer(node0, challenge, temperature=TEMPERATURE + 300)
     body["results"][0] = {**challenge.reveal(hotter).body(), "credibility": HONEST}
     assert s.block(s.tx(leader, "submit-results", body)) == [(0, "ok")]
     result = s.state.result(1, node0, leader.public)
@@ -196,7 +197,7 @@ def test_a_challenge_hotter_than_one_cannot_be_revealed(s):
     member = others(s, 1)[0]
     hot = Challenge.new("How hot is the sun?", 1_500)
     assert s.block(s.tx(member, "commit-rechallenge", {"epoch": 1, "tag": hot.tag(node0)}))[0][0] == 0
-    reveal = hot.reveal(s.answer(node0, hot.prompt, temperature=1_500))
+    reveal = hot.reveal(s.answer(node0, hot, temperature=1_500))
     assert s.block(s.tx(member, "submit-results", {"epoch": 1, "kind": "rechallenge",
                                                     "results": [reveal]})) == [(0, "ok")]
     result = s.state.result(1, node0, member.public)
@@ -241,7 +242,7 @@ def test_false_invalid_report_is_detected(s):
         for m in members]))
     assert all(c == 0 for c, _ in s.block(*[
         s.tx(m, "submit-results", {"epoch": 1, "kind": "rechallenge",
-                                   "results": [own[m.public].reveal(s.answer(node0, own[m.public].prompt))]})
+                                   "results": [own[m.public].reveal(s.answer(node0, own[m.public]))]})
         for m in members]))
     finish(s, 1)
     assert s.faults(leader.public) == ["false-invalid-report"]
@@ -362,7 +363,7 @@ def test_refusals(s):
     assert code == Code.UNKNOWN_ENTITY
     wrong_model = s.leader_results(1, HONEST, [node0])
     wrong_model["results"][0]["response"] = s.answer(
-        node0, challenges[node0].prompt, model_id="small").to_record()
+        node0, challenges[node0], model_id="small").to_record()
     assert s.block(s.tx(leader, "submit-results", wrong_model)) == [(0, "ok")]
     assert s.state.result(1, node0, leader.public).status == epochs.INVALID
     s.run_to(s.schedule.start(1) + EPOCH_PARAMS.results_blocks)
@@ -379,7 +380,8 @@ def test_the_same_epochs_give_the_same_app_hashes_on_postgresql(s, pg_url):
     node0, node1 = list(s.nodes)
     body = s.leader_results(1, 100_000)
     challenge = s.planned(1, node0, leader)
-    body["results"][0] = {**challenge.reveal(s.answer(node0, challenge.prompt + "!")).body(), "credibility": 1}
+    body["results"][0] = {**challenge.reveal(s.answer(node0, challenge, prompt=challenge.prompt + "!")).body(),
+                          "credibility": 1}
     assert s.block(s.tx(leader, "submit-results", body)) == [(0, "ok")]
     members = others(s, 1)
     assert all(c == 0 for c, _ in s.block(*s.attest_txs(1, leader.public, {node1: 100_000}),

@@ -118,7 +118,7 @@ class Committee:
                 continue
             challenge = open_plan_entry(entry, leader.public, leader.x25519)
             asked = challenge.prompt + (" Answer in one word." if entry.node == alter else "")
-            result = replace(challenge.reveal(self.answer(entry.node, asked, challenge.temperature)),
+            result = replace(challenge.reveal(self.answer(entry.node, asked, challenge)),
                              credibility=(credibility or {}).get(entry.node, CREDIBILITY))
             if entry.node == tamper:
                 result = replace(result, response=replace(result.response, text="I am a very bad model."))
@@ -127,10 +127,10 @@ class Committee:
         assert done.outcome.code == 0, done.outcome.log
         return leader
 
-    def answer(self, node_key: bytes, prompt: str, temperature: int = TEMPERATURE):
+    def answer(self, node_key: bytes, prompt: str, challenge: Challenge):
         node = next(n for n in self.nodes if n.public == node_key)
         return sign_response(node, prompt, [5, 6, 7], "Yeast makes gas.", "gt", int(time.time()),
-                             "127.0.0.1:7100", temperature)
+                             "127.0.0.1:7100", challenge.temperature, challenge.seed)
 
     def rechallenge(self, number: int, members: list[int], node: bytes) -> None:
         """Each member commits its own prompt for the node, has it answered, and reveals it."""
@@ -138,7 +138,7 @@ class Committee:
                for i in members}
         self.submit_all(members, lambda i: CommitRechallenge(number, own[i].tag(node)))
         self.submit_all(members, lambda i: SubmitResults(
-            number, "rechallenge", (own[i].reveal(self.answer(node, own[i].prompt)),)))
+            number, "rechallenge", (own[i].reveal(self.answer(node, own[i].prompt, own[i])),)))
 
     def attest(self, number: int, online: list[int], submitter: KeySet, nodes: list[KeySet],
                credibility: dict[bytes, int] | None = None) -> None:

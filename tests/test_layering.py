@@ -16,7 +16,7 @@ import planetserve
 
 PACKAGE = Path(planetserve.__file__).parent
 
-NODE_OUTSIDE = {"chain", "registry", "models", "config"}
+NODE_OUTSIDE = {"chain", "registry", "models", "config", "sampling"}
 NODE = {"node", "node.engine", "node.api", "node.routing", "node.overlay", "node.pipeline", "node.tasks",
         "node.home", "node.behaviours"}
 """node/'s roles (model_node, user, registration, runner), its wings and its shared modules."""
@@ -24,10 +24,11 @@ ALLOWED: dict[str, set[str]] = {
     "registry": set(),
     "models": set(),
     "config": set(),
+    "sampling": set(),
     "workloads": {"models"},
     "chain": {"registry"},
     "chain.abci": {"chain", "registry"},
-    "verifier": {"chain", "registry", "models", "workloads", "config"},
+    "verifier": {"chain", "registry", "models", "workloads", "config", "sampling"},
     "node": NODE_OUTSIDE | NODE,
     "node.engine": NODE_OUTSIDE | {"node.tasks"},
     "node.api": NODE_OUTSIDE | {"node.engine"},
@@ -40,8 +41,8 @@ ALLOWED: dict[str, set[str]] = {
     "genesis": {"chain", "chain.abci", "registry"},
     "dashboard": {"chain", "registry"},
     "localnet": {"chain", "chain.abci", "registry", "models", "config", "genesis", "verifier", "dashboard",
-                 "workloads"} | NODE,
-    "cli": {"chain", "chain.abci", "registry", "models", "config", "workloads", "genesis", "verifier",
+                 "workloads", "sampling"} | NODE,
+    "cli": {"chain", "chain.abci", "registry", "models", "config", "workloads", "sampling", "genesis", "verifier",
             "dashboard", "localnet"} | NODE,
     "__main__": {"cli"},
     "__init__": set(),

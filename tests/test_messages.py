@@ -38,7 +38,7 @@ from planetserve.registry.errors import InvalidField
 
 KEY = bytes(range(32))
 SIG = bytes(64)
-RESPONSE = SignedResponse(KEY, bytes(32), (1, 2, 3), "hi", "gt", 700, 1_700_000_000, "10.0.0.1:7000", SIG)
+RESPONSE = SignedResponse(KEY, bytes(32), (1, 2, 3), "hi", "gt", 700, 2**64 - 1, 1_700_000_000, "10.0.0.1:7000", SIG)
 EXAMPLES = [
     RegisterOrg("acme", "ACME"),
     RegisterUser("10.0.0.1:9000", "eu"),
@@ -60,7 +60,7 @@ EXAMPLES = [
                                 Unanswered(bytes(32), "timed out"))),
     SubmitResults(1, "rechallenge", (Unanswered(KEY, "timed out", bytes(32)),)),
     SubmitResults(1, "rechallenge", (Revealed(KEY, "why?", bytes(32), 0, RESPONSE),)),
-    Attest(1, ((KEY, KEY, 1000),)),
+    Attest(1, ((KEY, KEY, 1000, 3),)),
     ReportInvalid(1, KEY, "no answer"),
     CommitRechallenge(1, bytes(32)),
     DeployModel("acme", "gt", "cpu", 2, 3600),
@@ -107,7 +107,7 @@ def test_optional_fields_are_left_out_of_the_body():
     ("submit-results", {"epoch": 1, "kind": "leader", "results": [
         Revealed(KEY, "p", bytes(32), 0, RESPONSE, 1, Served.of(RESPONSE)).body()]},
      "names the challenged node itself"),
-    ("attest", {"epoch": 1, "scores": [[KEY, KEY]]}, "entries must be [node, submitter, credibility]"),
+    ("attest", {"epoch": 1, "scores": [[KEY, KEY]]}, "entries must be [node, submitter, credibility, deviations]"),
     ("deploy-model", {"org_id": "a", "model_id": "m", "hardware": "cpu", "nodes": 0, "seconds": 60},
      "field 'nodes': must be an integer"),
 ])

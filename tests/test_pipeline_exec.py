@@ -60,8 +60,8 @@ def unsplit_tokens(loaded: LoadedModel, ids: list[int], n: int, temperature: flo
                    seed: int | None = None) -> list[int]:
     """The whole model, recomputed from scratch for every token (no cache to share a bug with)."""
     pick, tokens = sampler(temperature, seed), list(ids)
-    for _ in range(n):
-        tokens.append(pick(loaded.model(torch.tensor([tokens])).logits[0, -1].numpy()))
+    for position in range(n):
+        tokens.append(pick(loaded.model(torch.tensor([tokens])).logits[0, -1].numpy(), position))
     return tokens[len(ids):]
 
 

@@ -13,7 +13,7 @@ import pytest
 from planetserve.models import load
 from planetserve.node.api.engine_server import EngineServer
 from planetserve.node.engine.builtin import BuiltinEngine
-from planetserve.verifier import OnePassScorer, OpenAIScorer, ScoringError
+from planetserve.verifier import Decoding, OnePassScorer, OpenAIScorer, ScoringError
 
 
 @pytest.fixture(scope="module")
@@ -48,15 +48,15 @@ def test_server_scores_equal_the_one_pass_scores(served):
     for got, want in zip(remote.score(batch), local.score(batch), strict=True):
         assert len(got) == len(want)
         assert got == pytest.approx(want, abs=1e-4)
-    with_entropy = remote.score_with_entropy(batch)
-    exact = local.score_with_entropy(batch)
-    for got, want in zip(with_entropy, exact, strict=True):
+    greedy = [Decoding(0.0, 0)] * len(batch)
+    for got, want in zip(remote.score_choices(batch, greedy), local.score_choices(batch, greedy), strict=True):
         assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4)
-        # top-20 entropies spread the tail evenly: never below the exact entropy
-        assert all(g >= w - 1e-4 for g, w in zip(got.entropies, want.entropies, strict=True))
-        # the likeliest token is always among the top ones: the greedy rule's reference is exact
-        assert got.tops == pytest.approx(want.tops, abs=1e-4)
+        # the likeliest token is always among the top ones: a greedy answer's shortfalls are exact
+        assert got.shortfalls == pytest.approx(want.shortfalls, abs=1e-4)
     assert remote.score([(batch[0][0], [])]) == [[]]
+    # a sampled answer needs the whole distribution at each position, which the server does not return
+    with pytest.raises(ScoringError, match="whole distribution"):
+        remote.score_choices(batch, [Decoding(0.7, 5)] * len(batch))
 
 
 def test_the_server_returns_vllm_shaped_prompt_logprobs(served):

@@ -17,16 +17,18 @@ from planetserve.chain.keys import KeySet
 from planetserve.models import LoadedModel, load
 from planetserve.node.behaviours import clickbait
 from planetserve.registry.params import PPM
+from planetserve.sampling import sample
 from planetserve.verifier import (
     Algorithm3Scorer,
     Answer,
+    Decoding,
     OnePassScorer,
     ReferenceModel,
     Rejection,
     Verdict,
-    calibrated_credibility,
+    choice_credibility,
     credibility,
-    greedy_credibility,
+    deviations,
     to_ppm,
 )
 
@@ -62,23 +64,24 @@ def chat(loaded: LoadedModel, question: str) -> str:
 
 def generate(loaded: LoadedModel, reference: ReferenceModel, prompt: str, tokens: int = 24,
              temperature: float = 0.0, seed: int = 0) -> list[int]:
-    """The model's answer to `prompt` (greedy at temperature 0, else plain sampling), its stop token kept."""
-    ids = torch.tensor([reference.prompt_ids(prompt)])
-    sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature else {
-        "do_sample": False}
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        out = loaded.model.generate(ids, max_new_tokens=tokens, eos_token_id=list(loaded.stop_token_ids),
-                                    pad_token_id=loaded.tokenizer.pad_token_id, **sampling)
-    return out[0, ids.shape[1]:].tolist()
+    """The model's answer to `prompt` as an honest engine decodes it (planetserve.sampling: greedy at
+    temperature 0, else the seed's Gumbel-max), one full forward pass a token, its stop token kept."""
+    ids, answer = reference.prompt_ids(prompt), []
+    with torch.inference_mode():
+        for position in range(tokens):
+            logits = loaded.model(input_ids=torch.tensor([ids + answer])).logits[0, -1]
+            answer.append(sample(logits, temperature, seed, position))
+            if answer[-1] in loaded.stop_token_ids:
+                break
+    return answer
 
 
 def signed(keys: KeySet, loaded: LoadedModel, prompt: str, token_ids: list[int], model_id: str = GT,
-           text: str | None = None, temperature: int = 0) -> Answer:
-    """The answer as a node signs it, asked for `temperature` thousandths (greedy by default)."""
+           text: str | None = None, temperature: int = 0, seed: int = 0) -> Answer:
+    """The answer as a node signs it, asked for `temperature` thousandths (greedy by default) and `seed`."""
     text = loaded.tokenizer.decode(token_ids, skip_special_tokens=True) if text is None else text
     return Answer(sign_response(keys, prompt, token_ids, text, model_id, 1_700_000_000, "127.0.0.1:7000",
-                                temperature), prompt, keys.public)
+                                temperature, seed), prompt, keys.public)
 
 
 def random_batch(seed: int, vocab: int, count: int = 7) -> list[tuple[list[int], list[int]]]:
@@ -99,26 +102,30 @@ def close(a: list[float] | tuple[float, ...], b: list[float] | tuple[float, ...]
 def test_one_pass_agrees_with_algorithm3(gt, reference):
     batch = random_batch(1, reference.vocab_size)
     batch.append((reference.prompt_ids(chat(gt, QUESTIONS[0])), generate(gt, reference, chat(gt, QUESTIONS[0]))))
-    one = OnePassScorer(gt.model).score_with_entropy(batch)
-    alg3 = Algorithm3Scorer(gt.model).score_with_entropy(batch)
+    decodings = [Decoding(0.7 * (i % 3), i) for i in range(len(batch))]
+    one = OnePassScorer(gt.model).score_choices(batch, decodings)
+    alg3 = Algorithm3Scorer(gt.model).score_choices(batch, decodings)
     for a, b, (_, response) in zip(one, alg3, batch, strict=True):
         assert len(a.logprobs) == len(response)
         assert close(a.logprobs, b.logprobs, 1e-4)
-        assert close(a.entropies, b.entropies, 1e-4)
+        assert close(a.shortfalls, b.shortfalls, 1e-4)
     for plain, full in zip(OnePassScorer(gt.model).score(batch), one, strict=True):
         assert close(plain, full.logprobs, 1e-6)
 
 
 def test_batched_equals_unbatched_in_order(gt, reference):
     batch = random_batch(2, reference.vocab_size, count=12)
-    alone = [OnePassScorer(gt.model).score_with_entropy([item])[0] for item in batch]
-    whole = OnePassScorer(gt.model).score_with_entropy(batch)
+    decodings = [Decoding(1.0 if i % 2 else 0.0, i) for i in range(len(batch))]
+    alone = [OnePassScorer(gt.model).score_choices([item], [d])[0] for item, d in zip(batch, decodings, strict=True)]
+    whole = OnePassScorer(gt.model).score_choices(batch, decodings)
     split = OnePassScorer(gt.model, max_batch_tokens=64, max_scored_tokens=48)
     assert len(split._groups(split._checked(batch))) > 2
-    for scores in (whole, split.score_with_entropy(batch)):
+    for scores in (whole, split.score_choices(batch, decodings)):
         for a, b in zip(scores, alone, strict=True):
             assert close(a.logprobs, b.logprobs, 1e-5)
-            assert close(a.entropies, b.entropies, 1e-5)
+            assert close(a.shortfalls, b.shortfalls, 1e-5)
+    with pytest.raises(ValueError, match="2 decodings for 3 items"):
+        OnePassScorer(gt.model).score_choices(batch[:3], decodings[:2])
 
 
 def test_first_token_is_scored_on_the_prompt_alone(gt, reference):
@@ -146,9 +153,9 @@ def test_gt_answers_are_more_credible_under_gt_than_tiny_answers(gt, tiny, refer
     prompts = [chat(gt, q) for q in QUESTIONS]
     greedy = reference.verify([signed(keys, gt, p, generate(gt, reference, p)) for p in prompts])
     gt_sampled = reference.verify([signed(keys, gt, p, generate(gt, reference, p, temperature=1.0, seed=i),
-                                          temperature=1000) for i, p in enumerate(prompts)])
+                                          temperature=1000, seed=i) for i, p in enumerate(prompts)])
     tiny_sampled = reference.verify([signed(keys, tiny, p, generate(tiny, reference, p, temperature=1.0, seed=i),
-                                            temperature=1000) for i, p in enumerate(prompts)])
+                                            temperature=1000, seed=i) for i, p in enumerate(prompts)])
     assert all(v.ok for v in greedy + gt_sampled + tiny_sampled)
 
     def mean(verdicts: list[Verdict], field: str) -> float:
@@ -156,12 +163,12 @@ def test_gt_answers_are_more_credible_under_gt_than_tiny_answers(gt, tiny, refer
 
     assert mean(greedy, "credibility") > mean(tiny_sampled, "credibility")
     assert mean(gt_sampled, "credibility") > mean(tiny_sampled, "credibility")
-    assert mean(gt_sampled, "calibrated") > mean(tiny_sampled, "calibrated")
-    # Asked for greedy answers, gt makes the reference's own choice at every step.
-    assert all(v.calibrated == 1.0 for v in greedy)
-    # 1/PPL drops with the temperature; the calibrated credibility of honest answers stays near 1.
+    # Greedy or sampled under its seed, gt makes the honest choice at every step; tiny, under the same
+    # seeds, does not.
+    assert all(v.calibrated == 1.0 and v.deviations == 0 for v in greedy + gt_sampled)
+    assert mean(tiny_sampled, "calibrated") < 0.05 and all(v.deviations > 0 for v in tiny_sampled)
+    # 1/PPL drops with the temperature; the calibrated credibility does not.
     assert mean(gt_sampled, "credibility") < mean(greedy, "credibility")
-    assert mean(gt_sampled, "calibrated") > 0.8
 
 
 def test_a_greedy_request_holds_the_node_to_the_reference_choices(gt, tiny, reference, keys):
@@ -175,8 +182,8 @@ def test_a_greedy_request_holds_the_node_to_the_reference_choices(gt, tiny, refe
     reworded = reference.verify([signed(keys, gt, p, generate(gt, reference, clickbait(p))) for p in prompts])
     hot = [generate(gt, reference, p, temperature=1.0, seed=i) for i, p in enumerate(prompts)]
     claimed_greedy = reference.verify([signed(keys, gt, p, ids) for p, ids in zip(prompts, hot, strict=True)])
-    as_sampled = reference.verify([signed(keys, gt, p, ids, temperature=1000)
-                                   for p, ids in zip(prompts, hot, strict=True)])
+    as_sampled = reference.verify([signed(keys, gt, p, ids, temperature=1000, seed=i)
+                                   for i, (p, ids) in enumerate(zip(prompts, hot, strict=True))])
     assert [v.calibrated for v in honest] == [1.0] * len(prompts)
     assert statistics.median(v.calibrated for v in weaker) < 0.01
     assert statistics.median(v.calibrated for v in reworded) < 0.01
@@ -185,7 +192,7 @@ def test_a_greedy_request_holds_the_node_to_the_reference_choices(gt, tiny, refe
     assert any(differs)
     assert all(v.calibrated < 0.01 for v, d in zip(claimed_greedy, differs, strict=True) if d)
     assert all(v.calibrated == 1.0 for v, d in zip(claimed_greedy, differs, strict=True) if not d)
-    assert statistics.median(v.calibrated for v in as_sampled) > 0.5
+    assert all(v.calibrated == 1.0 for v in as_sampled)
     # the paper's 1/PPL does not depend on the temperature the node was asked for
     assert [v.credibility for v in claimed_greedy] == pytest.approx([v.credibility for v in as_sampled])
 
@@ -316,20 +323,13 @@ def test_to_ppm_bounds_and_rounding():
 def test_credibility_formulas():
     assert credibility([math.log(0.5)] * 4) == pytest.approx(0.5)
     assert credibility([math.log(0.25), math.log(1.0)]) == pytest.approx(0.5)
-    # Observed log p matching the reference's own expectation (-H) gives 1; 1 nat below it per token, e^-1.
-    assert calibrated_credibility([-2.0, -3.0], [2.0, 3.0]) == pytest.approx(1.0)
-    assert calibrated_credibility([-3.0, -4.0], [2.0, 3.0]) == pytest.approx(math.exp(-1))
-    assert calibrated_credibility([-0.1, -0.1], [2.0, 3.0]) == 1.0
-    assert calibrated_credibility([-math.inf], [1.0]) == 0.0
-    # greedy: each token short of the likeliest by more than the tolerance costs the excess, summed
-    assert greedy_credibility([-1.0, -2.0], [-1.0, -2.0]) == 1.0
-    assert greedy_credibility([-1.03, -2.0], [-1.0, -2.0]) == 1.0
-    assert greedy_credibility([-1.55, -3.05], [-1.0, -2.0]) == pytest.approx(math.exp(-1.5))
-    assert greedy_credibility([-1.5], [-1.0], tolerance=0.0) == pytest.approx(math.exp(-0.5))
+    # each token short of the honest choice by more than the tolerance costs the excess, summed
+    assert choice_credibility([0.0, 0.0]) == 1.0 and deviations([0.0, 0.0]) == 0
+    assert choice_credibility([0.03, 0.0]) == 1.0 and deviations([0.03, 0.0]) == 0
+    assert choice_credibility([0.55, 1.05]) == pytest.approx(math.exp(-1.5)) and deviations([0.55, 1.05]) == 2
+    assert choice_credibility([0.5], tolerance=0.0) == pytest.approx(math.exp(-0.5))
+    assert choice_credibility([math.inf]) == 0.0
     for fn, args, message in ((credibility, ([],), "undefined for an empty response"),
-                              (calibrated_credibility, ([], []), "undefined for an empty response"),
-                              (calibrated_credibility, ([-1.0], [1.0, 2.0]), "one entropy per scored token"),
-                              (greedy_credibility, ([], []), "empty response has no choices"),
-                              (greedy_credibility, ([-1.0], [-1.0, -2.0]), "one top log-probability per")):
+                              (choice_credibility, ([],), "empty response has no choices")):
         with pytest.raises(ValueError, match=message):
             fn(*args)

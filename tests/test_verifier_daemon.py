@@ -39,7 +39,7 @@ def test_config_loads_strictly(tmp_path):
                          ({"keys": "k", "workload": "chess"}, "workload must be one of"),
                          ({"keys": "k", "models": {}}, "models must map"),
                          ({"keys": "k", "max_tokens": 0}, "max_tokens must be a positive integer"),
-                         ({"keys": "k", "greedy_tolerance": -1}, "greedy_tolerance must lie in"),
+                         ({"keys": "k", "tolerance": -1}, "tolerance must lie in"),
                          ({"keys": "k", "greedy_share": 2}, "greedy_share must be null or lie in"),
                          ({"keys": "k", "chat_share": "half"}, "chat_share must be null or lie in"),
                          ({"keys": ""}, "`keys` must name")]:
@@ -101,14 +101,14 @@ def test_a_signed_answer_comes_back_whole(relay, stream):
     """Streamed or not (as often as users' programs stream), the answer is the signed text and the
     request asks for the challenge's own output cap."""
     node = KeySet.generate()
-    response = sign_response(node, "Why is the sky blue?", [5, 6], "Light.", "gt", int(time.time()), "h:1", 500)
+    response = sign_response(node, "Why is the sky blue?", [5, 6], "Light.", "gt", int(time.time()), "h:1", 500, 0)
     relay.body = {"choices": [{"text": "Light."}], "planetserve": response_extension(response)}
     challenge = Challenge.new("Why is the sky blue?", 500, max_tokens=12)
     got = OverlayChannel(relay.url, stream_share=float(stream)).ask(node.public, "gt", challenge)
     assert got.response == response and response_valid(got.response) and got.served is None
     assert relay.received[0] == {"path": "/v1/completions", "model": "gt", "prompt": "Why is the sky blue?",
                                  "max_tokens": 12, "temperature": 0.5, "stream": stream,
-                                 "planetserve": {"node": node.public.hex()}}
+                                 "planetserve": {"node": node.public.hex(), "seed": challenge.seed}}
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -117,14 +117,15 @@ def test_a_chat_challenge_goes_as_its_one_message(relay, stream):
     rendered template, which is what the challenge commits."""
     node = KeySet.generate()
     rendered = "<|im_start|>user\nWhy is the sky blue?<|im_end|>\n<|im_start|>assistant\n"
-    response = sign_response(node, rendered, [5, 6], "Light.", "gt", int(time.time()), "h:1", 0)
+    response = sign_response(node, rendered, [5, 6], "Light.", "gt", int(time.time()), "h:1", 0, 0)
     relay.body = {"choices": [{"message": {"role": "assistant", "content": "Light."}}],
                   "planetserve": response_extension(response)}
     challenge = Challenge.new(rendered, 0, "Why is the sky blue?", max_tokens=12)
     got = OverlayChannel(relay.url, stream_share=float(stream)).ask(node.public, "gt", challenge)
     assert got.response == response
     assert relay.received[0] == {"path": "/v1/chat/completions", "model": "gt", "max_tokens": 12,
-                                 "temperature": 0.0, "stream": stream, "planetserve": {"node": node.public.hex()},
+                                 "temperature": 0.0, "stream": stream,
+                                 "planetserve": {"node": node.public.hex(), "seed": challenge.seed},
                                  "messages": [{"role": "user", "content": "Why is the sky blue?"}]}
     relay.body = {"choices": [{"text": "Light."}], "planetserve": response_extension(response)}
     with pytest.raises(NoAnswer, match="malformed answer"):
@@ -135,7 +136,7 @@ def test_a_follow_up_challenge_sends_its_first_turn_under_the_same_session(relay
     """As a user's program continues a conversation: the previous turn first, then the follow-up, both
     under one session id; a first turn the node does not answer is its failure to answer."""
     node = KeySet.generate()
-    response = sign_response(node, "Why? And how?", [5, 6], "Light.", "gt", int(time.time()), "h:1", 0)
+    response = sign_response(node, "Why? And how?", [5, 6], "Light.", "gt", int(time.time()), "h:1", 0, 0)
     relay.body = {"choices": [{"text": "Light."}], "planetserve": response_extension(response)}
     challenge = Challenge.new("Why? And how?", 0, max_tokens=12, earlier=(4,))
     assert OverlayChannel(relay.url).ask(node.public, "gt", challenge).response == response
@@ -143,6 +144,8 @@ def test_a_follow_up_challenge_sends_its_first_turn_under_the_same_session(relay
     assert (first["prompt"], second["prompt"]) == ("Why?", "Why? And how?")
     assert first["planetserve"]["session_id"] == second["planetserve"]["session_id"]
     assert first["planetserve"]["node"] == second["planetserve"]["node"] == node.public.hex()
+    # the scored turn carries the committed seed; the earlier one a fresh seed, as a program's turn does
+    assert second["planetserve"].pop("seed") == challenge.seed != first["planetserve"].pop("seed")
     assert {k: v for k, v in first.items() if k != "prompt"} == {k: v for k, v in second.items() if k != "prompt"}
     relay.first = [(502, {"error": {"code": "node_unreachable", "message": "gone"}})]
     with pytest.raises(NoAnswer, match="turn 1 of the session failed: HTTP 502 node_unreachable"):
@@ -152,8 +155,8 @@ def test_a_follow_up_challenge_sends_its_first_turn_under_the_same_session(relay
 def test_a_forwarded_answer_names_the_node_that_computed_it(relay):
     entry, peer = KeySet.generate(), KeySet.generate()
     now = int(time.time())
-    answer = sign_response(entry, "Why?", [5, 6], "Light.", "gt", now, "entry:1", 0)
-    computed = sign_response(peer, "Why?", [5, 6], "Light.", "gt", now - 1, "peer:1", 0)
+    answer = sign_response(entry, "Why?", [5, 6], "Light.", "gt", now, "entry:1", 0, 0)
+    computed = sign_response(peer, "Why?", [5, 6], "Light.", "gt", now - 1, "peer:1", 0, 0)
     relay.body = {"choices": [{"text": "Light."}],
                   "planetserve": {**response_extension(answer), "served": served_extension(computed)}}
     got = OverlayChannel(relay.url).ask(entry.public, "gt", Challenge.new("Why?", 0))
@@ -162,7 +165,7 @@ def test_a_forwarded_answer_names_the_node_that_computed_it(relay):
     forged = {**served_extension(computed), "signature": "00" * 64}
     relay.body["planetserve"]["served"] = forged
     assert OverlayChannel(relay.url).ask(entry.public, "gt", Challenge.new("Why?", 0)).served is None
-    other_text = sign_response(peer, "Why?", [5, 7], "Dark.", "gt", now, "peer:1", 0)
+    other_text = sign_response(peer, "Why?", [5, 7], "Dark.", "gt", now, "peer:1", 0, 0)
     relay.body["planetserve"]["served"] = served_extension(other_text)
     assert OverlayChannel(relay.url).ask(entry.public, "gt", Challenge.new("Why?", 0)).served is None
 
@@ -187,11 +190,11 @@ def test_what_is_not_an_answer(relay, status, body, error, message, stream):
 def test_a_challenge_is_tried_again_before_the_node_is_reported(relay, tmp_path, monkeypatch):
     monkeypatch.setattr(daemon_module, "RETRY_DELAY_S", 0.0)
     node = KeySet.generate()
-    response = sign_response(node, "Why?", [5, 6], "Light.", "gt", int(time.time()), "h:1", 0)
+    challenge = Challenge.new("Why?", 0)
+    response = sign_response(node, "Why?", [5, 6], "Light.", "gt", int(time.time()), "h:1", 0, challenge.seed)
     relay.body = {"choices": [{"text": "Light."}], "planetserve": response_extension(response)}
     cut = (500, {"error": {"message": "Generation failed: the peer failed mid-answer"}})
     registered = ModelNode(node.public, "org", "gt", "h:1", "cpu", 1, "eu", "active", 0)
-    challenge = Challenge.new("Why?", 0)
 
     def asked(attempts: int):
         daemon = Daemon(KeySet.generate(), None, {}, OverlayChannel(relay.url), None, tmp_path, attempts=attempts)

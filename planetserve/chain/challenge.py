@@ -71,16 +71,23 @@ class Challenge:
         return epochs.commitment(self.prompt, self.temperature, self.salt)
 
     @property
+    def seed(self) -> int:
+        """The seed the challenge is sent with (epochs.challenge_seed: the salt's, so committed)."""
+        return epochs.challenge_seed(self.salt)
+
+    @property
     def sampling_temperature(self) -> float:
         return self.temperature / epochs.MILLI
 
     def signed_otherwise(self, response: SignedResponse, now: int, tolerance: int) -> str:
-        """Why `response` does not answer this challenge as it was sent (another temperature, or a
-        signed time more than `tolerance` seconds from `now`); empty when it does. Revealed, such a
+        """Why `response` does not answer this challenge as it was sent (another temperature or seed, or
+        a signed time more than `tolerance` seconds from `now`); empty when it does. Revealed, such a
         response would be the submitter's fault on the ledger, so a node could frame its challenger."""
         if response.temperature != self.temperature:
             return (f"the node signed temperature {response.temperature / epochs.MILLI:g}, "
                     f"it was asked {self.sampling_temperature:g}")
+        if response.seed != self.seed:
+            return f"the node signed seed {response.seed}, it was asked {self.seed}"
         if abs(response.time - now) > tolerance:
             return f"the node signed time {response.time}, {response.time - now:+d} s from its answer"
         return ""
@@ -143,9 +150,9 @@ def _turn_lengths(earlier: object, length: int) -> bool:
 
 
 def sign_response(keys: KeySet, prompt: str, token_ids: list[int], text: str, model_id: str, time: int,
-                  address: str, temperature: int) -> SignedResponse:
+                  address: str, temperature: int, seed: int) -> SignedResponse:
     unsigned = SignedResponse(keys.public, epochs.prompt_hash(prompt), tuple(token_ids), text, model_id,
-                              temperature, time, address, b"")
+                              temperature, seed, time, address, b"")
     return replace(unsigned, signature=keys.sign(unsigned.sign_bytes()))
 
 
@@ -158,7 +165,7 @@ class ResponseFormatError(ValueError):
 
 
 _EXTENSION_FIELDS = {"node": str, "prompt_hash": str, "token_ids": list, "model_id": str,
-                     "temperature": int, "time": int, "address": str, "signature": str}
+                     "temperature": int, "seed": int, "time": int, "address": str, "signature": str}
 
 
 def response_extension(response: SignedResponse) -> dict:
@@ -166,7 +173,7 @@ def response_extension(response: SignedResponse) -> dict:
     answer itself)."""
     return {"node": response.node.hex(), "prompt_hash": response.prompt_hash.hex(),
             "token_ids": list(response.token_ids), "model_id": response.model_id,
-            "temperature": response.temperature, "time": response.time,
+            "temperature": response.temperature, "seed": response.seed, "time": response.time,
             "address": response.address, "signature": response.signature.hex()}
 
 
@@ -184,8 +191,10 @@ def response_from_extension(extension: object, text: str) -> SignedResponse:
         node, digest, signature = (bytes.fromhex(extension[k]) for k in ("node", "prompt_hash", "signature"))
     except ValueError as exc:
         raise ResponseFormatError(f"extension holds malformed hex: {exc}") from exc
+    if not 0 <= extension["seed"] < 1 << 64:
+        raise ResponseFormatError("extension seed must lie in [0, 2**64)")
     return SignedResponse(node, digest, tuple(ids), text, extension["model_id"], extension["temperature"],
-                          extension["time"], extension["address"], signature)
+                          extension["seed"], extension["time"], extension["address"], signature)
 
 
 def served_extension(peer: SignedResponse) -> dict:

@@ -354,7 +354,7 @@ class LedgerClient:
         return layout.decode_records(self.entries(layout.result_prefix(number)).entries, ChallengeResult)
 
     def attestations(self, number: int) -> dict[tuple[bytes, bytes], list[list]]:
-        """(node, submitter) → [[member, credibility ppm], …] of the epoch."""
+        """(node, submitter) → [[member, credibility ppm, deviating tokens], …] of the epoch."""
         prefix = layout.attestation_prefix(number)
         out: dict[tuple[bytes, bytes], list[list]] = {}
         for key, raw in self.entries(prefix).entries:

@@ -76,6 +76,7 @@ from planetserve.node.routing.group import EMPTY, Group, GroupView
 from planetserve.node.routing.hrtree import SearchResult
 from planetserve.node.tasks import stop_tasks
 from planetserve.registry.epochs import prompt_hash
+from planetserve.sampling import SEED_LIMIT
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +142,8 @@ class Job:
     special: bool
     max_tokens: int
     temperature: float
-    seed: int | None
+    seed: int
+    """The protocol's unsigned seed (planetserve.sampling), drawn by the API when the request had none."""
     stop: tuple[str, ...]
     stop_ids: tuple[int, ...]
     ignore_eos: bool
@@ -170,7 +172,7 @@ class Job:
             raise bad_request("forwarded job stop strings are malformed")
         if not all(type(t) is int and t >= 0 for t in body["stop_ids"]) or len(body["stop_ids"]) > 128:
             raise bad_request("forwarded job stop ids are malformed")
-        if body["seed"] is not None and type(body["seed"]) is not int:
+        if type(body["seed"]) is not int or not 0 <= body["seed"] < SEED_LIMIT:
             raise bad_request("forwarded job seed is malformed")
         if body["session_id"] is not None and not isinstance(body["session_id"], str):
             raise bad_request("forwarded job session id is malformed")
@@ -527,7 +529,7 @@ class ModelNode:
         """The answer's `planetserve` extension: our signature over it, why it went where it went, and
         which node computed it (`route` and `served_by` are not signed)."""
         signed = sign_response(self.keys, job.prompt, state.token_ids, state.text, self.config.model_id,
-                               int(time.time()), self.config.address, milli(job.temperature))
+                               int(time.time()), self.config.address, milli(job.temperature), job.seed)
         return {**response_extension(signed), "route": route_reason, "served_by": served_by}
 
     def _countersign(self, peer_id: str, job: Job, state: Generation, extension: Any,
@@ -542,6 +544,7 @@ class ModelNode:
                   ("signed for another prompt", theirs.prompt_hash == prompt_hash(job.prompt)),
                   ("signed for another model", theirs.model_id == self.config.model_id),
                   ("signed for another temperature", theirs.temperature == milli(job.temperature)),
+                  ("signed for another seed", theirs.seed == job.seed),
                   ("signed other token ids than it streamed", list(theirs.token_ids) == state.token_ids),
                   ("its signature does not verify", response_valid(theirs)))
         failed = [problem for problem, ok in checks if not ok]

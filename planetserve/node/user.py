@@ -49,6 +49,8 @@ from planetserve.node.overlay.paths import Path, PathManager, PathSettings
 from planetserve.node.overlay.relay import Relay
 from planetserve.node.overlay.transport import Peering, TransportError
 from planetserve.node.tasks import stop_tasks
+from planetserve.registry.epochs import SEED_BITS
+from planetserve.sampling import to_seed
 
 log = logging.getLogger(__name__)
 
@@ -193,6 +195,8 @@ class UserRelay:
         """Per answer message still being reassembled: the paths its cloves came by."""
         self.answered: OrderedDict[bytes, Exchange] = OrderedDict()
         self.sessions: OrderedDict[str, tuple[bytes, str]] = OrderedDict()
+        self.seed_key = secrets.token_bytes(32)
+        """Keys the seeds programs choose (`relayed_seed`): this relay's alone, for its lifetime."""
         self.avoided_nodes: dict[bytes, float] = {}
         self.counters = {"requests": 0, "answered": 0, "failed": 0, "bad_cloves": 0, "dropping_paths": 0}
         self.surface = ApiServer(self, max_body_bytes=USER_LIMITS.max_body_bytes,
@@ -463,8 +467,7 @@ class UserRelay:
         nothing else the program wrote (`canonical_body`)."""
         try:
             body = parse_json_body(raw, USER_LIMITS)
-            named = _named_node(body)
-            request = parse_request_body(endpoint, body, USER_LIMITS)
+            named, request = taken_request(endpoint, body, self.seed_key)
             if named is not None:  # exactly that node, whatever the conversation's was; no avoidance
                 node = self.named_node(named, request)
                 model, session = self.view.node(node).model_id, self.named_session(request, node)
@@ -499,6 +502,41 @@ def relayed_body(request: ApiRequest, model: str, session_id: str) -> bytes:
     model it resolved to and carrying the relay's session id as its only extension."""
     options = PlanetServeOptions(session_id=session_id)
     return canonical_body(replace(request, model=model, planetserve=options))
+
+
+def taken_request(endpoint: Endpoint, body: dict[str, Any], seed_key: bytes
+                  ) -> tuple[bytes | None, ApiRequest]:
+    """A program's request as this relay sends it on, and the node it names (if any): the relay's own
+    fields taken out and the seed it travels with set (`relayed_seed`)."""
+    named, exact = _named_node(body), _exact_seed(body)
+    request = parse_request_body(endpoint, body, USER_LIMITS)
+    return named, replace(request, seed=relayed_seed(request, seed_key) if exact is None else exact)
+
+
+def relayed_seed(request: ApiRequest, key: bytes) -> int:
+    """The seed a request travels with: a fresh uniform one when the program sent none, else the
+    program's keyed by this relay (`key`) together with what the request asks, so that a program's rerun
+    of a request with its seed is reproduced while no seed a node sees repeats across different
+    requests or looks chosen (a program's 42 on every request would tell it from a challenge)."""
+    if request.seed is None:
+        return secrets.randbits(SEED_BITS)
+    asked = canonical_body(replace(request, seed=None, planetserve=PlanetServeOptions()))
+    digest = hashlib.blake2b(to_seed(request.seed).to_bytes(8, "big") + asked, key=key, digest_size=8)
+    return int.from_bytes(digest.digest(), "big") >> (64 - SEED_BITS)
+
+
+def _exact_seed(body: dict[str, Any]) -> int | None:
+    """The seed `planetserve.seed` asks this relay to send unchanged, taken out of the body (a relay-only
+    field, like `planetserve.node`): a committee member's challenge must reach the node with the seed
+    its commitment binds."""
+    options = body.get("planetserve")
+    if not isinstance(options, dict) or "seed" not in options:
+        return None
+    seed = options.pop("seed")
+    if type(seed) is not int or not 0 <= seed < 1 << SEED_BITS:
+        raise bad_request(f"`planetserve.seed` must be an integer in [0, 2**{SEED_BITS}).",
+                          "planetserve.seed")
+    return seed
 
 
 def _named_node(body: dict[str, Any]) -> bytes | None:

@@ -26,7 +26,10 @@ from planetserve.registry.params import Params
 SEED_DOMAIN = "planetserve/epoch-seed/v1"
 NEXT_SEED_DOMAIN = "planetserve/epoch-seed/v2"
 COMMIT_DOMAIN = "planetserve/challenge/v2"
-RESPONSE_DOMAIN = "planetserve/response/v2"
+RESPONSE_DOMAIN = "planetserve/response/v3"
+SEED_DOMAIN = b"planetserve/challenge-seed/v1"
+SEED_BITS = 63
+"""Seeds a requester draws: non-negative signed 64-bit integers, which every OpenAI client accepts."""
 RECHALLENGE_DOMAIN = "planetserve/rechallenge/v1"
 MILLI = 1_000
 """Temperatures are signed and committed in thousandths, so that no float enters state."""
@@ -119,6 +122,13 @@ def commitment(prompt: str, temperature: int, salt: bytes) -> bytes:
     return hashlib.sha256(codec.pack([COMMIT_DOMAIN, prompt, temperature, salt])).digest()
 
 
+def challenge_seed(salt: bytes) -> int:
+    """The sampling seed a challenge is sent with: derived from its salt, so the commitment binds it
+    (the salt is committed) and nothing about the commitment can be learnt from it; uniform like the
+    seed a relay draws for a program that sends none."""
+    return int.from_bytes(hashlib.sha256(SEED_DOMAIN + salt).digest()[:8], "big") >> (64 - SEED_BITS)
+
+
 def rechallenge_tag(node: bytes, commitment: bytes) -> bytes:
     """What a member commits before it re-challenges `node`: H(node || commitment). It binds the node and
     the challenge without naming either (the commitment's salt hides both), so nothing on the ledger says
@@ -168,7 +178,8 @@ class PlanEntry(Record):
 @dataclass(frozen=True)
 class SignedResponse(Record):
     """A model node's answer to a prompt, signed with its registered key, with the sampling temperature
-    it was asked for (thousandths; 0 is greedy), which nobody between the asker and the node can change."""
+    it was asked for (thousandths; 0 is greedy) and the seed of its noise (planetserve.sampling), which
+    nobody between the asker and the node can change and which make every token checkable."""
 
     node: bytes
     prompt_hash: bytes
@@ -176,13 +187,14 @@ class SignedResponse(Record):
     text: str
     model_id: str
     temperature: int
+    seed: int
     time: int
     address: str
     signature: bytes
 
     def sign_bytes(self) -> bytes:
         return codec.pack([RESPONSE_DOMAIN, self.node, self.prompt_hash, list(self.token_ids), self.text,
-                           self.model_id, self.temperature, self.time, self.address])
+                           self.model_id, self.temperature, self.seed, self.time, self.address])
 
 
 @dataclass(frozen=True)
@@ -232,7 +244,9 @@ class Reputation(Record):
     """A model node's standing, written when it registers: its reputation (ppm) and its window of the
     last W credibilities; `epochs` it was scored in, the last one `last_epoch` (0 while never scored:
     epoch 0 has no plan); `trusted` by the reputation rule; `probation`, the consecutive scored epochs
-    it must still end trusted before it is listed (registry/reputation.py)."""
+    it must still end trusted before it is listed (registry/reputation.py); the tokens of its attested
+    answers ever `checked`, how many `deviations` were beyond the verifiers' tolerance, and the
+    evidence statistic `cusum` over them (registry/evidence.py)."""
 
     node: bytes
     value: int
@@ -241,6 +255,9 @@ class Reputation(Record):
     last_epoch: int
     trusted: bool
     probation: int
+    checked: int = 0
+    deviations: int = 0
+    cusum: int = 0
 
     @property
     def listable(self) -> bool:

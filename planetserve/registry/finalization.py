@@ -5,19 +5,23 @@ Per node of the plan, in key order:
 - The candidate results are the leader's, if valid, then valid re-challenges in submitter order.
   Those whose attesting members hold more than 2/3 of the power are attested, each worth the median
   of its attested credibilities.
+  Each attested answer also carries the median of the attested counts of its deviating tokens.
 - Every attested answer counts against the node that computed it: the challenged node, or the group
   peer whose own signature (`served_by`) shows it computed the answer for the challenged node. A node
   that computed any attested answer this epoch, for its own challenges or as a serving peer, gets as
-  C(T) the median of them all, each weighted by its number of tokens (an answer that a model ends at
-  once says little, a long one much): a forward shows the serving peer's model, so a fast peer that serves
-  its group's challenges with a cheaper model is caught on them, and an honest node that forwarded to
-  it is scored on what it computed itself (members re-challenge a node whose leader result was
-  forwarded). A planned node that computed none answers for what it returned: C(T) is the weighted
-  median of its attested results, so a forward never hides it.
+  C(T) the product of them all (`product`): an honest answer scores 1 under the calibrated rule
+  (every token is the honest choice under its signed seed), so an honest node keeps 1 however many it
+  answers, and any deviating answer lowers C(T) however many clean ones come with it (a node that cheats
+  on some requests only is caught on those). A forward shows the serving peer's model, so a fast peer
+  that serves its group's challenges with a cheaper model is caught on them, and an honest node that
+  forwarded to it is scored on what it computed itself (members re-challenge a node whose leader
+  result was forwarded). A planned node that computed none answers for what it returned: C(T) is the
+  product of its attested results, so a forward never hides it. A verdict also counts the tokens those
+  answers had checked and how many deviated, which accumulate across epochs (registry/evidence.py).
 - Without an attested result, the node is cut (C(T) = 0) only when members holding more than 1/3 of
   the power reported no valid response from it; the leader's own "invalid" claim counts as its report.
 - Otherwise its reputation does not change this epoch.
-A serving peer that is not planned gets the weighted median of what it computed, after every planned node. A
+A serving peer that is not planned gets the product of what it computed, after every planned node. A
 node gets at most one C(T) per epoch.
 Faults: a leader that submitted nothing for a committed plan withheld its results; one that left a
 node out skipped it; one whose proposed credibility strays beyond the tolerance from the median
@@ -28,10 +32,11 @@ tolerance from the median deviated too.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from planetserve.registry import rules
 from planetserve.registry.epochs import INVALID, VALID, ChallengeResult
+from planetserve.registry.params import PPM
 from planetserve.registry.reputation import median
 
 
@@ -40,7 +45,8 @@ class Evidence:
     leader: bytes
     plan_nodes: list[bytes]
     results: dict[bytes, list[ChallengeResult]]
-    attestations: dict[tuple[bytes, bytes], list[tuple[bytes, int]]]
+    attestations: dict[tuple[bytes, bytes], list[tuple[bytes, int, int]]]
+    """(node, submitter) → (member, credibility ppm, deviating tokens) per attestation."""
     reports: dict[bytes, tuple[bytes, ...]]
     power: dict[bytes, int]
     tolerance: int
@@ -51,6 +57,10 @@ class Verdict:
     node: bytes
     credibility: int
     source: str
+    checked: int = 0
+    """Tokens of the answers behind C(T)."""
+    deviations: int = 0
+    """Of those, the tokens beyond the verifiers' tolerance (attested medians, summed)."""
 
     @property
     def scored(self) -> bool:
@@ -77,24 +87,35 @@ def _candidates(node_results: list[ChallengeResult]) -> list[ChallengeResult]:
     return leader + others
 
 
+@dataclass(frozen=True)
+class Scored:
+    """An attested answer: what it is worth (the medians of its attestations) and its length."""
+
+    credibility: int
+    deviations: int
+    tokens: int
+
+
 def _attested(ev: Evidence, node: bytes, total: int, findings: list[Finding]
-              ) -> list[tuple[ChallengeResult, int]]:
+              ) -> list[tuple[ChallengeResult, Scored]]:
     """The node's candidate results that members holding more than 2/3 of the power attested, each with
     the median of its attestations; an attestation or a leader's proposal far from it is a finding."""
     attested = []
     for result in _candidates(ev.results.get(node, [])):
-        scores = [(m, c) for m, c in ev.attestations.get((node, result.submitter), []) if m in ev.power]
-        if not rules.supermajority(_power([m for m, _ in scores], ev.power), total):
+        scores = [s for s in ev.attestations.get((node, result.submitter), []) if s[0] in ev.power]
+        if not rules.supermajority(_power([s[0] for s in scores], ev.power), total):
             continue
-        value = median([c for _, c in scores])
-        for member, credibility in scores:
+        value = median([c for _, c, _ in scores])
+        tokens = len(result.response.get("token_ids", ()))
+        deviations = min(tokens, median([d for _, _, d in scores]))
+        for member, credibility, _ in scores:
             if abs(credibility - value) > ev.tolerance:
                 findings.append(Finding(member, "deviating-attestation", node,
                                         f"attested {credibility} ppm against the median {value}"))
         if result.kind == "leader" and abs(result.credibility - value) > ev.tolerance:
             findings.append(Finding(ev.leader, "deviating-credibility", node,
                                     f"proposed {result.credibility} ppm against the median {value}"))
-        attested.append((result, value))
+        attested.append((result, Scored(value, deviations, tokens)))
     return attested
 
 
@@ -106,7 +127,7 @@ def to_pipelines(verdicts: list[Verdict], pipelines: dict[bytes, tuple[bytes, ..
     for verdict in verdicts:
         for node in pipelines.get(verdict.node, ()):
             if node not in scored:
-                out.append(Verdict(node, verdict.credibility, verdict.source))
+                out.append(replace(verdict, node=node))
                 scored.add(node)
     return out
 
@@ -121,10 +142,10 @@ def decide(ev: Evidence) -> tuple[list[Verdict], list[Finding]]:
         findings.append(Finding(ev.leader, "withheld-results", b"",
                                 f"no results for any of the {len(ev.plan_nodes)} planned challenges"))
     attested = {node: _attested(ev, node, total, findings) for node in ev.plan_nodes}
-    computed: dict[bytes, list[tuple[int, int]]] = {}
+    computed: dict[bytes, list[Scored]] = {}
     for node in ev.plan_nodes:
-        for result, value in attested[node]:
-            computed.setdefault(result.served_by or node, []).append((value, _tokens(result)))
+        for result, answer in attested[node]:
+            computed.setdefault(result.served_by or node, []).append(answer)
     for node in ev.plan_nodes:
         node_results = ev.results.get(node, [])
         own = next((r for r in node_results if r.kind == "leader"), None)
@@ -145,34 +166,32 @@ def decide(ev: Evidence) -> tuple[list[Verdict], list[Finding]]:
             if rules.supermajority(_power(answered, ev.power), total):
                 findings.append(Finding(ev.leader, "false-invalid-report", node,
                                         "members holding more than 2/3 of the power got valid responses"))
-    serving = [Verdict(peer, weighted_median(values), "served") for peer, values in computed.items()
-               if peer not in scored]
+    serving = [_combined(peer, answers, "served") for peer, answers in computed.items() if peer not in scored]
     return verdicts + serving, findings
 
 
-def _verdict(node: bytes, attested: list[tuple[ChallengeResult, int]],
-             computed: dict[bytes, list[tuple[int, int]]]) -> Verdict | None:
-    """The weighted median of every attested answer the node computed; without one, that of its
-    attested (forwarded) results, since it answers for what it returned; without those, none."""
+def _verdict(node: bytes, attested: list[tuple[ChallengeResult, Scored]],
+             computed: dict[bytes, list[Scored]]) -> Verdict | None:
+    """Every attested answer the node computed; without one, its attested (forwarded) results, since it
+    answers for what it returned; without those, none."""
     if node in computed:
-        return Verdict(node, weighted_median(computed[node]), "computed")
+        return _combined(node, computed[node], "computed")
     if attested:
-        return Verdict(node, weighted_median([(value, _tokens(r)) for r, value in attested]), "returned")
+        return _combined(node, [answer for _, answer in attested], "returned")
     return None
 
 
-def _tokens(result: ChallengeResult) -> int:
-    """An answer's weight as evidence: its number of tokens (at least 1)."""
-    return max(1, len(result.response.get("token_ids", ())))
+def _combined(node: bytes, answers: list[Scored], source: str) -> Verdict:
+    return Verdict(node, product([a.credibility for a in answers]), source, sum(a.tokens for a in answers),
+                   sum(a.deviations for a in answers))
 
 
-def weighted_median(values: list[tuple[int, int]]) -> int:
-    """The lower weighted median of (value, weight) pairs: the least value whose cumulative weight, in
-    value order, reaches half the total (integers; ties in value order)."""
-    total = sum(weight for _, weight in values)
-    cumulative = 0
-    for value, weight in sorted(values):
-        cumulative += weight
-        if 2 * cumulative >= total:
-            return value
-    raise ValueError("weighted median of no values")
+def product(values: list[int]) -> int:
+    """The product of credibilities in ppm, in value order, flooring at each step (integers, one order on
+    every validator)."""
+    if not values:
+        raise ValueError("product of no values")
+    result = PPM
+    for value in sorted(values):
+        result = result * value // PPM
+    return result

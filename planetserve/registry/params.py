@@ -40,6 +40,11 @@ class Params(Record):
     # trusted in probation_epochs consecutive finalized epochs (0: listed from registration). Its
     # starting reputation is at most its organisation's (registry/reputation.py).
     probation_epochs: int = 3
+    # Evidence across epochs (registry/evidence.py): a CUSUM over each node's checked and deviating
+    # tokens, in millinats, for an honest deviation rate of 0.1 % against 1 % at a false alarm of 1e-4.
+    evidence_deviation_weight: int = 2_303
+    evidence_token_weight: int = 9
+    evidence_threshold: int = 9_210
     # Consequences of members' faults: a member recorded with member_fault_limit faults within its
     # last member_fault_window epochs loses its power, as a removal vote would take it; a member whose
     # validator missed more than missed_blocks_ppm of an epoch's commits is recorded faulty (one that

@@ -7,14 +7,15 @@ from planetserve.verifier.credibility import (
     ReferenceModel,
     Rejection,
     Verdict,
-    calibrated_credibility,
+    choice_credibility,
     credibility,
-    greedy_credibility,
+    deviations,
     to_ppm,
 )
 from planetserve.verifier.remote import OpenAIScorer, ScoringError
 from planetserve.verifier.scoring import (
     Algorithm3Scorer,
+    Decoding,
     OnePassScorer,
     Pair,
     Scorer,
@@ -25,6 +26,7 @@ from planetserve.verifier.scoring import (
 __all__ = [
     "Algorithm3Scorer",
     "Answer",
+    "Decoding",
     "OnePassScorer",
     "OpenAIScorer",
     "Pair",
@@ -35,8 +37,8 @@ __all__ = [
     "TokenScores",
     "TorchScorer",
     "Verdict",
-    "calibrated_credibility",
+    "choice_credibility",
     "credibility",
-    "greedy_credibility",
+    "deviations",
     "to_ppm",
 ]

@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 
 from planetserve import workloads
 from planetserve.config import HomeError, LedgerHome
-from planetserve.verifier.credibility import GREEDY_TOLERANCE
+from planetserve.verifier.credibility import TOLERANCE
 
 CONFIG_FILE = "verifier.json"
 USED_PROMPTS_FILE = "used_prompts"
@@ -85,8 +85,8 @@ class VerifierConfig(LedgerHome):
     data_dir: str = ""
     credibility: str = "calibrated"
     """calibrated (the default, docs/detection.md) or ppl (the paper's 1/PPL)."""
-    greedy_tolerance: float = GREEDY_TOLERANCE
-    """Nats a greedy answer's token may fall short of the reference's choice for free (rounding)."""
+    tolerance: float = TOLERANCE
+    """Nats a token may fall short of the honest choice under its signed decoding for free (rounding)."""
     workload: str = "mixed"
     scale: float = 0.05
     """Workload lengths are scaled by this for the served models' context (workloads.generate)."""
@@ -123,8 +123,8 @@ class VerifierConfig(LedgerHome):
             if share is not None and (isinstance(share, bool) or not isinstance(share, int | float)
                                       or not 0 <= share <= 1):
                 raise HomeError(f"{CONFIG_FILE}: {name} must be null or lie in [0, 1]")
-        if not 0 <= self.greedy_tolerance < 10:
-            raise HomeError(f"{CONFIG_FILE}: greedy_tolerance must lie in [0, 10) nats")
+        if not 0 <= self.tolerance < 10:
+            raise HomeError(f"{CONFIG_FILE}: tolerance must lie in [0, 10) nats")
         for name in ("scale", "challenge_timeout", "poll_interval"):
             if not getattr(self, name) > 0:
                 raise HomeError(f"{CONFIG_FILE}: {name} must be positive")

@@ -3,12 +3,10 @@
 Two credibilities, both in [0, 1], higher is better:
 
 - `credibility`: the paper's 1/PPL over the node's returned token ids (section 3.4);
-- the calibrated credibility, which depends on the temperature the node signed it was asked for:
-  - greedy (temperature 0): `greedy_credibility`, how far the node's tokens fall short of the reference's
-    own choice at each step. An honest node has no choice to make, so any clear shortfall is evidence;
-  - sampled: `calibrated_credibility`, the likelihood relative to what the reference model expects of
-    its own samples on that prompt, so that a hard prompt or a node sampling at temperature up to 1 does
-    not lower it (see its docstring).
+- the calibrated credibility, `choice_credibility`: how far each of the node's tokens falls short of
+  what an honest engine holding the reference emits under the decoding the node signed (its temperature
+  and seed, `planetserve.sampling`). Greedy or sampled, an honest node has no choice to make, so any
+  clear shortfall is evidence; a count of tokens beyond the tolerance goes with it.
 
 Before scoring, a response is checked against what the verifier expected; a `Verdict` carries either
 the credibilities or a `Rejection` with a readable detail. The ledger stores credibilities as integer
@@ -24,9 +22,9 @@ from enum import StrEnum
 from typing import TYPE_CHECKING
 
 from planetserve.chain.challenge import response_valid
-from planetserve.registry.epochs import SignedResponse, prompt_hash
+from planetserve.registry.epochs import MILLI, SignedResponse, prompt_hash
 from planetserve.registry.params import PPM
-from planetserve.verifier.scoring import OnePassScorer, Scorer, TokenScores
+from planetserve.verifier.scoring import Decoding, OnePassScorer, Scorer, TokenScores
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -49,53 +47,36 @@ def credibility(logprobs: Sequence[float]) -> float:
     return math.exp(math.fsum(logprobs) / len(logprobs))
 
 
-def calibrated_credibility(logprobs: Sequence[float], entropies: Sequence[float]) -> float:
-    """min(1, exp(mean_i(log p_i(t_i) + H_i))) = min(1, PPL_expected / PPL), with H_i the entropy of the
-    reference's next-token distribution p_i at token i, given the node's own prefix.
-
-    Why: for a token drawn from p_i itself, E[log p_i(t)] = -H_i whatever the prefix, so the sum of
-    log p_i(t_i) + H_i has expectation 0 for any response the reference model samples at temperature 1,
-    on any prompt. 1/PPL alone also measures the prompt: an open-ended question has flat distributions
-    (high H_i) and low log-probabilities even for the reference's own answers, a narrow one the reverse;
-    dividing by exp(-mean H_i), the 1/PPL the reference expects of itself on this path, removes that.
-    Temperature: sampling below 1 (greedy included) favours likelier tokens, so E[log p_i(t)] >= -H_i
-    and the ratio lies above 1 in expectation; the cap makes temperatures 0 to 1 alike. At temperature 1
-    the per-response ratio scatters around 1 (the capped mean is a little below 1). A weaker model's
-    tokens are less likely under the reference than the reference's own, which scores below 1 in
-    proportion. Above temperature 1 nothing based on likelihood can tell an honest node from a weaker
-    model (a flatter distribution is what a weaker model looks like), so such a node scores below 1 too.
-    """
-    if not logprobs:
-        raise ValueError("perplexity is undefined for an empty response")
-    if len(entropies) != len(logprobs):
-        raise ValueError("one entropy per scored token")
-    return math.exp(min(0.0, math.fsum(logprobs) / len(logprobs) + math.fsum(entropies) / len(entropies)))
+TOLERANCE = 0.05
+"""Nats by which a token may fall short of the honest choice without cost: ties broken differently by
+another engine or batch (float rounding) stay free, a different choice does not. On the project's family
+honest answers fall short by under 1e-4 at every temperature (docs/detection.md); a bf16 engine may
+need more."""
 
 
-GREEDY_TOLERANCE = 0.05
-"""Nats by which a greedy answer's token may fall short of the reference's likeliest one without cost:
-ties broken differently by another engine or batch (float rounding) stay free, a different choice does
-not. On the project's family honest greedy answers fall short by under 1e-5, a weaker model's by 0.17
-nats per token at the median (docs/detection.md); a bf16 engine may need more."""
+def choice_credibility(shortfalls: Sequence[float], tolerance: float = TOLERANCE) -> float:
+    """exp(-sum_i max(0, s_i - tolerance)), with s_i token i's shortfall under the node's decoding
+    (`planetserve.sampling.shortfalls`).
 
-
-def greedy_credibility(logprobs: Sequence[float], tops: Sequence[float],
-                       tolerance: float = GREEDY_TOLERANCE) -> float:
-    """exp(-sum_i max(0, top_i - log p_i(t_i) - tolerance)), with top_i the log-probability of the
-    reference's likeliest token at step i.
-
-    Why: asked for a greedy answer, a node serving the claimed model emits that likeliest token at every
-    step, so its answer scores 1 (up to rounding, which the tolerance absorbs). Each token it chose
-    otherwise costs the log of the odds the reference gives its own choice over it, so a clear deviation
-    (a weaker model, an altered prompt, an injected passage) drives the score to 0, and a near-tie costs
-    almost nothing. It is a sum, not a mean: every extra deviation is extra evidence, and no length
-    dilutes it."""
-    if not logprobs:
+    Why: a node serving the claimed model emits, at every step, the token that maximises the reference's
+    log-probability plus the seed's noise scaled by the temperature (none when greedy), so its answer
+    scores 1 up to rounding, which the tolerance absorbs. Each token it chose otherwise costs how far its
+    noised score falls below the honest choice's, so a clear deviation (a weaker model, an altered
+    prompt, an injected passage) drives the score to 0, and a near-tie costs almost nothing. It is a
+    sum, not a mean: every extra deviation is extra evidence, and no length dilutes it."""
+    if not shortfalls:
         raise ValueError("an empty response has no choices to check")
-    if len(tops) != len(logprobs):
-        raise ValueError("one top log-probability per scored token")
-    shortfalls = (max(0.0, top - lp - tolerance) for lp, top in zip(logprobs, tops, strict=True))
-    return math.exp(-math.fsum(shortfalls))
+    return math.exp(-math.fsum(max(0.0, s - tolerance) for s in shortfalls))
+
+
+def deviations(shortfalls: Sequence[float], tolerance: float = TOLERANCE) -> int:
+    """How many tokens fall short of the honest choice by more than the tolerance."""
+    return sum(s > tolerance for s in shortfalls)
+
+
+def decoding(response: SignedResponse) -> Decoding:
+    """The decoding a node signed it used: its temperature in thousandths, and its seed."""
+    return Decoding(response.temperature / MILLI, response.seed)
 
 
 class Rejection(StrEnum):
@@ -123,6 +104,8 @@ class Verdict:
     credibility: float | None = None
     calibrated: float | None = None
     tokens: int = 0
+    deviations: int = 0
+    """Tokens beyond the tolerance (scored with the calibrated rule only)."""
     rejection: Rejection | None = None
     detail: str = ""
 
@@ -131,8 +114,13 @@ class Verdict:
         return cls(rejection=rejection, detail=detail)
 
     @classmethod
-    def scored(cls, logprobs: Sequence[float], calibrated: float | None = None) -> Verdict:
-        return cls(credibility(logprobs), calibrated, len(logprobs))
+    def scored(cls, scores: TokenScores, tolerance: float = TOLERANCE) -> Verdict:
+        """The paper's credibility, and the calibrated one with its deviations when `scores` has
+        shortfalls."""
+        if scores.shortfalls is None:
+            return cls(credibility(scores.logprobs), None, len(scores.logprobs))
+        return cls(credibility(scores.logprobs), choice_credibility(scores.shortfalls, tolerance),
+                   len(scores.logprobs), deviations(scores.shortfalls, tolerance))
 
     @property
     def ok(self) -> bool:
@@ -167,24 +155,24 @@ class ReferenceModel:
     """
 
     def __init__(self, model_id: str, tokenizer: PreTrainedTokenizerBase, scorer: Scorer, *, vocab_size: int,
-                 max_len: int, calibrated: bool = True, greedy_tolerance: float = GREEDY_TOLERANCE) -> None:
+                 max_len: int, calibrated: bool = True, tolerance: float = TOLERANCE) -> None:
         self.model_id = model_id
         self.tokenizer = tokenizer
         self.scorer = scorer
         self.vocab_size = vocab_size
         self.max_len = max_len
         self.calibrated = calibrated
-        self.greedy_tolerance = greedy_tolerance
+        self.tolerance = tolerance
 
     @classmethod
     def from_loaded(cls, loaded: LoadedModel, scorer: Scorer | None = None, calibrated: bool = True,
-                    model_id: str | None = None, greedy_tolerance: float = GREEDY_TOLERANCE
+                    model_id: str | None = None, tolerance: float = TOLERANCE
                     ) -> ReferenceModel:
         """A loaded model with the one-pass engine over it unless another scorer is given; `model_id`
         is the id nodes register and sign with, when it is not the checkpoint's own."""
         return cls(model_id or loaded.model_id, loaded.tokenizer, scorer or OnePassScorer(loaded.model),
                    vocab_size=int(loaded.model.get_input_embeddings().num_embeddings),
-                   max_len=loaded.max_model_len, calibrated=calibrated, greedy_tolerance=greedy_tolerance)
+                   max_len=loaded.max_model_len, calibrated=calibrated, tolerance=tolerance)
 
     def chat_prompt(self, question: str) -> str | None:
         """`question` as the one user message of a chat, rendered by the model's chat template as a model
@@ -252,20 +240,14 @@ class ReferenceModel:
         if pending:
             batch = [pair for _, pair in pending]
             if self.calibrated:
-                scores = self.scorer.score_with_entropy(batch)
-                scored = [Verdict.scored(s.logprobs, self._calibrated(answers[index].response, s))
-                          for (index, _), s in zip(pending, scores, strict=True)]
+                decodings = [decoding(answers[index].response) for index, _ in pending]
+                scores = self.scorer.score_choices(batch, decodings)
+                scored = [Verdict.scored(s, self.tolerance) for s in scores]
             else:
-                scored = [Verdict.scored(lp) for lp in self.scorer.score(batch)]
+                scored = [Verdict.scored(TokenScores(tuple(lp))) for lp in self.scorer.score(batch)]
             for (index, _), verdict in zip(pending, scored, strict=True):
                 verdicts[index] = verdict
         return [v for v in verdicts if v is not None]
-
-    def _calibrated(self, response: SignedResponse, scores: TokenScores) -> float:
-        """The calibrated credibility for the decoding the node signed it was asked for."""
-        if response.temperature == 0:
-            return greedy_credibility(scores.logprobs, scores.tops or (), self.greedy_tolerance)
-        return calibrated_credibility(scores.logprobs, scores.entropies or ())
 
     def verify_one(self, response: SignedResponse, prompt: str, node: bytes | None = None) -> Verdict:
         return self.verify([Answer(response, prompt, node)])[0]

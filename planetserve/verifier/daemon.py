@@ -123,7 +123,8 @@ class Daemon:
         self.status_file = home / STATUS_FILE
         self.pool = ThreadPoolExecutor(concurrency, thread_name_prefix="challenge")
         self.pending: dict[tuple[int, bytes, str], Future[Asked]] = {}
-        self.scores: dict[tuple[int, bytes, bytes], int] = {}
+        self.scores: dict[tuple[int, bytes, bytes], tuple[int, int]] = {}
+        """(epoch, node, submitter) → what this member stands behind: (credibility ppm, deviations)."""
         self.given_up: set[tuple[int, Hashable]] = set()
         self.status: dict[str, Any] = {"member": self.me.hex(), "started": int(time.time()), "ticks": 0,
                                        "submitted": 0, "rejected": 0, "last_error": None}
@@ -329,13 +330,14 @@ class Daemon:
             return None
         return self.references[node.model_id].verify([Answer(response, prompt, node.pubkey)])[0]
 
-    def _score(self, verdict: Verdict) -> int:
-        """The credibility this member stands behind: a response the node signed but that cannot be
-        scored (empty, not the detokenisation of its ids, beyond the vocabulary) is worth nothing."""
+    def _score(self, verdict: Verdict) -> tuple[int, int]:
+        """The credibility and count of deviating tokens this member stands behind: a response the node
+        signed but that cannot be scored (empty, not the detokenisation of its ids, beyond the
+        vocabulary) is worth nothing. The paper's 1/PPL counts no deviations."""
         if not verdict.ok:
-            return 0
+            return 0, 0
         value = verdict.calibrated_ppm if self.calibrated else verdict.credibility_ppm
-        return value if value is not None else 0
+        return (value if value is not None else 0), (verdict.deviations if self.calibrated else 0)
 
     def _entry(self, number: int, asked: Asked, kind: str) -> Revealed | Unanswered:
         """A submit-results entry: the revealed challenge, or an invalid claim when there is no answer
@@ -356,7 +358,7 @@ class Daemon:
         if verdict is not None:
             self.scores[number, asked.node, self.me] = self._score(verdict)
             if kind == "leader":
-                entry = replace(entry, credibility=self.scores[number, asked.node, self.me])
+                entry = replace(entry, credibility=self.scores[number, asked.node, self.me][0])
         return entry
 
     def _submit_leader(self, number: int, asked: Asked) -> None:
@@ -403,17 +405,17 @@ class Daemon:
         attested = self.ledger.attestations(number)
         scores = []
         for result in results:
-            if (any(member == self.me for member, _ in attested.get((result.node, result.submitter), []))
+            if (any(member == self.me for member, *_ in attested.get((result.node, result.submitter), []))
                     or not self._due(number, (result.node, result.submitter, "attest"))):
                 continue
             score = self._attested_score(number, result)
             if score is not None:
-                scores.append((result.node, result.submitter, score))
+                scores.append((result.node, result.submitter, *score))
         if scores:
             self._submit(Attest(number, tuple(scores)), number,
-                         [(node, submitter, "attest") for node, submitter, _ in scores])
+                         [(node, submitter, "attest") for node, submitter, *_ in scores])
 
-    def _attested_score(self, number: int, result: ChallengeResult) -> int | None:
+    def _attested_score(self, number: int, result: ChallengeResult) -> tuple[int, int] | None:
         key = (number, result.node, result.submitter)
         if key not in self.scores:
             node = self.ledger.node(result.node)

@@ -21,7 +21,7 @@ from planetserve.chain.challenge import (
     served_from_extension,
 )
 from planetserve.chain.rpc import TooLarge, read_limited
-from planetserve.registry.epochs import SignedResponse
+from planetserve.registry.epochs import SEED_BITS, SignedResponse
 
 MAX_ANSWER_BYTES = 4 << 20
 
@@ -61,7 +61,9 @@ class OverlayChannel:
             options["session_id"] = secrets.token_hex(16)
         for turn, before in enumerate(earlier, start=1):
             try:
-                self._answer(request_body(model_id, challenge, before, chat, stream, options), chat, stream)
+                fresh = secrets.randbits(SEED_BITS)
+                self._answer(request_body(model_id, challenge, before, chat, stream, options, fresh), chat,
+                             stream)
             except NoAnswer as exc:
                 raise NoAnswer(f"turn {turn} of the session failed: {exc}"[:256]) from None
         return self._answer(request_body(model_id, challenge, text, chat, stream, options), chat, stream)
@@ -102,10 +104,15 @@ class OverlayChannel:
 
 
 def request_body(model_id: str, challenge: Challenge, text: str, chat: bool, stream: bool,
-                 options: dict[str, str]) -> dict[str, Any]:
-    """What a user's program would send for `text` at the challenge's temperature and output cap."""
+                 options: dict[str, Any], seed: int | None = None) -> dict[str, Any]:
+    """What a user's program would send for `text` at the challenge's temperature and output cap, with
+    the relay told to send `seed` unchanged (a program's seed it would key): the challenge's committed
+    one unless another is given (earlier turns, which are not scored, get fresh ones as a program's
+    turns do)."""
+    exact = challenge.seed if seed is None else seed
     body: dict[str, Any] = {"model": model_id, "max_tokens": challenge.max_tokens, "stream": stream,
-                            "temperature": challenge.sampling_temperature, "planetserve": options}
+                            "temperature": challenge.sampling_temperature,
+                            "planetserve": {**options, "seed": exact}}
     if chat:
         body["messages"] = [{"role": "user", "content": text}]
     else:

@@ -4,55 +4,50 @@ planetserve's own engine server), by vLLM's `prompt_logprobs` extension.
 One /v1/completions request per response: the prompt and the response together as token ids,
 `max_tokens` 1 (the generated token is ignored: vLLM generates at least one), `temperature` 0 and
 `prompt_logprobs` 0, which returns every prompt token's own log-probability; the response's share is
-the score. Requests run concurrently, at most `concurrency` at once. Entropies need the distribution,
-which such a server gives only as its `top` likeliest tokens: the tail's probability mass is taken as
-spread evenly over the rest of the vocabulary, so the entropy is an upper bound, exact up to how much
-mass the tail holds. The likeliest token's log-probability is exact: it is always among the top.
+the score. Requests run concurrently, at most `concurrency` at once. A greedy answer's shortfalls need
+only the likeliest token's log-probability at each position (`prompt_logprobs` 1), which is exact. A
+sampled answer's need the whole distribution, since the seed's noise can lift any token to the top,
+and such a server gives only its likeliest few: those it refuses, clearly, and a verifier checks them
+with a local reference.
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
 from collections.abc import Sequence
-from typing import Any
 
 import httpx
 
-from planetserve.verifier.scoring import Pair, TokenScores
-
-DEFAULT_TOP = 20
+from planetserve.verifier.scoring import Decoding, Pair, TokenScores
 
 
 class ScoringError(Exception):
     """The scoring server refused, was unreachable, or answered in an unexpected shape."""
 
 
-def _top_entropy(entry: dict[str, Any], vocab_size: int) -> float:
-    probabilities = [math.exp(v["logprob"]) for v in entry.values()]
-    head = -math.fsum(p * math.log(p) for p in probabilities if p > 0)
-    tail = max(0.0, 1.0 - math.fsum(probabilities))
-    rest = vocab_size - len(probabilities)
-    return head if tail <= 0 or rest <= 0 else head - tail * math.log(tail / rest)
-
-
 class OpenAIScorer:
     """A `Scorer` (see `planetserve.verifier.scoring`) backed by a server."""
 
     def __init__(self, base_url: str, model: str, *, vocab_size: int, concurrency: int = 8,
-                 timeout: float = 120.0, top: int = DEFAULT_TOP) -> None:
+                 timeout: float = 120.0) -> None:
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.vocab_size = vocab_size
         self.concurrency = concurrency
         self.timeout = timeout
-        self.top = top
 
     def score(self, batch: Sequence[Pair]) -> list[list[float]]:
         return [list(s.logprobs) for s in asyncio.run(self._all(batch, 0))]
 
-    def score_with_entropy(self, batch: Sequence[Pair]) -> list[TokenScores]:
-        return asyncio.run(self._all(batch, self.top))
+    def score_choices(self, batch: Sequence[Pair], decodings: Sequence[Decoding]) -> list[TokenScores]:
+        """Greedy answers only (see the module docstring)."""
+        if len(decodings) != len(batch):
+            raise ValueError(f"{len(decodings)} decodings for {len(batch)} items")
+        if any(d.temperature > 0 for d in decodings):
+            raise ScoringError("a sampled answer's tokens are checked against the reference's whole "
+                               "distribution, which prompt_logprobs does not return: score sampled answers "
+                               "with a local reference model")
+        return asyncio.run(self._all(batch, 1))
 
     async def _all(self, batch: Sequence[Pair], top: int) -> list[TokenScores]:
         gate = asyncio.Semaphore(self.concurrency)
@@ -66,7 +61,7 @@ class OpenAIScorer:
     async def _one(self, client: httpx.AsyncClient, prompt: list[int], response: list[int],
                    top: int) -> TokenScores:
         if not response:
-            return TokenScores((), (), ()) if top else TokenScores(())
+            return TokenScores((), () if top else None)
         if not prompt:
             raise ValueError("the prompt is empty: its first response token would have no context")
         body = {"model": self.model, "prompt": prompt + response, "max_tokens": 1, "temperature": 0,
@@ -91,7 +86,7 @@ class OpenAIScorer:
             tops = tuple(max(float(v["logprob"]) for v in e.values()) for e in scored)
         except (KeyError, TypeError, ValueError) as exc:
             raise ScoringError(f"the scoring server's prompt_logprobs are malformed: {exc}") from exc
-        return TokenScores(logprobs, tuple(_top_entropy(e, self.vocab_size) for e in scored), tops)
+        return TokenScores(logprobs, tuple(top - lp for top, lp in zip(tops, logprobs, strict=True)))
 
 
 def _message(answer: httpx.Response) -> str:

@@ -26,7 +26,7 @@ def reference_models(config: VerifierConfig) -> dict[str, ReferenceModel]:
     names = sorted(set(config.models.values()))
     loaded = {name: load(name, data_dir=config.data_dir or None) for name in names}
     return {model_id: ReferenceModel.from_loaded(loaded[name], calibrated=config.credibility == "calibrated",
-                                                 model_id=model_id, greedy_tolerance=config.greedy_tolerance)
+                                                 model_id=model_id, tolerance=config.tolerance)
             for model_id, name in sorted(config.models.items())}
 
 

@@ -7,14 +7,15 @@ The interface, `Scorer`, is synchronous:
         log-probability per response token, log p(r_k | prompt + r_<k), in response order. Nothing is
         inserted between prompt and response (no BOS), and every response token is scored, a final stop
         token included. An empty response scores [].
-    score_with_entropy(batch) -> list[TokenScores]
-        the same log-probabilities plus the entropy of the reference's next-token distribution at each
-        of those positions and its largest log-probability (the greedy choice's), which the calibrated
-        credibility needs.
+    score_choices(batch, decodings) -> list[TokenScores]
+        the same log-probabilities plus, per token, its shortfall under the decoding the node signed
+        (temperature and seed, `planetserve.sampling.shortfalls`): how far it falls short of what an
+        honest engine holding the reference emits there, 0 for the honest choice.
 
 They are two methods rather than one because they cost differently on a serving engine: the
-log-probability of the given token is one number per position (vLLM's `prompt_logprobs=0`), an
-entropy needs the distribution (top-k log-probabilities at best). Blocking suits the built-in engines,
+log-probability of the given token is one number per position (vLLM's `prompt_logprobs=0`), a sampled
+token's shortfall needs the whole distribution, since the noise can lift any token to the top. Blocking
+suits the built-in engines,
 which keep the CPU or GPU busy; a caller on an event loop runs `score` with `asyncio.to_thread`, and a
 scorer backed by an OpenAI-compatible server implements the same method, sending its requests
 concurrently inside it.
@@ -36,6 +37,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from planetserve.sampling import shortfalls
+
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
@@ -44,33 +47,38 @@ Pair = tuple[Sequence[int], Sequence[int]]
 
 
 @dataclass(frozen=True)
+class Decoding:
+    """How a node signed it decoded an answer: its temperature (0 is greedy) and its noise's seed."""
+
+    temperature: float
+    seed: int
+
+
+@dataclass(frozen=True)
 class TokenScores:
-    """Per response token: the reference's log-probability of it and, when asked for, the entropy (nats)
-    of the reference's distribution at its position and the log-probability of that distribution's
-    likeliest token."""
+    """Per response token: the reference's log-probability of it and, when asked for, its shortfall
+    (nats) under the node's decoding."""
 
     logprobs: tuple[float, ...]
-    entropies: tuple[float, ...] | None = None
-    tops: tuple[float, ...] | None = None
+    shortfalls: tuple[float, ...] | None = None
 
 
 class Scorer(Protocol):
     def score(self, batch: Sequence[Pair]) -> list[list[float]]: ...
 
-    def score_with_entropy(self, batch: Sequence[Pair]) -> list[TokenScores]: ...
+    def score_choices(self, batch: Sequence[Pair], decodings: Sequence[Decoding]) -> list[TokenScores]: ...
 
 
-def _position_scores(logits: torch.Tensor, targets: list[int], entropy: bool) -> TokenScores:
+def _position_scores(logits: torch.Tensor, targets: list[int], decoding: Decoding | None) -> TokenScores:
     """Scores from the logits of the positions that predict `targets`, one row each, in float32 so a
     half-precision model loses nothing more in the softmax."""
     logprobs = logits.float().log_softmax(-1)
-    index = torch.tensor(targets, dtype=torch.long, device=logits.device)[:, None]
-    picked = logprobs.gather(-1, index)[:, 0]
-    if not entropy:
+    index = torch.tensor(targets, dtype=torch.long, device=logits.device)
+    picked = logprobs.gather(-1, index[:, None])[:, 0]
+    if decoding is None:
         return TokenScores(tuple(picked.tolist()))
-    entropies = torch.special.entr(logprobs.exp()).sum(-1)
-    return TokenScores(tuple(picked.tolist()), tuple(entropies.tolist()),
-                       tuple(logprobs.max(-1).values.tolist()))
+    short = shortfalls(logprobs, index, decoding.temperature, decoding.seed)
+    return TokenScores(tuple(picked.tolist()), tuple(short.tolist()))
 
 
 class TorchScorer(ABC):
@@ -85,10 +93,12 @@ class TorchScorer(ABC):
         return next(self.model.parameters()).device
 
     def score(self, batch: Sequence[Pair]) -> list[list[float]]:
-        return [list(s.logprobs) for s in self._score(self._checked(batch), entropy=False)]
+        return [list(s.logprobs) for s in self._score(self._checked(batch), [None] * len(batch))]
 
-    def score_with_entropy(self, batch: Sequence[Pair]) -> list[TokenScores]:
-        return self._score(self._checked(batch), entropy=True)
+    def score_choices(self, batch: Sequence[Pair], decodings: Sequence[Decoding]) -> list[TokenScores]:
+        if len(decodings) != len(batch):
+            raise ValueError(f"{len(decodings)} decodings for {len(batch)} items")
+        return self._score(self._checked(batch), list(decodings))
 
     def _checked(self, batch: Sequence[Pair]) -> list[tuple[list[int], list[int]]]:
         """Plain int lists; an empty prompt (the first token would have no context) or an id outside the
@@ -104,7 +114,8 @@ class TorchScorer(ABC):
         return items
 
     @abstractmethod
-    def _score(self, items: list[tuple[list[int], list[int]]], entropy: bool) -> list[TokenScores]: ...
+    def _score(self, items: list[tuple[list[int], list[int]]], decodings: list[Decoding | None]
+               ) -> list[TokenScores]: ...
 
 
 class OnePassScorer(TorchScorer):
@@ -124,10 +135,12 @@ class OnePassScorer(TorchScorer):
         self.max_batch_tokens = max_batch_tokens
         self.max_scored_tokens = max_scored_tokens
 
-    def _score(self, items: list[tuple[list[int], list[int]]], entropy: bool) -> list[TokenScores]:
+    def _score(self, items: list[tuple[list[int], list[int]]], decodings: list[Decoding | None]
+               ) -> list[TokenScores]:
         results: dict[int, TokenScores] = {}
         for group in self._groups(items):
-            for index, scores in zip(group, self._forward([items[i] for i in group], entropy), strict=True):
+            scored = self._forward([items[i] for i in group], [decodings[i] for i in group])
+            for index, scores in zip(group, scored, strict=True):
                 results[index] = scores
         return [results[i] for i in range(len(items))]
 
@@ -149,7 +162,8 @@ class OnePassScorer(TorchScorer):
         return groups
 
     @torch.inference_mode()
-    def _forward(self, items: list[tuple[list[int], list[int]]], entropy: bool) -> list[TokenScores]:
+    def _forward(self, items: list[tuple[list[int], list[int]]], decodings: list[Decoding | None]
+                 ) -> list[TokenScores]:
         width = max(len(p) + len(r) for p, r in items)
         keep = max(len(r) for _, r in items) + 1
         ids = torch.zeros((len(items), width), dtype=torch.long)
@@ -164,8 +178,8 @@ class OnePassScorer(TorchScorer):
                             position_ids=positions.to(device), logits_to_keep=keep, use_cache=False).logits
         # Kept column j is sequence column width - keep + j; response token k of an n-token response sits
         # at width - n + k and is predicted by the column before it, so kept columns keep-1-n .. keep-2.
-        return [_position_scores(logits[row, keep - 1 - len(response): keep - 1], response, entropy)
-                for row, (_, response) in enumerate(items)]
+        return [_position_scores(logits[row, keep - 1 - len(response): keep - 1], response, decoding)
+                for row, ((_, response), decoding) in enumerate(zip(items, decodings, strict=True))]
 
 
 class Algorithm3Scorer(TorchScorer):
@@ -175,21 +189,16 @@ class Algorithm3Scorer(TorchScorer):
     after another: it is the specification the one-pass engine must agree with, not a fast path."""
 
     @torch.inference_mode()
-    def _score(self, items: list[tuple[list[int], list[int]]], entropy: bool) -> list[TokenScores]:
+    def _score(self, items: list[tuple[list[int], list[int]]], decodings: list[Decoding | None]
+               ) -> list[TokenScores]:
         results = []
         device = self.device
-        for prompt, response in items:
+        for (prompt, response), decoding in zip(items, decodings, strict=True):
             sequence = torch.tensor([prompt + response], device=device)
-            logprobs: list[float] = []
-            entropies: list[float] = []
-            tops: list[float] = []
-            for k, token in enumerate(response):
-                logits = self.model(input_ids=sequence[:, : len(prompt) + k], logits_to_keep=1,
-                                    use_cache=False).logits[0]
-                scores = _position_scores(logits, [token], entropy)
-                logprobs += scores.logprobs
-                entropies += scores.entropies or ()
-                tops += scores.tops or ()
-            results.append(TokenScores(tuple(logprobs), tuple(entropies), tuple(tops)) if entropy
-                           else TokenScores(tuple(logprobs)))
+            rows = [self.model(input_ids=sequence[:, : len(prompt) + k], logits_to_keep=1,
+                               use_cache=False).logits[0, -1] for k in range(len(response))]
+            if not rows:
+                results.append(TokenScores((), () if decoding is not None else None))
+                continue
+            results.append(_position_scores(torch.stack(rows), response, decoding))
         return results

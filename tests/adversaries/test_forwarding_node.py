@@ -14,6 +14,7 @@ from harness import AppHarness, sqlite_url
 from planetserve.chain.challenge import Challenge
 from planetserve.registry import finalization
 from planetserve.registry.epochs import VALID, ChallengeResult
+from planetserve.registry.params import PPM
 
 WEAK = 200_000
 
@@ -37,8 +38,8 @@ def forwarded_epoch(s: Script, delist_peer: bool = False, peer_scores: int = WEA
         assert s.block(update) == [(0, "ok")]
     body = s.leader_results(1, HONEST)
     challenge = s.planned(1, node0, leader)
-    returned = s.answer(node0, challenge.prompt)
-    computed = s.answer(node1, challenge.prompt, time=returned.time - 1)
+    returned = s.answer(node0, challenge)
+    computed = s.answer(node1, challenge, time=returned.time - 1)
     body["results"][0] = {**challenge.reveal(returned, served=computed).body(), "credibility": peer_scores}
     assert s.block(s.tx(leader, "submit-results", body)) == [(0, "ok")]
     assert all(c == 0 for c, _ in s.block(*s.attest_txs(1, leader.public, {node0: peer_scores, node1: HONEST})))
@@ -84,7 +85,7 @@ def test_every_answer_counts_against_the_node_that_computed_it():
         leader=member, plan_nodes=[challenged, planned_peer],
         results={challenged: [result(challenged, WEAK, peer)],
                  planned_peer: [result(planned_peer, HONEST, challenged)]},
-        attestations={(challenged, member): [(member, WEAK)], (planned_peer, member): [(member, HONEST)]},
+        attestations={(challenged, member): [(member, WEAK, 3)], (planned_peer, member): [(member, HONEST, 0)]},
         reports={}, power={member: 1}, tolerance=0)
     verdicts, findings = finalization.decide(evidence)
     # `challenged` computed planned_peer's answer; planned_peer computed nothing and answers for what it
@@ -94,19 +95,19 @@ def test_every_answer_counts_against_the_node_that_computed_it():
     assert findings == []
 
 
-def test_a_node_that_computed_nothing_answers_for_the_median_of_what_it_returned():
+def test_a_node_that_computed_nothing_answers_for_everything_it_returned():
     """All three of a node's results were computed by peers, one of them a cheat: the node answers for
-    the median of what it returned, and each peer for what it computed."""
+    everything it returned (the cheat's answer among it), and each peer for what it computed."""
     node, cheap, honest1, honest2, member = b"n" * 32, b"c" * 32, b"h" * 32, b"i" * 32, b"m" * 32
     results = [ChallengeResult(node, member, "leader", VALID, "", "p", b"s" * 32, {}, 0, 1, cheap)]
     results += [ChallengeResult(node, m, "rechallenge", VALID, "", "p", b"s" * 32, {}, -1, 1, peer)
                 for m, peer in ((b"x" * 32, honest1), (b"y" * 32, honest2))]
-    attestations = {(node, member): [(member, 0)], (node, b"x" * 32): [(member, HONEST)],
-                    (node, b"y" * 32): [(member, HONEST)]}
+    attestations = {(node, member): [(member, 0, 0)], (node, b"x" * 32): [(member, HONEST, 0)],
+                    (node, b"y" * 32): [(member, HONEST, 0)]}
     evidence = finalization.Evidence(leader=member, plan_nodes=[node], results={node: results},
                                      attestations=attestations, reports={}, power={member: 1}, tolerance=0)
     verdicts, _ = finalization.decide(evidence)
-    assert [(v.node, v.credibility) for v in verdicts] == [(node, HONEST), (cheap, 0), (honest1, HONEST),
+    assert [(v.node, v.credibility) for v in verdicts] == [(node, 0), (cheap, 0), (honest1, HONEST),
                                                            (honest2, HONEST)]
 
 
@@ -124,8 +125,8 @@ def test_a_fast_peer_serving_its_groups_challenges_with_a_cheaper_model_is_caugh
     assert all(c == 0 for c, _ in s.block(*commits))
     reveals = []
     for i, m in enumerate(members):
-        returned = s.answer(node0, own[m.public].prompt)
-        served = s.answer(node1, own[m.public].prompt, time=returned.time - 1) if i else None
+        returned = s.answer(node0, own[m.public])
+        served = s.answer(node1, own[m.public], time=returned.time - 1) if i else None
         reveals.append(s.tx(m, "submit-results", {"epoch": 1, "kind": "rechallenge", "results": [
             own[m.public].reveal(returned, served=served)]}))
     assert all(c == 0 for c, _ in s.block(*reveals))
@@ -153,7 +154,7 @@ def test_the_nodes_own_answer_on_re_challenge_outweighs_its_forwarded_one(s):
                for m in members]
     assert all(c == 0 for c, _ in s.block(*commits))
     reveals = [s.tx(m, "submit-results", {"epoch": 1, "kind": "rechallenge", "results": [
-        own[m.public].reveal(s.answer(node0, own[m.public].prompt))]}) for m in members]
+        own[m.public].reveal(s.answer(node0, own[m.public]))]}) for m in members]
     assert all(c == 0 for c, _ in s.block(*reveals))
     first = min(m.public for m in members)
     assert all(c == 0 for c, _ in s.block(*s.attest_txs(1, first, {node0: WEAK})))
@@ -163,9 +164,11 @@ def test_the_nodes_own_answer_on_re_challenge_outweighs_its_forwarded_one(s):
     assert all(s.faults(m) == [] for m in s.members)
 
 
-def test_answers_weigh_by_their_tokens_so_answers_any_model_ends_at_once_cannot_outvote_a_long_one():
+def test_answers_that_any_model_ends_at_once_cannot_outvote_a_deviating_one():
     """A cheap serving peer's own challenges are questions every model ends at once (one token, scored
-    1); the one long answer it computed for a peer scores 0. Token for token, the long one decides."""
+    1); the one long answer it computed for a peer scores 0. C(T) is the product of its answers: any
+    deviating answer lowers it, and no number of clean ones raises it back; the tokens and deviations
+    behind it are counted."""
     peer, other, member = b"p" * 32, b"o" * 32, b"m" * 32
 
     def result(node: bytes, submitter: bytes, kind: str, tokens: int, served_by: bytes = b"") -> ChallengeResult:
@@ -174,13 +177,15 @@ def test_answers_weigh_by_their_tokens_so_answers_any_model_ends_at_once_cannot_
 
     own = [result(peer, member, "leader", 1)] + [result(peer, bytes([i]) * 32, "rechallenge", 1) for i in (1, 2)]
     served = [result(other, member, "leader", 32, served_by=peer)]
-    scores = {(peer, r.submitter): [(member, HONEST)] for r in own} | {(other, member): [(member, 0)]}
+    scores = {(peer, r.submitter): [(member, PPM, 0)] for r in own} | {(other, member): [(member, 0, 20)]}
     evidence = finalization.Evidence(leader=member, plan_nodes=[other, peer], results={peer: own, other: served},
                                      attestations=scores, reports={}, power={member: 1}, tolerance=0)
     verdicts, _ = finalization.decide(evidence)
-    assert [(v.node, v.credibility) for v in verdicts] == [(other, 0), (peer, 0)]
-    assert finalization.weighted_median([(HONEST, 3), (0, 32)]) == 0
-    assert finalization.weighted_median([(HONEST, 32), (0, 3)]) == HONEST
-    assert finalization.weighted_median([(5, 1), (9, 1)]) == 5
+    assert [(v.node, v.credibility, v.checked, v.deviations) for v in verdicts] == [(other, 0, 32, 20),
+                                                                                      (peer, 0, 35, 20)]
+    assert finalization.product([PPM, PPM, PPM]) == PPM
+    assert finalization.product([PPM, 500_000, 500_000]) == 250_000
+    assert finalization.product([333_333, 333_333]) == finalization.product([333_333, 333_333]) == 111_110
+    assert finalization.product([HONEST] + [PPM] * 50) == HONEST
     with pytest.raises(ValueError):
-        finalization.weighted_median([])
+        finalization.product([])

@@ -24,27 +24,31 @@ from planetserve.verifier.overlay import OverlayChannel
 ASKED = 700
 
 
-def asked(relay, tmp_path, node: KeySet, signed_temperature: int, signed_time: int):
-    """What the member's daemon makes of the node's answer to its challenge at temperature 0.7."""
-    response = sign_response(node, "Why?", [5, 6], "Light.", "gt", signed_time, "h:1", signed_temperature)
+def asked(relay, tmp_path, node: KeySet, signed_temperature: int, signed_time: int, seed_offset: int = 0):
+    """What the member's daemon makes of the node's answer to its challenge at temperature 0.7, signed
+    with the challenge's seed plus `seed_offset`."""
+    challenge = Challenge.new("Why?", ASKED)
+    response = sign_response(node, "Why?", [5, 6], "Light.", "gt", signed_time, "h:1", signed_temperature,
+                             challenge.seed + seed_offset)
     relay.body = {"choices": [{"text": "Light."}], "planetserve": response_extension(response)}
     registered = ModelNode(node.public, "org", "gt", "h:1", "cpu", 1, "eu", "active", 0)
     daemon = Daemon(KeySet.generate(), None, {}, OverlayChannel(relay.url), None, tmp_path, attempts=2)
-    daemon._ask((1, node.public, "leader"), Challenge.new("Why?", ASKED), registered)
+    daemon._ask((1, node.public, "leader"), challenge, registered)
     done = daemon.pending[1, node.public, "leader"].result(timeout=30)
     return daemon, done
 
 
-@pytest.mark.parametrize(("temperature", "skew", "reason"), [
-    (1_000, 0, "the node signed temperature 1, it was asked 0.7"),
-    (ASKED, -3_600, "the node signed time"),
-    (ASKED, SIGNED_TIME_TOLERANCE_S + 30, "s from its answer"),
+@pytest.mark.parametrize(("temperature", "skew", "seed_offset", "reason"), [
+    (1_000, 0, 0, "the node signed temperature 1, it was asked 0.7"),
+    (ASKED, 0, 1, "the node signed seed"),
+    (ASKED, -3_600, 0, "the node signed time"),
+    (ASKED, SIGNED_TIME_TOLERANCE_S + 30, 0, "s from its answer"),
 ])
 def test_an_answer_signed_otherwise_is_claimed_invalid_not_revealed(relay, tmp_path, monkeypatch, temperature,
-                                                                    skew, reason):
+                                                                    skew, seed_offset, reason):
     monkeypatch.setattr(daemon_module, "RETRY_DELAY_S", 0.0)
     node = KeySet.generate()
-    daemon, done = asked(relay, tmp_path, node, temperature, int(time.time()) + skew)
+    daemon, done = asked(relay, tmp_path, node, temperature, int(time.time()) + skew, seed_offset)
     assert done.reply is None and reason in done.failure and done.failure.startswith("2 attempts")
     entry = daemon._entry(1, done, "leader")
     assert isinstance(entry, Unanswered) and entry.node == node.public and reason in entry.invalid
@@ -67,7 +71,7 @@ def test_a_framing_node_is_scored_and_untrusted_and_no_member_is_faulted(relay, 
     leader = s.leader(1)
     # whatever it is asked, it signs temperature 1, not the committed 0.7
     relay.body = {"choices": [{"text": "Light."}], "planetserve": response_extension(
-        sign_response(s.nodes[framing], "Why?", [5, 6], "Light.", "gt", int(time.time()), "h:1", 1_000))}
+        sign_response(s.nodes[framing], "Why?", [5, 6], "Light.", "gt", int(time.time()), "h:1", 1_000, 7))}
     registered = ModelNode(framing, "org1", "gt", "h:1", "cpu", 1, "eu", "active", 0)
 
     def claim(member: KeySet, challenge: Challenge, kind: str) -> Unanswered:

@@ -48,7 +48,7 @@ def test_a_re_challenge_names_no_node_until_its_answer_is_revealed(s):
                    for r in events for e in r.events for a in e.attributes)
     # revealed, the answer names its node, as it must for the result to count
     reveals = [s.tx(m, "submit-results", {"epoch": 1, "kind": "rechallenge", "results": [
-        own[m.public].reveal(s.answer(node0, own[m.public].prompt))]}) for m in others]
+        own[m.public].reveal(s.answer(node0, own[m.public]))]}) for m in others]
     assert all(c == 0 for c, _ in s.block(*reveals))
     assert all(s.state.result(1, node0, m.public).status == epochs.VALID for m in others)
 
@@ -59,7 +59,7 @@ def test_a_re_challenge_opens_only_for_its_node_once_and_within_the_plan(s):
     challenge = Challenge.new("How do tides work?", TEMPERATURE)
     assert s.block(s.tx(member, "commit-rechallenge", {"epoch": 1, "tag": challenge.tag(node0)}))[0][0] == 0
     # the tag binds the node: the same challenge revealed as node1's does not open it
-    as_node1 = challenge.reveal(s.answer(node1, challenge.prompt))
+    as_node1 = challenge.reveal(s.answer(node1, challenge))
     assert s.block(s.tx(member, "submit-results", {"epoch": 1, "kind": "rechallenge", "results": [as_node1]})) == [
         (Code.UNKNOWN_ENTITY, f"unknown entity: signer committed no re-challenge of node {node1.hex()} with this "
                               "challenge")]
@@ -84,7 +84,7 @@ def test_a_re_challenge_opens_only_for_its_node_once_and_within_the_plan(s):
     other = others[1]
     planned = s.planned(1, node0, other)
     assert s.block(s.tx(other, "commit-rechallenge", {"epoch": 1, "tag": planned.tag(node0)}))[0][0] == 0
-    replay = planned.reveal(s.answer(node0, planned.prompt))
+    replay = planned.reveal(s.answer(node0, planned))
     code, log = s.block(s.tx(other, "submit-results", {"epoch": 1, "kind": "rechallenge", "results": [replay]}))[0]
     assert code == Code.ALREADY_EXISTS and "repeats one of this epoch's" in log
 

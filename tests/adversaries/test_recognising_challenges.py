@@ -35,13 +35,16 @@ from planetserve.node.api.openai import (
     parse_request_body,
 )
 from planetserve.node.model_node import ModelNode
-from planetserve.node.user import _named_node, new_session_id, relayed_body
+from planetserve.node.user import new_session_id, relayed_body, taken_request
+from planetserve.registry.epochs import SEED_BITS
 from planetserve.verifier.challenges import RUN, ChallengeSource, to_challenge
 from planetserve.verifier.overlay import OverlayChannel, request_body
 
 SCALE = 0.05
 MAX_PROMPT = 256
 CAP = 64
+SEED_KEY = bytes(32)
+"""The relay's seed key in the simulated arrivals (any key: the node never learns it)."""
 SESSION = re.compile(r"[0-9a-f]{32}")
 
 
@@ -71,7 +74,7 @@ def users(count: int, seed: int, fits, per_seed: int = RUN) -> list[workloads.Re
 
 
 def program_body(request: workloads.Request, style: int) -> dict:
-    """A request as one of two programs writes it: one passes `user` and `metadata`, the other spells
+    """A request as one of two programs writes it: one passes `user`, `metadata` and a fixed seed, the other spells
     temperature 0 as an integer, adds `n: 1` and orders its keys its own way."""
     body: dict = {"model": "gt", "max_tokens": request.max_tokens, "temperature": request.temperature,
                   "stream": request.stream}
@@ -82,7 +85,7 @@ def program_body(request: workloads.Request, style: int) -> dict:
     if request.session is not None:
         body["planetserve"] = {"session_id": f"program-{request.session}"}
     if style == 0:
-        body |= {"user": "alice@example.org", "metadata": {"app": "notes-7"}}
+        body |= {"user": "alice@example.org", "metadata": {"app": "notes-7"}, "seed": 42}
     else:
         body = {"n": 1, **dict(reversed(list(body.items())))}
         if body["temperature"] == 0:
@@ -173,7 +176,8 @@ def arrivals_of_users(count: int, seed: int) -> list[tuple[str, bytes]]:
     out = []
     for i, request in enumerate(users(count, seed, lambda text: pieces(text) <= MAX_PROMPT)):
         endpoint = "chat" if request.chat else "completions"
-        parsed = parse_request_body(endpoint, parse_json_body(json.dumps(program_body(request, i % 2)).encode()))
+        _, parsed = taken_request(endpoint, parse_json_body(json.dumps(program_body(request, i % 2)).encode()),
+                                  SEED_KEY)
         key = request.session or new_session_id()
         session = relay_sessions.setdefault(key, new_session_id())
         out.append((endpoint, relayed_body(parsed, "gt", session)))
@@ -189,11 +193,12 @@ def arrivals_of_challenges(count: int) -> list[tuple[str, bytes]]:
         challenge = to_challenge(drawn, f"<rendered>{drawn.text}" if drawn.chat else None, CAP)
         chat, stream = bool(challenge.question), random.random() < workloads.STREAM_SHARE  # noqa: S311
         session = new_session_id()
-        for text in challenge.turns():
-            body = request_body("gt", challenge, text, chat, stream, {"node": "ab" * 32})
-            _named_node(body)
+        turns = challenge.turns()
+        for turn, text in enumerate(turns, start=1):
+            seed = None if turn == len(turns) else random.getrandbits(SEED_BITS)
+            body = request_body("gt", challenge, text, chat, stream, {"node": "ab" * 32}, seed)
             endpoint = "chat" if chat else "completions"
-            out.append((endpoint, relayed_body(parse_request_body(endpoint, body), "gt", session)))
+            out.append((endpoint, relayed_body(taken_request(endpoint, body, SEED_KEY)[1], "gt", session)))
     return out
 
 
@@ -202,16 +207,19 @@ def pieces(text: str) -> int:
 
 
 def features(arrivals: list[tuple[str, bytes]]) -> np.ndarray:
-    """Everything a node can read off a request: its form, sampling, output cap, lengths, key set, and
-    whether its session was seen before (and how often)."""
+    """Everything a node can read off a request: its form, sampling (its seed's value and size too),
+    output cap, lengths, key set, and whether its session or seed was seen before (and how often)."""
     seen: dict[str, int] = {}
+    seeds: dict[int, int] = {}
     rows = []
     for endpoint, raw in arrivals:
         body = json.loads(raw)
         text = body["messages"][0]["content"] if endpoint == "chat" else body["prompt"]
         session = body["planetserve"]["session_id"]
         rows.append([endpoint == "chat", body["stream"], body["temperature"], body["max_tokens"], len(text),
-                     len(raw), len(body), seen.get(session, 0)])
+                     len(raw), len(body), seen.get(session, 0), body["seed"], body["seed"].bit_length(),
+                     seeds.get(body["seed"], 0)])
+        seeds[body["seed"]] = seeds.get(body["seed"], 0) + 1
         seen[session] = seen.get(session, 0) + 1
     return np.array(rows, dtype=float)
 

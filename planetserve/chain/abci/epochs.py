@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from planetserve.chain import layout
 from planetserve.chain.abci.state import State, members
 from planetserve.chain.abci.store import Batch
-from planetserve.registry import codec, credits, epochs, finalization, reputation
+from planetserve.registry import codec, credits, epochs, evidence, finalization, reputation
 from planetserve.registry.entities import Member, ModelNode
 from planetserve.registry.epochs import (
     PLAN_COMMITTED,
@@ -148,7 +148,7 @@ def _evidence(batch: Batch, epoch: Epoch, committee: dict[bytes, Member], params
     for k, value in batch.iterate(layout.attestation_prefix(n)):
         node_hex, submitter_hex = k.decode().rsplit("/", 2)[1:]
         attestations[(bytes.fromhex(node_hex), bytes.fromhex(submitter_hex))] = [
-            (m, c) for m, c in codec.unpack_stored(value)]
+            (m, c, d) for m, c, d in codec.unpack_stored(value)]
     reports = {bytes.fromhex(k.rsplit(b"/", 1)[1].decode()): tuple(codec.unpack_stored(v))
                for k, v in batch.iterate(layout.report_prefix(n))}
     return finalization.Evidence(
@@ -158,13 +158,18 @@ def _evidence(batch: Batch, epoch: Epoch, committee: dict[bytes, Member], params
     )
 
 
-def _scored(rule: reputation.ReputationRule, previous: epochs.Reputation, credibility: int,
-            number: int) -> epochs.Reputation:
-    """A node's reputation record after epoch `number` gave it C(T) = `credibility`."""
+def _scored(rule: reputation.ReputationRule, evidence_rule: evidence.EvidenceRule,
+            previous: epochs.Reputation, verdict: finalization.Verdict, number: int) -> epochs.Reputation:
+    """A node's reputation record after epoch `number` gave it `verdict`: its evidence first, then C(T),
+    which is 0 while the evidence flags it."""
+    cusum = evidence.accumulate(evidence_rule, previous.cusum, verdict.checked, verdict.deviations)
+    credibility = 0 if evidence.flagged(evidence_rule, cusum) else verdict.credibility
     value, window = reputation.update(rule, previous.value, credibility, previous.window)
     trusted = reputation.is_trusted(rule, value)
     return epochs.Reputation(previous.node, value, window, previous.epochs + 1, number, trusted,
-                             reputation.probation_left(rule, previous.probation, trusted))
+                             reputation.probation_left(rule, previous.probation, trusted),
+                             previous.checked + verdict.checked, previous.deviations + verdict.deviations,
+                             cusum)
 
 
 def _finalize(batch: Batch, st: State, params: Params, epoch: Epoch, committee: dict[bytes, Member],
@@ -178,6 +183,7 @@ def _finalize(batch: Batch, st: State, params: Params, epoch: Epoch, committee: 
         verdicts, findings = finalization.decide(_evidence(batch, epoch, committee, params))
         verdicts = finalization.to_pipelines(verdicts, credits.pipelines(st.iterate_deployments()))
     rule = reputation.ReputationRule.from_params(params)
+    evidence_rule = evidence.EvidenceRule.from_params(params)
     batch.prefetch([k for v in verdicts for k in (layout.node_key(v.node), layout.reputation_key(v.node))])
     earnings: dict[str, int] = defaultdict(int)
     for verdict in verdicts:
@@ -185,12 +191,12 @@ def _finalize(batch: Batch, st: State, params: Params, epoch: Epoch, committee: 
         previous = st.reputation(verdict.node)
         if raw is None or previous is None:
             continue
-        record = _scored(rule, previous, verdict.credibility, epoch.number)
+        record = _scored(rule, evidence_rule, previous, verdict, epoch.number)
         st.put_reputation(record)
         node = ModelNode.decode(raw)
         if record.listable != previous.listable:
             st.put_node(node, record.listable)
-        if record.listable and verdict.scored and verdict.credibility >= rule.abnormal:
+        if record.listable and verdict.scored and record.window[-1] >= rule.abnormal:
             serving = time - max(epoch.start_time, node.registered_at)
             earnings[node.org_id] += credits.earned(st.price(node.hardware), serving)
     for org_id in sorted(earnings):

@@ -16,6 +16,7 @@ MAX_EPOCH = 2**62
 MAX_SEALED_BYTES = 8_192
 MAX_PROMPT_CHARS = 4_096
 MAX_TEMPERATURE = 2 * epochs.MILLI
+MAX_SEED = (1 << 64) - 1
 """The hottest request a node may sign (the API's limit); challenges are held to 1.0."""
 MAX_RESPONSE_TOKENS = 4_096
 MAX_RESPONSE_CHARS = 32_768
@@ -95,8 +96,8 @@ class CommitPlan(Message):
 
 def _response(value: Any) -> SignedResponse:
     raw = as_map(value, "response")
-    fields.check_keys(raw, {"node", "prompt_hash", "token_ids", "text", "model_id", "temperature", "time",
-                            "address", "signature"})
+    fields.check_keys(raw, {"node", "prompt_hash", "token_ids", "text", "model_id", "temperature", "seed",
+                            "time", "address", "signature"})
     tokens = raw.get("token_ids")
     if (not isinstance(tokens, list) or len(tokens) > MAX_RESPONSE_TOKENS
             or not all(type(t) is int and 0 <= t < 2**32 for t in tokens)):
@@ -111,6 +112,7 @@ def _response(value: Any) -> SignedResponse:
         text=text,
         model_id=fields.ident(raw, "model_id"),
         temperature=fields.integer(raw, "temperature", 0, MAX_TEMPERATURE),
+        seed=fields.integer(raw, "seed", 0, MAX_SEED),
         time=fields.integer(raw, "time", 0, MAX_EPOCH),
         address=fields.address(raw),
         signature=fields.sig64(raw, "signature"),
@@ -213,22 +215,26 @@ class SubmitResults(Message):
 
 @dataclass(frozen=True)
 class Attest(Message):
-    """A member's own credibility for submitted results: (node, submitter, credibility ppm) each."""
+    """A member's own score of submitted results: (node, submitter, credibility ppm, deviating tokens)
+    each; the deviations may be left out of an entry (0: a member scoring by the paper's 1/PPL counts
+    none)."""
 
     TYPE: ClassVar[str] = "attest"
     epoch: int
-    scores: tuple[tuple[bytes, bytes, int], ...]
+    scores: tuple[tuple[bytes, bytes, int, int], ...]
 
     @classmethod
     def parse(cls, body: dict[str, Any]) -> Self:
         epoch = _epoch(body)
         scores = []
         for raw in _entries(body, "scores"):
-            if not isinstance(raw, list) or len(raw) != 3:
-                raise InvalidField("scores", "entries must be [node, submitter, credibility]")
-            item = {"node": raw[0], "submitter": raw[1], "credibility": raw[2]}
+            if not isinstance(raw, list) or len(raw) not in (3, 4):
+                raise InvalidField("scores", "entries must be [node, submitter, credibility, deviations]")
+            item = {"node": raw[0], "submitter": raw[1], "credibility": raw[2],
+                    "deviations": raw[3] if len(raw) == 4 else 0}
             scores.append((fields.key32(item, "node"), fields.key32(item, "submitter"),
-                           fields.integer(item, "credibility", 0, PPM)))
+                           fields.integer(item, "credibility", 0, PPM),
+                           fields.integer(item, "deviations", 0, MAX_RESPONSE_TOKENS)))
         return cls(epoch, tuple(scores))
 
 

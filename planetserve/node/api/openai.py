@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import secrets
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
@@ -23,6 +24,8 @@ from typing import Any, Literal
 
 from planetserve.node.engine.base import GenerationRequest, Tokenizer
 from planetserve.node.engine.wire import MAX_TOKEN_ID
+from planetserve.registry.epochs import SEED_BITS
+from planetserve.sampling import to_seed
 
 Endpoint = Literal["completions", "chat"]
 
@@ -452,7 +455,9 @@ def build_generation(
     vocab_size: int,
     eos_token_ids: Iterable[int] = (),
 ) -> GenerationRequest:
-    """The engine request, after the checks that need the model: vocabulary and context length."""
+    """The engine request, after the checks that need the model: vocabulary and context length. Every
+    request gets a seed (the program's, or a fresh one), so that what the node signs names the noise
+    it sampled with and anyone holding the model can check each token (planetserve.sampling)."""
     if not prompt_ids:
         raise bad_request("The prompt is empty.", "prompt")
     if any(t >= vocab_size for t in prompt_ids):
@@ -473,7 +478,8 @@ def build_generation(
     stops = dict.fromkeys(request.stop_token_ids)
     if not request.ignore_eos:
         stops.update(dict.fromkeys(eos_token_ids))
-    return GenerationRequest(tuple(prompt_ids), max_tokens, request.temperature, request.seed, tuple(stops))
+    seed = secrets.randbits(SEED_BITS) if request.seed is None else to_seed(request.seed)
+    return GenerationRequest(tuple(prompt_ids), max_tokens, request.temperature, seed, tuple(stops))
 
 
 # -- responses --------------------------------------------------------------------------------------

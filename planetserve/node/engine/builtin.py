@@ -35,6 +35,7 @@ from planetserve.node.engine.base import (
     TokenChunk,
 )
 from planetserve.node.engine.kvcache import PrefixCache
+from planetserve.sampling import sample
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +132,8 @@ class _Sequence:
     loop: asyncio.AbstractEventLoop
     inbox: asyncio.Queue[TokenChunk | EngineError]
     stop_ids: frozenset[int]
-    generator: torch.Generator | None
+    seed: int
+    """The request's seed, or a fresh one: sampling is reproducible either way (planetserve.sampling)."""
     tokens: list[int] = field(default_factory=list)
     kv_len: int = 0
     cached_tokens: int = 0
@@ -268,13 +270,10 @@ class BuiltinEngine:
             raise EngineError(
                 f"prompt ({len(prompt)}) + max_tokens ({request.max_tokens}) exceeds {self.max_model_len}"
             )
-        generator = None
-        if request.temperature > 0:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(secrets.randbits(63) if request.seed is None else request.seed)
+        seed = secrets.randbits(64) if request.seed is None else request.seed
         seq = _Sequence(
             request, asyncio.get_running_loop(), asyncio.Queue(),
-            frozenset(request.stop_ids) | self.eos_ids, generator, list(prompt),
+            frozenset(request.stop_ids) | self.eos_ids, seed, list(prompt),
         )
         with self._cond:
             if self._closed:
@@ -372,12 +371,10 @@ class BuiltinEngine:
 
     @staticmethod
     def _pick(logits: torch.Tensor, seqs: list[_Sequence]) -> list[int]:
-        tokens = logits.argmax(dim=-1).tolist()
-        for i, seq in enumerate(seqs):
-            if seq.generator is not None:
-                probs = torch.softmax(logits[i].float() / seq.request.temperature, dim=-1)
-                tokens[i] = int(torch.multinomial(probs, 1, generator=seq.generator))
-        return tokens
+        """Each row's token from its own logits, seed and position only, so a request's answer does not
+        depend on what else is in the batch."""
+        return [sample(row, seq.request.temperature, seq.seed, len(seq.tokens) - len(seq.request.prompt_ids))
+                for row, seq in zip(logits, seqs, strict=True)]
 
     def _emit(self, seq: _Sequence, token: int, first: bool) -> None:
         seq.tokens.append(token)

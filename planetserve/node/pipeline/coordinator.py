@@ -49,6 +49,7 @@ from planetserve.node.pipeline.stages import (
     decode_tensor,
     max_step_tokens,
 )
+from planetserve.sampling import sample
 
 log = logging.getLogger(__name__)
 
@@ -109,18 +110,11 @@ class _Route:
     attempt: _Attempt | None = None
 
 
-def sampler(temperature: float, seed: int | None) -> Callable[[np.ndarray], int]:
-    """Greedy at temperature 0; otherwise the built-in engine's draw (softmax at the temperature, one
-    multinomial sample from a generator seeded by `seed` or fresh randomness)."""
-    if temperature == 0:
-        return lambda logits: int(np.argmax(logits))
-    generator = torch.Generator().manual_seed(secrets.randbits(63) if seed is None else seed)
-
-    def pick(logits: np.ndarray) -> int:
-        probs = torch.softmax(torch.tensor(logits) / temperature, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=generator))
-
-    return pick
+def sampler(temperature: float, seed: int | None) -> Callable[[np.ndarray, int], int]:
+    """The built-in engine's draw (planetserve.sampling) from one position's logits and the position:
+    greedy at temperature 0, else the protocol's Gumbel-max under `seed` or a fresh one."""
+    key = secrets.randbits(64) if seed is None else seed
+    return lambda logits, position: sample(torch.from_numpy(logits), temperature, key, position)
 
 
 class PipelineClient:
@@ -166,7 +160,7 @@ class PipelineClient:
         tokens, stop = list(request.prompt_ids), frozenset(request.stop_ids)
         try:
             for produced in range(1, request.max_tokens + 1):
-                token = pick(await self._logits_after(route, tokens))
+                token = pick(await self._logits_after(route, tokens), produced - 1)
                 tokens.append(token)
                 finish = "stop" if token in stop else "length" if produced == request.max_tokens else None
                 yield TokenChunk((token,), finish, len(request.prompt_ids) if produced == 1 else 0)

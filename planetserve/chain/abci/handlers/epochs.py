@@ -167,6 +167,9 @@ def _inconsistency(ctx: Context, node_model: str, node: bytes, commitment: bytes
     if response.temperature != temperature:
         return "altered-prompt", (f"the node was asked for temperature {response.temperature}, "
                                   f"not the committed {temperature} (thousandths)")
+    if response.seed != epochs.challenge_seed(salt):
+        return "altered-prompt", (f"the node was asked for seed {response.seed}, not the committed "
+                                  f"{epochs.challenge_seed(salt)}")
     if not since - slack <= response.time <= ctx.time + slack:
         window = f"[{since - slack}, {ctx.time + slack}]"
         return "stale-response", f"response time {response.time} is outside {window}"
@@ -254,15 +257,18 @@ def attest(ctx: Context, msg: Attest) -> None:
     ctx.require_member()
     number, _ = _current(ctx)
     _expect_epoch(msg.epoch, number)
-    for node, submitter, credibility in msg.scores:
+    for node, submitter, credibility, deviations in msg.scores:
         result = ctx.state.result(number, node, submitter)
         if result is None or result.status != VALID:
             raise UnknownEntity(
                 f"no valid result of node {node.hex()} by {submitter.hex()} in epoch {number}")
+        if deviations > len(result.response.get("token_ids", ())):
+            raise InvalidField("deviations", f"{deviations} deviating tokens in an answer of "
+                                             f"{len(result.response.get('token_ids', ()))}")
         scores = ctx.state.attestations(number, node, submitter)
-        if any(m == ctx.signer for m, _ in scores):
+        if any(m == ctx.signer for m, *_ in scores):
             raise AlreadyExists(f"signer already attested node {node.hex()}'s result by {submitter.hex()}")
-        ctx.state.put_attestations(number, node, submitter, [*scores, [ctx.signer, credibility]])
+        ctx.state.put_attestations(number, node, submitter, [*scores, [ctx.signer, credibility, deviations]])
     ctx.emit("attest", epoch=str(number), operator=ctx.signer.hex())
 
 
