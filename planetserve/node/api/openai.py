@@ -66,6 +66,15 @@ def overloaded(message: str = "The server is overloaded; retry later.") -> ApiEr
     return ApiError(503, message, type="server_error", code="overloaded")
 
 
+def path_not_found(path: str) -> ApiError:
+    return ApiError(404, f"There is no route {path[:200]}.", type="not_found_error", code="not_found")
+
+
+def method_not_allowed(method: str, path: str, allowed: Iterable[str]) -> ApiError:
+    return ApiError(405, f"{method[:16]} is not allowed on {path[:200]}; use {', '.join(sorted(allowed))}.",
+                    code="method_not_allowed")
+
+
 @dataclass(frozen=True)
 class ApiLimits:
     """Bounds on a request, enforced before any tokenisation or generation."""
@@ -573,16 +582,19 @@ def usage_chunk(meta: ResponseMeta, usage: dict[str, Any]) -> dict[str, Any]:
     return {**meta.envelope(True), "choices": [], "usage": usage}
 
 
-def models_body(models: Iterable[str], *, max_model_len: int, created: int | None = None) -> dict[str, Any]:
+def model_body(model: str, *, max_model_len: int | None, created: int | None = None) -> dict[str, Any]:
+    """One model object, as vLLM shows it; `max_model_len` (the context length, prompt and completion
+    together) only where the server knows it."""
+    card = {"id": model, "object": "model", "created": int(time.time()) if created is None else created,
+            "owned_by": "planetserve", "root": model, "parent": None}
+    return card if max_model_len is None else {**card, "max_model_len": max_model_len}
+
+
+def models_body(models: Iterable[str], *, max_model_len: int | None,
+                created: int | None = None) -> dict[str, Any]:
     stamp = int(time.time()) if created is None else created
-    return {
-        "object": "list",
-        "data": [
-            {"id": m, "object": "model", "created": stamp, "owned_by": "planetserve", "root": m,
-             "parent": None, "max_model_len": max_model_len}
-            for m in models
-        ],
-    }
+    cards = [model_body(m, max_model_len=max_model_len, created=stamp) for m in models]
+    return {"object": "list", "data": cards}
 
 
 # -- detokenisation ---------------------------------------------------------------------------------
