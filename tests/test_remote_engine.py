@@ -27,6 +27,7 @@ from planetserve.node.engine.base import (
     EngineLoad,
     GenerationRequest,
     TokenChunk,
+    TokenLogprob,
 )
 from planetserve.node.engine.builtin import BuiltinEngine
 from planetserve.node.engine.kvcache import block_hashes
@@ -146,8 +147,10 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None, str]] = [
     ("/v1/completions", {"prompt": "w1", "temperature": "hot"}, 400, "invalid_value", "finite number"),
     ("/v1/completions", {"prompt": "w1", "seed": 1.5}, 400, "invalid_value", "`seed` must be an integer"),
     ("/v1/completions", {"prompt": "w1", "n": 2}, 400, "unsupported_parameter", "`n` is not supported"),
-    ("/v1/completions", {"prompt": "w1", "logprobs": 3}, 400, "unsupported_parameter",
-     "`logprobs` is not supported"),
+    ("/v1/completions", {"prompt": "w1", "logprobs": 6}, 400, "invalid_value",
+     "`logprobs` must be between 0 and 5, got 6"),
+    ("/v1/completions", {"prompt": "w1", "logprobs": True}, 400, "invalid_value",
+     "`logprobs` must be an integer"),
     ("/v1/completions", {"prompt": "w1", "top_p": 0.5}, 400, "unsupported_parameter",
      "`top_p` is not supported"),
     ("/v1/completions", {"prompt": "w1", "stream": "yes"}, 400, "invalid_value", "`stream` must be a boolean"),
@@ -183,6 +186,12 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None, str]] = [
      "invalid_value", "parts must be text parts"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w1"}], "tools": [{"type": "function"}]},
      400, "unsupported_parameter", "`tools` is not supported"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w1"}], "top_logprobs": 2}, 400,
+     "invalid_value", "`top_logprobs` needs `logprobs` set to true"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w1"}], "logprobs": True,
+                              "top_logprobs": 21}, 400, "invalid_value", "`top_logprobs` must be between 0 and 20"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w1"}], "logprobs": 1}, 400,
+     "invalid_value", "`logprobs` must be a boolean"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w1"}], "continue_final_message": True},
      400, "invalid_value", "requires `add_generation_prompt` false"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w1"}] * 1025}, 413,
@@ -391,6 +400,67 @@ def test_remote_engine_reads_a_vllm_stream() -> None:
         assert engine.load() == EngineLoad(0, 0, 8)
 
     scripted(handler, body)
+
+
+def with_logprobs(chunk: dict[str, Any], logprobs: Any) -> dict[str, Any]:
+    chunk["choices"][0]["logprobs"] = logprobs
+    return chunk
+
+
+def vllm_logprobs(entries: list[tuple[int, float, dict[int, float]]]) -> dict[str, Any]:
+    """vLLM's completion logprobs with `return_tokens_as_token_ids`: (token, logprob, alternatives)."""
+    return {"tokens": [f"token_id:{t}" for t, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
+            "top_logprobs": [{f"token_id:{a}": v for a, v in alts.items()} for _, _, alts in entries],
+            "text_offset": list(range(len(entries)))}
+
+
+def test_remote_engine_asks_for_logprobs_and_maps_them_back_by_token_id() -> None:
+    data = sse_body(
+        with_logprobs(vllm_chunk([5], prompt=[1, 2, 3]), vllm_logprobs([(5, -0.5, {5: -0.5, 8: -1.5})])),
+        # the sampled token outside the top 2: vLLM adds it, the engine keeps the 2 likeliest
+        with_logprobs(vllm_chunk([6]), vllm_logprobs([(6, -3.0, {7: -0.2, 6: -3.0, 4: -2.0})])),
+        with_logprobs(vllm_chunk([9], "stop"), vllm_logprobs([(9, -0.1, {9: -0.1, 2: -4.0})])),
+        b"[DONE]",
+    )
+    seen: dict[str, Any] = {}
+
+    async def handler(request: web.Request) -> web.Response:
+        seen.update(await request.json())
+        return web.Response(body=data, content_type="text/event-stream")
+
+    async def body(engine: RemoteEngine) -> None:
+        chunks = await collect(engine, GenerationRequest((1, 2, 3), 4, stop_ids=(9,), logprobs=2))
+        assert [c.logprobs for c in chunks] == [
+            (TokenLogprob(-0.5, ((5, -0.5), (8, -1.5))),), (TokenLogprob(-3.0, ((7, -0.2), (4, -2.0))),),
+            (TokenLogprob(-0.1, ((9, -0.1), (2, -4.0))),)]
+        assert seen["logprobs"] == 2 and seen["return_tokens_as_token_ids"] is True
+        seen.clear()
+        assert all(c.logprobs is None for c in await collect(engine)) and "logprobs" not in seen
+
+    scripted(handler, body)
+
+
+BROKEN_LOGPROBS: list[tuple[str, Any, str]] = [
+    ("none", None, "sent no logprobs"),
+    ("text tokens", {"tokens": ["x"], "token_logprobs": [-1.0], "top_logprobs": [{}]}, "not a token id"),
+    ("other token", vllm_logprobs([(6, -1.0, {6: -1.0})]), "do not match its tokens"),
+    ("too many alternatives", vllm_logprobs([(5, -1.0, {5: -1.0, 6: -2.0, 7: -3.0, 8: -4.0})]),
+     "do not match its tokens"),
+    ("positive", vllm_logprobs([(5, 1.0, {5: 1.0})]), "malformed log-probability"),
+    ("short", {"tokens": [], "token_logprobs": [], "top_logprobs": []}, "do not match its tokens"),
+]
+
+
+@pytest.mark.parametrize(("logprobs", "message"), [case[1:] for case in BROKEN_LOGPROBS],
+                         ids=[case[0] for case in BROKEN_LOGPROBS])
+def test_remote_engine_rejects_malformed_logprobs(logprobs: Any, message: str) -> None:
+    data = sse_body(with_logprobs(vllm_chunk([5]), logprobs), vllm_chunk([9], "stop"), b"[DONE]")
+
+    async def body(engine: RemoteEngine) -> None:
+        with pytest.raises(RemoteEngineError, match=re.escape(message)):
+            await collect(engine, GenerationRequest((1, 2, 3), 4, stop_ids=(9,), logprobs=2))
+
+    scripted(stream_of(data), body)
 
 
 BROKEN_SERVERS: list[tuple[str, bytes, str, int, str]] = [

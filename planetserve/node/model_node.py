@@ -85,6 +85,8 @@ MAX_FORWARD_STOP = 16
 MAX_FORWARD_PROMPT_CHARS = 1 << 20
 FORWARD_IDLE_S = 120.0
 """A peer serving a forwarded job that sends nothing for this long has failed (it is served here)."""
+LOGPROBS_HERE = "logprobs"
+"""The route of a request that asks for log-probabilities: always served by the node it reached."""
 
 
 async def _replay(items: list[Any]) -> AsyncIterator[Any]:
@@ -470,9 +472,17 @@ class ModelNode:
                       options: PlanetServeOptions, *, whole: bool = False) -> Production:
         """Where the request is computed (Algorithm 2). `whole`: the answer goes back in one piece, so a
         forwarded one is taken from the peer in full before anything is returned, and a peer failing
-        mid-answer means the request is served here."""
+        mid-answer means the request is served here.
+
+        A request asking for `logprobs` is served here, never forwarded: a peer's signature covers the
+        tokens and text it returns, not their log-probabilities, so the entry node returns only
+        log-probabilities it computed itself (and a `Job` carries none across the peer link)."""
         self._check_length(prompt_ids)
         self.sync.observe(prompt_ids)
+        if generation.logprobs is not None:
+            self._remember(job.session_id, self.node_id)
+            self.routes[LOGPROBS_HERE] = self.routes.get(LOGPROBS_HERE, 0) + 1
+            return self._local(job, prompt_ids, generation, LOGPROBS_HERE)
         result = self.sync.search(prompt_ids)
         decision = self.decide(result, options)
         self.routes[decision.reason.value] = self.routes.get(decision.reason.value, 0) + 1

@@ -458,7 +458,9 @@ class UserRelay:
         return 200 if ok else 503, {"ok": ok, "live_paths": live}
 
     def models(self) -> dict[str, Any]:
-        return models_body(sorted(self.view.models()), max_model_len=0)
+        """The models of the trusted list, without `max_model_len`: the ledger does not record a model's
+        context length, and the nodes serving one may differ in it (each node's /v1/models says its own)."""
+        return models_body(sorted(self.view.models()), max_model_len=None)
 
     async def respond(self, endpoint: Endpoint, raw: bytes) -> Reply:
         """A request of the user's program, answered through the overlay by the node it names or one

@@ -257,13 +257,21 @@ def test_the_relays_encoding_keeps_what_a_request_asks_and_drops_the_rest():
                                                "name": "ann"},
                                               {"role": "assistant", "content": "Hel"}],
                   "max_completion_tokens": 9, "add_generation_prompt": False, "continue_final_message": True}),
+        ("chat", {"model": "gt", "messages": [{"role": "user", "content": "Hi"}], "logprobs": True,
+                  "top_logprobs": 4, "return_tokens_as_token_ids": True}),
+        ("chat", {"model": "gt", "messages": [{"role": "user", "content": "Hi"}], "logprobs": True}),
+        ("completions", {"model": "gt", "prompt": "Why?", "logprobs": 0, "stream": True}),
     ]
     for endpoint, body in asks:
         request = parse_request_body(endpoint, dict(body))
         assert parse_request(endpoint, canonical_body(request)) == request
     plain = {"model": "gt", "prompt": "Why?", "max_tokens": 7, "temperature": 0.0}
     fancy = {"user": "bob", "metadata": {"k": "v"}, "n": 1, "temperature": 0, "top_p": 1, "max_tokens": 7,
-             "prompt": "Why?", "model": "gt", "store": False, "service_tier": "auto"}
+             "prompt": "Why?", "model": "gt", "store": False, "service_tier": "auto",
+             "return_tokens_as_token_ids": True}  # without logprobs it changes nothing
     encoded = {canonical_body(parse_request(e, json.dumps(b, indent=2).encode()))
                for e, b in [("completions", plain), ("completions", fancy)]}
     assert len(encoded) == 1 and b"bob" not in next(iter(encoded))
+    chat = {"model": "gt", "messages": [{"role": "user", "content": "Hi"}]}
+    neutral = {**chat, "logprobs": False, "top_logprobs": 0}
+    assert len({canonical_body(parse_request_body("chat", dict(b))) for b in (chat, neutral)}) == 1

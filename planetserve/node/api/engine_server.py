@@ -15,8 +15,11 @@ from planetserve.node.api.openai import (
     ApiLimits,
     ApiRequest,
     Endpoint,
+    LogprobsWriter,
     ResponseMeta,
+    Scored,
     TextAssembler,
+    TokenTexts,
     build_generation,
     check_model,
     chunk_body,
@@ -37,19 +40,24 @@ from planetserve.node.engine.base import (
     PromptLogprobs,
     TokenChunk,
     Tokenizer,
+    TokenLogprob,
+    UnsupportedParameter,
 )
 from planetserve.node.engine.kvevents import KVEventPublisher
 from planetserve.node.engine.wire import SSE_DONE, sse
 
 
 class Generation:
-    """One request's stream of engine chunks turned into text and token ids, cut at stop strings."""
+    """One request's stream of engine chunks turned into text and token ids (with their log-probabilities,
+    when asked), cut at stop strings."""
 
     def __init__(self, request: ApiRequest, prompt_ids: Sequence[int], tokenizer: Tokenizer) -> None:
         self.request = request
         self.prompt_tokens = len(prompt_ids)
         self.cached_tokens = 0
         self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] = []
+        """One per kept token id, when the request asked for log-probabilities."""
         self.finish_reason: str | None = None
         self._text = TextAssembler(tokenizer, request.stop)
 
@@ -61,10 +69,22 @@ class Generation:
         text = self._text.push(chunk.token_ids)
         ids = list(chunk.token_ids[: self._text.consumed - before])
         self.token_ids += ids
+        if self.request.logprobs is not None:
+            self.logprobs += self._checked_logprobs(chunk)[: len(ids)]
         self.finish_reason = "stop" if self._text.stopped else chunk.finish_reason
         if self.finish_reason is not None:
             text += self._text.finish()
         return text, ids
+
+    @staticmethod
+    def _checked_logprobs(chunk: TokenChunk) -> tuple[TokenLogprob, ...]:
+        if chunk.logprobs is None or len(chunk.logprobs) != len(chunk.token_ids):
+            raise EngineError("the engine sent no log-probability for each generated token")
+        return chunk.logprobs
+
+    def scored(self, since: int = 0) -> Scored:
+        """The kept tokens from index `since` on, with their log-probabilities."""
+        return list(zip(self.token_ids[since:], self.logprobs[since:], strict=True))
 
     def usage(self) -> dict[str, Any]:
         return usage_body(self.prompt_tokens, len(self.token_ids), self.cached_tokens)
@@ -111,6 +131,7 @@ class EngineServer:
         self.limits = limits
         self.max_queued = max_queued
         self.vocab_size = vocab_size if vocab_size is not None else len(tokenizer)
+        self.texts = TokenTexts(tokenizer)
         eos = getattr(tokenizer, "eos_token_id", None)
         default_eos = () if eos is None else (eos,)
         self.eos_token_ids = tuple(eos_token_ids) if eos_token_ids is not None else default_eos
@@ -158,6 +179,9 @@ class EngineServer:
                 raise ApiError(500, "The engine produced no output.", type="server_error") from None
         except ApiError as exc:
             return Reply.json(exc.body(), exc.status)
+        except UnsupportedParameter as exc:
+            refused = ApiError(400, str(exc), param=exc.param, code="unsupported_parameter")
+            return Reply.json(refused.body(), 400)
         except EngineError as exc:
             return Reply.json(ApiError(400, f"The engine rejected the request: {exc}").body(), 400)
         meta = ResponseMeta.new(endpoint, model)
@@ -172,6 +196,11 @@ class EngineServer:
             body["choices"][0]["prompt_logprobs"] = prompt_logprobs_body(
                 scored, lambda t: self.tokenizer.decode([t]))
         return Reply.json(body, status)
+
+    def _logprobs_writer(self, meta: ResponseMeta, request: ApiRequest) -> LogprobsWriter | None:
+        if request.logprobs is None:
+            return None
+        return LogprobsWriter(meta.endpoint, self.texts, request.return_tokens_as_token_ids)
 
     async def _prompt_logprobs(self, request: ApiRequest, prompt_ids: Sequence[int]) -> PromptLogprobs | None:
         if request.prompt_logprobs is None:
@@ -191,8 +220,8 @@ class EngineServer:
     async def _whole(self, meta: ResponseMeta, state: Generation, first: TokenChunk,
                      production: Production, prompt_ids: Sequence[int]) -> tuple[dict[str, Any], int]:
         chunks = production.chunks
-        parts = [state.step(first, True)[0]]
         try:
+            parts = [state.step(first, True)[0]]
             while state.finish_reason is None:
                 parts.append(state.step(await anext(chunks), False)[0])
             extension = await production.finish(state)
@@ -201,9 +230,11 @@ class EngineServer:
         except EngineError as exc:
             return ApiError(500, f"Generation failed: {exc}", type="server_error").body(), 500
         want = state.request.return_token_ids
+        writer = self._logprobs_writer(meta, state.request)
         body = response_body(
             meta, text="".join(parts), finish_reason=state.finish_reason, usage=state.usage(),
             prompt_token_ids=prompt_ids if want else None, token_ids=state.token_ids if want else None,
+            logprobs=writer.body(state.scored()) if writer is not None else None,
         )
         if extension is not None:
             body["planetserve"] = extension
@@ -214,10 +245,12 @@ class EngineServer:
         """Server-sent events; closing the iterator early (the client went away) stops generation."""
         chunks = production.chunks
         request = state.request
+        writer = self._logprobs_writer(meta, request)
         chunk: TokenChunk | None = first
         is_first = True
         try:
             while chunk is not None:
+                kept = len(state.token_ids)
                 text, ids = state.step(chunk, is_first)
                 if text or ids or state.finish_reason is not None or is_first:
                     body = chunk_body(
@@ -225,6 +258,7 @@ class EngineServer:
                         token_ids=ids if request.return_token_ids else None,
                         prompt_token_ids=prompt_ids if request.return_token_ids and is_first else None,
                         usage=state.usage() if request.continuous_usage else None,
+                        logprobs=writer.body(state.scored(kept)) if writer is not None else None,
                     )
                     if state.finish_reason is not None and (extension := await production.finish(state)):
                         body["planetserve"] = extension

@@ -6,8 +6,9 @@ prompt rendering through a transformers tokenizer, response and SSE chunk builde
 framing is `engine/wire.py`'s), and incremental detokenisation with stop strings. vLLM extensions
 kept: `return_token_ids` (per-choice `token_ids`, `prompt_token_ids` per completion choice / per chat
 response, on the first stream chunk), `stop_token_ids`, `ignore_eos`,
-`stream_options.continuous_usage_stats`, prompts as token-id lists. Our own extension is the optional
-`planetserve` object (see PlanetServeOptions).
+`stream_options.continuous_usage_stats`, `return_tokens_as_token_ids` (logprobs' tokens as "token_id:N"),
+prompts as token-id lists. Our own extension is the optional `planetserve` object (see
+PlanetServeOptions).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from planetserve.node.engine.base import GenerationRequest, Tokenizer
+from planetserve.node.engine.base import MAX_LOGPROBS, GenerationRequest, Tokenizer, TokenLogprob
 from planetserve.node.engine.wire import MAX_TOKEN_ID
 from planetserve.registry.epochs import SEED_BITS
 from planetserve.sampling import to_seed
@@ -34,6 +35,8 @@ CHAT_ROLES = frozenset({"system", "developer", "user", "assistant"})
 SESSION_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 MAX_HOPS = 16
 MAX_PROMPT_LOGPROBS = 20
+MAX_COMPLETION_LOGPROBS = 5
+"""OpenAI's bound on /v1/completions' `logprobs` (chat's `top_logprobs` goes to MAX_LOGPROBS, 20)."""
 
 
 class ApiError(Exception):
@@ -67,6 +70,15 @@ def too_large(message: str, code: str = "request_too_large") -> ApiError:
 
 def overloaded(message: str = "The server is overloaded; retry later.") -> ApiError:
     return ApiError(503, message, type="server_error", code="overloaded")
+
+
+def path_not_found(path: str) -> ApiError:
+    return ApiError(404, f"There is no route {path[:200]}.", type="not_found_error", code="not_found")
+
+
+def method_not_allowed(method: str, path: str, allowed: Iterable[str]) -> ApiError:
+    return ApiError(405, f"{method[:16]} is not allowed on {path[:200]}; use {', '.join(sorted(allowed))}.",
+                    code="method_not_allowed")
 
 
 @dataclass(frozen=True)
@@ -127,6 +139,11 @@ class ApiRequest:
     planetserve: PlanetServeOptions = field(default_factory=PlanetServeOptions)
     prompt_logprobs: int | None = None
     """vLLM's extension: score the prompt, returning each token's log-probability and this many more."""
+    logprobs: int | None = None
+    """Each generated token's log-probability and this many likeliest alternatives (chat's `logprobs: true`
+    with `top_logprobs`, completions' `logprobs`); None: none asked for."""
+    return_tokens_as_token_ids: bool = False
+    """vLLM's extension: logprobs' tokens as "token_id:N" (an engine client maps them back exactly)."""
 
 
 # -- parsing ----------------------------------------------------------------------------------------
@@ -269,7 +286,6 @@ def _common(body: dict[str, Any], endpoint: Endpoint, limits: ApiLimits) -> dict
 def parse_completion_request(body: dict[str, Any], limits: ApiLimits = DEFAULT_LIMITS) -> ApiRequest:
     """/v1/completions: one prompt, as text or as token ids."""
     fields = _common(body, "completions", limits)
-    _unsupported(body, "logprobs", 0)
     _unsupported(body, "suffix", "")
     prompt = body.get("prompt")
     if prompt is None:
@@ -283,7 +299,8 @@ def parse_completion_request(body: dict[str, Any], limits: ApiLimits = DEFAULT_L
     if prompt_logprobs is not None and fields["stream"]:
         raise bad_request("`prompt_logprobs` is not supported with `stream`.", "prompt_logprobs")
     return ApiRequest(prompt=prompt, max_tokens=16 if max_tokens is None else max_tokens,
-                      prompt_logprobs=prompt_logprobs, **fields)
+                      prompt_logprobs=prompt_logprobs,
+                      **_logprobs(body, _int(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)), **fields)
 
 
 def _message(raw: Any, index: int) -> ChatMessage:
@@ -315,7 +332,6 @@ def _message(raw: Any, index: int) -> ChatMessage:
 def parse_chat_request(body: dict[str, Any], limits: ApiLimits = DEFAULT_LIMITS) -> ApiRequest:
     """/v1/chat/completions: text messages, rendered later with the model's chat template."""
     fields = _common(body, "chat", limits)
-    _unsupported(body, "logprobs", False)
     _unsupported(body, "tools", [])
     _unsupported(body, "chat_template")
     _unsupported(body, "chat_template_kwargs", {})
@@ -335,7 +351,26 @@ def parse_chat_request(body: dict[str, Any], limits: ApiLimits = DEFAULT_LIMITS)
         raise bad_request("`continue_final_message` requires `add_generation_prompt` false.",
                           "continue_final_message")
     return ApiRequest(messages=parsed, max_tokens=max_tokens, add_generation_prompt=add_generation_prompt,
-                      continue_final_message=continue_final, **fields)
+                      continue_final_message=continue_final, **_logprobs(body, _chat_logprobs(body)),
+                      **fields)
+
+
+def _logprobs(body: dict[str, Any], logprobs: int | None) -> dict[str, Any]:
+    """The logprobs fields of an ApiRequest; vLLM's `return_tokens_as_token_ids` counts only with them (so
+    that alone it is a field that changes nothing, and the canonical encoding drops it)."""
+    as_ids = _bool(body, "return_tokens_as_token_ids", False)
+    return {"logprobs": logprobs, "return_tokens_as_token_ids": as_ids and logprobs is not None}
+
+
+def _chat_logprobs(body: dict[str, Any]) -> int | None:
+    """Chat's `logprobs` (a boolean) and `top_logprobs` (0-20; above 0 only with `logprobs`, as vLLM
+    checks) as one number of alternatives, or None."""
+    top = _int(body, "top_logprobs", 0, MAX_LOGPROBS)
+    if not _bool(body, "logprobs", False):
+        if top:
+            raise bad_request("`top_logprobs` needs `logprobs` set to true.", "top_logprobs")
+        return None
+    return top or 0
 
 
 def message_body(message: ChatMessage) -> dict[str, str]:
@@ -397,9 +432,20 @@ def canonical_body(request: ApiRequest) -> bytes:
         body["continue_final_message"] = True
     if request.prompt_logprobs is not None:
         body["prompt_logprobs"] = request.prompt_logprobs
+    body.update(_logprobs_fields(request))
     if options := _options_body(request.planetserve):
         body["planetserve"] = options
     return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def _logprobs_fields(request: ApiRequest) -> dict[str, Any]:
+    if request.logprobs is None:
+        return {}
+    fields: dict[str, Any] = {"logprobs": request.logprobs} if request.endpoint == "completions" else {
+        "logprobs": True, "top_logprobs": request.logprobs}
+    if request.return_tokens_as_token_ids:
+        fields["return_tokens_as_token_ids"] = True
+    return fields
 
 
 def check_model(request: ApiRequest, served: Iterable[str]) -> str:
@@ -479,7 +525,8 @@ def build_generation(
     if not request.ignore_eos:
         stops.update(dict.fromkeys(eos_token_ids))
     seed = secrets.randbits(SEED_BITS) if request.seed is None else to_seed(request.seed)
-    return GenerationRequest(tuple(prompt_ids), max_tokens, request.temperature, seed, tuple(stops))
+    return GenerationRequest(tuple(prompt_ids), max_tokens, request.temperature, seed, tuple(stops),
+                             logprobs=request.logprobs)
 
 
 # -- responses --------------------------------------------------------------------------------------
@@ -530,6 +577,7 @@ def response_body(
     usage: dict[str, Any],
     prompt_token_ids: Sequence[int] | None = None,
     token_ids: Sequence[int] | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A whole (non-streamed) answer; token id lists only when the request asked for them."""
     choice: dict[str, Any] = {"index": 0}
@@ -537,7 +585,7 @@ def response_body(
         choice["message"] = {"role": "assistant", "content": text}
     else:
         choice["text"] = text
-    choice.update({"logprobs": None, "finish_reason": finish_reason, "stop_reason": None})
+    choice.update({"logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": None})
     body = {**meta.envelope(False), "choices": [choice], "usage": usage}
     if token_ids is not None:
         choice["token_ids"] = list(token_ids)
@@ -555,8 +603,10 @@ def chunk_body(
     token_ids: Sequence[int] | None = None,
     prompt_token_ids: Sequence[int] | None = None,
     usage: dict[str, Any] | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One streamed chunk; chat's first chunk announces the assistant role, its last has an empty delta."""
+    """One streamed chunk; chat's first chunk announces the assistant role, its last has an empty delta.
+    `logprobs` are those of the chunk's own tokens."""
     choice: dict[str, Any] = {"index": 0}
     if meta.endpoint == "chat":
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
@@ -565,7 +615,7 @@ def chunk_body(
         choice["delta"] = delta
     else:
         choice["text"] = text
-    choice.update({"logprobs": None, "finish_reason": finish_reason, "stop_reason": None})
+    choice.update({"logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": None})
     if token_ids is not None:
         choice["token_ids"] = list(token_ids)
     body = {**meta.envelope(True), "choices": [choice], "usage": usage}
@@ -579,16 +629,107 @@ def usage_chunk(meta: ResponseMeta, usage: dict[str, Any]) -> dict[str, Any]:
     return {**meta.envelope(True), "choices": [], "usage": usage}
 
 
-def models_body(models: Iterable[str], *, max_model_len: int, created: int | None = None) -> dict[str, Any]:
+def model_body(model: str, *, max_model_len: int | None, created: int | None = None) -> dict[str, Any]:
+    """One model object, as vLLM shows it; `max_model_len` (the context length, prompt and completion
+    together) only where the server knows it."""
+    card = {"id": model, "object": "model", "created": int(time.time()) if created is None else created,
+            "owned_by": "planetserve", "root": model, "parent": None}
+    return card if max_model_len is None else {**card, "max_model_len": max_model_len}
+
+
+def models_body(models: Iterable[str], *, max_model_len: int | None,
+                created: int | None = None) -> dict[str, Any]:
     stamp = int(time.time()) if created is None else created
-    return {
-        "object": "list",
-        "data": [
-            {"id": m, "object": "model", "created": stamp, "owned_by": "planetserve", "root": m,
-             "parent": None, "max_model_len": max_model_len}
-            for m in models
-        ],
-    }
+    cards = [model_body(m, max_model_len=max_model_len, created=stamp) for m in models]
+    return {"object": "list", "data": cards}
+
+
+# -- generated tokens' log-probabilities ------------------------------------------------------------
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, character -> the byte it stands for."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in printable]
+    chars = [*printable, *range(256, 256 + len(others))]
+    return {chr(c): b for c, b in zip(chars, [*printable, *others], strict=True)}
+
+
+BYTE_LEVEL = _byte_level_alphabet()
+
+
+class TokenTexts:
+    """How a token id reads in a `logprobs` answer: its text (decoded alone with special tokens kept, as
+    vLLM shows it; "token_id:N" for `return_tokens_as_token_ids`) and its UTF-8 bytes, exact for a
+    byte-level BPE tokenizer, whose tokens may hold part of a character that their text cannot show."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        self._byte_level = type(decoder).__name__ == "ByteLevel"
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+
+    def entry(self, token: int, as_ids: bool = False) -> tuple[str, list[int]]:
+        if as_ids:
+            text = f"token_id:{token}"
+            return text, list(text.encode())
+        if token not in self._cache:
+            self._cache[token] = self._read(token)
+        return self._cache[token]
+
+    def _read(self, token: int) -> tuple[str, list[int]]:
+        text = self._tokenizer.decode([token], skip_special_tokens=False)
+        pieces = getattr(self._tokenizer, "convert_ids_to_tokens", None)
+        piece = pieces(token) if self._byte_level and pieces is not None else None
+        if isinstance(piece, str) and piece and all(c in BYTE_LEVEL for c in piece):
+            return text, [BYTE_LEVEL[c] for c in piece]
+        return text, list(text.encode())
+
+
+Scored = Sequence[tuple[int, TokenLogprob]]
+"""Generated token ids with their log-probabilities."""
+
+
+class LogprobsWriter:
+    """One answer's `logprobs` objects, for the whole answer or chunk by chunk (completions' `text_offset`,
+    each token's offset in the generated text, runs on across chunks)."""
+
+    def __init__(self, endpoint: Endpoint, texts: TokenTexts, as_ids: bool = False) -> None:
+        self.endpoint = endpoint
+        self._texts = texts
+        self._as_ids = as_ids
+        self._offset = 0
+
+    def body(self, scored: Scored) -> dict[str, Any] | None:
+        """None for no tokens (a chunk that carries none)."""
+        if not scored:
+            return None
+        return self._chat(scored) if self.endpoint == "chat" else self._completion(scored)
+
+    def _entry(self, token: int, logprob: float) -> dict[str, Any]:
+        text, raw = self._texts.entry(token, self._as_ids)
+        return {"token": text, "logprob": logprob, "bytes": raw}
+
+    def _chat(self, scored: Scored) -> dict[str, Any]:
+        """OpenAI's chat shape: per token its entry and the `top_logprobs` likeliest entries."""
+        return {"content": [{**self._entry(token, lp.logprob),
+                             "top_logprobs": [self._entry(t, v) for t, v in lp.top]} for token, lp in scored]}
+
+    def _completion(self, scored: Scored) -> dict[str, Any]:
+        """The legacy shape: per token its text, log-probability, the likeliest tokens' texts with theirs
+        (the sampled token's added, as OpenAI does, so up to `logprobs` + 1), and its offset."""
+        tokens, offsets, tops = [], [], []
+        for token, lp in scored:
+            text = self._texts.entry(token, self._as_ids)[0]
+            top: dict[str, float] = {}
+            for t, v in (*lp.top, (token, lp.logprob)):
+                top.setdefault(self._texts.entry(t, self._as_ids)[0], v)
+            tokens.append(text)
+            offsets.append(self._offset)
+            tops.append(top)
+            self._offset += len(text)
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for _, lp in scored], "top_logprobs": tops,
+                "text_offset": offsets}
 
 
 # -- detokenisation ---------------------------------------------------------------------------------

@@ -2,11 +2,12 @@
 engine and forwarding (`EngineServer`, and the model node's server over it) or a user relay's overlay
 (`UserRelay`).
 
-The HTTP handling is all here: the routes (/health, /v1/models, /v1/completions, /v1/chat/completions,
-and the GET routes of JSON documents an owner adds, such as /load or /v1/planetserve/status), reading a
-body under its limit (413 past it), and writing an answer as one JSON document or as server-sent
-events while they are produced (a client that goes away closes the answer). What to answer is the
-`Answerer`'s; an answer is a `Reply`, which the overlay carries as well as HTTP does.
+The HTTP handling is all here: the routes (/health, /v1/models, /v1/models/{id}, /v1/completions,
+/v1/chat/completions, and the GET routes of JSON documents an owner adds, such as /load or
+/v1/planetserve/status), reading a body under its limit (413 past it), and writing an answer as one JSON
+document or as server-sent events while they are produced (a client that goes away closes the answer).
+Every error, an unknown path (404) or method (405) included, is in OpenAI's shape. What to answer is
+the `Answerer`'s; an answer is a `Reply`, which the overlay carries as well as HTTP does.
 """
 
 from __future__ import annotations
@@ -19,7 +20,14 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from planetserve.node.api.openai import ApiError, Endpoint, too_large
+from planetserve.node.api.openai import (
+    ApiError,
+    Endpoint,
+    method_not_allowed,
+    model_not_found,
+    path_not_found,
+    too_large,
+)
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +35,8 @@ JSON = "application/json"
 EVENT_STREAM = "text/event-stream"
 
 Document = Callable[[], dict[str, Any]]
+STREAMING = web.RequestKey("streaming", bool)
+"""Set on a request whose streamed answer has begun: an error then can no longer become a response."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +87,7 @@ async def send_reply(http: web.Request, reply: Reply) -> web.StreamResponse:
         return web.Response(body=body, status=reply.status, content_type=reply.content_type)
     response = web.StreamResponse(status=reply.status,
                                   headers={"Content-Type": EVENT_STREAM, "Cache-Control": "no-cache"})
+    http[STREAMING] = True
     await response.prepare(http)
     try:
         async for part in reply.parts:
@@ -90,8 +101,36 @@ async def send_reply(http: web.Request, reply: Reply) -> web.StreamResponse:
     return response
 
 
-def _json(body: dict[str, Any], status: int = 200) -> web.Response:
-    return web.Response(body=json.dumps(body).encode(), status=status, content_type=JSON)
+def _json(body: dict[str, Any], status: int = 200, headers: Mapping[str, str] | None = None) -> web.Response:
+    return web.Response(body=json.dumps(body).encode(), status=status, content_type=JSON, headers=headers)
+
+
+def _http_error(http: web.Request, exc: web.HTTPException) -> ApiError:
+    if isinstance(exc, web.HTTPNotFound):
+        return path_not_found(http.path)
+    if isinstance(exc, web.HTTPMethodNotAllowed):
+        return method_not_allowed(http.method, http.path, exc.allowed_methods)
+    kind = "server_error" if exc.status >= 500 else "invalid_request_error"
+    return ApiError(exc.status, exc.reason, type=kind)
+
+
+@web.middleware
+async def openai_errors(http: web.Request, handler: Callable[[web.Request], Any]) -> web.StreamResponse:
+    """Errors that arise outside an Answerer (routing, a failure in this server) in OpenAI's shape too,
+    so that clients parse one error format everywhere."""
+    try:
+        return await handler(http)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        error = _http_error(http, exc)
+        allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+        return _json(error.body(), error.status, allow)
+    except Exception:
+        if http.get(STREAMING):
+            raise
+        log.exception("%s %s failed", http.method, http.path)
+        return _json(ApiError(500, "The server failed to answer.", type="server_error").body(), 500)
 
 
 class Answerer(Protocol):
@@ -118,9 +157,10 @@ class ApiServer:
                  documents: Mapping[str, Document] | None = None) -> None:
         self.answerer = answerer
         self.max_body_bytes = max_body_bytes
-        self.app = web.Application(client_max_size=max_body_bytes)
+        self.app = web.Application(client_max_size=max_body_bytes, middlewares=[openai_errors])
         self.app.router.add_get("/health", self._health)
         self.app.router.add_get("/v1/models", self._models)
+        self.app.router.add_get("/v1/models/{model:.+}", self._model)
         self.app.router.add_post("/v1/completions", self._completions)
         self.app.router.add_post("/v1/chat/completions", self._chat)
         for path, document in (documents or {}).items():
@@ -145,6 +185,15 @@ class ApiServer:
 
     async def _models(self, _: web.Request) -> web.Response:
         return _json(self.answerer.models())
+
+    async def _model(self, http: web.Request) -> web.Response:
+        """One model object of /v1/models (ids may hold "/", sent as is or as %2F)."""
+        name = http.match_info["model"]
+        card = next((m for m in self.answerer.models()["data"] if m["id"] == name), None)
+        if card is None:
+            error = model_not_found(name)
+            return _json(error.body(), error.status)
+        return _json(card)
 
     @staticmethod
     def _document(document: Document) -> Callable[[web.Request], Any]:

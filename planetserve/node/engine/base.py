@@ -13,6 +13,18 @@ class EngineError(Exception):
     """A request the engine cannot serve (too long, bad parameters, engine stopped)."""
 
 
+class UnsupportedParameter(EngineError):
+    """A request parameter this engine does not implement (an API answers 400 naming `param`)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+MAX_LOGPROBS = 20
+"""The most alternatives per generated token an engine reports (OpenAI's `top_logprobs` bound)."""
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     prompt_ids: tuple[int, ...]
@@ -21,6 +33,19 @@ class GenerationRequest:
     """0 is greedy decoding; above 0, sampling seeded by `seed` (or fresh randomness)."""
     seed: int | None = None
     stop_ids: tuple[int, ...] = ()
+    logprobs: int | None = None
+    """None: no log-probabilities (and no cost for them); k: each generated token's log-probability and
+    the k likeliest tokens at its position (0 to MAX_LOGPROBS)."""
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model, the log-softmax of its raw logits (before
+    temperature, as vLLM reports by default), and the `top` likeliest (token id, log-probability) there,
+    likeliest first."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -33,6 +58,8 @@ class TokenChunk:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     """Prompt tokens whose KV came from the prefix cache (reported on the first chunk)."""
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    """One per token id, when the request asked for them (`GenerationRequest.logprobs`)."""
 
 
 @dataclass(frozen=True)

@@ -27,12 +27,14 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache
 
 from planetserve.node.engine.base import (
+    MAX_LOGPROBS,
     CacheEvent,
     EngineError,
     EngineLoad,
     GenerationRequest,
     PromptLogprobs,
     TokenChunk,
+    TokenLogprob,
 )
 from planetserve.node.engine.kvcache import PrefixCache
 from planetserve.sampling import sample
@@ -110,6 +112,12 @@ def block_reader(past: DynamicCache, row: int, kv_len: int, block_size: int) -> 
         ])
 
     return read
+
+
+def token_logprob(logprobs: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """A token's entry from its position's log-softmax row ([vocab]), with the `top` likeliest."""
+    values, ids = logprobs.topk(top)
+    return TokenLogprob(logprobs[token].item(), tuple(zip(ids.tolist(), values.tolist(), strict=True)))
 
 
 @dataclass(frozen=True)
@@ -264,6 +272,8 @@ class BuiltinEngine:
             raise EngineError("temperature must be a finite number >= 0")
         if request.seed is not None and not 0 <= request.seed < 1 << 64:
             raise EngineError("seed must lie in [0, 2**64)")
+        if request.logprobs is not None and not 0 <= request.logprobs <= min(MAX_LOGPROBS, self.vocab_size):
+            raise EngineError(f"logprobs must lie in [0, {MAX_LOGPROBS}]")
         if any(not 0 <= t < self.vocab_size for t in prompt):
             raise EngineError(f"prompt token ids must lie in [0, {self.vocab_size})")
         if len(prompt) + request.max_tokens > self.max_model_len:
@@ -356,7 +366,9 @@ class BuiltinEngine:
         seq.pinned = self.cache.insert(prompt, block_reader(past, 0, seq.kv_len, self.block_size), pin=True)
         self._prefill_tokens += len(prompt) - seq.cached_tokens
         self._cached_tokens += seq.cached_tokens
-        self._emit(seq, self._pick(logits.unsqueeze(0), [seq])[0], first=True)
+        rows = logits.unsqueeze(0)
+        token = self._pick(rows, [seq])[0]
+        self._emit(seq, token, self._score(rows, [seq], [token])[0], first=True)
         return past
 
     def _decode(self, batch: DynamicCache) -> None:
@@ -365,9 +377,11 @@ class BuiltinEngine:
         logits = decode_step(self.model, batch, last, lengths)
         self._steps += 1
         self._decode_tokens += len(self._running)
-        for seq, token in zip(self._running, self._pick(logits, self._running), strict=True):
+        tokens = self._pick(logits, self._running)
+        scored = self._score(logits, self._running, tokens)
+        for seq, token, entry in zip(self._running, tokens, scored, strict=True):
             seq.kv_len += 1
-            self._emit(seq, token, first=False)
+            self._emit(seq, token, entry, first=False)
 
     @staticmethod
     def _pick(logits: torch.Tensor, seqs: list[_Sequence]) -> list[int]:
@@ -376,13 +390,26 @@ class BuiltinEngine:
         return [sample(row, seq.request.temperature, seq.seed, len(seq.tokens) - len(seq.request.prompt_ids))
                 for row, seq in zip(logits, seqs, strict=True)]
 
-    def _emit(self, seq: _Sequence, token: int, first: bool) -> None:
+    @staticmethod
+    def _score(logits: torch.Tensor, seqs: list[_Sequence], tokens: list[int]) -> list[TokenLogprob | None]:
+        """The picked tokens' log-probabilities under the model (the raw logits' log-softmax, whatever the
+        temperature), computed only for the rows whose request asked: the others pay nothing."""
+        asking = [i for i, seq in enumerate(seqs) if seq.request.logprobs is not None]
+        scored: list[TokenLogprob | None] = [None] * len(seqs)
+        if asking:
+            rows = logits[asking].float().log_softmax(-1)
+            for row, i in zip(rows, asking, strict=True):
+                scored[i] = token_logprob(row, tokens[i], seqs[i].request.logprobs or 0)
+        return scored
+
+    def _emit(self, seq: _Sequence, token: int, scored: TokenLogprob | None, first: bool) -> None:
         seq.tokens.append(token)
         produced = len(seq.tokens) - len(seq.request.prompt_ids)
         finish = "stop" if token in seq.stop_ids else "length" if produced >= seq.request.max_tokens else None
         seq.finished = finish is not None
         usage = (len(seq.request.prompt_ids), seq.cached_tokens) if first else (0, 0)
-        self._outbox.append((seq, TokenChunk((token,), finish, *usage)))
+        logprobs = None if scored is None else (scored,)
+        self._outbox.append((seq, TokenChunk((token,), finish, *usage, logprobs=logprobs)))
 
     def _retire_ended(self) -> None:
         """Drop finished and abandoned sequences from the batch."""

@@ -1,7 +1,8 @@
 """An Engine backed by an OpenAI-compatible server such as `vllm serve`.
 
 Generation goes through /v1/completions with the prompt as token ids and vLLM's `return_token_ids`, so
-token ids pass through untouched; the prefix-cache state comes from the server's KV-event stream
+token ids pass through untouched (and log-probabilities, when asked, come back keyed by token id with
+vLLM's `return_tokens_as_token_ids`); the prefix-cache state comes from the server's KV-event stream
 (`--kv-events-config`). The server is trusted to compute, not to be well-formed: every answer is
 size-bounded and checked, and anything off becomes a RemoteEngineError.
 """
@@ -9,6 +10,7 @@ size-bounded and checked, and anything off becomes a RemoteEngineError.
 from __future__ import annotations
 
 import json
+import math
 import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -22,11 +24,13 @@ from planetserve.node.engine.base import (
     EngineLoad,
     GenerationRequest,
     TokenChunk,
+    TokenLogprob,
 )
 from planetserve.node.engine.kvevents import KVEventBatch, KVEventSubscriber, PrefixMirror
 from planetserve.node.engine.wire import MAX_TOKEN_ID, SSEDecoder, SSEError, error_message
 
 FINISH_REASONS = (None, "stop", "length")
+ID_PREFIX = "token_id:"
 
 
 class RemoteEngineError(EngineError):
@@ -51,6 +55,41 @@ def _ids(value: Any, what: str) -> tuple[int, ...]:
         if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= MAX_TOKEN_ID:
             raise RemoteEngineError(f"remote engine sent malformed {what}")
     return tuple(value)
+
+
+def _token_id(value: Any) -> int:
+    """A token of vLLM's `return_tokens_as_token_ids`: "token_id:N"."""
+    if not isinstance(value, str) or not value.startswith(ID_PREFIX) or not value[len(ID_PREFIX):].isdigit():
+        raise RemoteEngineError("remote engine sent a logprobs token that is not a token id")
+    token = int(value[len(ID_PREFIX):])
+    if token > MAX_TOKEN_ID:
+        raise RemoteEngineError("remote engine sent a logprobs token that is not a token id")
+    return token
+
+
+def _logprob(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not -math.inf < value <= 0:
+        raise RemoteEngineError("remote engine sent a malformed log-probability")
+    return float(value)
+
+
+def _logprobs(value: Any, ids: tuple[int, ...], top: int) -> tuple[TokenLogprob, ...]:
+    """A completion chunk's `logprobs` for its tokens `ids`: each token's log-probability and the `top`
+    likeliest of the alternatives sent (vLLM adds the sampled token to them when it is not among them)."""
+    if not ids:
+        return ()
+    if not isinstance(value, dict):
+        raise RemoteEngineError("remote engine sent no logprobs (were they asked for?)")
+    tokens, values, alternatives = value.get("tokens"), value.get("token_logprobs"), value.get("top_logprobs")
+    if not all(isinstance(x, list) and len(x) == len(ids) for x in (tokens, values, alternatives)):
+        raise RemoteEngineError("remote engine sent logprobs that do not match its tokens")
+    scored = []
+    for token, wanted, logprob, alts in zip(tokens, ids, values, alternatives, strict=True):
+        if _token_id(token) != wanted or not isinstance(alts, dict) or len(alts) > top + 1:
+            raise RemoteEngineError("remote engine sent logprobs that do not match its tokens")
+        ranked = sorted(((_token_id(t), _logprob(v)) for t, v in alts.items()), key=lambda e: -e[1])
+        scored.append(TokenLogprob(_logprob(logprob), tuple(ranked[:top])))
+    return tuple(scored)
 
 
 class RemoteEngine:
@@ -190,6 +229,8 @@ class RemoteEngine:
         }
         if request.seed is not None:
             body["seed"] = request.seed
+        if request.logprobs is not None:
+            body.update(logprobs=request.logprobs, return_tokens_as_token_ids=True)
         return body
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenChunk]:
@@ -232,7 +273,7 @@ class RemoteEngine:
         generated = 0
         events = 0
         first = True
-        final: tuple[tuple[int, ...], str] | None = None
+        final: tuple[tuple[int, ...], str, tuple[TokenLogprob, ...] | None] | None = None
         async for data in response.aiter_raw():
             try:
                 batch = decoder.feed(data)
@@ -242,7 +283,7 @@ class RemoteEngine:
                 if event == "[DONE]":
                     if final is None:
                         raise RemoteEngineError("remote engine stream ended without a finish reason")
-                    yield TokenChunk(final[0], final[1], prompt_tokens, cached)
+                    yield TokenChunk(final[0], final[1], prompt_tokens, cached, final[2])
                     return
                 events += 1
                 if events > request.max_tokens + 8:
@@ -267,10 +308,13 @@ class RemoteEngine:
                     reason = choice.get("finish_reason")
                     if reason not in FINISH_REASONS:
                         raise RemoteEngineError(f"remote engine finished with {str(reason)[:40]!r}")
+                    scored = None if request.logprobs is None else \
+                        _logprobs(choice.get("logprobs"), ids, request.logprobs)
                     if reason is not None:
-                        final = (ids, reason)
+                        final = (ids, reason, scored)
                     elif ids:
-                        yield TokenChunk(ids, None, prompt_tokens if first else 0, cached if first else 0)
+                        yield TokenChunk(ids, None, prompt_tokens if first else 0, cached if first else 0,
+                                         scored)
                         first = False
         raise RemoteEngineError("remote engine stream ended before [DONE]")
 
