@@ -2,12 +2,15 @@
 per-row specification (planetserve.sampling) for mixed batches in float32, float16 and bfloat16; the
 processor's row table following vLLM's batch updates (adds, removes, one-way moves, swaps, recycled
 slots, preemption) through a simulated persistent batch whose greedy argmax must give every request
-exactly the tokens `sample` gives it alone; and what validate_params refuses."""
+exactly the tokens `sample` gives it alone; what validate_params refuses; and the remote engine's
+requests as a real local HTTP server receives them, checked by the processor's own validation."""
 
 from __future__ import annotations
 
 import ast
+import json
 import random
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import Enum, auto
 from pathlib import Path
@@ -15,10 +18,15 @@ from typing import Any
 
 import pytest
 import torch
+from aiohttp import web
+from test_remote_engine import sse_body, vllm_chunk
+from waiting import run
 
 import planetserve
 from planetserve.node.engine import gumbel_batch
+from planetserve.node.engine.base import GenerationRequest, TokenChunk
 from planetserve.node.engine.gumbel_batch import gumbel_rows, noised_logits
+from planetserve.node.engine.remote import RemoteEngine, RemoteEngineError
 from planetserve.node.engine.vllm_sampling import (
     XARG_SEED,
     XARG_TEMPERATURE,
@@ -27,6 +35,7 @@ from planetserve.node.engine.vllm_sampling import (
     protocol_decoding,
     refusals,
 )
+from planetserve.node.home import HomeError, ModelNodeConfig
 from planetserve.sampling import SEED_LIMIT, gumbel_row, sample
 
 VECTORS = [
@@ -363,3 +372,124 @@ def test_only_the_processor_module_imports_vllm_and_nothing_imports_it():
                     importers.setdefault("processor", set()).add(path.name)
     assert importers["vllm"] == {"vllm_processor.py"}
     assert "processor" not in importers
+
+
+# -- the remote engine's requests, as a real local HTTP server receives them -----------------------------
+
+
+def params_from(body: dict[str, Any]) -> SamplingParams:
+    """The fields the processor reads, as vLLM's OpenAI server fills SamplingParams from a completion
+    request (vllm_xargs becomes extra_args)."""
+    return SamplingParams(
+        temperature=body.get("temperature", 1.0), extra_args=body.get("vllm_xargs"), n=body.get("n", 1),
+        presence_penalty=body.get("presence_penalty", 0.0), frequency_penalty=body.get("frequency_penalty", 0.0),
+        repetition_penalty=body.get("repetition_penalty", 1.0), top_p=body.get("top_p", 1.0),
+        top_k=body.get("top_k", 0), min_p=body.get("min_p", 0.0), min_tokens=body.get("min_tokens", 0),
+        logit_bias=body.get("logit_bias"), allowed_token_ids=body.get("allowed_token_ids"),
+        bad_words=body.get("bad_words"))
+
+
+def with_server(processor: bool, body: Callable[[str, list[dict[str, Any]]], Awaitable[None]]) -> None:
+    """An OpenAI-compatible server on a free local port that records every completion request and, like
+    `vllm serve` with (`processor`) or without planetserve's logits processor, refuses with vLLM's 400
+    what validate_params refuses, else streams two tokens."""
+    seen: list[dict[str, Any]] = []
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "m", "object": "model", "max_model_len": 64}]})
+
+    async def completions(request: web.Request) -> web.Response:
+        payload = await request.json()
+        seen.append(payload)
+        if processor:
+            try:
+                check_params(params_from(payload))
+            except ValueError as exc:
+                return web.json_response({"error": {"message": str(exc), "type": "BadRequestError",
+                                                    "param": None, "code": 400}}, status=400)
+        data = sse_body(vllm_chunk([5], prompt=payload["prompt"]), vllm_chunk([6], "length"), b"[DONE]")
+        return web.Response(body=data, content_type="text/event-stream")
+
+    async def main() -> None:
+        app = web.Application()
+        app.router.add_get("/v1/models", models)
+        app.router.add_post("/v1/completions", completions)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        try:
+            await body(f"http://127.0.0.1:{runner.addresses[0][1]}", seen)
+        finally:
+            await runner.cleanup()
+
+    run(main(), 60)
+
+
+async def tokens(engine: RemoteEngine, request: GenerationRequest) -> list[TokenChunk]:
+    return [chunk async for chunk in engine.generate(request)]
+
+
+def test_a_sampled_request_reaches_vllm_at_temperature_0_with_the_protocol_in_vllm_xargs():
+    async def body(url: str, seen: list[dict[str, Any]]) -> None:
+        engine = await RemoteEngine.connect(url, vllm_processor=True)
+        try:
+            assert seen[0]["vllm_xargs"] == {XARG_TEMPERATURE: 1.0, XARG_SEED: -1}  # the check at connect
+            sampled = GenerationRequest((1, 2, 3), 2, temperature=0.7, seed=SEED_LIMIT - 1, stop_ids=(9,))
+            assert await tokens(engine, sampled) == [TokenChunk((5,), None, 3, 0), TokenChunk((6,), "length", 3, 0)]
+            sent = seen[-1]
+            assert sent["temperature"] == 0.0 and "seed" not in sent
+            assert sent["vllm_xargs"] == {XARG_TEMPERATURE: 0.7, XARG_SEED: SEED_LIMIT - 1}
+            assert (sent["top_p"], sent["top_k"], sent["min_p"], sent["repetition_penalty"]) == (1.0, -1, 0.0, 1.0)
+            assert sent["prompt"] == [1, 2, 3] and sent["stop_token_ids"] == [9] and sent["ignore_eos"] is True
+            assert protocol_decoding(params_from(sent).extra_args) is not None and not refusals(params_from(sent))
+
+            await tokens(engine, GenerationRequest((1, 2, 3), 2, temperature=0.0, seed=4))  # greedy
+            assert seen[-1]["temperature"] == 0.0 and "vllm_xargs" not in seen[-1] and "seed" not in seen[-1]
+
+            for _ in range(2):  # no seed: a fresh one for each request, as on the built-in engine
+                await tokens(engine, GenerationRequest((1, 2, 3), 2, temperature=1.0))
+            fresh = [s["vllm_xargs"][XARG_SEED] for s in seen[-2:]]
+            assert fresh[0] != fresh[1] and all(0 <= s < SEED_LIMIT for s in fresh)
+
+            with pytest.raises(RemoteEngineError, match=r"seed must lie in \[0, 2\*\*64\)"):
+                await tokens(engine, GenerationRequest((1, 2, 3), 2, temperature=1.0, seed=SEED_LIMIT))
+            assert len(seen) == 5
+        finally:
+            await engine.close()
+
+    with_server(True, body)
+
+
+def test_a_server_without_the_processor_is_refused_at_connect():
+    async def body(url: str, seen: list[dict[str, Any]]) -> None:
+        with pytest.raises(RemoteEngineError, match="--logits-processors planetserve.node.engine.vllm_processor:"
+                                                     "PlanetServeSampling"):
+            await RemoteEngine.connect(url, vllm_processor=True)
+        assert len(seen) == 1
+
+    with_server(False, body)
+
+
+def test_a_plain_server_gets_temperature_and_seed_and_no_check():
+    async def body(url: str, seen: list[dict[str, Any]]) -> None:
+        engine = await RemoteEngine.connect(url)
+        try:
+            assert seen == []
+            await tokens(engine, GenerationRequest((1, 2, 3), 2, temperature=0.7, seed=42))
+            assert seen[-1]["temperature"] == 0.7 and seen[-1]["seed"] == 42 and "vllm_xargs" not in seen[-1]
+        finally:
+            await engine.close()
+
+    with_server(False, body)
+
+
+def test_the_node_home_names_how_its_engine_server_samples(tmp_path):
+    config = ModelNodeConfig(org_id="acme", model_id="m", engine_url="http://127.0.0.1:8001",
+                             engine_sampling="vllm-processor")
+    config.save(tmp_path)
+    assert ModelNodeConfig.load(tmp_path).engine_sampling == "vllm-processor"
+    assert ModelNodeConfig(org_id="acme", model_id="m").engine_sampling == "server"
+    raw = json.loads((tmp_path / "node.json").read_text())
+    (tmp_path / "node.json").write_text(json.dumps({**raw, "engine_sampling": "vllm"}))
+    with pytest.raises(HomeError, match="unknown engine_sampling 'vllm'; valid: server, vllm-processor"):
+        ModelNodeConfig.load(tmp_path)

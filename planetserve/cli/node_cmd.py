@@ -21,6 +21,7 @@ from planetserve.cli import (
     setup_logging,
 )
 from planetserve.node.behaviours import BEHAVIOURS, HONEST
+from planetserve.node.home import ENGINE_SAMPLING
 
 if TYPE_CHECKING:
     from planetserve.node.home import HomeConfig
@@ -75,6 +76,9 @@ def group() -> None:
                                                 "of the built-in engine.")
 @click.option("--kv-events", default="",
               help="That server's KV-event ZMQ endpoint (vLLM --kv-events-config).")
+@click.option("--engine-sampling", default="server", show_default=True, type=click.Choice(ENGINE_SAMPLING),
+              help="How that server samples: vllm-processor for `vllm serve` with planetserve's logits "
+                   "processor (sampled answers verify); server leaves sampling to the server.")
 @click.option("--data-dir", default="", help="Where the model family is cached (default: PLANETSERVE_DATA "
                                              "or ~/.cache/planetserve).")
 @click.option("--node-keys", "--keys", "node_keys",

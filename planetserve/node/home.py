@@ -14,7 +14,14 @@ from planetserve.node.behaviours import HONEST, check_behaviour
 CONFIG_FILE = "node.json"
 USER_CONFIG_FILE = "user.json"
 KEYS_FILE = "node_keys.json"
-__all__ = ["HomeConfig", "HomeError", "ModelNodeConfig", "UserConfig", "init_home", "load_keys"]
+ENGINE_SAMPLING = ("server", "vllm-processor")
+"""How sampled requests reach an engine_url server (`engine/remote.py`): "server" sends temperature and
+seed for the server to sample with (its answers verify only if it samples by the protocol, as
+planetserve's own engine server does, not plain `vllm serve`); "vllm-processor" sends temperature 0
+and the protocol's temperature and seed in vllm_xargs, for `vllm serve` running planetserve's logits
+processor (docs/operators.md, "Serving with vLLM")."""
+__all__ = ["ENGINE_SAMPLING", "HomeConfig", "HomeError", "ModelNodeConfig", "UserConfig", "init_home",
+           "load_keys"]
 
 
 @dataclass
@@ -49,6 +56,9 @@ class ModelNodeConfig(LedgerHome):
     """An OpenAI-compatible server (e.g. `vllm serve`) to use instead of the built-in engine."""
     kv_events: str = ""
     """That server's KV-event ZMQ endpoint, e.g. tcp://127.0.0.1:5557."""
+    engine_sampling: str = "server"
+    """How that server samples (ENGINE_SAMPLING): "vllm-processor" for `vllm serve` with planetserve's
+    logits processor, whose sampled answers verify; "server" leaves sampling to the server."""
     data_dir: str = ""
     max_prompt_tokens: int = 896
     max_tokens: int = 128
@@ -66,6 +76,9 @@ class ModelNodeConfig(LedgerHome):
 
     def __post_init__(self) -> None:
         check_behaviour(self.behaviour)
+        if self.engine_sampling not in ENGINE_SAMPLING:
+            raise ValueError(f"unknown engine_sampling {self.engine_sampling!r}; valid: "
+                             f"{', '.join(ENGINE_SAMPLING)}")
 
     @property
     def address(self) -> str:

@@ -67,7 +67,8 @@ async def remote_engine(config: ModelNodeConfig) -> tuple[Engine, Tokenizer, int
     tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
     engine = await RemoteEngine.connect(config.engine_url, capacity=config.capacity,
                                         block_size=config.block_size,
-                                        kv_events_endpoint=config.kv_events or None)
+                                        kv_events_endpoint=config.kv_events or None,
+                                        vllm_processor=config.engine_sampling == "vllm-processor")
     stop = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
     return engine, tokenizer, len(tokenizer), stop
 

@@ -5,12 +5,25 @@ token ids pass through untouched (and log-probabilities, when asked, come back k
 vLLM's `return_tokens_as_token_ids`); the prefix-cache state comes from the server's KV-event stream
 (`--kv-events-config`). The server is trusted to compute, not to be well-formed: every answer is
 size-bounded and checked, and anything off becomes a RemoteEngineError.
+
+Sampling (temperature above 0) comes in two ways:
+- `vllm_processor=True`: the server is `vllm serve` with planetserve's logits processor
+  (`vllm_processor.py`, docs/operators.md "Serving with vLLM"). A sampled request goes to it at
+  temperature 0 with the protocol's temperature and seed in `vllm_xargs`; the processor adds the
+  protocol's noise and vLLM's greedy argmax picks the protocol's token, so a verifier holding the model
+  checks the answer token by token. `connect` first makes sure the processor is there: it must refuse
+  a malformed seed.
+- otherwise (any OpenAI-compatible server): `temperature` and `seed` go as they are and the server
+  samples its own way. Its sampled answers verify only if it samples by the protocol, as planetserve's
+  own engine server does; plain `vllm serve` does not (its seeded sampling is its own), so a committee
+  member finds those answers deviating and the node's reputation falls. Greedy answers verify either way.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import secrets
 import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -27,7 +40,9 @@ from planetserve.node.engine.base import (
     TokenLogprob,
 )
 from planetserve.node.engine.kvevents import KVEventBatch, KVEventSubscriber, PrefixMirror
+from planetserve.node.engine.vllm_sampling import XARG_SEED, XARG_TEMPERATURE
 from planetserve.node.engine.wire import MAX_TOKEN_ID, SSEDecoder, SSEError, error_message
+from planetserve.sampling import SEED_LIMIT
 
 FINISH_REASONS = (None, "stop", "length")
 ID_PREFIX = "token_id:"
@@ -96,7 +111,8 @@ class RemoteEngine:
     """Engine Protocol over HTTP. `capacity` is how many requests the server decodes at once; load() is
     this client's own count of requests in flight, split into running (up to capacity) and queued.
     With `max_queued`, requests beyond capacity + max_queued are refused here, before any HTTP.
-    Cache-event callbacks run on the event loop that runs the KV-event subscriber."""
+    With `vllm_processor`, sampled requests go as planetserve's vLLM logits processor needs them (the
+    module's docstring). Cache-event callbacks run on the event loop that runs the KV-event subscriber."""
 
     def __init__(
         self,
@@ -114,6 +130,7 @@ class RemoteEngine:
         connect_timeout: float = 5.0,
         read_timeout: float = 120.0,
         max_event_bytes: int = 8 << 20,
+        vllm_processor: bool = False,
         client: httpx.AsyncClient | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
@@ -123,6 +140,7 @@ class RemoteEngine:
         self.capacity = capacity
         self.max_queued = max_queued
         self.max_event_bytes = max_event_bytes
+        self.vllm_processor = vllm_processor
         self.mirror = PrefixMirror()
         headers = {"Accept-Encoding": "identity", **_auth(api_key)}
         self._own_client = client is None
@@ -139,7 +157,8 @@ class RemoteEngine:
 
     @classmethod
     async def connect(cls, base_url: str, model_id: str | None = None, **options: Any) -> RemoteEngine:
-        """Ask /v1/models for the model (the first one unless named) and its context length, then start."""
+        """Ask /v1/models for the model (the first one unless named) and its context length, check the
+        logits processor when `vllm_processor` is set, then start."""
         headers = {"Accept-Encoding": "identity", **_auth(options.get("api_key"))}
         async with httpx.AsyncClient(timeout=options.get("connect_timeout", 5.0), headers=headers) as probe:
             try:
@@ -158,8 +177,38 @@ class RemoteEngine:
         if "max_model_len" not in options:
             options["max_model_len"] = _count(card.get("max_model_len"), "max_model_len")
         engine = cls(base_url, name, **options)
+        if engine.vllm_processor:
+            try:
+                await engine.check_processor()
+            except BaseException:
+                await engine.close()
+                raise
         engine.start()
         return engine
+
+    async def check_processor(self) -> None:
+        """RemoteEngineError unless the server runs planetserve's logits processor, which refuses (HTTP
+        400) a request whose planetserve_seed is out of range; a server without it would answer and its
+        sampled answers would not verify."""
+        body = {"model": self.model_id, "prompt": [0], "max_tokens": 1, "temperature": 0.0,
+                "vllm_xargs": {XARG_TEMPERATURE: 1.0, XARG_SEED: -1}}
+        url = self.base_url + "/v1/completions"
+        try:
+            async with self._client.stream("POST", url, json=body) as response:
+                if response.status_code == 400:
+                    error = await _http_error(response)
+                    if XARG_SEED in str(error):
+                        return
+                    raise RemoteEngineError(f"the engine server refused the check of planetserve's logits "
+                                            f"processor for another reason: {error}", 400)
+                await _read_limited(response, 1 << 20)
+        except httpx.HTTPError as exc:
+            raise RemoteEngineError(f"remote engine connection failed: {type(exc).__name__}: {exc}") from None
+        raise RemoteEngineError(
+            f"the engine server at {self.base_url} accepted a request that planetserve's logits processor "
+            f"refuses (HTTP {response.status_code}): start it with VLLM_USE_V2_MODEL_RUNNER=0 and "
+            "--logits-processors planetserve.node.engine.vllm_processor:PlanetServeSampling "
+            "(docs/operators.md, \"Serving with vLLM\"), or set engine_sampling to \"server\"")
 
     def start(self) -> None:
         """Start following the KV-event stream (needs a running event loop)."""
@@ -206,17 +255,22 @@ class RemoteEngine:
             raise RemoteEngineError(
                 f"prompt ({len(request.prompt_ids)}) plus max_tokens ({request.max_tokens}) exceeds the "
                 f"context length {self.max_model_len}")
+        if request.seed is not None and not 0 <= request.seed < SEED_LIMIT:
+            raise RemoteEngineError("seed must lie in [0, 2**64)")
         if self.max_queued is not None and self._inflight >= self.capacity + self.max_queued:
             raise RemoteEngineError("remote engine queue is full", status=503, code="overloaded")
 
     def _body(self, request: GenerationRequest) -> dict[str, Any]:
         """Plain sampling exactly as the Engine Protocol means it: only `stop_ids` end a generation
-        (ignore_eos), and neutral values override any sampling defaults from the model's config."""
+        (ignore_eos), and neutral values override any sampling defaults from the model's config. For
+        the logits processor, the server's own sampling is greedy and the protocol's goes in
+        `vllm_xargs` (a request without a seed gets a fresh one, as on the built-in engine)."""
+        sampled_here = self.vllm_processor and request.temperature > 0
         body: dict[str, Any] = {
             "model": self.model_id,
             "prompt": list(request.prompt_ids),
             "max_tokens": request.max_tokens,
-            "temperature": request.temperature,
+            "temperature": 0.0 if self.vllm_processor else request.temperature,
             "top_p": 1.0,
             "top_k": -1,
             "min_p": 0.0,
@@ -227,7 +281,10 @@ class RemoteEngine:
             "stream_options": {"include_usage": True, "continuous_usage_stats": True},
             "return_token_ids": True,
         }
-        if request.seed is not None:
+        if sampled_here:
+            seed = secrets.randbits(64) if request.seed is None else request.seed
+            body["vllm_xargs"] = {XARG_TEMPERATURE: request.temperature, XARG_SEED: seed}
+        elif request.seed is not None and not self.vllm_processor:
             body["seed"] = request.seed
         if request.logprobs is not None:
             body.update(logprobs=request.logprobs, return_tokens_as_token_ids=True)
