@@ -25,7 +25,7 @@ from waiting import run
 import planetserve
 from planetserve.node.engine import gumbel_batch
 from planetserve.node.engine.base import GenerationRequest, TokenChunk
-from planetserve.node.engine.gumbel_batch import gumbel_rows, noised_logits
+from planetserve.node.engine.gumbel_batch import gumbel_rows, noise_rows_, noised_logits
 from planetserve.node.engine.remote import RemoteEngine, RemoteEngineError
 from planetserve.node.engine.vllm_sampling import (
     XARG_SEED,
@@ -133,6 +133,19 @@ def test_noised_logits_refuse_what_they_cannot_compute():
     with pytest.raises(ValueError, match=r"\[batch, vocab\]"):
         noised_logits(logits[0], [1.0], [0], [0])
     assert torch.equal(noised_logits(logits, [0.0, 0.0], [0, 0], [0, 0]), logits)
+    with pytest.raises(ValueError, match=r"rows must lie in \[0, 2\)"):
+        noise_rows_(logits, [2], [1.0], [0], [0])
+
+
+def test_noise_rows_works_in_place_on_the_rows_named():
+    logits, temperatures, seeds, positions = mixed_batch(torch.float32, rows=10, vocab=800, seed=9)
+    expected = noised_logits(logits, temperatures, seeds, positions)
+    rows = [7, 2, 5]  # any order; rows not named stay as they are
+    work = logits.clone()
+    assert noise_rows_(work, rows, [temperatures[r] for r in rows], [seeds[r] for r in rows],
+                       [positions[r] for r in rows]) is work
+    for r in range(10):
+        assert torch.equal(work[r], expected[r] if r in rows else logits[r])
 
 
 # -- vLLM's inputs, shaped as vLLM shapes them (vllm/v1/sample/logits_processor/interface.py) ----------

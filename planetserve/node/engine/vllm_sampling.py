@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from planetserve.node.engine.gumbel_batch import noised_logits
+from planetserve.node.engine.gumbel_batch import noise_rows_
 from planetserve.sampling import SEED_LIMIT
 
 XARG_TEMPERATURE = "planetserve_temperature"
@@ -173,9 +173,7 @@ class RowTable:
         if outside:
             raise RuntimeError(f"planetserve sampling: slots {outside} lie outside logits of "
                                f"{logits.shape[0]} rows (speculative decoding is not supported)")
-        index = torch.tensor(slots, dtype=torch.long, device=logits.device)
-        noised = noised_logits(logits.index_select(0, index), temperatures, seeds, positions)
-        return logits.index_copy_(0, index, noised)
+        return noise_rows_(logits, slots, temperatures, seeds, positions)
 
 
 def _is_swap(direction: Any) -> bool:
