@@ -1,5 +1,5 @@
 """The vLLM logits processor's tensor work on a GPU (planetserve.node.engine.vllm_sampling and
-gumbel_batch; vLLM itself is not needed): is the batched noise on the device bit-equal to the per-row
+planetserve.sampling; vLLM itself is not needed): is the batched noise on the device bit-equal to the per-row
 specification on the same device, how far is it from the CPU's (the specification allows an ulp of the
 float64 logarithm), does every row's argmax match `sample` on the CPU, and what does one `apply` cost in
 time and memory at serving sizes (a 152k vocabulary, up to 256 sampled rows of float32 logits, as
@@ -17,10 +17,9 @@ import time
 
 import torch
 
-from planetserve.node.engine import gumbel_batch
-from planetserve.node.engine.gumbel_batch import gumbel_rows, noised_logits
+from planetserve import sampling
 from planetserve.node.engine.vllm_sampling import XARG_SEED, XARG_TEMPERATURE, RowTable
-from planetserve.sampling import SEED_LIMIT, gumbel_row, sample
+from planetserve.sampling import SEED_LIMIT, gumbel_row, gumbel_rows, noised_logits, sample
 
 
 class _Params:
@@ -101,7 +100,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
         "torch": torch.__version__, "exactness": exactness(args.device, 32_000, 64)}
     for chunk in args.chunks:
-        gumbel_batch.CHUNK_ELEMENTS = 1 << chunk
+        sampling.CHUNK_ELEMENTS = 1 << chunk
         report[f"cost_chunk_2^{chunk}"] = [cost(args.device, args.vocab, rows) for rows in args.rows]
     print(json.dumps(report, indent=2))
 

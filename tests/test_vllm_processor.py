@@ -23,9 +23,8 @@ from test_remote_engine import sse_body, vllm_chunk
 from waiting import run
 
 import planetserve
-from planetserve.node.engine import gumbel_batch
+from planetserve import sampling
 from planetserve.node.engine.base import GenerationRequest, TokenChunk
-from planetserve.node.engine.gumbel_batch import gumbel_rows, noise_rows_, noised_logits
 from planetserve.node.engine.remote import RemoteEngine, RemoteEngineError
 from planetserve.node.engine.vllm_sampling import (
     XARG_SEED,
@@ -36,7 +35,7 @@ from planetserve.node.engine.vllm_sampling import (
     refusals,
 )
 from planetserve.node.home import HomeError, ModelNodeConfig
-from planetserve.sampling import SEED_LIMIT, gumbel_row, sample
+from planetserve.sampling import SEED_LIMIT, gumbel_row, gumbel_rows, noise_rows_, noised_logits, sample
 
 VECTORS = [
     # (seed, position, token, g) as docs/architecture.md lists them (tests/test_sampling.py)
@@ -120,7 +119,7 @@ def test_a_near_tie_that_rounding_would_flip_keeps_the_specifications_winner(dty
 def test_chunks_of_the_batch_give_the_same_logits(monkeypatch):
     logits, temperatures, seeds, positions = mixed_batch(torch.float32, rows=20, vocab=1_000, seed=5)
     whole = noised_logits(logits, temperatures, seeds, positions)
-    monkeypatch.setattr(gumbel_batch, "CHUNK_ELEMENTS", 2_500)  # two rows at a time
+    monkeypatch.setattr(sampling, "CHUNK_ELEMENTS", 2_500)  # two rows at a time
     assert torch.equal(noised_logits(logits, temperatures, seeds, positions), whole)
 
 

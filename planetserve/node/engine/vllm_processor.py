@@ -13,7 +13,7 @@ Requests without those arguments pass untouched. What cannot go with them (penal
 min-p, logit bias, ..., a temperature other than 0) is refused with HTTP 400 before the request runs.
 
 This module is loaded by vLLM only: nothing in planetserve imports it, so planetserve needs no vLLM.
-The logic lives in `vllm_sampling.py` (parameters, refusals, batch rows) and `gumbel_batch.py` (the
+The logic lives in `vllm_sampling.py` (parameters, refusals, batch rows) and `planetserve.sampling` (the
 tensors), which the tests drive without vLLM.
 """
 

@@ -22,8 +22,7 @@ from typing import Any
 
 import torch
 
-from planetserve.node.engine.gumbel_batch import noise_rows_
-from planetserve.sampling import SEED_LIMIT
+from planetserve.sampling import SEED_LIMIT, noise_rows_
 
 XARG_TEMPERATURE = "planetserve_temperature"
 XARG_SEED = "planetserve_seed"
