@@ -6,13 +6,20 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
+import threading
+import time
 
 import msgpack
 import pytest
+import torch
+import zmq
+import zmq.asyncio
 from waiting import run, until
 
 from planetserve.node.engine.base import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent
+from planetserve.node.engine.kvcache import PrefixCache, block_hashes
 from planetserve.node.engine.kvevents import (
+    END_SEQ,
     HASH_MASK,
     KVEventBatch,
     KVEventError,
@@ -27,6 +34,7 @@ from planetserve.node.engine.kvevents import (
     encode_frames,
     normalise_hash,
 )
+from planetserve.node.tasks import stop_tasks
 
 LOOPBACK = "tcp://127.0.0.1:*"
 TOKENS = tuple(range(100, 132))
@@ -244,6 +252,8 @@ def test_stream_in_order_over_zmq_and_late_join_is_replayed() -> None:
             assert got.seqs == list(range(i + 1))
             assert [b.events for b in got.batches] == [tuple(stored(n)) for n in range(i + 1)]
             assert got.resyncs == [] and subscriber.stats.replayed >= 3
+            stats = subscriber.stats
+            assert (stats.gaps, stats.gaps_replayed, stats.gaps_cleared) == (1, 1, 0)
         finally:
             await subscriber.close()
             publisher.close()
@@ -264,7 +274,9 @@ def test_gap_is_filled_from_the_replay_buffer() -> None:
             await subscriber.handle(3, encode_batch(stored(3)))  # 1 and 2 were lost
             assert got.seqs == [0, 1, 2, 3]
             assert [b.events for b in got.batches] == [tuple(stored(n)) for n in range(4)]
-            assert (subscriber.stats.gaps, subscriber.stats.replayed, got.resyncs) == (1, 2, [])
+            stats = subscriber.stats
+            assert (stats.gaps, stats.gaps_replayed, stats.gaps_cleared, stats.replayed) == (1, 1, 0, 2)
+            assert got.resyncs == []
             await subscriber.handle(3, encode_batch(stored(3)))  # a duplicate changes nothing
             assert got.seqs == [0, 1, 2, 3]
         finally:
@@ -273,7 +285,7 @@ def test_gap_is_filled_from_the_replay_buffer() -> None:
     run(body(), 30)
 
 
-def test_gap_beyond_the_replay_buffer_asks_for_a_resync() -> None:
+def test_gap_beyond_the_replay_buffer_resyncs_then_applies_what_the_buffer_holds() -> None:
     async def body() -> None:
         publisher = KVEventPublisher(LOOPBACK, replay_endpoint=LOOPBACK, buffer_steps=2)
         got = Collector()
@@ -284,8 +296,10 @@ def test_gap_beyond_the_replay_buffer_asks_for_a_resync() -> None:
             await until(lambda: publisher.sent == 6)
             await subscriber.handle(0, encode_batch(stored(0)))
             await subscriber.handle(6, encode_batch(stored(6)))
-            assert got.seqs == [0, 6]
-            assert len(got.resyncs) == 1 and "replay covered only up to 0" in got.resyncs[0]
+            assert got.seqs == [0, 4, 5, 6]
+            assert got.resyncs == ["batches 1..5 were missed and the replay buffer holds them only from 4"]
+            stats = subscriber.stats
+            assert (stats.gaps, stats.gaps_replayed, stats.gaps_cleared, stats.replayed) == (1, 0, 1, 2)
         finally:
             publisher.close()
 
@@ -298,7 +312,7 @@ def test_gap_without_replay_undecodable_batch_and_restart_ask_for_resyncs() -> N
         subscriber = got.subscriber(None)
         await subscriber.handle(0, encode_batch(stored(0)))
         await subscriber.handle(2, encode_batch(stored(2)))
-        assert got.resyncs == ["batches 1..1 were missed"]
+        assert got.resyncs == ["batches 1..1 were missed and there is no replay endpoint"]
         await subscriber.handle(3, b"\xc1garbage")
         assert got.resyncs[-1] == "batch 3 could not be decoded" and got.seqs == [0, 2]
         await subscriber.handle(0, encode_batch(stored(9)))
@@ -323,15 +337,278 @@ def test_replay_timeout_asks_for_a_resync() -> None:
         subscriber = KVEventSubscriber("tcp://127.0.0.1:1", replay_endpoint="tcp://127.0.0.1:1",
                                        on_batch=got.batch, on_resync=got.resync, replay_timeout=0.2)
         await subscriber.handle(5, encode_batch(stored(5)))
-        assert got.seqs == [5] and got.resyncs == ["batches 0..4 were missed and replay failed (TimeoutError)"]
+        assert got.seqs == [5]
+        assert got.resyncs == ["batches 0..4 were missed and the replay endpoint did not answer within 0.2 s"]
+        assert (subscriber.stats.gaps, subscriber.stats.gaps_cleared) == (1, 1)
 
     run(body(), 30)
 
 
+def test_a_gap_longer_than_max_replay_batches_asks_only_for_its_last_batches() -> None:
+    async def body() -> None:
+        publisher = KVEventPublisher(LOOPBACK, replay_endpoint=LOOPBACK)
+        got = Collector()
+        subscriber = got.subscriber(publisher, limits=KVEventLimits(max_replay_batches=2))
+        try:
+            for i in range(6):
+                publisher.publish(stored(i))
+            await until(lambda: publisher.sent == 6)
+            await subscriber.handle(0, encode_batch(stored(0)))
+            await subscriber.handle(5, encode_batch(stored(5)))
+            assert got.seqs == [0, 3, 4, 5]
+            assert got.resyncs == ["batches 1..4 were missed and the replay buffer holds them only from 3"]
+        finally:
+            publisher.close()
+
+    run(body(), 30)
+
+
+def test_a_replay_past_its_byte_limit_resyncs() -> None:
+    async def body() -> None:
+        publisher = KVEventPublisher(LOOPBACK, replay_endpoint=LOOPBACK)
+        got = Collector()
+        limit = 2 * len(encode_batch(stored(1)))
+        subscriber = got.subscriber(publisher, limits=KVEventLimits(max_replay_bytes=limit))
+        try:
+            for i in range(5):
+                publisher.publish(stored(i))
+            await until(lambda: publisher.sent == 5)
+            await subscriber.handle(0, encode_batch(stored(0)))
+            await subscriber.handle(4, encode_batch(stored(4)))  # 1..3 weigh more than the limit
+            assert got.seqs == [0, 4]
+            assert got.resyncs == [f"batches 1..3 were missed and replay failed: the replay exceeds {limit} bytes"]
+        finally:
+            publisher.close()
+
+    run(body(), 30)
+
+
+REPLAY = encode_batch(stored(1))
+# what a misbehaving replay endpoint answers a request for batches 1..3, and why that replay failed
+BAD_REPLAYS: list[tuple[str, list[list[bytes]], str]] = [
+    ("malformed", [[b"\x01"]], "malformed replay reply"),
+    ("repeating", [[(0).to_bytes(8, "big"), REPLAY]] * 1000, "the replay sent batch 0 where 1 or later was due"),
+    ("hole", [[(1).to_bytes(8, "big"), REPLAY], [(3).to_bytes(8, "big"), REPLAY]],
+     "the replay skipped from batch 1 to 3"),
+    ("cut short", [[(1).to_bytes(8, "big"), REPLAY], [END_SEQ, b""]], "the replay skipped from batch 1 past 3"),
+]
+
+
+@pytest.mark.parametrize(("replies", "message"), [case[1:] for case in BAD_REPLAYS],
+                         ids=[case[0] for case in BAD_REPLAYS])
+def test_a_misbehaving_replay_endpoint_resyncs(replies: list[list[bytes]], message: str) -> None:
+    async def body() -> None:
+        router = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+        port = router.bind_to_random_port("tcp://127.0.0.1")
+
+        async def answer() -> None:
+            identity, _, _start = await router.recv_multipart()
+            for frames in replies:
+                await router.send_multipart([identity, b"", *frames])
+
+        got = Collector()
+        subscriber = KVEventSubscriber("tcp://127.0.0.1:1", replay_endpoint=f"tcp://127.0.0.1:{port}",
+                                       on_batch=got.batch, on_resync=got.resync)
+        server = asyncio.get_running_loop().create_task(answer())
+        try:
+            await subscriber.handle(0, encode_batch(stored(0)))
+            await subscriber.handle(4, encode_batch(stored(4)))
+            assert got.seqs == [0, 4]
+            assert got.resyncs == [f"batches 1..3 were missed and replay failed: {message}"]
+        finally:
+            await stop_tasks([server])
+            router.close(linger=0)
+
+    run(body(), 30)
+
+
+# -- lost batches over real sockets ------------------------------------------------------------------
+
+
+class LossyLink:
+    """A real hop between a publisher and its subscribers that loses the batches it is told to, as a
+    congested link or a subscriber past its high-water mark does; replay requests bypass it."""
+
+    def __init__(self, upstream: str) -> None:
+        ctx = zmq.Context.instance()
+        self._in = ctx.socket(zmq.SUB)
+        self._in.setsockopt(zmq.SUBSCRIBE, b"")
+        self._in.connect(upstream)
+        self._out = ctx.socket(zmq.PUB)
+        self.endpoint = f"tcp://127.0.0.1:{self._out.bind_to_random_port('tcp://127.0.0.1')}"
+        self.dropped: list[int] = []
+        self._to_drop = 0
+        self._lock = threading.Lock()
+        self._running = True
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def drop_next(self, count: int) -> None:
+        with self._lock:
+            self._to_drop = count
+
+    def close(self) -> None:
+        self._running = False
+        self._thread.join(5)
+
+    def _run(self) -> None:
+        while self._running:
+            if not self._in.poll(20):
+                continue
+            frames = self._in.recv_multipart()
+            with self._lock:
+                drop, self._to_drop = self._to_drop > 0, max(0, self._to_drop - 1)
+            if drop:
+                self.dropped.append(int.from_bytes(frames[1], "big"))
+            else:
+                self._out.send_multipart(frames)
+        self._in.close(linger=0)
+        self._out.close(linger=0)
+
+
+def chain_tokens(cache: PrefixCache, h: int) -> tuple[int, ...]:
+    block = cache.block(h)
+    return chain_tokens(cache, block.parent) + block.token_ids if block.parent is not None else block.token_ids
+
+
+def mirrors(mirror: PrefixMirror, cache: PrefixCache) -> bool:
+    """The mirror holds exactly the cache's blocks, each a usable prefix of the cache's tokens."""
+    return len(mirror) == len(cache) and all(mirror.prefix(h) == chain_tokens(cache, h) for h in cache)
+
+
+class Served:
+    """A prefix cache behind a real publisher (with replay), a lossy link, and a mirror that follows the
+    link: the pieces of a model node in front of `vllm serve`. Each step caches one new 2-block prompt
+    (with a shared first block when `shared`), one published batch; a full cache evicts the oldest."""
+
+    def __init__(self, capacity_prompts: int, buffer_steps: int = 10_000, shared: bool = False,
+                 replay_endpoint: str | None = None, replay_timeout: float = 2.0) -> None:
+        blocks = capacity_prompts + 1 if shared else 2 * capacity_prompts
+        self.cache = PrefixCache(block_size=2, capacity_tokens=2 * blocks)
+        self.publisher = KVEventPublisher(LOOPBACK, replay_endpoint=LOOPBACK, buffer_steps=buffer_steps)
+        self.cache.subscribe(self.publisher.publish)
+        self.link = LossyLink(self.publisher.endpoint)
+        self.mirror = PrefixMirror()
+        self.resyncs: list[str] = []
+        self.subscriber = KVEventSubscriber(
+            self.link.endpoint, replay_endpoint=replay_endpoint or self.publisher.replay_endpoint,
+            replay_timeout=replay_timeout, on_batch=lambda _, batch: self.mirror.apply(batch.events),
+            on_resync=self.resync)
+        self.shared = shared
+        self.steps = 0
+        self.last_prompt: tuple[int, ...] = ()
+
+    def resync(self, reason: str) -> None:
+        self.resyncs.append(reason)
+        self.mirror.clear()
+
+    def step(self) -> int:
+        """Serve one prompt; returns the sequence number of its batch."""
+        first = (1, 1) if self.shared else (2 * self.steps + 10, 0)
+        prompt = (*first, 2 * self.steps + 11, 2 * self.steps + 12)
+        self.cache.insert(prompt, lambda _: torch.zeros(1))
+        self.last_prompt = prompt
+        self.cache.flush()
+        self.steps += 1
+        return self.steps - 1
+
+    async def step_and_wait(self) -> int:
+        seq = self.step()
+        await until(lambda: self.subscriber.last_seq == seq)
+        return seq
+
+    async def connect(self) -> None:
+        """Serve until the subscriber follows the link (ZMQ's late joiners miss what was sent first)."""
+        self.subscriber.start()
+        while self.subscriber.last_seq is None:
+            self.step()
+            await asyncio.sleep(0.05)
+        await until(lambda: self.subscriber.last_seq == self.steps - 1)
+
+    async def close(self) -> None:
+        await self.subscriber.close()
+        self.link.close()
+        self.publisher.close()
+
+
+def test_batches_lost_on_the_way_are_replayed_and_the_mirror_matches_the_cache() -> None:
+    async def body() -> None:
+        served = Served(capacity_prompts=3, shared=True)
+        try:
+            await served.connect()
+            before = served.subscriber.stats.gaps_replayed  # a late join may have been replayed already
+            evictions = served.cache.stats.evictions
+            served.link.drop_next(4)
+            for _ in range(4):
+                served.step()
+            seq = await served.step_and_wait()
+            assert served.link.dropped == list(range(seq - 4, seq))
+            assert served.cache.stats.evictions > evictions  # the lost batches removed blocks too
+            stats = served.subscriber.stats
+            assert (stats.gaps_replayed - before, stats.gaps_cleared, served.resyncs) == (1, 0, [])
+            assert mirrors(served.mirror, served.cache)
+        finally:
+            await served.close()
+
+    run(body(), 60)
+
+
+def test_a_gap_beyond_the_replay_buffer_clears_and_the_mirror_follows_the_cache_again() -> None:
+    async def body() -> None:
+        served = Served(capacity_prompts=3, buffer_steps=3)
+        try:
+            await served.connect()
+            stale = set(served.cache)
+            served.link.drop_next(6)
+            for _ in range(6):
+                served.step()
+            seq = await served.step_and_wait()
+            # the buffer held the gap's last two batches: applied after the clear, they give the mirror
+            # the cache's three prompts, and nothing from before the gap survives
+            assert served.resyncs == [f"batches {seq - 6}..{seq - 1} were missed and the replay buffer "
+                                      f"holds them only from {seq - 2}"]
+            assert served.subscriber.stats.gaps_cleared == 1 and served.subscriber.stats.replayed >= 2
+            assert mirrors(served.mirror, served.cache) and not stale & set(served.cache)
+            for _ in range(3):
+                await served.step_and_wait()
+            assert mirrors(served.mirror, served.cache)
+        finally:
+            await served.close()
+
+    run(body(), 60)
+
+
+def test_a_replay_endpoint_that_does_not_answer_clears_within_the_timeout() -> None:
+    async def body() -> None:
+        silent = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+        port = silent.bind_to_random_port("tcp://127.0.0.1")
+        served = Served(capacity_prompts=3, replay_endpoint=f"tcp://127.0.0.1:{port}", replay_timeout=0.5)
+        try:
+            await served.connect()
+            cleared = served.subscriber.stats.gaps_cleared  # a late join asked the silent endpoint too
+            served.link.drop_next(1)
+            served.step()
+            started = time.monotonic()
+            seq = await served.step_and_wait()
+            waited = time.monotonic() - started
+            assert served.subscriber.stats.gaps_cleared == cleared + 1
+            assert served.resyncs[-1] == (f"batches {seq - 1}..{seq - 1} were missed and the replay endpoint "
+                                          "did not answer within 0.5 s")
+            assert 0.5 <= waited < 2.0
+            _identity, _, start = await silent.recv_multipart()  # it was asked, and kept silent
+            assert int.from_bytes(start, "big") <= seq - 1
+            # cleared, then only the batch after the gap
+            assert len(served.mirror) == 2
+            assert served.mirror.prefix(block_hashes(served.last_prompt, 2)[-1]) == served.last_prompt
+        finally:
+            await served.close()
+            silent.close(linger=0)
+
+    run(body(), 60)
+
+
 def test_subscriber_ignores_other_topics_and_malformed_frames() -> None:
     async def body() -> None:
-        import zmq
-
         publisher = KVEventPublisher(LOOPBACK, topic="kv-events")
         got = Collector()
         subscriber = KVEventSubscriber(publisher.endpoint, on_batch=got.batch, topic="kv")

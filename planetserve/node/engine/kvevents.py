@@ -14,7 +14,9 @@ normalised to vLLM's own int form, `int.from_bytes(h, "big") & (2**64 - 1)` (neg
 releases that used Python's `hash()` wrap the same way), so either setting yields identical hashes.
 
 Replay (`replay_endpoint`): a ROUTER that answers [identity, b"", start_seq] with [identity, b"", seq,
-payload] for every buffered batch from start_seq on, then [identity, b"", -1 (signed), b""].
+payload] for every buffered batch from start_seq on, then [identity, b"", -1 (signed), b""]. vLLM keeps
+the last `buffer_steps` batches (10,000 by default) and serves the whole buffer from start_seq on,
+batches published after the gap included; a batch older than the buffer is simply not sent.
 """
 
 from __future__ import annotations
@@ -64,6 +66,11 @@ class KVEventLimits:
     max_block_size: int = 4096
     max_hash_bytes: int = 64
     max_fields: int = 32
+    max_replay_batches: int = 10_000
+    """Batches asked for after one gap (vLLM's default `buffer_steps`): a longer gap is cleared and only
+    its last batches are replayed."""
+    max_replay_bytes: int = 64 << 20
+    """Bytes of replies accepted from one replay; a replay past it has failed."""
 
 
 DEFAULT_LIMITS = KVEventLimits()
@@ -411,16 +418,26 @@ class KVEventPublisher:
 class SubscriberStats:
     received: int = 0
     replayed: int = 0
+    """Batches applied from the replay endpoint."""
     gaps: int = 0
+    """Stretches of missed batches (a first batch after 0 included); each is replayed or cleared."""
+    gaps_replayed: int = 0
+    """Gaps the replay endpoint covered whole, so nothing was lost."""
+    gaps_cleared: int = 0
+    """Gaps it could not cover: earlier state was declared lost, then what the replay held was applied."""
     resyncs: int = 0
+    """Every declaration that earlier state is lost: cleared gaps, undecodable batches, restarts."""
     malformed: int = 0
     other_topics: int = 0  # messages whose topic only shares the subscription's prefix
 
 
 class KVEventSubscriber:
-    """Follows a publisher's stream in order. A gap in the sequence numbers is filled from the replay
-    socket when there is one; when it cannot be filled (no replay socket, buffer too short, timeout,
-    an undecodable batch, a restarted publisher) `on_resync` is told that earlier state is unknown."""
+    """Follows a publisher's stream in order. A gap in the sequence numbers (PUB drops what a slow or
+    reconnecting subscriber misses) is filled from the replay endpoint, in order, before the batch that
+    revealed it. When it cannot be filled (no replay endpoint, a buffer that no longer holds its start,
+    no answer within `replay_timeout`, an answer past the limits), and on an undecodable batch or a
+    restarted publisher, `on_resync` is told that earlier state is unknown; after a gap the batches the
+    buffer still holds are applied next, since they describe the cache from then on."""
 
     def __init__(
         self,
@@ -492,11 +509,9 @@ class KVEventSubscriber:
         if last is not None and seq < last:
             self._resync(f"publisher restarted (seq {seq} after {last})")
             last = None
-        if last is None and seq > 0:
-            await self._recover(0, seq)
-        elif last is not None and seq > last + 1:
-            self.stats.gaps += 1
-            await self._recover(last + 1, seq)
+        start = 0 if last is None else last + 1
+        if seq > start:
+            await self._recover(start, seq)
         self._deliver(seq, payload)
 
     def _deliver(self, seq: int, payload: bytes) -> None:
@@ -523,27 +538,41 @@ class KVEventSubscriber:
                 log.exception("kv-event resync handler failed")
 
     async def _recover(self, start: int, end: int) -> None:
-        """Deliver batches start..end-1 from the replay buffer, or signal a resync."""
+        """Batches start..end-1 were missed: apply them from the replay endpoint, or resync and apply the
+        part of them it still holds. At most `max_replay_batches` are asked for."""
+        self.stats.gaps += 1
         missing = f"batches {start}..{end - 1} were missed"
         if self.replay_endpoint is None:
-            self._resync(missing)
+            self._gap_cleared(f"{missing} and there is no replay endpoint")
             return
         try:
-            replayed = await asyncio.wait_for(self._fetch_replay(start, end), self._replay_timeout)
-        except (TimeoutError, zmq.ZMQError) as exc:
-            self._resync(f"{missing} and replay failed ({type(exc).__name__})")
+            replayed = await asyncio.wait_for(
+                self._fetch_replay(max(start, end - self._limits.max_replay_batches), end),
+                self._replay_timeout)
+        except TimeoutError:
+            self._gap_cleared(f"{missing} and the replay endpoint did not answer within "
+                              f"{self._replay_timeout:g} s")
             return
-        expected = start
+        except (KVEventError, zmq.ZMQError) as exc:
+            self._gap_cleared(f"{missing} and replay failed: {exc}")
+            return
+        first = replayed[0][0] if replayed else end
+        if first == start:
+            self.stats.gaps_replayed += 1
+        else:
+            self._gap_cleared(f"{missing} and the replay buffer holds them only from {first}")
         for seq, payload in replayed:
-            if seq != expected:
-                break
             self.stats.replayed += 1
             self._deliver(seq, payload)
-            expected += 1
-        if expected != end:
-            self._resync(f"{missing}; replay covered only up to {expected - 1}")
+
+    def _gap_cleared(self, reason: str) -> None:
+        self.stats.gaps_cleared += 1
+        self._resync(reason)
 
     async def _fetch_replay(self, start: int, end: int) -> list[tuple[int, bytes]]:
+        """The endpoint's consecutive batches from `start` (or from where its buffer begins, if later) to
+        end-1, or none if it holds none of them. KVEventError for anything else, and once the replies
+        exceed `max_replay_bytes`: strictly increasing sequence numbers bound how many are read."""
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.MAXMSGSIZE, self._max_frame)
         dealer.setsockopt(zmq.LINGER, 0)
@@ -551,19 +580,36 @@ class KVEventSubscriber:
             dealer.connect(self.replay_endpoint)
             await dealer.send_multipart([b"", start.to_bytes(8, "big")])
             out: list[tuple[int, bytes]] = []
+            size = 0
             while True:
-                frames = await dealer.recv_multipart()
-                if len(frames) != 3 or len(frames[1]) != 8:
-                    raise zmq.ZMQError(msg="malformed replay reply")
-                if frames[1] == END_SEQ:
+                seq, payload = _replay_reply(await dealer.recv_multipart())
+                size += len(payload)
+                if size > self._limits.max_replay_bytes:
+                    raise KVEventError(f"the replay exceeds {self._limits.max_replay_bytes} bytes")
+                expected = out[-1][0] + 1 if out else start
+                if seq is None or seq >= end:
+                    if out:
+                        raise KVEventError(f"the replay skipped from batch {out[-1][0]} past {end - 1}")
                     return out
-                seq = int.from_bytes(frames[1], "big")
-                if start <= seq < end:
-                    out.append((seq, bytes(frames[2])))
-                if seq >= end - 1:
+                if seq < expected:
+                    raise KVEventError(f"the replay sent batch {seq} where {expected} or later was due")
+                if out and seq != expected:
+                    raise KVEventError(f"the replay skipped from batch {out[-1][0]} to {seq}")
+                out.append((seq, payload))
+                if seq == end - 1:
                     return out
         finally:
             dealer.close(linger=0)
+
+
+def _replay_reply(frames: Sequence[bytes]) -> tuple[int | None, bytes]:
+    """One reply of the replay endpoint, [b"", seq, payload]: its sequence number (None for the end
+    marker) and payload."""
+    if len(frames) != 3 or frames[0] != b"" or len(frames[1]) != 8:
+        raise KVEventError("malformed replay reply")
+    if frames[1] == END_SEQ:
+        return None, b""
+    return int.from_bytes(frames[1], "big"), bytes(frames[2])
 
 
 # -- mirror -----------------------------------------------------------------------------------------
