@@ -175,8 +175,12 @@ def test_node_homes_take_an_existing_key_and_are_never_overwritten(tmp_path):
     assert "already has a node key" in run("node", "init-user", "--home", str(tmp_path / "u"),
                                            "--genesis", str(genesis), code=1)
     node = json.loads(run("node", "init-model", "--home", str(tmp_path / "m"), "--org-id", "acme",
-                          "--model-id", "gt", "--genesis", str(genesis), "--node-keys", str(key), "--json"))
+                          "--model-id", "gt", "--genesis", str(genesis), "--node-keys", str(key),
+                          "--engine-url", "http://127.0.0.1:8001", "--kv-events", "tcp://127.0.0.1:5557",
+                          "--kv-events-replay", "tcp://127.0.0.1:5558", "--json"))
     assert node["node"] == created["identity"]
+    saved = json.loads((tmp_path / "m" / "node.json").read_text())
+    assert (saved["kv_events"], saved["kv_events_replay"]) == ("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558")
     fresh = json.loads(run("node", "init-user", "--home", str(tmp_path / "v"), "--genesis", str(genesis),
                            "--node", "http://10.0.0.7:26657", "--json"))
     assert fresh["user"] != created["identity"]

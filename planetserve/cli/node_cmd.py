@@ -76,6 +76,9 @@ def group() -> None:
                                                 "of the built-in engine.")
 @click.option("--kv-events", default="",
               help="That server's KV-event ZMQ endpoint (vLLM --kv-events-config).")
+@click.option("--kv-events-replay", default="",
+              help="That server's KV-event replay endpoint (replay_endpoint in vLLM --kv-events-config): "
+                   "missed events are asked for there instead of forgetting the mirrored cache.")
 @click.option("--engine-sampling", default="server", show_default=True, type=click.Choice(ENGINE_SAMPLING),
               help="How that server samples: vllm-processor for `vllm serve` with planetserve's logits "
                    "processor (sampled answers verify); server leaves sampling to the server.")

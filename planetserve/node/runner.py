@@ -68,6 +68,7 @@ async def remote_engine(config: ModelNodeConfig) -> tuple[Engine, Tokenizer, int
     engine = await RemoteEngine.connect(config.engine_url, capacity=config.capacity,
                                         block_size=config.block_size,
                                         kv_events_endpoint=config.kv_events or None,
+                                        kv_events_replay_endpoint=config.kv_events_replay or None,
                                         vllm_processor=config.engine_sampling == "vllm-processor")
     stop = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
     return engine, tokenizer, len(tokenizer), stop
