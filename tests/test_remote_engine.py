@@ -31,10 +31,11 @@ from planetserve.node.engine.base import (
 )
 from planetserve.node.engine.builtin import BuiltinEngine
 from planetserve.node.engine.kvcache import block_hashes
-from planetserve.node.engine.kvevents import KVEventPublisher
+from planetserve.node.engine.kvevents import KVEventPublisher, PrefixMirror
 from planetserve.node.engine.profile import random_llama
 from planetserve.node.engine.remote import RemoteEngine, RemoteEngineError
 from planetserve.node.engine.wire import SSEDecoder, SSEError
+from planetserve.node.routing.cachesync import CacheSync
 
 VOCAB = 512
 SPECIAL = ["<unk>", "<s>", "</s>", "user", "assistant", "system", ":"]
@@ -402,6 +403,22 @@ def test_remote_engine_reads_a_vllm_stream() -> None:
     scripted(handler, body)
 
 
+def test_without_a_count_from_the_server_the_mirror_counts_the_hit_as_vllm_does() -> None:
+    prompt = list(range(32))
+    data = sse_body(vllm_chunk([5], prompt=prompt), vllm_chunk([9], "stop"),
+                    {"choices": [], "usage": {"prompt_tokens": 32, "completion_tokens": 2, "total_tokens": 34}},
+                    b"[DONE]")
+
+    async def body(engine: RemoteEngine) -> None:
+        engine.mirror.apply([BlockStored((1, 2), None, tuple(prompt), 16)])
+        assert engine.cached_prefix((*prompt, 99)) == 32
+        assert engine.cached_prefix(tuple(range(40, 80))) == 0
+        chunks = await collect(engine, GenerationRequest(tuple(prompt), 4, stop_ids=(9,)))
+        assert [c.cached_tokens for c in chunks] == [0, 16]  # all cached: vLLM computes the last block again
+
+    scripted(stream_of(data), body)
+
+
 def with_logprobs(chunk: dict[str, Any], logprobs: Any) -> dict[str, Any]:
     chunk["choices"][0]["logprobs"] = logprobs
     return chunk
@@ -628,6 +645,74 @@ def test_end_to_end_builtin_engine_behind_http_and_zmq(model: torch.nn.Module,
             seeded = GenerationRequest(prompt_b, 6, temperature=0.8, seed=7)
             first = [t async for c in remote.generate(seeded) for t in c.token_ids]
             assert first == [t async for c in remote.generate(seeded) for t in c.token_ids]
+        finally:
+            await remote.close()
+            await server.close()
+            publisher.close()
+            await engine.close()
+
+    run(main(), 300)
+
+
+def follow_cache_events(sync: CacheSync) -> Callable[[list[CacheEvent]], None]:
+    """What a model node does with its engine's cache events: mirror them, tell its group."""
+    mirror = PrefixMirror()
+
+    def apply(events: list[CacheEvent]) -> None:
+        for change in mirror.apply(events):
+            if not change.token_ids:
+                sync.cleared()
+            elif change.added:
+                sync.stored(change.token_ids)
+            else:
+                sync.removed(change.token_ids)
+
+    return apply
+
+
+@pytest.mark.parametrize("details", [True, False], ids=["with-prompt-tokens-details", "without"])
+def test_a_repeated_prompt_reports_its_cached_tokens_and_a_hit_claimed_on_it_holds(
+        model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, details: bool) -> None:
+    """A node on a vLLM-shaped server that sends its cached-token count or not (vLLM's
+    --enable-prompt-tokens-details) reports the same count for a repeated prompt, so the entry node that
+    sent it the prompt as a cache hit does not count the hit as a false claim."""
+    block = 16
+    prompt = tuple(FIRST_WORD + (i * 13) % 400 for i in range(140))  # 8 full blocks and 12 tokens
+    key = b"group-key-0123456789abcdef012345"
+
+    async def main() -> None:
+        engine = BuiltinEngine(model, "tiny-llama", block_size=block, max_batch=4)
+        publisher = KVEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*")
+        server = EngineServer(engine, tokenizer, kv_publisher=publisher, prompt_tokens_details=details)
+        url = await server.start()
+        remote = await RemoteEngine.connect(
+            url, kv_events_endpoint=publisher.endpoint, kv_events_replay_endpoint=publisher.replay_endpoint,
+            block_size=block)
+        peer, entry = CacheSync("peer", key, incarnation=1), CacheSync("entry", key, incarnation=2)
+        peer.add_peer("entry", now=0.0, trusted=True)
+        entry.add_peer("peer", now=0.0, trusted=True)
+        remote.on_cache_events(follow_cache_events(peer))
+        try:
+            request = GenerationRequest(prompt, 4)
+            assert [c async for c in remote.generate(request)][-1].cached_tokens == 0
+            await until(lambda: remote.cached_prefix(prompt) == 128)
+            chunks = [c async for c in remote.generate(request)]
+            assert chunks[-1].cached_tokens == 128
+
+            async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+                response = await client.post("/v1/completions", json={
+                    "model": "tiny-llama", "prompt": list(prompt), "max_tokens": 1})
+            assert ("prompt_tokens_details" in response.json()["usage"]) == details
+
+            # the entry node learns what the peer holds, sends it the prompt as a hit and checks the
+            # claim against the count the peer's answer reports, as model_node.py does
+            for message in peer.poll(1.0):
+                entry.receive("peer", message, 1.0)
+            claimed = entry.claimed_tokens(prompt, entry.search(prompt).depth)
+            assert claimed == 128
+            for now in (1.1, 1.2, 1.3):
+                assert not entry.check_claim("peer", claimed, chunks[-1].cached_tokens, now)
+            assert entry.stats.false_claims == 0 and not entry.distrusts("peer", 1.3)
         finally:
             await remote.close()
             await server.close()

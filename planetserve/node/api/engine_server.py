@@ -110,7 +110,9 @@ class Production:
 
 class EngineServer:
     """The answers of one engine, served: /v1/models, /v1/completions, /v1/chat/completions (streamed or
-    not), /health, /load (the engine's load, and vLLM's `server_load`) and the owner's `documents`."""
+    not), /health, /load (the engine's load, and vLLM's `server_load`) and the owner's `documents`.
+    Without `prompt_tokens_details`, usage leaves out the cached prompt tokens, as `vllm serve` does
+    unless started with --enable-prompt-tokens-details."""
 
     def __init__(
         self,
@@ -124,12 +126,14 @@ class EngineServer:
         vocab_size: int | None = None,
         eos_token_ids: Sequence[int] | None = None,
         documents: Mapping[str, Document] | None = None,
+        prompt_tokens_details: bool = True,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name or engine.model_id
         self.limits = limits
         self.max_queued = max_queued
+        self.prompt_tokens_details = prompt_tokens_details
         self.vocab_size = vocab_size if vocab_size is not None else len(tokenizer)
         self.texts = TokenTexts(tokenizer)
         eos = getattr(tokenizer, "eos_token_id", None)
@@ -211,6 +215,12 @@ class EngineServer:
                            param="prompt_logprobs", code="unsupported_parameter")
         return await score(prompt_ids, request.prompt_logprobs)
 
+    def _usage(self, state: Generation) -> dict[str, Any]:
+        usage = state.usage()
+        if not self.prompt_tokens_details:
+            del usage["prompt_tokens_details"]
+        return usage
+
     async def produce(self, request: ApiRequest, prompt_ids: Sequence[int],
                       generation: GenerationRequest) -> Production:
         """Where a request's tokens come from: here, the engine. A model node overrides this to route
@@ -232,7 +242,7 @@ class EngineServer:
         want = state.request.return_token_ids
         writer = self._logprobs_writer(meta, state.request)
         body = response_body(
-            meta, text="".join(parts), finish_reason=state.finish_reason, usage=state.usage(),
+            meta, text="".join(parts), finish_reason=state.finish_reason, usage=self._usage(state),
             prompt_token_ids=prompt_ids if want else None, token_ids=state.token_ids if want else None,
             logprobs=writer.body(state.scored()) if writer is not None else None,
         )
@@ -257,7 +267,7 @@ class EngineServer:
                         meta, text=text, finish_reason=state.finish_reason, first=is_first,
                         token_ids=ids if request.return_token_ids else None,
                         prompt_token_ids=prompt_ids if request.return_token_ids and is_first else None,
-                        usage=state.usage() if request.continuous_usage else None,
+                        usage=self._usage(state) if request.continuous_usage else None,
                         logprobs=writer.body(state.scored(kept)) if writer is not None else None,
                     )
                     if state.finish_reason is not None and (extension := await production.finish(state)):
@@ -268,7 +278,7 @@ class EngineServer:
             if state.finish_reason is None:
                 raise EngineError("the engine stream ended early")
             if request.include_usage:
-                yield sse(usage_chunk(meta, state.usage()))
+                yield sse(usage_chunk(meta, self._usage(state)))
         except EngineError as exc:
             yield sse(ApiError(500, f"Generation failed: {exc}", type="server_error").body())
         finally:

@@ -6,6 +6,18 @@ vLLM's `return_tokens_as_token_ids`); the prefix-cache state comes from the serv
 (`--kv-events-config`). The server is trusted to compute, not to be well-formed: every answer is
 size-bounded and checked, and anything off becomes a RemoteEngineError.
 
+Cached prompt tokens (`TokenChunk.cached_tokens`, against which peers check this node's cache-hit
+claims) are the server's own count, `usage.prompt_tokens_details.cached_tokens`, when the answer has
+one (`vllm serve --enable-prompt-tokens-details`, which leaves it out when the count is 0). Otherwise
+they are counted on the mirror of the server's prefix cache at submission, the way vLLM's scheduler
+counts a hit: the longest run of cached full blocks that leaves the prompt's last token out (vLLM
+computes that token again for its logits, so a fully cached prompt hits one block less). That count is
+off when the cache changes between submission and scheduling (a block evicted meanwhile is counted, one
+stored by a concurrent request is not), while events are in flight (a block cached a moment ago is
+missed), after a gap the replay could not fill (blocks cached before it are missed until stored again),
+and behind planetserve's own engine server, whose built-in engine counts all but the last token of a
+fully cached prompt (up to a block more than vLLM).
+
 Sampling (temperature above 0) comes in two ways:
 - `vllm_processor=True`: the server is `vllm serve` with planetserve's logits processor
   (`vllm_processor.py`, docs/operators.md "Serving with vLLM"). A sampled request goes to it at
@@ -25,7 +37,7 @@ import json
 import math
 import secrets
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import httpx
@@ -290,19 +302,27 @@ class RemoteEngine:
             body.update(logprobs=request.logprobs, return_tokens_as_token_ids=True)
         return body
 
+    def cached_prefix(self, prompt_ids: Sequence[int]) -> int:
+        """The prompt tokens vLLM's prefix cache would supply now, by the mirror (the module docstring)."""
+        with self._lock:
+            return self.mirror.match_length(prompt_ids[:-1])
+
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenChunk]:
         """Yields chunks as they stream. The last chunk (finish_reason set) is held until the trailing
-        usage arrives, so it carries prompt_tokens and cached_tokens as the server counted them; the
-        first chunk carries them too, with cached_tokens only if the server reports it per chunk."""
+        usage arrives, so it carries prompt_tokens as the server counted them and cached_tokens as the
+        server counted them or, when it sends no count, as the mirror did at submission (the module
+        docstring); the first chunk carries them too, with cached_tokens only if the server reports it
+        per chunk."""
         self._check(request)
+        mirrored = self.cached_prefix(request.prompt_ids)
         self._inflight += 1
         try:
-            async for chunk in self._stream(request):
+            async for chunk in self._stream(request, mirrored):
                 yield chunk
         finally:
             self._inflight -= 1
 
-    async def _stream(self, request: GenerationRequest) -> AsyncIterator[TokenChunk]:
+    async def _stream(self, request: GenerationRequest, mirrored: int) -> AsyncIterator[TokenChunk]:
         url = self.base_url + "/v1/completions"
         try:
             async with self._client.stream("POST", url, json=self._body(request)) as response:
@@ -314,7 +334,7 @@ class RemoteEngine:
                 if not content_type.startswith("text/event-stream"):
                     raise RemoteEngineError(f"remote engine answered {content_type or 'no content type'}, "
                                             "not an event stream")
-                async for chunk in self._chunks(request, response):
+                async for chunk in self._chunks(request, response, mirrored):
                     yield chunk
         except httpx.TimeoutException as exc:
             raise RemoteEngineError(f"remote engine timed out ({type(exc).__name__})") from None
@@ -322,11 +342,12 @@ class RemoteEngine:
             raise RemoteEngineError(f"remote engine connection failed: {type(exc).__name__}: {exc}") from None
 
     async def _chunks(
-        self, request: GenerationRequest, response: httpx.Response
+        self, request: GenerationRequest, response: httpx.Response, mirrored: int
     ) -> AsyncIterator[TokenChunk]:
         decoder = SSEDecoder(self.max_event_bytes)
         prompt_tokens = len(request.prompt_ids)
-        cached = 0
+        cached: int | None = None
+        """The server's count, once it sent one."""
         generated = 0
         events = 0
         first = True
@@ -340,7 +361,8 @@ class RemoteEngine:
                 if event == "[DONE]":
                     if final is None:
                         raise RemoteEngineError("remote engine stream ended without a finish reason")
-                    yield TokenChunk(final[0], final[1], prompt_tokens, cached, final[2])
+                    counted = mirrored if cached is None else cached
+                    yield TokenChunk(final[0], final[1], prompt_tokens, counted, final[2])
                     return
                 events += 1
                 if events > request.max_tokens + 8:
@@ -370,8 +392,8 @@ class RemoteEngine:
                     if reason is not None:
                         final = (ids, reason, scored)
                     elif ids:
-                        yield TokenChunk(ids, None, prompt_tokens if first else 0, cached if first else 0,
-                                         scored)
+                        yield TokenChunk(ids, None, prompt_tokens if first else 0,
+                                         (cached or 0) if first else 0, scored)
                         first = False
         raise RemoteEngineError("remote engine stream ended before [DONE]")
 
