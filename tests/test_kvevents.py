@@ -306,6 +306,26 @@ def test_gap_beyond_the_replay_buffer_resyncs_then_applies_what_the_buffer_holds
     run(body(), 30)
 
 
+def test_gap_the_replay_buffer_holds_nothing_of_resyncs() -> None:
+    async def body() -> None:
+        publisher = KVEventPublisher(LOOPBACK, replay_endpoint=LOOPBACK, buffer_steps=1)
+        got = Collector()
+        subscriber = got.subscriber(publisher)
+        try:
+            for i in range(4):
+                publisher.publish(stored(i))
+            await until(lambda: publisher.sent == 4)
+            await subscriber.handle(0, encode_batch(stored(0)))
+            await subscriber.handle(3, encode_batch(stored(3)))
+            assert got.seqs == [0, 3]
+            assert got.resyncs == ["batches 1..2 were missed and the replay buffer holds none of them"]
+            assert (subscriber.stats.gaps_cleared, subscriber.stats.replayed) == (1, 0)
+        finally:
+            publisher.close()
+
+    run(body(), 30)
+
+
 def test_gap_without_replay_undecodable_batch_and_restart_ask_for_resyncs() -> None:
     async def body() -> None:
         got = Collector()

@@ -556,11 +556,12 @@ class KVEventSubscriber:
         except (KVEventError, zmq.ZMQError) as exc:
             self._gap_cleared(f"{missing} and replay failed: {exc}")
             return
-        first = replayed[0][0] if replayed else end
-        if first == start:
+        if replayed and replayed[0][0] == start:
             self.stats.gaps_replayed += 1
+        elif replayed:
+            self._gap_cleared(f"{missing} and the replay buffer holds them only from {replayed[0][0]}")
         else:
-            self._gap_cleared(f"{missing} and the replay buffer holds them only from {first}")
+            self._gap_cleared(f"{missing} and the replay buffer holds none of them")
         for seq, payload in replayed:
             self.stats.replayed += 1
             self._deliver(seq, payload)
