@@ -186,6 +186,27 @@ def test_a_temperature_other_than_the_committed_one_is_the_leaders_fault(s):
     assert s.state.result(1, node1, leader.public).status == epochs.VALID
 
 
+def test_a_seed_other_than_the_committed_one_is_the_leaders_fault(s):
+    """The seed decides which token is the honest choice at every sampled step, so the node signs the one
+    it was asked for and the plan binds it (it is derived from the committed salt): a leader who asked
+    with another seed (to make an honest node's answer deviate) is caught by the chain."""
+    s.run_election_and_plan(1)
+    leader = s.leader(1)
+    node0, node1 = list(s.nodes)
+    body = s.leader_results(1, HONEST)
+    challenge = s.planned(1, node0, leader)
+    other = replace(s.answer(node0, challenge), seed=challenge.seed ^ 1, signature=b"")
+    other = replace(other, signature=s.nodes[node0].sign(other.sign_bytes()))
+    body["results"][0] = {**challenge.reveal(other).body(), "credibility": HONEST}
+    assert s.block(s.tx(leader, "submit-results", body)) == [(0, "ok")]
+    result = s.state.result(1, node0, leader.public)
+    assert result.status == epochs.FAULTY
+    assert result.reason == (f"the node was asked for seed {challenge.seed ^ 1}, not the committed "
+                             f"{epochs.challenge_seed(challenge.salt)}")
+    assert s.faults(leader.public) == ["altered-prompt"]
+    assert s.state.result(1, node1, leader.public).status == epochs.VALID
+
+
 @pytest.mark.faults
 def test_a_challenge_hotter_than_one_cannot_be_revealed(s):
     """Above temperature 1 an honest answer scores like a weaker model's: committing to such a

@@ -93,9 +93,10 @@ def verifier_home(home: Path, net, i: int, relay_url: str, data: Path) -> None:
     config.poll_interval = 0.5
     config.max_tokens = 32
     config.challenge_timeout = 30.0
-    # The quick family answers every greedy chat with line breaks, whoever the model, and its completions
-    # separate the models best when greedy; mostly greedy completions make six epochs decisive.
-    config.chat_share, config.greedy_share = 0.0, 0.9
+    # The quick family answers every greedy chat with line breaks, whoever the model, so challenges are
+    # completions; their temperatures are the workload's own (half greedy, a quarter each at 0.7 and 1),
+    # every token checked under the signed seed.
+    config.chat_share = 0.0
     config.save(home)
 
 
@@ -159,8 +160,8 @@ def test_the_committee_verifies_model_nodes_epoch_after_epoch(tmp_path, quick_fa
 
         # The challenged node answers for what it returned, even when a peer computed it. The smaller
         # model is the fastest node, which the load balancer favours until it falls out of the trusted
-        # list. Both dishonest nodes fall out of it: a greedy answer must be the reference's own choice
-        # at every step.
+        # list. Both dishonest nodes fall out of it: every token of an answer must be the honest choice
+        # under its signed temperature and seed, greedy or sampled.
         reps = {name: client.reputation(k) for name, k in key.items()}
         values = {name: r.value if r is not None else RULE.initial for name, r in reps.items()}
         print({name: (r.value, r.window) if r else None for name, r in reps.items()})

@@ -12,6 +12,11 @@ from planetserve import workloads
 from planetserve.config import HomeError, LedgerHome
 from planetserve.verifier.credibility import TOLERANCE
 
+RECHALLENGE_SHARE = 0.67
+"""With four members, about three answers per node and epoch (the leader's and two re-challenges): the
+number bench/detection.py needs to untrust every node whose tokens differ from the model's within five
+epochs (docs/detection.md)."""
+
 CONFIG_FILE = "verifier.json"
 USED_PROMPTS_FILE = "used_prompts"
 """sha256 of every challenge prompt ever drawn, so none is sent twice (challenges.ChallengeSource)."""
@@ -95,6 +100,10 @@ class VerifierConfig(LedgerHome):
     Set it to what the network's users send, so that challenges look like their requests."""
     chat_share: float | None = None
     """Share of challenges sent as a chat message; None: the workload's (workloads.CHAT_SHARE)."""
+    rechallenge_share: float = RECHALLENGE_SHARE
+    """Share of the planned nodes the leader did answer that this member challenges again with a prompt
+    of its own, each epoch, drawn secretly (verifier/daemon.py): more answers per node and epoch, so a
+    node that cheats on some requests, or deviates on a few tokens, is caught sooner."""
     max_prompt_tokens: int = 256
     max_tokens: int = 64
     challenge_timeout: float = 60.0
@@ -118,7 +127,7 @@ class VerifierConfig(LedgerHome):
         for name in ("max_prompt_tokens", "max_tokens", "concurrency", "attempts"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise HomeError(f"{CONFIG_FILE}: {name} must be a positive integer")
-        for name in ("greedy_share", "chat_share"):
+        for name in ("greedy_share", "chat_share", "rechallenge_share"):
             share = getattr(self, name)
             if share is not None and (isinstance(share, bool) or not isinstance(share, int | float)
                                       or not 0 <= share <= 1):

@@ -20,6 +20,7 @@ prompt and salt are written to a journal before its commitment, so a restart can
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import threading
@@ -51,7 +52,13 @@ from planetserve.registry.entities import Member, ModelNode
 from planetserve.registry.epochs import PLAN_COMMITTED, VALID, ChallengeResult, Schedule, SignedResponse
 from planetserve.registry.params import Params
 from planetserve.verifier.challenges import ChallengeError, ChallengeSource, to_challenge
-from planetserve.verifier.config import RECHALLENGE_FILE, STATUS_FILE, SUBMISSIONS_FILE, JsonLines
+from planetserve.verifier.config import (
+    RECHALLENGE_FILE,
+    RECHALLENGE_SHARE,
+    STATUS_FILE,
+    SUBMISSIONS_FILE,
+    JsonLines,
+)
 from planetserve.verifier.credibility import Answer, ReferenceModel, Verdict
 from planetserve.verifier.overlay import NoAnswer, OverlayChannel, RelayUnavailable, Reply
 
@@ -107,7 +114,8 @@ class Journal:
 class Daemon:
     def __init__(self, keys: KeySet, ledger: LedgerClient, references: dict[str, ReferenceModel],
                  channel: OverlayChannel, source: ChallengeSource, home: Path, *,
-                 calibrated: bool = True, concurrency: int = 8, attempts: int = 2) -> None:
+                 calibrated: bool = True, concurrency: int = 8, attempts: int = 2,
+                 rechallenge_share: float = RECHALLENGE_SHARE) -> None:
         self.keys = keys
         self.me = keys.public
         self.ledger = ledger
@@ -115,6 +123,7 @@ class Daemon:
         self.channel = channel
         self.source = source
         self.calibrated = calibrated
+        self.rechallenge_share = rechallenge_share
         self.attempts = attempts
         """Tries per challenge before the node is reported: one failure may be the network's (a
         forwarded answer cut off), and a user would ask again too."""
@@ -367,14 +376,16 @@ class Daemon:
 
     def _rechallenge(self, number: int, leader: bytes) -> None:
         """Challenge, with a prompt of our own, each planned node the leader left without a valid result
-        of the node's own: none, or one a peer computed (which shows the peer's model, not the node's)."""
+        of the node's own (none, or one a peer computed, which shows the peer's model, not the node's),
+        and a secret share of the others (`_sampled`)."""
         results = self.ledger.results(number)
         answered = {r.node for r in results
                     if r.submitter == leader and r.status == VALID and not r.served_by}
         mine = {r.node for r in results if r.submitter == self.me}
         for entry in self.ledger.plan(number)[1]:
             key = (entry.node, "rechallenge")
-            if (entry.node in answered or entry.node in mine or self.me == leader
+            if ((entry.node in answered and not self._sampled(number, entry.node)) or entry.node in mine
+                    or self.me == leader
                     or (number, *key) in self.pending or not self._due(number, key)):
                 continue
             node = self._verifiable(entry.node)
@@ -391,6 +402,14 @@ class Daemon:
                 if not self._submit(commit, number, [(entry.node, "rechallenge")]):
                     continue
             self._ask((number, entry.node, "rechallenge"), challenge, node)
+
+    def _sampled(self, number: int, node: bytes) -> bool:
+        """Whether this member challenges `node` again in epoch `number` although the leader got its
+        answer: a coin of `rechallenge_share` keyed by this member's secret, so no node can tell which
+        of its requests are re-challenges, and a restarted daemon draws the same."""
+        digest = hashlib.blake2b(number.to_bytes(8, "big") + node, key=bytes(self.keys.x25519),
+                                 digest_size=8).digest()
+        return int.from_bytes(digest, "big") < self.rechallenge_share * 2**64
 
     def _submit_rechallenge(self, number: int, asked: Asked) -> None:
         entry = self._entry(number, asked, "rechallenge")

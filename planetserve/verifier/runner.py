@@ -51,7 +51,7 @@ def build_daemon(home: Path) -> tuple[Daemon, VerifierConfig]:
     channel = OverlayChannel(config.relay, timeout=config.challenge_timeout, max_tokens=config.max_tokens)
     daemon = Daemon(keys, ledger, references, channel, source, home,
                     calibrated=config.credibility == "calibrated", concurrency=config.concurrency,
-                    attempts=config.attempts)
+                    attempts=config.attempts, rechallenge_share=config.rechallenge_share)
     return daemon, config
 
 
