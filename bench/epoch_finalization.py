@@ -17,7 +17,8 @@ where the chain would hold it:
     height 11   epoch 1's leader submits N results: status "valid", a signed response of 100 token
                 ids and ~400 characters of text, the node's real ed25519 signature
     height 12   every result is attested by the 4 members, credibilities around a per-node median
-                (1% of nodes have one member off by 200,000 ppm: a deviating-attestation fault)
+                (1% of nodes have one member off by 200,000 ppm: a deviating-attestation fault) and
+                0-2 deviating tokens, which the evidence across epochs adds up
     height 19   epoch 1's plan window: epoch 2's plan is committed, as on a chain that keeps going
 
 Credibilities are chosen so that ~15% of the nodes change trust (new nodes scored low, untrusted
@@ -67,7 +68,7 @@ from planetserve.chain.abci.app import Application
 from planetserve.chain.abci.state import State
 from planetserve.chain.abci.store import Batch, StateStore
 from planetserve.chain.keys import KeySet
-from planetserve.registry import epochs, reputation
+from planetserve.registry import epochs, evidence, reputation
 from planetserve.registry.entities import Member, Model, ModelNode, Organisation
 from planetserve.registry.epochs import (
     PLAN_COMMITTED,
@@ -169,6 +170,7 @@ class Evidence:
         self.n = n
         self.rnd = rnd
         self.rule = reputation.ReputationRule.from_params(PARAMS)
+        self.evidence_rule = evidence.EvidenceRule.from_params(PARAMS)
         self.keys = [SigningKey(rnd.randbytes(32)) for _ in range(n)]
         self.pubkeys = [bytes(k.verify_key) for k in self.keys]
         self.leader = rnd.choice(chain.operators)
@@ -209,6 +211,10 @@ class Evidence:
         prev = self.previous[i]
         value, window = reputation.update(self.rule, prev.value, credibility, prev.window)
         return credibility, value, window, reputation.is_trusted(self.rule, value), prev.trusted
+
+    def deviations(self, i: int) -> int:
+        """The deviating tokens every member attests in node i's 100-token answer (the evidence's path)."""
+        return i % 3
 
     def attested(self, i: int) -> list[int]:
         b = self.base[i]
@@ -265,7 +271,8 @@ class Evidence:
 
     def write_attestations(self, st: State) -> None:
         for i, pk in enumerate(self.pubkeys):
-            scores = [[op, c] for op, c in zip(self.chain.operators, self.attested(i), strict=True)]
+            scores = [[op, c, self.deviations(i)] for op, c in zip(self.chain.operators, self.attested(i),
+                                                                   strict=True)]
             st.put_attestations(EPOCH, pk, self.leader, scores)
 
 
@@ -365,6 +372,9 @@ def verify(chain: Chain, ev: Evidence) -> dict[str, int]:
         assert rep is not None and rep.last_epoch == EPOCH, f"node {i}: no reputation of epoch {EPOCH}"
         assert (rep.value, rep.window, rep.trusted) == (value, window, trusted), f"node {i}: {rep}"
         assert rep.epochs == prev.epochs + 1
+        assert (rep.checked, rep.deviations) == (100, ev.deviations(i)), f"node {i}: {rep}"
+        cusum = evidence.accumulate(ev.evidence_rule, 0, 100, ev.deviations(i))
+        assert rep.cusum == cusum, f"node {i}: {rep}"
         flips += trusted != before
         listed += trusted
     in_list = sum(1 for _ in st.kv.iterate(layout.node_list_prefix(MODEL)))

@@ -40,6 +40,15 @@ from transformers import LogitsProcessor
 DOMAIN = b"planetserve/gumbel/v1"
 SEED_LIMIT = 1 << 64
 """Seeds are unsigned 64-bit integers."""
+VECTORS = (
+    (0, 0, 0, 1.8071832573863638),
+    (0, 0, 1, 0.6966424621228506),
+    (1, 0, 12345, -0.978035467627998),
+    (42, 7, 1, 2.33903857875884),
+    (SEED_LIMIT - 1, 1000, 12345, 2.6106529602381046),
+)
+"""The specification's test vectors (seed, position, token, g), as docs/architecture.md lists them: any
+implementation of the noise, on any device, must reproduce them."""
 MASK32 = 0xFFFFFFFF
 _C1, _C2 = 0x85EBCA6B, 0xC2B2AE35
 

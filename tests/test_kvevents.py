@@ -285,41 +285,25 @@ def test_gap_is_filled_from_the_replay_buffer() -> None:
     run(body(), 30)
 
 
-def test_gap_beyond_the_replay_buffer_resyncs_then_applies_what_the_buffer_holds() -> None:
+@pytest.mark.parametrize(("buffer_steps", "published", "arriving", "seqs", "reason", "replayed"), [
+    (2, 6, 6, [0, 4, 5, 6], "batches 1..5 were missed and the replay buffer holds them only from 4", 2),
+    (1, 4, 3, [0, 3], "batches 1..2 were missed and the replay buffer holds none of them", 0),
+])
+def test_gap_beyond_the_replay_buffer_resyncs_then_applies_what_the_buffer_holds(
+        buffer_steps: int, published: int, arriving: int, seqs: list[int], reason: str, replayed: int) -> None:
     async def body() -> None:
-        publisher = KVEventPublisher(LOOPBACK, replay_endpoint=LOOPBACK, buffer_steps=2)
+        publisher = KVEventPublisher(LOOPBACK, replay_endpoint=LOOPBACK, buffer_steps=buffer_steps)
         got = Collector()
         subscriber = got.subscriber(publisher)
         try:
-            for i in range(6):
+            for i in range(published):
                 publisher.publish(stored(i))
-            await until(lambda: publisher.sent == 6)
+            await until(lambda: publisher.sent == published)
             await subscriber.handle(0, encode_batch(stored(0)))
-            await subscriber.handle(6, encode_batch(stored(6)))
-            assert got.seqs == [0, 4, 5, 6]
-            assert got.resyncs == ["batches 1..5 were missed and the replay buffer holds them only from 4"]
+            await subscriber.handle(arriving, encode_batch(stored(arriving)))
+            assert got.seqs == seqs and got.resyncs == [reason]
             stats = subscriber.stats
-            assert (stats.gaps, stats.gaps_replayed, stats.gaps_cleared, stats.replayed) == (1, 0, 1, 2)
-        finally:
-            publisher.close()
-
-    run(body(), 30)
-
-
-def test_gap_the_replay_buffer_holds_nothing_of_resyncs() -> None:
-    async def body() -> None:
-        publisher = KVEventPublisher(LOOPBACK, replay_endpoint=LOOPBACK, buffer_steps=1)
-        got = Collector()
-        subscriber = got.subscriber(publisher)
-        try:
-            for i in range(4):
-                publisher.publish(stored(i))
-            await until(lambda: publisher.sent == 4)
-            await subscriber.handle(0, encode_batch(stored(0)))
-            await subscriber.handle(3, encode_batch(stored(3)))
-            assert got.seqs == [0, 3]
-            assert got.resyncs == ["batches 1..2 were missed and the replay buffer holds none of them"]
-            assert (subscriber.stats.gaps_cleared, subscriber.stats.replayed) == (1, 0)
+            assert (stats.gaps, stats.gaps_replayed, stats.gaps_cleared, stats.replayed) == (1, 0, 1, replayed)
         finally:
             publisher.close()
 

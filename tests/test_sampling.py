@@ -24,6 +24,7 @@ from planetserve.node.engine.base import GenerationRequest
 from planetserve.node.engine.builtin import BuiltinEngine
 from planetserve.sampling import (
     SEED_LIMIT,
+    VECTORS,
     GumbelProcessor,
     gumbel,
     gumbel_row,
@@ -34,14 +35,6 @@ from planetserve.sampling import (
 )
 from planetserve.verifier import Answer, Decoding, OnePassScorer, ReferenceModel
 
-VECTORS = [
-    # (seed, position, token, g) as docs/architecture.md lists them
-    (0, 0, 0, 1.8071832573863638),
-    (0, 0, 1, 0.6966424621228506),
-    (1, 0, 12345, -0.978035467627998),
-    (42, 7, 1, 2.33903857875884),
-    (SEED_LIMIT - 1, 1000, 12345, 2.6106529602381046),
-]
 KEYS = [((0, 0), (2859646292, 3686749383)), ((42, 7), (3342335467, 1537393202))]
 PROMPTS = ["What does json.dumps() do?", "Explain with in Python.", "What is the re module for?",
            "What is collections.OrderedDict?", "How do I read a file?", "What does str.split() do?"]

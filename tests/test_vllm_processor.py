@@ -35,16 +35,16 @@ from planetserve.node.engine.vllm_sampling import (
     refusals,
 )
 from planetserve.node.home import HomeError, ModelNodeConfig
-from planetserve.sampling import SEED_LIMIT, gumbel_row, gumbel_rows, noise_rows_, noised_logits, sample
+from planetserve.sampling import (
+    SEED_LIMIT,
+    VECTORS,
+    gumbel_row,
+    gumbel_rows,
+    noise_rows_,
+    noised_logits,
+    sample,
+)
 
-VECTORS = [
-    # (seed, position, token, g) as docs/architecture.md lists them (tests/test_sampling.py)
-    (0, 0, 0, 1.8071832573863638),
-    (0, 0, 1, 0.6966424621228506),
-    (1, 0, 12345, -0.978035467627998),
-    (42, 7, 1, 2.33903857875884),
-    (SEED_LIMIT - 1, 1000, 12345, 2.6106529602381046),
-]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
