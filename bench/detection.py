@@ -7,8 +7,9 @@ sampling at temperature 0.7 ("warm") and at temperature 1 ("sampled"). Sampling 
 with it, as every request carries a seed the requester chose.
 
 - gt: the honest node (transformers' generate, one prompt at a time); gt-engine: the honest node on the
-  built-in serving engine, prompts batched eight at a time (another engine and batch shape than the
-  verifier's, so its answers measure the honest rate of deviation across engines);
+  built-in serving engine, prompts batched eight at a time on one thread (another engine, batch shape
+  and thread count than the verifier's, so its answers measure the honest rate of deviation across
+  engines);
 - small, tiny: weaker models claiming gt; gt-int8, gt-int4: quantised gt;
 - gt_cb: gt answering a clickbait rewrite of the prompt, scored against the original prompt;
 - gt_ic: gt's answer with a long off-topic passage (fiction, documentary, pop psychology, advert) injected
@@ -148,7 +149,8 @@ def answer(loaded: LoadedModel, reference: ReferenceModel, prompts: Sequence[str
 
 def engine_answers(loaded: LoadedModel, reference: ReferenceModel, prompts: Sequence[str], temperature: float,
                    seed: int, max_new_tokens: int = MAX_NEW_TOKENS) -> list[list[int]]:
-    """The same answers from the built-in serving engine, `ENGINE_BATCH` requests decoding together."""
+    """The same answers from the built-in serving engine, `ENGINE_BATCH` requests decoding together on
+    one thread (the verifier scores with the bench's threads: another batch shape and thread count)."""
     import asyncio
 
     async def run() -> list[list[int]]:
@@ -162,7 +164,12 @@ def engine_answers(loaded: LoadedModel, reference: ReferenceModel, prompts: Sequ
         finally:
             await engine.close()
 
-    return asyncio.run(run())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return asyncio.run(run())
+    finally:
+        torch.set_num_threads(threads)
 
 
 @dataclass(frozen=True)

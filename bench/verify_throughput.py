@@ -20,6 +20,7 @@ judged one response at a time (batching only widens the gap).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -30,8 +31,10 @@ from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessorList
 from planetserve.chain.challenge import sign_response
 from planetserve.chain.keys import KeySet
 from planetserve.models import LoadedModel, load
+from planetserve.node.engine.base import GenerationRequest
+from planetserve.node.engine.builtin import BuiltinEngine
 from planetserve.sampling import GumbelProcessor
-from planetserve.verifier import Algorithm3Scorer, Answer, OnePassScorer, Pair, ReferenceModel
+from planetserve.verifier import Algorithm3Scorer, Answer, Decoding, OnePassScorer, Pair, ReferenceModel
 
 RESPONSE_TOKENS = 100
 TARGET_SPEEDUP = 20.0
@@ -94,8 +97,41 @@ def rate(score: Callable[[Sequence[Pair]], list[list[float]]], pairs: list[Pair]
     return time.perf_counter() - t0, scores
 
 
+def generation_seconds(model: torch.nn.Module, pairs: list[Pair], batch: int, device: str) -> float:
+    """Seconds the built-in serving engine takes to generate every response's length after its prompt at
+    temperature 1 (the protocol's sampling), `batch` sequences decoding together: the node's side."""
+    async def generate() -> float:
+        engine = BuiltinEngine(model, "bench", max_batch=batch, device=device,
+                               max_model_len=max(len(p) + len(r) for p, r in pairs))
+        try:
+            async def one(i: int, prompt: Sequence[int], response: Sequence[int]) -> None:
+                request = GenerationRequest(tuple(prompt), len(response), 1.0, i)
+                async for _ in engine.generate(request):
+                    pass
+            t0 = time.perf_counter()
+            await asyncio.gather(*(one(i, p, r) for i, (p, r) in enumerate(pairs)))
+            return time.perf_counter() - t0
+        finally:
+            await engine.close()
+
+    return asyncio.run(generate())
+
+
+def checking_seconds(model: torch.nn.Module, pairs: list[Pair], batch: int) -> float:
+    """Seconds the one-pass engine takes to check every token of the responses as sampled at temperature 1
+    (log-probabilities and shortfalls under each seed: the whole distribution at every position)."""
+    scorer = OnePassScorer(model, max_batch_tokens=1 << 30, max_scored_tokens=1 << 30)
+    scorer.score_choices(pairs[:1], [Decoding(1.0, 0)])
+    t0 = time.perf_counter()
+    for i in range(0, len(pairs), batch):
+        chunk = pairs[i:i + batch]
+        scorer.score_choices(chunk, [Decoding(1.0, i + k) for k in range(len(chunk))])
+    return time.perf_counter() - t0
+
+
 def run(label: str, model: torch.nn.Module, pairs: list[Pair], args: argparse.Namespace) -> float:
-    """Print the rows of one model; return the one-at-a-time one-pass speedup over Algorithm 3."""
+    """Print the rows of one model and the node's cost per generated token against the verifier's per
+    checked token; return the one-at-a-time one-pass speedup over Algorithm 3."""
     one_pass = OnePassScorer(model, max_batch_tokens=1 << 30, max_scored_tokens=1 << 30)
     alg3_seconds, alg3_scores = rate(Algorithm3Scorer(model).score, pairs[: args.alg3_responses], 1)
     alg3_rate = 60 * len(alg3_scores) / alg3_seconds
@@ -111,6 +147,13 @@ def run(label: str, model: torch.nn.Module, pairs: list[Pair], args: argparse.Na
     diff = max(abs(a - b) for one, alg3 in zip(batched, alg3_scores, strict=False)
                for a, b in zip(one, alg3, strict=True))
     print(f"{'':<14} max |one-pass - Algorithm 3| log-prob over {len(alg3_scores)} responses: {diff:.1e}")
+    tokens = sum(len(r) for _, r in pairs)
+    generating = generation_seconds(model, pairs, args.batch, args.device)
+    checking = checking_seconds(model, pairs, args.batch)
+    print(f"{'':<14} node generates {tokens} tokens in {generating:.2f} s "
+          f"({1e3 * generating / tokens:.2f} ms per token, batch {args.batch}); the verifier checks them in "
+          f"{checking:.2f} s ({1e3 * checking / tokens:.2f} ms per token): checking is "
+          f"{generating / checking:.1f}x faster")
     return rates[-1] / alg3_rate
 
 

@@ -87,7 +87,7 @@ def _phase(schedule: Schedule, height: int) -> tuple[str, list[str]]:
 PHASES = {
     "results": "the leader sends its plan's challenges through the overlay and submits the signed answers; "
                "members score and attest them",
-    "attest": "members attest results and re-challenge nodes without a valid answer",
+    "attest": "members attest results and re-challenge nodes (without a valid answer, and a secret share)",
     "plan": "the leader commits the challenge plan of the next epoch",
     "election": "members submit VRF proofs electing the next epoch's leader; the next plan is committed",
 }

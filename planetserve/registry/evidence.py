@@ -13,7 +13,10 @@ for an epoch's n checked tokens of which d deviated, with deviation_weight = 100
 token_weight = 1000 ln((1 - p0) / (1 - p1)) for an honest deviation rate p0 and a rate to catch p1; the
 node is flagged while S >= threshold (1000 ln(1 / alpha)), and a flagged node's C(T) is 0. The defaults
 take p0 = 0.1 % and p1 = 1 % with alpha = 1e-4: about four deviations close together flag a node, and
-an honest node's clean tokens pull S back to 0. docs/detection.md gives the measured rates.
+an honest node's clean tokens pull S back to 0. S has no ceiling: a node that deviated heavily stays
+flagged until its clean tokens have paid its deviations back, one clean token per 9 millinats (a node
+that served a weaker model for an epoch, a hundred deviations, needs some 25,000). docs/detection.md
+gives the measured rates.
 """
 
 from __future__ import annotations
