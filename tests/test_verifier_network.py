@@ -150,8 +150,12 @@ def test_the_committee_verifies_model_nodes_epoch_after_epoch(tmp_path, quick_fa
                 standing = {name: client.reputation(k) for name, k in key.items()}
             # every planned node was scored in this epoch, on an answer it returned
             assert all(r.last_epoch == number for r in standing.values()), (number, standing)
-            # and the honest nodes were trusted at the end of every finalized epoch
-            assert all(standing[name].trusted for name in ("honest-a", "honest-b")), (number, standing)
+            # and the honest nodes were trusted at the end of every finalized epoch, with no deviating token
+            assert all(standing[name].trusted and standing[name].deviations == 0
+                       for name in ("honest-a", "honest-b")), (number, standing)
+            # the dishonest ones, once scored, never climbed back: their deviations keep them flagged
+            if number > first:
+                assert not any(standing[name].trusted for name in ("smaller", "clickbait")), (number, standing)
         # the faults: only the killed leader's, for results it could not submit in time (members then
         # re-challenged those nodes)
         faults = [(f.epoch, f.kind, f.operator) for f in client.faults()[1] if f.epoch >= first]
