@@ -203,11 +203,16 @@ def _token_ids(value: Any, name: str, limit: int, *, allow_empty: bool = False) 
     return tuple(value)
 
 
-def _unsupported(body: dict[str, Any], name: str, *neutral: Any) -> None:
+TRUNCATION = ("sampling is from the whole distribution under the request's seed, so that every token can be "
+              "checked (docs/architecture.md, \"Verifiable sampling\"); lower `temperature` to sharpen it")
+
+
+def _unsupported(body: dict[str, Any], name: str, *neutral: Any, why: str = "") -> None:
     """Options we do not implement are accepted only at a value that changes nothing."""
     value = body.get(name)
     if value is not None and value not in neutral:
-        raise bad_request(f"`{name}` is not supported by this server.", name, code="unsupported_parameter")
+        raise bad_request(f"`{name}` is not supported by this server{': ' + why if why else ''}.", name,
+                          code="unsupported_parameter")
 
 
 def _stop(body: dict[str, Any], limits: ApiLimits) -> tuple[str, ...]:
@@ -250,8 +255,8 @@ def _common(body: dict[str, Any], endpoint: Endpoint, limits: ApiLimits) -> dict
     for name in ("presence_penalty", "frequency_penalty", "min_p"):
         _unsupported(body, name, 0, 0.0)
     _unsupported(body, "repetition_penalty", 1, 1.0)
-    _unsupported(body, "top_p", 1, 1.0)
-    _unsupported(body, "top_k", -1, 0)
+    _unsupported(body, "top_p", 1, 1.0, why=TRUNCATION)
+    _unsupported(body, "top_k", -1, 0, why=TRUNCATION)
     _unsupported(body, "logit_bias", {})
     _unsupported(body, "echo", False)
     temperature = _number(body, "temperature")
