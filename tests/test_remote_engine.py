@@ -374,6 +374,17 @@ def stream_of(data: bytes, content_type: str = "text/event-stream", status: int 
     return handler
 
 
+def recording(data: bytes) -> tuple[Any, dict[str, Any]]:
+    """A handler answering `data` as an event stream, and the JSON of the request it last got."""
+    seen: dict[str, Any] = {}
+
+    async def handler(request: web.Request) -> web.Response:
+        seen.update(await request.json())
+        return web.Response(body=data, content_type="text/event-stream")
+
+    return handler, seen
+
+
 REQUEST = GenerationRequest((1, 2, 3), 4, stop_ids=(9,))
 
 
@@ -389,11 +400,7 @@ def test_remote_engine_reads_a_vllm_stream() -> None:
                    "prompt_tokens_details": {"cached_tokens": 2}}},
         b"[DONE]",
     )
-    seen: dict[str, Any] = {}
-
-    async def handler(request: web.Request) -> web.Response:
-        seen.update(await request.json())
-        return web.Response(body=data, content_type="text/event-stream")
+    handler, seen = recording(data)
 
     async def body(engine: RemoteEngine) -> None:
         assert await collect(engine) == [
@@ -441,11 +448,7 @@ def test_remote_engine_asks_for_logprobs_and_maps_them_back_by_token_id() -> Non
         with_logprobs(vllm_chunk([9], "stop"), vllm_logprobs([(9, -0.1, {9: -0.1, 2: -4.0})])),
         b"[DONE]",
     )
-    seen: dict[str, Any] = {}
-
-    async def handler(request: web.Request) -> web.Response:
-        seen.update(await request.json())
-        return web.Response(body=data, content_type="text/event-stream")
+    handler, seen = recording(data)
 
     async def body(engine: RemoteEngine) -> None:
         chunks = await collect(engine, GenerationRequest((1, 2, 3), 4, stop_ids=(9,), logprobs=2))
