@@ -37,9 +37,9 @@ from collections.abc import Sequence
 import torch
 from transformers import LogitsProcessor
 
+from planetserve.registry.epochs import SEED_LIMIT
+
 DOMAIN = b"planetserve/gumbel/v1"
-SEED_LIMIT = 1 << 64
-"""Seeds are unsigned 64-bit integers."""
 VECTORS = (
     (0, 0, 0, 1.8071832573863638),
     (0, 0, 1, 0.6966424621228506),
@@ -226,6 +226,3 @@ class GumbelProcessor(LogitsProcessor):
                              [input_ids.shape[1] - self.prompt_len] * rows)
 
 
-def to_seed(value: int) -> int:
-    """An OpenAI `seed` (a signed 64-bit integer) as the protocol's unsigned one, two's complement."""
-    return value % SEED_LIMIT

@@ -24,7 +24,7 @@ ALLOWED: dict[str, set[str]] = {
     "registry": set(),
     "models": set(),
     "config": set(),
-    "sampling": set(),
+    "sampling": {"registry"},
     "workloads": {"models"},
     "chain": {"registry"},
     "chain.abci": {"chain", "registry"},
@@ -113,3 +113,13 @@ def test_a_client_never_loads_the_abci_application(entry):
              "print('\\n'.join(bad))")
     loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
     assert loaded.stdout.split() == []
+
+
+def test_a_user_relay_loads_no_model_code():
+    """A relay carries requests and never runs a model: it must not pay torch's and transformers'
+    start-up and memory (it takes the protocol's seed rules from the registry, not `sampling`)."""
+    probe = ("import sys, planetserve.node.user\n"
+             "print('\\n'.join(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers'))))")
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    assert loaded.stdout.split() == []
+

@@ -22,6 +22,7 @@ from planetserve.models import LoadedModel, load
 from planetserve.node.api.engine_server import EngineServer
 from planetserve.node.engine.base import GenerationRequest
 from planetserve.node.engine.builtin import BuiltinEngine
+from planetserve.registry.epochs import to_seed
 from planetserve.sampling import (
     SEED_LIMIT,
     VECTORS,
@@ -31,7 +32,6 @@ from planetserve.sampling import (
     position_key,
     sample,
     shortfalls,
-    to_seed,
 )
 from planetserve.verifier import Answer, Decoding, OnePassScorer, ReferenceModel
 

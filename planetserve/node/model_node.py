@@ -75,8 +75,7 @@ from planetserve.node.routing.cachesync import CacheSync, SyncConfig, SyncError
 from planetserve.node.routing.group import EMPTY, Group, GroupView
 from planetserve.node.routing.hrtree import SearchResult
 from planetserve.node.tasks import stop_tasks
-from planetserve.registry.epochs import prompt_hash
-from planetserve.sampling import SEED_LIMIT
+from planetserve.registry.epochs import SEED_LIMIT, prompt_hash
 
 log = logging.getLogger(__name__)
 

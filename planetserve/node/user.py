@@ -49,8 +49,7 @@ from planetserve.node.overlay.paths import Path, PathManager, PathSettings
 from planetserve.node.overlay.relay import Relay
 from planetserve.node.overlay.transport import Peering, TransportError
 from planetserve.node.tasks import stop_tasks
-from planetserve.registry.epochs import SEED_BITS
-from planetserve.sampling import to_seed
+from planetserve.registry.epochs import SEED_BITS, to_seed
 
 log = logging.getLogger(__name__)
 

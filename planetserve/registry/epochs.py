@@ -30,6 +30,8 @@ RESPONSE_DOMAIN = "planetserve/response/v3"
 SEED_DOMAIN = b"planetserve/challenge-seed/v1"
 SEED_BITS = 63
 """Seeds a requester draws: non-negative signed 64-bit integers, which every OpenAI client accepts."""
+SEED_LIMIT = 1 << 64
+"""The protocol's seeds are unsigned 64-bit integers (planetserve/sampling.py)."""
 RECHALLENGE_DOMAIN = "planetserve/rechallenge/v1"
 MILLI = 1_000
 """Temperatures are signed and committed in thousandths, so that no float enters state."""
@@ -120,6 +122,11 @@ def commitment(prompt: str, temperature: int, salt: bytes) -> bytes:
     """What a plan records for a challenge: H(prompt || temperature || salt), unambiguously encoded. The
     temperature is committed with the prompt because it decides how the answer is scored."""
     return hashlib.sha256(codec.pack([COMMIT_DOMAIN, prompt, temperature, salt])).digest()
+
+
+def to_seed(value: int) -> int:
+    """An OpenAI `seed` (a signed 64-bit integer) as the protocol's unsigned one, two's complement."""
+    return value % SEED_LIMIT
 
 
 def challenge_seed(salt: bytes) -> int:

@@ -25,8 +25,7 @@ from typing import Any, Literal
 
 from planetserve.node.engine.base import MAX_LOGPROBS, GenerationRequest, Tokenizer, TokenLogprob
 from planetserve.node.engine.wire import MAX_TOKEN_ID
-from planetserve.registry.epochs import SEED_BITS
-from planetserve.sampling import to_seed
+from planetserve.registry.epochs import SEED_BITS, to_seed
 
 Endpoint = Literal["completions", "chat"]
 

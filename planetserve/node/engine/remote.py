@@ -54,7 +54,7 @@ from planetserve.node.engine.base import (
 from planetserve.node.engine.kvevents import KVEventBatch, KVEventSubscriber, PrefixMirror
 from planetserve.node.engine.vllm_sampling import XARG_SEED, XARG_TEMPERATURE
 from planetserve.node.engine.wire import MAX_TOKEN_ID, SSEDecoder, SSEError, error_message
-from planetserve.sampling import SEED_LIMIT
+from planetserve.registry.epochs import SEED_LIMIT
 
 FINISH_REASONS = (None, "stop", "length")
 ID_PREFIX = "token_id:"
