@@ -17,11 +17,11 @@ from planetserve.chain import tx as txlib
 from planetserve.chain.errors import Code
 from planetserve.chain.keys import KeySet
 
-FLOOD = 300
+FLOOD = 100
 LISTS = 15_800
 """Empty lists in each body: one byte each on the wire, about 70 bytes each once decoded."""
 BOUND = 2 << 20
-"""What the whole flood may leave in the process (bytes); the old cache kept about 331 MiB."""
+"""What the whole flood may leave in the process (bytes); the old cache kept about 1 MiB per transaction."""
 
 
 def test_a_checktx_flood_at_a_wrong_sequence_leaves_nothing_and_honest_transactions_pass(tmp_path):
