@@ -752,6 +752,11 @@ def garbage(method: str, params: dict[str, Any], answer: dict[str, Any]) -> byte
     return b"<html>not json</html>"
 
 
+def deeply_nested(method: str, params: dict[str, Any], answer: dict[str, Any]) -> bytes:
+    """A few KB of brackets: Python's JSON decoder recurses once per level."""
+    return b"[" * 5_000 + b"]" * 5_000
+
+
 @pytest.mark.network
 @pytest.mark.parametrize(
     ("rewrite", "error", "message"),
@@ -766,6 +771,7 @@ def garbage(method: str, params: dict[str, Any], answer: dict[str, Any]) -> byte
         (drop_signatures, VerificationError, r"insufficient voting power: \d+/40"),
         (error_object, ProviderError, "JSON-RPC error -32603"),
         (garbage, ProviderError, "not JSON"),
+        (deeply_nested, ProviderError, "nests too deeply"),
     ],
     ids=lambda x: getattr(x, "__name__", None),
 )

@@ -255,6 +255,8 @@ class RpcClient:
             answer = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise RpcMalformed(f"{method}: answer is not JSON") from exc
+        except RecursionError:  # a lying endpoint's few KB of brackets must not escape as a crash
+            raise RpcMalformed(f"{method}: answer nests too deeply to be JSON-RPC") from None
         answer = obj(answer, f"{method} answer")
         err = answer.get("error")
         if err is not None:
