@@ -21,7 +21,7 @@ import re
 import secrets
 import time
 from collections import Counter, OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -526,28 +526,27 @@ def relayed_seed(request: ApiRequest, key: bytes) -> int:
     return int.from_bytes(digest.digest(), "big") >> (64 - SEED_BITS)
 
 
-def _exact_seed(body: dict[str, Any]) -> int | None:
-    """The seed `planetserve.seed` asks this relay to send unchanged, taken out of the body (a relay-only
-    field, like `planetserve.node`): a committee member's challenge must reach the node with the seed
-    its commitment binds."""
+def _relay_field(body: dict[str, Any], name: str, valid: Callable[[Any], bool], must: str) -> Any:
+    """The relay-only field `planetserve.<name>`, taken out of the body so that it never travels on; None
+    when absent, a 400 saying what it `must` be when `valid` refuses it."""
     options = body.get("planetserve")
-    if not isinstance(options, dict) or "seed" not in options:
+    if not isinstance(options, dict) or name not in options:
         return None
-    seed = options.pop("seed")
-    if type(seed) is not int or not 0 <= seed < 1 << SEED_BITS:
-        raise bad_request(f"`planetserve.seed` must be an integer in [0, 2**{SEED_BITS}).",
-                          "planetserve.seed")
-    return seed
+    value = options.pop(name)
+    if not valid(value):
+        raise bad_request(f"`planetserve.{name}` must be {must}.", f"planetserve.{name}")
+    return value
 
 
 def _named_node(body: dict[str, Any]) -> bytes | None:
-    """The key `planetserve.node` names, taken out of the body: the field is this relay's alone, so it
-    never travels on."""
-    options = body.get("planetserve")
-    if not isinstance(options, dict) or "node" not in options:
-        return None
-    key = options.pop("node")
-    if not isinstance(key, str) or not NODE_KEY.fullmatch(key):
-        raise bad_request("`planetserve.node` must be a model node's key as 64 hex digits.",
-                          "planetserve.node")
-    return bytes.fromhex(key)
+    """The model node's key `planetserve.node` names: exactly that node answers."""
+    key = _relay_field(body, "node", lambda k: isinstance(k, str) and bool(NODE_KEY.fullmatch(k)),
+                       "a model node's key as 64 hex digits")
+    return None if key is None else bytes.fromhex(key)
+
+
+def _exact_seed(body: dict[str, Any]) -> int | None:
+    """The seed `planetserve.seed` asks this relay to send unchanged: a committee member's challenge must
+    reach the node with the seed its commitment binds."""
+    return _relay_field(body, "seed", lambda s: type(s) is int and 0 <= s < 1 << SEED_BITS,
+                        f"an integer in [0, 2**{SEED_BITS})")

@@ -19,6 +19,7 @@ from dataclasses import replace
 
 import httpx
 import numpy as np
+import pytest
 from modelnodes import make_node, view
 from openai import AsyncOpenAI
 from overlaynet import FAST, Overlay, make_user
@@ -28,6 +29,7 @@ from waiting import run
 
 from planetserve import workloads
 from planetserve.node.api.openai import (
+    ApiError,
     Endpoint,
     canonical_body,
     parse_json_body,
@@ -275,3 +277,30 @@ def test_the_relays_encoding_keeps_what_a_request_asks_and_drops_the_rest():
     chat = {"model": "gt", "messages": [{"role": "user", "content": "Hi"}]}
     neutral = {**chat, "logprobs": False, "top_logprobs": 0}
     assert len({canonical_body(parse_request_body("chat", dict(b))) for b in (chat, neutral)}) == 1
+
+
+def test_the_relay_takes_out_its_own_fields_and_sets_every_seed():
+    """`planetserve.node` and `planetserve.seed` are the relay's alone: taken out, never sent on, and
+    refused clearly when malformed. A program's seed is keyed with the request, so its rerun reproduces
+    while another request under the same seed gets another; a request without one gets a fresh one; a
+    member's exact seed passes unchanged."""
+    key = bytes(32)
+
+    def taken(body: dict) -> tuple:
+        named, request = taken_request("completions", json.loads(json.dumps(body)), key)
+        return named, request.seed, json.loads(canonical_body(request))
+
+    ask = {"model": "gt", "prompt": "Why?", "seed": 42}
+    named, seed, sent = taken({**ask, "planetserve": {"node": "ab" * 32, "seed": 7, "session_id": "s1"}})
+    assert named == bytes.fromhex("ab" * 32) and seed == 7
+    assert sent["planetserve"] == {"session_id": "s1"} and sent["seed"] == 7
+    keyed = taken(ask)[1]
+    assert keyed == taken(ask)[1] != 42 and 0 <= keyed < 1 << SEED_BITS
+    assert taken({**ask, "prompt": "How?"})[1] != keyed
+    assert taken({**ask, "seed": None})[1] != taken({**ask, "seed": None})[1]
+    for options, message in (({"node": "xy"}, "`planetserve.node` must be a model node's key as 64 hex digits."),
+                             ({"seed": -1}, f"`planetserve.seed` must be an integer in [0, 2**{SEED_BITS})."),
+                             ({"seed": True}, f"`planetserve.seed` must be an integer in [0, 2**{SEED_BITS}).")):
+        with pytest.raises(ApiError) as refused:
+            taken({**ask, "planetserve": options})
+        assert refused.value.message == message and refused.value.param == f"planetserve.{next(iter(options))}"
