@@ -201,13 +201,21 @@ def shortfalls(logprobs: torch.Tensor, tokens: torch.Tensor, temperature: float,
     with l_i the reference's log-probabilities at i ([n, vocab]) and t_i the response's tokens ([n]).
     It is 0 for the honest choice and, at temperature 0, the greedy shortfall top_i - l_i(t_i). It is
     measured in the logits' own units (the noise scaled by T, not the logits divided by T), so one
-    tolerance absorbs numeric differences between engines at every temperature."""
-    scores = logprobs.double()
-    if temperature > 0 and len(tokens):
-        noise = gumbel_rows([seed] * len(tokens), range(len(tokens)), scores.shape[-1], scores.device)
-        scores = scores + temperature * noise
-    picked = scores.gather(-1, tokens.long().view(-1, 1))[:, 0]
-    return scores.max(-1).values - picked
+    tolerance absorbs numeric differences between engines at every temperature. Positions are worked
+    through CHUNK_ELEMENTS noise values at a time, so a long answer over a large vocabulary does not
+    hold its whole noise at once."""
+    count, vocab = logprobs.shape
+    index = tokens.long().view(-1, 1)
+    step = max(1, CHUNK_ELEMENTS // max(1, vocab))
+    out = []
+    for start in range(0, count, step):
+        scores = logprobs[start:start + step].double()
+        if temperature > 0:
+            positions = range(start, min(count, start + step))
+            noise = gumbel_rows([seed] * len(positions), positions, vocab, scores.device)
+            scores = scores + temperature * noise
+        out.append(scores.max(-1).values - scores.gather(-1, index[start:start + step])[:, 0])
+    return torch.cat(out) if out else logprobs.new_zeros(0, dtype=torch.float64)
 
 
 class GumbelProcessor(LogitsProcessor):

@@ -16,6 +16,7 @@ import torch
 from openai import OpenAI
 from transformers import LogitsProcessorList
 
+from planetserve import sampling
 from planetserve.chain.challenge import sign_response
 from planetserve.chain.keys import KeySet
 from planetserve.models import LoadedModel, load
@@ -77,6 +78,16 @@ def test_a_shortfall_is_zero_for_the_honest_choice_and_the_gap_otherwise():
     assert greedy[0] == 0.0 and greedy[1] == pytest.approx(2.0)
     honest = [sample(logprobs[i], 1.0, 77, i) for i in range(2)]
     assert shortfalls(logprobs, torch.tensor(honest), 1.0, 77).tolist() == [0.0, 0.0]
+
+
+def test_shortfalls_worked_through_in_chunks_equal_one_pass(monkeypatch):
+    logprobs = torch.log_softmax(torch.randn(37, 50, generator=torch.Generator().manual_seed(3)), -1)
+    tokens = torch.randint(50, (37,), generator=torch.Generator().manual_seed(4))
+    whole = shortfalls(logprobs, tokens, 0.7, 11)
+    monkeypatch.setattr(sampling, "CHUNK_ELEMENTS", 120)  # two positions at a time
+    assert torch.equal(shortfalls(logprobs, tokens, 0.7, 11), whole)
+    assert torch.equal(shortfalls(logprobs.double(), tokens, 0.7, 11), whole)
+    assert shortfalls(logprobs[:0], tokens[:0], 0.7, 11).shape == (0,)
 
 
 @pytest.fixture(scope="module")
