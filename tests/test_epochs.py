@@ -439,3 +439,16 @@ def test_a_pipeline_entrys_verdict_is_its_later_stages_too():
     assert extended[:3] == verdicts  # own verdicts stand, first
     assert extended[3:] == [Verdict(middle, 300_000, "leader:aa")]  # last already had its own
     assert to_pipelines(verdicts, {}) == verdicts
+
+
+def test_an_attestation_cannot_count_more_deviating_tokens_than_the_answer_has(s):
+    """The evidence across epochs adds up attested deviations, so a member cannot attest more of them
+    than the answer's tokens (3 here); as many as it has are taken."""
+    s.run_election_and_plan(1)
+    leader = s.leader(1)
+    node0, _ = list(s.nodes)
+    assert s.block(s.tx(leader, "submit-results", s.leader_results(1, HONEST))) == [(0, "ok")]
+    member = others(s, 1)[0]
+    code, log = s.block(*s.attest_txs(1, leader.public, {node0: HONEST}, [member], deviations={node0: 4}))[0]
+    assert code == Code.INVALID_FIELD and "4 deviating tokens in an answer of 3" in log
+    assert s.block(*s.attest_txs(1, leader.public, {node0: HONEST}, [member], deviations={node0: 3})) == [(0, "ok")]

@@ -272,3 +272,14 @@ def test_cli_run_explains_a_missing_home(tmp_path):
     done = CliRunner().invoke(main, ["verifier", "run", "--home", str(tmp_path)])
     assert done.exit_code != 0 and "planetserve verifier init" in done.output
 
+
+
+@pytest.mark.parametrize("seed", [-1, 2**64, "7"])
+def test_an_answer_signed_with_a_seed_outside_the_protocols_is_not_an_answer(relay, seed):
+    node = KeySet.generate()
+    extension = response_extension(sign_response(node, "Why?", [5, 6], "Light.", "gt", int(time.time()), "h:1",
+                                                 0, 0))
+    relay.body = {"choices": [{"text": "Light."}], "planetserve": {**extension, "seed": seed}}
+    expected = "extension seed must lie in" if isinstance(seed, int) else "extension field 'seed' is missing or not a int"
+    with pytest.raises(NoAnswer, match=f"malformed answer: {expected}"):
+        OverlayChannel(relay.url).ask(node.public, "gt", Challenge.new("Why?", 0))

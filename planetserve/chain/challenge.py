@@ -191,7 +191,7 @@ def response_from_extension(extension: object, text: str) -> SignedResponse:
         node, digest, signature = (bytes.fromhex(extension[k]) for k in ("node", "prompt_hash", "signature"))
     except ValueError as exc:
         raise ResponseFormatError(f"extension holds malformed hex: {exc}") from exc
-    if not 0 <= extension["seed"] < 1 << 64:
+    if not 0 <= extension["seed"] < epochs.SEED_LIMIT:
         raise ResponseFormatError("extension seed must lie in [0, 2**64)")
     return SignedResponse(node, digest, tuple(ids), text, extension["model_id"], extension["temperature"],
                           extension["seed"], extension["time"], extension["address"], signature)

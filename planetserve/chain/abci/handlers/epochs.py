@@ -167,9 +167,8 @@ def _inconsistency(ctx: Context, node_model: str, node: bytes, commitment: bytes
     if response.temperature != temperature:
         return "altered-prompt", (f"the node was asked for temperature {response.temperature}, "
                                   f"not the committed {temperature} (thousandths)")
-    if response.seed != epochs.challenge_seed(salt):
-        return "altered-prompt", (f"the node was asked for seed {response.seed}, not the committed "
-                                  f"{epochs.challenge_seed(salt)}")
+    if response.seed != (committed := epochs.challenge_seed(salt)):
+        return "altered-prompt", f"the node was asked for seed {response.seed}, not the committed {committed}"
     if not since - slack <= response.time <= ctx.time + slack:
         window = f"[{since - slack}, {ctx.time + slack}]"
         return "stale-response", f"response time {response.time} is outside {window}"
@@ -262,9 +261,8 @@ def attest(ctx: Context, msg: Attest) -> None:
         if result is None or result.status != VALID:
             raise UnknownEntity(
                 f"no valid result of node {node.hex()} by {submitter.hex()} in epoch {number}")
-        if deviations > len(result.response.get("token_ids", ())):
-            raise InvalidField("deviations", f"{deviations} deviating tokens in an answer of "
-                                             f"{len(result.response.get('token_ids', ()))}")
+        if deviations > (tokens := len(result.response.get("token_ids", ()))):
+            raise InvalidField("deviations", f"{deviations} deviating tokens in an answer of {tokens}")
         scores = ctx.state.attestations(number, node, submitter)
         if any(m == ctx.signer for m, *_ in scores):
             raise AlreadyExists(f"signer already attested node {node.hex()}'s result by {submitter.hex()}")
