@@ -2,7 +2,8 @@
 
 Every variant answers the same natural challenge prompts (the question part of `planetserve.workloads`
 requests, as a one-message chat) under each of the workload's decodings, at most 64 new tokens: greedily,
-sampling at temperature 0.7 ("warm") and at temperature 1 ("sampled"). Sampling is the protocol's
+sampling at temperature 0.7 ("warm") and at temperature 1 ("sampled"), each of the two over the whole
+vocabulary or over the top_p 0.9 nucleus ("warm-p0.9", "sampled-p0.9"). Sampling is the protocol's
 (`planetserve.sampling`): prompt i is asked with seed + i, whatever the variant, and the answer is signed
 with it, as every request carries a seed the requester chose.
 
@@ -18,8 +19,8 @@ with it, as every request carries a seed the requester chose.
 - small-nongreedy (mix only): gt on greedy requests, small on sampled ones (a node that cheats only where
   it once could not be checked).
 
-The verifier's reference model is gt; every answer is signed with the temperature and seed it was asked
-for and checked by `ReferenceModel.verify`, which gives both credibilities: the paper's 1/PPL and the
+The verifier's reference model is gt; every answer is signed with the temperature, seed and top_p it was
+asked for and checked by `ReferenceModel.verify`, which gives both credibilities: the paper's 1/PPL and the
 calibrated one (every token against the honest choice under the signed decoding, `choice_credibility`),
 with the count of tokens beyond the tolerance. Per variant and decoding: the
 credibility distribution and the AUC against honest gt (Mann-Whitney: the chance that a random honest
@@ -29,8 +30,8 @@ each epoch a node answers `--challenges` prompts, and C(T) is as the ledger take
 their credibilities in ppm (`finalization.product`), 0 while the evidence across epochs flags the node
 (`registry.evidence`, over the answers' checked and deviating tokens; the calibrated rule only). A node
 either answers from one decoding's pool, or ("mix", what a live network sees) takes each challenge's
-decoding from the workload's temperature weights (`workloads.TEMPERATURES`) and the answer from that
-decoding's pool.
+decoding from the workload's weights (`workloads.TEMPERATURES` and `workloads.TOP_PS`) and the answer
+from that decoding's pool.
 The paper's targets: every dishonest variant untrusted (< 0.4) within 5 epochs at gamma = 1/5, no honest
 node ever untrusted; the false-flag rate is the share of seeds in which an honest node ever is.
 
@@ -53,19 +54,20 @@ import numpy as np
 import torch
 from transformers import LogitsProcessorList
 
-from planetserve.chain.challenge import milli, sign_response
+from planetserve.chain.challenge import sign_response
 from planetserve.chain.keys import KeySet
 from planetserve.models import LoadedModel, load
 from planetserve.node.behaviours import clickbait
 from planetserve.node.engine.base import GenerationRequest
 from planetserve.node.engine.builtin import BuiltinEngine
+from planetserve.registry.epochs import milli
 from planetserve.registry.evidence import EvidenceRule, accumulate, flagged
 from planetserve.registry.finalization import product
 from planetserve.registry.params import PPM, Params
 from planetserve.registry.reputation import ReputationRule, is_trusted, update
 from planetserve.sampling import GumbelProcessor
 from planetserve.verifier import Answer, Decoding, ReferenceModel, to_ppm
-from planetserve.workloads import TEMPERATURES, detokenize, generate
+from planetserve.workloads import TEMPERATURES, TOP_PS, detokenize, generate
 
 QUICK_DATA = "/tmp/ps-quick-models"
 HONEST = "gt"
@@ -73,12 +75,16 @@ MODELS = ("gt", "small", "tiny", "gt-int8", "gt-int4")
 ENGINE = "gt-engine"
 NONGREEDY = "small-nongreedy"
 VARIANTS = (MODELS[0], ENGINE, *MODELS[1:], "gt_cb", "gt_ic")
-DECODINGS = ("greedy", "warm", "sampled")
-TEMPERATURE = {"greedy": 0.0, "warm": 0.7, "sampled": 1.0}
-"""The temperature each decoding answers at and signs: the workload's own (`workloads.TEMPERATURES`)."""
+DECODINGS = ("greedy", "warm", "warm-p0.9", "sampled", "sampled-p0.9")
+SAMPLING = {"greedy": (0.0, 1.0), "warm": (0.7, 1.0), "warm-p0.9": (0.7, 0.9), "sampled": (1.0, 1.0),
+            "sampled-p0.9": (1.0, 0.9)}
+"""The (temperature, top_p) each decoding answers at and signs: the workload's own (`workloads.TEMPERATURES`,
+`workloads.TOP_PS`)."""
 MIX = "mix"
 """The node that answers each challenge in a decoding drawn with the workload's weights."""
-MIX_WEIGHTS = {d: TEMPERATURES[t] for d, t in TEMPERATURE.items()}
+MIX_WEIGHTS = {d: TEMPERATURES[t] * (sum(TOP_PS.values()) if t == 0 else TOP_PS[p])
+               for d, (t, p) in SAMPLING.items()}
+"""Temperature and top_p are drawn independently; a greedy answer is the same under every top_p."""
 DEFINITIONS = ("1/PPL", "calibrated")
 GAMMAS = {"1": PPM, "1/3": PPM // 3, "1/5": PPM // 5}
 EPOCHS = 35
@@ -131,14 +137,15 @@ def chat_prompt(loaded: LoadedModel, text: str) -> str:
 
 
 def answer(loaded: LoadedModel, reference: ReferenceModel, prompts: Sequence[str], temperature: float,
-           seed: int, max_new_tokens: int = MAX_NEW_TOKENS) -> list[list[int]]:
+           seed: int, top_p: float = 1.0, max_new_tokens: int = MAX_NEW_TOKENS) -> list[list[int]]:
     """The model's response ids per chat prompt at `temperature` (0: greedy), stop token included when it
     stopped. Prompt i samples under seed + i whatever the model and temperature, so variants share their
     noise, as nodes asked the same request with the same seed would."""
     responses = []
     for i, prompt in enumerate(prompts):
         ids = reference.prompt_ids(prompt)
-        noise = LogitsProcessorList([GumbelProcessor(temperature, seed + i, len(ids))] if temperature else [])
+        noise = LogitsProcessorList([GumbelProcessor(temperature, seed + i, len(ids), top_p)]
+                                    if temperature else [])
         out = loaded.model.generate(torch.tensor([ids], device=loaded.model.device), do_sample=False,
                                     max_new_tokens=max_new_tokens, logits_processor=noise,
                                     eos_token_id=list(loaded.stop_token_ids),
@@ -148,7 +155,7 @@ def answer(loaded: LoadedModel, reference: ReferenceModel, prompts: Sequence[str
 
 
 def engine_answers(loaded: LoadedModel, reference: ReferenceModel, prompts: Sequence[str], temperature: float,
-                   seed: int, max_new_tokens: int = MAX_NEW_TOKENS) -> list[list[int]]:
+                   seed: int, top_p: float = 1.0, max_new_tokens: int = MAX_NEW_TOKENS) -> list[list[int]]:
     """The same answers from the built-in serving engine, `ENGINE_BATCH` requests decoding together on
     one thread (the verifier scores with the bench's threads: another batch shape and thread count)."""
     import asyncio
@@ -158,7 +165,7 @@ def engine_answers(loaded: LoadedModel, reference: ReferenceModel, prompts: Sequ
         try:
             async def one(i: int, prompt: str) -> list[int]:
                 request = GenerationRequest(tuple(reference.prompt_ids(prompt)), max_new_tokens, temperature,
-                                            seed + i)
+                                            seed + i, top_p=top_p)
                 return [t async for chunk in engine.generate(request) for t in chunk.token_ids]
             return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
         finally:
@@ -189,21 +196,22 @@ class Pool:
 
 
 def score(reference: ReferenceModel, prompts: Sequence[str], responses: Sequence[Sequence[int]],
-          claimed_id: str, temperature: float, seed: int) -> Pool:
+          claimed_id: str, temperature: float, seed: int, top_p: float = 1.0) -> Pool:
     """Sign every response as a node claiming the reference's model, asked for answers at `temperature`
-    (prompt i with seed + i), and run the verifier's checks and scoring on it, as the committee does."""
+    and `top_p` (prompt i with seed + i), and run the verifier's checks and scoring on it, as the
+    committee does."""
     keys = KeySet.generate()
     answers = []
     for i, (prompt, ids) in enumerate(zip(prompts, responses, strict=True)):
         text = reference.tokenizer.decode(ids, skip_special_tokens=True)
         answers.append(Answer(sign_response(keys, prompt, list(ids), text, claimed_id, 0, "bench:0",
-                                            milli(temperature), seed + i), prompt))
+                                            milli(temperature), seed + i, milli(top_p)), prompt))
     verdicts = reference.verify(answers)
     bad = [v for v in verdicts if not v.ok]
     if bad:
         raise RuntimeError(f"{len(bad)} answers rejected, first: {bad[0].rejection}: {bad[0].detail}")
     pairs = [(reference.prompt_ids(p), list(r)) for p, r in zip(prompts, responses, strict=True)]
-    decodings = [Decoding(temperature, seed + i) for i in range(len(pairs))]
+    decodings = [Decoding(temperature, seed + i, top_p, reference.tolerance) for i in range(len(pairs))]
     worst = max(max(s.shortfalls or (0.0,)) for s in reference.scorer.score_choices(pairs, decodings))
     return Pool(tuple(v.credibility for v in verdicts), tuple(v.calibrated for v in verdicts),
                 tuple(v.tokens for v in verdicts), tuple(v.deviations for v in verdicts), worst)
@@ -222,17 +230,18 @@ def build_pools(data_dir: str | None, count: int, seed: int = 0
     pools: dict[tuple[str, str], Pool] = {}
     for name in MODELS:
         loaded = gt if name == HONEST else load(name, data_dir)
-        for decoding, temperature in TEMPERATURE.items():
-            responses = answer(loaded, reference, prompts, temperature, seed)
-            pools[name, decoding] = score(reference, prompts, responses, gt.model_id, temperature, seed)
+        for decoding, (temperature, top_p) in SAMPLING.items():
+            sampled = {"temperature": temperature, "seed": seed, "top_p": top_p}
+            responses = answer(loaded, reference, prompts, **sampled)
+            pools[name, decoding] = score(reference, prompts, responses, gt.model_id, **sampled)
             if name == HONEST:
-                served = engine_answers(gt, reference, prompts, temperature, seed)
-                pools[ENGINE, decoding] = score(reference, prompts, served, gt.model_id, temperature, seed)
+                served = engine_answers(gt, reference, prompts, **sampled)
+                pools[ENGINE, decoding] = score(reference, prompts, served, gt.model_id, **sampled)
                 forged = [inject(r, continuations[i % len(continuations)], gt.stop_token_ids)
                           for i, r in enumerate(responses)]
-                pools["gt_ic", decoding] = score(reference, prompts, forged, gt.model_id, temperature, seed)
-                baited = answer(gt, reference, baits, temperature, seed)
-                pools["gt_cb", decoding] = score(reference, prompts, baited, gt.model_id, temperature, seed)
+                pools["gt_ic", decoding] = score(reference, prompts, forged, gt.model_id, **sampled)
+                baited = answer(gt, reference, baits, **sampled)
+                pools["gt_cb", decoding] = score(reference, prompts, baited, gt.model_id, **sampled)
     ordered = {(v, d): pools[v, d] for v in VARIANTS for d in DECODINGS}
     ordered |= {(NONGREEDY, d): pools[HONEST if d == "greedy" else "small", d] for d in DECODINGS}
     return questions, ordered
@@ -449,7 +458,8 @@ def plot_distributions(pools: dict[tuple[str, str], Pool], path: Path, decoding:
         ax.axhline(abnormal, color="grey", linestyle=":", linewidth=1, label=f"τ = {abnormal:g}")
         if definition == "1/PPL":
             ax.set_yscale("log")
-        ax.set_title(f"{definition} credibility ({decoding} answers, T = {TEMPERATURE[decoding]:g}, "
+        temperature, top_p = SAMPLING[decoding]
+        ax.set_title(f"{definition} credibility ({decoding} answers, T = {temperature:g}, top_p = {top_p:g}, "
                      "reference gt)")
         ax.legend(loc="lower left")
     fig.tight_layout()

@@ -243,7 +243,7 @@ class Evidence:
                 prompt, salt = self.prompts[i], self.salts[i]
             else:
                 prompt, salt = words(self.rnd, 200), self.rnd.randbytes(32)
-            commitment = epochs.commitment(prompt, TEMPERATURE, salt)
+            commitment = epochs.commitment(prompt, TEMPERATURE, salt, epochs.MILLI)
             sealed = tuple([op, self.rnd.randbytes(300)] for op in self.chain.operators)
             st.put_plan_entry(number, PlanEntry(pk, commitment, sealed))
             st.use_commitment(number, commitment, pk)

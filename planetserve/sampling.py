@@ -10,6 +10,11 @@ noise. Here g is a fixed function of (seed, i, v), so the verifier, recomputing 
 in one pass, checks every token as it checks a greedy one: temperature 0 is the case with no noise.
 The noise is keyed by token id, never by rank, so near-ties between engines cannot swap it.
 
+With nucleus truncation (OpenAI's `top_p` = P < 1) the argmax runs over the nucleus only: the tokens
+in descending order of softmax(logit_i / T) (ties by ascending id), each kept while the probability of
+those before it is below P, so the likeliest always is (`nucleus`). The verifier cannot know an
+engine's nucleus to the last ulp, so it bounds it (`shortfalls`).
+
 The specification (docs/architecture.md, "Verifiable sampling", with test vectors):
 
 1. key = BLAKE2b-64(DOMAIN || seed as 8 bytes little-endian || i as 8 bytes little-endian), read as
@@ -123,26 +128,28 @@ def gumbel_rows(seeds: Sequence[int], positions: Sequence[int], vocab_size: int,
 
 
 def noised_logits(logits: torch.Tensor, temperatures: Sequence[float], seeds: Sequence[int],
-                  positions: Sequence[int]) -> torch.Tensor:
+                  positions: Sequence[int], top_ps: Sequence[float] | None = None) -> torch.Tensor:
     """A new [B, V] tensor of the logits' dtype and device whose row-wise argmax is, for every row b,
-    `sample(logits[b], temperatures[b], seeds[b], positions[b])` (`noise_rows_` on a copy)."""
+    `sample(logits[b], temperatures[b], seeds[b], positions[b], top_ps[b])` (`noise_rows_` on a copy)."""
     out = logits.clone()
-    noise_rows_(out, range(out.shape[0]) if out.dim() == 2 else [], temperatures, seeds, positions)
+    noise_rows_(out, range(out.shape[0]) if out.dim() == 2 else [], temperatures, seeds, positions, top_ps)
     return out
 
 
 def noise_rows_(logits: torch.Tensor, rows: Sequence[int], temperatures: Sequence[float],
-                seeds: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
-    """In place, rows[i] of `logits` ([B, V]) gets temperatures[i], seeds[i] and positions[i]: its argmax
-    becomes `sample(row, temperature, seed, position)`; returns `logits`.
+                seeds: Sequence[int], positions: Sequence[int], top_ps: Sequence[float] | None = None
+                ) -> torch.Tensor:
+    """In place, rows[i] of `logits` ([B, V]) gets temperatures[i], seeds[i], positions[i] and top_ps[i]
+    (all 1 when None): its argmax becomes `sample(row, temperature, seed, position, top_p)`; returns
+    `logits`.
 
     A row at temperature 0 stays as it is. Any other row becomes logits / T + g, computed in float64
-    as `sample` computes it and rounded to the logits' dtype. Rounding can make another token tie with
-    the float64 winner, or pass it, when the two lie within a unit in the last place of that dtype
-    (about 1e-6 of the value in float32, 1e-3 in float16 and 1e-2 in bfloat16); in those rows the
-    winner alone is lifted just above the row's maximum, so that the argmax stays the specification's.
-    Rows are worked through CHUNK_ELEMENTS at a time, so the memory this takes does not grow with the
-    batch.
+    as `sample` computes it and rounded to the logits' dtype, and -inf outside its nucleus. Rounding
+    can make another token tie with the float64 winner, or pass it, when the two lie within a unit in
+    the last place of that dtype (about 1e-6 of the value in float32, 1e-3 in float16 and 1e-2 in
+    bfloat16); in those rows the winner alone is lifted just above the row's maximum, so that the
+    argmax stays the specification's. Rows are worked through CHUNK_ELEMENTS at a time, so the memory
+    this takes does not grow with the batch.
     """
     if logits.dim() != 2:
         raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
@@ -155,6 +162,11 @@ def noise_rows_(logits: torch.Tensor, rows: Sequence[int], temperatures: Sequenc
     for t in temperatures:
         if not (math.isfinite(t) and t >= 0):
             raise ValueError(f"a temperature must be finite and at least 0, got {t!r}")
+    top_ps = [1.0] * len(rows) if top_ps is None else top_ps
+    if len(top_ps) != len(rows):
+        raise ValueError(f"{len(rows)} rows of logits need as many top_ps; got {len(top_ps)}")
+    for top_p in top_ps:
+        check_top_p(top_p)
     sampled = [i for i, t in enumerate(temperatures) if t > 0]
     if not sampled or vocab == 0:
         return logits
@@ -164,8 +176,13 @@ def noise_rows_(logits: torch.Tensor, rows: Sequence[int], temperatures: Sequenc
         index = torch.tensor([rows[i] for i in chunk], dtype=torch.long, device=logits.device)
         temps = torch.tensor([float(temperatures[i]) for i in chunk], dtype=torch.float64,
                              device=logits.device).view(-1, 1)
-        scores = logits.index_select(0, index).double().div_(temps)
-        scores += gumbel_rows([seeds[i] for i in chunk], [positions[i] for i in chunk], vocab, logits.device)
+        scaled = logits.index_select(0, index).double().div_(temps)
+        scores = scaled + gumbel_rows([seeds[i] for i in chunk], [positions[i] for i in chunk], vocab,
+                                      logits.device)
+        if any(top_ps[i] < 1 for i in chunk):
+            bounds = torch.tensor([float(top_ps[i]) for i in chunk], dtype=torch.float64,
+                                  device=logits.device).view(-1, 1)
+            scores.masked_fill_(~nucleus(scaled, bounds), -math.inf)
         logits.index_copy_(0, index, _keep_winner(scores, logits.dtype))
     return logits
 
@@ -183,16 +200,42 @@ def _keep_winner(scores: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return cast.scatter_(-1, winners, kept)
 
 
-def sample(logits: torch.Tensor, temperature: float, seed: int, position: int) -> int:
+def check_top_p(top_p: float) -> None:
+    if not (math.isfinite(top_p) and 0 <= top_p <= 1):
+        raise ValueError(f"top_p must lie in [0, 1], got {top_p!r}")
+
+
+def nucleus(scaled: torch.Tensor, top_p: float | torch.Tensor) -> torch.Tensor:
+    """A boolean mask of the nucleus of each row of `scaled` (logits / T, [..., vocab]): its tokens in
+    descending order of probability (ties by ascending id), each kept while the probability of those
+    before it is below `top_p` (a number, or one per row as a [..., 1] tensor); the likeliest always.
+    All of the vocabulary where top_p >= 1."""
+    if not isinstance(top_p, torch.Tensor):
+        if top_p >= 1:
+            return torch.ones_like(scaled, dtype=torch.bool)
+        top_p = torch.tensor(top_p, dtype=torch.float64, device=scaled.device)
+    bound = top_p.double().masked_fill(top_p >= 1, math.inf)
+    probs = scaled.double().softmax(-1)
+    ordered, order = probs.sort(dim=-1, descending=True, stable=True)
+    kept = (ordered.cumsum(-1) - ordered) < bound
+    kept[..., 0] = True
+    return torch.zeros_like(kept).scatter_(-1, order, kept)
+
+
+def sample(logits: torch.Tensor, temperature: float, seed: int, position: int, top_p: float = 1.0) -> int:
     """The token an honest engine emits from one position's logits ([vocab]): the argmax at temperature
-    0, else argmax(logits / T + g). float64, so the engine's own precision decides, not this step's."""
+    0, else argmax(logits / T + g) over the nucleus of `top_p`. float64, so the engine's own precision
+    decides, not this step's."""
     if temperature == 0:
         return int(logits.argmax())
-    noise = gumbel_row(seed, position, logits.shape[-1], logits.device)
-    return int((logits.double() / temperature + noise).argmax())
+    check_top_p(top_p)
+    scaled = logits.double() / temperature
+    noised = scaled + gumbel_row(seed, position, logits.shape[-1], logits.device)
+    return int(noised.masked_fill_(~nucleus(scaled, top_p), -math.inf).argmax())
 
 
-def shortfalls(logprobs: torch.Tensor, tokens: torch.Tensor, temperature: float, seed: int) -> torch.Tensor:
+def shortfalls(logprobs: torch.Tensor, tokens: torch.Tensor, temperature: float, seed: int,
+               top_p: float = 1.0, margin: float = 0.0) -> torch.Tensor:
     """Per response position i, how far (in nats of the reference's log-probabilities) token i falls short
     of what an honest engine holding the reference would have emitted there:
 
@@ -203,19 +246,54 @@ def shortfalls(logprobs: torch.Tensor, tokens: torch.Tensor, temperature: float,
     measured in the logits' own units (the noise scaled by T, not the logits divided by T), so one
     tolerance absorbs numeric differences between engines at every temperature. Positions are worked
     through CHUNK_ELEMENTS noise values at a time, so a long answer over a large vocabulary does not
-    hold its whole noise at once."""
+    hold its whole noise at once.
+
+    Under a nucleus (top_p < 1, T > 0) an honest engine whose log-probabilities lie within margin / 2
+    of the reference's has a nucleus between two the reference can bound (`_nucleus_bounds`): the max
+    runs over the tokens surely in it, and a token that cannot be in it falls short by infinity. An
+    honest answer then falls short by at most `margin`, the verifier's tolerance."""
+    check_top_p(top_p)
     count, vocab = logprobs.shape
     index = tokens.long().view(-1, 1)
     step = max(1, CHUNK_ELEMENTS // max(1, vocab))
     out = []
     for start in range(0, count, step):
         scores = logprobs[start:start + step].double()
-        if temperature > 0:
-            positions = range(start, min(count, start + step))
-            noise = gumbel_rows([seed] * len(positions), positions, vocab, scores.device)
-            scores = scores + temperature * noise
-        out.append(scores.max(-1).values - scores.gather(-1, index[start:start + step])[:, 0])
+        if temperature == 0:
+            out.append(scores.max(-1).values - scores.gather(-1, index[start:start + step])[:, 0])
+            continue
+        positions = range(start, min(count, start + step))
+        noised = scores + temperature * gumbel_rows([seed] * len(positions), positions, vocab, scores.device)
+        own = noised.gather(-1, index[start:start + step])[:, 0]
+        if top_p >= 1:
+            out.append(noised.max(-1).values - own)
+            continue
+        sure, maybe = _nucleus_bounds(scores, temperature, top_p, margin)
+        short = (noised.masked_fill(~sure, -math.inf).max(-1).values - own).clamp(min=0)
+        out.append(short.masked_fill(~maybe.gather(-1, index[start:start + step])[:, 0], math.inf))
     return torch.cat(out) if out else logprobs.new_zeros(0, dtype=torch.float64)
+
+
+def _nucleus_bounds(logprobs: torch.Tensor, temperature: float, top_p: float, margin: float
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sure, maybe): masks of the tokens in, and of those possibly in, the nucleus of every engine
+    whose log-probabilities ([n, vocab], float64) each lie within margin / 2 of these. Such an engine
+    orders two tokens as these do unless they lie within `margin`, and its tempered probabilities are
+    these times a factor within exp(+-margin / T); so the probability it puts before token v is at
+    least that of the tokens above v by more than the margin, shrunk by that factor, and at most that
+    of all other tokens within the margin below v or above, grown by it. A token with nothing within
+    the margin above it may be an engine's likeliest, and one with no other within the margin of it
+    is."""
+    tempered = (logprobs / temperature).softmax(-1)
+    ascending, order = logprobs.sort(-1)
+    tail = tempered.gather(-1, order).flip(-1).cumsum(-1).flip(-1)
+    tail = torch.cat([tail, tail.new_zeros(tail.shape[0], 1)], dim=-1)
+    factor = math.exp(margin / temperature)
+    clearly_above = tail.gather(-1, torch.searchsorted(ascending, logprobs + margin, right=True))
+    maybe = (clearly_above / factor < top_p) | (clearly_above == 0)
+    near_or_above = tail.gather(-1, torch.searchsorted(ascending, logprobs - margin)) - tempered
+    sure = (near_or_above * factor < top_p) | (near_or_above <= 0)
+    return sure, maybe
 
 
 class GumbelProcessor(LogitsProcessor):
@@ -223,14 +301,15 @@ class GumbelProcessor(LogitsProcessor):
     so `generate(do_sample=False, logits_processor=[...])` emits what an honest engine emits, with the
     KV cache (for answers made outside a serving engine: benchmarks, reference answers)."""
 
-    def __init__(self, temperature: float, seed: int, prompt_len: int) -> None:
+    def __init__(self, temperature: float, seed: int, prompt_len: int, top_p: float = 1.0) -> None:
         if temperature <= 0:
             raise ValueError("greedy decoding needs no noise")
-        self.temperature, self.seed, self.prompt_len = temperature, seed, prompt_len
+        check_top_p(top_p)
+        self.temperature, self.seed, self.prompt_len, self.top_p = temperature, seed, prompt_len, top_p
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         rows = scores.shape[0]
         return noised_logits(scores, [self.temperature] * rows, [self.seed] * rows,
-                             [input_ids.shape[1] - self.prompt_len] * rows)
+                             [input_ids.shape[1] - self.prompt_len] * rows, [self.top_p] * rows)
 
 

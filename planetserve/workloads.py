@@ -30,8 +30,9 @@ number of items in the queue?"), so a challenge prompt made here looks like any 
 
 Each request also says how it is sent and sampled: half as a chat message (the rest as a bare
 completion prompt), half of them streamed; greedily for half of them, at temperature 0.7 or 1.0 (the
-API's default) for a quarter each. The traces publish neither; this mix is ours, and the verifier's
-challenges draw from it too, so that neither tells a challenge apart.
+API's default) for a quarter each; a quarter of them ask for nucleus sampling at top_p 0.9. The traces
+publish none of this; the mix is ours, and the verifier's challenges draw from it too, so that none of
+it tells a challenge apart.
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ QUESTION_SIGMA = 0.5
 TEMPERATURES = {0.0: 2, 0.7: 1, 1.0: 1}
 """Sampling temperatures of new requests and their weights; a follow-up keeps its session's."""
 DEFAULT_TEMPERATURE = 1.0
+TOP_PS = {1.0: 3, 0.9: 1}
+"""The nuclei (OpenAI's `top_p`) of new requests and their weights; a follow-up keeps its session's."""
 CHAT_SHARE = 0.5
 """The share of new requests sent as a one-message chat rather than a completion prompt."""
 STREAM_SHARE = 0.5
@@ -129,6 +132,7 @@ class Request:
     """Sent as the user message of a chat (rendered by the model's template) rather than as raw text."""
     stream: bool = False
     """Whether the program asks for the answer streamed."""
+    top_p: float = 1.0
 
     @property
     def prompt_ids(self) -> tuple[int, ...]:
@@ -347,13 +351,14 @@ def _follow_up(parent: Request, session: str, rid: int, arrival: float, writer: 
     suffix = (*parent.suffix_ids, *paragraph, *answer, *paragraph, *question)
     return Request(rid, arrival, parent.workload, parent.prefix_id, parent.prefix_ids, suffix,
                    parent.max_tokens, parent.output_len, session, parent.temperature, parent.chat,
-                   parent.stream)
+                   parent.stream, parent.top_p)
 
 
-def _temperatures(rng: np.random.Generator) -> Iterator[float]:
-    """An endless draw from TEMPERATURES, on its own generator so the other draws do not shift."""
-    values = sorted(TEMPERATURES)
-    cdf = np.cumsum([TEMPERATURES[v] for v in values], dtype=float)
+def _weighted(weights: dict[float, int], rng: np.random.Generator) -> Iterator[float]:
+    """An endless draw from `weights` (value: weight), on its own generator so the other draws do not
+    shift."""
+    values = sorted(weights)
+    cdf = np.cumsum([weights[v] for v in values], dtype=float)
     cdf /= cdf[-1]
     while True:
         yield values[min(int(np.searchsorted(cdf, rng.random(), side="right")), len(values) - 1)]
@@ -382,7 +387,8 @@ def generate(
     shares /= shares[-1]
     sources = {n: _Source(n, seed, scale) for n in names}
     rng = np.random.default_rng([seed, 1])
-    sampling = _temperatures(np.random.default_rng([seed, 4]))
+    sampling = _weighted(TEMPERATURES, np.random.default_rng([seed, 4]))
+    nuclei = _weighted(TOP_PS, np.random.default_rng([seed, 7]))
     forms = np.random.default_rng([seed, 5])
     streams = np.random.default_rng([seed, 6])
     writer = _Writer(random.Random(f"questions:{seed}"))
@@ -401,7 +407,7 @@ def generate(
         else:
             request = replace(sources[name].request(rid, arrival, rng, writer), temperature=next(sampling),
                               chat=bool(forms.random() < CHAT_SHARE),
-                              stream=bool(streams.random() < STREAM_SHARE))
+                              stream=bool(streams.random() < STREAM_SHARE), top_p=next(nuclei))
         pool.append(request)
         del pool[:-32]
         requests.append(request)

@@ -131,10 +131,10 @@ class Script:
                text: str = "Because of Rayleigh scattering.", temperature: int = TEMPERATURE,
                prompt: str | None = None) -> SignedResponse:
         """The node's signed answer to `challenge` (or to `prompt` instead, an altered one), with the
-        challenge's seed."""
+        challenge's seed and nucleus."""
         return sign_response(self.nodes[node], challenge.prompt if prompt is None else prompt, [11, 12, 13], text,
                              model_id, self.h.time if time is None else time, NODE_ADDRESS, temperature,
-                             challenge.seed)
+                             challenge.seed, challenge.top_p)
 
     def leader_results(self, number: int, credibility: int | dict[bytes, int], nodes: list[bytes] | None = None,
                        ) -> dict[str, Any]:

@@ -86,8 +86,10 @@ def test_simulation_replays_each_seed_through_the_ledger_rule() -> None:
         assert outcome.flagged_at[seed] == detection.first_untrusted(rule, expected)
 
 
-def test_mix_draws_follow_the_workloads_temperatures() -> None:
-    assert {detection.TEMPERATURE[d] for d in detection.DECODINGS} == set(detection.TEMPERATURES)
+def test_mix_draws_follow_the_workloads_temperatures_and_nuclei() -> None:
+    assert {detection.SAMPLING[d][0] for d in detection.DECODINGS} == set(detection.TEMPERATURES)
+    assert {detection.SAMPLING[d][1] for d in detection.DECODINGS} == set(detection.TOP_PS)
+    assert detection.MIX_WEIGHTS == {"greedy": 8, "warm": 3, "warm-p0.9": 1, "sampled": 3, "sampled-p0.9": 1}
     decodings, picks = detection.mix_draws(10, 35, 300, seed=2, label="small/mix")
     assert decodings.shape == picks.shape == (35, 300) and picks.max() < 10
     again = detection.mix_draws(10, 35, 300, seed=2, label="small/mix")

@@ -207,6 +207,40 @@ def test_a_seed_other_than_the_committed_one_is_the_leaders_fault(s):
     assert s.state.result(1, node1, leader.public).status == epochs.VALID
 
 
+def test_a_nucleus_other_than_the_committed_one_is_the_leaders_fault(s):
+    """top_p decides which tokens may be chosen, so it is committed with the prompt and signed by the
+    node: a leader who asked with another nucleus (a narrower one makes an honest answer deviate) is
+    caught, and one who reveals another top_p than it committed does not open the commitment."""
+    s.run_election_and_plan(1)
+    leader = s.leader(1)
+    node0, node1 = list(s.nodes)
+    body = s.leader_results(1, HONEST)
+    challenge = s.planned(1, node0, leader)
+    other = replace(s.answer(node0, challenge), top_p=challenge.top_p - 500, signature=b"")
+    other = replace(other, signature=s.nodes[node0].sign(other.sign_bytes()))
+    body["results"][0] = {**challenge.reveal(other).body(), "credibility": HONEST}
+    assert s.block(s.tx(leader, "submit-results", body)) == [(0, "ok")]
+    result = s.state.result(1, node0, leader.public)
+    assert result.status == epochs.FAULTY
+    assert result.reason == f"the node was asked for top_p {challenge.top_p - 500}, not the committed {challenge.top_p} (thousandths)"
+    assert s.faults(leader.public) == ["altered-prompt"]
+    assert s.state.result(1, node1, leader.public).status == epochs.VALID
+
+
+def test_a_revealed_top_p_other_than_the_committed_one_does_not_open_the_commitment(s):
+    s.run_election_and_plan(1)
+    leader = s.leader(1)
+    node0, _ = list(s.nodes)
+    body = s.leader_results(1, HONEST)
+    challenge = replace(s.planned(1, node0, leader), top_p=500)
+    body["results"][0] = {**challenge.reveal(s.answer(node0, challenge)).body(), "credibility": HONEST}
+    assert s.block(s.tx(leader, "submit-results", body)) == [(0, "ok")]
+    result = s.state.result(1, node0, leader.public)
+    assert result.status == epochs.FAULTY
+    assert result.reason == "revealed prompt, temperature, salt and top_p do not match the committed challenge"
+    assert s.faults(leader.public) == ["altered-prompt"]
+
+
 @pytest.mark.faults
 def test_a_challenge_hotter_than_one_cannot_be_revealed(s):
     """Above temperature 1 an honest answer scores like a weaker model's: committing to such a

@@ -85,7 +85,7 @@ def test_optional_fields_are_left_out_of_the_body():
     assert Heartbeat(region="us").body() == {"region": "us"}
     assert ProposeMember("remove", KEY).body() == {"action": "remove", "operator": KEY}
     assert set(SubmitResults(1, "rechallenge", (Revealed(KEY, "p", bytes(32), 0, RESPONSE),)).body()
-               ["results"][0]) == {"node", "prompt", "salt", "temperature", "response"}
+               ["results"][0]) == {"node", "prompt", "salt", "temperature", "response", "top_p"}
 
 
 @pytest.mark.parametrize(("tx_type", "body", "error"), [

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 
 import pytest
 from modelnodes import SHARED, complete, make_node, signed, view
@@ -321,6 +322,42 @@ def test_a_peer_answer_that_does_not_check_fails_and_is_never_signed(quick_famil
             assert "does not check" in lines[-2] and "planetserve" not in "".join(lines)
         finally:
             await stop([forger, entry])
+
+    run(main())
+
+
+class WholeVocabularyNode(ModelNode):
+    """A peer that samples a forwarded job over the whole vocabulary and signs it so, whatever nucleus
+    the job asked for."""
+
+    def _sign(self, job: Job, state: Generation, route_reason: str, served_by: str) -> dict:
+        return super()._sign(replace(job, top_p=1.0), state, route_reason, served_by)
+
+
+def test_a_forwarded_nucleus_is_kept_and_a_peer_signing_another_is_refused(quick_family):
+    """top_p crosses the peer link with the job: the peer samples and signs the asked nucleus and the entry
+    node countersigns it; a peer that signs another nucleus is never countersigned."""
+    async def main():
+        holder, entry = make_node(quick_family), make_node(quick_family)
+        await start([holder, entry])
+        try:
+            await seed_shared_prefix(holder, entry)
+            answer = (await complete(entry, SHARED + "What is a dict?", temperature=0.7, top_p=0.9, seed=3)).json()
+            assert answer["planetserve"]["served_by"] == holder.node_id
+            assert signed(answer).top_p == 900 and signed(answer).node == entry.keys.public
+            served = served_from_extension(answer["planetserve"]["served"], signed(answer))
+            assert served is not None and served.node == holder.keys.public and served.top_p == 900
+        finally:
+            await stop([holder, entry])
+
+        liar, entry = make_node(quick_family, WholeVocabularyNode), make_node(quick_family)
+        await start([liar, entry])
+        try:
+            await seed_shared_prefix(liar, entry)
+            failed = await complete(entry, SHARED + "What is a set?", temperature=0.7, top_p=0.9, seed=3)
+            assert failed.status_code == 500 and "signed for another top_p" in failed.json()["error"]["message"]
+        finally:
+            await stop([liar, entry])
 
     run(main())
 

@@ -1,7 +1,7 @@
 """Verifiable sampling: the noise function against its specification's vectors, its distribution, the
 built-in engine's seeded answers (independent of their batch, reproducible, different per seed) checked
-exactly by the verifier at temperatures 0, 0.7 and 1, a single deviating token caught, and `seed` through
-the OpenAI API driven by the `openai` client."""
+exactly by the verifier at temperatures 0, 0.7 and 1 with and without a nucleus (`top_p`), a single
+deviating token caught, and `seed` and `top_p` through the OpenAI API driven by the `openai` client."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from collections import Counter
 
 import pytest
 import torch
-from openai import OpenAI
+from openai import BadRequestError, OpenAI
 from transformers import LogitsProcessorList
 
 from planetserve import sampling
@@ -23,13 +23,15 @@ from planetserve.models import LoadedModel, load
 from planetserve.node.api.engine_server import EngineServer
 from planetserve.node.engine.base import GenerationRequest
 from planetserve.node.engine.builtin import BuiltinEngine
-from planetserve.registry.epochs import to_seed
+from planetserve.registry.epochs import milli, to_seed
 from planetserve.sampling import (
     SEED_LIMIT,
     VECTORS,
     GumbelProcessor,
     gumbel,
     gumbel_row,
+    noised_logits,
+    nucleus,
     position_key,
     sample,
     shortfalls,
@@ -114,36 +116,43 @@ def answers(loaded: LoadedModel, requests: list[GenerationRequest], max_batch: i
     return asyncio.run(run())
 
 
-def requests_at(loaded: LoadedModel, temperature: float, seeds: list[int]) -> list[GenerationRequest]:
-    return [GenerationRequest(tuple(loaded.tokenizer(p)["input_ids"]), 24, temperature, seed)
+def requests_at(loaded: LoadedModel, temperature: float, seeds: list[int], top_p: float = 1.0
+                ) -> list[GenerationRequest]:
+    return [GenerationRequest(tuple(loaded.tokenizer(p)["input_ids"]), 24, temperature, seed, top_p=top_p)
             for p, seed in zip(PROMPTS, seeds, strict=True)]
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
-def test_seeded_answers_do_not_depend_on_their_batch_and_verify_exactly(gt, tiny, temperature):
+@pytest.mark.parametrize(("temperature", "top_p"), [(0.0, 1.0), (0.7, 1.0), (1.0, 1.0), (0.7, 0.9), (1.0, 0.5)])
+def test_seeded_answers_do_not_depend_on_their_batch_and_verify_exactly(gt, tiny, temperature, top_p):
     seeds = [11, 22, 33, 44, 55, 66]
-    batched = answers(gt, requests_at(gt, temperature, seeds))
-    alone = [answers(gt, [r], max_batch=1)[0] for r in requests_at(gt, temperature, seeds)]
+    batched = answers(gt, requests_at(gt, temperature, seeds, top_p))
+    alone = [answers(gt, [r], max_batch=1)[0] for r in requests_at(gt, temperature, seeds, top_p)]
     assert batched == alone
     keys, reference = KeySet.generate(), ReferenceModel.from_loaded(gt)
 
-    def verdicts(tokens: list[list[int]], seeds: list[int]):
+    def verdicts(tokens: list[list[int]], seeds: list[int], signed_top_p: float = top_p):
         signed = [sign_response(keys, p, ids, gt.tokenizer.decode(ids, skip_special_tokens=True),
-                                reference.model_id, 0, "h:1", int(temperature * 1000), seed)
+                                reference.model_id, 0, "h:1", milli(temperature), seed, milli(signed_top_p))
                   for p, ids, seed in zip(PROMPTS, tokens, seeds, strict=True)]
         return reference.verify([Answer(s, p, keys.public) for s, p in zip(signed, PROMPTS, strict=True)])
 
     honest = verdicts(batched, seeds)
     assert all(v.ok and v.calibrated == 1.0 and v.deviations == 0 for v in honest)
     # a weaker model under the very same seeds deviates
-    weaker = verdicts(answers(tiny, requests_at(tiny, temperature, seeds)), seeds)
+    weaker = verdicts(answers(tiny, requests_at(tiny, temperature, seeds, top_p)), seeds)
     assert sum(v.deviations for v in weaker) >= len(PROMPTS)
     assert statistics.median(v.calibrated for v in weaker) < 0.5
     if temperature > 0:
         # the seed decides: another seed gives other answers, which do not pass under the first seeds
-        other = answers(gt, requests_at(gt, temperature, [s + 1 for s in seeds]))
+        other = answers(gt, requests_at(gt, temperature, [s + 1 for s in seeds], top_p))
         assert other != batched
         assert sum(v.deviations for v in verdicts(other, seeds)) > 0
+    if temperature > 0 and top_p < 1:
+        # the nucleus decides too: the whole distribution's answers do not pass as the nucleus's
+        whole = answers(gt, requests_at(gt, temperature, seeds))
+        assert whole != batched
+        assert sum(v.deviations for v in verdicts(whole, seeds)) > 0
+        assert sum(v.deviations for v in verdicts(batched, seeds, signed_top_p=1.0)) > 0
 
 
 def test_a_single_deviating_token_is_caught(gt):
@@ -166,6 +175,58 @@ def test_a_single_deviating_token_is_caught(gt):
     signed = sign_response(keys, PROMPTS[0], forged, text, reference.model_id, 0, "h:1", 700, seed)
     verdict = reference.verify_one(signed, PROMPTS[0], keys.public)
     assert verdict.deviations >= 1 and verdict.calibrated < 1.0
+
+
+def test_the_nucleus_keeps_the_likeliest_tokens_until_their_mass_reaches_top_p():
+    probs = torch.tensor([0.05, 0.3, 0.15, 0.5], dtype=torch.float64)
+    scaled = probs.log()
+    assert nucleus(scaled, 0.79).tolist() == [False, True, False, True]  # 0.5, then 0.3 (0.5 < 0.79)
+    assert nucleus(scaled, 0.81).tolist() == [False, True, True, True]  # 0.8 before the third < 0.81
+    assert nucleus(scaled, 0.0).tolist() == [False, False, False, True]  # the likeliest, always
+    assert nucleus(scaled, 1.0).all()
+    # a tie is broken by the lower token id, and top_p may differ per row
+    tied = torch.tensor([[0.4, 0.4, 0.2], [0.4, 0.4, 0.2]], dtype=torch.float64).log()
+    rows = nucleus(tied, torch.tensor([[0.3], [1.0]], dtype=torch.float64))
+    assert rows.tolist() == [[True, False, False], [True, True, True]]
+
+
+def test_sampling_under_a_nucleus_stays_in_it_and_top_p_zero_is_greedy():
+    generator = torch.Generator().manual_seed(5)
+    logits = torch.randn(64, 300, generator=generator) * 3
+    for position, row in enumerate(logits):
+        kept = nucleus(row.double() / 0.8, 0.9)
+        token = sample(row, 0.8, 77, position, 0.9)
+        assert kept[token]
+        assert sample(row, 0.8, 77, position, 0.0) == int(row.argmax())
+        assert sample(row, 0.8, 77, position, 1.0) == int((row.double() / 0.8 + gumbel_row(77, position, 300)).argmax())
+    # a batch with a nucleus per row gives each row what it gets alone
+    top_ps = [0.9, 1.0, 0.5, 0.0] * 16
+    batched = noised_logits(logits, [0.8] * 64, [77] * 64, list(range(64)), top_ps).argmax(-1).tolist()
+    assert batched == [sample(row, 0.8, 77, i, p) for i, (row, p) in enumerate(zip(logits, top_ps, strict=True))]
+    for bad in (-0.1, 1.5, math.nan):
+        with pytest.raises(ValueError, match="top_p must lie in"):
+            sample(logits[0], 0.8, 77, 0, bad)
+
+
+@pytest.mark.parametrize("temperature", [0.3, 0.7, 1.0])
+def test_an_engine_whose_log_probabilities_differ_within_the_margin_is_never_short_under_a_nucleus(temperature):
+    """The verifier cannot know an honest engine's nucleus to the last ulp: every engine whose
+    log-probabilities lie within margin / 2 of the reference's answers within the margin, while tokens
+    from outside the nucleus, or a nucleus ignored, fall short by infinity."""
+    generator = torch.Generator().manual_seed(11)
+    margin, positions, vocab = 0.05, 400, 200
+    reference = (torch.randn(positions, vocab, generator=generator, dtype=torch.float64) * 2).log_softmax(-1)
+    engine = reference + (torch.rand(positions, vocab, generator=generator, dtype=torch.float64) - 0.5) * margin
+    for top_p in (0.0, 0.5, 0.9):
+        honest = torch.tensor([sample(row, temperature, 3, i, top_p) for i, row in enumerate(engine)])
+        short = shortfalls(reference, honest, temperature, 3, top_p, margin)
+        assert short.max() <= margin + 1e-9, (top_p, short.max())
+        if top_p <= 0.5:  # a narrow nucleus, which the whole distribution's samples often leave
+            whole = torch.tensor([sample(row, temperature, 3, i) for i, row in enumerate(reference)])
+            caught = shortfalls(reference, whole, temperature, 3, top_p, margin)
+            assert (caught > margin).sum() >= 10 and math.isinf(caught.max())
+        outside = (~nucleus(reference / temperature, top_p)).double().argmax(-1)  # some token outside each
+        assert bool((shortfalls(reference, outside, temperature, 3, top_p, 0.0) == math.inf).all())
 
 
 @pytest.fixture(scope="module")
@@ -200,6 +261,26 @@ def test_the_openai_seed_reproduces_a_sampled_answer_that_the_verifier_checks(se
     assert max(scores.shortfalls) < 1e-4
 
 
+def test_the_openai_top_p_is_sampled_signed_and_checked_and_a_bad_one_refused(served, gt):
+    client = OpenAI(base_url=f"{served}/v1", api_key="none", max_retries=0)
+    answer = client.completions.create(model="gt", prompt=PROMPTS[3], max_tokens=16, temperature=1.0, seed=8,
+                                       top_p=0.9, extra_body={"return_token_ids": True})
+    tokens = answer.choices[0].model_extra["token_ids"]
+    alone = answers(gt, [GenerationRequest(tuple(gt.tokenizer(PROMPTS[3])["input_ids"]), 16, 1.0, 8, top_p=0.9)])
+    assert tokens == alone[0][:len(tokens)]
+    prompt_ids = gt.tokenizer(PROMPTS[3])["input_ids"]
+    scores = OnePassScorer(gt.model).score_choices([(prompt_ids, tokens)], [Decoding(1.0, 8, 0.9, 0.05)])[0]
+    assert max(scores.shortfalls) <= 0.05
+    chat = client.chat.completions.create(model="gt", messages=[{"role": "user", "content": PROMPTS[0]}],
+                                          max_tokens=4, temperature=0.7, top_p=0.5, seed=1)
+    assert chat.choices[0].finish_reason in ("stop", "length")
+    with pytest.raises(BadRequestError, match="`top_p` must be between 0 and 1") as refused:
+        client.completions.create(model="gt", prompt=PROMPTS[0], max_tokens=4, top_p=1.5)
+    assert refused.value.body["param"] == "top_p"
+    with pytest.raises(BadRequestError, match="`top_k` is not supported by this server"):
+        client.completions.create(model="gt", prompt=PROMPTS[0], max_tokens=4, extra_body={"top_k": 40})
+
+
 def test_transformers_generate_with_the_noise_processor_answers_as_the_engine_does(gt):
     """Two honest paths (the serving engine, and transformers' generate for answers made outside one)
     emit the same tokens under the same seed."""
@@ -209,5 +290,10 @@ def test_transformers_generate_with_the_noise_processor_answers_as_the_engine_do
                             logits_processor=LogitsProcessorList([GumbelProcessor(0.7, 99, len(prompt_ids))]),
                             pad_token_id=gt.tokenizer.pad_token_id, eos_token_id=[])
     assert out[0, len(prompt_ids):].tolist() == served
+    nucleus_served = answers(gt, [GenerationRequest(tuple(prompt_ids), 16, 0.7, 99, top_p=0.8)])[0]
+    out = gt.model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=16,
+                            logits_processor=LogitsProcessorList([GumbelProcessor(0.7, 99, len(prompt_ids), 0.8)]),
+                            pad_token_id=gt.tokenizer.pad_token_id, eos_token_id=[])
+    assert out[0, len(prompt_ids):].tolist() == nucleus_served
     with pytest.raises(ValueError, match="greedy decoding needs no noise"):
         GumbelProcessor(0.0, 1, 3)

@@ -2,7 +2,7 @@
 four validators each with its own `planetserve verifier run` daemon, four model node processes of one
 organisation (honest-a and honest-b serving gt, `smaller` serving the smallest model, tiny, while
 claiming gt, `clickbait` answering clickbait rewrites of its prompts) and user relay processes carrying
-the challenges. For ten epochs the ledger scores every planned node in every epoch, both honest nodes
+the challenges. For six epochs the ledger scores every planned node in every epoch, both honest nodes
 are trusted at the end of every one, and both dishonest nodes end untrusted and off the signed list;
 one daemon is killed mid-epoch and restarted, and it rejoins without submitting anything twice."""
 
@@ -35,7 +35,7 @@ PARAMS = Params(epoch_blocks=40, results_blocks=16, vrf_window_blocks=10, plan_w
                 probation_epochs=0)  # nodes listed from registration: the client asks them at once
 SCHEDULE = epochs.Schedule.from_params(PARAMS)
 RULE = reputation.ReputationRule.from_params(PARAMS)
-SCORED_EPOCHS = 10
+SCORED_EPOCHS = 6
 NODES = {"honest-a": ("gt", "honest"), "honest-b": ("gt", "honest"), "smaller": ("tiny", "honest"),
          "clickbait": ("gt", "alter-prompts")}
 

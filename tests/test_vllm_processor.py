@@ -29,6 +29,7 @@ from planetserve.node.engine.remote import RemoteEngine, RemoteEngineError
 from planetserve.node.engine.vllm_sampling import (
     XARG_SEED,
     XARG_TEMPERATURE,
+    XARG_TOP_P,
     RowTable,
     check_params,
     protocol_decoding,
@@ -184,10 +185,10 @@ class SamplingParams:
     logprobs: int | None = None
 
 
-def protocol(temperature: float, seed: int, **others: Any) -> SamplingParams:
+def protocol(temperature: float, seed: int, top_p: float | None = None, **others: Any) -> SamplingParams:
     """What vLLM's server makes of a model node's request: temperature 0, the protocol in extra_args."""
-    return SamplingParams(temperature=0.0, extra_args={XARG_TEMPERATURE: temperature, XARG_SEED: seed},
-                          **others)
+    extra = {XARG_TEMPERATURE: temperature, XARG_SEED: seed, **({} if top_p is None else {XARG_TOP_P: top_p})}
+    return SamplingParams(temperature=0.0, extra_args=extra, **others)
 
 
 def test_the_row_table_follows_adds_removes_moves_and_reads_positions_from_live_output_lists():
@@ -197,9 +198,9 @@ def test_the_row_table_follows_adds_removes_moves_and_reads_positions_from_live_
         (0, protocol(0.7, 11), [1, 2], outputs["A"]),
         (1, SamplingParams(temperature=0.0), [1], outputs["B"]),  # greedy, no protocol: untouched
         (2, protocol(0.0, 33), [1], outputs["C"]),  # the protocol at temperature 0: plain argmax
-        (3, protocol(1.0, SEED_LIMIT - 1), None, outputs["D"]),
+        (3, protocol(1.0, SEED_LIMIT - 1, top_p=0.9), None, outputs["D"]),
     ], []))
-    assert table.batch() == ([0, 3], [0.7, 1.0], [11, SEED_LIMIT - 1], [0, 0])
+    assert table.batch() == ([0, 3], [0.7, 1.0], [11, SEED_LIMIT - 1], [0, 0], [1.0, 0.9])
     outputs["A"] += [5, 6]
     outputs["D"] += [7]
     table.update(None)  # new tokens, same batch: positions follow vLLM's lists
@@ -208,17 +209,17 @@ def test_the_row_table_follows_adds_removes_moves_and_reads_positions_from_live_
     # B finishes; E takes its slot; A is preempted (removed) and D condensed into slot 0
     table.update(BatchUpdate(3, [0], [(1, protocol(1.3, 55), [9], outputs["E"])],
                              [(3, 0, MoveDirectionality.UNIDIRECTIONAL)]))
-    assert table.batch() == ([0, 1], [1.0, 1.3], [SEED_LIMIT - 1, 55], [1, 0])
+    assert table.batch() == ([0, 1], [1.0, 1.3], [SEED_LIMIT - 1, 55], [1, 0], [0.9, 1.0])
 
     # A resumes with the tokens it had (its live list), in the free slot 3; then E and A swap
     table.update(BatchUpdate(4, [], [(3, protocol(0.7, 11), [1, 2], outputs["A"])],
                              [(1, 3, MoveDirectionality.SWAP)]))
-    assert table.batch() == ([0, 1, 3], [1.0, 0.7, 1.3], [SEED_LIMIT - 1, 11, 55], [1, 2, 0])
+    assert table.batch() == ([0, 1, 3], [1.0, 0.7, 1.3], [SEED_LIMIT - 1, 11, 55], [1, 2, 0], [0.9, 1.0, 1.0])
 
     # a swap with an untracked slot moves the row and leaves nothing behind; a recycled slot forgets
     table.update(BatchUpdate(4, [], [(3, SamplingParams(), [4], outputs["B"])],
                              [(0, 2, MoveDirectionality.SWAP)]))
-    assert table.batch() == ([1, 2], [0.7, 1.0], [11, SEED_LIMIT - 1], [2, 1])
+    assert table.batch() == ([1, 2], [0.7, 1.0], [11, SEED_LIMIT - 1], [2, 1], [1.0, 0.9])
 
     with pytest.raises(RuntimeError, match="outside a batch of 2"):
         table.update(BatchUpdate(2, [], [], []))
@@ -244,6 +245,7 @@ def test_a_simulated_vllm_batch_gives_every_request_the_tokens_sample_gives_it_a
     argmax. Each request must get what `sample` gives it position by position, alone."""
     rng, vocab = random.Random(3), 500
     kinds = [lambda: protocol(rng.choice([0.5, 0.8, 1.0, 1.7]), rng.randrange(SEED_LIMIT)),
+             lambda: protocol(rng.choice([0.7, 1.0]), rng.randrange(SEED_LIMIT), top_p=rng.choice([0.5, 0.9])),
              lambda: protocol(0.0, rng.randrange(SEED_LIMIT)), lambda: SamplingParams(temperature=0.0)]
     waiting = [Request(i, rng.choice(kinds)(), rng.randrange(1, 12)) for i in range(40)]
     requests = list(waiting)
@@ -299,7 +301,8 @@ def test_a_simulated_vllm_batch_gives_every_request_the_tokens_sample_gives_it_a
         assert steps < 2_000
     for request in requests:
         extra = request.params.extra_args or {XARG_TEMPERATURE: 0.0, XARG_SEED: 0}
-        expected = [sample(fake_model(request.rid, i, vocab), extra[XARG_TEMPERATURE], extra[XARG_SEED], i)
+        expected = [sample(fake_model(request.rid, i, vocab), extra[XARG_TEMPERATURE], extra[XARG_SEED], i,
+                           extra.get(XARG_TOP_P, 1.0))
                     for i in range(request.length)]
         assert request.output == expected, request.rid
     assert sum(1 for r in requests if r.params.extra_args and r.params.extra_args[XARG_TEMPERATURE] > 0) > 10
@@ -320,7 +323,7 @@ def test_apply_refuses_rows_outside_the_logits():
     ({"presence_penalty": 0.5}, "presence_penalty=0.5: vLLM applies penalties after this processor"),
     ({"frequency_penalty": -0.2}, "frequency_penalty=-0.2"),
     ({"repetition_penalty": 1.1}, "repetition_penalty=1.1"),
-    ({"top_p": 0.9}, "top_p=0.9: the protocol samples from the whole vocabulary"),
+    ({"top_p": 0.9}, "top_p=0.9: send it as planetserve_top_p, which this processor applies"),
     ({"top_k": 40}, "top_k=40"),
     ({"min_p": 0.05}, "min_p=0.05"),
     ({"min_tokens": 4}, "min_tokens=4: it hides the stop tokens"),
@@ -362,6 +365,8 @@ def test_validate_params_lets_through_what_the_protocol_leaves_alone():
     ({XARG_TEMPERATURE: -0.1, XARG_SEED: 1}, "finite number of at least 0"),
     ({XARG_TEMPERATURE: float("nan"), XARG_SEED: 1}, "finite number of at least 0"),
     ({XARG_TEMPERATURE: "hot", XARG_SEED: 1}, "finite number of at least 0"),
+    ({XARG_TEMPERATURE: 0.7, XARG_SEED: 1, XARG_TOP_P: 1.5}, r"planetserve_top_p must be a number in \[0, 1\]"),
+    ({XARG_TEMPERATURE: 0.7, XARG_SEED: 1, XARG_TOP_P: True}, r"planetserve_top_p must be a number in \[0, 1\]"),
 ])
 def test_malformed_protocol_arguments_are_refused(extra, message):
     with pytest.raises(ValueError, match=message):
@@ -455,6 +460,12 @@ def test_a_sampled_request_reaches_vllm_at_temperature_0_with_the_protocol_in_vl
             assert sent["prompt"] == [1, 2, 3] and sent["stop_token_ids"] == [9] and sent["ignore_eos"] is True
             assert protocol_decoding(params_from(sent).extra_args) is not None and not refusals(params_from(sent))
 
+            await tokens(engine, GenerationRequest((1, 2, 3), 2, temperature=0.7, seed=5, top_p=0.9))
+            nucleus_sent = seen[-1]  # the nucleus is the processor's to apply; vLLM's own stays whole
+            assert nucleus_sent["vllm_xargs"] == {XARG_TEMPERATURE: 0.7, XARG_SEED: 5, XARG_TOP_P: 0.9}
+            assert nucleus_sent["top_p"] == 1.0 and not refusals(params_from(nucleus_sent))
+            assert protocol_decoding(params_from(nucleus_sent).extra_args).top_p == 0.9
+
             await tokens(engine, GenerationRequest((1, 2, 3), 2, temperature=0.0, seed=4))  # greedy
             assert seen[-1]["temperature"] == 0.0 and "vllm_xargs" not in seen[-1] and "seed" not in seen[-1]
 
@@ -465,7 +476,7 @@ def test_a_sampled_request_reaches_vllm_at_temperature_0_with_the_protocol_in_vl
 
             with pytest.raises(RemoteEngineError, match=r"seed must lie in \[0, 2\*\*64\)"):
                 await tokens(engine, GenerationRequest((1, 2, 3), 2, temperature=1.0, seed=SEED_LIMIT))
-            assert len(seen) == 5
+            assert len(seen) == 6
         finally:
             await engine.close()
 

@@ -34,11 +34,6 @@ class SealedPromptError(Exception):
     """A plan's sealed prompt cannot be opened by this member or does not match its commitment."""
 
 
-def milli(temperature: float) -> int:
-    """A request's sampling temperature as signed and committed: thousandths, rounded half up."""
-    return int(temperature * epochs.MILLI + 0.5)
-
-
 @dataclass(frozen=True)
 class Challenge:
     prompt: str
@@ -55,11 +50,13 @@ class Challenge:
     earlier: tuple[int, ...] = ()
     """For a follow-up: the lengths of the session's earlier turns, each a prefix of the text sent (the
     question, or the prompt), sent first under the same session id and not scored."""
+    top_p: int = epochs.MILLI
+    """Thousandths; the node is asked to sample from the nucleus of top_p / 1000 (MILLI: all tokens)."""
 
     @classmethod
-    def new(cls, prompt: str, temperature: int, question: str = "",
-            max_tokens: int = DEFAULT_MAX_TOKENS, earlier: tuple[int, ...] = ()) -> Challenge:
-        return cls(prompt, secrets.token_bytes(32), temperature, question, max_tokens, tuple(earlier))
+    def new(cls, prompt: str, temperature: int, question: str = "", max_tokens: int = DEFAULT_MAX_TOKENS,
+            earlier: tuple[int, ...] = (), top_p: int = epochs.MILLI) -> Challenge:
+        return cls(prompt, secrets.token_bytes(32), temperature, question, max_tokens, tuple(earlier), top_p)
 
     def turns(self) -> list[str]:
         """What is sent, in order and under one session id: the earlier turns, then the challenge."""
@@ -68,7 +65,7 @@ class Challenge:
 
     @property
     def commitment(self) -> bytes:
-        return epochs.commitment(self.prompt, self.temperature, self.salt)
+        return epochs.commitment(self.prompt, self.temperature, self.salt, self.top_p)
 
     @property
     def seed(self) -> int:
@@ -79,15 +76,23 @@ class Challenge:
     def sampling_temperature(self) -> float:
         return self.temperature / epochs.MILLI
 
+    @property
+    def sampling_top_p(self) -> float:
+        return self.top_p / epochs.MILLI
+
     def signed_otherwise(self, response: SignedResponse, now: int, tolerance: int) -> str:
-        """Why `response` does not answer this challenge as it was sent (another temperature or seed, or
-        a signed time more than `tolerance` seconds from `now`); empty when it does. Revealed, such a
-        response would be the submitter's fault on the ledger, so a node could frame its challenger."""
+        """Why `response` does not answer this challenge as it was sent (another temperature, seed or
+        top_p, or a signed time more than `tolerance` seconds from `now`); empty when it does. Revealed,
+        such a response would be the submitter's fault on the ledger, so a node could frame its
+        challenger."""
         if response.temperature != self.temperature:
             return (f"the node signed temperature {response.temperature / epochs.MILLI:g}, "
                     f"it was asked {self.sampling_temperature:g}")
         if response.seed != self.seed:
             return f"the node signed seed {response.seed}, it was asked {self.seed}"
+        if response.top_p != self.top_p:
+            return (f"the node signed top_p {response.top_p / epochs.MILLI:g}, "
+                    f"it was asked {self.sampling_top_p:g}")
         if abs(response.time - now) > tolerance:
             return f"the node signed time {response.time}, {response.time - now:+d} s from its answer"
         return ""
@@ -100,7 +105,7 @@ class Challenge:
         """A commit-plan entry: the commitment, and the challenge sealed to every member's X25519 key
         (whichever member leads sends it), padded to its size bucket."""
         packed = codec.pack([self.prompt, self.salt, self.temperature, self.question, self.max_tokens,
-                             list(self.earlier)])
+                             list(self.earlier), self.top_p])
         framed = len(packed).to_bytes(4, "big") + packed
         plaintext = framed + bytes(padded_size(len(framed)) - len(framed))
         sealed = sorted((m.operator, SealedBox(PublicKey(m.x25519_key)).encrypt(plaintext))
@@ -111,7 +116,7 @@ class Challenge:
         """A submit-results entry (without the leader's proposed credibility); `served` is the serving
         peer's own signature when the challenged node forwarded the prompt."""
         return Revealed(response.node, self.prompt, self.salt, self.temperature, response,
-                        served=Served.of(served) if served is not None else None)
+                        served=Served.of(served) if served is not None else None, top_p=self.top_p)
 
 
 def open_plan_entry(entry: PlanEntry, operator: bytes, key: PrivateKey) -> Challenge:
@@ -122,12 +127,15 @@ def open_plan_entry(entry: PlanEntry, operator: bytes, key: PrivateKey) -> Chall
     try:
         plaintext = SealedBox(key).decrypt(box)
         length = int.from_bytes(plaintext[:4], "big")
-        prompt, salt, temperature, question, max_tokens, earlier = codec.unpack(plaintext[4:4 + length])
+        unpacked = codec.unpack(plaintext[4:4 + length])
+        prompt, salt, temperature, question, max_tokens, earlier, top_p = unpacked
     except (CryptoError, codec.CodecError, ValueError, TypeError) as exc:
         raise SealedPromptError(f"sealed prompt does not open: {type(exc).__name__}") from exc
     if type(temperature) is not int or not 0 <= temperature <= epochs.MAX_CHALLENGE_TEMPERATURE:
         raise SealedPromptError(f"sealed temperature {temperature!r} is not an integer in "
                                 f"[0, {epochs.MAX_CHALLENGE_TEMPERATURE}]")
+    if type(top_p) is not int or not 0 <= top_p <= epochs.MILLI:
+        raise SealedPromptError(f"sealed top_p {top_p!r} is not an integer in [0, {epochs.MILLI}]")
     if type(max_tokens) is not int or not 1 <= max_tokens <= MAX_CHALLENGE_TOKENS:
         raise SealedPromptError(f"sealed max_tokens {max_tokens!r} is not an integer in "
                                 f"[1, {MAX_CHALLENGE_TOKENS}]")
@@ -136,7 +144,7 @@ def open_plan_entry(entry: PlanEntry, operator: bytes, key: PrivateKey) -> Chall
     if not _turn_lengths(earlier, len(question or prompt)):
         raise SealedPromptError(f"sealed earlier turns {earlier!r} are not increasing prefix lengths of "
                                 f"the text (at most {MAX_EARLIER_TURNS})")
-    challenge = Challenge(prompt, salt, temperature, question, max_tokens, tuple(earlier))
+    challenge = Challenge(prompt, salt, temperature, question, max_tokens, tuple(earlier), top_p)
     if challenge.commitment != entry.commitment:
         raise SealedPromptError("sealed prompt does not match the plan's commitment")
     return challenge
@@ -150,9 +158,9 @@ def _turn_lengths(earlier: object, length: int) -> bool:
 
 
 def sign_response(keys: KeySet, prompt: str, token_ids: list[int], text: str, model_id: str, time: int,
-                  address: str, temperature: int, seed: int) -> SignedResponse:
+                  address: str, temperature: int, seed: int, top_p: int = epochs.MILLI) -> SignedResponse:
     unsigned = SignedResponse(keys.public, epochs.prompt_hash(prompt), tuple(token_ids), text, model_id,
-                              temperature, seed, time, address, b"")
+                              temperature, seed, time, address, b"", top_p)
     return replace(unsigned, signature=keys.sign(unsigned.sign_bytes()))
 
 
@@ -165,7 +173,8 @@ class ResponseFormatError(ValueError):
 
 
 _EXTENSION_FIELDS = {"node": str, "prompt_hash": str, "token_ids": list, "model_id": str,
-                     "temperature": int, "seed": int, "time": int, "address": str, "signature": str}
+                     "temperature": int, "seed": int, "top_p": int, "time": int, "address": str,
+                     "signature": str}
 
 
 def response_extension(response: SignedResponse) -> dict:
@@ -173,7 +182,8 @@ def response_extension(response: SignedResponse) -> dict:
     answer itself)."""
     return {"node": response.node.hex(), "prompt_hash": response.prompt_hash.hex(),
             "token_ids": list(response.token_ids), "model_id": response.model_id,
-            "temperature": response.temperature, "seed": response.seed, "time": response.time,
+            "temperature": response.temperature, "seed": response.seed, "top_p": response.top_p,
+            "time": response.time,
             "address": response.address, "signature": response.signature.hex()}
 
 
@@ -193,8 +203,11 @@ def response_from_extension(extension: object, text: str) -> SignedResponse:
         raise ResponseFormatError(f"extension holds malformed hex: {exc}") from exc
     if not 0 <= extension["seed"] < epochs.SEED_LIMIT:
         raise ResponseFormatError("extension seed must lie in [0, 2**64)")
+    if not 0 <= extension["top_p"] <= epochs.MILLI:
+        raise ResponseFormatError(f"extension top_p must lie in [0, {epochs.MILLI}] thousandths")
     return SignedResponse(node, digest, tuple(ids), text, extension["model_id"], extension["temperature"],
-                          extension["seed"], extension["time"], extension["address"], signature)
+                          extension["seed"], extension["time"], extension["address"], signature,
+                          extension["top_p"])
 
 
 def served_extension(peer: SignedResponse) -> dict:

@@ -26,7 +26,6 @@ from typing import Any
 
 from planetserve.chain.challenge import (
     ResponseFormatError,
-    milli,
     response_extension,
     response_from_extension,
     response_valid,
@@ -75,7 +74,7 @@ from planetserve.node.routing.cachesync import CacheSync, SyncConfig, SyncError
 from planetserve.node.routing.group import EMPTY, Group, GroupView
 from planetserve.node.routing.hrtree import SearchResult
 from planetserve.node.tasks import stop_tasks
-from planetserve.registry.epochs import SEED_LIMIT, prompt_hash
+from planetserve.registry.epochs import SEED_LIMIT, milli, prompt_hash
 
 log = logging.getLogger(__name__)
 
@@ -149,11 +148,13 @@ class Job:
     stop_ids: tuple[int, ...]
     ignore_eos: bool
     session_id: str | None
+    top_p: float = 1.0
 
     def to_wire(self) -> dict[str, Any]:
         return {"prompt": self.prompt, "special": self.special, "max_tokens": self.max_tokens,
                 "temperature": self.temperature, "seed": self.seed, "stop": list(self.stop),
-                "stop_ids": list(self.stop_ids), "ignore_eos": self.ignore_eos, "session_id": self.session_id}
+                "stop_ids": list(self.stop_ids), "ignore_eos": self.ignore_eos, "session_id": self.session_id,
+                "top_p": self.top_p}
 
     @classmethod
     def from_wire(cls, body: Any) -> Job:
@@ -162,7 +163,7 @@ class Job:
             raise bad_request("forwarded job has the wrong fields")
         fields = {
             "prompt": str, "special": bool, "max_tokens": int, "temperature": (int, float),
-            "stop": list, "stop_ids": list, "ignore_eos": bool,
+            "top_p": (int, float), "stop": list, "stop_ids": list, "ignore_eos": bool,
         }
         for name, kind in fields.items():
             if not isinstance(body[name], kind) or (kind is int and isinstance(body[name], bool)):
@@ -179,13 +180,15 @@ class Job:
             raise bad_request("forwarded job session id is malformed")
         if not 0 <= body["temperature"] <= 2:
             raise bad_request("forwarded job temperature is out of range")
+        if isinstance(body["top_p"], bool) or not 0 <= body["top_p"] <= 1:
+            raise bad_request("forwarded job top_p is out of range")
         return cls(body["prompt"], body["special"], body["max_tokens"], float(body["temperature"]),
                    body["seed"], tuple(body["stop"]), tuple(body["stop_ids"]), body["ignore_eos"],
-                   body["session_id"])
+                   body["session_id"], float(body["top_p"]))
 
     def api_request(self) -> ApiRequest:
         return ApiRequest("completions", None, prompt=self.prompt, max_tokens=self.max_tokens,
-                          temperature=self.temperature, seed=self.seed, stop=self.stop,
+                          temperature=self.temperature, seed=self.seed, top_p=self.top_p, stop=self.stop,
                           stop_token_ids=self.stop_ids, ignore_eos=self.ignore_eos,
                           planetserve=PlanetServeOptions(session_id=self.session_id, hops=1))
 
@@ -237,7 +240,8 @@ class ModelNodeServer(EngineServer):
                       generation: GenerationRequest) -> Production:
         text, special = prompt_text(request, self.tokenizer)
         job = Job(text, special, generation.max_tokens, generation.temperature, generation.seed,
-                  request.stop, request.stop_token_ids, request.ignore_eos, request.planetserve.session_id)
+                  request.stop, request.stop_token_ids, request.ignore_eos, request.planetserve.session_id,
+                  generation.top_p)
         if self.node.config.behaviour == ALTER_PROMPTS:
             return self.node.alter_prompt(job, request)
         return await self.node.produce(job, tuple(prompt_ids), generation, request.planetserve,
@@ -538,7 +542,8 @@ class ModelNode:
         """The answer's `planetserve` extension: our signature over it, why it went where it went, and
         which node computed it (`route` and `served_by` are not signed)."""
         signed = sign_response(self.keys, job.prompt, state.token_ids, state.text, self.config.model_id,
-                               int(time.time()), self.config.address, milli(job.temperature), job.seed)
+                               int(time.time()), self.config.address, milli(job.temperature), job.seed,
+                               milli(job.top_p))
         return {**response_extension(signed), "route": route_reason, "served_by": served_by}
 
     def _countersign(self, peer_id: str, job: Job, state: Generation, extension: Any,
@@ -554,6 +559,7 @@ class ModelNode:
                   ("signed for another model", theirs.model_id == self.config.model_id),
                   ("signed for another temperature", theirs.temperature == milli(job.temperature)),
                   ("signed for another seed", theirs.seed == job.seed),
+                  ("signed for another top_p", theirs.top_p == milli(job.top_p)),
                   ("signed other token ids than it streamed", list(theirs.token_ids) == state.token_ids),
                   ("its signature does not verify", response_valid(theirs)))
         failed = [problem for problem, ok in checks if not ok]

@@ -25,8 +25,8 @@ from planetserve.registry.params import Params
 
 SEED_DOMAIN = "planetserve/epoch-seed/v1"
 NEXT_SEED_DOMAIN = "planetserve/epoch-seed/v2"
-COMMIT_DOMAIN = "planetserve/challenge/v2"
-RESPONSE_DOMAIN = "planetserve/response/v3"
+COMMIT_DOMAIN = "planetserve/challenge/v3"
+RESPONSE_DOMAIN = "planetserve/response/v4"
 SEED_DOMAIN = b"planetserve/challenge-seed/v1"
 SEED_BITS = 63
 """Seeds a requester draws: non-negative signed 64-bit integers, which every OpenAI client accepts."""
@@ -118,10 +118,17 @@ def plan_nodes(target: Epoch, nodes: Iterable[ModelNode], cap: int,
     return sample_nodes(target.seed, eligible, cap)
 
 
-def commitment(prompt: str, temperature: int, salt: bytes) -> bytes:
-    """What a plan records for a challenge: H(prompt || temperature || salt), unambiguously encoded. The
-    temperature is committed with the prompt because it decides how the answer is scored."""
-    return hashlib.sha256(codec.pack([COMMIT_DOMAIN, prompt, temperature, salt])).digest()
+def commitment(prompt: str, temperature: int, salt: bytes, top_p: int) -> bytes:
+    """What a plan records for a challenge: H(prompt || temperature || salt || top_p), unambiguously
+    encoded. The temperature and the nucleus (top_p in thousandths) are committed with the prompt because
+    they decide how the answer is scored."""
+    return hashlib.sha256(codec.pack([COMMIT_DOMAIN, prompt, temperature, salt, top_p])).digest()
+
+
+def milli(value: float) -> int:
+    """A request's sampling temperature or top_p as signed and committed: thousandths, rounded half up.
+    Engines sample at exactly milli(value) / MILLI, so what a node signs is what it sampled with."""
+    return int(value * MILLI + 0.5)
 
 
 def to_seed(value: int) -> int:
@@ -185,8 +192,9 @@ class PlanEntry(Record):
 @dataclass(frozen=True)
 class SignedResponse(Record):
     """A model node's answer to a prompt, signed with its registered key, with the sampling temperature
-    it was asked for (thousandths; 0 is greedy) and the seed of its noise (planetserve.sampling), which
-    nobody between the asker and the node can change and which make every token checkable."""
+    it was asked for (thousandths; 0 is greedy), the seed of its noise and its nucleus (top_p in
+    thousandths, MILLI for none; planetserve.sampling), which nobody between the asker and the node can
+    change and which make every token checkable."""
 
     node: bytes
     prompt_hash: bytes
@@ -198,10 +206,11 @@ class SignedResponse(Record):
     time: int
     address: str
     signature: bytes
+    top_p: int = MILLI
 
     def sign_bytes(self) -> bytes:
         return codec.pack([RESPONSE_DOMAIN, self.node, self.prompt_hash, list(self.token_ids), self.text,
-                           self.model_id, self.temperature, self.seed, self.time, self.address])
+                           self.model_id, self.temperature, self.seed, self.top_p, self.time, self.address])
 
 
 @dataclass(frozen=True)

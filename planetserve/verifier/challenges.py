@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from planetserve import workloads
-from planetserve.chain.challenge import Challenge, milli
+from planetserve.chain.challenge import Challenge
+from planetserve.registry.epochs import milli
 
 MAX_REDRAWS = 64
 RUN = 64
@@ -49,6 +50,8 @@ class ChallengePrompt:
     """For a follow-up: the lengths (in characters) of the session's earlier turns, each a prefix of
     `text`, which a user would have sent first under the same session id (the challenge sends them too,
     unscored, so that a session seen before says nothing)."""
+    top_p: float = 1.0
+    """The nucleus a user of this workload would ask for."""
 
 
 def to_challenge(drawn: ChallengePrompt, rendered: str | None, max_tokens: int) -> Challenge:
@@ -57,8 +60,10 @@ def to_challenge(drawn: ChallengePrompt, rendered: str | None, max_tokens: int) 
     without one, the prompt goes as a completion."""
     cap = min(drawn.max_tokens, max_tokens)
     if rendered is None:
-        return Challenge.new(drawn.text, milli(drawn.temperature), max_tokens=cap, earlier=drawn.earlier)
-    return Challenge.new(rendered, milli(drawn.temperature), drawn.text, cap, drawn.earlier)
+        return Challenge.new(drawn.text, milli(drawn.temperature), max_tokens=cap, earlier=drawn.earlier,
+                             top_p=milli(drawn.top_p))
+    return Challenge.new(rendered, milli(drawn.temperature), drawn.text, cap, drawn.earlier,
+                         milli(drawn.top_p))
 
 
 def prompt_digest(text: str) -> str:
@@ -139,7 +144,7 @@ class ChallengeSource:
             self.used.add(digest)
             picked.append(ChallengePrompt(text, request.max_tokens, request.workload,
                                           self._temperature(request.temperature), self._chat(request.chat),
-                                          earlier))
+                                          earlier, request.top_p))
         return picked
 
     def _temperature(self, drawn: float) -> float:

@@ -74,9 +74,10 @@ def deviations(shortfalls: Sequence[float], tolerance: float = TOLERANCE) -> int
     return sum(s > tolerance for s in shortfalls)
 
 
-def decoding(response: SignedResponse) -> Decoding:
-    """The decoding a node signed it used: its temperature in thousandths, and its seed."""
-    return Decoding(response.temperature / MILLI, response.seed)
+def decoding(response: SignedResponse, tolerance: float = TOLERANCE) -> Decoding:
+    """The decoding a node signed it used (its temperature and top_p in thousandths, and its seed), with
+    the verifier's tolerance as the margin of its nucleus."""
+    return Decoding(response.temperature / MILLI, response.seed, response.top_p / MILLI, tolerance)
 
 
 class Rejection(StrEnum):
@@ -240,7 +241,7 @@ class ReferenceModel:
         if pending:
             batch = [pair for _, pair in pending]
             if self.calibrated:
-                decodings = [decoding(answers[index].response) for index, _ in pending]
+                decodings = [decoding(answers[index].response, self.tolerance) for index, _ in pending]
                 scores = self.scorer.score_choices(batch, decodings)
                 scored = [Verdict.scored(s, self.tolerance) for s in scores]
             else:

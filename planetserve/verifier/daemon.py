@@ -95,16 +95,18 @@ class Journal:
         self.lines = JsonLines(path)  # owner-only: the prompts are secret until revealed
         self.entries: dict[tuple[int, bytes], Challenge] = {}
         for item in self.lines.read():
-            # a line written before challenges sealed their cap and earlier turns asked the default cap
+            # a line written before challenges sealed their cap, earlier turns and nucleus asked the
+            # default cap over the whole vocabulary
             self.entries[item["epoch"], bytes.fromhex(item["node"])] = Challenge(
                 item["prompt"], bytes.fromhex(item["salt"]), item["temperature"], item["question"],
-                item.get("max_tokens", DEFAULT_MAX_TOKENS), tuple(item.get("earlier", ())))
+                item.get("max_tokens", DEFAULT_MAX_TOKENS), tuple(item.get("earlier", ())),
+                item.get("top_p", epochs.MILLI))
 
     def add(self, epoch: int, node: bytes, challenge: Challenge) -> None:
         self.lines.append({"epoch": epoch, "node": node.hex(), "prompt": challenge.prompt,
                            "salt": challenge.salt.hex(), "temperature": challenge.temperature,
                            "question": challenge.question, "max_tokens": challenge.max_tokens,
-                           "earlier": list(challenge.earlier)}, durable=True)
+                           "earlier": list(challenge.earlier), "top_p": challenge.top_p}, durable=True)
         self.entries[epoch, node] = challenge
 
     def get(self, epoch: int, node: bytes) -> Challenge | None:

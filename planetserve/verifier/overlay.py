@@ -21,7 +21,7 @@ from planetserve.chain.challenge import (
     served_from_extension,
 )
 from planetserve.chain.rpc import TooLarge, read_limited
-from planetserve.registry.epochs import SEED_BITS, SignedResponse
+from planetserve.registry.epochs import MILLI, SEED_BITS, SignedResponse
 
 MAX_ANSWER_BYTES = 4 << 20
 
@@ -113,6 +113,8 @@ def request_body(model_id: str, challenge: Challenge, text: str, chat: bool, str
     body: dict[str, Any] = {"model": model_id, "max_tokens": challenge.max_tokens, "stream": stream,
                             "temperature": challenge.sampling_temperature,
                             "planetserve": {**options, "seed": exact}}
+    if challenge.top_p < MILLI:
+        body["top_p"] = challenge.sampling_top_p
     if chat:
         body["messages"] = [{"role": "user", "content": text}]
     else:

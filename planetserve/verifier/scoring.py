@@ -48,10 +48,14 @@ Pair = tuple[Sequence[int], Sequence[int]]
 
 @dataclass(frozen=True)
 class Decoding:
-    """How a node signed it decoded an answer: its temperature (0 is greedy) and its noise's seed."""
+    """How a node signed it decoded an answer: its temperature (0 is greedy), its noise's seed and its
+    nucleus; `margin` is how far apart (nats) the verifier lets an honest engine's log-probabilities lie
+    from the reference's when it bounds that engine's nucleus (planetserve.sampling.shortfalls)."""
 
     temperature: float
     seed: int
+    top_p: float = 1.0
+    margin: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -77,7 +81,7 @@ def _position_scores(logits: torch.Tensor, targets: list[int], decoding: Decodin
     picked = logprobs.gather(-1, index[:, None])[:, 0]
     if decoding is None:
         return TokenScores(tuple(picked.tolist()))
-    short = shortfalls(logprobs, index, decoding.temperature, decoding.seed)
+    short = shortfalls(logprobs, index, decoding.temperature, decoding.seed, decoding.top_p, decoding.margin)
     return TokenScores(tuple(picked.tolist()), tuple(short.tolist()))
 
 

@@ -1,4 +1,4 @@
-"""A model node that signs what it was not asked (another temperature, or another time), so that its
+"""A model node that signs what it was not asked (another temperature, seed, nucleus or time), so that its
 answer, revealed, makes the honest member who submits it faulty (docs/threat-model.md, "Framing the
 challenger"): the member's daemon checks what the node signed before it reveals, and claims no valid
 response instead; the node's answer is never revealed against the member. The members who then
@@ -24,12 +24,13 @@ from planetserve.verifier.overlay import OverlayChannel
 ASKED = 700
 
 
-def asked(relay, tmp_path, node: KeySet, signed_temperature: int, signed_time: int, seed_offset: int = 0):
-    """What the member's daemon makes of the node's answer to its challenge at temperature 0.7, signed
-    with the challenge's seed plus `seed_offset`."""
-    challenge = Challenge.new("Why?", ASKED)
+def asked(relay, tmp_path, node: KeySet, signed_temperature: int, signed_time: int, seed_offset: int = 0,
+          signed_top_p: int = 900):
+    """What the member's daemon makes of the node's answer to its challenge at temperature 0.7 and top_p
+    0.9, signed with the challenge's seed plus `seed_offset`."""
+    challenge = Challenge.new("Why?", ASKED, top_p=900)
     response = sign_response(node, "Why?", [5, 6], "Light.", "gt", signed_time, "h:1", signed_temperature,
-                             challenge.seed + seed_offset)
+                             challenge.seed + seed_offset, signed_top_p)
     relay.body = {"choices": [{"text": "Light."}], "planetserve": response_extension(response)}
     registered = ModelNode(node.public, "org", "gt", "h:1", "cpu", 1, "eu", "active", 0)
     daemon = Daemon(KeySet.generate(), None, {}, OverlayChannel(relay.url), None, tmp_path, attempts=2)
@@ -38,17 +39,18 @@ def asked(relay, tmp_path, node: KeySet, signed_temperature: int, signed_time: i
     return daemon, done
 
 
-@pytest.mark.parametrize(("temperature", "skew", "seed_offset", "reason"), [
-    (1_000, 0, 0, "the node signed temperature 1, it was asked 0.7"),
-    (ASKED, 0, 1, "the node signed seed"),
-    (ASKED, -3_600, 0, "the node signed time"),
-    (ASKED, SIGNED_TIME_TOLERANCE_S + 30, 0, "s from its answer"),
+@pytest.mark.parametrize(("temperature", "skew", "seed_offset", "top_p", "reason"), [
+    (1_000, 0, 0, 900, "the node signed temperature 1, it was asked 0.7"),
+    (ASKED, 0, 1, 900, "the node signed seed"),
+    (ASKED, 0, 0, 1_000, "the node signed top_p 1, it was asked 0.9"),
+    (ASKED, -3_600, 0, 900, "the node signed time"),
+    (ASKED, SIGNED_TIME_TOLERANCE_S + 30, 0, 900, "s from its answer"),
 ])
 def test_an_answer_signed_otherwise_is_claimed_invalid_not_revealed(relay, tmp_path, monkeypatch, temperature,
-                                                                    skew, seed_offset, reason):
+                                                                    skew, seed_offset, top_p, reason):
     monkeypatch.setattr(daemon_module, "RETRY_DELAY_S", 0.0)
     node = KeySet.generate()
-    daemon, done = asked(relay, tmp_path, node, temperature, int(time.time()) + skew, seed_offset)
+    daemon, done = asked(relay, tmp_path, node, temperature, int(time.time()) + skew, seed_offset, top_p)
     assert done.reply is None and reason in done.failure and done.failure.startswith("2 attempts")
     entry = daemon._entry(1, done, "leader")
     assert isinstance(entry, Unanswered) and entry.node == node.public and reason in entry.invalid

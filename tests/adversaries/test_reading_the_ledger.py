@@ -105,4 +105,4 @@ def test_a_planned_entry_shows_only_its_size_bucket(s):
     assert len(lengths) == 1
     long = Challenge.new("word " * SEALED_BUCKET_BYTES, 0).plan_entry(node, committee)
     assert {len(sealed) for _, sealed in long.sealed} != lengths  # a longer bucket, not an unbounded one
-    assert epochs.commitment(variants[0].prompt, 0, variants[0].salt) == variants[0].commitment
+    assert epochs.commitment(variants[0].prompt, 0, variants[0].salt, variants[0].top_p) == variants[0].commitment

@@ -80,6 +80,8 @@ def program_body(request: workloads.Request, style: int) -> dict:
     temperature 0 as an integer, adds `n: 1` and orders its keys its own way."""
     body: dict = {"model": "gt", "max_tokens": request.max_tokens, "temperature": request.temperature,
                   "stream": request.stream}
+    if request.top_p < 1:
+        body["top_p"] = request.top_p
     if request.chat:
         body["messages"] = [{"role": "user", "content": request.text}]
     else:
@@ -209,7 +211,7 @@ def pieces(text: str) -> int:
 
 
 def features(arrivals: list[tuple[str, bytes]]) -> np.ndarray:
-    """Everything a node can read off a request: its form, sampling (its seed's value and size too),
+    """Everything a node can read off a request: its form, sampling (its nucleus, and its seed's value and size too),
     output cap, lengths, key set, and whether its session or seed was seen before (and how often)."""
     seen: dict[str, int] = {}
     seeds: dict[int, int] = {}
@@ -218,9 +220,9 @@ def features(arrivals: list[tuple[str, bytes]]) -> np.ndarray:
         body = json.loads(raw)
         text = body["messages"][0]["content"] if endpoint == "chat" else body["prompt"]
         session = body["planetserve"]["session_id"]
-        rows.append([endpoint == "chat", body["stream"], body["temperature"], body["max_tokens"], len(text),
-                     len(raw), len(body), seen.get(session, 0), body["seed"], body["seed"].bit_length(),
-                     seeds.get(body["seed"], 0)])
+        rows.append([endpoint == "chat", body["stream"], body["temperature"], body.get("top_p", 1.0),
+                     body["max_tokens"], len(text), len(raw), len(body), seen.get(session, 0), body["seed"],
+                     body["seed"].bit_length(), seeds.get(body["seed"], 0)])
         seeds[body["seed"]] = seeds.get(body["seed"], 0) + 1
         seen[session] = seen.get(session, 0) + 1
     return np.array(rows, dtype=float)
@@ -240,7 +242,7 @@ def test_a_classifier_tells_challenges_from_users_no_better_than_chance():
     assert 0.45 <= auc <= 0.55, f"AUC {auc:.3f}: the node tells challenges apart"
     # the classifier is able to: told the cap a challenge used to ask (64), it finds them at once
     marked = x.copy()
-    marked[y == 1, 3] = CAP
+    marked[y == 1, 4] = CAP  # the output cap's column
     marked_model = HistGradientBoostingClassifier(max_iter=200, random_state=0).fit(marked[:half], y[:half])
     assert roc_auc_score(y[half:], marked_model.predict_proba(marked[half:])[:, 1]) > 0.9
 

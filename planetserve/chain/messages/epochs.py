@@ -97,7 +97,7 @@ class CommitPlan(Message):
 def _response(value: Any) -> SignedResponse:
     raw = as_map(value, "response")
     fields.check_keys(raw, {"node", "prompt_hash", "token_ids", "text", "model_id", "temperature", "seed",
-                            "time", "address", "signature"})
+                            "top_p", "time", "address", "signature"})
     tokens = raw.get("token_ids")
     if (not isinstance(tokens, list) or len(tokens) > MAX_RESPONSE_TOKENS
             or not all(type(t) is int and 0 <= t < 2**32 for t in tokens)):
@@ -116,6 +116,7 @@ def _response(value: Any) -> SignedResponse:
         time=fields.integer(raw, "time", 0, MAX_EPOCH),
         address=fields.address(raw),
         signature=fields.sig64(raw, "signature"),
+        top_p=fields.integer(raw, "top_p", 0, epochs.MILLI),
     )
 
 
@@ -153,6 +154,7 @@ class Revealed(Body):
     response: SignedResponse
     credibility: int | None = None
     served: Served | None = None
+    top_p: int = epochs.MILLI
 
     @classmethod
     def parse(cls, body: dict[str, Any]) -> Self:
@@ -164,6 +166,7 @@ class Revealed(Body):
             response=_response(body.get("response")),
             credibility=fields.integer(body, "credibility", 0, PPM) if "credibility" in body else None,
             served=Served.from_body(as_map(body["served"], "served")) if "served" in body else None,
+            top_p=fields.integer(body, "top_p", 0, epochs.MILLI),
         )
         if answer.served is not None and answer.served.node == answer.response.node:
             raise InvalidField("served", "names the challenged node itself; omit it for a direct answer")

@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 from planetserve.node.engine.base import MAX_LOGPROBS, GenerationRequest, Tokenizer, TokenLogprob
 from planetserve.node.engine.wire import MAX_TOKEN_ID
-from planetserve.registry.epochs import SEED_BITS, to_seed
+from planetserve.registry.epochs import MILLI, SEED_BITS, milli, to_seed
 
 Endpoint = Literal["completions", "chat"]
 
@@ -126,6 +126,8 @@ class ApiRequest:
     """None: as many as the context allows (chat's default; completions default to 16 like OpenAI)."""
     temperature: float = 1.0
     seed: int | None = None
+    top_p: float = 1.0
+    """Nucleus sampling (planetserve.sampling.nucleus); checked like every sampled token."""
     stream: bool = False
     include_usage: bool = False
     continuous_usage: bool = False
@@ -202,8 +204,9 @@ def _token_ids(value: Any, name: str, limit: int, *, allow_empty: bool = False) 
     return tuple(value)
 
 
-TRUNCATION = ("sampling is from the whole distribution under the request's seed, so that every token can be "
-              "checked (docs/architecture.md, \"Verifiable sampling\"); lower `temperature` to sharpen it")
+TRUNCATION = ("sampling is over the model's distribution (or its `top_p` nucleus) under the request's seed, "
+              "so that every token can be checked (docs/architecture.md, \"Verifiable sampling\"); use "
+              "`top_p` or lower `temperature` to sharpen it")
 
 
 def _unsupported(body: dict[str, Any], name: str, *neutral: Any, why: str = "") -> None:
@@ -254,13 +257,15 @@ def _common(body: dict[str, Any], endpoint: Endpoint, limits: ApiLimits) -> dict
     for name in ("presence_penalty", "frequency_penalty", "min_p"):
         _unsupported(body, name, 0, 0.0)
     _unsupported(body, "repetition_penalty", 1, 1.0)
-    _unsupported(body, "top_p", 1, 1.0, why=TRUNCATION)
     _unsupported(body, "top_k", -1, 0, why=TRUNCATION)
     _unsupported(body, "logit_bias", {})
     _unsupported(body, "echo", False)
     temperature = _number(body, "temperature")
     if temperature is not None and not 0 <= temperature <= limits.max_temperature:
         raise bad_request(f"`temperature` must be between 0 and {limits.max_temperature}.", "temperature")
+    top_p = _number(body, "top_p")
+    if top_p is not None and not 0 <= top_p <= 1:
+        raise bad_request("`top_p` must be between 0 and 1.", "top_p")
     stream = _bool(body, "stream", False)
     options = body.get("stream_options")
     if options is not None:
@@ -275,6 +280,7 @@ def _common(body: dict[str, Any], endpoint: Endpoint, limits: ApiLimits) -> dict
         "model": model,
         "temperature": 1.0 if temperature is None else temperature,
         "seed": _int(body, "seed", -INT64, INT64 - 1),
+        "top_p": 1.0 if top_p is None else top_p,
         "stream": stream,
         "include_usage": _bool(options, "include_usage", False),
         "continuous_usage": _bool(options, "continuous_usage_stats", False),
@@ -418,6 +424,7 @@ def canonical_body(request: ApiRequest) -> bytes:
     body["temperature"] = request.temperature
     if request.seed is not None:
         body["seed"] = request.seed
+    body["top_p"] = request.top_p
     body["stream"] = request.stream
     if request.stream:
         body["stream_options"] = {"include_usage": request.include_usage,
@@ -506,8 +513,9 @@ def build_generation(
     eos_token_ids: Iterable[int] = (),
 ) -> GenerationRequest:
     """The engine request, after the checks that need the model: vocabulary and context length. Every
-    request gets a seed (the program's, or a fresh one), so that what the node signs names the noise
-    it sampled with and anyone holding the model can check each token (planetserve.sampling)."""
+    request gets a seed (the program's, or a fresh one), and its temperature and top_p in the
+    thousandths a node signs, so that what the node signs names exactly how it sampled and anyone
+    holding the model can check each token (planetserve.sampling)."""
     if not prompt_ids:
         raise bad_request("The prompt is empty.", "prompt")
     if any(t >= vocab_size for t in prompt_ids):
@@ -529,8 +537,8 @@ def build_generation(
     if not request.ignore_eos:
         stops.update(dict.fromkeys(eos_token_ids))
     seed = secrets.randbits(SEED_BITS) if request.seed is None else to_seed(request.seed)
-    return GenerationRequest(tuple(prompt_ids), max_tokens, request.temperature, seed, tuple(stops),
-                             logprobs=request.logprobs)
+    return GenerationRequest(tuple(prompt_ids), max_tokens, milli(request.temperature) / MILLI, seed,
+                             tuple(stops), logprobs=request.logprobs, top_p=milli(request.top_p) / MILLI)
 
 
 # -- responses --------------------------------------------------------------------------------------

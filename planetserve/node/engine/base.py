@@ -36,6 +36,8 @@ class GenerationRequest:
     logprobs: int | None = None
     """None: no log-probabilities (and no cost for them); k: each generated token's log-probability and
     the k likeliest tokens at its position (0 to MAX_LOGPROBS)."""
+    top_p: float = 1.0
+    """Nucleus truncation before the seeded argmax (planetserve.sampling.nucleus); 1 is none."""
 
 
 @dataclass(frozen=True)

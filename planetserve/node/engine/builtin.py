@@ -270,6 +270,8 @@ class BuiltinEngine:
             raise EngineError("max_tokens must be >= 1")
         if not math.isfinite(request.temperature) or request.temperature < 0:
             raise EngineError("temperature must be a finite number >= 0")
+        if not (math.isfinite(request.top_p) and 0 <= request.top_p <= 1):
+            raise EngineError("top_p must lie in [0, 1]")
         if request.seed is not None and not 0 <= request.seed < 1 << 64:
             raise EngineError("seed must lie in [0, 2**64)")
         if request.logprobs is not None and not 0 <= request.logprobs <= min(MAX_LOGPROBS, self.vocab_size):
@@ -387,7 +389,8 @@ class BuiltinEngine:
     def _pick(logits: torch.Tensor, seqs: list[_Sequence]) -> list[int]:
         """Each row's token from its own logits, seed and position only, so a request's answer does not
         depend on what else is in the batch."""
-        return [sample(row, seq.request.temperature, seq.seed, len(seq.tokens) - len(seq.request.prompt_ids))
+        return [sample(row, seq.request.temperature, seq.seed, len(seq.tokens) - len(seq.request.prompt_ids),
+                       seq.request.top_p)
                 for row, seq in zip(logits, seqs, strict=True)]
 
     @staticmethod

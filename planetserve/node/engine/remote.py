@@ -52,7 +52,7 @@ from planetserve.node.engine.base import (
     TokenLogprob,
 )
 from planetserve.node.engine.kvevents import KVEventBatch, KVEventSubscriber, PrefixMirror
-from planetserve.node.engine.vllm_sampling import XARG_SEED, XARG_TEMPERATURE
+from planetserve.node.engine.vllm_sampling import XARG_SEED, XARG_TEMPERATURE, XARG_TOP_P
 from planetserve.node.engine.wire import MAX_TOKEN_ID, SSEDecoder, SSEError, error_message
 from planetserve.registry.epochs import SEED_LIMIT
 
@@ -296,8 +296,12 @@ class RemoteEngine:
         if sampled_here:
             seed = secrets.randbits(64) if request.seed is None else request.seed
             body["vllm_xargs"] = {XARG_TEMPERATURE: request.temperature, XARG_SEED: seed}
-        elif request.seed is not None and not self.vllm_processor:
-            body["seed"] = request.seed
+            if request.top_p < 1:
+                body["vllm_xargs"][XARG_TOP_P] = request.top_p
+        elif not self.vllm_processor:
+            body["top_p"] = request.top_p
+            if request.seed is not None:
+                body["seed"] = request.seed
         if request.logprobs is not None:
             body.update(logprobs=request.logprobs, return_tokens_as_token_ids=True)
         return body

@@ -6,11 +6,12 @@ protocol's temperature and seed as `vllm_xargs` (`SamplingParams.extra_args` ins
 
     {"temperature": 0, "vllm_xargs": {"planetserve_temperature": 0.7, "planetserve_seed": 12345}}
 
-The processor writes logits / T + g(seed, position, token) into those requests' rows, so that vLLM's
-greedy argmax picks the protocol's token (`planetserve.sampling`); position is the number of tokens the
-request has generated so far. Everything here works on objects shaped like vLLM's (`SamplingParams`,
-`BatchUpdate` and its added, removed and moved entries) by attribute and position only, so it runs,
-and is tested, without vLLM installed.
+and, for nucleus sampling, "planetserve_top_p" beside them (vLLM's own top_p stays 1). The processor
+writes logits / T + g(seed, position, token) into those requests' rows, -inf outside the nucleus, so
+that vLLM's greedy argmax picks the protocol's token (`planetserve.sampling`); position is the number of
+tokens the request has generated so far. Everything here works on objects shaped like vLLM's
+(`SamplingParams`, `BatchUpdate` and its added, removed and moved entries) by attribute and position
+only, so it runs, and is tested, without vLLM installed.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from planetserve.sampling import SEED_LIMIT, noise_rows_
 
 XARG_TEMPERATURE = "planetserve_temperature"
 XARG_SEED = "planetserve_seed"
+XARG_TOP_P = "planetserve_top_p"
 GREEDY_LIMIT = 1e-5
 """vLLM samples greedily below this temperature (its _SAMPLING_EPS); the protocol needs it greedy."""
 
@@ -36,6 +38,7 @@ class Decoding:
 
     temperature: float
     seed: int
+    top_p: float = 1.0
 
 
 def protocol_decoding(extra_args: Mapping[str, Any] | None) -> Decoding | None:
@@ -53,7 +56,11 @@ def protocol_decoding(extra_args: Mapping[str, Any] | None) -> Decoding | None:
         raise ValueError(f"{XARG_TEMPERATURE} must be a finite number of at least 0, got {temperature!r}")
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT:
         raise ValueError(f"{XARG_SEED} must be an integer in [0, 2**64), got {seed!r}")
-    return Decoding(float(temperature), seed)
+    top_p = extra_args.get(XARG_TOP_P, 1.0)
+    if isinstance(top_p, bool) or not isinstance(top_p, int | float) or not (math.isfinite(top_p)
+                                                                             and 0 <= top_p <= 1):
+        raise ValueError(f"{XARG_TOP_P} must be a number in [0, 1], got {top_p!r}")
+    return Decoding(float(temperature), seed, float(top_p))
 
 
 # (attribute of SamplingParams, the values that leave the model's logits alone, why a value other than
@@ -62,7 +69,7 @@ _NEUTRAL: tuple[tuple[str, tuple[Any, ...], str], ...] = (
     ("presence_penalty", (0, 0.0, None), "vLLM applies penalties after this processor"),
     ("frequency_penalty", (0, 0.0, None), "vLLM applies penalties after this processor"),
     ("repetition_penalty", (1, 1.0, None), "vLLM applies penalties after this processor"),
-    ("top_p", (1, 1.0, None), "the protocol samples from the whole vocabulary"),
+    ("top_p", (1, 1.0, None), f"send it as {XARG_TOP_P}, which this processor applies"),
     ("top_k", (0, -1, None), "the protocol samples from the whole vocabulary"),
     ("min_p", (0, 0.0, None), "the protocol samples from the whole vocabulary"),
     ("min_tokens", (0, None), "it hides the stop tokens from the argmax"),
@@ -118,6 +125,7 @@ class Row:
     temperature: float
     seed: int
     output_ids: Sequence[int]
+    top_p: float = 1.0
 
     @property
     def position(self) -> int:
@@ -144,7 +152,7 @@ class RowTable:
             if decoding is None or decoding.temperature == 0:
                 self.rows.pop(slot, None)
             else:
-                self.rows[slot] = Row(decoding.temperature, decoding.seed, output_ids)
+                self.rows[slot] = Row(decoding.temperature, decoding.seed, output_ids, decoding.top_p)
         for a, b, direction in batch_update.moved:
             row_a, row_b = self.rows.pop(a, None), self.rows.pop(b, None)
             if row_a is not None:
@@ -156,23 +164,24 @@ class RowTable:
             raise RuntimeError(f"planetserve sampling: slots {sorted(stray)} lie outside a batch of "
                                f"{batch_update.batch_size}; the batch updates were not followed")
 
-    def batch(self) -> tuple[list[int], list[float], list[int], list[int]]:
-        """The sampled rows in slot order: slots, temperatures, seeds, positions."""
+    def batch(self) -> tuple[list[int], list[float], list[int], list[int], list[float]]:
+        """The sampled rows in slot order: slots, temperatures, seeds, positions, top_ps."""
         slots = sorted(self.rows)
         rows = [self.rows[s] for s in slots]
-        return slots, [r.temperature for r in rows], [r.seed for r in rows], [r.position for r in rows]
+        return (slots, [r.temperature for r in rows], [r.seed for r in rows], [r.position for r in rows],
+                [r.top_p for r in rows])
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """vLLM's `apply`: the sampled rows of `logits` ([batch, vocab]) become logits / T + g, in place;
         the other rows stay as they are."""
         if not self.rows:
             return logits
-        slots, temperatures, seeds, positions = self.batch()
+        slots, temperatures, seeds, positions, top_ps = self.batch()
         outside = [s for s in slots if s >= logits.shape[0]]
         if outside:
             raise RuntimeError(f"planetserve sampling: slots {outside} lie outside logits of "
                                f"{logits.shape[0]} rows (speculative decoding is not supported)")
-        return noise_rows_(logits, slots, temperatures, seeds, positions)
+        return noise_rows_(logits, slots, temperatures, seeds, positions, top_ps)
 
 
 def _is_swap(direction: Any) -> bool:

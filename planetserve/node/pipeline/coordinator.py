@@ -110,11 +110,12 @@ class _Route:
     attempt: _Attempt | None = None
 
 
-def sampler(temperature: float, seed: int | None) -> Callable[[np.ndarray, int], int]:
+def sampler(temperature: float, seed: int | None, top_p: float = 1.0) -> Callable[[np.ndarray, int], int]:
     """The built-in engine's draw (planetserve.sampling) from one position's logits and the position:
-    greedy at temperature 0, else the protocol's Gumbel-max under `seed` or a fresh one."""
+    greedy at temperature 0, else the protocol's Gumbel-max under `seed` or a fresh one, over the
+    nucleus of `top_p`."""
     key = secrets.randbits(64) if seed is None else seed
-    return lambda logits, position: sample(torch.from_numpy(logits), temperature, key, position)
+    return lambda logits, position: sample(torch.from_numpy(logits), temperature, key, position, top_p)
 
 
 class PipelineClient:
@@ -139,11 +140,12 @@ class PipelineClient:
         self.step_timeout = step_timeout
 
     async def complete(self, prompt: str | Sequence[int], max_tokens: int, *, temperature: float = 0.0,
-                       seed: int | None = None, stop_ids: Sequence[int] = ()) -> Completion:
+                       seed: int | None = None, stop_ids: Sequence[int] = (), top_p: float = 1.0
+                       ) -> Completion:
         """Generate up to `max_tokens` after a prompt (text, tokenised with special tokens as a completion
         prompt is, or token ids), stopping early at any of `stop_ids`."""
         ids = self.tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else list(prompt)
-        request = GenerationRequest(tuple(ids), max_tokens, temperature, seed, tuple(stop_ids))
+        request = GenerationRequest(tuple(ids), max_tokens, temperature, seed, tuple(stop_ids), top_p=top_p)
         chains: list[Chain] = []
         tokens, finish = [], ""
         async for chunk in self.generate(request, chains):
@@ -156,7 +158,8 @@ class PipelineClient:
                        chains: list[Chain] | None = None) -> AsyncIterator[TokenChunk]:
         """Stream a generation as the engines do, one token a chunk; `chains` collects the chains used."""
         self._check(request)
-        route, pick = _Route(secrets.token_hex(8), chains), sampler(request.temperature, request.seed)
+        route, pick = _Route(secrets.token_hex(8), chains), sampler(request.temperature, request.seed,
+                                                                            request.top_p)
         tokens, stop = list(request.prompt_ids), frozenset(request.stop_ids)
         try:
             for produced in range(1, request.max_tokens + 1):
@@ -186,6 +189,8 @@ class PipelineClient:
             raise PipelineError("max_tokens must be >= 1")
         if not math.isfinite(request.temperature) or request.temperature < 0:
             raise PipelineError("temperature must be a finite number >= 0")
+        if not (math.isfinite(request.top_p) and 0 <= request.top_p <= 1):
+            raise PipelineError("top_p must lie in [0, 1]")
         if any(not 0 <= t < vocab for t in prompt):
             raise PipelineError(f"prompt token ids must lie in [0, {vocab})")
         if len(prompt) + request.max_tokens > self.shape.max_positions:

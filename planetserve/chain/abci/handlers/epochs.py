@@ -149,13 +149,15 @@ def commit_plan(ctx: Context, msg: CommitPlan) -> None:
 # -- results ------------------------------------------------------------------------------------
 
 
-def _inconsistency(ctx: Context, node_model: str, node: bytes, commitment: bytes, prompt: str,
-                   temperature: int, salt: bytes, response: SignedResponse,
+def _inconsistency(ctx: Context, node_model: str, entry: Revealed, commitment: bytes,
                    since: int) -> tuple[str, str] | None:
     """Why a submitted challenge contradicts the plan or the node's signature, if it does."""
     slack = ctx.params.response_slack_seconds
-    if epochs.commitment(prompt, temperature, salt) != commitment:
-        return "altered-prompt", "revealed prompt, temperature and salt do not match the committed challenge"
+    node, prompt, temperature, salt, response = (entry.node, entry.prompt, entry.temperature, entry.salt,
+                                                 entry.response)
+    if epochs.commitment(prompt, temperature, salt, entry.top_p) != commitment:
+        return "altered-prompt", ("revealed prompt, temperature, salt and top_p do not match the committed "
+                                  "challenge")
     if temperature > epochs.MAX_CHALLENGE_TEMPERATURE:
         return "altered-prompt", (f"challenge temperature {temperature} is above "
                                   f"{epochs.MAX_CHALLENGE_TEMPERATURE} thousandths, where no answer scores "
@@ -169,6 +171,9 @@ def _inconsistency(ctx: Context, node_model: str, node: bytes, commitment: bytes
                                   f"not the committed {temperature} (thousandths)")
     if response.seed != (committed := epochs.challenge_seed(salt)):
         return "altered-prompt", f"the node was asked for seed {response.seed}, not the committed {committed}"
+    if response.top_p != entry.top_p:
+        return "altered-prompt", (f"the node was asked for top_p {response.top_p}, not the committed "
+                                  f"{entry.top_p} (thousandths)")
     if not since - slack <= response.time <= ctx.time + slack:
         window = f"[{since - slack}, {ctx.time + slack}]"
         return "stale-response", f"response time {response.time} is outside {window}"
@@ -227,10 +232,10 @@ def _submit_one(ctx: Context, epoch: Epoch, kind: str, entry: Revealed | Unanswe
     if isinstance(entry, Unanswered):
         result = ChallengeResult(node, ctx.signer, kind, INVALID, entry.invalid, "", b"", {}, -1, ctx.height)
     else:
-        prompt, salt, temperature, response = entry.prompt, entry.salt, entry.temperature, entry.response
+        response = entry.response
         credibility = entry.credibility if entry.credibility is not None else -1
         served = entry.served.response(response) if entry.served is not None else None
-        problem = _inconsistency(ctx, model_id, node, commitment, prompt, temperature, salt, response, since)
+        problem = _inconsistency(ctx, model_id, entry, commitment, since)
         if problem is None and served is not None:
             problem = _served_inconsistency(ctx, model_id, served)
         status, reason = VALID, ""
@@ -242,8 +247,9 @@ def _submit_one(ctx: Context, epoch: Epoch, kind: str, entry: Revealed | Unanswe
             status = FAULTY if fault_kind else INVALID
             if fault_kind:
                 _fault(ctx, epoch.number, fault_kind, node, reason)
-        result = ChallengeResult(node, ctx.signer, kind, status, reason, prompt, salt, response.to_record(),
-                                 credibility, ctx.height, served.node if served is not None else b"")
+        result = ChallengeResult(node, ctx.signer, kind, status, reason, entry.prompt, entry.salt,
+                                 response.to_record(), credibility, ctx.height,
+                                 served.node if served is not None else b"")
     ctx.state.put_result(epoch.number, result)
     if result.status == INVALID:
         _add_report(ctx, epoch.number, node)
@@ -314,7 +320,7 @@ def _opened_rechallenge(ctx: Context, number: int, entry: Revealed | Unanswered)
     """The commitment of the signer's re-challenge of `entry.node` and when it was committed: the entry
     opens one of the signer's tags, whose commitment no other challenge of the epoch used."""
     if isinstance(entry, Revealed):
-        commitment = epochs.commitment(entry.prompt, entry.temperature, entry.salt)
+        commitment = epochs.commitment(entry.prompt, entry.temperature, entry.salt, entry.top_p)
     elif entry.commitment is not None:
         commitment = entry.commitment
     else:
