@@ -1,8 +1,10 @@
 """`planetserve dashboard` with nothing behind it: the real server, started by its command, whose RPC
 endpoints and relay are addresses where nothing listens. Every source's failure must show as an
 error field of /api/state (never a crash), the page and its assets come from the package, and
-/api/chat refuses what it must with specific errors. (tests/test_localnet.py checks the dashboard of
-a running localnet, in a browser.)"""
+/api/chat refuses what it must with specific errors. With a stand-in relay that answers, other sites'
+pages and rebinding pages are refused before any prompt leaves, over HTTP and in a browser, while the
+dashboard's own page chats. (tests/test_localnet.py checks the dashboard of a running localnet, in a
+browser.)"""
 
 from __future__ import annotations
 
@@ -20,7 +22,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from aiohttp import web
+from chromium import CHROMIUM, require_browser
 from click.testing import CliRunner
+from crosssite import allowed, attacks, check_refusal, post
+from relaystandin import FakeRelayAnswers
 
 from planetserve.chain.keys import KeySet
 from planetserve.cli import main
@@ -151,10 +157,13 @@ def test_chat_refusals(nowhere, body, status, code):
 
 def test_chat_refuses_what_is_not_json_or_too_large(nowhere):
     url = f"{nowhere['url']}api/chat"
-    reply = httpx.post(url, content=b"{not json")
+    as_json = {"Content-Type": "application/json"}
+    reply = httpx.post(url, content=b"{not json", headers=as_json)
     assert reply.status_code == 400 and reply.json()["error"]["code"] == "invalid_json"
-    reply = httpx.post(url, content=json.dumps({"prompt": "x" * MAX_CHAT_BODY}).encode())
+    reply = httpx.post(url, content=json.dumps({"prompt": "x" * MAX_CHAT_BODY}).encode(), headers=as_json)
     assert reply.status_code == 413 and reply.json()["error"]["code"] == "too_large"
+    reply = httpx.post(url, content=json.dumps({"prompt": "hi"}).encode())  # JSON, but not said to be
+    assert reply.status_code == 415 and reply.json()["error"]["code"] == "unsupported_media_type"
     assert httpx.get(f"{nowhere['url']}api/state").json()["chat"]["failed"] >= 1
 
 
@@ -202,3 +211,161 @@ def test_epoch_phases_follow_the_schedule():
     assert _phase(schedule, 31) == ("election", ["plan", "vrf"])    # offset 30: the last 10
     assert _phase(schedule, 40) == ("election", ["plan", "vrf"])
     assert _phase(schedule, 41) == ("results", ["results"])
+
+
+# -- other sites' pages ---------------------------------------------------------------------------------
+
+ANSWER = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "It runs programs."},
+                       "finish_reason": "stop"}]}
+CHAT_ERROR = {"message", "code"}
+
+
+@pytest.fixture(scope="module")
+def answering(tmp_path_factory):
+    """A dashboard whose relay is a stand-in that answers every chat and records what reached it."""
+    relay = FakeRelayAnswers()
+    relay.body = ANSWER
+    home = tmp_path_factory.mktemp("dashboard-relay")
+    genesis = write_genesis(home / "genesis.json")
+    (rpc,) = free_ports(1)
+    proc, ready = start_dashboard(home / "dashboard.log", "--genesis", str(genesis), "--rpc",
+                                  f"http://127.0.0.1:{rpc}", "--relay", relay.url, "--model", "gt")
+    yield ready["url"].rstrip("/"), relay
+    os.killpg(proc.pid, signal.SIGTERM)
+    assert proc.wait(timeout=15) == 0
+    proc.stdout.close()
+    relay.close()
+
+
+def chats(url: str) -> dict[str, int]:
+    return httpx.get(f"{url}/api/state", timeout=30).json()["chat"]
+
+
+def test_other_sites_pages_send_no_prompt_and_rebinding_pages_read_nothing(answering):
+    """Every request a web page can make the user's browser send (another site's fetch or form, a page
+    re-pointing its DNS name at 127.0.0.1, a simple-request body) is refused with a specific error
+    before a prompt leaves; programs and the dashboard's own page still chat."""
+    url, relay = answering
+    sent, counted = len(relay.received), chats(url)
+    with httpx.Client(timeout=30) as client:
+        for attack in attacks(url):
+            check_refusal(post(client, f"{url}/api/chat", {"prompt": "What does os do?"}, attack), attack,
+                          CHAT_ERROR)
+            if attack.reads:
+                for path in ("/api/state", "/", "/static/app.js", "/api/health"):
+                    check_refusal(client.get(f"{url}{path}", headers=attack.headers), attack, CHAT_ERROR)
+        assert len(relay.received) == sent and chats(url) == counted  # no prompt left, none was counted
+        for name, headers in allowed(url):
+            reply = client.post(f"{url}/api/chat", json={"prompt": "What does os do?"}, headers=headers)
+            assert reply.status_code == 200 and reply.json()["answer"] == "It runs programs.", (name, reply.text)
+            assert client.get(f"{url}/api/state", headers=headers).status_code == 200, name
+        # a link another site's page shows the user may still be followed (the page reads nothing)
+        followed = client.get(f"{url}/", headers={"Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "navigate",
+                                                  "Sec-Fetch-Dest": "document"})
+        assert followed.status_code == 200 and followed.headers["content-type"].startswith("text/html")
+    assert len(relay.received) == sent + len(allowed(url))
+    assert [r["messages"][0]["content"] for r in relay.received[sent:]] == ["What does os do?"] * len(allowed(url))
+
+
+ATTACK_PAGE = """<!doctype html><title>a page on another site</title>
+<form id="form" method="POST" action="TARGET/api/chat" enctype="text/plain" target="sink">
+<input name='{"prompt": "from a form", "x": "' value='"}'></form>
+<iframe name="sink"></iframe>
+<script>
+async function attack() {
+  const seen = {};
+  const chat = "TARGET/api/chat";
+  const body = JSON.stringify({prompt: "from another site"});
+  try {
+    await fetch(chat, {method: "POST", mode: "no-cors", headers: {"Content-Type": "application/json"}, body});
+    seen.no_cors = "sent";
+  } catch (e) { seen.no_cors = String(e); }
+  try {
+    const reply = await fetch(chat, {method: "POST", headers: {"Content-Type": "application/json"}, body});
+    seen.cors = reply.status;
+  } catch (e) { seen.cors = "refused: " + e; }
+  try { seen.state = (await fetch("TARGET/api/state")).status; } catch (e) { seen.state = "refused: " + e; }
+  document.getElementById("form").submit();
+  return seen;
+}
+</script>"""
+
+
+def serve_page(html: str) -> tuple[web.AppRunner, int, asyncio.AbstractEventLoop]:
+    """`html` at / of a real server on a free loopback port, on a loop of its own thread."""
+    import threading
+
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+
+    async def page(_: web.Request) -> web.Response:
+        return web.Response(text=html, content_type="text/html")
+
+    async def start() -> tuple[web.AppRunner, int]:
+        app = web.Application()
+        app.router.add_get("/", page)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        return runner, runner.addresses[0][1]
+
+    runner, port = asyncio.run_coroutine_threadsafe(start(), loop).result(10)
+    return runner, port, loop
+
+
+def test_in_a_browser_the_dashboard_chats_and_other_sites_pages_cannot(answering):
+    """Headless chromium, with attacker.test and rebind.test resolving to 127.0.0.1: the dashboard's own
+    page sends a prompt and shows the answer; a page of attacker.test posts a form, a no-cors fetch and a
+    CORS fetch to /api/chat and none reaches the relay; the dashboard opened under rebind.test (a page
+    whose DNS name now points here) is refused, and so are its requests."""
+    require_browser()
+    from playwright.sync_api import expect, sync_playwright
+
+    url, relay = answering
+    port = int(url.rsplit(":", 1)[1])
+    runner, attacker_port, loop = serve_page(ATTACK_PAGE.replace("TARGET", url))
+    statuses: list[tuple[str, str, int]] = []
+    try:
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=[
+                "--host-resolver-rules=MAP attacker.test 127.0.0.1, MAP rebind.test 127.0.0.1"])
+            try:
+                page = browser.new_page()
+                page.on("response", lambda r: statuses.append((r.request.method, r.url, r.status)))
+                page.goto(f"{url}/")
+                expect(page.locator("body[data-ready=true]")).to_have_count(1, timeout=20_000)
+                sent = len(relay.received)
+                page.fill("#chat-prompt", "What does the os module do?")
+                page.click("#chat-send")
+                expect(page.locator("#chat-log li.answer .answer-text")).to_have_text("It runs programs.",
+                                                                                      timeout=30_000)
+                assert len(relay.received) == sent + 1
+
+                sent, counted = len(relay.received), chats(url)
+                statuses.clear()
+                attacker = browser.new_page()
+                attacker.on("response", lambda r: statuses.append((r.request.method, r.url, r.status)))
+                attacker.goto(f"http://attacker.test:{attacker_port}/")
+                with attacker.expect_response(lambda r: r.url == f"{url}/api/chat" and r.request.method == "POST"
+                                              and r.request.post_data.startswith('{"prompt": "from a form"')):
+                    seen = attacker.evaluate("attack()")
+                assert seen["no_cors"] == "sent", seen  # an opaque answer: the page cannot tell
+                assert str(seen["cors"]).startswith("refused") and str(seen["state"]).startswith("refused"), seen
+                to_dashboard = [(m, s) for m, u, s in statuses if u.startswith(url)]
+                assert to_dashboard and all(s == 403 for _, s in to_dashboard), to_dashboard
+
+                rebound = page.goto(f"http://rebind.test:{port}/")
+                assert rebound is not None and rebound.status == 403
+                assert "host_not_allowed" in page.content()
+                tried = page.evaluate("""async () => {
+                    const reply = await fetch("/api/chat", {method: "POST", body: '{"prompt": "rebound"}',
+                                                           headers: {"Content-Type": "application/json"}});
+                    return [reply.status, (await reply.json()).error.code];
+                }""")
+                assert tried == [403, "host_not_allowed"]
+            finally:
+                browser.close()
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+    assert len(relay.received) == sent and chats(url) == counted

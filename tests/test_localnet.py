@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from chromium import CHROMIUM, browser_missing
 from roles import localnet, quick_config
 
 from planetserve.localnet import processes
@@ -24,25 +25,12 @@ from planetserve.localnet.plan import existing_homes
 pytestmark = pytest.mark.network
 
 NAMES = {"honest-a", "honest-b", "smaller", "clickbait"}
-CHROMIUM = Path("/usr/bin/chromium")
-"""Debian's chromium (scripts/chromium.sh installs it; CI always runs it); never a downloaded browser."""
 
 
 def recorded(root: Path) -> list[dict[str, int]]:
     """Every process recorded under the root: validators' and roles'."""
     homes = sorted(root.glob("v[0-9]*")) + [home for _, home in existing_homes(root)]
     return [entry for home in homes for entry in processes.read_pids(home).values()]
-
-
-def browser_missing() -> str | None:
-    """Why the browser check cannot run here (None: it can). Under CI it must."""
-    if not CHROMIUM.exists():
-        return f"{CHROMIUM} is missing (install it with scripts/chromium.sh)"
-    try:
-        import playwright.sync_api  # noqa: F401
-    except ImportError:
-        return "the playwright package is missing (pip install -e '.[dev]')"
-    return None
 
 
 def dashboard_state(url: str, names: set[str], timeout: float = 20.0) -> dict:

@@ -9,7 +9,9 @@ import asyncio
 import time
 from dataclasses import replace
 
+import httpx
 import pytest
+from crosssite import allowed, apost, attacks, check_refusal
 from modelnodes import SHARED, complete, make_node, signed, view
 from waiting import run, until
 
@@ -479,8 +481,6 @@ def test_a_node_that_alters_prompts_signs_for_the_original(quick_family):
 
 def test_bad_client_input_gets_specific_errors_and_the_node_keeps_serving(quick_family):
     async def main():
-        import httpx
-
         nodes = [make_node(quick_family, max_prompt_tokens=64)]
         await start(nodes)
         url = nodes[0].http_url
@@ -500,7 +500,8 @@ def test_bad_client_input_gets_specific_errors_and_the_node_keeps_serving(quick_
                 r = await client.post(f"{url}/v1/completions", content=b"{not json",
                                       headers={"Content-Type": "application/json"})
                 assert r.status_code == 400
-                r = await client.post(f"{url}/v1/completions", content=b"x" * (5 << 20))
+                r = await client.post(f"{url}/v1/completions", content=b"x" * (5 << 20),
+                                      headers={"Content-Type": "application/json"})
                 assert r.status_code == 413
                 ok = await client.post(f"{url}/v1/completions",
                                        json={"model": "gt", "prompt": "Still there?", "max_tokens": 3})
@@ -508,6 +509,39 @@ def test_bad_client_input_gets_specific_errors_and_the_node_keeps_serving(quick_
                 signed(ok.json())
         finally:
             await stop(nodes)
+
+    run(main())
+
+
+def test_other_sites_pages_reach_nothing_and_the_nodes_configured_names_do(quick_family):
+    """A model node's API refuses what a web page can make a browser send (another site's fetch or
+    form, a page re-pointing its DNS name at the node, a simple-request body) before anything is served;
+    programs, the node's own origin and the names the node is configured under (its advertised peer
+    host, which peers know it by) are answered."""
+
+    async def main():
+        node = make_node(quick_family, advertise="mn.example.org:9000")
+        await start([node])
+        url = node.http_url
+        port = int(url.rsplit(":", 1)[1])
+        body = {"model": "gt", "prompt": "What does the os module do?", "max_tokens": 2}
+        error = {"message", "type", "param", "code"}
+        try:
+            async with httpx.AsyncClient(timeout=60) as client:
+                before = dict(node.counters)
+                for attack in attacks(url):
+                    check_refusal(await apost(client, f"{url}/v1/completions", body, attack), attack, error)
+                    if attack.reads:
+                        for path in ("/v1/planetserve/status", "/v1/models", "/load"):
+                            check_refusal(await client.get(f"{url}{path}", headers=attack.headers), attack, error)
+                assert node.counters == before  # nothing served, forwarded or counted
+                for name, headers in [*allowed(url), ("its advertised name", {"Host": f"mn.example.org:{port}"})]:
+                    answer = await client.post(f"{url}/v1/completions", json=body, headers=headers)
+                    assert answer.status_code == 200, (name, answer.text)
+                    signed(answer.json())
+                assert node.counters["served"] == before["served"] + len(allowed(url)) + 1
+        finally:
+            await stop([node])
 
     run(main())
 

@@ -13,7 +13,9 @@ from dataclasses import replace
 
 import httpx
 import pytest
+from crosssite import allowed, apost, attacks, check_refusal
 from modelnodes import signed
+from openai import AsyncOpenAI
 from overlaynet import chat, faulty, make_user, record, relays_on_one_path, start_overlay
 from waiting import run, until
 
@@ -132,13 +134,52 @@ def test_the_endpoint_answers_bad_requests_with_specific_errors(quick_family):
                 garbled = await http.post(f"{url}/v1/completions", content=b"{not json",
                                           headers={"content-type": "application/json"})
                 assert garbled.status_code == 400 and garbled.json()["error"]["code"] == "invalid_json"
-                huge = await http.post(f"{url}/v1/completions", content=b"x" * (5 << 20))
+                huge = await http.post(f"{url}/v1/completions", content=b"x" * (5 << 20),
+                                       headers={"content-type": "application/json"})
                 assert huge.status_code == 413
                 too_long = await http.post(f"{url}/v1/completions", json={
                     "model": "gt", "prompt": "word " * 2000, "max_tokens": 4})
                 assert too_long.status_code == 413  # refused by the model node, relayed as it answered
                 assert too_long.json()["error"]["code"] == "context_length_exceeded"
             assert (await chat(net.client, "Still there?")).status_code == 200
+        finally:
+            await net.close()
+
+    run(main())
+
+
+def test_the_endpoint_refuses_other_sites_pages_and_sends_them_nowhere(quick_family):
+    """What a web page can make the user's browser send to the relay's endpoint (another site's fetch or
+    form, a page re-pointing its DNS name at 127.0.0.1, a simple-request body) is refused in OpenAI's shape,
+    and no prompt leaves the relay; the openai client, programs and the endpoint's own origin are answered
+    through the overlay as before."""
+
+    async def main():
+        net = await overlay(quick_family, relays=5, model_nodes=1)
+        node, url = net.nodes[0], net.client.http_url
+        body = {"model": "gt", "messages": [{"role": "user", "content": "What does the os module do?"}],
+                "max_tokens": 2, "temperature": 0}
+        error = {"message", "type", "param", "code"}
+        try:
+            async with httpx.AsyncClient(timeout=60) as http:
+                before = (dict(net.client.counters), node.gateway.counters["prompts"])
+                for attack in attacks(url):
+                    for path in ("/v1/chat/completions", "/v1/completions"):
+                        check_refusal(await apost(http, f"{url}{path}", body, attack), attack, error)
+                    if attack.reads:
+                        for path in ("/v1/planetserve/status", "/v1/models", "/health"):
+                            check_refusal(await http.get(f"{url}{path}", headers=attack.headers), attack, error)
+                assert (dict(net.client.counters), node.gateway.counters["prompts"]) == before  # nothing sent
+                for name, headers in allowed(url):
+                    answer = await http.post(f"{url}/v1/chat/completions", json=body, headers=headers)
+                    assert answer.status_code == 200, (name, answer.text)
+                    signed(answer.json())
+                    assert (await http.get(f"{url}/v1/planetserve/status", headers=headers)).status_code == 200
+            program = AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+            answer = await program.chat.completions.create(model="gt", messages=body["messages"], max_tokens=2)
+            assert answer.choices[0].finish_reason is not None
+            await program.close()
+            assert node.gateway.counters["prompts"] == before[1] + len(allowed(url)) + 1
         finally:
             await net.close()
 

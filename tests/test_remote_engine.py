@@ -14,6 +14,7 @@ import httpx
 import pytest
 import torch
 from aiohttp import web
+from crosssite import allowed, apost, attacks, check_refusal
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 from waiting import run, until
@@ -215,6 +216,62 @@ def test_bad_requests_get_specific_errors(tokenizer: PreTrainedTokenizerFast) ->
             assert error["code"] == code, (payload, error)
 
     serve(FakeEngine(), tokenizer, body, limits=ApiLimits(max_body_bytes=65536))
+
+
+OPENAI_ERROR = {"message", "type", "param", "code"}
+
+
+def test_other_sites_pages_and_rebinding_never_reach_the_engine(tokenizer: PreTrainedTokenizerFast) -> None:
+    """Every request a web page can make the user's browser send here (another site's fetch or form, a
+    page re-pointing its DNS name at 127.0.0.1, a simple-request body) is refused in OpenAI's shape before
+    the engine sees it; programs and the server's own origin still get answers."""
+    engine = FakeEngine()
+    requests = {"/v1/completions": {"prompt": "w1", "max_tokens": 2},
+                "/v1/chat/completions": {"messages": [{"role": "user", "content": "w1"}], "max_tokens": 2}}
+
+    async def body(client: httpx.AsyncClient) -> None:
+        url = str(client.base_url)
+        for attack in attacks(url):
+            for path, payload in requests.items():
+                check_refusal(await apost(client, path, payload, attack), attack, OPENAI_ERROR)
+            if attack.reads:
+                for path in ("/v1/models", "/load", "/health", "/nothing/here"):
+                    check_refusal(await client.get(path, headers=attack.headers), attack, OPENAI_ERROR)
+        assert engine.requests == []
+        for name, headers in allowed(url):
+            for path, payload in requests.items():
+                answer = await client.post(path, json=payload, headers=headers)
+                assert answer.status_code == 200, (name, answer.text)
+            assert (await client.get("/v1/models", headers=headers)).status_code == 200, name
+        assert len(engine.requests) == 2 * len(allowed(url))
+
+    serve(engine, make_tokenizer(chat_template=True), body)
+
+
+def test_a_server_on_every_address_answers_ip_literals_and_its_configured_names() -> None:
+    """Bound to 0.0.0.0 (reachable by peers), the API answers to any IP literal, since it listens on each,
+    and to the names its owner configured; a rebinding name is still refused."""
+
+    async def main() -> None:
+        engine = FakeEngine()
+        server = EngineServer(engine, make_tokenizer(), hosts=("node.example.org:9000", ""))
+        url = await server.start("0.0.0.0", 0)  # noqa: S104 - the case under test
+        port = int(url.rsplit(":", 1)[1])
+        try:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+                for host in ("192.0.2.7", "[2001:db8::7]", "node.example.org", "localhost", "0.0.0.0"):  # noqa: S104
+                    answer = await client.post("/v1/completions", json={"prompt": "w1", "max_tokens": 1},
+                                               headers={"Host": f"{host}:{port}", "Origin": f"http://{host}:{port}"})
+                    assert answer.status_code == 200, (host, answer.text)
+                for host in ("evil.example", "node.example.org.evil.example", "example.org", "192.0.2.7.nip.io"):
+                    refused = await client.get("/v1/models", headers={"Host": f"{host}:{port}"})
+                    assert refused.status_code == 403, (host, refused.text)
+                    assert refused.json()["error"]["code"] == "host_not_allowed"
+                assert len(engine.requests) == 5
+        finally:
+            await server.close()
+
+    run(main(), 60)
 
 
 def test_overload_missing_chat_template_and_info_endpoints() -> None:

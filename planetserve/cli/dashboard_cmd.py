@@ -85,7 +85,9 @@ def command(genesis: Path, rpc: tuple[str, ...], relay: str | None, model: str |
       planetserve dashboard --genesis localnet/build/v0/config/genesis.json \\
           --rpc http://127.0.0.1:26657 --rpc http://127.0.0.1:26667 --relay http://127.0.0.1:8080
 
-    The JSON behind the page: GET /api/state; the chat: POST /api/chat {"prompt": "..."}.
+    The JSON behind the page: GET /api/state; the chat: POST /api/chat {"prompt": "..."} as
+    application/json. Other sites' pages, and names other than this machine's loopback ones and
+    --http's host, are refused (403).
     """
     from planetserve.dashboard.collect import Settings
     from planetserve.dashboard.server import Dashboard, run_dashboard

@@ -9,6 +9,11 @@
                            "seconds", "attempts"} or {"error": {"message", "code"}} with a 4xx/5xx status
     GET  /api/health       {"ok": true}
 
+Every route is behind the browser guard (`chain/browserguard.py`): a Host the dashboard does not answer
+to (a page re-pointing its DNS name here), another site's Origin or `Sec-Fetch-Site: cross-site` get 403,
+and a POST that is not application/json gets 415, all as {"error": {"message", "code"}}, so no other
+page in the user's browser can send a prompt or read the state.
+
 Everything the page needs is served from the package (no external assets; a Content-Security-Policy
 of 'self' enforces it in the browser).
 """
@@ -25,6 +30,7 @@ from typing import Any
 import httpx
 from aiohttp import web
 
+from planetserve.chain.browserguard import BrowserGuard
 from planetserve.chain.challenge import ResponseFormatError, response_from_extension, response_valid
 from planetserve.dashboard import HEALTH_PATH
 from planetserve.dashboard.collect import Collector, Settings, error_text
@@ -63,6 +69,11 @@ class ChatError(Exception):
         return _json({"error": {"message": self.message, "code": self.code, **self.extra}}, self.status)
 
 
+def _refused(status: int, code: str, message: str) -> web.Response:
+    """The browser guard's refusals, shaped as the chat's errors."""
+    return ChatError(status, message, code).response()
+
+
 def _json(body: Any, status: int = 200) -> web.Response:
     return web.Response(text=json.dumps(body), status=status, content_type="application/json",
                         headers=SECURITY_HEADERS)
@@ -84,7 +95,8 @@ class Dashboard:
         self._chats = asyncio.Semaphore(MAX_CONCURRENT_CHATS)
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(chat_timeout, connect=5.0), trust_env=False)
         self.counters = {"chats": 0, "answered": 0, "failed": 0}
-        self.app = web.Application(client_max_size=MAX_CHAT_BODY)
+        self.guard = BrowserGuard(refuse=_refused)
+        self.app = web.Application(client_max_size=MAX_CHAT_BODY, middlewares=[self.guard.middleware])
         self.app.router.add_get("/", self._index)
         self.app.router.add_get("/static/{name}", self._static)
         self.app.router.add_get("/api/state", self._state)
@@ -94,6 +106,7 @@ class Dashboard:
         self.port: int | None = None
 
     async def start(self, host: str, port: int) -> None:
+        self.guard.bind(host)
         self._runner = web.AppRunner(self.app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)

@@ -233,7 +233,8 @@ class ModelNodeServer(EngineServer):
     def __init__(self, node: ModelNode, limits: ApiLimits) -> None:
         super().__init__(node.engine, node.tokenizer, model_name=node.config.model_id, limits=limits,
                          vocab_size=node.vocab_size, eos_token_ids=node.eos_ids,
-                         documents={"/v1/planetserve/status": node.status})
+                         documents={"/v1/planetserve/status": node.status},
+                         hosts=(node.config.peer, node.config.advertise))
         self.node = node
 
     async def produce(self, request: ApiRequest, prompt_ids: Sequence[int],

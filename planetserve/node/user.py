@@ -199,7 +199,8 @@ class UserRelay:
         self.avoided_nodes: dict[bytes, float] = {}
         self.counters = {"requests": 0, "answered": 0, "failed": 0, "bad_cloves": 0, "dropping_paths": 0}
         self.surface = ApiServer(self, max_body_bytes=USER_LIMITS.max_body_bytes,
-                                 documents={"/v1/planetserve/status": self.status})
+                                 documents={"/v1/planetserve/status": self.status},
+                                 hosts=(config.peer, config.advertise))
         self.http_url = ""
         self.peer_port = 0
         self._tasks: set[asyncio.Task] = set()

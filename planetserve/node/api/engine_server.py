@@ -5,7 +5,7 @@ vLLM; a model node extends it (`produce`) to route its requests and sign its ans
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,7 +112,8 @@ class EngineServer:
     """The answers of one engine, served: /v1/models, /v1/completions, /v1/chat/completions (streamed or
     not), /health, /load (the engine's load, and vLLM's `server_load`) and the owner's `documents`.
     Without `prompt_tokens_details`, usage leaves out the cached prompt tokens, as `vllm serve` does
-    unless started with --enable-prompt-tokens-details."""
+    unless started with --enable-prompt-tokens-details. `hosts`: names the API answers to besides
+    loopback ones and the host it listens on (the surface's browser guard)."""
 
     def __init__(
         self,
@@ -127,6 +128,7 @@ class EngineServer:
         eos_token_ids: Sequence[int] | None = None,
         documents: Mapping[str, Document] | None = None,
         prompt_tokens_details: bool = True,
+        hosts: Iterable[str] = (),
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -142,7 +144,7 @@ class EngineServer:
         if kv_publisher is not None:
             engine.on_cache_events(kv_publisher.publish)
         self.surface = ApiServer(self, max_body_bytes=limits.max_body_bytes,
-                                 documents={"/load": self.load_body, **(documents or {})})
+                                 documents={"/load": self.load_body, **(documents or {})}, hosts=hosts)
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         """Listen; returns the base URL (with the port chosen when `port` is 0)."""

@@ -4,22 +4,25 @@ engine and forwarding (`EngineServer`, and the model node's server over it) or a
 
 The HTTP handling is all here: the routes (/health, /v1/models, /v1/models/{id}, /v1/completions,
 /v1/chat/completions, and the GET routes of JSON documents an owner adds, such as /load or
-/v1/planetserve/status), reading a body under its limit (413 past it), and writing an answer as one JSON
-document or as server-sent events while they are produced (a client that goes away closes the answer).
-Every error, an unknown path (404) or method (405) included, is in OpenAI's shape. What to answer is
-the `Answerer`'s; an answer is a `Reply`, which the overlay carries as well as HTTP does.
+/v1/planetserve/status), the browser guard in front of them (`chain/browserguard.py`: a Host this server
+does not answer to or another site's Origin is refused with 403, a body that is not application/json
+with 415), reading a body under its limit (413 past it), and writing an answer as one JSON document or
+as server-sent events while they are produced (a client that goes away closes the answer). Every error,
+an unknown path (404) or method (405) and the guard's refusals included, is in OpenAI's shape. What to
+answer is the `Answerer`'s; an answer is a `Reply`, which the overlay carries as well as HTTP does.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from aiohttp import web
 
+from planetserve.chain.browserguard import BrowserGuard
 from planetserve.node.api.openai import (
     ApiError,
     Endpoint,
@@ -105,6 +108,11 @@ def _json(body: dict[str, Any], status: int = 200, headers: Mapping[str, str] | 
     return web.Response(body=json.dumps(body).encode(), status=status, content_type=JSON, headers=headers)
 
 
+def _refused(status: int, code: str, message: str) -> web.Response:
+    """The browser guard's refusals in OpenAI's shape."""
+    return _json(ApiError(status, message, code=code).body(), status)
+
+
 def _http_error(http: web.Request, exc: web.HTTPException) -> ApiError:
     if isinstance(exc, web.HTTPNotFound):
         return path_not_found(http.path)
@@ -151,13 +159,16 @@ class Answerer(Protocol):
 
 class ApiServer:
     """An aiohttp app serving an `Answerer`'s answers, with `documents`: more GET routes, each answered
-    with the JSON document its callable returns."""
+    with the JSON document its callable returns. `hosts`: the names it answers to besides loopback ones
+    and the host it listens on (its owner's configured addresses, host:port or bare)."""
 
     def __init__(self, answerer: Answerer, *, max_body_bytes: int,
-                 documents: Mapping[str, Document] | None = None) -> None:
+                 documents: Mapping[str, Document] | None = None, hosts: Iterable[str] = ()) -> None:
         self.answerer = answerer
         self.max_body_bytes = max_body_bytes
-        self.app = web.Application(client_max_size=max_body_bytes, middlewares=[openai_errors])
+        self.guard = BrowserGuard(hosts, refuse=_refused)
+        self.app = web.Application(client_max_size=max_body_bytes,
+                                   middlewares=[self.guard.middleware, openai_errors])
         self.app.router.add_get("/health", self._health)
         self.app.router.add_get("/v1/models", self._models)
         self.app.router.add_get("/v1/models/{model:.+}", self._model)
@@ -169,6 +180,7 @@ class ApiServer:
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         """Listen; returns the base URL (with the port chosen when `port` is 0)."""
+        self.guard.bind(host)
         self._runner = web.AppRunner(self.app, access_log=None)
         await self._runner.setup()
         await web.TCPSite(self._runner, host, port).start()
