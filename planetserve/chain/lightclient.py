@@ -929,8 +929,9 @@ class LightClient:
             try:
                 self._check_witness(block)
             except WitnessMismatch:
-                if height in self.last_trace and height != self.genesis.initial_height:
-                    del self._trusted[height]  # verified just now: no trust anchor while disputed
+                for h in self.last_trace:  # verified on the way to a disputed header: no anchors
+                    if h != self.genesis.initial_height:
+                        self._trusted.pop(h, None)
                 raise
             self._witnessed.add(height)
         if self.last_trace:
