@@ -900,6 +900,12 @@ def test_a_disagreeing_witness_is_refused(net: Net, proxy: TamperProxy) -> None:
         assert lc.trusted_heights() == [1]  # a disputed header, and those on the way to it, anchor nothing
         with pytest.raises(WitnessMismatch):
             lc.verified_header()
+        earlier = net.client()
+        earlier.verified_header(6)  # trusted before any witness was asked
+        earlier.witness = RpcClient(proxy.url)
+        with pytest.raises(WitnessMismatch, match="at height 6"):
+            earlier.verified_header(6)
+        assert 6 not in earlier.trusted_heights()
     finally:
         proxy.rewrite = None
     from planetserve.genesis.network import free_ports

@@ -929,8 +929,8 @@ class LightClient:
             try:
                 self._check_witness(block)
             except WitnessMismatch:
-                for h in self.last_trace:  # verified on the way to a disputed header: no anchors
-                    if h != self.genesis.initial_height:
+                for h in {height, *self.last_trace}:  # a disputed header and those verified on the
+                    if h != self.genesis.initial_height:  # way to it anchor nothing
                         self._trusted.pop(h, None)
                 raise
             self._witnessed.add(height)
