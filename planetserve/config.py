@@ -4,6 +4,7 @@ a misspelt setting is an error rather than silently ignored."""
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -81,6 +82,20 @@ class HomeConfig:
         (home / self.FILE).write_text(json.dumps(asdict(self), indent=2, sort_keys=True) + "\n")  # type: ignore[call-overload]
 
 
+MAX_AGE = 300.0
+"""The light client's default bound on the age of the latest header (chain/lightclient.py
+DEFAULT_MAX_AGE, which says why five minutes)."""
+
+
+def max_age_problem(value: object) -> str | None:
+    """Why `value` is no usable `max_age` (None: it is one)."""
+    usable = isinstance(value, int | float) and not isinstance(value, bool)
+    if not usable or not math.isfinite(value) or value <= 0:  # type: ignore[arg-type]
+        return (f"max_age must be a positive number of seconds (default {MAX_AGE:g}), well above the "
+                f"chain's block interval, got {value!r}")
+    return None
+
+
 @dataclass(kw_only=True)
 class LedgerHome(HomeConfig):
     """The home of a role that reads the ledger (a model node, a user relay, a verifier): where it reads
@@ -90,6 +105,13 @@ class LedgerHome(HomeConfig):
     """A validator's CometBFT RPC endpoint."""
     genesis: str = ""
     """The genesis file the light client starts from."""
+    witness: str = ""
+    """A second RPC endpoint (best: another operator's validator) whose header at each height read must
+    be the one verified from `rpc`; empty: none. It guards against a fork or a lying `rpc`, and makes
+    every read wait for both endpoints."""
+    max_age: float = MAX_AGE
+    """Seconds the latest verified header may be older than this machine's clock: an endpoint serving
+    an older (validly signed) state is refused, and lists read from it are dropped once this old."""
     HOST_PORTS: ClassVar[tuple[str, ...]] = ()
     """The role's other settings that must be host:port."""
     URLS: ClassVar[tuple[str, ...]] = ()
@@ -98,5 +120,10 @@ class LedgerHome(HomeConfig):
     """Those of them that may also be empty."""
 
     def check(self) -> None:
-        check_addresses(self.FILE, self, host_ports=self.HOST_PORTS, urls=("rpc", *self.URLS),
-                        optional=self.OPTIONAL)
+        check_addresses(self.FILE, self, host_ports=self.HOST_PORTS, urls=("rpc", "witness", *self.URLS),
+                        optional=("witness", *self.OPTIONAL))
+        if self.witness and self.witness.rstrip("/") == self.rpc.rstrip("/"):
+            raise HomeError(f"{self.FILE}: witness must be another endpoint than rpc ({self.rpc}): a "
+                            f"witness checks rpc's answers, so it cannot be rpc itself")
+        if (problem := max_age_problem(self.max_age)) is not None:
+            raise HomeError(f"{self.FILE}: {problem}")

@@ -108,6 +108,9 @@ def test_transactions_and_verified_queries(localnet, tmp_path):
     assert "no model node" in run("query", "node", "00" * 32, "--genesis", genesis, "--node", node, code=3)
     params = json.loads(run("query", "params", "--genesis", genesis, "--node", node, "--json"))
     assert params["max_tx_bytes"] == 16384
+    witnessed = json.loads(run("query", "params", "--genesis", genesis, "--node", node, "--witness", up["rpc"][2],
+                               "--max-age", "60", "--json"))
+    assert witnessed == params
     committee = json.loads(run("query", "committee", "--genesis", genesis, "--node", node, "--json"))
     assert len(committee["committee"]) == 4
     unverified = json.loads(run("query", "nodes", "--no-verify", "--node", node, "--json"))
@@ -148,6 +151,13 @@ def test_cli_errors_are_clear(localnet, tmp_path):
     (tmp_path / "empty.json").write_text("{}")
     out = run("query", "nodes", "--genesis", str(tmp_path / "empty.json"), "--node", node, code=1)
     assert "is not a usable genesis file: malformed genesis: missing chain_id" in out
+    out = " ".join(run("query", "params", "--genesis", genesis, "--node", node, "--witness", node, code=1).split())
+    assert f"--witness must be another endpoint than --node ({node})" in out
+    out = " ".join(run("query", "params", "--genesis", genesis, "--node", node, "--max-age", "0", code=2).split())
+    assert "--max-age must be a positive number of seconds (default 300)" in out
+    out = " ".join(run("query", "params", "--genesis", genesis, "--node", node, "--witness", "http://127.0.0.1:1",
+                       code=1).split())
+    assert "witness http://127.0.0.1:1 gave no usable header" in out
 
 
 def test_a_proposal_names_its_id_for_the_votes(localnet):
@@ -182,9 +192,13 @@ def test_node_homes_take_an_existing_key_and_are_never_overwritten(tmp_path):
     saved = json.loads((tmp_path / "m" / "node.json").read_text())
     assert (saved["kv_events"], saved["kv_events_replay"]) == ("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558")
     fresh = json.loads(run("node", "init-user", "--home", str(tmp_path / "v"), "--genesis", str(genesis),
-                           "--node", "http://10.0.0.7:26657", "--json"))
+                           "--node", "http://10.0.0.7:26657", "--witness", "http://10.0.0.8:26657/",
+                           "--max-age", "120", "--json"))
     assert fresh["user"] != created["identity"]
-    assert json.loads((tmp_path / "v" / "user.json").read_text())["rpc"] == "http://10.0.0.7:26657"
+    saved = json.loads((tmp_path / "v" / "user.json").read_text())
+    assert (saved["rpc"], saved["witness"], saved["max_age"]) == ("http://10.0.0.7:26657", "http://10.0.0.8:26657", 120)
+    saved = json.loads((tmp_path / "m" / "node.json").read_text())
+    assert (saved["witness"], saved["max_age"]) == ("", 300)  # no witness, the light client's default bound
     (tmp_path / "bad.json").write_text("{}")
     assert "malformed key file" in run("node", "init-user", "--home", str(tmp_path / "w"), "--genesis",
                                        str(genesis), "--keys", str(tmp_path / "bad.json"), code=1)
@@ -206,6 +220,23 @@ def test_node_homes_refuse_unusable_addresses_before_writing_anything(tmp_path, 
     refused = run("node", "init-user", "--home", str(tmp_path / "u"), "--genesis", str(tmp_path / "empty.json"),
                   code=1)
     assert "is not a usable genesis file: malformed genesis: missing chain_id" in refused
+
+
+@pytest.mark.parametrize(("args", "code", "message"), [
+    (["--witness", "10.0.0.8:26657"], 2, "--witness must be an http:// URL such as http://127.0.0.1:26657"),
+    (["--witness", "http://127.0.0.1:26657"], 1,
+     "witness must be another endpoint than rpc (http://127.0.0.1:26657): a witness checks rpc's answers"),
+    (["--max-age", "0"], 2, "--max-age must be a positive number of seconds (default 300), well above the "
+                            "chain's block interval, got 0.0"),
+    (["--max-age", "inf"], 2, "--max-age must be a positive number of seconds"),
+])
+def test_node_homes_refuse_an_unusable_witness_or_max_age(tmp_path, args, code, message):
+    genesis = genesis_file(tmp_path)
+    for command in (["init-user"], ["init-model", "--org-id", "acme", "--model-id", "gt"]):
+        home = tmp_path / command[0]
+        out = " ".join(run("node", *command, "--home", str(home), "--genesis", str(genesis), *args, code=code).split())
+        assert message in out
+        assert not home.exists()
 
 
 def test_genesis_init_builds_homes(tmp_path):

@@ -29,8 +29,9 @@ from crosssite import allowed, attacks, check_refusal, post
 from relaystandin import FakeRelayAnswers
 
 from planetserve.chain.keys import KeySet
+from planetserve.chain.lightclient import DEFAULT_MAX_AGE
 from planetserve.cli import main
-from planetserve.dashboard.collect import Settings, _phase
+from planetserve.dashboard.collect import Collector, Settings, _phase
 from planetserve.dashboard.server import MAX_CHAT_BODY, MAX_PROMPT_CHARS, ChatError, Dashboard
 from planetserve.genesis.network import free_ports
 from planetserve.registry.epochs import Schedule
@@ -193,6 +194,7 @@ def test_refused_arguments(tmp_path):
         (["--http", "8600"], "takes HOST:PORT"),
         (["--relay", "127.0.0.1:8080"], "--relay must be an http:// URL"),
         (["--rpc", "tcp://127.0.0.1:1"], "--rpc must be an http:// URL"),
+        (["--max-age", "-1"], "--max-age must be a positive number of seconds"),
     ]:
         result = CliRunner().invoke(main, base + args)
         assert result.exit_code == 2 and message in result.output, result.output
@@ -200,6 +202,12 @@ def test_refused_arguments(tmp_path):
     assert result.exit_code == 1 and "not a usable genesis file" in result.output
     result = CliRunner().invoke(main, ["dashboard", "--help"])
     assert result.exit_code == 0 and "/api/state" in result.output
+
+
+def test_ledger_reads_take_the_freshness_bound(tmp_path):
+    settings = Settings(genesis=write_genesis(tmp_path / "g.json"), rpc=("http://127.0.0.1:9",), max_age=42.0)
+    assert Collector(settings)._ledger("http://127.0.0.1:9").verifier.max_age == 42.0
+    assert Settings(genesis=settings.genesis, rpc=settings.rpc).max_age == DEFAULT_MAX_AGE
 
 
 def test_epoch_phases_follow_the_schedule():

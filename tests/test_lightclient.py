@@ -21,6 +21,7 @@ from planetserve.chain.lightclient import (
     BlockID,
     Commit,
     CommitSig,
+    FreshnessError,
     Genesis,
     Header,
     LightBlock,
@@ -30,6 +31,7 @@ from planetserve.chain.lightclient import (
     Validator,
     ValidatorSet,
     VerificationError,
+    WitnessMismatch,
     address_of,
     merkle_root,
 )
@@ -498,13 +500,31 @@ def test_synthetic_duplicate_signature_refused_when_skipping() -> None:
 
 def test_synthetic_header_times_are_checked() -> None:
     chain = FakeChain([uniform(make_keys(4, "future"))] * 4, t0=int(time.time()) + 3600)
-    with pytest.raises(VerificationError, match="in the future"):
+    with pytest.raises(FreshnessError, match="in the future: 36\\d\\d s ahead of the local clock"):
         chain.client().verified_header(3)
     chain = FakeChain([uniform(make_keys(4, "past"))] * 4)
     chain.headers[3] = replace(chain.headers[3], time=Timestamp(chain.t0 + 1, 0))
     chain.sign(3)
     with pytest.raises(VerificationError, match="not after trusted header time"):
         chain.client().verified_header(3)
+
+
+def test_synthetic_latest_header_must_be_fresh() -> None:
+    """The synthetic chain's blocks are an hour old: its latest header is refused as a view, with the
+    height, time and age named; the same header asked for by height (history) is not."""
+    chain = FakeChain([uniform(make_keys(4, "stale"))] * 6)
+    lc = chain.client()
+    with pytest.raises(FreshnessError, match=r"header 5 has time \S+Z, 3\d\d\d s old, older than max_age "
+                                             r"300 s: a stale view") as refused:
+        lc.verified_header()
+    assert refused.value.height == 5 and refused.value.time == chain.headers[5].time
+    assert 3590 < refused.value.age < 3700
+    assert isinstance(refused.value, ProviderError)  # what the clients already retry on
+    assert lc.verified_header(5).hash == chain.headers[5].hash
+    assert chain.client(max_age=None).verified_header().height == 5
+    assert chain.client(max_age=4000).verified_header().height == 5
+    with pytest.raises(ValueError, match="max_age must be a positive number of seconds"):
+        chain.client(max_age=0)
 
 
 def test_synthetic_genesis_set_must_match_initial_header() -> None:
@@ -803,3 +823,93 @@ def test_lying_about_a_changed_set_is_refused(net: Net, proxy: TamperProxy) -> N
             net.client(rpc=RpcClient(proxy.url)).verified_header(net.top)
     finally:
         proxy.rewrite = None
+
+
+# --- a stale endpoint, clocks, and a witness ------------------------------------------------------
+
+
+def frozen_at(height: int):
+    """An endpoint stuck at `height`: it says that is its latest block and serves the (validly signed)
+    headers and state of that height, as one replaying old answers or left behind does."""
+
+    def rewrite(method: str, params: dict[str, Any], answer: dict[str, Any]) -> None:
+        if method == "status" and "result" in answer:
+            answer["result"]["sync_info"]["latest_block_height"] = str(height)
+
+    return rewrite
+
+
+def _age(rpc: RpcClient, height: int) -> float:
+    t = Header.from_json(rpc.commit(height)["header"]).time
+    return time.time() - (t.seconds + t.nanos / 1e9)
+
+
+@pytest.mark.network
+def test_an_endpoint_serving_an_old_signed_header_is_refused(net: Net, proxy: TamperProxy) -> None:
+    max_age = 5.0
+    assert net.client(max_age=max_age).verified_header().height > 3  # the honest endpoint is fresh
+    while _age(net.rpc, 3) <= 2 * max_age:
+        time.sleep(0.5)
+    proxy.rewrite = frozen_at(3)
+    try:
+        assert net.client(rpc=RpcClient(proxy.url), max_age=None).verified_header().height == 3  # signed
+        lc = net.client(rpc=RpcClient(proxy.url), max_age=max_age)
+        with pytest.raises(FreshnessError, match=rf"header 3 from {proxy.url} has time \S+Z, \d+ s old, "
+                                                 r"older than max_age 5 s: a stale view") as refused:
+            lc.verified_header()
+        assert refused.value.height == 3 and refused.value.age > 2 * max_age
+        assert lc.verified_header(3).height == 3  # history by height stays readable
+    finally:
+        proxy.rewrite = None
+
+
+@pytest.mark.network
+def test_a_header_too_far_from_the_local_clock_is_refused(net: Net) -> None:
+    offset = 0.0
+    lc = net.client(clock=lambda: time.time() + offset)
+    seen = lc.verified_header().height
+    offset = -60.0  # this machine's clock a minute behind the validators'
+    with pytest.raises(FreshnessError, match=r"\d+ s ahead of the local clock") as ahead:
+        lc.verified_header()
+    assert ahead.value.age < -40
+    offset = 3600.0  # an hour ahead: every header the endpoint has is an hour old
+    net.cluster.wait_for_height(seen + 1)
+    with pytest.raises(FreshnessError, match=r"s old, older than max_age 300 s") as behind:
+        lc.verified_header()
+    assert behind.value.height > seen and behind.value.age > 3500
+
+
+@pytest.mark.network
+def test_an_agreeing_witness_passes(net: Net) -> None:
+    lc = net.client(witness=net.cluster.rpc(2))
+    header = lc.verified_header()
+    assert header.hash == net.client().verified_header(header.height).hash
+    assert lc.verified_header(net.kv_height).hash == net.client().verified_header(net.kv_height).hash
+
+
+@pytest.mark.network
+def test_a_disagreeing_witness_is_refused(net: Net, proxy: TamperProxy) -> None:
+    proxy.rewrite = change_app_hash  # the witness serves another header at every height
+    try:
+        lc = net.client(witness=RpcClient(proxy.url))
+        with pytest.raises(WitnessMismatch, match=rf"witness {proxy.url} disagrees with primary "
+                                                  rf"{net.rpc.url} at height 5: the header verified from "
+                                                  r"the primary hashes to [0-9A-F]{64}, the witness's to "
+                                                  r"[0-9A-F]{64} \(a fork"):
+            lc.verified_header(5)
+        assert lc.trusted_heights() == [1]  # a disputed header, and those on the way to it, anchor nothing
+        with pytest.raises(WitnessMismatch):
+            lc.verified_header()
+        earlier = net.client()
+        earlier.verified_header(6)  # trusted before any witness was asked
+        earlier.witness = RpcClient(proxy.url)
+        with pytest.raises(WitnessMismatch, match="at height 6"):
+            earlier.verified_header(6)
+        assert 6 not in earlier.trusted_heights()
+    finally:
+        proxy.rewrite = None
+    from planetserve.genesis.network import free_ports
+
+    dead = RpcClient(f"http://127.0.0.1:{free_ports(1)[0]}", timeout=0.5)
+    with pytest.raises(ProviderError, match=r"witness http://127.0.0.1:\d+ gave no usable header \d+: .*unreachable"):
+        net.client(witness=dead).verified_header()

@@ -17,11 +17,11 @@ from dataclasses import replace
 import pytest
 from chainnet import assert_same_app_hashes, ledger, member_keys, start_network
 from tamper import TamperProxy
-from waiting import wait_until
+from waiting import run, until, wait_until
 
-from planetserve.chain.client import QueryRefused
+from planetserve.chain.client import LedgerClient, QueryRefused
 from planetserve.chain.keys import KeySet
-from planetserve.chain.lightclient import VerificationError
+from planetserve.chain.lightclient import LightClient, VerificationError
 from planetserve.chain.messages import (
     ProposeMember,
     RegisterModel,
@@ -32,6 +32,10 @@ from planetserve.chain.messages import (
 )
 from planetserve.chain.rpc import RpcClient, RpcError
 from planetserve.genesis.network import edit_toml, free_ports
+from planetserve.node.home import UserConfig
+from planetserve.node.overlay.directory import Directory
+from planetserve.node.routing.group import Group
+from planetserve.node.user import UserRelay
 from planetserve.registry import codec
 from planetserve.registry.entities import ModelNode
 
@@ -358,6 +362,58 @@ def test_lying_endpoint_cannot_forge_the_commit(net):
         proxy.rewrite = forge_app_hash
         with pytest.raises(VerificationError, match="header hash mismatch"):
             client.nodes("gt")
+    finally:
+        proxy.close()
+
+
+@pytest.mark.faults
+def test_a_relay_drops_lists_from_a_stalled_endpoint_keeps_running_and_recovers(net):
+    """An endpoint stuck at one height keeps serving validly signed lists of it. A relay reading through
+    it keeps its lists while they are fresh, drops them once they are older than max_age (its directory
+    loop running on), and takes fresh lists again once the endpoint moves on; a model node's group too."""
+    max_age = 4.0
+    honest = ledger(net, 0)
+    (node,) = register_org_and_nodes(honest, "org-stale", 1)
+    user = KeySet.generate()
+    assert honest.submit(user, RegisterUser("127.0.0.1:9101", "global")).outcome.code == 0
+    proxy = TamperProxy(net.rpc_url(1))
+    rpc = RpcClient(proxy.url)
+    client = LedgerClient(rpc, LightClient.from_genesis_file(net.spec.genesis_path, rpc, max_age=max_age),
+                          min_height=honest.min_height)
+    directory, group = Directory(client), Group(client, "gt")
+
+    def freeze(method, params, answer):
+        if method == "status" and "result" in answer:
+            answer["result"]["sync_info"]["latest_block_height"] = str(frozen)
+        return answer
+
+    async def scenario():
+        nonlocal frozen
+        relay = UserRelay(UserConfig(peer="127.0.0.1:0", list_interval=0.2), KeySet.generate(), directory)
+        await relay.start(serve_http=False)
+        try:
+            await until(lambda: user.public in relay.view.users and node.public in relay.view.nodes)
+            assert node.public in group.refresh().members
+            frozen = rpc.latest_height()
+            proxy.rewrite = freeze
+            since = time.monotonic()
+            await until(lambda: not relay.view.users, timeout=max_age + 10)
+            assert time.monotonic() - since < max_age + 3  # dropped once past the bound, not later
+            assert relay.view.nodes == {} and not relay._authorized(user.public)
+            assert "older than max_age 4 s" in directory.last_error
+            assert group.refresh().members == {} and "older than max_age" in group.last_error
+            loop = [t for t in relay._tasks if not t.done()]
+            assert loop, "the directory loop stopped"
+            proxy.rewrite = None
+            await until(lambda: user.public in relay.view.users and node.public in relay.view.nodes)
+            assert directory.last_error is None and relay.view.height > frozen - 1
+            assert node.public in group.refresh().members
+        finally:
+            await relay.close()
+
+    frozen = 0
+    try:
+        run(scenario(), timeout=60)
     finally:
         proxy.close()
 

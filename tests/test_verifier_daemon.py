@@ -17,6 +17,7 @@ from planetserve.chain.challenge import (
     sign_response,
 )
 from planetserve.chain.keys import KeySet
+from planetserve.chain.lightclient import DEFAULT_MAX_AGE
 from planetserve.chain.messages.epochs import PlanItem
 from planetserve.cli import main
 from planetserve.config import HomeError
@@ -34,6 +35,10 @@ def test_config_loads_strictly(tmp_path):
         VerifierConfig.load(tmp_path)
     VerifierConfig(keys="k.json").save(tmp_path)
     assert VerifierConfig.load(tmp_path).models == {"gt": "gt"}
+    assert VerifierConfig.load(tmp_path).max_age == DEFAULT_MAX_AGE  # the light client's own default
+    VerifierConfig(keys="k.json", witness="http://10.0.0.8:26657", max_age=60).save(tmp_path)
+    loaded = VerifierConfig.load(tmp_path)
+    assert (loaded.witness, loaded.max_age) == ("http://10.0.0.8:26657", 60)
     for bad, message in [({"keys": "k", "colour": "red"}, "unknown settings colour"),
                          ({"keys": "k", "credibility": "vibes"}, "credibility must be one of calibrated, ppl"),
                          ({"keys": "k", "workload": "chess"}, "workload must be one of"),
@@ -42,6 +47,12 @@ def test_config_loads_strictly(tmp_path):
                          ({"keys": "k", "tolerance": -1}, "tolerance must lie in"),
                          ({"keys": "k", "greedy_share": 2}, "greedy_share must be null or lie in"),
                          ({"keys": "k", "chat_share": "half"}, "chat_share must be null or lie in"),
+                         ({"keys": "k", "witness": "10.0.0.8:26657"}, "witness must be an http:// URL"),
+                         ({"keys": "k", "witness": "http://127.0.0.1:26657/"},
+                          "witness must be another endpoint than rpc"),
+                         ({"keys": "k", "max_age": 0}, "max_age must be a positive number of seconds"),
+                         ({"keys": "k", "max_age": "5m"}, "max_age must be a positive number of seconds"),
+                         ({"keys": "k", "max_age": True}, "max_age must be a positive number of seconds"),
                          ({"keys": ""}, "`keys` must name")]:
         (tmp_path / CONFIG_FILE).write_text(json.dumps(bad))
         with pytest.raises(HomeError, match=message):
@@ -230,10 +241,12 @@ def test_cli_init_and_status(tmp_path):
     genesis = tmp_path / "net" / "v0" / "config" / "genesis.json"
     home = tmp_path / "ver"
     args = ["verifier", "init", "--home", str(home), "--keys", str(keys), "--genesis", str(genesis)]
-    done = runner.invoke(main, [*args, "--model", "gt=gt", "--model", "big=/models/big", "--json"])
+    done = runner.invoke(main, [*args, "--model", "gt=gt", "--model", "big=/models/big", "--witness",
+                                "http://10.0.0.8:26657", "--max-age", "90", "--json"])
     assert done.exit_code == 0, done.output
     config = VerifierConfig.load(home)
     assert config.models == {"gt": "gt", "big": "/models/big"} and config.keys == str(keys.resolve())
+    assert (config.witness, config.max_age) == ("http://10.0.0.8:26657", 90)
     again = runner.invoke(main, args)
     assert again.exit_code != 0 and "already has verifier.json" in again.output
     bad = runner.invoke(main, ["verifier", "init", "--home", str(tmp_path / "v2"), "--keys", str(keys),

@@ -1,8 +1,9 @@
 """Reading and writing the ledger as a client: verified lists and entities, signed transactions.
 
 A read is verified when a light client is given: the query's Merkle proof must match the app hash
-that more than 2/3 of the committee signed (header height + 1). Without one, answers are taken on
-the RPC endpoint's word and marked unverified.
+that more than 2/3 of the committee signed (header height + 1), and a read of the latest state is
+refused when that header is not fresh by the local clock (the light client's `max_age`). Without one,
+answers are taken on the RPC endpoint's word and marked unverified.
 """
 
 from __future__ import annotations
@@ -19,7 +20,13 @@ import msgpack
 from planetserve.chain import layout, trie
 from planetserve.chain.errors import Code
 from planetserve.chain.keys import KeySet
-from planetserve.chain.lightclient import LightBlock, LightClient, VerificationError
+from planetserve.chain.lightclient import (
+    DEFAULT_MAX_AGE,
+    Header,
+    LightBlock,
+    LightClient,
+    VerificationError,
+)
 from planetserve.chain.messages.base import Message
 from planetserve.chain.rpc import AbciQuery, RpcClient, RpcError, RpcResponseError, TxOutcome
 from planetserve.chain.tx import sign
@@ -59,7 +66,8 @@ class Verifier(Protocol):
     """What a LedgerClient needs of a light client."""
 
     def verified_light_block(self, height: int | None = None) -> LightBlock: ...
-    def verified_app_hash(self, height: int) -> bytes: ...
+    def verified_header_after(self, height: int) -> Header: ...
+    def check_fresh(self, header: Header) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -67,6 +75,9 @@ class Listing:
     height: int
     entries: list[tuple[bytes, bytes]]
     verified: bool
+    header: Header | None = None
+    """The verified header whose app hash proves the list (None: unverified); its time says how old
+    the list is (`LedgerClient.check_fresh`)."""
 
 
 class TxNotCommitted(RpcError):
@@ -143,22 +154,33 @@ class LedgerClient:
             self._pinned, self._past = None, False
 
     @classmethod
-    def verified(cls, rpc_url: str, genesis: str | Path) -> LedgerClient:
-        """A client whose every read is verified against the genesis file (what long-running roles use)."""
+    def verified(cls, rpc_url: str, genesis: str | Path, *, witness: str = "",
+                 max_age: float | None = DEFAULT_MAX_AGE) -> LedgerClient:
+        """A client whose every read is verified against the genesis file (what long-running roles use):
+        latest reads from headers at most `max_age` seconds old, and with a `witness` endpoint, only
+        headers the witness has too."""
         if not genesis:
             raise ValueError("no genesis file is configured to verify the ledger against")
         rpc = RpcClient(rpc_url)
-        return cls(rpc, LightClient.from_genesis_file(Path(genesis), rpc))
+        return cls(rpc, LightClient.from_genesis_file(Path(genesis), rpc, max_age=max_age,
+                                                      witness=RpcClient(witness) if witness else None))
+
+    def check_fresh(self, header: Header | None) -> None:
+        """FreshnessError (a VerificationError) when a view read from verified `header` is now too old
+        to serve from; nothing to check for an unverified read (None) or an unverified client."""
+        if self.verifier is not None and header is not None:
+            self.verifier.check_fresh(header)
 
     # -- verified reads --------------------------------------------------------------------------
 
     def _query(
         self, path: str, data: bytes, verify: bool = True, height: int = 0, shape: bool = False
-    ) -> tuple[AbciQuery, trie.PrefixProof | None, bytes | None]:
+    ) -> tuple[AbciQuery, trie.PrefixProof | None, Header | None]:
         """Ask for the state whose app hash the latest verified header carries (height L-1 for
         header L), so a verified answer never waits for the next block: the answer, its proof and
-        the app hash it was proven against (None: unverified). An unverified read is of `height`
-        (0: the latest) and carries a proof, unchecked, only when `shape` asks for it."""
+        the verified header whose app hash it must be proven against (None: unverified). An
+        unverified read is of `height` (0: the latest) and carries a proof, unchecked, only when
+        `shape` asks for it."""
         if self.verifier is None or not verify:
             if self.min_height and verify and not height:
                 self._await_height(self.min_height)
@@ -168,15 +190,15 @@ class LedgerClient:
         latest = self._pinned or self.verifier.verified_light_block()
         height = latest.height - 1
         if height >= max(1, self.min_height) or self._past:
-            app_hash = latest.header.app_hash
+            header = latest.header
         else:  # reading our own write, or only genesis exists: wait for the header after it
             height = max(1, self.min_height)
-            app_hash = self.verifier.verified_app_hash(height)
+            header = self.verifier.verified_header_after(height)
         answer = self.rpc.abci_query(path, data, height=height, prove=True)
         self._check_answer(path, answer)
         if answer.height != height:
             raise QueryRefused(f"answer is for height {answer.height}, asked for height {height}")
-        return answer, self._proof(path, data, answer), app_hash
+        return answer, self._proof(path, data, answer), header
 
     @staticmethod
     def _proof(path: str, data: bytes, answer: AbciQuery) -> trie.PrefixProof:
@@ -217,14 +239,14 @@ class LedgerClient:
     def _listing(
         self, prefix: bytes, height: int = 0, shape: bool = False
     ) -> tuple[Listing, trie.PrefixProof | None]:
-        answer, proof, app_hash = self._query("/prefix", prefix, height=height, shape=shape)
+        answer, proof, header = self._query("/prefix", prefix, height=height, shape=shape)
         entries = decode_entries(answer.value, prefix)
-        if app_hash is not None:
+        if header is not None:
             try:
-                trie.verify_prefix(app_hash, prefix, entries, proof)
+                trie.verify_prefix(header.app_hash, prefix, entries, proof)
             except trie.ProofError as exc:
                 raise QueryRefused(f"list does not match the committed app hash: {exc}") from exc
-        return Listing(answer.height, entries, app_hash is not None), proof
+        return Listing(answer.height, entries, header is not None, header), proof
 
     def _listing_in_parts(self, prefix: bytes, height: int = 0) -> Listing:
         """The entries under `prefix`, one part per child of the trie node that holds them all (a part
@@ -243,15 +265,15 @@ class LedgerClient:
                     raise
                 listing = self._listing_in_parts(part, probe.height)
             entries.extend(listing.entries)
-        return Listing(probe.height, entries, probe.verified)
+        return Listing(probe.height, entries, probe.verified, probe.header)
 
     def value(self, key: bytes) -> tuple[int, bytes | None]:
         """One entry, or None when absent; a verified absence is proven too."""
-        answer, proof, app_hash = self._query("/key", key)
+        answer, proof, header = self._query("/key", key)
         claimed = answer.value if answer.info == "found" else None
-        if app_hash is not None:
+        if header is not None:
             try:
-                trie.verify_key(app_hash, key, claimed, proof)
+                trie.verify_key(header.app_hash, key, claimed, proof)
             except trie.ProofError as exc:
                 raise QueryRefused(f"value does not match the committed app hash: {exc}") from exc
         return answer.height, claimed

@@ -21,6 +21,13 @@ The trust root is the genesis file, so there is no trusting period by default: a
 been offline longer than the unbonding period is exposed to long-range attacks by validators that
 have since left (pass `trusting_period` to refuse such stale trust instead).
 
+Signatures say who committed a header, not when it is read: an endpoint can keep answering with an
+old, validly signed header (and the state it commits) for as long as it likes. So the latest header
+a client is given must be fresh by the local clock: no older than `max_age` seconds
+(DEFAULT_MAX_AGE) and no more than `max_clock_drift` seconds ahead, else `FreshnessError`. With a
+`witness` (a second endpoint), every header returned must also be the one the witness has at that
+height, else `WitnessMismatch`: a fork, or one of the two endpoints lying.
+
 Every failure raises `VerificationError` (`ProviderError` when the endpoint gave no usable answer).
 """
 
@@ -33,7 +40,7 @@ import json
 import os
 import re
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import cached_property
@@ -62,6 +69,19 @@ FLAG_NIL = validator_pb2.BLOCK_ID_FLAG_NIL
 ED25519_TYPE = "tendermint/PubKeyEd25519"
 DEFAULT_TRUST_LEVEL = (1, 3)
 STORE_VERSION = 1
+DEFAULT_MAX_AGE = 300.0
+"""Seconds the latest header may be older than the local clock. A healthy network commits a block every
+`timeout_commit` (1 s for `planetserve genesis init` and localnet, 300 ms in tests) and never pauses
+for want of transactions (`create_empty_blocks` is on), so its latest header is a second or two old; a
+height whose proposer is down adds a failed round (CometBFT's `timeout_propose`, 3 s, plus 0.5 s for
+each further round): even ten failed rounds in a row stay under a minute. Five minutes leaves a wide
+margin over that and over ordinary clock error between this machine and the validators, while a list
+read under the bound lags the chain by five minutes at most (about five of localnet's 40-block epochs,
+two to three of the default 100-block ones)."""
+DEFAULT_MAX_CLOCK_DRIFT = 10.0
+"""Seconds a header time may be ahead of the local clock (CometBFT's light client default)."""
+DEFAULT_WITNESS_WAIT = 5.0
+"""Seconds to wait for a witness that has not yet committed the height it is asked about."""
 
 
 class VerificationError(Exception):
@@ -74,6 +94,44 @@ class ProviderError(VerificationError):
 
 class NotEnoughTrust(VerificationError):
     """A trusted validator set signed too little of a non-adjacent commit: bisect."""
+
+
+class FreshnessError(ProviderError):
+    """A validly signed header that is too old to serve a view from (older than `max_age`, checked
+    against the local clock), or too far ahead of the local clock (`max_clock_drift`). `age` is the
+    local time minus the header time, in seconds: negative for a header from the future."""
+
+    def __init__(self, message: str, height: int, time: Timestamp, age: float) -> None:
+        super().__init__(message)
+        self.height = height
+        self.time = time
+        self.age = age
+
+
+class WitnessMismatch(VerificationError):
+    """The witness endpoint's header at a height is not the one verified from the primary endpoint."""
+
+
+def _seconds(t: Timestamp) -> float:
+    return t.seconds + t.nanos / 1e9
+
+
+def check_header_time(header: Header, now: float, max_age: float | None,
+                max_clock_drift: float = DEFAULT_MAX_CLOCK_DRIFT, endpoint: str = "") -> None:
+    """FreshnessError unless `header` is at most `max_age` seconds old (None: any age) and at most
+    `max_clock_drift` seconds ahead of `now`, the local clock."""
+    age = now - _seconds(header.time)
+    where = f" from {endpoint}" if endpoint else ""
+    if -age > max_clock_drift:
+        raise FreshnessError(
+            f"header {header.height}{where} has time {header.time}, {-age:.0f} s ahead of the local "
+            f"clock: a header time is in the future beyond the allowed clock drift of "
+            f"{max_clock_drift:g} s (check this machine's clock)", header.height, header.time, age)
+    if max_age is not None and age > max_age:
+        raise FreshnessError(
+            f"header {header.height}{where} has time {header.time}, {age:.0f} s old, older than "
+            f"max_age {max_age:g} s: a stale view (the endpoint is behind or replaying old answers, "
+            f"or the chain has stopped committing blocks)", header.height, header.time, age)
 
 
 # --- encoding primitives ------------------------------------------------------------------------
@@ -694,7 +752,10 @@ def _verify_new_header_and_vals(
             f"header time {h.time} at height {h.height} not after trusted header time {th.time}"
         )
     if not h.time < Timestamp(int(now + max_drift), 0):
-        raise VerificationError(f"header time {h.time} at height {h.height} is in the future")
+        age = now - _seconds(h.time)
+        raise FreshnessError(
+            f"header time {h.time} at height {h.height} is in the future: {-age:.0f} s ahead of the "
+            f"local clock, beyond the allowed clock drift of {max_drift:g} s", h.height, h.time, age)
     if h.validators_hash != untrusted.validators.hash:
         raise VerificationError(
             f"validators hash mismatch at height {h.height}: header has "
@@ -716,7 +777,7 @@ def verify_adjacent(
     chain_id: str,
     *,
     now: float | None = None,
-    max_clock_drift: float = 10.0,
+    max_clock_drift: float = DEFAULT_MAX_CLOCK_DRIFT,
     trusting_period: float | None = None,
 ) -> None:
     """Header H+1 against trusted header H: its set must be H's announced next set."""
@@ -741,7 +802,7 @@ def verify_non_adjacent(
     *,
     trust_level: tuple[int, int] = DEFAULT_TRUST_LEVEL,
     now: float | None = None,
-    max_clock_drift: float = 10.0,
+    max_clock_drift: float = DEFAULT_MAX_CLOCK_DRIFT,
     trusting_period: float | None = None,
 ) -> None:
     """Skipping verification: `trust_level` of the trusted set signed, and 2/3 of the new set.
@@ -766,6 +827,13 @@ class LightClient:
     Trusted light blocks are kept in memory and, with `store_path`, in a JSON file, so later
     verifications start from the nearest trusted header below the target. `sequential=True`
     verifies every intermediate header; the default skips with bisection as CometBFT does.
+
+    The latest header (`verified_light_block()` without a height) must be fresh by `clock`, the local
+    clock: at most `max_age` seconds old (None: any age) and at most `max_clock_drift` seconds ahead,
+    else FreshnessError. A header asked for by height is history and may be of any age. With
+    `witness`, a second endpoint, every header returned must hash as the witness's header of the
+    same height does, else WitnessMismatch (the witness is given `witness_wait` seconds to reach a
+    height it has not committed yet); a witness that gives no usable answer is a ProviderError.
     """
 
     def __init__(
@@ -776,9 +844,13 @@ class LightClient:
         store_path: str | Path | None = None,
         trust_level: tuple[int, int] = DEFAULT_TRUST_LEVEL,
         sequential: bool = False,
-        max_clock_drift: float = 10.0,
+        max_clock_drift: float = DEFAULT_MAX_CLOCK_DRIFT,
         trusting_period: float | None = None,
         max_stored: int = 200,
+        max_age: float | None = DEFAULT_MAX_AGE,
+        witness: RpcClient | str | None = None,
+        witness_wait: float = DEFAULT_WITNESS_WAIT,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         if isinstance(genesis, Genesis):
             self.genesis = genesis
@@ -789,14 +861,23 @@ class LightClient:
         num, den = trust_level
         if not (den > 0 and 3 * num >= den and num <= den):
             raise ValueError("trust level must be within [1/3, 1]")
+        if max_age is not None and not 0 < max_age < float("inf"):
+            raise ValueError(f"max_age must be a positive number of seconds, got {max_age!r}")
+        if not 0 <= max_clock_drift < float("inf"):
+            raise ValueError(f"max_clock_drift must be a number of seconds >= 0, got {max_clock_drift!r}")
         self.rpc = RpcClient(rpc) if isinstance(rpc, str) else rpc
+        self.witness = RpcClient(witness) if isinstance(witness, str) else witness
         self.trust_level = trust_level
         self.sequential = sequential
         self.max_clock_drift = max_clock_drift
         self.trusting_period = trusting_period
+        self.max_age = max_age
+        self.witness_wait = witness_wait
+        self.clock = clock
         self.max_stored = max(max_stored, 2)
         self.store_path = Path(store_path) if store_path else None
         self._trusted: dict[int, LightBlock] = {}
+        self._witnessed: set[int] = set()  # trusted heights whose header the witness has confirmed
         self.last_trace: list[int] = []  # heights verified by the last call, in order
         if self.store_path and self.store_path.exists():
             self._load_store()
@@ -820,8 +901,10 @@ class LightClient:
         return sorted(self._trusted)
 
     def verified_light_block(self, height: int | None = None) -> LightBlock:
-        """The light block at `height` (None: the endpoint's latest), verified from genesis."""
+        """The light block at `height` (None: the endpoint's latest, which must be fresh), verified
+        from genesis and, with a witness, confirmed by it."""
         self.last_trace = []
+        latest = height is None
         if height is None:
             height = self._latest_height()
         if height < self.genesis.initial_height:
@@ -832,28 +915,83 @@ class LightClient:
             self._bootstrap()
             self._save_store()
         if height in self._trusted:
-            return self._trusted[height]
-        anchor = self._trusted[max(h for h in self._trusted if h < height)]
-        target = self._fetch(height)
-        if self.sequential:
-            self._verify_sequential(anchor, target)
+            block = self._trusted[height]
         else:
-            self._verify_skipping(anchor, target)
-        self._save_store()
-        return target
+            anchor = self._trusted[max(h for h in self._trusted if h < height)]
+            block = self._fetch(height)
+            if self.sequential:
+                self._verify_sequential(anchor, block)
+            else:
+                self._verify_skipping(anchor, block)
+        if latest:
+            self.check_fresh(block.header)
+        if self.witness is not None and height not in self._witnessed:
+            try:
+                self._check_witness(block)
+            except WitnessMismatch:
+                for h in {height, *self.last_trace}:  # a disputed header and those verified on the
+                    if h != self.genesis.initial_height:  # way to it anchor nothing
+                        self._trusted.pop(h, None)
+                raise
+            self._witnessed.add(height)
+        if self.last_trace:
+            self._save_store()
+        return block
+
+    def check_fresh(self, header: Header) -> None:
+        """FreshnessError unless `header` is within `max_age` and `max_clock_drift` of the local clock
+        now: for the latest header when it is read, and for a view read from it while it is kept."""
+        check_header_time(header, self.clock(), self.max_age, self.max_clock_drift, _url(self.rpc))
 
     def verified_header(self, height: int | None = None) -> Header:
         return self.verified_light_block(height).header
 
-    def verified_app_hash(self, height: int, wait: float = 10.0) -> bytes:
-        """The app hash of the state after block `height`: from verified header `height`+1,
+    def verified_header_after(self, height: int, wait: float = 10.0) -> Header:
+        """Header `height`+1, which carries the app hash of the state after block `height`, verified,
         waiting up to `wait` seconds for that block to be committed."""
         deadline = time.monotonic() + wait
         while (height + 1) not in self._trusted and self._latest_height() < height + 1:
             if time.monotonic() >= deadline:
                 raise ProviderError(f"block {height + 1} not committed within {wait:g}s")
             time.sleep(0.1)
-        return self.verified_header(height + 1).app_hash
+        return self.verified_header(height + 1)
+
+    def verified_app_hash(self, height: int, wait: float = 10.0) -> bytes:
+        """The app hash of the state after block `height`: from verified header `height`+1,
+        waiting up to `wait` seconds for that block to be committed."""
+        return self.verified_header_after(height, wait).app_hash
+
+    # the witness
+
+    def _check_witness(self, block: LightBlock) -> None:
+        """WitnessMismatch unless the witness's header at the block's height hashes as the block's."""
+        assert self.witness is not None
+        h, primary, witness = block.height, _url(self.rpc), _url(self.witness)
+        deadline = time.monotonic() + self.witness_wait
+        try:
+            while self.witness.latest_height() < h:
+                if time.monotonic() >= deadline:
+                    raise ProviderError(
+                        f"witness {witness} has not committed height {h} within "
+                        f"{self.witness_wait:g} s: it cannot confirm the header from {primary}"
+                    )
+                time.sleep(0.1)
+            theirs = Header.from_json(self.witness.commit(h)["header"]).hash
+        except RpcError as exc:
+            raise ProviderError(f"witness {witness} gave no usable header {h}: {exc}") from exc
+        except VerificationError as exc:
+            if isinstance(exc, ProviderError):
+                raise
+            raise ProviderError(f"witness {witness} gave no usable header {h}: {exc}") from exc
+        except (TypeError, ValueError, KeyError, AttributeError, OverflowError) as exc:
+            raise ProviderError(f"witness {witness} gave no usable header {h}: {exc!r:.200}") from exc
+        ours = block.header.hash
+        if theirs != ours:
+            raise WitnessMismatch(
+                f"witness {witness} disagrees with primary {primary} at height {h}: the header "
+                f"verified from the primary hashes to {ours.hex().upper()}, the witness's to "
+                f"{theirs.hex().upper()} (a fork of the chain, or one of the two endpoints is lying)"
+            )
 
     # verification strategies
 
@@ -884,6 +1022,7 @@ class LightClient:
         kw = {
             "max_clock_drift": self.max_clock_drift,
             "trusting_period": self.trusting_period,
+            "now": self.clock(),
         }
         if untrusted.height == trusted.height + 1:
             verify_adjacent(trusted, untrusted, self.chain_id, **kw)
@@ -899,6 +1038,7 @@ class LightClient:
                 trusted,
                 block,
                 self.chain_id,
+                now=self.clock(),
                 max_clock_drift=self.max_clock_drift,
                 trusting_period=self.trusting_period,
             )
@@ -937,6 +1077,7 @@ class LightClient:
                     break
                 if h != keep:
                     del self._trusted[h]
+            self._witnessed &= self._trusted.keys()
 
     def _save_store(self) -> None:
         if not self.store_path:
@@ -1002,3 +1143,9 @@ class LightClient:
         if header.height != height:
             raise VerificationError(f"served header {header.height}, asked for {height}")
         return LightBlock(header, commit, validators)
+
+
+def _url(rpc: Any) -> str:
+    """How an endpoint is named in errors: its URL ("" for a stand-in without one)."""
+    url = getattr(rpc, "url", "")
+    return url if isinstance(url, str) else ""

@@ -56,6 +56,42 @@ rpc_option = click.option(
 )
 
 
+def _witness(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
+    return http_url(value, "--witness") if value else ""
+
+
+def _max_age(_ctx: click.Context, _param: click.Parameter, value: float) -> float:
+    from planetserve.config import max_age_problem
+
+    if (problem := max_age_problem(value)) is not None:
+        raise click.BadParameter(problem.replace("max_age", "--max-age", 1))
+    return value
+
+
+def witness_option(where: str = "--rpc") -> Any:
+    """--witness: a second endpoint whose headers must match those read from `where`."""
+    return click.option(
+        "--witness", default="", envvar="PLANETSERVE_WITNESS", callback=_witness, metavar="URL",
+        help=f"A second CometBFT RPC endpoint, best another operator's validator, that must agree (env "
+             f"PLANETSERVE_WITNESS): each header verified from {where} is compared with the witness's header "
+             f"of the same height, and a difference (a fork, or one of the two lying) is refused, as is a "
+             f"witness that does not answer. Default: no witness.")
+
+
+def max_age_option(default: float | None = None) -> Any:
+    """--max-age: the light client's bound on the age of the latest header."""
+    from planetserve.config import MAX_AGE
+
+    return click.option(
+        "--max-age", type=float, default=MAX_AGE if default is None else default, show_default=True,
+        callback=_max_age, metavar="SECONDS",
+        help="Refuse the ledger's latest state when its signed header is older than this many seconds by "
+             "this machine's clock (or more than 10 s ahead of it): an endpoint that is behind, replays old "
+             "answers or serves a halted chain cannot keep a role on an old list, which a long-running role "
+             "drops once it is this old. Keep it well above the block interval (about 1 s); the default "
+             "leaves a margin for failed rounds and clock error.")
+
+
 def log_level_option(default: str = "info") -> Any:
     """--log-level of a long-running role (its messages go to stderr)."""
     return click.option("--log-level", default=default, show_default=True,

@@ -9,7 +9,15 @@ from pathlib import Path
 
 import click
 
-from planetserve.cli import check_genesis, console, fail, http_url, log_level_option, setup_logging
+from planetserve.cli import (
+    check_genesis,
+    console,
+    fail,
+    http_url,
+    log_level_option,
+    max_age_option,
+    setup_logging,
+)
 from planetserve.config import is_host_port
 
 _KEY = re.compile(r"[0-9a-fA-F]{64}")
@@ -63,10 +71,11 @@ def _labels(_ctx: click.Context, _param: click.Parameter, values: tuple[str, ...
               metavar="HOST:PORT",
               help="HOST:PORT to serve the page on (port 0: a free one). Keep it on loopback: the chat box "
                    "spends your relay.")
+@max_age_option()
 @log_level_option("warning")
 @click.option("--json", "as_json", is_flag=True, help="Print the ready line as JSON.")
 def command(genesis: Path, rpc: tuple[str, ...], relay: str | None, model: str | None, labels: dict[str, str],
-          http_addr: tuple[str, int], log_level: str, as_json: bool) -> None:
+          http_addr: tuple[str, int], max_age: float, log_level: str, as_json: bool) -> None:
     """Serve a live dashboard of a planetserve network in your browser, until interrupted.
 
     \b
@@ -95,7 +104,8 @@ def command(genesis: Path, rpc: tuple[str, ...], relay: str | None, model: str |
     setup_logging(log_level)
     check_genesis(genesis)
     host, port = http_addr
-    settings = Settings(genesis=genesis.resolve(), rpc=rpc, relay=relay, model=model, labels=labels)
+    settings = Settings(genesis=genesis.resolve(), rpc=rpc, relay=relay, model=model, labels=labels,
+                        max_age=max_age)
 
     def ready(dashboard: Dashboard) -> None:
         shown = f"[{host}]" if ":" in host else host

@@ -11,13 +11,14 @@ import click
 
 from planetserve.chain.client import LedgerClient
 from planetserve.chain.rpc import RpcClient
-from planetserve.cli import http_url
+from planetserve.cli import http_url, max_age_option, witness_option
 
 DEFAULT_NODE = "http://127.0.0.1:26657"
 
 
 def ledger_options(verify: bool) -> Callable:
-    """Add --node (and, for reads, --genesis/--no-verify) and pass a ready LedgerClient as `ledger`."""
+    """Add --node (and, for reads, --genesis/--no-verify/--witness/--max-age) and pass a ready
+    LedgerClient as `ledger`."""
 
     def decorate(fn: Callable) -> Callable:
         @click.option("--node", envvar="PLANETSERVE_NODE", default=DEFAULT_NODE, show_default=True,
@@ -26,7 +27,8 @@ def ledger_options(verify: bool) -> Callable:
                            "prints each validator's.")
         @functools.wraps(fn)
         def wrapper(*args: Any, node: str, genesis: Path | None = None, no_verify: bool = False,
-                    min_height: int = 0, **kwargs: Any) -> Any:
+                    min_height: int = 0, witness: str = "", max_age: float | None = None,
+                    **kwargs: Any) -> Any:
             from planetserve.cli import fail
 
             rpc = RpcClient(node)
@@ -34,16 +36,22 @@ def ledger_options(verify: bool) -> Callable:
             if verify and not no_verify:
                 if genesis is None:
                     fail("--genesis is required to verify answers (or pass --no-verify to trust the node)")
+                if witness and witness == node:
+                    fail(f"--witness must be another endpoint than --node ({node}): a witness checks the "
+                         "node's answers, so it cannot be the node itself")
                 from planetserve.chain.lightclient import LightClient, VerificationError
 
                 try:
-                    verifier = LightClient.from_genesis_file(genesis, rpc)
+                    verifier = LightClient.from_genesis_file(genesis, rpc, max_age=max_age,
+                                                             witness=RpcClient(witness) if witness else None)
                 except VerificationError as exc:
                     fail(f"{genesis} is not a usable genesis file: {exc}")
             with rpc:
                 return fn(*args, ledger=LedgerClient(rpc, verifier, min_height), **kwargs)
 
         if verify:
+            wrapper = max_age_option()(wrapper)
+            wrapper = witness_option("--node")(wrapper)
             wrapper = click.option("--min-height", type=click.IntRange(min=0), default=0,
                                    help="Read state of this height or later, e.g. the height a "
                                         "transaction was committed in (waits for it).")(wrapper)

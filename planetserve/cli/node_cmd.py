@@ -17,8 +17,10 @@ from planetserve.cli import (
     emit_json,
     fail,
     log_level_option,
+    max_age_option,
     rpc_option,
     setup_logging,
+    witness_option,
 )
 from planetserve.node.behaviours import BEHAVIOURS, HONEST
 from planetserve.node.home import ENGINE_SAMPLING
@@ -59,6 +61,8 @@ def group() -> None:
 @click.option("--genesis", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Genesis file the ledger is verified against.")
 @rpc_option
+@witness_option()
+@max_age_option()
 @click.option("--http", "http_addr", default="127.0.0.1:8000", show_default=True,
               help="host:port of the OpenAI-compatible API.")
 @click.option("--peer", default="127.0.0.1:9000", show_default=True, help="host:port of the TLS peer port.")
@@ -185,6 +189,8 @@ USER_HOME_HELP = "The relay's home directory (configuration user.json and key fi
 @click.option("--genesis", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Genesis file the ledger is verified against.")
 @rpc_option
+@witness_option()
+@max_age_option()
 @click.option("--http", "http_addr", default="127.0.0.1:8080", show_default=True,
               help="host:port of the local OpenAI-compatible endpoint (keep it on loopback).")
 @click.option("--peer", default="127.0.0.1:9100", show_default=True,

@@ -13,9 +13,11 @@ from planetserve.cli import (
     emit_json,
     fail,
     log_level_option,
+    max_age_option,
     rpc_option,
     setup_logging,
     table,
+    witness_option,
 )
 
 HOME_HELP = "The verifier's home (verifier.json, its journals and status.json)."
@@ -49,6 +51,8 @@ def group() -> None:
 @click.option("--genesis", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Genesis file the ledger is verified against.")
 @rpc_option
+@witness_option()
+@max_age_option()
 @click.option("--relay", default="http://127.0.0.1:8080", show_default=True,
               help="A user relay's local OpenAI endpoint, which carries the challenges.")
 @click.option("--model", "models", multiple=True, metavar="MODEL_ID=REFERENCE",
@@ -59,7 +63,7 @@ def group() -> None:
               show_default=True, help="calibrated (docs/detection.md) or the paper's 1/PPL.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def init(home: Path, key_file: Path, genesis: Path, models: tuple[str, ...], as_json: bool,
-         **settings: str) -> None:
+         **settings: object) -> None:
     """Create a verifier's home (refuses to overwrite one)."""
     from planetserve.chain.keys import KeyFileError, KeySet
     from planetserve.config import HomeError
@@ -79,7 +83,7 @@ def init(home: Path, key_file: Path, genesis: Path, models: tuple[str, ...], as_
         fail(str(exc))
     check_genesis(genesis)
     config = VerifierConfig(keys=str(key_file.resolve()), genesis=str(genesis.resolve()), models=mapping,
-                            **settings)
+                            **settings)  # type: ignore[arg-type]
     try:
         config.save(home)
     except HomeError as exc:

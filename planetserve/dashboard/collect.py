@@ -34,6 +34,7 @@ from typing import Any
 import httpx
 
 from planetserve.chain.client import TRANSIENT, LedgerClient, QueryRefused
+from planetserve.chain.lightclient import DEFAULT_MAX_AGE
 from planetserve.chain.rpc import RpcClient, read_limited
 from planetserve.registry.credits import format_credits
 from planetserve.registry.entities import ModelNode
@@ -68,6 +69,9 @@ class Settings:
     """The model the chat asks (None: the first the relay lists)."""
     labels: Mapping[str, str] = field(default_factory=dict)
     """Model node key (hex) → a name to show for it."""
+    max_age: float = DEFAULT_MAX_AGE
+    """Seconds the latest verified header may be old (the light client's bound): an endpoint serving an
+    older state shows as an error, and the next endpoint is read."""
 
 
 def _phase(schedule: Schedule, height: int) -> tuple[str, list[str]]:
@@ -171,7 +175,8 @@ class Collector:
 
     def _ledger(self, url: str) -> LedgerClient:
         if url not in self._ledgers:
-            self._ledgers[url] = LedgerClient.verified(url, self.settings.genesis)
+            self._ledgers[url] = LedgerClient.verified(url, self.settings.genesis,
+                                                       max_age=self.settings.max_age)
         return self._ledgers[url]
 
     def ledger(self) -> dict[str, Any]:

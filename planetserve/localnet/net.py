@@ -158,7 +158,10 @@ def up(root: Path, config: LocalnetConfig, progress: Progress = lambda _: None,
     cluster = Cluster(spec, cluster_app, start_timeout=60.0)
     before = [f"validator {v.moniker}" for v in spec.validators if not all(cluster.running(v.index).values())]
     cluster.start()
-    cluster.wait_for_height(2, timeout=90.0)
+    reached = cluster.wait_for_height(2, timeout=90.0)
+    # a resumed network reports the height it stopped at before it commits anything: wait for a block of
+    # this run, whose header is fresh enough for the light client's max_age (clients refuse older ones)
+    cluster.wait_for_height(max(reached.values()) + 1, timeout=90.0)
     ledger = ledger_for(spec)
     ensure_organisations(plan, ledger)
 

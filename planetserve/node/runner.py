@@ -83,7 +83,7 @@ async def run_model_node(home: Path, org_keys: KeySet | None = None,
     keys = load_keys(home)
     if config.behaviour != HONEST:
         log.warning("fault injection: this node behaves %s", config.behaviour)
-    ledger = LedgerClient.verified(config.rpc, config.genesis)
+    ledger = LedgerClient.verified(config.rpc, config.genesis, witness=config.witness, max_age=config.max_age)
     stop_event = _stop_on_signals()
     # only a node that declares its memory may be too small for its model (the ledger says how big)
     model = await asyncio.to_thread(ledger.model, config.model_id) if config.memory_mib else None
@@ -189,7 +189,7 @@ async def run_user_relay(home: Path, on_ready: Callable[[UserRelay, User, str], 
     keys = load_keys(home)
     if config.n < config.k or config.proxies < config.n:
         raise ValueError(f"need proxies >= n >= k, got proxies {config.proxies}, n {config.n}, k {config.k}")
-    ledger = LedgerClient.verified(config.rpc, config.genesis)
+    ledger = LedgerClient.verified(config.rpc, config.genesis, witness=config.witness, max_age=config.max_age)
     user, action = await asyncio.to_thread(ensure_user, ledger, config, keys)
     params = await asyncio.to_thread(ledger.params)
     relay = UserRelay(config, keys, Directory(ledger))

@@ -39,7 +39,8 @@ def _longest(references: dict[str, ReferenceModel], text: str) -> int:
 def build_daemon(home: Path) -> tuple[Daemon, VerifierConfig]:
     config = VerifierConfig.load(home)
     keys = KeySet.load(Path(config.keys))
-    ledger = LedgerClient.verified(config.rpc, config.genesis)  # a bad genesis fails before models load
+    # a bad genesis fails before models load
+    ledger = LedgerClient.verified(config.rpc, config.genesis, witness=config.witness, max_age=config.max_age)
     references = reference_models(config)
     max_len = min(r.max_len for r in references.values())
     source = ChallengeSource(config.workload, scale=config.scale,

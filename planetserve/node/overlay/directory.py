@@ -2,7 +2,12 @@
 of trusted model nodes, and every registered model node, read from the ledger with their proofs. Relays
 and model nodes accept connections only from keys in it, and resolve the addresses of the keys they
 forward to from it. Ordinary requests go to trusted nodes only; a request may name any registered
-node (the committee keeps challenging nodes that left the trusted list), so proxies reach those too."""
+node (the committee keeps challenging nodes that left the trusted list), so proxies reach those too.
+
+A view is as old as the verified header it was read from. While refreshes fail it is kept, but only
+within the light client's `max_age` of the local clock: past that it is dropped (an empty view of the
+same height) until a fresh one verifies, so a lying or stalled endpoint cannot keep the overlay on an
+old list that still names a delisted node."""
 
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from planetserve.chain.client import LedgerClient, QueryRefused
-from planetserve.chain.lightclient import VerificationError
+from planetserve.chain.lightclient import FreshnessError, Header, VerificationError
 from planetserve.chain.rpc import RpcError
 from planetserve.registry.entities import ModelNode, User
 
@@ -30,14 +35,16 @@ class DirectoryView:
     """Trusted, active model nodes of every model."""
     registered: dict[bytes, ModelNode] = field(default_factory=dict)
     """Active registered model nodes of every model, whatever their reputation."""
+    header: Header | None = None
+    """The verified header the user list was read from (None: no list, or an unverified one)."""
 
     @classmethod
     def of(cls, height: int, users: Iterable[User], nodes: Iterable[ModelNode],
-           registered: Iterable[ModelNode] = ()) -> DirectoryView:
+           registered: Iterable[ModelNode] = (), header: Header | None = None) -> DirectoryView:
         """`registered` adds to the trusted `nodes`, which are registered too."""
         trusted = {n.pubkey: n for n in nodes if n.status == "active"}
         return cls(height, {u.pubkey: u for u in users}, trusted,
-                   {**{n.pubkey: n for n in registered if n.status == "active"}, **trusted})
+                   {**{n.pubkey: n for n in registered if n.status == "active"}, **trusted}, header)
 
     def node(self, key: bytes) -> ModelNode | None:
         """An active registered model node, trusted or not."""
@@ -57,7 +64,8 @@ class DirectoryView:
 
 class Directory:
     """The latest verified view. A failed refresh keeps the previous view (an RPC outage must not empty
-    the overlay) and a view older than the one held is never adopted."""
+    the overlay) while it is fresh, and drops it once it is older than the light client's `max_age`;
+    a view older than the one held is never adopted."""
 
     def __init__(self, ledger: LedgerClient, *, with_nodes: bool = True) -> None:
         self.ledger = ledger
@@ -73,12 +81,25 @@ class Directory:
             registered = self.ledger.registered_nodes() if self.with_nodes else []
         except (QueryRefused, VerificationError, RpcError) as exc:
             self.last_error = f"{type(exc).__name__}: {exc}"
-            log.warning("directory refresh failed, keeping height %d: %s", self.view.height, exc)
+            if (stale := self._too_old()) is not None:
+                log.warning("directory refresh failed (%s) and the lists held are too old to serve from, "
+                            "dropped them until a fresh view verifies: %s", exc, stale)
+                self.view = DirectoryView(self.view.height)
+            else:
+                log.warning("directory refresh failed, keeping height %d: %s", self.view.height, exc)
             return self.view
         self.last_error = None
         if users_listing.height >= self.view.height:
-            self.view = DirectoryView.of(users_listing.height, users, nodes, registered)
+            self.view = DirectoryView.of(users_listing.height, users, nodes, registered, users_listing.header)
         return self.view
+
+    def _too_old(self) -> FreshnessError | None:
+        """Why the held view is now too old to serve from, if it is."""
+        try:
+            self.ledger.check_fresh(self.view.header)
+        except FreshnessError as exc:
+            return exc
+        return None
 
 
 class OnDemand(Generic[T]):
