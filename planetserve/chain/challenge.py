@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import secrets
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from nacl.exceptions import CryptoError
@@ -96,6 +97,17 @@ class Challenge:
         if abs(response.time - now) > tolerance:
             return f"the node signed time {response.time}, {response.time - now:+d} s from its answer"
         return ""
+
+    def cut_short(self, response: SignedResponse, stop_ids: Iterable[int]) -> str:
+        """Why `response` ended before it had to: fewer tokens than the cap it was asked for, and no stop
+        token last; empty when it is whole. Every token of a cut answer can be the honest choice, so only
+        its end shows that the node stopped generating (less work, a shorter answer) where the model
+        would have gone on."""
+        ids = response.token_ids
+        if len(ids) >= self.max_tokens or (ids and ids[-1] in set(stop_ids)):
+            return ""
+        return (f"the answer stops after {len(ids)} of the {self.max_tokens} tokens asked, without a stop "
+                f"token")
 
     def tag(self, node: bytes) -> bytes:
         """What a member commits before re-challenging `node` with this challenge."""

@@ -156,8 +156,12 @@ class ReferenceModel:
     """
 
     def __init__(self, model_id: str, tokenizer: PreTrainedTokenizerBase, scorer: Scorer, *, vocab_size: int,
-                 max_len: int, calibrated: bool = True, tolerance: float = TOLERANCE) -> None:
+                 max_len: int, calibrated: bool = True, tolerance: float = TOLERANCE,
+                 stop_ids: tuple[int, ...] = ()) -> None:
         self.model_id = model_id
+        self.stop_ids = stop_ids
+        """The ids that end a generation of this model (its generation config's EOS ids), as a model node
+        serving it stops on them."""
         self.tokenizer = tokenizer
         self.scorer = scorer
         self.vocab_size = vocab_size
@@ -173,7 +177,8 @@ class ReferenceModel:
         is the id nodes register and sign with, when it is not the checkpoint's own."""
         return cls(model_id or loaded.model_id, loaded.tokenizer, scorer or OnePassScorer(loaded.model),
                    vocab_size=int(loaded.model.get_input_embeddings().num_embeddings),
-                   max_len=loaded.max_model_len, calibrated=calibrated, tolerance=tolerance)
+                   max_len=loaded.max_model_len, calibrated=calibrated, tolerance=tolerance,
+                   stop_ids=loaded.stop_token_ids)
 
     def chat_prompt(self, question: str) -> str | None:
         """`question` as the one user message of a chat, rendered by the model's chat template as a model

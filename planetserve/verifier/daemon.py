@@ -271,6 +271,8 @@ class Daemon:
         if key in self.pending:
             return
 
+        reference = self.references.get(node.model_id)
+
         def run() -> Asked:
             failures = []
             for attempt in range(self.attempts):
@@ -280,6 +282,8 @@ class Daemon:
                     reply = self.channel.ask(node.pubkey, node.model_id, challenge)
                     now = int(time.time())
                     mismatch = challenge.signed_otherwise(reply.response, now, SIGNED_TIME_TOLERANCE_S)
+                    if not mismatch and reference is not None:
+                        mismatch = challenge.cut_short(reply.response, reference.stop_ids)
                     if mismatch:
                         raise NoAnswer(mismatch)
                     return Asked(challenge, node.pubkey, reply)
