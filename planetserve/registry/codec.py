@@ -14,6 +14,8 @@ lengths are refused from the header, before anything is allocated.
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -175,3 +177,40 @@ def unpack_stored(data: bytes) -> Any:
         return msgpack.unpackb(data, raw=False, use_list=True, strict_map_key=True)
     except _UNDECODABLE as exc:
         raise CodecError(f"not msgpack: {type(exc).__name__}") from exc
+
+
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+
+
+def _json_counts(raw: bytes) -> tuple[int, int]:
+    """(containers, commas) outside strings."""
+    return raw.count(b"[") + raw.count(b"{"), raw.count(b",")
+
+
+def json_values_bound(raw: bytes) -> tuple[int, int]:
+    """Upper bounds on the containers and on all the values `json.loads(raw)` builds, from one scan
+    of the bytes with strings set aside: a container of n items holds n - 1 commas, so the values
+    are at most 1 + 2 * (commas + containers)."""
+    containers, commas = _json_counts(_JSON_STRING.sub(b'""', raw))
+    return containers, 1 + 2 * (commas + containers)
+
+
+def json_loads_bounded(raw: bytes, max_values: int, max_containers: int | None = None) -> Any:
+    """`json.loads` for untrusted bytes: LimitExceeded when they could build more than `max_values`
+    values or `max_containers` arrays and objects (a size limit alone lets `[[],[],...]` build 21
+    bytes of lists per byte), CodecError for bytes that are not JSON or that nest past the
+    interpreter's recursion limit."""
+    max_containers = max_values if max_containers is None else max_containers
+    containers, commas = _json_counts(raw)  # quick, but counts inside strings too: then scan exactly
+    if containers > max_containers or 1 + 2 * (commas + containers) > max_values:
+        containers, values = json_values_bound(raw)
+        if containers > max_containers:
+            raise LimitExceeded(f"more than {max_containers} arrays and objects")
+        if values > max_values:
+            raise LimitExceeded(f"more than {max_values} values")
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise CodecError("nests too deeply") from None
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise CodecError(f"is not JSON: {str(exc)[:200]}") from None
