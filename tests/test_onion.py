@@ -168,7 +168,7 @@ def test_oversized_messages_are_refused_before_splitting():
     (["prompt", b"r" * 16, b"n" * 32, "chat", b"{}", []], "proxies"),
     (["prompt", b"r" * 16, b"n" * 32, "chat", b"{}", [[b"p" * 31, b"i" * 16, b"k" * 32]]], "proxy key"),
     (["prompt", b"r" * 15, b"n" * 32, "chat", b"{}", [[b"p" * 32, b"i" * 16, b"k" * 32]]], "request id"),
-    (["prompt", b"r" * 16, b"n" * 32, "chat", b"{}", [[b"p" * 32, b"i" * 16, b"k" * 32]] * 17], "proxies"),
+    (["prompt", b"r" * 16, b"n" * 32, "chat", b"{}", [[b"p" * 32, b"i" * 16, b"k" * 32]] * 17], "max_array_len"),
     (["prompt", b"r" * 16, b"n" * 32, "chat", b"{}", [[b"p" * 32, b"i" * 16]]], "reply key"),
     (["prompt", b"r" * 16, b"n" * 32, "chat", b"{}", [[b"p" * 32, b"i" * 16, b"k" * 31]]], "reply key"),
     (["part", b"r" * 16, -1, 200, "a", b"", True], "sequence"),

@@ -245,7 +245,7 @@ def test_plain_tcp_and_silent_clients_are_refused():
         assert greeting[0] == b.keys.public and len(greeting[1]) == 32
         writer.write(struct.pack(">I", 2) + b"\x92\x01")  # a hello of the wrong shape
         await writer.drain()
-        assert await read_frame(reader) == ["refused", "malformed frame: ValueError"]
+        assert await read_frame(reader) == ["refused", "malformed frame: not msgpack: ValueError"]
         assert await asyncio.wait_for(reader.read(), 15) == b""
         writer.close()
         assert b.connections == {}

@@ -15,8 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, TypeVar
 
-import msgpack
-
 from planetserve.chain import layout, trie
 from planetserve.chain.errors import Code
 from planetserve.chain.keys import KeySet
@@ -47,6 +45,11 @@ from planetserve.registry.params import Params
 
 R = TypeVar("R", bound=Record)
 MAX_ANSWER_BYTES = 64 << 20
+MAX_ANSWER_ENTRIES = 1 << 20
+"""Entries one `/prefix` answer may decode into (the chain's `max_query_entries` is 20,000 by default)."""
+ANSWER_LIMITS = codec.Limits(max_objects=1 + 3 * MAX_ANSWER_ENTRIES, max_depth=2, max_len=MAX_ANSWER_ENTRIES,
+                             max_str=0, max_bin=MAX_ANSWER_BYTES)
+"""A `/prefix` answer is [[key, value], ...]: two levels of arrays, byte strings inside."""
 
 
 class QueryRefused(Exception):
@@ -98,10 +101,10 @@ def decode_entries(value: bytes, prefix: bytes) -> list[tuple[bytes, bytes]]:
     if len(value) > MAX_ANSWER_BYTES:
         raise QueryRefused(f"answer of {len(value)} bytes exceeds the limit of {MAX_ANSWER_BYTES}")
     try:
-        raw = msgpack.unpackb(value, raw=False, use_list=False) if value else ()
+        raw = codec.unpack_bounded(value, ANSWER_LIMITS, use_list=False) if value else ()
         pairs = [(k, v) for k, v in raw]
-    except Exception as exc:
-        raise QueryRefused(f"malformed list in the answer: {type(exc).__name__}") from exc
+    except (codec.CodecError, ValueError, TypeError) as exc:
+        raise QueryRefused(f"malformed list in the answer: {exc}") from exc
     if not all(type(k) is bytes and type(v) is bytes for k, v in pairs):
         raise QueryRefused("malformed list in the answer: keys and values must be bytes")
     base = prefix.removesuffix(b"\x00")

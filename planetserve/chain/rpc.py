@@ -14,14 +14,19 @@ from __future__ import annotations
 import base64
 import binascii
 import itertools
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
+from planetserve.registry import codec
+
 DEFAULT_TIMEOUT = 5.0
 DEFAULT_MAX_RESPONSE_BYTES = 32 * 1024 * 1024
+MAX_ANSWER_VALUES = 1 << 19
+MAX_ANSWER_CONTAINERS = 1 << 17
+"""JSON values one answer may decode into: 32 MiB of `[[],[],...]` would otherwise be about 700 MiB
+of Python lists. Honest answers (a block's transactions, a validator set, a commit) hold far fewer."""
 MAX_VALIDATORS = 10_000
 VALIDATORS_PER_PAGE = 100
 
@@ -251,12 +256,12 @@ class RpcClient:
             "params": {k: v for k, v in params.items() if v is not None},
         }
         raw = self._post(method, body)
-        try:
-            answer = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise RpcMalformed(f"{method}: answer is not JSON") from exc
-        except RecursionError:  # a lying endpoint's few KB of brackets must not escape as a crash
-            raise RpcMalformed(f"{method}: answer nests too deeply to be JSON-RPC") from None
+        try:  # a lying endpoint's few KB of brackets must not escape as a crash (RecursionError)
+            answer = codec.json_loads_bounded(raw, MAX_ANSWER_VALUES, MAX_ANSWER_CONTAINERS)
+        except codec.LimitExceeded as exc:
+            raise RpcMalformed(f"{method}: answer holds {exc}, more than JSON-RPC needs") from None
+        except codec.CodecError as exc:
+            raise RpcMalformed(f"{method}: answer {exc}") from None
         answer = obj(answer, f"{method} answer")
         err = answer.get("error")
         if err is not None:

@@ -70,6 +70,8 @@ from typing import Any, NamedTuple
 
 import msgpack
 
+from planetserve.registry import codec
+
 __all__ = [
     "CHILD_LEN",
     "EMPTY_ROOT",
@@ -109,6 +111,8 @@ MAX_CHILDREN = 128
 CHILD_LEN = 1 + HASH_LEN
 MAX_STEPS = MAX_DEPTH
 MAX_PROOF_BYTES = 64 + MAX_STEPS * (3 + (MAX_CHILDREN - 1) * CHILD_LEN) + MAX_DEPTH + MAX_CHILDREN * CHILD_LEN
+_PROOF_LIMITS = codec.Limits(max_objects=16, max_depth=2, max_len=4, max_str=0, max_bin=MAX_PROOF_BYTES)
+"""A proof is [version, kind, steps, opening of at most 3]: eight values, two levels."""
 """Upper bound on an encoded proof; anything longer is rejected before decoding."""
 PROOF_VERSION = 2
 
@@ -700,19 +704,9 @@ class PrefixProof:
         if len(data) > MAX_PROOF_BYTES:
             raise ProofError(f"proof is {len(data)} bytes, more than {MAX_PROOF_BYTES}")
         try:
-            obj = msgpack.unpackb(
-                data,
-                raw=False,
-                use_list=True,
-                strict_map_key=True,
-                max_bin_len=MAX_PROOF_BYTES,
-                max_str_len=0,
-                max_array_len=4,
-                max_map_len=0,
-                max_ext_len=0,
-            )
-        except Exception as exc:  # msgpack raises many types on hostile input
-            raise ProofError(f"proof is not valid msgpack: {type(exc).__name__}") from None
+            obj = codec.unpack_bounded(data, _PROOF_LIMITS)
+        except codec.CodecError as exc:
+            raise ProofError(f"proof is not valid msgpack: {exc}") from None
         if not isinstance(obj, list) or len(obj) != 4:
             raise ProofError("proof must be a 4-element array")
         version, kind, steps_blob, opening = obj

@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 from planetserve.node.engine.base import MAX_LOGPROBS, GenerationRequest, Tokenizer, TokenLogprob
 from planetserve.node.engine.wire import MAX_TOKEN_ID
+from planetserve.registry import codec
 from planetserve.registry.epochs import MILLI, SEED_BITS, milli, to_seed
 
 Endpoint = Literal["completions", "chat"]
@@ -91,6 +92,10 @@ class ApiLimits:
     max_stop_chars: int = 256
     max_stop_token_ids: int = 128
     max_temperature: float = 2.0
+    max_json_containers: int = 1 << 16
+    """Arrays and objects in one body: 4 MiB of `[[],...]` would be 85 MiB of Python lists."""
+    max_json_values: int = (1 << 20) + (1 << 17)
+    """All values in one body: a prompt of `max_prompt_token_ids` ids and the fields around it."""
 
 
 DEFAULT_LIMITS = ApiLimits()
@@ -154,8 +159,10 @@ def parse_json_body(raw: bytes, limits: ApiLimits = DEFAULT_LIMITS) -> dict[str,
     if len(raw) > limits.max_body_bytes:
         raise too_large(f"Request body of {len(raw)} bytes exceeds the limit of {limits.max_body_bytes}.")
     try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        body = codec.json_loads_bounded(raw, limits.max_json_values, limits.max_json_containers)
+    except codec.LimitExceeded as exc:
+        raise too_large(f"Request body holds {exc}.") from None
+    except codec.CodecError as exc:
         raise bad_request(f"Request body is not valid JSON: {str(exc)[:200]}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad_request("Request body must be a JSON object.", code="invalid_json")

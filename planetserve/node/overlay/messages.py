@@ -15,6 +15,7 @@ from typing import Any
 import msgpack
 
 from planetserve.node.overlay import sida
+from planetserve.registry.codec import CodecError, Limits, unpack_bounded
 
 BUCKETS = (1 << 10, 4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, sida.DEFAULT_MAX_MESSAGE)
 MAX_MESSAGE = BUCKETS[-1]
@@ -23,6 +24,9 @@ ENDPOINTS = ("chat", "completions")
 _LENGTH = struct.Struct(">I")
 KEY_SIZE = 32
 ID_SIZE = 16
+MESSAGE_LIMITS = Limits(max_objects=128, max_depth=3, max_len=MAX_PROXIES, max_str=512, max_bin=MAX_MESSAGE)
+"""A prompt is [kind, id, node, endpoint, body, [[proxy, reply id, reply key] × ≤16]] (72 values, depth
+3), a part seven scalars: anything past these limits is refused before it is built."""
 
 
 class MessageError(Exception):
@@ -93,11 +97,9 @@ class Part:
 def open_message(data: bytes) -> Prompt | Part:
     """The message in a recovered clove set, checked field by field."""
     try:
-        fields = msgpack.unpackb(unpad(data), raw=False, strict_map_key=True)
-    except MessageError:
-        raise
-    except Exception as exc:
-        raise MessageError(f"undecodable message: {type(exc).__name__}") from exc
+        fields = unpack_bounded(unpad(data), MESSAGE_LIMITS)
+    except CodecError as exc:
+        raise MessageError(f"undecodable message: {exc}") from exc
     if not isinstance(fields, list) or not fields:
         raise MessageError("message is not a list")
     kind = fields[0]

@@ -42,6 +42,7 @@ from nacl.public import PrivateKey
 from nacl.signing import SigningKey, VerifyKey
 
 from planetserve.node.overlay.routes import PATH_LENGTH
+from planetserve.registry.codec import CodecError, Limits, unpack_bounded
 
 VERSION = 1
 ID_SIZE = 16
@@ -63,6 +64,8 @@ _PAYLOAD_DOMAIN = b"planetserve/path/v1/"
 FORWARD = b"fwd"
 BACKWARD = b"back"
 REPLY = b"reply"
+PAYLOAD_LIMITS = Limits(max_objects=3, max_depth=1, max_len=2, max_str=256, max_bin=8 << 20)
+"""A path payload is [destination key or kind, data]: nothing else is decoded."""
 
 
 class OnionError(Exception):
@@ -123,11 +126,17 @@ def open_payload(path_key: bytes, direction: bytes, sealed: bytes) -> tuple[Any,
     """The pair inside a sealed payload; OnionError if it was altered or is not for this path."""
     try:
         plaintext = ChaCha20Poly1305(path_key).decrypt(sealed[:12], sealed[12:], _PAYLOAD_DOMAIN + direction)
-        first, data = msgpack.unpackb(plaintext, raw=False)
     except InvalidTag:
         raise OnionError("path payload does not authenticate") from None
-    except Exception as exc:
+    except Exception as exc:  # a nonce of the wrong size, or not bytes
         raise OnionError(f"malformed path payload: {type(exc).__name__}") from exc
+    try:
+        pair = unpack_bounded(plaintext, PAYLOAD_LIMITS)
+    except CodecError as exc:
+        raise OnionError(f"malformed path payload: {exc}") from exc
+    if not isinstance(pair, list) or len(pair) != 2:
+        raise OnionError("malformed path payload")
+    first, data = pair
     if not isinstance(first, bytes | str) or type(data) is not bytes:
         raise OnionError("malformed path payload")
     return first, data

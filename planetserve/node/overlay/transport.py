@@ -7,8 +7,10 @@ the listener's key, inside the encrypted channel, so a signature made for one li
 another. The listener answers with its verdict, so a dialler that is not (yet) in the listener's
 verified list learns it at once instead of writing into a closed connection; a listener that does not
 know a key re-reads the list once before refusing (a peer that registered a moment ago). Frames are
-length-prefixed msgpack with a hard size limit; one connection per peer pair carries many concurrent
-streams (request id multiplexing). Memory per connection is bounded both ways: at most
+length-prefixed msgpack with a hard size limit and limits on what a frame may decode into
+(FRAME_LIMITS: values, nesting, items per container; a frame past them is malformed, which ends
+its connection); one connection per peer pair carries many concurrent streams (request id
+multiplexing). Memory per connection is bounded both ways: at most
 MAX_IN_FLIGHT incoming requests are handled at once (further frames wait in the peer's socket), and
 writes wait for the socket to drain, up to WRITE_TIMEOUT, after which the stalled peer is dropped.
 """
@@ -38,10 +40,16 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from cryptography.x509.oid import NameOID
 
 from planetserve.chain.keys import KeySet, verify_signature
+from planetserve.registry.codec import CodecError, Limits, unpack_bounded
 
 log = logging.getLogger(__name__)
 
 MAX_FRAME = 4 * 1024 * 1024
+FRAME_LIMITS = Limits(max_objects=1 << 18, max_depth=8, max_len=1 << 17, max_str=MAX_FRAME, max_bin=MAX_FRAME)
+"""What one frame may decode into. Size alone does not bound memory: a 4 MiB frame of empty arrays is
+about 256 MiB of Python lists. Honest frames hold a few dozen values (a clove, a cache message: bytes),
+a stage request's token ids (at most a model's context) or a streamed chunk's; none nests deeper than
+4. A refused frame has built at most these counted values plus one container in progress per level."""
 HANDSHAKE_TIMEOUT = 10.0
 STREAM_QUEUE = 64
 MAX_IN_FLIGHT = 64
@@ -110,8 +118,10 @@ def certificate_key(der: bytes | None) -> bytes:
     return public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
 
 
-async def read_frame(reader: asyncio.StreamReader, limit: int = MAX_FRAME) -> Any:
-    """One frame's decoded value; TransportError on a short read, oversize or bad msgpack."""
+async def read_frame(reader: asyncio.StreamReader, limit: int = MAX_FRAME,
+                     limits: Limits = FRAME_LIMITS) -> Any:
+    """One frame's decoded value; TransportError on a short read, oversize, bad msgpack, or a value
+    past `limits`."""
     try:
         header = await reader.readexactly(_LENGTH.size)
         (size,) = _LENGTH.unpack(header)
@@ -121,9 +131,9 @@ async def read_frame(reader: asyncio.StreamReader, limit: int = MAX_FRAME) -> An
     except asyncio.IncompleteReadError as exc:
         raise TransportError("connection closed mid-frame" if exc.partial else "connection closed") from exc
     try:
-        return msgpack.unpackb(body, raw=False, strict_map_key=True)
-    except Exception as exc:
-        raise TransportError(f"malformed frame: {type(exc).__name__}") from exc
+        return unpack_bounded(body, limits)
+    except CodecError as exc:
+        raise TransportError(f"malformed frame: {exc}") from exc
 
 
 async def write_frame(writer: asyncio.StreamWriter, value: Any, limit: int = MAX_FRAME,

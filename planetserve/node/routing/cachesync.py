@@ -62,6 +62,7 @@ from planetserve.node.routing.hrtree import (
     root_path,
 )
 from planetserve.node.routing.sentry import MAX_PLAN_CHUNKS, ChunkPlan, PlanId, Sentry
+from planetserve.registry.codec import CodecError, Limits, unpack_bounded
 
 PROTOCOL_VERSION = 1
 MAX_ID_LEN = 128
@@ -190,6 +191,11 @@ class WireCodec:
         self.hash_bits = hash_bits
         self.width = path_width(hash_bits)
         self.config = config
+        most = max(config.max_entries_per_peer, config.max_delta_ops)
+        # a map of 10 fields; entries or ops of [int, path]; a plan of 5 with its lengths; a load of 3
+        self.limits = Limits(max_objects=3 * most + MAX_PLAN_CHUNKS + 64, max_depth=3,
+                             max_len=max(most, MAX_PLAN_CHUNKS, 5), max_map=len(_KEYS[_SNAPSHOT]),
+                             max_str=4 * MAX_ID_LEN, max_bin=config.max_depth * self.width)
 
     def encode(self, msg: Message) -> bytes:
         body: dict[str, Any] = {"v": PROTOCOL_VERSION, "s": msg.sender, "i": msg.incarnation,
@@ -216,13 +222,9 @@ class WireCodec:
         if len(data) > cfg.max_snapshot_bytes:
             raise MessageTooLarge(f"{len(data)} bytes exceeds the {cfg.max_snapshot_bytes}-byte limit")
         try:
-            obj = msgpack.unpackb(
-                data, raw=False, strict_map_key=True, max_str_len=4 * MAX_ID_LEN,
-                max_bin_len=cfg.max_depth * self.width,
-                max_array_len=max(cfg.max_entries_per_peer, cfg.max_delta_ops, MAX_PLAN_CHUNKS, 5),
-                max_map_len=len(_KEYS[_SNAPSHOT]), max_ext_len=0)
-        except Exception as exc:  # msgpack raises several unrelated types for bad input
-            raise MalformedMessage(f"not a valid msgpack message: {type(exc).__name__}: {exc}") from None
+            obj = unpack_bounded(data, self.limits)
+        except CodecError as exc:
+            raise MalformedMessage(f"not a valid msgpack message: {exc}") from None
         if not isinstance(obj, dict):
             raise MalformedMessage("a message is a map")
         if obj.get("v") != PROTOCOL_VERSION:
