@@ -472,3 +472,33 @@ def test_reassembler_enforces_its_size_limit() -> None:
         reassembler.add(clove)
     with pytest.raises(MalformedCloveError):
         reassembler.add(encode(clove))
+
+
+def test_reassembler_bounds_each_peer_and_evicts_only_its_own() -> None:
+    honest = split(b"honest message")
+    reassembler = Reassembler(max_pending=8, max_pending_per_peer=3,
+                              max_pending_bytes_per_peer=10 * honest[0].size)
+    assert reassembler.add(honest[0], "proxy a") is None
+    assert reassembler.add(honest[1], "junk") is None  # the adversary also carried a clove of it
+    for _ in range(20):
+        reassembler.add(split(secrets.token_bytes(8))[0], "junk")
+        assert reassembler.held_by("junk")[0] <= 3 and len(reassembler) <= 8
+    assert reassembler.held_by("proxy a") == (1, honest[0].size)
+    assert reassembler.add(honest[2], "proxy b") is None  # the junk peer's clove of it was evicted
+    assert reassembler.add(honest[3], "proxy c") == b"honest message"
+    big = split(secrets.token_bytes(3000))[0]
+    small = Reassembler(max_pending_bytes_per_peer=big.size - 1)
+    assert small.add(big, "peer") is None and small.refused == 1 and len(small) == 0
+
+
+def test_reassembler_full_evicts_the_largest_holder_first() -> None:
+    honest = split(b"honest message")
+    reassembler = Reassembler(max_pending=6, max_pending_per_peer=4)
+    reassembler.add(honest[0], "proxy a")
+    for peer in ("junk 1", "junk 2"):
+        for _ in range(4):
+            reassembler.add(split(secrets.token_bytes(8))[0], peer)
+            assert len(reassembler) <= 6
+    assert reassembler.held_by("proxy a")[0] == 1
+    assert reassembler.add(honest[1], "proxy b") is None
+    assert reassembler.add(honest[2], "proxy c") == b"honest message"

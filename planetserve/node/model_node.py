@@ -400,7 +400,7 @@ class ModelNode:
 
     async def _on_peer(self, peer: bytes, msg_type: str, body: Any) -> Any:
         if msg_type == "clove" and peer in self.users_view.users and isinstance(body, bytes):
-            return await self.gateway.on_clove(body)
+            return await self.gateway.on_clove(body, peer)
         if self.stage is not None and msg_type == self.stage.msg_type and peer in self.stage.peers:
             return await self.stage.handler(peer, msg_type, body)
         if peer not in self.view.members:

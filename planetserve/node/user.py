@@ -215,6 +215,7 @@ class UserRelay:
         if self.refresh_directory is not None:
             await self.refresh_directory()
             self.spawn(self._directory_loop(self.refresh_directory))
+        self.spawn(self._expiry_loop())  # relaying for others needs it too
         if serve_http:
             http_host, _, http_port = self.config.http.rpartition(":")
             self.http_url = await self.surface.start(http_host, int(http_port))
@@ -222,7 +223,6 @@ class UserRelay:
     def start_paths(self) -> None:
         """Keep proxies from now on (a relay that only relays for others never calls this)."""
         self.spawn(self.paths.maintain())
-        self.spawn(self._expiry_loop())
 
     async def close(self) -> None:
         await self.paths.close_all()

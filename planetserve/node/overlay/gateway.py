@@ -74,10 +74,11 @@ class Gateway:
         self.counters = {"cloves": 0, "bad_cloves": 0, "bad_messages": 0, "prompts": 0, "parts_sent": 0,
                          "busy": 0, "failed": 0}
 
-    async def on_clove(self, data: bytes) -> None:
+    async def on_clove(self, data: bytes, peer: bytes | None = None) -> None:
+        """A clove from `peer` (the proxy that delivered it; the reassembler's bounds are per peer)."""
         self.counters["cloves"] += 1
         try:
-            message = self.reassembler.add(onion.open_sealed(self.secret, data))
+            message = self.reassembler.add(onion.open_sealed(self.secret, data), peer)
         except (sida.CloveError, onion.OnionError) as exc:
             self.counters["bad_cloves"] += 1
             log.info("clove refused: %s", exc)

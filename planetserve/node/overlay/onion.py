@@ -3,7 +3,10 @@
 A user wraps one layer per relay. Each layer is sealed to the relay's registered ed25519 key (as its
 X25519 equivalent) under a fresh ephemeral key: X25519, HKDF-SHA256, ChaCha20-Poly1305. A layer tells
 its relay only what it needs: whether it is a relay or the proxy, the next relay's key and the id of
-the next link (a relay), or the reply id, acknowledgement token and path key (the proxy).
+the next link (a relay), or the reply id, acknowledgement token and path key (the proxy). Every layer
+also carries the time the user built it (`issued`, Unix seconds): a relay accepts a setup only within a
+short window of that time, so it need remember the ephemeral keys it has seen (its replay cache) only
+for that window (`relay.py`).
 
 Afterwards, everything on the path between the user and its proxy is sealed under the path key
 (`seal_payload`): symmetric only, and the relays in between see opaque bytes that differ on every
@@ -26,6 +29,7 @@ from __future__ import annotations
 import functools
 import secrets
 import struct
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -44,7 +48,7 @@ from nacl.signing import SigningKey, VerifyKey
 from planetserve.node.overlay.routes import PATH_LENGTH
 from planetserve.registry.codec import CodecError, Limits, unpack_bounded
 
-VERSION = 1
+VERSION = 2
 ID_SIZE = 16
 TOKEN_SIZE = 16
 KEY_SIZE = 32
@@ -52,7 +56,7 @@ TAG_SIZE = 16
 ROLE_RELAY = 0
 ROLE_PROXY = 1
 MAX_HOPS = PATH_LENGTH
-_HEADER = struct.Struct(">BB16s32s16s16s32s")
+_HEADER = struct.Struct(">BB16s32s16s16s32sQ")
 HEADER_SIZE = _HEADER.size
 LAYER_SIZE = KEY_SIZE + TAG_SIZE + HEADER_SIZE
 PACKET_SIZE = MAX_HOPS * LAYER_SIZE
@@ -87,6 +91,8 @@ class Layer:
     """Sent back to the user to confirm the path (the proxy only)."""
     path_key: bytes
     """Seals what the user and the proxy exchange over the path (the proxy only)."""
+    issued: int = 0
+    """When the user built the packet (Unix seconds): relays refuse setups outside a window of it."""
 
     @property
     def is_proxy(self) -> bool:
@@ -94,24 +100,28 @@ class Layer:
 
     def encode(self) -> bytes:
         return _HEADER.pack(VERSION, self.role, self.out_id, self.next_key, self.reply_id, self.token,
-                            self.path_key)
+                            self.path_key, self.issued)
 
     @classmethod
     def decode(cls, raw: bytes) -> Layer:
-        version, role, out_id, next_key, reply_id, token, path_key = _HEADER.unpack(raw)
+        version, role, out_id, next_key, reply_id, token, path_key, issued = _HEADER.unpack(raw)
         if version != VERSION or role not in (ROLE_RELAY, ROLE_PROXY):
             raise OnionError(f"unknown layer version {version} or role {role}")
         if role == ROLE_RELAY and next_key == _ZERO_KEY:
             raise OnionError("relay layer names no next relay")
-        return cls(role, out_id, next_key, reply_id, token, path_key)
+        return cls(role, out_id, next_key, reply_id, token, path_key, issued)
 
 
-def relay_layer(out_id: bytes, next_key: bytes) -> Layer:
-    return Layer(ROLE_RELAY, out_id, next_key, bytes(ID_SIZE), bytes(TOKEN_SIZE), _ZERO_KEY)
+def _now(issued: int | None) -> int:
+    return int(time.time()) if issued is None else issued
 
 
-def proxy_layer(reply_id: bytes, token: bytes, path_key: bytes) -> Layer:
-    return Layer(ROLE_PROXY, bytes(ID_SIZE), _ZERO_KEY, reply_id, token, path_key)
+def relay_layer(out_id: bytes, next_key: bytes, issued: int | None = None) -> Layer:
+    return Layer(ROLE_RELAY, out_id, next_key, bytes(ID_SIZE), bytes(TOKEN_SIZE), _ZERO_KEY, _now(issued))
+
+
+def proxy_layer(reply_id: bytes, token: bytes, path_key: bytes, issued: int | None = None) -> Layer:
+    return Layer(ROLE_PROXY, bytes(ID_SIZE), _ZERO_KEY, reply_id, token, path_key, _now(issued))
 
 
 def seal_payload(path_key: bytes, direction: bytes, first: bytes | str, data: bytes) -> bytes:

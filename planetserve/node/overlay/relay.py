@@ -15,13 +15,33 @@ and between a proxy and model nodes:
 A relay stores, per path, only (predecessor, link id in) ↔ (successor, link id out), or at the proxy
 the reply id and path key; link ids are random per link and payloads are sealed per path, so relays on
 different paths, or on different links of one path, hold and see nothing in common.
+
+What a relay holds for others is bounded, per previous-hop peer as well as in all, and a setup is
+refused before anything is stored (the refusal goes back as "down" [link id], so the user rebuilds over
+other relays at once):
+- the path table: at most `max_hops` paths (20,000) and at most `max_hops_per_peer` (256) whose
+  predecessor is one peer. Entries are of one fixed size (two keys, three ids, a path key), so a bound
+  in entries is a bound in bytes. An honest user keeps N = `proxies` paths (5 by default, each built
+  once and torn down with "down" when replaced), and its paths avoid each other's relays, so as a first
+  hop a relay holds about N of one user's paths; as a later hop it holds the paths that one neighbour
+  forwards, about 2·N·U / R² of them with U users over R relays (under 10 for U ≈ R). 256 leaves a wide
+  margin for small lists, where every path crosses the same few relays, and for replaced paths whose
+  "down" was lost (they expire after 15 idle minutes), while one key fills at most 1/78 of the table.
+- the replay cache of setups' ephemeral keys: a layer carries the time it was built (`onion`), and a
+  setup is accepted only from SETUP_MAX_AGE (60 s) before to SETUP_MAX_AHEAD (15 s) after this relay's
+  clock. An ephemeral key is remembered until its setup leaves that window and is never evicted before:
+  a replay is refused as a replay inside the window and as stale after it, so the cache cannot be
+  flushed. At most `max_setups_per_peer` (512) remembered setups come from one peer, at most
+  `replay_memory` (65,536) in all; past either, setups are refused (the cache fails closed, never
+  evicting). 512 in 75 s is about 7 setups a second from one neighbour, far above what an honest user
+  (N paths, rebuilt on failure) or a forwarding relay sends.
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -32,9 +52,15 @@ from planetserve.node.overlay.transport import TransportError
 log = logging.getLogger(__name__)
 
 MAX_HOPS_STORED = 20_000
+MAX_HOPS_PER_PEER = 256
 HOP_IDLE_SECONDS = 900.0
 REPLAY_MEMORY = 65_536
+MAX_SETUPS_PER_PEER = 512
+SETUP_MAX_AGE = 60.0
+SETUP_MAX_AHEAD = 15.0
 MAX_PING = 64
+EXPIRE_EVERY = 1.0
+"""Seconds between two sweeps of the whole table when it is full (each sweep reads every path)."""
 
 Send = Callable[[bytes, str, Any], Awaitable[None]]
 
@@ -63,6 +89,17 @@ class Hop:
 class RelayError(Exception):
     """A malformed or unroutable path message (the sender is a listed user, but that is all)."""
 
+    counter = "refused"
+
+
+class Refused(RelayError):
+    """A well-formed setup this relay will not take: a limit is reached, or it is a replay or stale.
+    The sender is told with "down" [link id]."""
+
+    def __init__(self, message: str, counter: str) -> None:
+        super().__init__(message)
+        self.counter = counter
+
 
 def _link(value: Any) -> bytes:
     if type(value) is not bytes or len(value) != onion.ID_SIZE:
@@ -73,19 +110,35 @@ def _link(value: Any) -> bytes:
 class Relay:
     def __init__(self, secret: bytes, send: Send, *, is_user: Callable[[bytes], bool],
                  is_node: Callable[[bytes], bool], owner: PathOwner | None = None,
-                 max_hops: int = MAX_HOPS_STORED) -> None:
+                 max_hops: int = MAX_HOPS_STORED, max_hops_per_peer: int = MAX_HOPS_PER_PEER,
+                 replay_memory: int | None = None, max_setups_per_peer: int = MAX_SETUPS_PER_PEER,
+                 clock: Callable[[], float] = time.time) -> None:
         self.secret = secret
         self.send = send
         self.is_user = is_user
         self.is_node = is_node
         self.owner = owner
         self.max_hops = max_hops
+        self.max_hops_per_peer = max_hops_per_peer
+        self.replay_memory = REPLAY_MEMORY if replay_memory is None else replay_memory
+        self.max_setups_per_peer = max_setups_per_peer
+        self.clock = clock
+        """Wall clock (setups carry the user's time); read through `now`, which never goes back."""
         self.forward: dict[tuple[bytes, bytes], Hop] = {}
         self.backward: dict[tuple[bytes, bytes], Hop] = {}
         self.replies: dict[bytes, Hop] = {}
-        self.seen: OrderedDict[bytes, None] = OrderedDict()
+        self.by_peer: dict[bytes, dict[tuple[bytes, bytes], Hop]] = {}
+        """Paths by predecessor: what each peer holds in the table."""
+        self.seen: dict[bytes, bytes] = {}
+        """Replay cache: ephemeral key -> the peer that sent the setup, while it is within the window."""
+        self.seen_by_peer: dict[bytes, int] = {}
+        self._seen_order: list[tuple[int, bytes]] = []
+        """(issued, ephemeral key), a heap: what leaves the window first."""
+        self._latest = 0.0
+        self._swept = float("-inf")
         self.counters = {"setups": 0, "proxied": 0, "forwarded": 0, "returned": 0, "to_nodes": 0,
-                         "refused": 0, "unknown_path": 0, "send_failures": 0}
+                         "refused": 0, "unknown_path": 0, "send_failures": 0, "refused_full": 0,
+                         "refused_peer_limit": 0, "refused_setup_rate": 0, "replays": 0, "stale": 0}
 
     @property
     def hops(self) -> list[Hop]:
@@ -114,6 +167,8 @@ class Relay:
                 raise RelayError(f"unknown message type {msg_type!r}")
         except (RelayError, onion.OnionError) as exc:
             self.counters["refused"] += 1
+            if isinstance(exc, Refused):
+                self.counters[exc.counter] += 1
             log.info("refused %s from %s: %s", msg_type, peer.hex()[:16], exc)
 
     async def _pass_on(self, peer: bytes, msg_type: str, body: Any) -> bool:
@@ -127,21 +182,49 @@ class Relay:
 
     # -- setup ---------------------------------------------------------------------------------------
 
+    def now(self) -> float:
+        """The wall clock, never going back (a clock set back must not let a forgotten setup in)."""
+        self._latest = max(self._latest, self.clock())
+        return self._latest
+
+    async def _refuse(self, peer: bytes, in_id: bytes, reason: str, counter: str) -> None:
+        await self._pass_on(peer, "down", [in_id])
+        raise Refused(reason, counter)
+
     async def _on_setup(self, peer: bytes, body: Any) -> None:
         if not (isinstance(body, list) and len(body) == 2 and type(body[1]) is bytes):
             raise RelayError("setup is [link id, packet]")
         in_id, packet = _link(body[0]), body[1]
         if (peer, in_id) in self.forward:
             raise RelayError("link id already in use")
-        if len(self.forward) >= self.max_hops:
-            self.expire()
-            if len(self.forward) >= self.max_hops:
-                raise RelayError("relay is carrying its maximum number of paths")
+        now = self.now()
+        self.forget_setups(now)
         ephemeral = packet[:onion.KEY_SIZE]
         if ephemeral in self.seen:
-            raise RelayError("replayed setup packet")
+            raise Refused("replayed setup packet", "replays")
+        # Every limit is checked before the packet is peeled (the relay's only public-key operation)
+        # and before anything is stored.
+        if len(self.by_peer.get(peer, ())) >= self.max_hops_per_peer:
+            self.expire(peer=peer)
+            if len(self.by_peer.get(peer, ())) >= self.max_hops_per_peer:
+                await self._refuse(peer, in_id, f"peer holds {self.max_hops_per_peer} paths here, its limit",
+                                   "refused_peer_limit")
+        if len(self.forward) >= self.max_hops:
+            if time.monotonic() - self._swept >= EXPIRE_EVERY:
+                self.expire()
+            if len(self.forward) >= self.max_hops:
+                await self._refuse(peer, in_id, "relay is carrying its maximum number of paths",
+                                   "refused_full")
+        if self.seen_by_peer.get(peer, 0) >= self.max_setups_per_peer:
+            await self._refuse(peer, in_id, f"peer sent {self.max_setups_per_peer} setups within the window",
+                               "refused_setup_rate")
+        if len(self.seen) >= self.replay_memory:
+            await self._refuse(peer, in_id, "replay cache is full", "refused_full")
         layer, inner = onion.peel(self.secret, packet)
-        self._remember(ephemeral)
+        if not now - SETUP_MAX_AGE <= layer.issued <= now + SETUP_MAX_AHEAD:
+            await self._refuse(peer, in_id,
+                               f"setup issued {now - layer.issued:.0f} s ago, outside the window", "stale")
+        self._remember(ephemeral, layer.issued, peer)
         self.counters["setups"] += 1
         if layer.is_proxy:
             hop = Hop(peer, in_id, None, None, layer.reply_id, layer.path_key)
@@ -159,20 +242,43 @@ class Relay:
             self._drop(hop)
             await self._pass_on(peer, "down", [in_id])
 
-    def _remember(self, ephemeral: bytes) -> None:
-        self.seen[ephemeral] = None
-        while len(self.seen) > REPLAY_MEMORY:
-            self.seen.popitem(last=False)
+    def _remember(self, ephemeral: bytes, issued: int, peer: bytes) -> None:
+        self.seen[ephemeral] = peer
+        self.seen_by_peer[peer] = self.seen_by_peer.get(peer, 0) + 1
+        heapq.heappush(self._seen_order, (issued, ephemeral))
+
+    def forget_setups(self, now: float | None = None) -> int:
+        """Forget the ephemeral keys of setups that left the window: a replay of one is refused as
+        stale, so nothing but the window ever removes an entry."""
+        cutoff = (self.now() if now is None else now) - SETUP_MAX_AGE
+        forgotten = 0
+        while self._seen_order and self._seen_order[0][0] < cutoff:
+            _, ephemeral = heapq.heappop(self._seen_order)
+            peer = self.seen.pop(ephemeral)
+            left = self.seen_by_peer[peer] - 1
+            if left:
+                self.seen_by_peer[peer] = left
+            else:
+                del self.seen_by_peer[peer]
+            forgotten += 1
+        return forgotten
 
     def _store(self, hop: Hop) -> None:
         self.forward[(hop.pred, hop.in_id)] = hop
+        self.by_peer.setdefault(hop.pred, {})[(hop.pred, hop.in_id)] = hop
         if hop.succ is not None and hop.out_id is not None:
             self.backward[(hop.succ, hop.out_id)] = hop
         if hop.reply_id is not None:
             self.replies[hop.reply_id] = hop
 
     def _drop(self, hop: Hop) -> None:
-        self.forward.pop((hop.pred, hop.in_id), None)
+        if self.forward.pop((hop.pred, hop.in_id), None) is None:
+            return
+        held = self.by_peer.get(hop.pred)
+        if held is not None:
+            held.pop((hop.pred, hop.in_id), None)
+            if not held:
+                del self.by_peer[hop.pred]
         if hop.succ is not None and hop.out_id is not None:
             self.backward.pop((hop.succ, hop.out_id), None)
         if hop.reply_id is not None:
@@ -260,10 +366,15 @@ class Relay:
         for hop in [h for h in self.forward.values() if peer in (h.pred, h.succ)]:
             await self._tear_down(hop, peer)
 
-    def expire(self, now: float | None = None) -> int:
-        """Forget paths unused for HOP_IDLE_SECONDS (their users keep live ones busy with pings)."""
+    def expire(self, now: float | None = None, *, peer: bytes | None = None) -> int:
+        """Forget paths unused for HOP_IDLE_SECONDS (their users keep live ones busy with pings): all of
+        them, or those whose predecessor is `peer`; and the setups that left the window."""
         cutoff = (time.monotonic() if now is None else now) - HOP_IDLE_SECONDS
-        stale = [h for h in self.forward.values() if h.used < cutoff]
+        if peer is None:
+            self._swept = time.monotonic()
+            self.forget_setups()
+        held = self.forward.values() if peer is None else self.by_peer.get(peer, {}).values()
+        stale = [h for h in held if h.used < cutoff]
         for hop in stale:
             self._drop(hop)
         return len(stale)

@@ -36,6 +36,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Any
 
 import zfec
 from cryptography.exceptions import InvalidTag
@@ -259,12 +260,16 @@ class _Group:
         self.max_variants = max_variants
         self.variants: dict[int, list[Clove]] = {}
 
+    def accepts(self, clove: Clove) -> bool:
+        """Whether the clove would be kept: not a duplicate, nor a variant beyond the cap."""
+        kept = self.variants.get(clove.index, [])
+        return len(kept) < self.max_variants and not any(_same(clove, c) for c in kept)
+
     def add(self, clove: Clove) -> bool:
         """Whether the clove is new (kept); duplicates and variants beyond the cap are not."""
-        kept = self.variants.setdefault(clove.index, [])
-        if len(kept) >= self.max_variants or any(_same(clove, c) for c in kept):
+        if not self.accepts(clove):
             return False
-        kept.append(clove)
+        self.variants.setdefault(clove.index, []).append(clove)
         return True
 
     def subsets(self, including: Clove | None = None) -> Iterator[tuple[Clove, ...]]:
@@ -354,15 +359,27 @@ class _Pending:
     groups: dict[SetHeader, _Group] = field(default_factory=dict)
     size: int = 0
     attempts: int = 0
+    held: dict[Any, list[Clove]] = field(default_factory=dict)
+    """The cloves stored, by the peer that sent them."""
 
 
 class Reassembler:
     """Collects cloves as they arrive and returns each message once k valid cloves of it are in.
 
-    Memory is bounded: at most `max_pending` messages and `max_pending_bytes` of cloves are held (the
-    oldest message is dropped first), a message expires `ttl` seconds after its first clove, and each
-    message keeps at most `max_sets` headers and `max_variants` distinct cloves per index. Ids of
-    finished messages are remembered for `ttl` so the late n - k cloves are dropped, not re-collected.
+    Memory is bounded, and what one sending peer stores cannot push out what another stored:
+    - per peer (the transport peer that delivered a clove, `add(clove, peer)`): at most
+      `max_pending_per_peer` messages hold a clove of that peer and at most `max_pending_bytes_per_peer`
+      bytes of its cloves are held; a clove that would pass either first evicts that peer's own oldest
+      cloves (only its own: another peer's cloves of the same message stay);
+    - in all: at most `max_pending` messages and `max_pending_bytes` of cloves; a clove that would
+      pass either first evicts the oldest cloves of the peer that holds the most (messages or bytes,
+      whichever is over), so many peers at once push out the largest holders first;
+    - in time: a message expires `ttl` seconds after its first clove; each message keeps at most
+      `max_sets` headers and `max_variants` distinct cloves per index.
+    Everything is made room for before the clove is stored. Ids of finished messages are remembered
+    for `ttl` so the late n - k cloves are dropped, not re-collected. Cloves added without a peer
+    share one account with no per-peer limit (a user's relay, whose answer cloves come sealed under
+    its own reply keys).
     """
 
     def __init__(
@@ -370,6 +387,8 @@ class Reassembler:
         *,
         max_pending: int = 1024,
         max_pending_bytes: int = 64 * 1024 * 1024,
+        max_pending_per_peer: int = 128,
+        max_pending_bytes_per_peer: int = 16 * 1024 * 1024,
         ttl: float = 30.0,
         max_message: int = DEFAULT_MAX_MESSAGE,
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
@@ -379,6 +398,8 @@ class Reassembler:
     ) -> None:
         self.max_pending = max_pending
         self.max_pending_bytes = max_pending_bytes
+        self.max_pending_per_peer = max_pending_per_peer
+        self.max_pending_bytes_per_peer = max_pending_bytes_per_peer
         self.ttl = ttl
         self.max_message = max_message
         self.max_attempts = max_attempts
@@ -387,14 +408,24 @@ class Reassembler:
         self.clock = clock
         self.pending_bytes = 0
         self.dropped = 0
+        """Evictions: a peer's cloves of one message pushed out to make room."""
+        self.refused = 0
+        """Cloves larger than a peer may hold at all."""
         self._pending: OrderedDict[bytes, _Pending] = OrderedDict()
         self._finished: OrderedDict[bytes, float] = OrderedDict()
+        self._by_peer: dict[Any, OrderedDict[bytes, None]] = {}
+        """Per peer, the messages holding its cloves, oldest first."""
+        self._peer_bytes: dict[Any, int] = {}
 
     def __len__(self) -> int:
         return len(self._pending)
 
-    def add(self, clove: Clove | bytes) -> bytes | None:
-        """The message if this clove completes one, else None.
+    def held_by(self, peer: Any) -> tuple[int, int]:
+        """(messages, bytes) that `peer`'s cloves take up."""
+        return len(self._by_peer.get(peer, ())), self._peer_bytes.get(peer, 0)
+
+    def add(self, clove: Clove | bytes, peer: Any = None) -> bytes | None:
+        """The message if this clove completes one, else None. `peer` is who delivered it.
 
         Raises MalformedCloveError for bad bytes, and AuthenticationError when this clove gives k
         distinct cloves but no new k-subset authenticates; the message stays pending so a further
@@ -406,12 +437,25 @@ class Reassembler:
             raise MalformedCloveError("clove exceeds the message size limit")
         now = self.clock()
         self.expire(now)
-        if clove.message_id in self._finished:
+        message_id = clove.message_id
+        if message_id in self._finished:
             return None
-        entry = self._pending.get(clove.message_id)
-        if entry is None:
-            entry = self._pending[clove.message_id] = _Pending(now)
         header = clove.header
+        entry = self._pending.get(message_id)
+        if entry is not None:
+            group = entry.groups.get(header)
+            if group is None and len(entry.groups) >= self.max_sets:
+                return None
+            if group is not None and not group.accepts(clove):
+                return None
+        size = clove.size
+        if peer is not None and size > self.max_pending_bytes_per_peer:
+            self.refused += 1
+            return None
+        self._make_room(peer, message_id, size)
+        entry = self._pending.get(message_id)
+        if entry is None:
+            entry = self._pending[message_id] = _Pending(now)
         group = entry.groups.get(header)
         if group is None:
             if len(entry.groups) >= self.max_sets:
@@ -419,13 +463,57 @@ class Reassembler:
             group = entry.groups[header] = _Group(header, self.max_variants)
         if not group.add(clove):
             return None
-        size = clove.size
         entry.size += size
         self.pending_bytes += size
-        try:
-            return self._try(clove.message_id, entry, group, clove)
-        finally:
-            self._enforce_caps()
+        entry.held.setdefault(peer, []).append(clove)
+        self._by_peer.setdefault(peer, OrderedDict())[message_id] = None
+        self._peer_bytes[peer] = self._peer_bytes.get(peer, 0) + size
+        return self._try(message_id, entry, group, clove)
+
+    def _make_room(self, peer: Any, message_id: bytes, size: int) -> None:
+        """Evict until a clove of `size` bytes from `peer` for `message_id` fits every bound."""
+        if peer is not None:
+            while (mine := self._by_peer.get(peer)) and (
+                (message_id not in mine and len(mine) >= self.max_pending_per_peer)
+                or self._peer_bytes[peer] + size > self.max_pending_bytes_per_peer
+            ):
+                self._evict(peer, next(iter(mine)))
+        while self._pending:
+            over_count = len(self._pending) + (message_id not in self._pending) > self.max_pending
+            over_bytes = self.pending_bytes + size > self.max_pending_bytes
+            if not (over_count or over_bytes):
+                break
+            if over_bytes:
+                largest = max(self._peer_bytes, key=self._peer_bytes.__getitem__)
+            else:
+                largest = max(self._by_peer, key=lambda p: len(self._by_peer[p]))
+            self._evict(largest, next(iter(self._by_peer[largest])))
+
+    def _evict(self, peer: Any, message_id: bytes) -> None:
+        """Remove `peer`'s cloves from one message (the message too, if nothing else is left)."""
+        entry = self._pending[message_id]
+        for clove in entry.held.pop(peer, []):
+            group = entry.groups[clove.header]
+            kept = group.variants[clove.index]
+            kept[:] = [c for c in kept if c is not clove]
+            if not kept:
+                del group.variants[clove.index]
+            if not group.variants:
+                del entry.groups[clove.header]
+            entry.size -= clove.size
+            self.pending_bytes -= clove.size
+            self._peer_bytes[peer] -= clove.size
+        self._forget_peer(peer, message_id)
+        if not entry.held:
+            del self._pending[message_id]
+        self.dropped += 1
+
+    def _forget_peer(self, peer: Any, message_id: bytes) -> None:
+        mine = self._by_peer[peer]
+        del mine[message_id]
+        if not mine:
+            del self._by_peer[peer]
+            del self._peer_bytes[peer]
 
     def _try(self, message_id: bytes, entry: _Pending, group: _Group, clove: Clove) -> bytes | None:
         if len(group.variants) < group.header.k:
@@ -449,13 +537,9 @@ class Reassembler:
     def _drop(self, message_id: bytes) -> None:
         entry = self._pending.pop(message_id)
         self.pending_bytes -= entry.size
-
-    def _enforce_caps(self) -> None:
-        while self._pending and (
-            len(self._pending) > self.max_pending or self.pending_bytes > self.max_pending_bytes
-        ):
-            self._drop(next(iter(self._pending)))
-            self.dropped += 1
+        for peer, cloves in entry.held.items():
+            self._peer_bytes[peer] -= sum(c.size for c in cloves)
+            self._forget_peer(peer, message_id)
 
     def expire(self, now: float | None = None) -> int:
         """Drop messages older than `ttl`; returns how many were pending."""

@@ -1,0 +1,178 @@
+"""A listed user that wants to take the overlay's tables for itself, as a real peer over TLS: it floods a
+relay's path table with setups, flushes a relay's replay cache to replay a setup it captured, and floods
+a model node's clove reassembler with junk cloves under fresh message ids. Every table is bounded per
+sending peer and refuses (or evicts only that peer's own) before it stores, so another peer's paths are
+still built and its message is still reassembled and answered; the setup window means the replay cache
+never has to forget a setup that could still be replayed."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from dataclasses import replace
+
+from overlaynet import FAST, chat, directory, make_user, start_overlay
+from waiting import run, until
+
+from planetserve.node.overlay import onion, relay, sida
+from planetserve.node.overlay.messages import Prompt
+from planetserve.node.overlay.relay import MAX_HOPS_PER_PEER, MAX_SETUPS_PER_PEER, Relay
+from planetserve.node.user import UserRelay
+
+TABLE = 1_000
+"""The victim's global table in the path-table test: small, so that the flood stays quick."""
+FLOOD = 1_100
+"""Setups the adversary sends: more than the whole table before the change."""
+REPLAY_MEMORY = 1_000
+"""The victim's replay cache in the replay test: small, so that flushing it stays quick."""
+JUNK = 1_200
+"""Junk cloves, each under a fresh message id: more than the reassembler's 1,024 messages."""
+
+ONE_HOP = replace(FAST, length=1, target=4)
+"""The honest user's paths: one relay each, the victim, so each path's setup reaches it from that user."""
+
+
+def setup_to(victim: bytes, reply_id: bytes | None = None) -> tuple[bytes, list]:
+    """A one-hop setup with the victim as proxy: (link id, the setup's body)."""
+    layer = onion.proxy_layer(reply_id or secrets.token_bytes(16), secrets.token_bytes(16),
+                              secrets.token_bytes(32))
+    link = secrets.token_bytes(onion.ID_SIZE)
+    return link, [link, onion.build([victim], [layer])]
+
+
+async def users_network(count: int) -> list[UserRelay]:
+    users = [make_user(settings=ONE_HOP) for _ in range(count)]
+    for user in users:
+        await user.start(serve_http=False)
+    view = directory(users, [])
+    for user in users:
+        user.apply_view(view)
+    return users
+
+
+async def close(users: list[UserRelay]) -> None:
+    for user in users:
+        await user.close()
+
+
+def test_one_peer_cannot_fill_a_relays_path_table():
+    async def main():
+        victim, adversary, honest = users = await users_network(3)
+        old = victim.relay
+        victim.relay = Relay(old.secret, old.send, is_user=old.is_user, is_node=old.is_node, owner=old.owner,
+                             max_hops=TABLE)
+        target = victim.keys.public
+        honest.paths.users = lambda: [target]
+        try:
+            built = [await honest.paths.build() for _ in range(2)]
+            assert all(built), honest.paths.last_error
+            started = time.monotonic()
+            for _ in range(FLOOD):
+                await adversary._send(target, "setup", setup_to(target)[1])
+            counters = victim.relay.counters
+            await until(lambda: counters["setups"] + counters["refused"] >= FLOOD + 2)
+            # the honest user's paths through the victim still carry traffic, and new ones are built
+            assert all([await honest.paths.ping(p) for p in built])
+            assert await honest.paths.wait_live(ONE_HOP.target, 10), honest.paths.last_error
+            held = victim.relay.by_peer
+            assert len(held[adversary.keys.public]) == MAX_HOPS_PER_PEER
+            assert len(held[honest.keys.public]) == ONE_HOP.target
+            assert len(victim.relay.forward) == MAX_HOPS_PER_PEER + ONE_HOP.target <= TABLE
+            assert counters["refused_peer_limit"] == FLOOD - MAX_HOPS_PER_PEER
+            assert time.monotonic() - started < 15
+        finally:
+            await close(users)
+
+    run(main(), timeout=60)
+
+
+def test_a_captured_setup_replayed_after_a_cache_flood_is_refused(monkeypatch):
+    monkeypatch.setattr(relay, "REPLAY_MEMORY", REPLAY_MEMORY)
+
+    async def main():
+        victim, adversary, honest = users = await users_network(3)
+        target = victim.keys.public
+        counters = victim.relay.counters
+        try:
+            # an honest setup, captured on its way (say by a relay before the victim), then torn down
+            link, captured = setup_to(target)
+            await honest._send(target, "setup", captured)
+            await until(lambda: counters["setups"] == 1)
+            await honest._send(target, "down", [link])
+            await until(lambda: (honest.keys.public, link) not in victim.relay.forward)
+            # the adversary's own path, then setups reusing its reply id: each one is refused after it
+            # was remembered, so the replay cache fills without taking a slot of the table
+            own = secrets.token_bytes(16)
+            await adversary._send(target, "setup", setup_to(target, own)[1])
+            await until(lambda: counters["setups"] == 2)
+            for _ in range(REPLAY_MEMORY + 100):
+                await adversary._send(target, "setup", setup_to(target, own)[1])
+            await until(lambda: counters["refused"] >= REPLAY_MEMORY + 100)
+            setups = counters["setups"]
+            replay_link = secrets.token_bytes(onion.ID_SIZE)
+            await adversary._send(target, "setup", [replay_link, captured[1]])
+            await until(lambda: counters["refused"] >= REPLAY_MEMORY + 101 or counters["setups"] > setups)
+            assert counters["setups"] == setups, "the captured setup was accepted again"
+            assert (adversary.keys.public, replay_link) not in victim.relay.forward
+            assert counters["replays"] == 1
+            # the honest setup and the adversary's first 512 (its own path's among them)
+            assert len(victim.relay.seen) == 1 + MAX_SETUPS_PER_PEER <= REPLAY_MEMORY
+            assert counters["refused_setup_rate"] == REPLAY_MEMORY + 101 - MAX_SETUPS_PER_PEER
+            # honest setups still pass
+            honest.paths.users = lambda: [target]
+            assert await honest.paths.build() is not None, honest.paths.last_error
+            # past the window the cache forgets it, and the replay is refused as stale
+            now = time.time()
+            victim.relay.clock = lambda: now + relay.SETUP_MAX_AGE + 5
+            victim.relay.forget_setups()
+            assert len(victim.relay.seen) == 0
+            await adversary._send(target, "setup", [secrets.token_bytes(onion.ID_SIZE), captured[1]])
+            await until(lambda: counters["stale"] == 1)
+            assert counters["setups"] == setups + 1
+        finally:
+            await close(users)
+
+    run(main(), timeout=60)
+
+
+def test_junk_cloves_from_one_proxy_do_not_evict_another_proxys_message(quick_family):
+    async def main():
+        net = await start_overlay(quick_family, [make_user() for _ in range(6)], 1)
+        try:
+            node = net.nodes[0]
+            key = node.keys.public
+            gateway = node.gateway
+            adversary, honest = net.users[1], net.users[2]
+            body = json.dumps({"model": "gt", "messages": [{"role": "user", "content": "Still there?"}],
+                               "max_tokens": 4}).encode()
+            prompt = Prompt(secrets.token_bytes(16), key, "chat", body,
+                            tuple((honest.keys.public, secrets.token_bytes(16), secrets.token_bytes(32))
+                                  for _ in range(4)))
+            cloves = [onion.seal_to(key, sida.encode(c)) for c in sida.split(prompt.seal())]
+            before = dict(gateway.counters)
+            for data in cloves[:2]:  # the honest proxy's message is pending: two of the k = 3 cloves
+                await honest._send(key, "clove", data)
+            await until(lambda: gateway.counters["cloves"] == before["cloves"] + 2)
+            junk = [onion.seal_to(key, sida.encode(sida.split(secrets.token_bytes(100))[0]))
+                    for _ in range(JUNK)]
+            started = time.monotonic()
+            for data in junk:
+                await adversary._send(key, "clove", data)
+            await until(lambda: gateway.counters["cloves"] == before["cloves"] + 2 + JUNK)
+            reassembler = gateway.reassembler
+            assert reassembler.pending_bytes <= reassembler.max_pending_bytes
+            await honest._send(key, "clove", cloves[2])  # the third clove completes it
+            await until(lambda: gateway.counters["prompts"] == before["prompts"] + 1, timeout=10)
+            await until(lambda: gateway.counters["parts_sent"] > before["parts_sent"])
+            assert len(reassembler) == reassembler.max_pending_per_peer  # the adversary's junk only
+            messages, held = reassembler.held_by(adversary.keys.public)
+            assert messages == reassembler.max_pending_per_peer
+            assert held <= reassembler.max_pending_bytes_per_peer
+            assert reassembler.dropped == JUNK - reassembler.max_pending_per_peer
+            assert time.monotonic() - started < 15
+            assert (await chat(net.client, "And now?")).status_code == 200
+        finally:
+            await net.close()
+
+    run(main(), timeout=120)
