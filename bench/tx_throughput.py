@@ -36,8 +36,13 @@ from planetserve.genesis.committee import app_state_builder  # noqa: E402
 from planetserve.genesis.network import build_network  # noqa: E402
 from planetserve.localnet.cluster import Cluster  # noqa: E402
 from planetserve.localnet.net import cluster_app  # noqa: E402
+from planetserve.registry.params import Params  # noqa: E402
 
 BATCH = 100  # transactions per JSON-RPC batch request (both networks allow it)
+UNLIMITED = Params(user_work_bits=0, max_registrations_per_block=10**9, mempool_non_member_txs=10**9,
+                   mempool_non_member_bytes=1 << 40)
+"""Throughput, not admission: registrations without proof of work and no cap on how many a block or the
+mempool takes (docs/threat-model.md for the limits)."""
 MEMPOOL_SIZE = 50_000  # both networks: room for the whole load, so nothing is refused as "mempool full"
 
 
@@ -78,7 +83,8 @@ CPU: dict[str, dict[str, float]] = {}  # network name -> role -> CPU ms per comm
 def measure(root: Path, name: str, validators: int, timeout_commit: str, txs_for, app: bool,
             wait_check: bool) -> LoadResult:
     chain_id = f"bench-{name}"
-    spec = build_network(root / name, validators, chain_id, app_state_builder() if app else None,
+    builder = app_state_builder(params=UNLIMITED) if app else None
+    spec = build_network(root / name, validators, chain_id, builder,
                          kvstore=not app, timeout_commit=timeout_commit,
                          extra_config={"mempool": {"size": MEMPOOL_SIZE, "cache_size": 2 * MEMPOOL_SIZE},
                                        "rpc": {"max_request_batch_size": BATCH}})

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from harness import relaxed
+
 from planetserve.chain.client import LedgerClient
 from planetserve.chain.keys import KeySet
 from planetserve.chain.lightclient import LightClient
@@ -25,14 +27,17 @@ tests/adversaries/test_whitewashing_node.py)."""
 
 def start_network(root: Path, n: int = 4, db_urls: Sequence[str] | None = None,
                   timeout_commit: str = "300ms", params: Params | None = None, models: Sequence = MODELS,
-                  organisations: Sequence[GenesisOrganisation] = (), timeout_propose: str | None = None
-                  ) -> Cluster:
+                  organisations: Sequence[GenesisOrganisation] = (), timeout_propose: str | None = None,
+                  limits: bool = False, extra_config: dict[str, dict] | None = None) -> Cluster:
     """`timeout_propose` (CometBFT's default: 3 s) bounds a height whose proposer is down: networks
-    whose tests stop validators set it lower."""
+    whose tests stop validators set it lower. `extra_config`: more config.toml sections (mempool, rpc)."""
     consensus = {"timeout_propose": timeout_propose} if timeout_propose else {}
+    params = params or LISTED_AT_ONCE
+    params = params if limits else relaxed(params)
     spec = build_network(root, n, "planetserve-test",
-                         app_state_builder(models, params or LISTED_AT_ONCE, organisations=organisations),
-                         timeout_commit=timeout_commit, db_urls=db_urls, extra_config={"consensus": consensus})
+                         app_state_builder(models, params, organisations=organisations),
+                         timeout_commit=timeout_commit, db_urls=db_urls,
+                         extra_config={"consensus": consensus, **(extra_config or {})})
     cluster = Cluster(spec, cluster_app, start_timeout=60.0)
     cluster.start()
     cluster.wait_for_height(2, timeout=60.0)

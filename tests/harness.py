@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -15,15 +16,31 @@ from planetserve.chain import tx as txlib
 from planetserve.chain.abci.app import Application
 from planetserve.chain.abci.epochs import validator_address
 from planetserve.chain.abci.store import StateStore
+from planetserve.chain.errors import TxError
 from planetserve.chain.keys import KeySet
+from planetserve.chain.messages import REGISTRATIONS
 from planetserve.chain.messages.base import wire
 from planetserve.chain.messages.registry import node_pop_message
+from planetserve.registry import work
 from planetserve.registry.entities import Member, Model
 from planetserve.registry.genesis import AppState, GenesisOrganisation
 from planetserve.registry.params import Params
 
 CHAIN_ID = "planetserve-test"
 GENESIS_TIME = 1_700_000_000
+RELAXED = {"user_work_bits": 4, "org_work_bits": 4, "max_registrations_per_block": 1_000_000,
+           "max_signer_txs": 1_000_000, "mempool_non_member_txs": 1_000_000,
+           "mempool_non_member_bytes": 1 << 40}
+"""The anti-spam limits of test chains that are not about them: proofs of work of 4 bits, and room for
+the bursts that tests send from one key (tests/test_anti_spam.py tests the limits themselves)."""
+
+
+def relaxed(params: Params) -> Params:
+    """`params` with each anti-spam limit that it leaves at its default relaxed as RELAXED says; a limit
+    a test sets stays as set."""
+    default = Params()
+    return dataclasses.replace(params, **{name: value for name, value in RELAXED.items()
+                                          if getattr(params, name) == getattr(default, name)})
 
 
 def node_body(node: KeySet, org_id: str = "org1", **fields: Any) -> dict[str, Any]:
@@ -39,9 +56,10 @@ class AppHarness:
     def __init__(self, db_url: str, members: int = 1, params: Params | None = None,
                  models: tuple[tuple[str, str], ...] = (("gt", "reference"),),
                  keys: tuple[list[KeySet], list[KeySet]] | None = None,
-                 organisations: tuple[GenesisOrganisation, ...] = ()) -> None:
+                 organisations: tuple[GenesisOrganisation, ...] = (), limits: bool = False) -> None:
         """`keys`: the members' operator and consensus keys, to run two chains of one committee;
-        `organisations`: those genesis creates, with their credits."""
+        `organisations`: those genesis creates, with their credits; `limits`: keep the anti-spam limits
+        of `params` (by default those left at their defaults are relaxed, `relaxed`)."""
         self.store = StateStore(db_url)
         self.app = Application(self.store)
         self.members, self.consensus = keys or ([KeySet.generate() for _ in range(members)],
@@ -53,7 +71,7 @@ class AppHarness:
         self.height = 0
         self.time = GENESIS_TIME
         state = AppState(
-            params=params or Params(),
+            params=(params or Params()) if limits else relaxed(params or Params()),
             committee=tuple(
                 Member(m.public, c.public, bytes(m.vrf.verify_key), bytes(m.x25519.public_key),
                        f"member {i}", 10)
@@ -75,7 +93,11 @@ class AppHarness:
     def tx(self, keys: KeySet, tx_type: str, body: dict[str, Any], sequence: int | None = None,
            chain_id: str = CHAIN_ID) -> bytes:
         """A signed transaction with the signer's next sequence (tracked locally); messages, parts and
-        records inside `body` are written in their wire form."""
+        records inside `body` are written in their wire form. A registration without `work` gets a
+        proof of work that meets the chain's difficulty."""
+        if tx_type in REGISTRATIONS and "work" not in body:
+            bits = getattr(self.app.params, "user_work_bits" if tx_type == "register-user" else "org_work_bits")
+            body = {**body, "work": work.solve(chain_id, tx_type, keys.public, bits)}
         seq = self.sequences.get(keys.public, 0) if sequence is None else sequence
         if sequence is None:
             self.sequences[keys.public] = seq + 1
@@ -85,8 +107,9 @@ class AppHarness:
         return self.app.check_tx(abci.RequestCheckTx(tx=raw))
 
     def registry_state(self) -> dict[bytes, bytes]:
-        """Every committed entry but the account sequences, which even a refused transaction advances."""
-        return {k: v for k, v in self.store.batch().iterate(b"") if not k.startswith(b"acct/")}
+        """Every committed entry but the account sequences and the signers' counts of transactions,
+        which even a refused transaction advances."""
+        return {k: v for k, v in self.store.batch().iterate(b"") if not k.startswith((b"acct/", b"rate/"))}
 
     def block(self, *txs: bytes, seconds: int = 5) -> abci.ResponseFinalizeBlock:
         """The next block, its commit information naming the validators in `absent` as having missed
@@ -101,9 +124,25 @@ class AppHarness:
                                             decided_last_commit=abci.CommitInfo(votes=votes))
         result = self.app.finalize_block(request)
         self.app.commit(abci.RequestCommit())
+        self._forget_refused_first_transactions(txs, result)
         self.blocks.append((request, result.app_hash))
         self.responses.append(result)
         return result
+
+    def _forget_refused_first_transactions(self, txs: tuple[bytes, ...],
+                                           result: abci.ResponseFinalizeBlock) -> None:
+        """A key whose first transaction was refused still has no account, so its next transaction
+        takes sequence 0 again (unless the test already signed one after it)."""
+        for raw, outcome in zip(txs, result.tx_results, strict=True):
+            if outcome.code == 0:
+                continue
+            try:
+                tx = txlib.decode(raw, 1 << 20)
+            except TxError:  # not an envelope: nothing to forget
+                continue  # noqa: S112
+            if tx.sequence == 0 and self.sequences.get(tx.signer) == 1 and \
+                    self.store.batch().get(b"acct/" + tx.signer.hex().encode()) is None:
+                self.sequences[tx.signer] = 0
 
     def replay(self, db_url: str) -> list[tuple[bytes, bytes]]:
         """Run the same genesis and blocks on a fresh store; (app hash here, app hash there) per block."""

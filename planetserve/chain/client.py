@@ -26,6 +26,7 @@ from planetserve.chain.lightclient import (
     VerificationError,
 )
 from planetserve.chain.messages.base import Message
+from planetserve.chain.messages.registry import Worked
 from planetserve.chain.rpc import AbciQuery, RpcClient, RpcError, RpcResponseError, TxOutcome
 from planetserve.chain.tx import sign
 from planetserve.registry import codec
@@ -413,13 +414,27 @@ class LedgerClient:
         return self.rpc.status()["node_info"]["network"]
 
     def submit(self, keys: KeySet, msg: Message, timeout: float = 30.0) -> Submitted:
-        """Sign with the account's next sequence, broadcast, and wait until the tx is in a block."""
-        raw = sign(keys, self.chain_id(), msg, self.sequence(keys.public))
+        """Sign with the account's next sequence, broadcast, and wait until the tx is in a block. A
+        registration gets the proof of work the chain's parameters ask for (`Worked.solved`); one
+        refused as RATE_LIMITED (the signer's window, or the block's registrations, are full) is sent
+        again, a block later, until `timeout`."""
+        chain_id = self.chain_id()
+        if isinstance(msg, Worked):
+            msg = msg.solved(chain_id, keys.public, self.params())
+        deadline = time.monotonic() + timeout
+        while True:
+            done = self._submit_once(keys, chain_id, msg, deadline, timeout)
+            if done.outcome.code != Code.RATE_LIMITED or time.monotonic() > deadline:
+                return done
+            time.sleep(1.0)
+
+    def _submit_once(self, keys: KeySet, chain_id: str, msg: Message, deadline: float,
+                     timeout: float) -> Submitted:
+        raw = sign(keys, chain_id, msg, self.sequence(keys.public))
         checked = self.rpc.broadcast_tx_sync(raw)
         if not checked.ok:
             return Submitted(checked.hash, 0, TxOutcome(code=checked.code, data=b"", log=checked.log,
                                                         codespace=checked.codespace))
-        deadline = time.monotonic() + timeout
         while True:
             try:
                 found = self.rpc.tx(checked.hash)

@@ -26,6 +26,8 @@ class Code(IntEnum):
     LOW_REPUTATION = 13
     INSUFFICIENT_CREDITS = 14
     UNAVAILABLE = 15
+    RATE_LIMITED = 16
+    INSUFFICIENT_WORK = 17
 
 
 class TxError(Exception):
@@ -46,6 +48,8 @@ _REGISTRY_CODES: dict[type[registry_errors.RegistryError], Code] = {
     registry_errors.LowReputation: Code.LOW_REPUTATION,
     registry_errors.InsufficientCredits: Code.INSUFFICIENT_CREDITS,
     registry_errors.Unavailable: Code.UNAVAILABLE,
+    registry_errors.RateLimited: Code.RATE_LIMITED,
+    registry_errors.InsufficientWork: Code.INSUFFICIENT_WORK,
 }
 
 

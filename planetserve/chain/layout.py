@@ -67,6 +67,18 @@ def account_key(signer: bytes) -> bytes:
     return key("acct", signer.hex())
 
 
+RATE_PREFIX = key("rate", "")
+
+
+def rate_prefix(window: int) -> bytes:
+    return RATE_PREFIX + f"{window:012d}/".encode()
+
+
+def rate_key(window: int, signer: bytes) -> bytes:
+    """How many transactions a signer that is not a committee member sent in a window of blocks."""
+    return rate_prefix(window) + signer.hex().encode()
+
+
 ORG_PREFIX = key("org", "")
 
 

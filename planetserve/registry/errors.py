@@ -38,3 +38,11 @@ class InsufficientCredits(RegistryError):
 
 class Unavailable(RegistryError):
     """Not enough trusted, unassigned model nodes of the requested kind."""
+
+
+class RateLimited(RegistryError):
+    """The signer, or registrations as a whole, used up what a window of blocks allows; retry later."""
+
+
+class InsufficientWork(RegistryError):
+    """A registration's proof of work does not meet the chain's difficulty."""

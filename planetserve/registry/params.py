@@ -9,8 +9,10 @@ from planetserve.registry.entities import Record
 from planetserve.registry.errors import InvalidField
 
 PPM = 1_000_000
-MAY_BE_ZERO = frozenset({"probation_epochs"})
-"""Parameters for which 0 means something (no probation); every other one must be positive."""
+MAY_BE_ZERO = frozenset({"probation_epochs", "user_work_bits", "org_work_bits"})
+"""Parameters for which 0 means something (no probation, no proof of work); every other one must be
+positive."""
+MAX_WORK_BITS = 40
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,25 @@ class Params(Record):
     # Pipelines (Parallax phase 1's Z(k)): average compute time of one replication and one hop (µs).
     pipeline_compute_us: int = 50_000
     pipeline_hop_us: int = 10_000
+    # Anti-spam (docs/threat-model.md, "Client"). A key registers as a user, or registers an
+    # organisation, only with a proof of work over (chain id, type, key) of that many leading zero bits
+    # (registry/work.py): about 2^bits SHA-256 hashes, a fraction of a second for one user's relay and
+    # a few seconds for an organisation, checked with one hash.
+    user_work_bits: int = 17
+    org_work_bits: int = 21
+    # At most this many registrations (register-user, register-org) per block; CheckTx admits at most
+    # this many into the mempool between two blocks, and PrepareProposal proposes them last.
+    max_registrations_per_block: int = 64
+    # A signer that is not a committee member gets at most max_signer_txs transactions per window of
+    # rate_window_blocks blocks (windows are height // rate_window_blocks), counted in the state.
+    rate_window_blocks: int = 10
+    max_signer_txs: int = 30
+    # CheckTx admits at most this many transactions, and bytes, of non-members into the mempool between
+    # two blocks (rechecked ones included), so that a flood of them can neither fill CometBFT's mempool
+    # (5,000 transactions by default) nor the part of it that a proposal reaps (the block's 4 MiB, in
+    # arrival order) ahead of the committee's: a rule of admission, not of consensus.
+    mempool_non_member_txs: int = 2_000
+    mempool_non_member_bytes: int = 2 << 20
 
     @classmethod
     def from_genesis(cls, raw: dict[str, Any] | None) -> Self:
@@ -84,6 +105,9 @@ class Params(Record):
         for name in ("vrf_window_blocks", "plan_window_blocks"):
             if getattr(self, name) >= self.epoch_blocks:
                 raise InvalidField(name, "must be less than epoch_blocks")
+        for name in ("user_work_bits", "org_work_bits"):
+            if getattr(self, name) > MAX_WORK_BITS:
+                raise InvalidField(name, f"must be at most {MAX_WORK_BITS}")
         for f in fields(self):
             if f.name.endswith("_ppm") and getattr(self, f.name) > PPM:
                 raise InvalidField(f.name, f"must be at most {PPM} (parts per million)")

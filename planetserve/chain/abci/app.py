@@ -51,6 +51,26 @@ class Outcome:
     events: list[abci.Event]
 
 
+@dataclass
+class Admission:
+    """What one block (FinalizeBlock), or the mempool since the last commit (CheckTx), has admitted:
+    registrations against `max_registrations_per_block`; in the mempool also the transactions and bytes
+    of signers that are not committee members, against their share of it."""
+
+    mempool: bool
+    registrations: int = 0
+    non_member_txs: int = 0
+    non_member_bytes: int = 0
+
+
+def proposal_rank(tx_type: str) -> int:
+    """The order of a proposal: the committee's epoch and membership work, then other traffic, then
+    new registrations."""
+    if tx_type in messages.EPOCH_FAMILY or tx_type in messages.COMMITTEE_FAMILY:
+        return 0
+    return 2 if tx_type in messages.REGISTRATIONS else 1
+
+
 def _events(raw: list[tuple[str, dict[str, str]]]) -> list[abci.Event]:
     return [
         abci.Event(
@@ -70,6 +90,7 @@ class Application:
         self.chain_id = (store.get_meta(CHAIN_ID_META) or b"").decode()
         self.committed_time = int.from_bytes(store.get_meta(BLOCK_TIME_META) or b"", "big")
         self.check = store.batch()
+        self._admitted = Admission(mempool=True)
         self._verified: OrderedDict[bytes, None] = OrderedDict()
         self._params: Params | None = None
         # Many clients read the same signed list at the same height: keep the latest answers.
@@ -135,7 +156,7 @@ class Application:
         scope = TxScope(self.check)
         outcome = self._execute(
             scope, req.tx, self.store.height + 1, self.committed_time,
-            envelope_only=req.type == abci.RECHECK,
+            envelope_only=req.type == abci.RECHECK, admission=self._admitted,
         )
         if outcome.code == Code.OK:
             scope.apply()
@@ -146,19 +167,35 @@ class Application:
     # -- consensus -------------------------------------------------------------------------------
 
     def prepare_proposal(self, req: abci.RequestPrepareProposal) -> abci.ResponsePrepareProposal:
-        """Propose, in mempool order, the transactions that decode, within the byte limit."""
-        limit = self.params.max_tx_bytes
-        chosen: list[bytes] = []
-        size = 0
+        """Propose the transactions that decode, within the byte limit: the committee's first (epoch
+        and membership work), then other traffic, then at most `max_registrations_per_block`
+        registrations; in mempool order within each rank. A signer's transactions keep their order:
+        all of them take the rank of its most urgent one, and once one of them is left out (no room),
+        so are its later ones, which could only fail on their sequence."""
+        params = self.params
+        decoded: list[tuple[bytes, Tx]] = []
         for raw in req.txs:
-            if size + len(raw) > req.max_tx_bytes:
-                break
             try:
-                self._decode(raw, limit)
+                decoded.append((raw, self._decode(raw, params.max_tx_bytes)[0]))
             except TxError:
+                continue
+        rank: dict[bytes, int] = {}
+        for _, tx in decoded:
+            rank[tx.signer] = min(rank.get(tx.signer, 2), proposal_rank(tx.type))
+        order = sorted(range(len(decoded)), key=lambda i: (rank[decoded[i][1].signer], i))
+        chosen: list[bytes] = []
+        left_out: set[bytes] = set()
+        size = registrations = 0
+        for i in order:
+            raw, tx = decoded[i]
+            registration = tx.type in messages.REGISTRATIONS
+            if (tx.signer in left_out or size + len(raw) > req.max_tx_bytes
+                    or (registration and registrations >= params.max_registrations_per_block)):
+                left_out.add(tx.signer)
                 continue
             chosen.append(raw)
             size += len(raw)
+            registrations += registration
         return abci.ResponsePrepareProposal(txs=chosen)
 
     def process_proposal(self, req: abci.RequestProcessProposal) -> abci.ResponseProcessProposal:
@@ -178,6 +215,7 @@ class Application:
             self.block = self.store.batch()
         self.block_height = req.height
         self.block_time = req.time.seconds
+        self._expire_rate_windows(self.block, req.height)
         self._expire_users(self.block, self.block_time)
         deployments.expire(self.block, self.block_time)
         epochs.begin_block(self.block, self.params, req.height, self.block_time)
@@ -186,8 +224,10 @@ class Application:
                               if v.block_id_flag == validator_pb2.BLOCK_ID_FLAG_ABSENT))
         results: list[abci.ExecTxResult] = []
         updates: dict[bytes, int] = {}
+        admission = Admission(mempool=False)
         for raw in req.txs:
-            outcome = self._execute(self.block, raw, req.height, self.block_time, updates)
+            outcome = self._execute(self.block, raw, req.height, self.block_time, updates,
+                                    admission=admission)
             results.append(
                 abci.ExecTxResult(
                     code=outcome.code,
@@ -223,6 +263,7 @@ class Application:
         self.block = None
         self.block_height = 0
         self.check = self.store.batch()
+        self._admitted = Admission(mempool=True)
         return abci.ResponseCommit()
 
     # -- queries ---------------------------------------------------------------------------------
@@ -283,9 +324,12 @@ class Application:
         time: int,
         updates: dict[bytes, int] | None = None,
         envelope_only: bool = False,
+        admission: Admission | None = None,
     ) -> Outcome:
-        """Run one transaction against a batch; a refused transaction changes nothing but, once its
-        envelope is valid, its sequence, so it cannot be replayed later."""
+        """Run one transaction against a batch. A refused transaction changes nothing but, once its
+        envelope is valid and its signer has an account, that account's sequence, so it cannot be
+        replayed later. A key without an account (sequence 0) that is not a committee member gets one
+        only with a transaction that succeeds: refused transactions from fresh keys leave no record."""
         st = State(batch)
         params = self.params
         try:
@@ -293,9 +337,35 @@ class Application:
             self._check_envelope(st, tx, digest)
         except TxError as exc:
             return Outcome(exc.code, exc.log, [])
-        st.put_int(layout.account_key(tx.signer), tx.sequence + 1)
+        member = st.is_member(tx.signer)
+        registration = tx.type in messages.REGISTRATIONS
+        window = height // params.rate_window_blocks
+
+        def consume() -> None:
+            st.put_int(layout.account_key(tx.signer), tx.sequence + 1)
+            if not member:
+                key = layout.rate_key(window, tx.signer)
+                st.put_int(key, st.get_int(key) + 1)
+
+        def admitted(outcome: Outcome) -> Outcome:
+            if admission is not None and outcome.code == Code.OK:
+                admission.registrations += registration
+                if not member:
+                    admission.non_member_txs += 1
+                    admission.non_member_bytes += len(raw)
+            return outcome
+
+        try:
+            self._admit(st, tx, len(raw), window, member, admission)
+        except TxError as exc:
+            if tx.sequence > 0 or member:
+                st.put_int(layout.account_key(tx.signer), tx.sequence + 1)
+            return Outcome(exc.code, exc.log, [])
+        fresh = tx.sequence == 0 and not member
+        if not fresh or envelope_only:
+            consume()
         if envelope_only:
-            return Outcome(Code.OK, "ok", [])
+            return admitted(Outcome(Code.OK, "ok", []))
         scope = TxScope(batch)
         ctx = Context(
             state=State(scope),
@@ -318,10 +388,41 @@ class Application:
             log.exception("handler %s failed", tx.type)
             return Outcome(Code.INTERNAL, f"internal: {tx.type} failed ({type(exc).__name__})", [])
         scope.apply()
+        if fresh:
+            consume()
         if updates is None:  # a mempool check: its events would be thrown away
-            return Outcome(Code.OK, "ok", [])
+            return admitted(Outcome(Code.OK, "ok", []))
         updates.update(ctx.validator_updates)
-        return Outcome(Code.OK, "ok", _events([("tx", {"type": tx.type}), *ctx.events]))
+        return admitted(Outcome(Code.OK, "ok", _events([("tx", {"type": tx.type}), *ctx.events])))
+
+    def _admit(self, st: State, tx: Tx, size: int, window: int, member: bool,
+               admission: Admission | None) -> None:
+        """The limits on traffic (docs/threat-model.md, "Client"): registrations per block, and the
+        transactions of a signer that is not a committee member per window of blocks (kept in the
+        state, so every validator counts alike); in the mempool also the non-members' share of it.
+        Committee members are not limited: their epoch work must always get through."""
+        params = self.params
+        if admission is not None and tx.type in messages.REGISTRATIONS \
+                and admission.registrations >= params.max_registrations_per_block:
+            where = "the mempool holds" if admission.mempool else "this block has"
+            raise TxError(Code.RATE_LIMITED,
+                          f"rate limited: {where} the {params.max_registrations_per_block} registrations "
+                          f"a block allows; retry in a later block")
+        if member:
+            return
+        sent = st.get_int(layout.rate_key(window, tx.signer))
+        if sent >= params.max_signer_txs:
+            first = window * params.rate_window_blocks
+            raise TxError(Code.RATE_LIMITED,
+                          f"rate limited: the signer sent {sent} transactions in blocks {first}.."
+                          f"{first + params.rate_window_blocks - 1}, the most a window allows; retry from "
+                          f"block {first + params.rate_window_blocks}")
+        if admission is not None and admission.mempool and (
+                admission.non_member_txs >= params.mempool_non_member_txs
+                or admission.non_member_bytes + size > params.mempool_non_member_bytes):
+            raise TxError(Code.RATE_LIMITED,
+                          "rate limited: the mempool's share for signers outside the committee is full "
+                          "until the next block; retry")
 
     @staticmethod
     def _decode(raw: bytes, max_bytes: int) -> tuple[Tx, bytes]:
@@ -351,6 +452,14 @@ class Application:
         self._verified[digest] = None
         if len(self._verified) > VERIFIED_CACHE:
             self._verified.popitem(last=False)
+
+    def _expire_rate_windows(self, batch: Batch, height: int) -> None:
+        """At the first block of a window, drop the previous window's counts."""
+        blocks = self.params.rate_window_blocks
+        if height % blocks == 0 and height >= blocks:
+            stale = [k for k, _ in batch.iterate(layout.rate_prefix(height // blocks - 1))]
+            for k in stale:
+                batch.delete(k)
 
     @staticmethod
     def _expire_users(batch: Batch, now: int) -> None:

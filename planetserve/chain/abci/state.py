@@ -217,6 +217,9 @@ class State:
         return [rep.value for k, _ in self.kv.iterate(prefix)
                 if (rep := self.reputation(bytes.fromhex(k[len(prefix):].decode()))) is not None]
 
+    def is_member(self, operator: bytes) -> bool:
+        return self.kv.get(member_key(operator)) is not None
+
     def member(self, operator: bytes) -> Member | None:
         return self._load(member_key(operator), Member)
 

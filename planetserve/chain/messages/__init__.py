@@ -34,6 +34,13 @@ MESSAGES: dict[str, type[Message]] = {
               DeployModel)
 }
 
+EPOCH_FAMILY = frozenset(m.TYPE for m in (SubmitVrf, CommitPlan, SubmitResults, Attest, ReportInvalid,
+                                          CommitRechallenge))
+"""The committee's epoch work, which proposals carry first."""
+COMMITTEE_FAMILY = frozenset(m.TYPE for m in (ProposeMember, VoteMember))
+REGISTRATIONS = frozenset(m.TYPE for m in (RegisterUser, RegisterOrg))
+"""New identities: at most `max_registrations_per_block` a block, proposed last."""
+
 
 def decode(tx_type: str, body: dict[str, Any]) -> Message:
     """The message of a known transaction type; raises InvalidField naming the first bad field."""

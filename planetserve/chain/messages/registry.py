@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar, Self
 
 from planetserve.chain.keys import KeySet
 from planetserve.chain.messages.base import Message
-from planetserve.registry import codec, fields
+from planetserve.registry import codec, fields, work
 from planetserve.registry.entities import NODE_STATUSES
+from planetserve.registry.params import Params
 
 NODE_POP_DOMAIN = "planetserve/node-pop/v1"
 MAX_CAPACITY = 1_000_000
@@ -23,26 +25,52 @@ def _optional(body: dict[str, Any], name: str, check: Any, *args: Any) -> Any:
     return check(body, name, *args) if name in body else None
 
 
+class Worked(Message):
+    """A registration that carries a proof of work (`work`, registry/work.py) over the chain id, its
+    type and the signer's key, of the difficulty the chain's parameters set for its kind."""
+
+    WORK_PARAM: ClassVar[str]
+    work: int | None
+
+    def bits(self, params: Params) -> int:
+        return int(getattr(params, self.WORK_PARAM))
+
+    def solved(self, chain_id: str, signer: bytes, params: Params) -> Self:
+        """This registration with a nonce that meets the chain's difficulty for `signer`."""
+        bits = self.bits(params)
+        if self.work is not None and work.meets(chain_id, self.TYPE, signer, self.work, bits):
+            return self
+        return dataclasses.replace(self, work=work.solve(chain_id, self.TYPE, signer, bits))
+
+
+def _work(body: dict[str, Any]) -> int | None:
+    return _optional(body, "work", fields.integer, 0, work.MAX_NONCE)
+
+
 @dataclass(frozen=True)
-class RegisterOrg(Message):
+class RegisterOrg(Worked):
     TYPE: ClassVar[str] = "register-org"
+    WORK_PARAM: ClassVar[str] = "org_work_bits"
     org_id: str
     name: str
+    work: int | None = None
 
     @classmethod
     def parse(cls, body: dict[str, Any]) -> Self:
-        return cls(fields.ident(body, "org_id"), fields.text(body, "name", 128))
+        return cls(fields.ident(body, "org_id"), fields.text(body, "name", 128), _work(body))
 
 
 @dataclass(frozen=True)
-class RegisterUser(Message):
+class RegisterUser(Worked):
     TYPE: ClassVar[str] = "register-user"
+    WORK_PARAM: ClassVar[str] = "user_work_bits"
     address: str
     region: str
+    work: int | None = None
 
     @classmethod
     def parse(cls, body: dict[str, Any]) -> Self:
-        return cls(fields.address(body), fields.region(body))
+        return cls(fields.address(body), fields.region(body), _work(body))
 
 
 @dataclass(frozen=True)

@@ -15,15 +15,26 @@ from planetserve.chain.messages.registry import (
     RegisterOrg,
     RegisterUser,
     UpdateModelNode,
+    Worked,
     node_pop_message,
 )
-from planetserve.registry import reputation, rules
+from planetserve.registry import reputation, rules, work
 from planetserve.registry.entities import Model, ModelNode, Organisation, User
 from planetserve.registry.epochs import Reputation
-from planetserve.registry.errors import AlreadyExists, Expired, InvalidField, UnknownEntity
+from planetserve.registry.errors import AlreadyExists, Expired, InsufficientWork, InvalidField, UnknownEntity
+
+
+def _check_work(ctx: Context, msg: Worked) -> None:
+    """A new identity costs 2^bits hashes (registry/work.py); checked before anything is read."""
+    bits = msg.bits(ctx.params)
+    if not work.meets(ctx.chain_id, msg.TYPE, ctx.signer, msg.work or 0, bits):
+        raise InsufficientWork(f"{msg.TYPE} needs a proof of work of {bits} leading zero bits over "
+                               f"(chain id, type, signer key) in `work`; clients compute it "
+                               f"(planetserve.registry.work.solve)")
 
 
 def register_org(ctx: Context, msg: RegisterOrg) -> None:
+    _check_work(ctx, msg)
     if ctx.state.org(msg.org_id) is not None:
         raise AlreadyExists(f"organisation {msg.org_id!r} is already registered")
     ctx.state.put_org(Organisation(msg.org_id, msg.name, ctx.signer, ctx.time))
@@ -31,6 +42,7 @@ def register_org(ctx: Context, msg: RegisterOrg) -> None:
 
 
 def register_user(ctx: Context, msg: RegisterUser) -> None:
+    _check_work(ctx, msg)
     existing = ctx.state.user(ctx.signer)
     if existing is not None and not rules.is_expired(existing, ctx.time):
         raise AlreadyExists("user key is already registered; send a heartbeat to renew it")
