@@ -211,7 +211,7 @@ def test_a_valid_frame_round_trips() -> None:
 
 
 PROMPT = Prompt(b"r" * 16, b"n" * 32, "chat", b'{"messages": []}',
-                tuple((secrets.token_bytes(32), secrets.token_bytes(16), secrets.token_bytes(32)) for _ in range(4)))
+                tuple((secrets.token_bytes(32), secrets.token_bytes(16), secrets.token_bytes(32)) for _ in range(4)), 3)
 PART = Part(b"r" * 16, 2, 200, "text/event-stream", b"data: {}\n\n", True)
 
 

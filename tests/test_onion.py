@@ -142,7 +142,7 @@ def test_routes_are_disjoint_when_the_list_allows_and_never_repeat_within_a_path
 def prompt(body: bytes = b'{"model": "gt"}', proxies: int = 4) -> Prompt:
     return Prompt(secrets.token_bytes(16), secrets.token_bytes(32), "chat", body,
                   tuple((secrets.token_bytes(32), secrets.token_bytes(16), secrets.token_bytes(32))
-                        for _ in range(proxies)))
+                        for _ in range(proxies)), min(3, proxies))
 
 
 def test_messages_round_trip_padded_to_buckets():
@@ -163,14 +163,17 @@ def test_oversized_messages_are_refused_before_splitting():
 
 
 @pytest.mark.parametrize("fields, error", [
-    (["prompt", b"r" * 16, b"n" * 32, "embeddings", b"{}", [[b"p" * 32, b"i" * 16, b"k" * 32]]], "endpoint"),
-    (["prompt", b"r" * 16, b"n" * 32, "chat", "text", [[b"p" * 32, b"i" * 16, b"k" * 32]]], "body"),
-    (["prompt", b"r" * 16, b"n" * 32, "chat", b"{}", []], "proxies"),
-    (["prompt", b"r" * 16, b"n" * 32, "chat", b"{}", [[b"p" * 31, b"i" * 16, b"k" * 32]]], "proxy key"),
-    (["prompt", b"r" * 15, b"n" * 32, "chat", b"{}", [[b"p" * 32, b"i" * 16, b"k" * 32]]], "request id"),
-    (["prompt", b"r" * 16, b"n" * 32, "chat", b"{}", [[b"p" * 32, b"i" * 16, b"k" * 32]] * 17], "max_array_len"),
-    (["prompt", b"r" * 16, b"n" * 32, "chat", b"{}", [[b"p" * 32, b"i" * 16]]], "reply key"),
-    (["prompt", b"r" * 16, b"n" * 32, "chat", b"{}", [[b"p" * 32, b"i" * 16, b"k" * 31]]], "reply key"),
+    (["prompt", b"r" * 16, b"n" * 32, "embeddings", b"{}", [[b"p" * 32, b"i" * 16, b"k" * 32]], 1], "endpoint"),
+    (["prompt", b"r" * 16, b"n" * 32, "chat", "text", [[b"p" * 32, b"i" * 16, b"k" * 32]], 1], "body"),
+    (["prompt", b"r" * 16, b"n" * 32, "chat", b"{}", [], 1], "proxies"),
+    (["prompt", b"r" * 16, b"n" * 32, "chat", b"{}", [[b"p" * 31, b"i" * 16, b"k" * 32]], 1], "proxy key"),
+    (["prompt", b"r" * 15, b"n" * 32, "chat", b"{}", [[b"p" * 32, b"i" * 16, b"k" * 32]], 1], "request id"),
+    (["prompt", b"r" * 16, b"n" * 32, "chat", b"{}", [[b"p" * 32, b"i" * 16, b"k" * 32]] * 17, 1], "max_array_len"),
+    (["prompt", b"r" * 16, b"n" * 32, "chat", b"{}", [[b"p" * 32, b"i" * 16]], 1], "reply key"),
+    (["prompt", b"r" * 16, b"n" * 32, "chat", b"{}", [[b"p" * 32, b"i" * 16, b"k" * 31]], 1], "reply key"),
+    (["prompt", b"r" * 16, b"n" * 32, "chat", b"{}", [[b"p" * 32, b"i" * 16, b"k" * 32]], 2], "answer threshold"),
+    (["prompt", b"r" * 16, b"n" * 32, "chat", b"{}", [[b"p" * 32, b"i" * 16, b"k" * 32]], 0], "answer threshold"),
+    (["prompt", b"r" * 16, b"n" * 32, "chat", b"{}", [[b"p" * 32, b"i" * 16, b"k" * 32]]], "with 6 fields"),
     (["part", b"r" * 16, -1, 200, "a", b"", True], "sequence"),
     (["part", b"r" * 16, 0, 700, "a", b"", True], "status"),
     (["part", b"r" * 16, 0, 200, "a", "text", True], "data"),

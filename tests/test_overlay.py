@@ -290,6 +290,38 @@ def test_a_relay_that_corrupts_or_drops_is_detected_and_avoided(quick_family, mo
     run(main())
 
 
+def test_answers_are_split_with_the_users_own_threshold(quick_family):
+    """A user who asks with k = 2 of n = 4 gets its answer back from any two paths: the model node splits
+    every answer part as the prompt was split, so two relays dropping everything they carry back cost
+    nothing (under the default k = 3 the same two would lose every answer)."""
+    async def main():
+        users = [faulty(make_user(k=2))] + [faulty(make_user()) for _ in range(15)]
+        net = await start_overlay(quick_family, users, MODEL_NODES)
+        try:
+            assert (net.client.config.n, net.client.config.k) == (4, 2)
+            single = relays_on_one_path(net.client)
+            bad = {}
+            for relay, path in single.items():
+                if path not in bad.values():
+                    bad[relay] = path
+                if len(bad) == 2:
+                    break
+            for relay in bad:
+                net.user(relay).relay.mode = "drop"
+            for stream in (False, True):
+                answer = await chat(net.client, "What does the re module do?", stream=stream, max_tokens=12)
+                assert answer.status_code == 200, answer.text
+                if stream:
+                    assert events(answer.text)[-1]["choices"][0]["finish_reason"] is not None
+                else:
+                    assert signed(answer.json()).node in {n.keys.public for n in net.nodes}
+            assert sum(n.gateway.counters["parts_sent"] for n in net.nodes) >= 2
+        finally:
+            await net.close()
+
+    run(main())
+
+
 @pytest.mark.faults
 def test_a_relay_that_delays_costs_the_user_nothing(quick_family):
     """A relay holding back every clove it carries toward the user: the other paths' k cloves already
@@ -354,7 +386,7 @@ def test_a_model_node_refuses_garbage_cloves_and_keeps_serving(quick_family):
             garbage = [b"", b"\x01" * 50, onion.seal_to(me, b"\x07" * 500),
                        onion.seal_to(proxy.keys.public, b"\x07" * 500)]  # sealed for someone else
             stray = sida.split(Prompt(b"r" * 16, b"n" * 32, "chat", b"{}",
-                                      ((b"p" * 32, b"i" * 16, b"k" * 32),)).seal())
+                                      ((b"p" * 32, b"i" * 16, b"k" * 32),), 1).seal())
             garbage += [onion.seal_to(me, sida.encode(c)) for c in stray]  # a prompt for another node
             for data in garbage:
                 await proxy._send(node.keys.public, "clove", data)

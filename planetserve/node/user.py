@@ -350,10 +350,11 @@ class UserRelay:
                                     if self.paths.last_error else "")
         chosen = tuple(secrets.SystemRandom().sample(live, min(n, len(live))))
         request_id = secrets.token_bytes(16)
+        threshold = min(k, len(chosen))
         prompt = Prompt(request_id, node, endpoint, body,
-                        tuple((p.proxy, p.reply_id, p.reply_key) for p in chosen))
-        cloves = sida.split(prompt.seal(), len(chosen), min(k, len(chosen)))
-        exchange = Exchange(request_id, node, chosen, min(k, len(chosen)))
+                        tuple((p.proxy, p.reply_id, p.reply_key) for p in chosen), threshold)
+        cloves = sida.split(prompt.seal(), len(chosen), threshold)
+        exchange = Exchange(request_id, node, chosen, threshold)
         self.exchanges[request_id] = exchange
         self.counters["requests"] += 1
         try:

@@ -148,7 +148,7 @@ def test_junk_cloves_from_one_proxy_do_not_evict_another_proxys_message(quick_fa
                                "max_tokens": 4}).encode()
             prompt = Prompt(secrets.token_bytes(16), key, "chat", body,
                             tuple((honest.keys.public, secrets.token_bytes(16), secrets.token_bytes(32))
-                                  for _ in range(4)))
+                                  for _ in range(4)), 3)
             cloves = [onion.seal_to(key, sida.encode(c)) for c in sida.split(prompt.seal())]
             before = dict(gateway.counters)
             for data in cloves[:2]:  # the honest proxy's message is pending: two of the k = 3 cloves

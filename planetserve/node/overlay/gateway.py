@@ -62,13 +62,11 @@ async def batched(parts: AsyncIterator[bytes], limit: int = MAX_PART_BYTES) -> A
 
 
 class Gateway:
-    def __init__(self, me: bytes, secret: bytes, respond: Respond, send: Send, *,
-                 k: int = sida.DEFAULT_K) -> None:
+    def __init__(self, me: bytes, secret: bytes, respond: Respond, send: Send) -> None:
         self.me = me
         self.secret = secret
         self.respond = respond
         self.send = send
-        self.k = k
         self.reassembler = sida.Reassembler()
         self.tasks: set[asyncio.Task] = set()
         self.counters = {"cloves": 0, "bad_cloves": 0, "bad_messages": 0, "prompts": 0, "parts_sent": 0,
@@ -119,7 +117,7 @@ class Gateway:
 
     async def _send(self, prompt: Prompt, part: Part) -> None:
         n = len(prompt.reply_to)
-        cloves = sida.split(part.seal(), n, min(self.k, n))
+        cloves = sida.split(part.seal(), n, prompt.k)
         sealed = [onion.seal_payload(key, onion.REPLY, "clove", sida.encode(clove))
                   for (_, _, key), clove in zip(prompt.reply_to, cloves, strict=True)]
         results = await asyncio.gather(

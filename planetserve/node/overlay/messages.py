@@ -72,10 +72,13 @@ class Prompt:
     reply_to: tuple[tuple[bytes, bytes, bytes], ...]
     """(proxy key, reply id, reply key) per path; the answer's clove i goes to entry i, sealed under
     its reply key."""
+    k: int
+    """How many of the answer's cloves recover each part: the user's own threshold, so the answer is
+    split as the prompt was (1 <= k <= len(reply_to))."""
 
     def seal(self) -> bytes:
         return pad(msgpack.packb(["prompt", self.request_id, self.node, self.endpoint, self.body,
-                                  [list(r) for r in self.reply_to]], use_bin_type=True))
+                                  [list(r) for r in self.reply_to], self.k], use_bin_type=True))
 
 
 @dataclass(frozen=True)
@@ -103,7 +106,7 @@ def open_message(data: bytes) -> Prompt | Part:
     if not isinstance(fields, list) or not fields:
         raise MessageError("message is not a list")
     kind = fields[0]
-    if kind == "prompt" and len(fields) == 6:
+    if kind == "prompt" and len(fields) == 7:
         return _prompt(fields)
     if kind == "part" and len(fields) == 7:
         return _part(fields)
@@ -111,7 +114,7 @@ def open_message(data: bytes) -> Prompt | Part:
 
 
 def _prompt(fields: list) -> Prompt:
-    _, request_id, node, endpoint, body, reply_to = fields
+    _, request_id, node, endpoint, body, reply_to, k = fields
     if endpoint not in ENDPOINTS:
         raise MessageError(f"unknown endpoint {endpoint!r}")
     if type(body) is not bytes:
@@ -124,8 +127,10 @@ def _prompt(fields: list) -> Prompt:
             raise MessageError("a proxy entry is [key, reply id, reply key]")
         proxies.append((_bytes(entry[0], KEY_SIZE, "proxy key"), _bytes(entry[1], ID_SIZE, "reply id"),
                         _bytes(entry[2], KEY_SIZE, "reply key")))
+    if type(k) is not int or not 1 <= k <= len(proxies):
+        raise MessageError(f"a prompt's answer threshold must lie in 1..{len(proxies)} (its proxies)")
     return Prompt(_bytes(request_id, ID_SIZE, "request id"), _bytes(node, KEY_SIZE, "node key"), endpoint,
-                  body, tuple(proxies))
+                  body, tuple(proxies), k)
 
 
 def _part(fields: list) -> Part:
