@@ -49,8 +49,9 @@ MAX_ANSWER_BYTES = 64 << 20
 MAX_ANSWER_ENTRIES = 1 << 20
 """Entries one `/prefix` answer may decode into (the chain's `max_query_entries` is 20,000 by default)."""
 ANSWER_LIMITS = codec.Limits(max_objects=1 + 3 * MAX_ANSWER_ENTRIES, max_depth=2, max_len=MAX_ANSWER_ENTRIES,
-                             max_str=0, max_bin=MAX_ANSWER_BYTES)
-"""A `/prefix` answer is [[key, value], ...]: two levels of arrays, byte strings inside."""
+                             max_str=MAX_ANSWER_BYTES, max_bin=MAX_ANSWER_BYTES)
+"""A `/prefix` answer is [[key, value], ...]: two levels of arrays, byte strings inside (text decodes, within
+the answer's own size, to be refused by name in `decode_entries`)."""
 
 
 class QueryRefused(Exception):
