@@ -18,6 +18,7 @@ import httpx
 import pytest
 from chromium import CHROMIUM, browser_missing
 from roles import localnet, quick_config
+from waiting import wait_until
 
 from planetserve.localnet import processes
 from planetserve.localnet.plan import existing_homes
@@ -94,6 +95,7 @@ def check_dashboard_in_browser(url: str, names: set[str], orgs: set[str]) -> dic
 
 def test_localnet_runs_every_role_and_stops_them_all(tmp_path, quick_family):
     config = quick_config(tmp_path, quick_family)
+    config.write_text(config.read_text().replace("proxies = 4\n", "proxies = 4\npath_lifetime = 20\n"))
     root = tmp_path / "build"
     pids: list[dict[str, int]] = []
     no_browser = browser_missing()
@@ -128,6 +130,11 @@ def test_localnet_runs_every_role_and_stops_them_all(tmp_path, quick_family):
             ("smaller", "tiny", "honest"), ("clickbait", "gt", "alter-prompts")}
         client = [r for r in status["relays"] if r["client"]]
         assert len(client) == 1 and client[0]["live_paths"] >= 4 and client[0]["http"] == up["client"]
+        # its paths rotate (a 20 s lifetime here) and end at distinct proxies: 4 relays, 4 paths
+        def rotated_apart() -> bool:
+            (entry,) = [r for r in localnet("status", "--root", str(root), "--json")["relays"] if r["client"]]
+            return entry["rotations"] >= 1 and entry["live_paths"] == entry["distinct_proxies"] == 4
+        wait_until(rotated_apart, timeout=60, interval=2)
 
         # the dashboard: its JSON names what status shows, with reputations over every finalized epoch
         began = time.monotonic()

@@ -4,6 +4,7 @@ buckets and decoded strictly."""
 
 from __future__ import annotations
 
+import random
 import secrets
 
 import msgpack
@@ -118,8 +119,6 @@ def test_build_refuses_paths_that_are_too_long_or_mismatched():
 
 
 def test_routes_are_disjoint_when_the_list_allows_and_never_repeat_within_a_path():
-    import random
-
     users = [bytes([i]) * 32 for i in range(40)]
     me = users[0]
     routes = choose_routes(users, 5, exclude={me}, rng=random.Random(1))
@@ -134,6 +133,27 @@ def test_routes_are_disjoint_when_the_list_allows_and_never_repeat_within_a_path
     assert len(set(only_bad[0])) == 3
     with pytest.raises(NotEnoughRelays, match="2 usable relays"):
         choose_routes(users[:3], 1, exclude={me})
+
+
+def test_paths_end_at_distinct_proxies_whenever_the_list_allows():
+    users = [bytes([i]) * 32 for i in range(40)]
+    me = users[0]
+    for seed in range(20):
+        rng = random.Random(seed)
+        # all at once from a list too small for disjoint paths: 5 relays, 5 paths, 5 proxies
+        few = choose_routes(users[:6], 5, exclude={me}, rng=rng)
+        assert all(len(set(route)) == 3 for route in few)
+        assert len({route[-1] for route in few}) == 5
+        # one at a time, as a user builds them, each avoiding the others' relays and proxies
+        built: list[tuple[bytes, ...]] = []
+        for _ in range(5):
+            (route,) = choose_routes(users[:7], 1, exclude={me}, avoid={r for p in built for r in p},
+                                     proxies={p[-1] for p in built}, rng=rng)
+            built.append(route)
+        assert len({route[-1] for route in built}) == 5
+    # a proxy is reused only when every relay of the list already ends a path
+    (again,) = choose_routes(users[:4], 1, exclude={me}, proxies=set(users[1:4]), rng=random.Random(5))
+    assert len(set(again)) == 3
 
 
 # -- messages ------------------------------------------------------------------------------------------

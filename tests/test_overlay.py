@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 from dataclasses import replace
 
 import httpx
@@ -16,7 +17,7 @@ import pytest
 from crosssite import allowed, apost, attacks, check_refusal
 from modelnodes import signed
 from openai import AsyncOpenAI
-from overlaynet import chat, faulty, make_user, record, relays_on_one_path, start_overlay
+from overlaynet import FAST, chat, faulty, make_user, record, relays_on_one_path, start_overlay
 from waiting import run, until
 
 from planetserve.node.api.openai import ApiError
@@ -439,6 +440,89 @@ def test_a_path_whose_first_relay_left_the_list_is_dropped_and_replaced(quick_fa
             assert not path.live
             await until(lambda: len(client.paths.live()) >= 4)
             assert all(gone not in p.route for p in client.paths.live())
+        finally:
+            await net.close()
+
+    run(main())
+
+
+async def status(user) -> dict:
+    async with httpx.AsyncClient(timeout=30) as http:
+        return (await http.get(f"{user.http_url}/v1/planetserve/status")).json()
+
+
+def test_live_paths_end_at_distinct_proxies_whenever_the_list_allows(quick_family):
+    async def main():
+        five = replace(FAST, target=5)  # 5 paths over 5 other relays: every relay ends one path
+        net = await start_overlay(quick_family, [make_user(settings=five) for _ in range(6)], 1)
+        try:
+            client = net.client
+            for _ in range(3):  # built together, and rebuilt one by one next to the others
+                assert len({p.proxy for p in client.paths.live()}) == 5
+                for path in client.paths.live()[:2]:
+                    await client.paths.drop(path, "test")
+                await until(lambda: len(client.paths.live()) == 5)
+            assert len({p.proxy for p in client.paths.live()}) == 5
+            document = await status(client)
+            assert document["distinct_proxies"] == 5 and len(document["paths"]) == 5
+            assert (await chat(client, "Which proxy?")).status_code == 200
+        finally:
+            await net.close()
+
+    run(main())
+
+
+def test_paths_rotate_after_their_lifetime_without_a_gap(quick_family):
+    async def main():
+        short = replace(FAST, lifetime=1.5, lifetime_jitter=0.25, retire_grace=5.0)
+        net = await start_overlay(quick_family, [make_user(settings=short) for _ in range(9)], 1)
+        client, fewest = net.client, [short.target]
+        first = set(client.paths.live())
+
+        async def watch():
+            while True:
+                fewest[0] = min(fewest[0], len(client.paths.live()))
+                await asyncio.sleep(0.005)
+
+        watcher = asyncio.create_task(watch())
+        try:
+            answers, deadline = [], time.monotonic() + 15
+            while not (client.paths.counters["rotated"] >= 8 and first.isdisjoint(client.paths.paths.values())):
+                answers.append(await chat(client, f"Question {len(answers)}?", stream=len(answers) % 2 == 1))
+                assert time.monotonic() < deadline, (client.paths.counters, [p.state for p in first])
+            assert [a.status_code for a in answers] == [200] * len(answers), [a.text for a in answers]
+            assert fewest[0] >= short.target, "live paths dropped below the target during rotation"
+            assert client.paths.counters["rotation_failures"] == 0 and client.counters["failed"] == 0
+            # replaced paths are torn down at their relays, not left to expire there
+            await until(lambda: not any(p.state == "retiring" for p in client.paths.paths.values()))
+            held = sum(1 for u in net.users[1:] for h in u.relay.hops if h.pred == client.keys.public)
+            assert held == len(client.paths.paths) == short.target
+            document = await status(client)
+            assert document["rotations"] >= 8 and document["distinct_proxies"] == short.target
+            assert all(0 <= p["replaced_in"] <= 1.5 * 1.25 for p in document["paths"])
+        finally:
+            watcher.cancel()
+            await net.close()
+
+    run(main())
+
+
+def test_paths_built_from_a_short_list_are_rebuilt_when_it_grows(quick_family):
+    async def main():
+        users = [make_user() for _ in range(12)]
+        net = await start_overlay(quick_family, users[:4], 1)  # 3 relays for 4 paths: proxies repeat
+        client = net.client
+        try:
+            assert len({p.proxy for p in client.paths.live()}) == 3
+            for user in users[4:]:
+                await user.start(serve_http=False)
+            net.users = users
+            net.publish()
+            await until(lambda: len(client.paths.live()) == 4 and len({p.proxy for p in client.paths.live()}) == 4
+                        and client.paths.counters.get("rotated") == 4, timeout=15)
+            assert all(p.listed == 12 for p in client.paths.live())  # each rebuilt once, from the long list
+            assert client.paths.counters["died"] == 0
+            assert (await chat(client, "More of us now?")).status_code == 200
         finally:
             await net.close()
 

@@ -84,6 +84,8 @@ class LocalnetConfig:
     relays: int = 8
     """User relays besides the client's."""
     proxies: int = 5
+    path_lifetime: int = 600
+    """Seconds each relay's paths serve before they are replaced (UserConfig.path_lifetime); 0 never."""
     client_model: str = "gt"
     prompt: str = "What does the json module do?"
     max_tokens: int = 32
@@ -128,7 +130,7 @@ def parse_config(text: str, source: Path) -> LocalnetConfig:
     network = reader.table(raw, "network", {"validators", "chain_id", "timeout_commit", "keep_heights",
                                             "verifiers"})
     models = reader.table(raw, "models", {"preset", "data_dir"})
-    relays = reader.table(raw, "relays", {"count", "proxies"})
+    relays = reader.table(raw, "relays", {"count", "proxies", "path_lifetime"})
     client = reader.table(raw, "client", {"model", "prompt", "max_tokens", "http"})
     dashboard = reader.table(raw, "dashboard", {"http"})
     base = LocalnetConfig()
@@ -147,6 +149,7 @@ def parse_config(text: str, source: Path) -> LocalnetConfig:
         nodes=nodes,
         relays=reader.integer(relays, "relays.count", base.relays, 0, 64),
         proxies=reader.integer(relays, "relays.proxies", base.proxies, CLOVES, 16),
+        path_lifetime=reader.integer(relays, "relays.path_lifetime", base.path_lifetime, 0, 86_400),
         client_model=reader.string(client, "client.model", base.client_model),
         prompt=reader.string(client, "client.prompt", base.prompt),
         max_tokens=reader.integer(client, "client.max_tokens", base.max_tokens, 1, 1024),

@@ -72,13 +72,14 @@ def verifier(home: Path) -> dict[str, Any]:
 
 def relay(home: Path) -> dict[str, Any]:
     entry = {**_base("relay", home), "client": home.name == CLIENT, "http": None, "live_paths": None,
-             "relayed_paths": None}
+             "relayed_paths": None, "distinct_proxies": None, "rotations": None}
     with contextlib.suppress(HomeError):
         config = UserConfig.load(home)
         entry["http"] = http_url(config.http) + "/v1"
         state = http_status(config.http) if entry["up"] else None
         if state is not None:
-            entry.update(live_paths=len(state.get("paths", ())), relayed_paths=state.get("relayed_paths"))
+            entry.update(live_paths=len(state.get("paths", ())), relayed_paths=state.get("relayed_paths"),
+                         distinct_proxies=state.get("distinct_proxies"), rotations=state.get("rotations"))
     return entry
 
 

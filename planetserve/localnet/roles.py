@@ -105,7 +105,8 @@ def relay_role(plan: Plan, index: int, name: str) -> Role:
     client_http = plan.config.client_http if name == CLIENT else ""
     config, _ = _home(home, UserConfig, lambda http, peer: UserConfig(
         rpc=validator.rpc_url, genesis=str(plan.spec.genesis_path), http=client_http or http, peer=peer,
-        proxies=plan.config.proxies, n=CLOVES, list_interval=LIST_INTERVAL))
+        proxies=plan.config.proxies, n=CLOVES, list_interval=LIST_INTERVAL,
+        path_lifetime=float(plan.config.path_lifetime)))
     return Role("relay", name, home, planetserve("node", "user", "--home", str(home), "--json"),
                 http=config.http)
 

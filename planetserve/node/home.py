@@ -112,6 +112,18 @@ class UserConfig(LedgerHome):
     """Seconds to wait for the first part of an answer, and between parts."""
     list_interval: float = 5.0
     ping_interval: float = 10.0
+    path_lifetime: float = 600.0
+    """Seconds each path serves before it is replaced over freshly chosen relays (each path's own
+    lifetime is drawn within ±25% of it, so they rotate one by one); 0 never rotates. Shorter gives
+    a proxy fewer of the user's requests to collect, at one path setup per rotation
+    (`node/overlay/paths.py` PathSettings.lifetime says why ten minutes)."""
+
+    def check(self) -> None:
+        super().check()
+        value = self.path_lifetime
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < float("inf"):
+            raise HomeError(f"{self.FILE}: path_lifetime must be a number of seconds >= 0 (0: never "
+                            f"rotate), got {value!r}")
 
     @property
     def address(self) -> str:

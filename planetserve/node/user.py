@@ -61,6 +61,7 @@ USER_LIMITS = ApiLimits(max_body_bytes=MAX_MESSAGE - (64 << 10))
 NODE_KEY = re.compile(r"[0-9a-fA-F]{64}")
 MAX_PARTS_AHEAD = 64
 """Reply parts kept beyond the next one expected (parts overtake each other on different paths)."""
+INF = float("inf")
 MAX_ANSWER_BYTES = 16 << 20
 """The most of one answer a model node can send: more is refused, streamed or not."""
 
@@ -135,7 +136,7 @@ class Exchange:
             self.changed.set()
 
     def check_paths(self) -> None:
-        live = sum(p.live for p in self.paths)
+        live = sum(p.carrying for p in self.paths)
         if live < self.k:
             self.fail(too_few_paths(live, self.k, f" of the {len(self.paths)} this request used"))
 
@@ -179,12 +180,11 @@ class UserRelay:
         self.peering = Peering(keys, self._on_peer, self._authorized, on_close=self._peer_closed,
                                refresh=self.refresh_directory)
         self.paths = PathManager(keys.public, self._send, lambda: sorted(self.view.users),
-                                 settings=settings or PathSettings(target=max(config.proxies, config.n),
-                                                                   ping_interval=config.ping_interval),
-                                 rng=rng)
+                                 settings=settings or path_settings(config), rng=rng)
         self.paths.on_clove = self._on_clove
         self.paths.on_unreachable = self._node_unreachable
         self.paths.on_death.append(self._path_died)
+        self.paths.in_use = lambda path: any(path in e.paths for e in self.exchanges.values())
         self.relay = Relay(onion.exchange_secret(keys.identity), self._send,
                            is_user=lambda key: key in self.view.users,
                            is_node=lambda key: self.view.node(key) is not None, owner=self.paths)
@@ -333,7 +333,7 @@ class UserRelay:
         if exchange.messages < 2:
             return
         for path in exchange.paths:
-            if path.live and 2 * exchange.delivered[path] < exchange.messages:
+            if path.carrying and 2 * exchange.delivered[path] < exchange.messages:
                 self._penalize_dropping(path)
 
     # -- asking ------------------------------------------------------------------------------------------
@@ -483,17 +483,30 @@ class UserRelay:
 
     def status(self) -> dict[str, Any]:
         now = time.monotonic()
+        live = self.paths.live()
         return {
             "user": self.keys.public.hex(), "address": self.config.address,
             "directory_height": self.view.height,
             "users": len(self.view.users), "model_nodes": len(self.view.nodes),
             "registered_nodes": len(self.view.registered),
-            "paths": [{"proxy": p.proxy.hex(), "age": round(now - p.created, 1), "misses": p.misses}
-                      for p in self.paths.live()],
+            "paths": [{"proxy": p.proxy.hex(), "age": round(now - p.created, 1), "misses": p.misses,
+                       "replaced_in": round(max(p.expires - now, 0.0), 1) if p.expires != INF else None,
+                       "listed": p.listed}
+                      for p in live],
+            "distinct_proxies": len({p.proxy for p in live}),
+            "rotations": self.paths.counters["rotated"],
             "relayed_paths": len(self.relay.forward), "counters": dict(self.counters),
             "path_counters": dict(self.paths.counters), "relay_counters": dict(self.relay.counters),
             "last_path_error": self.paths.last_error,
         }
+
+
+def path_settings(config: UserConfig) -> PathSettings:
+    """The paths a relay keeps, from its configuration: N = max(proxies, n), pinged every
+    `ping_interval`, replaced after about `path_lifetime`; a replaced path stays open for answers as
+    long as a request waits for its next part."""
+    return PathSettings(target=max(config.proxies, config.n), ping_interval=config.ping_interval,
+                        lifetime=config.path_lifetime, retire_grace=config.response_timeout)
 
 
 def new_session_id() -> str:

@@ -6,11 +6,19 @@ can forge it) comes back. Paths die when a relay reports them down (a neighbour 
 pings go unanswered or come back altered, or when the messaging layer sees the path drop or corrupt
 cloves; the relays of a misbehaving path are avoided for a while, since the user cannot tell which of
 them misbehaved without learning more about the path than it should.
+
+Paths are also replaced while they work (rotation): each after a lifetime drawn around
+`PathSettings.lifetime`, and each that was built from a markedly shorter user list than the one now
+verified, so a path chosen while few users were listed (the first minutes of a network, when several
+paths had to share relays and proxies) does not stay on them. One path is replaced at a time and never
+by dropping below the target: the replacement is built first, then the old path stops taking new
+requests (`retiring`) and is torn down once the answers it carries are in (or after `retire_grace`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import hmac
 import logging
@@ -28,6 +36,8 @@ from planetserve.node.overlay.transport import TransportError
 
 log = logging.getLogger(__name__)
 
+_SYSTEM = secrets.SystemRandom()
+
 
 @dataclass(frozen=True)
 class PathSettings:
@@ -43,6 +53,24 @@ class PathSettings:
     avoid_seconds: float = 600.0
     """How long relays of a path that dropped or corrupted traffic are avoided."""
     failed_setup_avoid_seconds: float = 60.0
+    lifetime: float = 600.0
+    """Seconds a path serves before it is replaced by one over freshly chosen relays (0: never). A path
+    that lives long lets its proxy (and a colluding first relay) collect every request of the user that
+    it carries, and keeps the user on relays chosen from whatever list was verified when it was built;
+    ten minutes bounds that to a few dozen requests per path at interactive rates, while rebuilding
+    costs only 3 public-key operations per relay per path, about one setup every two minutes per user
+    at N = 5."""
+    lifetime_jitter: float = 0.25
+    """Each path's lifetime is drawn uniformly from lifetime·[1 − jitter, 1 + jitter], so paths built
+    together are not all replaced together (and their replacement times do not mark them as one
+    user's)."""
+    list_growth: float = 0.25
+    """A path built while the user list held L users is rebuilt once it holds more than L·(1 + this)
+    users (and at least one more): a small list forced relays and proxies to repeat across paths, a
+    grown one lets them spread; the fraction keeps a large network's steady joins from rotating paths
+    at every refresh."""
+    retire_grace: float = 120.0
+    """How long a replaced path stays open for the answers still coming back over it."""
 
 
 @dataclass(eq=False)
@@ -56,7 +84,13 @@ class Path:
     reply_key: bytes = field(repr=False)
     """Seals the answer cloves model nodes send back over this path."""
     created: float = field(default_factory=time.monotonic)
+    listed: int = 0
+    """Users in the verified list the path's relays were chosen from."""
+    expires: float = float("inf")
+    """When (monotonic) the path is due to be replaced."""
     state: str = "building"
+    """building, live, retiring (replaced: carries the answers still in flight, takes no new request),
+    then gone from the manager."""
     misses: int = 0
     ready: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
@@ -71,6 +105,11 @@ class Path:
     @property
     def live(self) -> bool:
         return self.state == "live"
+
+    @property
+    def carrying(self) -> bool:
+        """Answers over it still arrive: live, or retiring after its replacement went live."""
+        return self.state in ("live", "retiring")
 
     def seal(self, destination: bytes, data: bytes) -> bytes:
         """A payload only our proxy can open: data for the model node `destination` (empty: a ping)."""
@@ -96,10 +135,12 @@ class PathManager:
         self.on_clove: CloveSink = lambda _path, _data: None
         self.on_unreachable: UnreachableSink = lambda _path, _node: None
         self.on_death: list[Callable[[Path], None]] = []
+        self.in_use: Callable[[Path], bool] = lambda _path: False
+        """Whether a request in flight still waits for answers over the path (retiring waits for it)."""
         self._pings: dict[bytes, tuple[bytes, asyncio.Future]] = {}
         self._filling = asyncio.Lock()
         self.counters = {"built": 0, "setup_failures": 0, "died": 0, "penalized": 0, "pings_failed": 0,
-                         "altered": 0}
+                         "altered": 0, "rotated": 0, "rotation_failures": 0}
         self._tasks: set[asyncio.Task] = set()
         self.last_error: str | None = None
 
@@ -114,18 +155,28 @@ class PathManager:
         busy = {r for p in self.paths.values() for r in p.route}
         return set(self.avoided) | busy
 
-    async def build(self) -> Path | None:
-        """One new path, or None if its setup failed (its relays are then avoided for a while)."""
+    def _lifetime(self) -> float:
+        settings = self.settings
+        if settings.lifetime <= 0:
+            return float("inf")
+        spread = settings.lifetime * min(max(settings.lifetime_jitter, 0.0), 1.0)
+        return (self.rng or _SYSTEM).uniform(settings.lifetime - spread, settings.lifetime + spread)
+
+    async def build(self, replacing: Path | None = None) -> Path | None:
+        """One new path, or None if its setup failed (its relays are then avoided for a while). Its
+        proxy ends none of our other paths whenever the list allows (`replacing`'s only as a last resort)."""
+        users = self.users()
+        proxies = {p.proxy for p in self.paths.values() if p is not replacing and p.state != "retiring"}
         try:
-            (route,) = choose_routes(self.users(), 1, length=self.settings.length, exclude={self.me},
-                                     avoid=self._avoid_set(), rng=self.rng)
+            (route,) = choose_routes(users, 1, length=self.settings.length, exclude={self.me},
+                                     avoid=self._avoid_set(), proxies=proxies, rng=self.rng)
         except NotEnoughRelays as exc:
             self.last_error = str(exc)
             return None
         links = [secrets.token_bytes(onion.ID_SIZE) for _ in route]
         path = Path(links[0], route, secrets.token_bytes(onion.ID_SIZE),
                     secrets.token_bytes(onion.TOKEN_SIZE), secrets.token_bytes(onion.KEY_SIZE),
-                    secrets.token_bytes(onion.KEY_SIZE))
+                    secrets.token_bytes(onion.KEY_SIZE), listed=len(users))
         layers = [onion.relay_layer(links[i + 1], route[i + 1]) for i in range(len(route) - 1)]
         layers.append(onion.proxy_layer(path.reply_id, path.token, path.key))
         self.paths[(path.first, path.link)] = path  # before any await: concurrent builds avoid its relays
@@ -144,12 +195,13 @@ class PathManager:
                 raise
             return None
         self.counters["built"] += 1
+        path.expires = time.monotonic() + self._lifetime()
         return path
 
     async def fill(self) -> int:
         """Build paths until `target` are live (one round; failures are retried next round)."""
         async with self._filling:
-            missing = self.settings.target - len(self.paths)  # live and still building
+            missing = self.settings.target - sum(p.state in ("building", "live") for p in self.paths.values())
             if missing <= 0:
                 return 0
             built = await asyncio.gather(*(self.build() for _ in range(missing)))
@@ -166,11 +218,57 @@ class PathManager:
         return True
 
     async def maintain(self) -> None:
-        """Forever: ping every live path, replace the dead."""
+        """Forever: ping every live path, replace the dead, rotate one that is due."""
         while True:
             await self.fill()
             await asyncio.gather(*(self.ping(p) for p in self.live()))
+            if (due := self.due()) is not None:
+                await self.rotate(due)
             await asyncio.sleep(self.settings.ping_interval)
+
+    # -- rotating ------------------------------------------------------------------------------------
+
+    def stale(self, path: Path, listed: int) -> bool:
+        """Built from a list that has since grown to `listed` users, by more than `list_growth`."""
+        return listed > path.listed and listed > path.listed * (1 + self.settings.list_growth)
+
+    def due(self) -> Path | None:
+        """The live path to replace next, if any (only while all `target` are live): the one longest
+        past its lifetime, else one built from a list since grown, those sharing a proxy first."""
+        live = self.live()
+        if len(live) < self.settings.target:
+            return None
+        now = time.monotonic()
+        expired = [p for p in live if p.expires <= now]
+        if expired:
+            return min(expired, key=lambda p: p.expires)
+        listed = len(self.users())
+        stale = [p for p in live if self.stale(p, listed)]
+        if not stale:
+            return None
+        ends = collections.Counter(p.proxy for p in live)
+        return min(stale, key=lambda p: (ends[p.proxy] == 1, p.created))
+
+    async def rotate(self, old: Path) -> bool:
+        """Replace `old`: build its successor first; once that is live, `old` takes no new requests and
+        is torn down when the answers it carries are in. False when the new path could not be built
+        (`old` serves on and is tried again next round)."""
+        new = await self.build(replacing=old)
+        if new is None:
+            self.counters["rotation_failures"] += 1
+            return False
+        if old.state == "live":
+            old.state = "retiring"
+            self.counters["rotated"] += 1
+            self.spawn(self._retire(old))
+        return True
+
+    async def _retire(self, path: Path) -> None:
+        deadline = time.monotonic() + self.settings.retire_grace
+        while path.state == "retiring" and self.in_use(path) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        if path.state == "retiring":
+            await self.drop(path, "replaced")
 
     async def ping(self, path: Path) -> bool:
         """Ask the proxy to echo a random value back; a miss or an altered echo counts against it."""
@@ -208,13 +306,14 @@ class PathManager:
     def _die(self, path: Path, reason: str) -> bool:
         if self.paths.pop((path.first, path.link), None) is None:
             return False
-        was_live = path.live
+        was_live, was_carrying = path.live, path.carrying
         path.state = "dead"
         if not path.ready.done():
             path.ready.set_exception(TransportError(reason))
             path.ready.exception()
         if was_live:
             self.counters["died"] += 1
+        if was_carrying:
             log.info("path via proxy %s died: %s", path.proxy.hex()[:16], reason)
             for listener in self.on_death:
                 listener(path)
@@ -264,7 +363,7 @@ class PathManager:
                 pending[1].set_result(hmac.compare_digest(pending[0], data))
         elif kind == "unreachable":
             self.on_unreachable(path, data)
-        elif path.live:
+        elif path.carrying:
             try:
                 _, clove = onion.open_payload(path.reply_key, onion.REPLY, data)
             except onion.OnionError:
