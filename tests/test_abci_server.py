@@ -7,6 +7,7 @@ import socket
 import threading
 
 import pytest
+from google.protobuf.timestamp_pb2 import Timestamp
 from harness import AppHarness, sqlite_url
 from hypothesis import given
 from hypothesis import strategies as st
@@ -154,3 +155,47 @@ def test_error_in_a_consensus_method_stops_the_server(tmp_path):
     thread.join(10)
     assert not thread.is_alive()
     assert outcome and "Commit without a finalized block" in str(outcome[0])
+
+
+def test_a_query_in_progress_holds_up_no_other_connection(tmp_path):
+    """Queries run on worker threads: while one is being answered, the consensus connection's requests
+    (here a block: FinalizeBlock, Commit) are answered; the query's own connection answers in order."""
+    harness = AppHarness(sqlite_url(tmp_path))
+    harness.block()
+    started, release = threading.Event(), threading.Event()
+    real_query = harness.app.query
+
+    def slow_query(req: abci.RequestQuery) -> abci.ResponseQuery:
+        started.set()
+        assert release.wait(20)
+        return real_query(req)
+
+    harness.app.query = slow_query  # type: ignore[method-assign]
+    srv = AbciServer(harness.app)
+    ports: list[int] = []
+    ready = threading.Event()
+    thread = threading.Thread(target=asyncio.run, daemon=True, args=(srv.serve(
+        "127.0.0.1", 0, handle_signals=False, ready=lambda p: (ports.append(p), ready.set())),))
+    thread.start()
+    assert ready.wait(10)
+    flush = frame(abci.Request(flush=abci.RequestFlush()))
+    try:
+        with socket.create_connection(("127.0.0.1", ports[0]), timeout=10) as query, \
+                socket.create_connection(("127.0.0.1", ports[0]), timeout=10) as consensus:
+            query.sendall(frame(abci.Request(query=abci.RequestQuery(path="/key", data=b"params"))) +
+                          frame(abci.Request(echo=abci.RequestEcho(message="after"))) + flush)
+            assert started.wait(10)
+            block = abci.RequestFinalizeBlock(height=2, time=Timestamp(seconds=harness.time + 5))
+            consensus.sendall(frame(abci.Request(finalize_block=block)) +
+                              frame(abci.Request(commit=abci.RequestCommit())) + flush)
+            assert recv_response(consensus).finalize_block.app_hash
+            assert recv_response(consensus).WhichOneof("value") == "commit"
+            assert harness.store.height == 2
+            release.set()
+            answer = recv_response(query)
+            assert answer.query.code == 0 and answer.query.height == 2  # the latest when it ran
+            assert recv_response(query).echo.message == "after"
+    finally:
+        release.set()
+        srv.stop()
+        thread.join(10)

@@ -154,3 +154,54 @@ def test_the_node_holding_a_list_is_read_off_the_proof_for_its_prefix_key(h):
     res = h.query("/prefix", alone + b"\x00")
     with pytest.raises(QueryRefused, match="yet no trie node holds more than one of its entries"):
         holding_node(alone, trie.PrefixProof.decode(res.proof_ops.ops[0].data))
+
+
+def test_queries_on_another_thread_see_whole_commits_and_change_no_app_hash(tmp_path):
+    """Queries run on worker threads while blocks execute (server.py): each answer is the list of one
+    committed height, proven against that height's app hash, whatever commits meanwhile (the latest
+    height, the one before it through the undo log, older ones through the trie, and cached answers),
+    and the blocks' app hashes are those of the same blocks run without queries."""
+    import threading
+
+    h = AppHarness(sqlite_url(tmp_path), params=Params(probation_epochs=0))
+    h.block()
+    prefix = layout.user_list_prefix("eu")
+    expected = {h.store.height: 0}  # height -> users in the list
+    stop, failures, checked = threading.Event(), [], [0]
+
+    def reader() -> None:
+        n = 0
+        while not stop.is_set():
+            n += 1
+            latest = h.store.height
+            height = (0, latest, latest - 1, latest - 2, 1)[n % 5]
+            res = h.app.query(abci.RequestQuery(path="/prefix", data=prefix, height=max(height, 0), prove=True))
+            try:
+                assert res.code == 0, res.log
+                entries = decode_entries(res.value, prefix)
+                trie.verify_prefix(h.store.root_at(res.height), prefix, entries,
+                                   trie.PrefixProof.decode(res.proof_ops.ops[0].data))
+                assert len(entries) == expected[res.height], (res.height, len(entries))
+            except Exception as exc:  # reported by the main thread
+                failures.append(exc)
+                return
+            checked[0] += 1
+
+    threads = [threading.Thread(target=reader) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        users = 0
+        for _ in range(30):
+            txs = [h.tx(KeySet.generate(), "register-user", {"address": f"10.2.{users + i}.1:9000", "region": "eu"})
+                   for i in range(4)]
+            users += len(txs)
+            expected[h.store.height + 1] = users
+            assert all(r.code == 0 for r in h.block(*txs).tx_results)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert not failures, failures[0]
+    assert checked[0] >= 30
+    assert all(mine == replayed for mine, replayed in h.replay(sqlite_url(tmp_path, "replay.db")))

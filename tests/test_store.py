@@ -332,6 +332,48 @@ def test_proofs_at_earlier_heights(store: StateStore) -> None:
         store.prove_prefix(b"k/", height=7)
 
 
+def test_a_snapshot_shows_one_commit_while_later_ones_go_on(store: StateStore) -> None:
+    """A snapshot (the ABCI query workers' view) reads the commit that was latest when it opened, and
+    earlier retained heights, through its own connection: commits made meanwhile neither wait for it
+    nor show through it; a snapshot opened after them shows the new height."""
+    state: dict[int, dict[bytes, bytes]] = {}
+    rows: dict[bytes, bytes] = {}
+    roots = {}
+    for height in range(1, 6):
+        b = store.batch()
+        for i in range(0, 60, height):
+            key, value = b"k/%02d" % i, b"v%d" % height
+            b.set(key, value)
+            rows[key] = value
+        if height > 1:
+            b.delete(b"k/%02d" % (height * 7))
+            rows.pop(b"k/%02d" % (height * 7), None)
+        roots[height] = store.commit(b, height)
+        state[height] = dict(rows)
+        if height == 3:
+            snapshot = store.snapshot()
+            assert (snapshot.height, snapshot.app_hash) == (3, roots[3])
+    with snapshot:
+        assert store.height == 5
+        for height in (3, 2, 1):  # the latest rows as of 3, the undo log of 3, the trie
+            entries, proof = snapshot.prove_prefix(b"k/", 1000, height)
+            assert entries == sorted(state[height].items())
+            verify_prefix(roots[height], b"k/", entries, proof)
+        value, proof = snapshot.prove_prefix(b"k/14\x00", 1, 3)
+        assert value == [] and state[3].get(b"k/14") is None
+        verify_key(roots[3], b"k/14", None, proof)
+        with pytest.raises(ValueError, match="no committed state at height 4"):
+            snapshot.prove_prefix(b"k/", 1000, 4)
+        with pytest.raises(TooManyEntriesError):
+            snapshot.prove_prefix(b"k/", 10, 3)
+    with store.snapshot() as later:
+        assert later.height == 5
+        for height in (5, 4, 3):
+            entries, proof = later.prove_prefix(b"k/", 1000, height)
+            assert (entries, proof) == store.prove_prefix(b"k/", 1000, height)
+            assert entries == sorted(state[height].items())
+
+
 # -- the store agrees with the pure trie ---------------------------------------------------------
 
 key_st = st.one_of(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -93,8 +94,12 @@ class Application:
         self._admitted = Admission(mempool=True)
         self._verified: OrderedDict[bytes, None] = OrderedDict()
         self._params: Params | None = None
-        # Many clients read the same signed list at the same height: keep the latest answers.
+        if store.height:  # queries, on other threads, read them without a batch
+            self._params = State(store.batch()).params()
+        # Many clients read the same signed list at the same height: keep the latest answers. Queries
+        # run on worker threads (server.py), so the cache has its lock.
         self._answers: OrderedDict[tuple[str, bytes, int, bool], abci.ResponseQuery] = OrderedDict()
+        self._answers_lock = threading.Lock()
 
     @property
     def params(self) -> Params:
@@ -272,19 +277,28 @@ class Application:
         """`/prefix` (data: a key prefix) answers every entry under it, as msgpack [[key without the
         prefix, value], ...]; `/key` (data: a key) one value.
         Both answer at the requested committed height (0: the latest) and carry a proof against
-        that height's app hash, which header height + 1 carries."""
+        that height's app hash, which header height + 1 carries.
+
+        Safe to call from another thread while blocks execute: it reads only committed state, through
+        a snapshot of the store (its own database connection and read transaction), never the block
+        being executed, the mempool's batch or the store's lock for its reads. The answer is that of
+        one committed height whatever commits meanwhile: the latest height is taken before the
+        snapshot opens, and a snapshot shows whole commits only, that one or a later one."""
         if req.path not in ("/prefix", "/key"):
             return self._query_error(Code.UNKNOWN_TYPE, f"unknown query path {req.path!r}")
         height = req.height or self.store.height
         cache_key = (req.path, req.data, height, req.prove)
-        cached = self._answers.get(cache_key)
-        if cached is not None:
-            self._answers.move_to_end(cache_key)
-            return cached
+        with self._answers_lock:
+            cached = self._answers.get(cache_key)
+            if cached is not None:
+                self._answers.move_to_end(cache_key)
+                return cached
         prefix = req.data + b"\x00" if req.path == "/key" else req.data
-        max_entries = self.params.max_query_entries
+        params = self._params  # set at InitChain, or at start on a store that has committed
+        max_entries = (params or Params()).max_query_entries
         try:
-            entries, proof = self.store.prove_prefix(prefix, max_entries, height)
+            with self.store.snapshot() as snapshot:
+                entries, proof = snapshot.prove_prefix(prefix, max_entries, height)
         except TooManyEntriesError as exc:  # the client reads such a list in parts (LedgerClient.entries)
             return self._query_error(Code.OVERSIZE, str(exc))
         except (TypeError, ValueError) as exc:
@@ -305,9 +319,11 @@ class Application:
             info="found" if entries else "absent",
         )
         if len(value) <= ANSWER_CACHE_MAX_BYTES:  # a committed height's answer never changes
-            self._answers[cache_key] = answer
-            if len(self._answers) > ANSWER_CACHE_ENTRIES:
-                self._answers.popitem(last=False)
+            with self._answers_lock:
+                self._answers[cache_key] = answer
+                self._answers.move_to_end(cache_key)
+                if len(self._answers) > ANSWER_CACHE_ENTRIES:
+                    self._answers.popitem(last=False)
         return answer
 
     @staticmethod

@@ -3,7 +3,12 @@ CometBFT opens (consensus, mempool, query, snapshot).
 
 Requests on one connection are answered strictly in order; a Flush request is answered once every
 earlier response has been written out. The application is synchronous and the event loop runs one
-request at a time, so connections never interleave inside the application.
+request at a time, so the consensus, mempool and snapshot connections never interleave inside the
+application. Queries are the exception: each is answered on a worker thread (at most QUERY_WORKERS at
+once) from the committed state, through a database snapshot of its own (`Application.query`), while
+the event loop goes on executing blocks; the connection that sent it reads nothing more until it is
+answered, so a flood of queries queues in CometBFT, not here, and cannot hold up FinalizeBlock or
+Commit (docs/threat-model.md, "Sends heavy ABCI queries").
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import gc
 import logging
 import signal
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from google.protobuf.message import DecodeError
 from tendermint.abci import types_pb2 as abci
@@ -24,6 +30,8 @@ log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 128 << 20
 OUTPUT_BUFFER = 1 << 20
+QUERY_WORKERS = 2
+"""Queries answered at once, each on its own thread; more wait for one to finish."""
 
 
 def tune_gc() -> None:
@@ -103,8 +111,10 @@ class AbciServer:
 
     CONSENSUS = frozenset({"init_chain", "prepare_proposal", "process_proposal", "finalize_block", "commit"})
 
-    def __init__(self, app: Application) -> None:
+    def __init__(self, app: Application, query_workers: int = QUERY_WORKERS) -> None:
         self.app = app
+        self.query_workers = query_workers
+        self._queries: ThreadPoolExecutor | None = None
         self._handlers: dict[str, Callable] = {
             "info": app.info,
             "init_chain": app.init_chain,
@@ -142,9 +152,27 @@ class AbciServer:
         result = handler(getattr(request, kind))
         return abci.Response(**{kind: result})
 
+    def _answer_query(self, request: abci.Request) -> bytes:
+        """A query's framed response, on a worker thread (serialising a large answer there too)."""
+        try:
+            response = self.respond(request)
+        except Exception as exc:
+            log.exception("error answering query")
+            response = abci.Response(exception=abci.ResponseException(error=str(exc)))
+        return frame(response)
+
+    async def _query(self, request: abci.Request) -> bytes:
+        """Answered by one of `query_workers` threads; beyond that many, queries wait their turn
+        (at most one per connection, since a connection is read no further until answered)."""
+        if self._queries is None:
+            self._queries = ThreadPoolExecutor(self.query_workers, thread_name_prefix="abci-query")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._queries, self._answer_query, request)
+
     async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Answer requests in order, collecting responses until a Flush (or OUTPUT_BUFFER bytes):
-        one write per batch instead of one system call per response."""
+        one write per batch instead of one system call per response. A query is awaited on a worker
+        thread, so other connections' requests run meanwhile."""
         peer = writer.get_extra_info("peername")
         output = bytearray()
         frames = FrameReader(reader)
@@ -152,6 +180,13 @@ class AbciServer:
             while True:
                 request = await frames.next()
                 kind = request.WhichOneof("value")
+                if kind == "query":
+                    output += await self._query(request)
+                    if len(output) >= OUTPUT_BUFFER:
+                        writer.write(output)
+                        output = bytearray()
+                        await writer.drain()
+                    continue
                 try:
                     response = self.respond(request)
                 except Exception as exc:
@@ -188,8 +223,12 @@ class AbciServer:
         log.info("ABCI server listening on %s:%d", host, bound)
         if ready is not None:
             ready(bound)
-        async with self._server:
-            await self._stopped.wait()
+        try:
+            async with self._server:
+                await self._stopped.wait()
+        finally:
+            if self._queries is not None:
+                self._queries.shutdown(wait=False, cancel_futures=True)
         if self.fatal is not None:
             raise SystemExit(f"stopped after a fatal error: {self.fatal}")
 

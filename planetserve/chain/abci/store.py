@@ -33,7 +33,9 @@ app hash does not depend on it: validators may keep different numbers of heights
 Nothing here depends on wall-clock time, dict order or the database engine: the app hash is a
 function of the key/value set alone.
 
-One process owns a store; its methods are thread-safe (one lock).
+One process owns a store; its methods are thread-safe (one lock). Readers on other threads (the ABCI
+query connection's workers) use `StateStore.snapshot()`: a read transaction on a connection of its
+own, which neither takes that lock for its reads nor sees part of a commit.
 
 SQLite durability: WAL with synchronous=NORMAL. A transaction is in the WAL when commit() returns,
 so a killed process (SIGKILL) loses nothing; an operating-system crash or power cut may lose the
@@ -92,6 +94,7 @@ from planetserve.chain.trie import (
 
 __all__ = [
     "Batch",
+    "Snapshot",
     "StaleBatchError",
     "StateStore",
     "StoreError",
@@ -483,6 +486,215 @@ class Batch:
         return update
 
 
+def _prove_prefix(
+    src: StateStore | Snapshot, prefix: bytes, max_entries: int, height: int | None
+) -> tuple[list[tuple[bytes, bytes]], PrefixProof]:
+    """`StateStore.prove_prefix` over one consistent source of committed state: the store under its
+    lock, or a snapshot. `src._height` is the source's latest height, `src._undo` the previous values
+    of the keys its last commit changed (or None), `src._select_prefix` reads the latest rows."""
+    latest = height is None or height == src._height
+    found = src._root_at(src._height if height is None else height)
+    if found is None:
+        if height is not None and 0 < height < src.earliest_height:
+            raise ValueError(
+                f"the state at height {height} is pruned: this validator keeps the last "
+                f"{src.keep_heights} heights (from {src.earliest_height})"
+            )
+        raise ValueError(f"no committed state at height {height}")
+    root, root_id = found
+    proof, subtree = make_prefix_proof(root, root_id, prefix, src._get_node)
+    if subtree is None:
+        return [], proof
+    undo = src._undo[1] if src._undo and src._undo[0] == height else None
+    if latest or undo is not None:
+        entries = src._select_prefix(prefix, max_entries + 1 + len(undo or ()))
+        if undo is not None:
+            entries = _rewind(entries, undo, prefix)
+        if len(entries) > max_entries:
+            raise TooManyEntriesError(f"more than {max_entries} entries under {prefix!r}")
+        if not entries:
+            raise StoreError("state_kv disagrees with the trie: the database is corrupt")
+    else:
+        try:
+            entries = collect_leaves(subtree[1], src._load_full, max_entries)
+        except OverflowError:
+            raise TooManyEntriesError(f"more than {max_entries} entries under {prefix!r}") from None
+    return entries, proof
+
+
+def _earliest(height: int, keep_heights: int) -> int:
+    if not height:
+        return 0
+    return max(1, height - keep_heights + 1) if keep_heights else 1
+
+
+def _rows_to_nodes(rows: Iterable[Any], out: dict[int, NodeRecord]) -> None:
+    for i, body, kids in rows:
+        out[i] = (bytes(body), _unpack_ids(kids) if kids is not None else ())
+
+
+def _node_queries(ids: list[int], sqlite: bool) -> Iterator[tuple[str, Any]]:
+    """The queries that read the nodes `ids` (sorted), 500 a query."""
+    for k in range(0, len(ids), _IN_CHUNK):
+        part = ids[k : k + _IN_CHUNK]
+        if sqlite:
+            yield _SQL_NODES + "IN (" + ",".join("?" * len(part)) + ")", part
+        else:
+            yield _SQL_NODES + "= ANY(%s)", (part,)
+
+
+class Snapshot:
+    """The committed state as it was when the snapshot was opened, read on a database connection of
+    the snapshot's own inside one read transaction (SQLite in WAL mode: a read transaction sees the
+    database as of its first read; PostgreSQL: REPEATABLE READ, READ ONLY). Commits go on meanwhile
+    on the store's connections, without waiting for it, and never show through it: a reader sees
+    every table as of one commit, never part of one. `height` is that commit's height; the state of
+    earlier retained heights is read from the trie (or, for the height before it, through the store's
+    undo log of that same commit). Meant for one thread at a time; open one per query and close it
+    (it is a context manager), so that its transaction does not hold old WAL frames or row versions."""
+
+    def __init__(self, store: StateStore) -> None:
+        self.keep_heights = store.keep_heights
+        self._sqlite = store._dialect == "sqlite"
+        self._dbapi_error = store._engine.dialect.dbapi.Error  # type: ignore[union-attr]
+        conn = store._engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+        self._conn: Connection | None = conn
+        try:
+            self._cur = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
+            self._exec("BEGIN" if self._sqlite else "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+            self._fixed = (lambda q: q) if self._sqlite else (lambda q: q.replace("?", "%s"))
+            rows = self._query(self._fixed('SELECT "value" FROM state_meta WHERE "name" = ?'), (_HEIGHT,))
+            self._height = int.from_bytes(bytes(rows[0][0]), "big") if rows else 0
+            self._root: tuple[bytes, int | None] = (EMPTY_ROOT, None)
+            if self._height:
+                root = self._fetch_root(self._height)
+                if root is None:
+                    raise StoreError(f"no root for the committed height {self._height}: corrupt database")
+                self._root = root
+            # the undo log belongs to the store's latest commit: it serves this snapshot if that is ours
+            with store._lock:
+                self._undo = store._undo if store._height == self._height else None
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def height(self) -> int:
+        """The height of the commit this snapshot shows (0 before the first)."""
+        return self._height
+
+    @property
+    def app_hash(self) -> bytes:
+        return self._root[0]
+
+    @property
+    def earliest_height(self) -> int:
+        return _earliest(self._height, self.keep_heights)
+
+    def prove_prefix(
+        self, prefix: bytes, max_entries: int = DEFAULT_MAX_ENTRIES, height: int | None = None
+    ) -> tuple[list[tuple[bytes, bytes]], PrefixProof]:
+        """As `StateStore.prove_prefix`, for this snapshot's height or a retained earlier one."""
+        check_prefix(prefix)
+        if self._conn is None:
+            raise StoreError("the snapshot is closed")
+        return _prove_prefix(self, prefix, max_entries, height)
+
+    def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        try:
+            self._cur.execute("ROLLBACK")  # read only: nothing to keep
+            self._cur.close()
+        except Exception:  # a broken connection: the pool must not hand it out again
+            log.debug("closing a snapshot failed", exc_info=True)
+            conn.invalidate()
+        conn.close()
+
+    def __enter__(self) -> Snapshot:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _exec(self, sql: str) -> None:
+        try:
+            self._cur.execute(sql)
+        except self._dbapi_error as exc:
+            raise StoreError(f"state database read failed: {exc}") from exc
+
+    def _query(self, sql: str, params: Any) -> list[Any]:
+        try:
+            self._cur.execute(sql, params)
+            return list(self._cur.fetchall())
+        except self._dbapi_error as exc:
+            raise StoreError(f"state database read failed: {exc}") from exc
+
+    def _fetch_root(self, height: int) -> tuple[bytes, int | None] | None:
+        sql = self._fixed("SELECT app_hash, root_id FROM state_roots WHERE height = ?")
+        rows = self._query(sql, (height,))
+        return (bytes(rows[0][0]), rows[0][1]) if rows else None
+
+    def _root_at(self, height: int) -> tuple[bytes, int | None] | None:
+        if height == 0:
+            return EMPTY_ROOT, None
+        if height == self._height:
+            return self._root
+        if height > self._height:
+            return None
+        return self._fetch_root(height)
+
+    def _get_node(self, node_id: int) -> NodeRecord:
+        return self._load_full([node_id])[node_id]
+
+    def _load_full(self, ids: list[int]) -> dict[int, NodeRecord]:
+        """Nodes by id from the database (not through the store's cache: a reader walking old heights
+        would push the nodes that blocks use out of it)."""
+        out: dict[int, NodeRecord] = {}
+        ids = sorted(ids)
+        for sql, params in _node_queries(ids, self._sqlite):
+            _rows_to_nodes(self._query(sql, params), out)
+        for i in ids:
+            if i not in out:
+                raise StoreError(f"trie node {i} is missing: the database is corrupt")
+        return out
+
+    def _select_prefix(self, prefix: bytes, limit: int) -> list[tuple[bytes, bytes]]:
+        if prefix.endswith(b"\x00"):
+            rows = self._query(self._fixed(_SQL_GET_KV), (prefix[:-1],))
+        else:
+            rows = self._query(self._fixed(_SQL_SCAN_FIRST), (prefix, prefix + b"\x80", limit))
+        return [(bytes(k), bytes(v)) for k, v in rows]
+
+
+class _LockedSnapshot:
+    """`StateStore.snapshot()` of a store whose engine has one connection for everything (SQLite in
+    memory): the store's own reads, under its lock for as long as the snapshot is open."""
+
+    def __init__(self, store: StateStore) -> None:
+        self._store = store
+        store._lock.acquire()
+        self.height = store.height
+        self.app_hash = store.app_hash
+
+    def prove_prefix(
+        self, prefix: bytes, max_entries: int = DEFAULT_MAX_ENTRIES, height: int | None = None
+    ) -> tuple[list[tuple[bytes, bytes]], PrefixProof]:
+        return self._store.prove_prefix(prefix, max_entries, height)
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store._lock.release()
+            self._store = None  # type: ignore[assignment]
+
+    def __enter__(self) -> _LockedSnapshot:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 class StateStore:
     """The committed state; see the module docstring."""
 
@@ -510,6 +722,7 @@ class StateStore:
         self._rcur: Any = None
         self._checkpointer: _Checkpointer | None = None
         self._dialect = self._engine.dialect.name
+        self._shared_connection = isinstance(self._engine.pool, StaticPool)
         _md.create_all(self._engine)
         self._prepare_statements()
         with self._engine.begin() as conn:
@@ -598,9 +811,7 @@ class StateStore:
     @property
     def earliest_height(self) -> int:
         """The earliest height whose state can still be proven (1 on an archive; 0 when empty)."""
-        if not self._height:
-            return 0
-        return max(1, self._height - self.keep_heights + 1) if self.keep_heights else 1
+        return _earliest(self._height, self.keep_heights)
 
     @property
     def app_hash(self) -> bytes:
@@ -753,37 +964,19 @@ class StateStore:
         """Every committed (key, value) whose key starts with `prefix` (a key followed by b"\\x00"
         selects that key alone), in key order, and the proof against the app hash of `height`
         (default: the latest). Raises TooManyEntriesError beyond `max_entries`, ValueError for an
-        invalid prefix or an unknown height."""
+        invalid prefix or an unknown height. Holds the store's lock throughout: a reader on another
+        thread than the one that commits uses `snapshot()` instead."""
         check_prefix(prefix)
         with self._lock:
-            latest = height is None or height == self._height
-            found = self._root_at(self._height if height is None else height)
-            if found is None:
-                if height is not None and 0 < height < self.earliest_height:
-                    raise ValueError(
-                        f"the state at height {height} is pruned: this validator keeps the last "
-                        f"{self.keep_heights} heights (from {self.earliest_height})"
-                    )
-                raise ValueError(f"no committed state at height {height}")
-            root, root_id = found
-            proof, subtree = make_prefix_proof(root, root_id, prefix, self._get_node)
-            if subtree is None:
-                return [], proof
-            undo = self._undo[1] if self._undo and self._undo[0] == height else None
-            if latest or undo is not None:
-                entries = self._select_prefix(prefix, max_entries + 1 + len(undo or ()))
-                if undo is not None:
-                    entries = _rewind(entries, undo, prefix)
-                if len(entries) > max_entries:
-                    raise TooManyEntriesError(f"more than {max_entries} entries under {prefix!r}")
-                if not entries:
-                    raise StoreError("state_kv disagrees with the trie: the database is corrupt")
-            else:
-                try:
-                    entries = collect_leaves(subtree[1], self._load_full, max_entries)
-                except OverflowError:
-                    raise TooManyEntriesError(f"more than {max_entries} entries under {prefix!r}") from None
-        return entries, proof
+            return _prove_prefix(self, prefix, max_entries, height)
+
+    def snapshot(self) -> Snapshot:
+        """A read-only view of the latest committed state, on a database connection of its own and
+        inside one read transaction, so that a commit on another thread neither waits for it nor shows
+        through it (see `Snapshot`). Use it as a context manager."""
+        if self._shared_connection:
+            return _LockedSnapshot(self)
+        return Snapshot(self)
 
     def prove_key(self, key: bytes, height: int | None = None) -> tuple[bytes | None, PrefixProof]:
         """The committed value of `key` (None if absent) and its proof."""
@@ -974,15 +1167,8 @@ class StateStore:
         """Committed nodes by id from the database, one query per 500 ids."""
         out: dict[int, NodeRecord] = {}
         ids = sorted(ids)
-        sqlite = self._dialect == "sqlite"
-        for k in range(0, len(ids), _IN_CHUNK):
-            part = ids[k : k + _IN_CHUNK]
-            if sqlite:
-                rows = self._query(_SQL_NODES + "IN (" + ",".join("?" * len(part)) + ")", part)
-            else:
-                rows = self._query(_SQL_NODES + "= ANY(%s)", (part,))
-            for i, body, kids in rows:
-                out[i] = (bytes(body), _unpack_ids(kids) if kids is not None else ())
+        for sql, params in _node_queries(ids, self._dialect == "sqlite"):
+            _rows_to_nodes(self._query(sql, params), out)
         for i in ids:
             if i not in out:
                 raise StoreError(f"trie node {i} is missing: the database is corrupt")
