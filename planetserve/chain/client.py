@@ -20,6 +20,7 @@ from planetserve.chain.errors import Code
 from planetserve.chain.keys import KeySet
 from planetserve.chain.lightclient import (
     DEFAULT_MAX_AGE,
+    FreshnessError,
     Header,
     LightBlock,
     LightClient,
@@ -175,6 +176,15 @@ class LedgerClient:
         to serve from; nothing to check for an unverified read (None) or an unverified client."""
         if self.verifier is not None and header is not None:
             self.verifier.check_fresh(header)
+
+    def staleness(self, header: Header | None) -> FreshnessError | None:
+        """Why a view read from verified `header` is now too old to serve from, if it is
+        (`check_fresh`)."""
+        try:
+            self.check_fresh(header)
+        except FreshnessError as exc:
+            return exc
+        return None
 
     # -- verified reads --------------------------------------------------------------------------
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from planetserve.chain.client import LedgerClient, QueryRefused
-from planetserve.chain.lightclient import FreshnessError, Header, VerificationError
+from planetserve.chain.lightclient import Header, VerificationError
 from planetserve.chain.rpc import RpcError
 from planetserve.registry.entities import ModelNode, User
 
@@ -81,7 +81,7 @@ class Directory:
             registered = self.ledger.registered_nodes() if self.with_nodes else []
         except (QueryRefused, VerificationError, RpcError) as exc:
             self.last_error = f"{type(exc).__name__}: {exc}"
-            if (stale := self._too_old()) is not None:
+            if (stale := self.ledger.staleness(self.view.header)) is not None:
                 log.warning("directory refresh failed (%s) and the lists held are too old to serve from, "
                             "dropped them until a fresh view verifies: %s", exc, stale)
                 self.view = DirectoryView(self.view.height)
@@ -92,14 +92,6 @@ class Directory:
         if users_listing.height >= self.view.height:
             self.view = DirectoryView.of(users_listing.height, users, nodes, registered, users_listing.header)
         return self.view
-
-    def _too_old(self) -> FreshnessError | None:
-        """Why the held view is now too old to serve from, if it is."""
-        try:
-            self.ledger.check_fresh(self.view.header)
-        except FreshnessError as exc:
-            return exc
-        return None
 
 
 class OnDemand(Generic[T]):

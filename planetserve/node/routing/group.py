@@ -9,7 +9,7 @@ import logging
 from dataclasses import dataclass
 
 from planetserve.chain.client import LedgerClient, QueryRefused
-from planetserve.chain.lightclient import FreshnessError, Header, VerificationError
+from planetserve.chain.lightclient import Header, VerificationError
 from planetserve.chain.rpc import RpcError
 from planetserve.registry.entities import ModelNode
 
@@ -49,7 +49,7 @@ class Group:
             listing, nodes = self.ledger.nodes(self.model_id)
         except (QueryRefused, VerificationError, RpcError) as exc:
             self.last_error = f"{type(exc).__name__}: {exc}"
-            if (stale := self._too_old()) is not None:
+            if (stale := self.ledger.staleness(self.view.header)) is not None:
                 log.warning("node list refresh failed (%s) and the list held is too old to serve from, "
                             "dropped it until a fresh view verifies: %s", exc, stale)
                 self.view = GroupView(self.view.height, {})
@@ -61,11 +61,3 @@ class Group:
             self.view = GroupView(listing.height, {n.pubkey: n for n in nodes if n.status == "active"},
                                   listing.header)
         return self.view
-
-    def _too_old(self) -> FreshnessError | None:
-        """Why the held view is now too old to serve from, if it is."""
-        try:
-            self.ledger.check_fresh(self.view.header)
-        except FreshnessError as exc:
-            return exc
-        return None
