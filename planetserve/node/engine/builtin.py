@@ -37,7 +37,7 @@ from planetserve.node.engine.base import (
     TokenLogprob,
 )
 from planetserve.node.engine.kvcache import PrefixCache
-from planetserve.sampling import sample
+from planetserve.sampling import check_top_p, sample
 
 log = logging.getLogger(__name__)
 
@@ -270,8 +270,10 @@ class BuiltinEngine:
             raise EngineError("max_tokens must be >= 1")
         if not math.isfinite(request.temperature) or request.temperature < 0:
             raise EngineError("temperature must be a finite number >= 0")
-        if not (math.isfinite(request.top_p) and 0 <= request.top_p <= 1):
-            raise EngineError("top_p must lie in [0, 1]")
+        try:
+            check_top_p(request.top_p)
+        except ValueError as exc:
+            raise EngineError(str(exc)) from None
         if request.seed is not None and not 0 <= request.seed < 1 << 64:
             raise EngineError("seed must lie in [0, 2**64)")
         if request.logprobs is not None and not 0 <= request.logprobs <= min(MAX_LOGPROBS, self.vocab_size):

@@ -49,7 +49,7 @@ from planetserve.node.pipeline.stages import (
     decode_tensor,
     max_step_tokens,
 )
-from planetserve.sampling import sample
+from planetserve.sampling import check_top_p, sample
 
 log = logging.getLogger(__name__)
 
@@ -189,8 +189,10 @@ class PipelineClient:
             raise PipelineError("max_tokens must be >= 1")
         if not math.isfinite(request.temperature) or request.temperature < 0:
             raise PipelineError("temperature must be a finite number >= 0")
-        if not (math.isfinite(request.top_p) and 0 <= request.top_p <= 1):
-            raise PipelineError("top_p must lie in [0, 1]")
+        try:
+            check_top_p(request.top_p)
+        except ValueError as exc:
+            raise PipelineError(str(exc)) from None
         if any(not 0 <= t < vocab for t in prompt):
             raise PipelineError(f"prompt token ids must lie in [0, {vocab})")
         if len(prompt) + request.max_tokens > self.shape.max_positions:
