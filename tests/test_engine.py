@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import math
 import threading
 from collections.abc import Awaitable, Callable
 
 import pytest
 import torch
+from enginefaults import fault
 from transformers import LlamaForCausalLM
 
 from planetserve.node.engine.base import (
@@ -20,12 +22,14 @@ from planetserve.node.engine.base import (
     CacheEvent,
     EngineError,
     EngineLoad,
+    EngineOverloaded,
     GenerationRequest,
     TokenChunk,
 )
 from planetserve.node.engine.builtin import BuiltinEngine, prefill
 from planetserve.node.engine.kvcache import PrefixCache, block_hash, block_hashes
 from planetserve.node.engine.profile import random_llama, random_prompts
+from planetserve.node.home import HomeError, ModelNodeConfig
 
 VOCAB = 512
 
@@ -379,3 +383,162 @@ def test_a_late_listener_first_receives_the_current_cache(model: LlamaForCausalL
 
     serve(model, body)
 
+
+
+# -- chunked prefill, failures and memory admission --------------------------------------------------
+
+
+POISON = VOCAB - 1
+
+
+def poisoned_prefill(ids: torch.Tensor) -> bool:
+    return ids.shape[1] > 1 and bool((ids == POISON).any())
+
+
+def test_a_chunked_prefill_gives_the_same_tokens_as_one_forward(model: LlamaForCausalLM) -> None:
+    long_prompts = prompts(3, 300, seed=12)
+    whole: list[list[int]] = []
+
+    async def one_forward(engine: BuiltinEngine) -> None:
+        whole.extend([await tokens(engine, GenerationRequest(p, 12)) for p in long_prompts])
+
+    async def chunked(engine: BuiltinEngine) -> None:
+        out = await asyncio.gather(*(tokens(engine, GenerationRequest(p, 12)) for p in long_prompts))
+        assert out == whole
+        assert engine.stats().prefill_tokens == 900  # every prompt position computed exactly once
+
+    serve(model, one_forward, prefill_chunk=512)
+    serve(model, chunked, prefill_chunk=37)
+
+
+@pytest.mark.parametrize(("chunk", "fewest", "most"), [(32, 8, 60), (512, 0, 2)])
+def test_a_long_prompt_costs_running_decodes_one_chunk_per_step(
+    model: LlamaForCausalLM, chunk: int, fewest: int, most: int
+) -> None:
+    """Tokens the running request receives while a 480-token prompt is prefilled: about one per chunk
+    of 32, where an unchunked prefill lets none through."""
+    short, long_ = prompts(1, 8, seed=13)[0], prompts(1, 480, seed=14)[0]
+    seen: list[str] = []
+
+    async def body(engine: BuiltinEngine) -> None:
+        running = engine.generate(GenerationRequest(short, 60))
+        await anext(running)
+
+        async def drain() -> None:
+            async for _ in running:
+                seen.append("short")
+
+        async def arrive() -> None:
+            async for _ in engine.generate(GenerationRequest(long_, 1)):
+                seen.append("long")
+
+        await asyncio.gather(drain(), arrive())
+
+    serve(model, body, prefill_chunk=chunk)
+    assert fewest <= seen.index("long") <= most
+
+
+def test_a_failing_request_fails_alone_and_the_engine_keeps_serving(model: LlamaForCausalLM) -> None:
+    good = prompts(3, 30, seed=15)
+    bad = (*prompts(1, 30, seed=16)[0], POISON)
+    alone: list[list[int]] = []
+
+    async def reference(engine: BuiltinEngine) -> None:
+        alone.extend([await tokens(engine, GenerationRequest(p, 20)) for p in good])
+
+    async def body(engine: BuiltinEngine) -> None:
+        with fault(model, poisoned_prefill):
+            results = await asyncio.gather(
+                *(tokens(engine, GenerationRequest(p, 20)) for p in [good[0], bad, *good[1:]]),
+                return_exceptions=True,
+            )
+        assert isinstance(results[1], EngineError)
+        assert "generation failed" in str(results[1]) and "injected device fault" in str(results[1])
+        assert [results[0], *results[2:]] == alone
+        assert await tokens(engine, GenerationRequest(bad, 3))  # the same prompt, once the device is well
+        assert engine.load() == EngineLoad(running=0, queued=0, capacity=8)
+        assert all(engine.cache.block(h).refs == 0 for h in engine.cache)
+
+    serve(model, reference)
+    serve(model, body)
+
+
+def test_a_failed_decode_step_fails_its_batch_and_the_engine_keeps_serving(model: LlamaForCausalLM) -> None:
+    first, second, later = prompts(3, 20, seed=17)
+    armed = threading.Event()
+
+    def decode_once(ids: torch.Tensor) -> bool:
+        if ids.shape[1] == 1 and armed.is_set():
+            armed.clear()
+            return True
+        return False
+
+    async def body(engine: BuiltinEngine) -> None:
+        with fault(model, decode_once):
+            streams = [engine.generate(GenerationRequest(p, 50)) for p in (first, second)]
+            for stream in streams:
+                await anext(stream)
+            armed.set()
+            for stream in streams:
+                with pytest.raises(EngineError, match="injected device fault"):
+                    async for _ in stream:
+                        pass
+            assert len(await tokens(engine, GenerationRequest(later, 10))) == 10
+
+    serve(model, body)
+
+
+def test_kv_memory_is_reserved_at_admission_and_refused_when_it_cannot_fit(model: LlamaForCausalLM) -> None:
+    a, b, c = prompts(3, 60, seed=18)
+    peak: list[EngineLoad] = []
+
+    async def body(engine: BuiltinEngine) -> None:
+        with pytest.raises(EngineError, match=r"needs more KV memory than this engine has \(200 positions\)"):
+            await anext(engine.generate(GenerationRequest(a, 141)))
+
+        async def one(prompt: tuple[int, ...]) -> int:
+            count = 0
+            async for _ in engine.generate(GenerationRequest(prompt, 40)):
+                peak.append(engine.load())
+                count += 1
+            return count
+
+        assert await asyncio.gather(*(one(p) for p in (a, b, c))) == [40, 40, 40]
+        assert max(load.running for load in peak) == 2  # 3 x 100 positions would not fit in 200
+        assert any(load.queued == 1 for load in peak)
+
+    serve(model, body, kv_budget_tokens=200)
+
+
+def test_a_full_queue_is_refused_as_overloaded(model: LlamaForCausalLM) -> None:
+    hog, waiting, refused = prompts(3, 20, seed=19)
+
+    async def body(engine: BuiltinEngine) -> None:
+        with fault(model, lambda ids: False) as paused:
+            running = engine.generate(GenerationRequest(hog, 30))
+            await anext(running)
+            paused.gate.clear()  # the engine stalls inside its next forward
+            queued = asyncio.ensure_future(tokens(engine, GenerationRequest(waiting, 5)))
+            await asyncio.sleep(0.05)
+            assert engine.load().queued == 1
+            with pytest.raises(EngineOverloaded, match="1 requests are already waiting"):
+                await anext(engine.generate(GenerationRequest(refused, 5)))
+            paused.gate.set()
+            assert len([c async for c in running]) == 29
+            assert len(await queued) == 5
+
+    serve(model, body, max_batch=1, max_queue=1)
+
+
+def test_the_node_home_sizes_the_engines_prefill_chunk_and_kv_budget(tmp_path) -> None:
+    config = ModelNodeConfig(org_id="acme", model_id="m", prefill_chunk=128, kv_budget_tokens=4096)
+    config.save(tmp_path)
+    loaded = ModelNodeConfig.load(tmp_path)
+    assert (loaded.prefill_chunk, loaded.kv_budget_tokens) == (128, 4096)
+    raw = json.loads((tmp_path / "node.json").read_text())
+    for bad in ({"prefill_chunk": 0}, {"kv_budget_tokens": -1}):
+        (tmp_path / "node.json").write_text(json.dumps({**raw, **bad}))
+        with pytest.raises(HomeError, match="prefill_chunk must be >= 1 and kv_budget_tokens >= 0"):
+            ModelNodeConfig.load(tmp_path)
+    with pytest.raises(ValueError, match="prefill_chunk and max_queue must be >= 1"):
+        BuiltinEngine(random_llama(), "m", prefill_chunk=0)

@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 import torch
+from enginefaults import fault
 from openai import AsyncOpenAI, OpenAI
 from overlaynet import make_user, start_overlay
 from waiting import run
@@ -364,6 +365,43 @@ def test_a_pipelined_model_refuses_logprobs_with_a_clear_400(gt):
             assert "pipeline" in refused.value.message
         finally:
             await server.close()
+
+    run(main())
+
+
+def test_a_failing_request_gets_a_500_a_full_queue_a_503_and_the_others_their_answers(gt):
+    """Through the OpenAI client: the engine's own failure of one request and its refusal of one more
+    than its queue holds arrive in OpenAI's error shape, while the requests beside them complete."""
+    poison = gt.tokenizer("json")["input_ids"][-1]
+
+    async def main() -> None:
+        engine = BuiltinEngine(gt.model, "gt", max_batch=1, max_queue=1)
+        server = EngineServer(engine, gt.tokenizer, model_name="gt", eos_token_ids=gt.stop_token_ids)
+        url = await server.start()
+        api = AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        ask = {"model": "gt", "max_tokens": 8, "temperature": 0}
+        try:
+            with fault(gt.model, lambda ids: ids.shape[1] > 1 and bool((ids == poison).any())) as paused:
+                with pytest.raises(openai.InternalServerError) as failed:
+                    await api.completions.create(prompt="The json module", **ask)
+                assert "injected device fault" in failed.value.message
+                running = await api.completions.create(prompt="The os module", stream=True, **ask)
+                first = await anext(running)
+                paused.gate.clear()
+                queued = asyncio.ensure_future(api.completions.create(prompt="The re module", **ask))
+                while engine.load().queued < 1:
+                    await asyncio.sleep(0.01)
+                with pytest.raises(openai.InternalServerError) as refused:
+                    await api.completions.create(prompt="The sys module", **ask)
+                assert refused.value.status_code == 503 and refused.value.code == "overloaded"
+                assert "already waiting" in refused.value.message
+                paused.gate.set()
+                rest = [chunk async for chunk in running]
+                assert (first.choices or rest[0].choices) and rest[-1].choices[0].finish_reason
+                assert (await queued).choices[0].finish_reason in ("stop", "length")
+        finally:
+            await server.close()
+            await engine.close()
 
     run(main())
 

@@ -67,6 +67,13 @@ class ModelNodeConfig(LedgerHome):
     max_tokens: int = 128
     cache_tokens: int = 8192
     block_size: int = 16
+    prefill_chunk: int = 512
+    """Prompt tokens the built-in engine prefills per step, so a long prompt never stalls running decodes
+    for more than one chunk's time."""
+    kv_budget_tokens: int = 0
+    """KV positions the built-in engine may reserve for running sequences; 0 sizes it from the GPU's free
+    memory (on a CPU, capacity x the model's length). Beyond it requests wait, and past a full queue
+    they are refused with 503."""
     hash_bits: int = 8
     match_depth: int = 2
     sync_interval: float = 5.0
@@ -82,6 +89,8 @@ class ModelNodeConfig(LedgerHome):
         if self.engine_sampling not in ENGINE_SAMPLING:
             raise ValueError(f"unknown engine_sampling {self.engine_sampling!r}; valid: "
                              f"{', '.join(ENGINE_SAMPLING)}")
+        if self.prefill_chunk < 1 or self.kv_budget_tokens < 0:
+            raise ValueError("prefill_chunk must be >= 1 and kv_budget_tokens >= 0 (0 sizes it from memory)")
 
     @property
     def address(self) -> str:

@@ -51,7 +51,9 @@ def builtin_engine(config: ModelNodeConfig) -> tuple[Engine, Tokenizer, int, tup
     loaded = load(config.model, data_dir=config.data_dir or None)
     # No engine-wide stop ids: each request carries its own (EOS unless the client asked ignore_eos).
     engine = BuiltinEngine(loaded.model, config.model_id, block_size=config.block_size,
-                           max_batch=config.capacity, cache_capacity_tokens=config.cache_tokens)
+                           max_batch=config.capacity, cache_capacity_tokens=config.cache_tokens,
+                           prefill_chunk=config.prefill_chunk,
+                           kv_budget_tokens=config.kv_budget_tokens or None)
     return engine, loaded.tokenizer, engine.vocab_size, loaded.stop_token_ids
 
 

@@ -36,6 +36,8 @@ from planetserve.node.api.surface import EVENT_STREAM, ApiServer, Document, Repl
 from planetserve.node.engine.base import (
     Engine,
     EngineError,
+    EngineFailure,
+    EngineOverloaded,
     GenerationRequest,
     PromptLogprobs,
     TokenChunk,
@@ -188,6 +190,10 @@ class EngineServer:
         except UnsupportedParameter as exc:
             refused = ApiError(400, str(exc), param=exc.param, code="unsupported_parameter")
             return Reply.json(refused.body(), 400)
+        except EngineOverloaded as exc:
+            return Reply.json(overloaded(f"The server is overloaded: {exc}.").body(), 503)
+        except EngineFailure as exc:
+            return Reply.json(ApiError(500, f"Generation failed: {exc}", type="server_error").body(), 500)
         except EngineError as exc:
             return Reply.json(ApiError(400, f"The engine rejected the request: {exc}").body(), 400)
         meta = ResponseMeta.new(endpoint, model)

@@ -13,6 +13,16 @@ class EngineError(Exception):
     """A request the engine cannot serve (too long, bad parameters, engine stopped)."""
 
 
+class EngineFailure(EngineError):
+    """The engine's own work for a request failed (a device error, say): the request is not at fault,
+    so an API answers 500."""
+
+
+class EngineOverloaded(EngineError):
+    """Too many requests are waiting for memory or a batch slot; an API answers 503 and the client
+    retries later."""
+
+
 class UnsupportedParameter(EngineError):
     """A request parameter this engine does not implement (an API answers 400 naming `param`)."""
 

@@ -1,11 +1,18 @@
 """The built-in engine: a transformers causal LM served with a block prefix cache and continuous
 batching (iteration-level scheduling) on one worker thread.
 
-Each iteration admits queued requests up to capacity, prefills each (only the part of the prompt the
-prefix cache does not hold), then runs one decode step over every running sequence. The running
-sequences share one left-padded KV batch: a sequence's KV is always the rightmost `kv_len` columns of
-its row, the padding is masked out and each row gets its own position ids, so a batched greedy
-decode gives the same tokens as decoding that sequence alone.
+Each iteration admits queued requests while capacity and KV memory allow, runs one decode step over
+every running sequence, then spends at most `prefill_chunk` prompt tokens on prefilling admitted
+sequences (only the part of each prompt the prefix cache does not hold), so a long prompt costs the
+running decodes one chunk per step rather than a stall. The running sequences share one left-padded
+KV batch: a sequence's KV is always the rightmost `kv_len` columns of its row, the padding is masked
+out and each row gets its own position ids, so a batched greedy decode gives the same tokens as
+decoding that sequence alone.
+
+A failure in one sequence's prefill fails that request alone; a failed decode step fails the
+sequences in that batch; either way the engine goes on serving. Admission reserves each sequence's
+KV (prompt + max_tokens, at the padded batch's width) against `kv_budget_tokens`, so memory is
+refused up front (EngineOverloaded once the queue is full) instead of running out mid-batch.
 
 Only full-attention decoder models fit: the cache keeps every position's KV.
 """
@@ -30,7 +37,9 @@ from planetserve.node.engine.base import (
     MAX_LOGPROBS,
     CacheEvent,
     EngineError,
+    EngineFailure,
     EngineLoad,
+    EngineOverloaded,
     GenerationRequest,
     PromptLogprobs,
     TokenChunk,
@@ -42,24 +51,37 @@ from planetserve.sampling import check_top_p, sample
 log = logging.getLogger(__name__)
 
 
-def prefill(
-    model: PreTrainedModel, token_ids: Sequence[int], cached: torch.Tensor | None
-) -> tuple[torch.Tensor, DynamicCache]:
-    """Logits after the last token and the KV of all tokens, computing only the positions `cached`
-    ([layers, 2, kv_heads, n, head_dim], the KV of the first n tokens) does not cover."""
+def cached_past(cached: torch.Tensor | None) -> DynamicCache:
+    """A one-row KV cache holding `cached` ([layers, 2, kv_heads, n, head_dim]), or an empty one."""
+    if cached is None:
+        return DynamicCache()
+    return DynamicCache(ddp_cache_data=[(layer[0].unsqueeze(0), layer[1].unsqueeze(0)) for layer in cached])
+
+
+def prefill_chunk(
+    model: PreTrainedModel, past: DynamicCache, token_ids: Sequence[int], end: int
+) -> torch.Tensor:
+    """Extend a one-row `past` (holding the KV of the first n tokens) with tokens n..end; returns the
+    logits after token end - 1."""
     device = model.device
-    n = 0 if cached is None else cached.shape[3]
-    past = DynamicCache() if cached is None else DynamicCache(
-        ddp_cache_data=[(layer[0].unsqueeze(0), layer[1].unsqueeze(0)) for layer in cached]
-    )
+    n = past.get_seq_length()
     out = model(
-        input_ids=torch.tensor([token_ids[n:]], device=device),
-        position_ids=torch.arange(n, len(token_ids), device=device).unsqueeze(0),
+        input_ids=torch.tensor([token_ids[n:end]], device=device),
+        position_ids=torch.arange(n, end, device=device).unsqueeze(0),
         past_key_values=past,
         use_cache=True,
         logits_to_keep=1,
     )
-    return out.logits[0, -1], out.past_key_values
+    return out.logits[0, -1]
+
+
+def prefill(
+    model: PreTrainedModel, token_ids: Sequence[int], cached: torch.Tensor | None
+) -> tuple[torch.Tensor, DynamicCache]:
+    """Logits after the last token and the KV of all tokens, computing only the positions `cached`
+    (the KV of the first n tokens) does not cover, in one forward."""
+    past = cached_past(cached)
+    return prefill_chunk(model, past, token_ids, len(token_ids)), past
 
 
 def decode_step(
@@ -120,6 +142,13 @@ def token_logprob(logprobs: torch.Tensor, token: int, top: int) -> TokenLogprob:
     return TokenLogprob(logprobs[token].item(), tuple(zip(ids.tolist(), values.tolist(), strict=True)))
 
 
+def _failure(exc: Exception) -> str:
+    """What the failed request's client is told: out of memory is the operator's to size, not a bug."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return "the device ran out of memory for this request; retry with a shorter prompt or fewer tokens"
+    return f"generation failed: {exc!r}"
+
+
 @dataclass(frozen=True)
 class EngineStats:
     prefill_tokens: int
@@ -143,12 +172,19 @@ class _Sequence:
     seed: int
     """The request's seed, or a fresh one: sampling is reproducible either way (planetserve.sampling)."""
     tokens: list[int] = field(default_factory=list)
+    past: DynamicCache | None = None
+    """Its own KV while it is being prefilled; None once it joins the running batch."""
     kv_len: int = 0
     cached_tokens: int = 0
     pinned: list[int] = field(default_factory=list)
     finished: bool = False
     cancelled: bool = False
     """The consumer went away; written by its thread, read by the worker."""
+
+    @property
+    def reserve(self) -> int:
+        """The KV positions it may come to hold."""
+        return len(self.request.prompt_ids) + self.request.max_tokens
 
     def deliver(self, item: TokenChunk | EngineError) -> None:
         try:
@@ -158,8 +194,8 @@ class _Sequence:
 
 
 class BuiltinEngine:
-    """Serves one model. Cache-event callbacks run on the worker thread (the initial snapshot on the
-    registering one), so they must be quick and thread-safe.
+    """Serves one model, on `device` or where the model already is. Cache-event callbacks run on the
+    worker thread (the initial snapshot on the registering one), so they must be quick and thread-safe.
 
     Stop ids (the request's and `eos_ids`) end a generation and are included in its output."""
 
@@ -173,14 +209,17 @@ class BuiltinEngine:
         max_batch: int = 8,
         cache_capacity_tokens: int = 16384,
         max_model_len: int | None = None,
-        device: str | torch.device = "cpu",
+        device: str | torch.device | None = None,
+        prefill_chunk: int = 512,
+        kv_budget_tokens: int | None = None,
+        max_queue: int = 1024,
     ) -> None:
         config = model.config.get_text_config()
         if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
             raise ValueError("the built-in engine needs a model whose layers all use full attention")
-        if max_batch < 1:
-            raise ValueError("max_batch must be >= 1")
-        self.device = torch.device(device)
+        if max_batch < 1 or prefill_chunk < 1 or max_queue < 1:
+            raise ValueError("max_batch, prefill_chunk and max_queue must be >= 1")
+        self.device = model.device if device is None else torch.device(device)
         self.model = model.to(self.device)
         if self.device.type == "cpu":
             self.model = self.model.float()
@@ -191,12 +230,18 @@ class BuiltinEngine:
         self.max_model_len = max_model_len or config.max_position_embeddings
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.eos_ids = frozenset(eos_ids)
+        self.prefill_chunk = prefill_chunk
+        self.max_queue = max_queue
+        self.kv_budget_tokens = kv_budget_tokens or self._default_kv_budget(cache_capacity_tokens)
+        if self.kv_budget_tokens < 1:
+            raise ValueError("kv_budget_tokens must be >= 1")
         self.cache = PrefixCache(block_size, cache_capacity_tokens)
         self._cond = threading.Condition()
         self._queue: collections.deque[_Sequence] = collections.deque()
+        self._prefilling: list[_Sequence] = []
         self._running: list[_Sequence] = []
         self._batch: DynamicCache | None = None
-        self._outbox: list[tuple[_Sequence, TokenChunk]] = []
+        self._outbox: list[tuple[_Sequence, TokenChunk | EngineError]] = []
         self._closed = False
         self._prefill_tokens = self._cached_tokens = self._decode_tokens = self._steps = 0
         self._thread = threading.Thread(target=self._run, name=f"engine-{model_id}", daemon=True)
@@ -216,7 +261,25 @@ class BuiltinEngine:
             self._cancel(seq)
 
     def load(self) -> EngineLoad:
-        return EngineLoad(running=len(self._running), queued=len(self._queue), capacity=self.max_batch)
+        return EngineLoad(running=len(self._running) + len(self._prefilling), queued=len(self._queue),
+                          capacity=self.max_batch)
+
+    def kv_bytes_per_token(self) -> int:
+        """What one position's KV occupies across all layers, in the model's dtype."""
+        config = self.model.config.get_text_config()
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        itemsize = next(self.model.parameters()).element_size()
+        return config.num_hidden_layers * 2 * kv_heads * head_dim * itemsize
+
+    def _default_kv_budget(self, cache_capacity_tokens: int) -> int:
+        """On a GPU, what 85% of its free memory holds beside the prefix cache; elsewhere a full batch of
+        the longest sequences (host memory is the operator's to size)."""
+        if self.device.type != "cuda":
+            return self.max_batch * self.max_model_len
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return max(1, int(free * 0.85) // self.kv_bytes_per_token() - cache_capacity_tokens)
 
     async def prompt_logprobs(self, ids: Sequence[int], top: int) -> PromptLogprobs:
         """One teacher-forced pass over the prompt, beside the generation thread (inference reads the
@@ -284,6 +347,11 @@ class BuiltinEngine:
             raise EngineError(
                 f"prompt ({len(prompt)}) + max_tokens ({request.max_tokens}) exceeds {self.max_model_len}"
             )
+        if len(prompt) + request.max_tokens > self.kv_budget_tokens:
+            raise EngineError(
+                f"prompt ({len(prompt)}) + max_tokens ({request.max_tokens}) needs more KV memory than this "
+                f"engine has ({self.kv_budget_tokens} positions)"
+            )
         seed = secrets.randbits(64) if request.seed is None else request.seed
         seq = _Sequence(
             request, asyncio.get_running_loop(), asyncio.Queue(),
@@ -292,6 +360,8 @@ class BuiltinEngine:
         with self._cond:
             if self._closed:
                 raise EngineError("engine is closed")
+            if len(self._queue) >= self.max_queue:
+                raise EngineOverloaded(f"{len(self._queue)} requests are already waiting; retry later")
             self._queue.append(seq)
             self._cond.notify()
         return seq
@@ -304,34 +374,40 @@ class BuiltinEngine:
 
     def _run(self) -> None:
         failure = "engine closed"
-        admitted: list[_Sequence] = []
         try:
             with torch.inference_mode():
                 while True:
                     with self._cond:
-                        while not (self._closed or self._queue or self._running):
+                        while not (self._closed or self._queue or self._running or self._prefilling):
                             self._cond.wait()
                         if self._closed:
                             break
-                        room = min(len(self._queue), self.max_batch - len(self._running))
-                        admitted = [self._queue.popleft() for _ in range(room)]
-                    self._step(admitted)
+                        self._admit()
+                    self._step()
                     self._publish()
         except Exception as exc:
             log.exception("engine %s failed", self.model_id)
             failure = f"engine failed: {exc!r}"
         with self._cond:
             self._closed = True
-            # the admitted of a step that failed are in neither list yet
-            pending = [s for s in dict.fromkeys([*admitted, *self._running, *self._queue]) if not s.finished]
+            pending = [s for s in [*self._prefilling, *self._running, *self._queue] if not s.finished]
             self._queue.clear()
         self._publish()
         for seq in pending:
             seq.deliver(EngineError(failure))
             self.cache.unpin(seq.pinned)
-        self._running, self._batch = [], None
+        self._running, self._prefilling, self._batch = [], [], None
         self.cache.clear()
         self.cache.flush()
+
+    def _admit(self) -> None:
+        """Move queued sequences to prefilling, in order, while the batch has room and their KV fits
+        the budget at the padded batch's width; the caller holds the lock."""
+        while self._queue and len(self._running) + len(self._prefilling) < self.max_batch:
+            live = [*self._running, *self._prefilling, self._queue[0]]
+            if len(live) * max(seq.reserve for seq in live) > self.kv_budget_tokens:
+                return
+            self._prefilling.append(self._queue.popleft())
 
     def _publish(self) -> None:
         """Cache events first, then tokens: a consumer that sees a token can rely on the cache events
@@ -341,39 +417,80 @@ class BuiltinEngine:
             seq.deliver(chunk)
         self._outbox = []
 
-    def _step(self, admitted: list[_Sequence]) -> None:
+    def _step(self) -> None:
         self._retire_ended()  # consumers that went away since the last step
-        fresh: list[DynamicCache] = []
-        for seq in admitted:
-            if seq.cancelled:
-                continue
-            past = self._prefill(seq)
-            if seq.finished:
-                self._retire(seq, past, 0)
-            else:
-                self._running.append(seq)
-                fresh.append(past)
-        if fresh:
-            self._batch = merge_batches([self._batch, *fresh] if self._batch is not None else fresh)
         if self._batch is not None:
-            self._decode(self._batch)
+            try:
+                self._decode(self._batch)
+            except Exception as exc:  # noqa: BLE001 - the batch's requests fail, the engine goes on
+                self._fail_batch(exc)
             self._retire_ended()
+        self._prefill_some()
 
-    def _prefill(self, seq: _Sequence) -> DynamicCache:
+    def _prefill_some(self) -> None:
+        """Spend at most `prefill_chunk` prompt tokens, oldest sequence first; each sequence whose prompt
+        is complete emits its first token and joins the running batch."""
+        budget = self.prefill_chunk
+        for seq in list(self._prefilling):
+            if budget <= 0:
+                break
+            if seq.cancelled:
+                self._prefilling.remove(seq)
+                continue
+            try:
+                budget -= self._prefill(seq, budget)
+            except Exception as exc:  # noqa: BLE001 - this request fails, the others go on
+                self._prefilling.remove(seq)
+                self._fail(seq, exc)
+
+    def _prefill(self, seq: _Sequence, budget: int) -> int:
+        """Compute up to `budget` more of the prompt's positions; returns how many it computed."""
         prompt = seq.request.prompt_ids
-        hit = self.cache.lookup(prompt)
-        # a fully cached prompt still needs its last token run, for the logits
-        seq.cached_tokens = min(len(hit) * self.block_size, len(prompt) - 1)
-        cached = torch.cat([b.kv for b in hit], dim=3)[:, :, :, : seq.cached_tokens] if hit else None
-        logits, past = prefill(self.model, prompt, cached)
-        seq.kv_len = len(prompt)
+        if seq.past is None:
+            hit = self.cache.lookup(prompt)
+            # a fully cached prompt still needs its last token run, for the logits
+            seq.cached_tokens = min(len(hit) * self.block_size, len(prompt) - 1)
+            cached = torch.cat([b.kv for b in hit], dim=3)[:, :, :, : seq.cached_tokens] if hit else None
+            seq.past = cached_past(cached)
+            seq.kv_len = seq.cached_tokens
+        end = min(len(prompt), seq.kv_len + budget)
+        logits = prefill_chunk(self.model, seq.past, prompt, end)
+        computed, seq.kv_len = end - seq.kv_len, end
+        self._prefill_tokens += computed
+        if end == len(prompt):
+            self._start(seq, logits)
+        return computed
+
+    def _start(self, seq: _Sequence, logits: torch.Tensor) -> None:
+        """A fully prefilled sequence: cache its prompt, emit its first token, join the batch."""
+        past, seq.past = seq.past, None
+        assert past is not None
+        self._prefilling.remove(seq)
+        prompt = seq.request.prompt_ids
         seq.pinned = self.cache.insert(prompt, block_reader(past, 0, seq.kv_len, self.block_size), pin=True)
-        self._prefill_tokens += len(prompt) - seq.cached_tokens
         self._cached_tokens += seq.cached_tokens
         rows = logits.unsqueeze(0)
         token = self._pick(rows, [seq])[0]
         self._emit(seq, token, self._score(rows, [seq], [token])[0], first=True)
-        return past
+        if seq.finished:
+            self._retire(seq, past, 0)
+            return
+        self._running.append(seq)
+        self._batch = past if self._batch is None else merge_batches([self._batch, past])
+
+    def _fail(self, seq: _Sequence, exc: Exception) -> None:
+        log.warning("engine %s: a request failed: %r", self.model_id, exc)
+        seq.past, seq.finished = None, True
+        self.cache.unpin(seq.pinned)
+        seq.pinned = []
+        self._outbox.append((seq, EngineFailure(_failure(exc))))
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _fail_batch(self, exc: Exception) -> None:
+        for seq in self._running:
+            self._fail(seq, exc)
+        self._running, self._batch = [], None
 
     def _decode(self, batch: DynamicCache) -> None:
         last = torch.tensor([seq.tokens[-1] for seq in self._running], device=self.device)

@@ -1,20 +1,24 @@
 """Measured costs of the built-in engine, for benchmarks and for calibrating a serving simulator.
 
 `measure_costs` times the engine's own forward paths (prefill, batched decode step) without the
-scheduler; `prefix_hit_ttft` and `decode_throughput` go through a running BuiltinEngine end to end.
+scheduler; `prefix_hit_ttft`, `decode_throughput` and `prefill_stall` go through a running BuiltinEngine
+end to end. `sized_llama` builds a model of a published size from its configuration alone, with random
+weights: what latency, throughput and cache behaviour depend on, with nothing to download.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
-from planetserve.node.engine.base import GenerationRequest
+from planetserve.node.engine.base import GenerationRequest, TokenChunk
 from planetserve.node.engine.builtin import BuiltinEngine, decode_step, merge_batches, prefill
 
 
@@ -37,6 +41,52 @@ def random_llama(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return LlamaForCausalLM(config).eval()
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The dimensions of a published decoder, as its Hugging Face config gives them."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+
+
+SHAPES = {
+    "0.5b": Shape(hidden=896, layers=24, heads=14, kv_heads=2, ffn=4864, vocab=151936),  # Qwen2.5-0.5B
+    "1b": Shape(hidden=2048, layers=16, heads=32, kv_heads=8, ffn=8192, vocab=128256),  # Llama-3.2-1B
+    "3b": Shape(hidden=3072, layers=28, heads=24, kv_heads=8, ffn=8192, vocab=128256),  # Llama-3.2-3B
+    "8b": Shape(hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336, vocab=128256),  # Llama-3.1-8B
+}
+
+
+def sized_llama(
+    shape: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+    max_len: int = 8192, seed: int = 0,
+) -> LlamaForCausalLM:
+    """A Llama of `shape`'s dimensions with random weights, built directly on `device` in `dtype` (an 8B
+    model never passes through host memory) and using PyTorch's SDPA attention."""
+    dims = SHAPES[shape]
+    config = LlamaConfig(
+        vocab_size=dims.vocab, hidden_size=dims.hidden, intermediate_size=dims.ffn,
+        num_hidden_layers=dims.layers, num_attention_heads=dims.heads, num_key_value_heads=dims.kv_heads,
+        max_position_embeddings=max_len, attn_implementation="sdpa",
+    )
+    default = torch.get_default_dtype()
+    with torch.random.fork_rng(devices=[]), torch.device(device):
+        torch.manual_seed(seed)
+        torch.set_default_dtype(dtype)
+        try:
+            return LlamaForCausalLM(config).eval()
+        finally:
+            torch.set_default_dtype(default)
+
+
+def params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
 
 
 def random_prompts(count: int, length: int, vocab_size: int, seed: int = 0) -> list[tuple[int, ...]]:
@@ -152,8 +202,10 @@ def prefix_hit_ttft(
 
 def decode_throughput(
     model: PreTrainedModel, batch_sizes: Sequence[int], *, prompt_len: int = 32, new_tokens: int = 64,
+    sequential_up_to: int | None = None,
 ) -> list[dict[str, float]]:
-    """Generated tokens per second for `b` concurrent requests against the same requests one at a time."""
+    """Generated tokens per second for `b` concurrent requests against the same requests one at a time
+    (the latter only up to `sequential_up_to` requests, where it is given: it is the slow baseline)."""
     vocab = model.get_input_embeddings().num_embeddings
 
     async def generate(engine: BuiltinEngine, prompt: tuple[int, ...]) -> int:
@@ -179,6 +231,52 @@ def decode_throughput(
     rows = []
     for batch in batch_sizes:
         concurrent = asyncio.run(tokens_per_second(batch, True))
-        sequential = asyncio.run(tokens_per_second(batch, False))
+        baseline = sequential_up_to is None or batch <= sequential_up_to
+        sequential = asyncio.run(tokens_per_second(batch, False)) if baseline else float("nan")
         rows.append({"batch": batch, "batched_tok_s": concurrent, "sequential_tok_s": sequential})
     return rows
+
+
+def prefill_stall(
+    model: PreTrainedModel, *, long_len: int, chunk: int, running: int = 4, prompt_len: int = 32,
+) -> dict[str, float]:
+    """What a long prompt's arrival costs `running` decoding requests: the longest gap between two of
+    their tokens while it is prefilled `chunk` tokens per step, and its own time to first token."""
+    vocab = model.get_input_embeddings().num_embeddings
+    short = random_prompts(running, prompt_len, vocab, seed=running)
+    long_prompt = random_prompts(1, long_len, vocab, seed=long_len)[0]
+
+    async def main() -> dict[str, float]:
+        engine = BuiltinEngine(model, "profile", max_batch=running + 1, prefill_chunk=chunk,
+                               max_model_len=max(long_len, prompt_len + 1024) + 1)
+        done = asyncio.Event()
+
+        async def watch(stream: AsyncIterator[TokenChunk]) -> list[float]:
+            """Arrival times of a running request's tokens, up to one after the long prompt's first."""
+            times = []
+            async for _ in stream:
+                times.append(time.perf_counter())
+                if done.is_set():
+                    break
+            await stream.aclose()
+            return times
+
+        try:
+            streams = [engine.generate(GenerationRequest(p, max_tokens=1024)) for p in short]
+            for stream in streams:
+                await anext(stream)
+            watchers = [asyncio.ensure_future(watch(s)) for s in streams]
+            await asyncio.sleep(0.2)
+            t0 = time.perf_counter()
+            ttft = await _first_chunk_seconds(engine, long_prompt)
+            t1 = time.perf_counter()
+            done.set()
+            arrivals = await asyncio.gather(*watchers)
+        finally:
+            await engine.close()
+        gaps = [b - a for times in arrivals for a, b in itertools.pairwise(times) if b > t0 and a < t1]
+        return {"long_tokens": long_len, "chunk": chunk, "long_ttft_ms": 1000 * ttft,
+                "longest_gap_ms": 1000 * max(gaps, default=0.0)}
+
+    _warm_up(model)
+    return asyncio.run(main())
