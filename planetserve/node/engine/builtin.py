@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache
 
@@ -49,6 +50,11 @@ from planetserve.node.engine.kvcache import PrefixCache
 from planetserve.sampling import check_top_p, sample
 
 log = logging.getLogger(__name__)
+
+SERVING_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+"""Every SDPA backend but cuDNN's, which plans each new shape afresh: a decode step's KV is one column
+wider than the last, and on an H100 that made a 1B model decode 4.9x slower at batch 1 and 3.4x at
+batch 8 (bench/engine_scale.py, docs/benchmarks.md)."""
 
 
 def cached_past(cached: torch.Tensor | None) -> DynamicCache:
@@ -375,7 +381,7 @@ class BuiltinEngine:
     def _run(self) -> None:
         failure = "engine closed"
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), sdpa_kernel(SERVING_ATTENTION):
                 while True:
                     with self._cond:
                         while not (self._closed or self._queue or self._running or self._prefilling):
