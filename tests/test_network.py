@@ -1,10 +1,12 @@
-"""A real four-validator network: agreement, crash and restart of validators and apps."""
+"""A real four-validator network: agreement, crash and restart of validators and apps, lying endpoints,
+and a CheckTx flood through one validator's public RPC."""
 
 from __future__ import annotations
 
 import base64
 import hashlib
 import json
+import os
 import signal
 import sqlite3
 import subprocess
@@ -13,13 +15,17 @@ import threading
 import time
 from contextlib import closing, suppress
 from dataclasses import replace
+from pathlib import Path
 
+import msgpack
 import pytest
 from chainnet import assert_same_app_hashes, ledger, member_keys, start_network
 from tamper import TamperProxy
 from waiting import run, until, wait_until
 
+from planetserve.chain import tx as txlib
 from planetserve.chain.client import LedgerClient, QueryRefused
+from planetserve.chain.errors import Code
 from planetserve.chain.keys import KeySet
 from planetserve.chain.lightclient import LightClient, VerificationError
 from planetserve.chain.messages import (
@@ -32,6 +38,7 @@ from planetserve.chain.messages import (
 )
 from planetserve.chain.rpc import RpcClient, RpcError
 from planetserve.genesis.network import edit_toml, free_ports
+from planetserve.localnet.processes import read_pids
 from planetserve.node.home import UserConfig
 from planetserve.node.overlay.directory import Directory
 from planetserve.node.routing.group import Group
@@ -40,6 +47,31 @@ from planetserve.registry import codec
 from planetserve.registry.entities import ModelNode
 
 pytestmark = pytest.mark.network
+
+JUNK = 300
+"""Junk transactions the CheckTx flood sends to one validator's RPC."""
+JUNK_LISTS = 15_800
+"""Empty lists in each junk body: 16 KB on the wire, about 1.1 MiB of Python objects once decoded."""
+JUNK_SENDERS = 4
+JUNK_SECONDS = 60.0
+"""The flood's time limit: all of it must have been answered by then."""
+FLOOD_RSS_BOUND = 32 << 20
+"""What the flood may add to the flooded app's resident memory (bytes), a tenth of what the old cache of
+decoded transactions kept: 1.1 MiB per junk transaction, 328 MiB for this flood (measured)."""
+
+
+def resident_bytes(pid: int) -> int:
+    """A process's resident memory (VmRSS), in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) << 10
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+def cpu_seconds(pid: int) -> float:
+    """The CPU time a process has used, user and system."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +117,78 @@ def test_refused_tx_reports_its_code_over_rpc(net):
     stranger = KeySet.generate()
     done = client.submit(stranger, RegisterModel("m", "n"))
     assert done.outcome.code == 10 and "committee" in done.outcome.log
+
+
+def test_a_checktx_flood_through_a_validators_rpc_leaves_its_app_memory_and_honest_traffic_alone(net):
+    """A client floods one validator's public RPC (broadcast_tx_sync, from several connections) with
+    well-signed heartbeats at a wrong sequence whose bodies decode into 15,800 empty lists. The app
+    refuses each on its sequence and keeps nothing of it: its resident memory grows by less than
+    FLOOD_RSS_BOUND (measured: 0.1-0.2 MiB; with the old cache of decoded transactions, 328 MiB), honest
+    transactions sent through the same RPC during and after the flood commit, and the app lives on (the
+    same process) while blocks keep coming."""
+    flooded = 1
+    home = net.spec.validators[flooded].home
+    pid = read_pids(home)["app"]["pid"]
+    client = ledger(net, flooded)
+    chain_id = client.chain_id()
+    attacker = KeySet.generate()
+    body = {"junk": [[] for _ in range(JUNK_LISTS)]}
+
+    def junk(i: int) -> bytes:
+        """`txlib.build`'s bytes, packed without its canonical walk of the body (already canonical), which
+        would make the client, not the validator, the bottleneck."""
+        sequence = 1_000 + i
+        signed = [txlib.DOMAIN, chain_id, "heartbeat", body, attacker.public, sequence]
+        signature = attacker.sign(msgpack.packb(signed, use_bin_type=True))
+        return msgpack.packb([txlib.VERSION, "heartbeat", body, attacker.public, sequence, chain_id, signature],
+                             use_bin_type=True)
+
+    assert junk(0) == txlib.build(attacker, chain_id, "heartbeat", body, 1_000)
+    with RpcClient(net.rpc_url(flooded)) as rpc:  # the decoder's transient memory is in use before measuring
+        assert [rpc.broadcast_tx_sync(junk(-i)).code for i in range(1, 5)] == [Code.BAD_SEQUENCE] * 4
+    before, cpu, began = resident_bytes(pid), cpu_seconds(pid), time.monotonic()
+    height = net.rpc(flooded).latest_height()
+    deadline = began + JUNK_SECONDS
+    codes: dict[int, int] = {}
+    errors: list[str] = []
+
+    def flood(first: int) -> None:
+        with RpcClient(net.rpc_url(flooded)) as rpc:
+            for i in range(first, JUNK, JUNK_SENDERS):
+                if time.monotonic() > deadline:
+                    return
+                try:
+                    codes[i] = rpc.broadcast_tx_sync(junk(i)).code
+                except RpcError as exc:
+                    errors.append(str(exc))
+
+    senders = [threading.Thread(target=flood, args=(i,)) for i in range(JUNK_SENDERS)]
+    for sender in senders:
+        sender.start()
+    try:
+        wait_until(lambda: len(codes) + len(errors) >= JUNK // 4, timeout=JUNK_SECONDS)
+        during = client.submit(KeySet.generate(), RegisterOrg("during-flood", "x"))
+        answered_by_then = len(codes)
+    finally:
+        for sender in senders:
+            sender.join()
+    seconds, blocks = time.monotonic() - began, net.rpc(flooded).latest_height() - height
+    after, cpu = resident_bytes(pid), cpu_seconds(pid) - cpu
+    print(f"\nCheckTx flood: {JUNK} junk transactions in {seconds:.1f} s through one RPC; the app's RSS "
+          f"{before / 2**20:.1f} -> {after / 2**20:.1f} MiB, its CPU {cpu * 1000 / JUNK:.1f} ms per junk "
+          f"transaction (blocks included), {blocks} blocks meanwhile")
+    assert not errors, errors[:3]
+    assert sorted(codes.items()) == [(i, Code.BAD_SEQUENCE) for i in range(JUNK)], "the flood was not all answered"
+    assert after - before < FLOOD_RSS_BOUND, f"the app grew by {(after - before) >> 20} MiB"
+    assert blocks >= 2, f"the flooded validator committed {blocks} blocks in the flood's {seconds:.1f} s"
+    done = client.submit(KeySet.generate(), RegisterOrg("after-flood", "x"))
+    assert [during.outcome.code, done.outcome.code] == [0, 0], [during.outcome.log, done.outcome.log]
+    assert answered_by_then < JUNK, "the honest transaction committed only once the flood was over"
+    other = ledger(net, 0)
+    other.min_height = done.height
+    assert other.org("during-flood") is not None and other.org("after-flood") is not None
+    assert read_pids(home)["app"]["pid"] == pid and net.running(flooded)["app"]
+    net.wait_for_height(done.height + 2, validators=[flooded], timeout=30)
 
 
 @pytest.mark.faults
