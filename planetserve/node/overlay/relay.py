@@ -102,10 +102,6 @@ class Hop:
     replies: OrderedDict[bytes, float] = field(default_factory=OrderedDict, repr=False)
     """The proxy's reply ids for this path, least recently used first, with when each was last used."""
 
-    @property
-    def is_proxy(self) -> bool:
-        return self.succ is None
-
 
 class RelayError(Exception):
     """A malformed or unroutable path message (the sender is a listed user, but that is all)."""
@@ -324,32 +320,36 @@ class Relay:
             self._forget_reply(hop, next(iter(hop.replies)))
 
     def _register_reply(self, hop: Hop, reply_id: bytes) -> None:
-        """Keep `reply_id` for the answer to a prompt clove on `hop`'s path; Refused, with nothing stored,
-        when the path's peer or the whole table is at its bound after the idle ones are forgotten."""
+        """Keep `reply_id` for the answer to a prompt clove on `hop`'s path (its own once more: used now)."""
         now = time.monotonic()
         owner = self.replies.get(reply_id)
         if owner is not None and owner is not hop:
             raise RelayError("reply id in use by another path")
         if owner is None:
-            cutoff = now - REPLY_IDLE_SECONDS
-            self._expire_replies(hop, cutoff)
-            if len(hop.replies) >= MAX_REPLIES_PER_PATH:
-                self._forget_reply(hop, next(iter(hop.replies)))
-            if self.replies_by_peer.get(hop.pred, 0) >= self.max_replies_per_peer:
-                for other in list(self.by_peer.get(hop.pred, {}).values()):
-                    self._expire_replies(other, cutoff)
-                if self.replies_by_peer.get(hop.pred, 0) >= self.max_replies_per_peer:
-                    raise Refused(f"peer's paths hold {self.max_replies_per_peer} reply ids here",
-                                  "refused_replies")
-            if len(self.replies) >= self.max_replies:
-                if now - self._swept >= EXPIRE_EVERY:
-                    self.expire()
-                if len(self.replies) >= self.max_replies:
-                    raise Refused("the reply table is full", "refused_replies")
+            self._make_room_for_reply(hop, now)
             self.replies[reply_id] = hop
             self.replies_by_peer[hop.pred] = self.replies_by_peer.get(hop.pred, 0) + 1
         hop.replies[reply_id] = now
         hop.replies.move_to_end(reply_id)
+
+    def _make_room_for_reply(self, hop: Hop, now: float) -> None:
+        """Forget the path's idle reply ids, and its least recently used one at its bound; Refused, with
+        nothing stored, while the path's peer or the whole table is at its bound once idle ones are gone."""
+        cutoff = now - REPLY_IDLE_SECONDS
+        self._expire_replies(hop, cutoff)
+        if len(hop.replies) >= MAX_REPLIES_PER_PATH:
+            self._forget_reply(hop, next(iter(hop.replies)))
+        if self.replies_by_peer.get(hop.pred, 0) >= self.max_replies_per_peer:
+            for other in list(self.by_peer.get(hop.pred, {}).values()):
+                self._expire_replies(other, cutoff)
+            if self.replies_by_peer.get(hop.pred, 0) >= self.max_replies_per_peer:
+                raise Refused(f"peer's paths hold {self.max_replies_per_peer} reply ids here",
+                              "refused_replies")
+        if len(self.replies) >= self.max_replies:
+            if now - self._swept >= EXPIRE_EVERY:
+                self.expire()
+            if len(self.replies) >= self.max_replies:
+                raise Refused("the reply table is full", "refused_replies")
 
     # -- traffic -------------------------------------------------------------------------------------
 
