@@ -91,7 +91,7 @@ class PlainNode:
 def echo_reply(data: bytes) -> tuple[bytes, bytes]:
     """The stand-in model node's answer: the payload back, sealed under the reply key it names."""
     reply_id, reply_key, payload = data[:16], data[16:48], data[48:]
-    return reply_id, onion.seal_payload(reply_key, onion.REPLY, "clove", payload)
+    return reply_id, onion.seal_payload(reply_key, onion.REPLY, onion.Payload("clove", payload))
 
 
 class Harness:
@@ -101,6 +101,8 @@ class Harness:
         self.relay_count = relays
         self.echo_keys = KeySet.generate()
         self.replies: dict[bytes, asyncio.Future] = {}
+        self.reply_keys: dict[bytes, bytes] = {}
+        """Each round trip's own reply id and key, as a user's request has."""
         self.paths: PathManager
 
     def arrived(self, path: Path, clove: bytes) -> None:
@@ -112,10 +114,16 @@ class Harness:
         nonce = os.urandom(16)
         waiter = asyncio.get_running_loop().create_future()
         self.replies[nonce] = waiter
-        data = path.reply_id + path.reply_key + nonce + os.urandom(max(0, size - 16))
+        reply_id, reply_key = os.urandom(16), os.urandom(32)
+        self.reply_keys[reply_id] = reply_key
+        data = reply_id + reply_key + nonce + os.urandom(max(0, size - 16))
         start = time.perf_counter()
-        await self.paths.send(path.first, "fwd", [path.link, path.seal(self.echo_keys.public, data)])
-        return (await asyncio.wait_for(waiter, 10) - start) * 1e3
+        sealed = path.seal(self.echo_keys.public, data, reply_id)
+        await self.paths.send(path.first, "fwd", [path.link, sealed])
+        try:
+            return (await asyncio.wait_for(waiter, 10) - start) * 1e3
+        finally:
+            del self.reply_keys[reply_id]
 
 
 class TlsHarness(Harness):
@@ -149,6 +157,7 @@ class TlsHarness(Harness):
             user.apply_view(view)
         self.paths = self.users[0].paths
         self.paths.on_clove = self.arrived
+        self.paths.reply_key = self.reply_keys.get
 
     async def _echo(self, peer: bytes, msg_type: str, body: Any) -> None:
         await self.echo.connections[peer].notify("reply", list(echo_reply(body)))
@@ -172,6 +181,7 @@ class PlainHarness(Harness):
             if owner is not None:
                 self.paths = owner
                 owner.on_clove = self.arrived
+                owner.reply_key = self.reply_keys.get
             self.relays.append(
                 Relay(
                     onion.exchange_secret(key.identity),
@@ -247,24 +257,26 @@ async def measure(kind: str, harness: Harness, setups: int, rounds: int) -> tupl
     return rows, medians
 
 
-def prepare_prompt(message: bytes, node: bytes, path_key: bytes) -> list[bytes]:
-    """Everything the client does to one prompt before sending."""
-    return [
-        onion.seal_payload(path_key, onion.FORWARD, node, onion.seal_to(node, sida.encode(c)))
-        for c in sida.split(message)
-    ]
+def prepare_prompt(message: bytes, node: bytes, path_key: bytes, hop_keys: list[bytes]) -> list[bytes]:
+    """Everything the client does to one prompt before sending: per clove, sealing to the node, under
+    the path key with a fresh reply id, and one layer per relay before the proxy."""
+    payloads = [onion.Payload(node, onion.seal_to(node, sida.encode(c)), os.urandom(16))
+                for c in sida.split(message)]
+    return [onion.wrap_all(hop_keys, onion.FORWARD, onion.seal_payload(path_key, onion.FORWARD, p))
+            for p in payloads]
 
 
 def preparation(iterations: int) -> list[str]:
     node = KeySet.generate().public
     key = os.urandom(32)
+    hop_keys = [os.urandom(32) for _ in range(2)]
     message = os.urandom(TOOLUSE_BYTES)
     sida_only, full = [], []
     for i in range(iterations + 50):
         t0 = time.perf_counter()
         [sida.encode(c) for c in sida.split(message)]
         t1 = time.perf_counter()
-        prepare_prompt(message, node, key)
+        prepare_prompt(message, node, key, hop_keys)
         t2 = time.perf_counter()
         if i >= 50:
             sida_only.append((t1 - t0) * 1e3)

@@ -67,10 +67,10 @@ class FaultyRelay(Relay):
             body = [body[0], bytes(data)]  # type: ignore[index]
         return await super()._pass_on(peer, msg_type, body)
 
-    async def _back(self, hop, kind: str, data: bytes) -> None:  # type: ignore[no-untyped-def]
+    async def _back(self, hop, kind: str, data: bytes, reply_id: bytes = b"") -> None:  # type: ignore[no-untyped-def]
         if self.mode == "flip-at-proxy" and kind == "clove":
             data = data[:-1] + bytes([data[-1] ^ 0x01])
-        await super()._back(hop, kind, data)
+        await super()._back(hop, kind, data, reply_id)
 
 
 def faulty(user: UserRelay) -> UserRelay:

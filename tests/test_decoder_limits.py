@@ -244,14 +244,15 @@ PATH_KEY = bytes(range(32))
 
 
 @FAST
-@given(st.binary(max_size=64) | mutations(msgpack.packb([b"k" * 32, b"data"], use_bin_type=True)))
+@given(st.binary(max_size=64) | mutations(msgpack.packb([b"k" * 32, b"data", b"r" * 16], use_bin_type=True)))
 def test_path_payloads_raise_only_onion_errors(plaintext: bytes) -> None:
     from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
     nonce = bytes(12)
-    sealed = nonce + ChaCha20Poly1305(PATH_KEY).encrypt(nonce, plaintext, b"planetserve/path/v1/" + onion.FORWARD)
+    sealed = nonce + ChaCha20Poly1305(PATH_KEY).encrypt(nonce, plaintext, b"planetserve/path/v2/" + onion.FORWARD)
     try:
-        first, data = onion.open_payload(PATH_KEY, onion.FORWARD, sealed)
-        assert isinstance(first, bytes | str) and type(data) is bytes
+        payload = onion.open_payload(PATH_KEY, onion.FORWARD, sealed)
+        assert isinstance(payload.first, bytes | str) and type(payload.data) is bytes
+        assert len(payload.reply_id) in (0, onion.ID_SIZE)
     except onion.OnionError:
         pass
     with contextlib.suppress(onion.OnionError):
@@ -259,8 +260,9 @@ def test_path_payloads_raise_only_onion_errors(plaintext: bytes) -> None:
 
 
 def test_path_payloads_round_trip() -> None:
-    sealed = onion.seal_payload(PATH_KEY, onion.FORWARD, b"k" * 32, b"data")
-    assert onion.open_payload(PATH_KEY, onion.FORWARD, sealed) == (b"k" * 32, b"data")
+    payload = onion.Payload(b"k" * 32, b"data", b"r" * 16)
+    sealed = onion.seal_payload(PATH_KEY, onion.FORWARD, payload)
+    assert onion.open_payload(PATH_KEY, onion.FORWARD, sealed) == payload
 
 
 CLOVE = sida.encode(sida.split(b"a prompt", 4, 3)[0])

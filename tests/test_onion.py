@@ -22,7 +22,7 @@ def keys(count: int) -> list[SigningKey]:
 
 def layers_for(route: list[bytes]) -> list[onion.Layer]:
     hops = [onion.relay_layer(secrets.token_bytes(16), route[i + 1]) for i in range(len(route) - 1)]
-    return [*hops, onion.proxy_layer(secrets.token_bytes(16), secrets.token_bytes(16), secrets.token_bytes(32))]
+    return [*hops, onion.proxy_layer(secrets.token_bytes(16), secrets.token_bytes(32))]
 
 
 @pytest.mark.parametrize("hops", [1, 2, 3])
@@ -30,18 +30,19 @@ def test_each_hop_reads_exactly_its_layer_from_a_packet_of_constant_size(hops):
     signers = keys(hops)
     route = [bytes(k.verify_key) for k in signers]
     layers = layers_for(route)
-    packet = onion.build(route, layers)
-    for signer, expected in zip(signers, layers, strict=True):
+    packet, hop_keys = onion.build(route, layers)
+    for signer, expected, hop_key in zip(signers, layers, hop_keys, strict=True):
         assert len(packet) == onion.PACKET_SIZE
         layer, packet = onion.peel(onion.exchange_secret(signer), packet)
-        assert layer == expected
+        assert layer == expected and layer.hop_key == hop_key
     assert len(packet) == onion.PACKET_SIZE
+    assert len(set(hop_keys)) == hops and bytes(32) not in hop_keys
 
 
 def test_a_relay_cannot_read_another_relays_layer_or_a_tampered_packet():
     signers = keys(3)
     route = [bytes(k.verify_key) for k in signers]
-    packet = onion.build(route, layers_for(route))
+    packet = onion.build(route, layers_for(route))[0]
     with pytest.raises(onion.OnionError, match="does not authenticate"):
         onion.peel(onion.exchange_secret(signers[1]), packet)
     for position in (0, 40, 100, onion.PACKET_SIZE - 1):
@@ -58,7 +59,7 @@ def test_a_relay_cannot_read_another_relays_layer_or_a_tampered_packet():
 def test_a_second_hops_packet_is_tampered_by_the_first_and_detected():
     signers = keys(3)
     route = [bytes(k.verify_key) for k in signers]
-    _, inner = onion.peel(onion.exchange_secret(signers[0]), onion.build(route, layers_for(route)))
+    _, inner = onion.peel(onion.exchange_secret(signers[0]), onion.build(route, layers_for(route))[0])
     flipped = bytearray(inner)
     flipped[-1] ^= 0x80  # the filler the first relay appended
     with pytest.raises(onion.OnionError):
@@ -67,9 +68,10 @@ def test_a_second_hops_packet_is_tampered_by_the_first_and_detected():
 
 def test_path_payloads_open_only_with_their_key_and_direction():
     key = secrets.token_bytes(32)
-    sealed = onion.seal_payload(key, onion.FORWARD, b"n" * 32, b"clove")
-    assert onion.open_payload(key, onion.FORWARD, sealed) == (b"n" * 32, b"clove")
-    assert sealed != onion.seal_payload(key, onion.FORWARD, b"n" * 32, b"clove")  # fresh nonce
+    payload = onion.Payload(b"n" * 32, b"clove", secrets.token_bytes(16))
+    sealed = onion.seal_payload(key, onion.FORWARD, payload)
+    assert onion.open_payload(key, onion.FORWARD, sealed) == payload
+    assert sealed != onion.seal_payload(key, onion.FORWARD, payload)  # fresh nonce
     with pytest.raises(onion.OnionError, match="authenticate"):
         onion.open_payload(key, onion.BACKWARD, sealed)  # reflected back toward the user
     with pytest.raises(onion.OnionError, match="authenticate"):
@@ -80,6 +82,26 @@ def test_path_payloads_open_only_with_their_key_and_direction():
         onion.open_payload(key, onion.FORWARD, bytes(flipped))
     with pytest.raises(onion.OnionError):
         onion.open_payload(key, onion.FORWARD, b"short")
+
+
+def test_hop_layers_change_every_byte_of_a_payload_at_every_hop_and_refuse_tampering():
+    hop_keys = [secrets.token_bytes(32) for _ in range(2)]
+    sealed = onion.seal_payload(secrets.token_bytes(32), onion.FORWARD, onion.Payload(b"n" * 32, bytes(300)))
+    first = onion.wrap_all(hop_keys, onion.FORWARD, sealed)
+    second = onion.unwrap(hop_keys[0], onion.FORWARD, first)
+    assert onion.unwrap(hop_keys[1], onion.FORWARD, second) == sealed
+    assert len(first) == len(second) + onion.HOP_OVERHEAD == len(sealed) + 2 * onion.HOP_OVERHEAD
+    windows = {sealed[i:i + 16] for i in range(len(sealed) - 15)}
+    assert not any(link[i:i + 16] in windows for link in (first, second) for i in range(0, len(link) - 15))
+    assert onion.wrap_all(hop_keys, onion.FORWARD, sealed) != first  # a fresh nonce per layer
+    backward = onion.wrap(hop_keys[0], onion.BACKWARD, onion.wrap(hop_keys[1], onion.BACKWARD, sealed))
+    assert onion.unwrap_all(hop_keys, onion.BACKWARD, backward) == sealed
+    with pytest.raises(onion.OnionError, match="hop layer does not authenticate"):
+        onion.unwrap(hop_keys[0], onion.BACKWARD, first)  # reflected
+    with pytest.raises(onion.OnionError, match="hop layer does not authenticate"):
+        onion.unwrap(hop_keys[0], onion.FORWARD, first[:-1] + bytes([first[-1] ^ 1]))
+    with pytest.raises(onion.OnionError):
+        onion.unwrap(hop_keys[0], onion.FORWARD, b"short")
 
 
 def test_cloves_sealed_to_a_node_open_only_there():

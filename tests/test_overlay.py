@@ -56,17 +56,19 @@ def test_relays_learn_only_their_neighbours(quick_family):
         net = await overlay(quick_family, model_nodes=1)
         try:
             client = net.client
-            links = set()
+            links, keys = set(), set()
             for path in client.paths.live():
                 first, middle, proxy = (net.user(k).relay for k in path.route)
                 (hop1,) = [h for h in first.hops if h.pred == client.keys.public and h.in_id == path.link]
-                assert hop1.succ == path.route[1] and hop1.reply_id is None
+                assert hop1.succ == path.route[1] and hop1.key == path.hop_keys[0]
                 (hop2,) = [h for h in middle.hops if h.pred == path.route[0] and h.in_id == hop1.out_id]
-                assert hop2.succ == path.route[2] and hop2.reply_id is None
+                assert hop2.succ == path.route[2] and hop2.key == path.hop_keys[1]
                 (hop3,) = [h for h in proxy.hops if h.pred == path.route[1] and h.in_id == hop2.out_id]
-                assert hop3.succ is None and hop3.reply_id == path.reply_id
-                links |= {path.link, hop1.out_id, hop2.out_id, path.reply_id}
-            assert len(links) == 4 * len(client.paths.live()), "link ids must differ on every link"
+                assert hop3.succ is None and hop3.key == path.key and not hop3.replies
+                links |= {path.link, hop1.out_id, hop2.out_id}
+                keys |= {hop1.key, hop2.key, hop3.key}
+            assert len(links) == 3 * len(client.paths.live()), "link ids must differ on every link"
+            assert len(keys) == 3 * len(client.paths.live()), "keys must differ on every hop"
             # only first hops ever see the client's key; nobody stores anything else about it
             for user in net.users[1:]:
                 for hop in user.relay.hops:

@@ -115,6 +115,9 @@ class Exchange:
     node: bytes
     paths: tuple[Path, ...]
     k: int
+    reply_keys: dict[bytes, bytes] = field(default_factory=dict, repr=False)
+    """Reply id -> reply key, one pair per path, fresh for this request: nothing a model node sees in
+    one request recurs in another."""
     parts: dict[int, Part] = field(default_factory=dict)
     unreachable: set[Path] = field(default_factory=set)
     next_seq: int = 0
@@ -190,6 +193,9 @@ class UserRelay:
                            is_node=lambda key: self.view.node(key) is not None, owner=self.paths)
         self.reassembler = sida.Reassembler()
         self.exchanges: dict[bytes, Exchange] = {}
+        self.reply_keys: dict[bytes, bytes] = {}
+        """The reply ids of requests in flight (and for a grace period after), with their keys."""
+        self.paths.reply_key = self.reply_keys.get
         self.arrivals: OrderedDict[bytes, list[Path]] = OrderedDict()
         """Per answer message still being reassembled: the paths its cloves came by."""
         self.answered: OrderedDict[bytes, Exchange] = OrderedDict()
@@ -330,6 +336,8 @@ class UserRelay:
         """After the answer and a grace period: a live path that carried fewer than half of the answer's
         messages is dropping them."""
         await asyncio.sleep(DROP_GRACE_SECONDS)
+        for reply_id in exchange.reply_keys:
+            self.reply_keys.pop(reply_id, None)
         if exchange.messages < 2:
             return
         for path in exchange.paths:
@@ -351,16 +359,20 @@ class UserRelay:
         chosen = tuple(secrets.SystemRandom().sample(live, min(n, len(live))))
         request_id = secrets.token_bytes(16)
         threshold = min(k, len(chosen))
+        replies = [(secrets.token_bytes(onion.ID_SIZE), secrets.token_bytes(onion.KEY_SIZE)) for _ in chosen]
         prompt = Prompt(request_id, node, endpoint, body,
-                        tuple((p.proxy, p.reply_id, p.reply_key) for p in chosen), threshold)
+                        tuple((p.proxy, *reply) for p, reply in zip(chosen, replies, strict=True)), threshold)
         cloves = sida.split(prompt.seal(), len(chosen), threshold)
-        exchange = Exchange(request_id, node, chosen, threshold)
+        exchange = Exchange(request_id, node, chosen, threshold, dict(replies))
         self.exchanges[request_id] = exchange
+        self.reply_keys.update(exchange.reply_keys)
         self.counters["requests"] += 1
         try:
-            sent = await asyncio.gather(
-                *(self._send(p.first, "fwd", [p.link, p.seal(node, onion.seal_to(node, sida.encode(c)))])
-                  for p, c in zip(chosen, cloves, strict=True)), return_exceptions=True)
+            payloads = [p.seal(node, onion.seal_to(node, sida.encode(c)), reply_id)
+                        for p, c, (reply_id, _) in zip(chosen, cloves, replies, strict=True)]
+            sent = await asyncio.gather(*(self._send(p.first, "fwd", [p.link, data])
+                                          for p, data in zip(chosen, payloads, strict=True)),
+                                        return_exceptions=True)
             for path, result in zip(chosen, sent, strict=True):
                 if result is not None:
                     self.spawn(self.paths.drop(path, f"the prompt could not be sent: {result}"))

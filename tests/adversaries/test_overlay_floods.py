@@ -12,6 +12,7 @@ import secrets
 import time
 from dataclasses import replace
 
+from nacl.signing import SigningKey
 from overlaynet import FAST, chat, directory, make_user, start_overlay
 from waiting import run, until
 
@@ -33,12 +34,15 @@ ONE_HOP = replace(FAST, length=1, target=4)
 """The honest user's paths: one relay each, the victim, so each path's setup reaches it from that user."""
 
 
-def setup_to(victim: bytes, reply_id: bytes | None = None) -> tuple[bytes, list]:
-    """A one-hop setup with the victim as proxy: (link id, the setup's body)."""
-    layer = onion.proxy_layer(reply_id or secrets.token_bytes(16), secrets.token_bytes(16),
-                              secrets.token_bytes(32))
+def setup_to(victim: bytes, next_key: bytes | None = None) -> tuple[bytes, list]:
+    """A one-hop setup with the victim as proxy, or as a relay passing it on to `next_key`: (link id,
+    the setup's body)."""
+    if next_key is None:
+        layer = onion.proxy_layer(secrets.token_bytes(16), secrets.token_bytes(32))
+    else:
+        layer = onion.relay_layer(secrets.token_bytes(onion.ID_SIZE), next_key)
     link = secrets.token_bytes(onion.ID_SIZE)
-    return link, [link, onion.build([victim], [layer])]
+    return link, [link, onion.build([victim], [layer])[0]]
 
 
 async def users_network(count: int) -> list[UserRelay]:
@@ -101,13 +105,13 @@ def test_a_captured_setup_replayed_after_a_cache_flood_is_refused(monkeypatch):
             await until(lambda: counters["setups"] == 1)
             await honest._send(target, "down", [link])
             await until(lambda: (honest.keys.public, link) not in victim.relay.forward)
-            # the adversary's own path, then setups reusing its reply id: each one is refused after it
-            # was remembered, so the replay cache fills without taking a slot of the table
-            own = secrets.token_bytes(16)
-            await adversary._send(target, "setup", setup_to(target, own)[1])
+            # the adversary's own path, then setups on to a key that is not a listed user: each one is
+            # refused after it was remembered, so the replay cache fills without taking a slot of the table
+            nobody = bytes(SigningKey.generate().verify_key)
+            await adversary._send(target, "setup", setup_to(target)[1])
             await until(lambda: counters["setups"] == 2)
             for _ in range(REPLAY_MEMORY + 100):
-                await adversary._send(target, "setup", setup_to(target, own)[1])
+                await adversary._send(target, "setup", setup_to(target, nobody)[1])
             await until(lambda: counters["refused"] >= REPLAY_MEMORY + 100)
             setups = counters["setups"]
             replay_link = secrets.token_bytes(onion.ID_SIZE)

@@ -1,6 +1,7 @@
 """A model node's side of the anonymous overlay: prompt cloves in from proxies (sealed to this node's
 key), answers out to the proxies the prompt lists, as S-IDA cloves of padded reply parts, each sealed
-under its path's reply key.
+under the reply key the user chose for that request and path (and sent under its reply id, also fresh
+per request, so nothing in one prompt recurs in another of the same user).
 
 The node answers an overlay prompt exactly as it answers its HTTP API (the same validation, routing,
 forwarding and signing), so a prompt cannot be told from a challenge by how it is served, and the
@@ -118,7 +119,7 @@ class Gateway:
     async def _send(self, prompt: Prompt, part: Part) -> None:
         n = len(prompt.reply_to)
         cloves = sida.split(part.seal(), n, prompt.k)
-        sealed = [onion.seal_payload(key, onion.REPLY, "clove", sida.encode(clove))
+        sealed = [onion.seal_payload(key, onion.REPLY, onion.Payload("clove", sida.encode(clove)))
                   for (_, _, key), clove in zip(prompt.reply_to, cloves, strict=True)]
         results = await asyncio.gather(
             *(self.send(proxy, "reply", [reply_id, data])

@@ -1,18 +1,24 @@
-"""Onion packets that set up a user's path to a proxy: the only public-key operations of the overlay.
+"""Onion packets that set up a user's path to a proxy (the only public-key operations of the overlay),
+and the per-hop layers of what then travels on the path.
 
 A user wraps one layer per relay. Each layer is sealed to the relay's registered ed25519 key (as its
 X25519 equivalent) under a fresh ephemeral key: X25519, HKDF-SHA256, ChaCha20-Poly1305. A layer tells
 its relay only what it needs: whether it is a relay or the proxy, the next relay's key and the id of
-the next link (a relay), or the reply id, acknowledgement token and path key (the proxy). Every layer
-also carries the time the user built it (`issued`, Unix seconds): a relay accepts a setup only within a
+the next link (a relay), or the acknowledgement token and path key (the proxy). Every layer also
+carries the time the user built it (`issued`, Unix seconds): a relay accepts a setup only within a
 short window of that time, so it need remember the ephemeral keys it has seen (its replay cache) only
-for that window (`relay.py`).
+for that window (`relay.py`). The same key agreement gives each relay a hop key (`Layer.hop_key`),
+which the user knows too.
 
 Afterwards, everything on the path between the user and its proxy is sealed under the path key
-(`seal_payload`): symmetric only, and the relays in between see opaque bytes that differ on every
-path. The cloves themselves are sealed end to end as well, to the model node's key on the way there
-(`seal_to`) and under the path's reply key on the way back, so not even colluding proxies can link the
-cloves of one message by their headers.
+(`seal_payload`) and then re-encrypted at every hop under the hop keys (`wrap`, `unwrap`): the user
+wraps a forward payload once per relay before the proxy and each relay removes its layer; each relay
+adds its layer to a backward payload and the user removes them all. So the bytes a payload has on one
+link are unrelated to its bytes on any other link, and a first relay and a proxy that collude cannot
+match what they carry by its bytes. Symmetric only. The cloves themselves are sealed end to end as
+well, to the model node's key on the way there (`seal_to`) and under a reply key the user chose for
+that request and path on the way back, so not even colluding proxies can link the cloves of one
+message by their headers.
 
 Every packet has the same size at every hop, so a relay cannot tell its position on the path: after
 removing its layer, a relay appends `LAYER_SIZE` bytes of filler derived from its own layer key, and
@@ -31,8 +37,7 @@ import secrets
 import struct
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field, replace
 
 import msgpack
 from cryptography.exceptions import InvalidTag
@@ -48,7 +53,7 @@ from nacl.signing import SigningKey, VerifyKey
 from planetserve.node.overlay.routes import PATH_LENGTH
 from planetserve.registry.codec import CodecError, Limits, unpack_bounded
 
-VERSION = 2
+VERSION = 3
 ID_SIZE = 16
 TOKEN_SIZE = 16
 KEY_SIZE = 32
@@ -56,20 +61,24 @@ TAG_SIZE = 16
 ROLE_RELAY = 0
 ROLE_PROXY = 1
 MAX_HOPS = PATH_LENGTH
-_HEADER = struct.Struct(">BB16s32s16s16s32sQ")
+_HEADER = struct.Struct(">BB16s32s16s32sQ")
 HEADER_SIZE = _HEADER.size
 LAYER_SIZE = KEY_SIZE + TAG_SIZE + HEADER_SIZE
 PACKET_SIZE = MAX_HOPS * LAYER_SIZE
 _BODY = PACKET_SIZE - KEY_SIZE - TAG_SIZE
 _NONCE = bytes(12)
-_INFO = b"planetserve/onion/v1"
+_INFO = b"planetserve/onion/v2"
 _ZERO_KEY = bytes(KEY_SIZE)
-_PAYLOAD_DOMAIN = b"planetserve/path/v1/"
+_PAYLOAD_DOMAIN = b"planetserve/path/v2/"
+_HOP_DOMAIN = b"planetserve/hop/v1/"
+NONCE_SIZE = 12
+HOP_OVERHEAD = NONCE_SIZE + TAG_SIZE
+"""Bytes one hop's layer adds to a path payload."""
 FORWARD = b"fwd"
 BACKWARD = b"back"
 REPLY = b"reply"
-PAYLOAD_LIMITS = Limits(max_objects=3, max_depth=1, max_len=2, max_str=256, max_bin=8 << 20)
-"""A path payload is [destination key or kind, data]: nothing else is decoded."""
+PAYLOAD_LIMITS = Limits(max_objects=4, max_depth=1, max_len=3, max_str=256, max_bin=8 << 20)
+"""A path payload is [destination key or kind, data, reply id]: nothing else is decoded."""
 
 
 class OnionError(Exception):
@@ -85,31 +94,32 @@ class Layer:
     """The id of the link to the next relay (a relay), zeros at the proxy."""
     next_key: bytes
     """The next relay's identity key (a relay), zeros at the proxy."""
-    reply_id: bytes
-    """Names the path to a model node answering through this proxy (the proxy only)."""
     token: bytes
     """Sent back to the user to confirm the path (the proxy only)."""
     path_key: bytes
     """Seals what the user and the proxy exchange over the path (the proxy only)."""
     issued: int = 0
     """When the user built the packet (Unix seconds): relays refuse setups outside a window of it."""
+    hop_key: bytes = field(default=_ZERO_KEY, repr=False, compare=False)
+    """Re-encrypts this hop's path payloads (`wrap`): derived from the layer's key agreement, not
+    carried in the header."""
 
     @property
     def is_proxy(self) -> bool:
         return self.role == ROLE_PROXY
 
     def encode(self) -> bytes:
-        return _HEADER.pack(VERSION, self.role, self.out_id, self.next_key, self.reply_id, self.token,
-                            self.path_key, self.issued)
+        return _HEADER.pack(VERSION, self.role, self.out_id, self.next_key, self.token, self.path_key,
+                            self.issued)
 
     @classmethod
     def decode(cls, raw: bytes) -> Layer:
-        version, role, out_id, next_key, reply_id, token, path_key, issued = _HEADER.unpack(raw)
+        version, role, out_id, next_key, token, path_key, issued = _HEADER.unpack(raw)
         if version != VERSION or role not in (ROLE_RELAY, ROLE_PROXY):
             raise OnionError(f"unknown layer version {version} or role {role}")
         if role == ROLE_RELAY and next_key == _ZERO_KEY:
             raise OnionError("relay layer names no next relay")
-        return cls(role, out_id, next_key, reply_id, token, path_key, issued)
+        return cls(role, out_id, next_key, token, path_key, issued)
 
 
 def _now(issued: int | None) -> int:
@@ -117,39 +127,87 @@ def _now(issued: int | None) -> int:
 
 
 def relay_layer(out_id: bytes, next_key: bytes, issued: int | None = None) -> Layer:
-    return Layer(ROLE_RELAY, out_id, next_key, bytes(ID_SIZE), bytes(TOKEN_SIZE), _ZERO_KEY, _now(issued))
+    return Layer(ROLE_RELAY, out_id, next_key, bytes(TOKEN_SIZE), _ZERO_KEY, _now(issued))
 
 
-def proxy_layer(reply_id: bytes, token: bytes, path_key: bytes, issued: int | None = None) -> Layer:
-    return Layer(ROLE_PROXY, bytes(ID_SIZE), _ZERO_KEY, reply_id, token, path_key, _now(issued))
+def proxy_layer(token: bytes, path_key: bytes, issued: int | None = None) -> Layer:
+    return Layer(ROLE_PROXY, bytes(ID_SIZE), _ZERO_KEY, token, path_key, _now(issued))
 
 
-def seal_payload(path_key: bytes, direction: bytes, first: bytes | str, data: bytes) -> bytes:
-    """A (destination or kind, data) pair sealed for the other end of the path; a fresh random nonce
-    each time, and the direction bound in, so a payload cannot be reflected back."""
-    nonce = secrets.token_bytes(12)
-    plaintext = msgpack.packb([first, data], use_bin_type=True)
-    return nonce + ChaCha20Poly1305(path_key).encrypt(nonce, plaintext, _PAYLOAD_DOMAIN + direction)
+@dataclass(frozen=True)
+class Payload:
+    """What the user and its proxy exchange over a path."""
+
+    first: bytes | str
+    """Toward the proxy: the model node to deliver `data` to (empty: a ping). Toward the user: the
+    kind ("ready", "pong", "clove", "unreachable")."""
+    data: bytes
+    reply_id: bytes = b""
+    """With a prompt clove: the id under which the model node will answer this request on this path,
+    fresh per request (the proxy keeps it for a while). With an answer clove: the id it came under."""
 
 
-def open_payload(path_key: bytes, direction: bytes, sealed: bytes) -> tuple[Any, bytes]:
-    """The pair inside a sealed payload; OnionError if it was altered or is not for this path."""
+def _seal(key: bytes, domain: bytes, plaintext: bytes) -> bytes:
+    nonce = secrets.token_bytes(NONCE_SIZE)
+    return nonce + ChaCha20Poly1305(key).encrypt(nonce, plaintext, domain)
+
+
+def _open(key: bytes, domain: bytes, sealed: bytes, what: str) -> bytes:
     try:
-        plaintext = ChaCha20Poly1305(path_key).decrypt(sealed[:12], sealed[12:], _PAYLOAD_DOMAIN + direction)
+        return ChaCha20Poly1305(key).decrypt(sealed[:NONCE_SIZE], sealed[NONCE_SIZE:], domain)
     except InvalidTag:
-        raise OnionError("path payload does not authenticate") from None
+        raise OnionError(f"{what} does not authenticate") from None
     except Exception as exc:  # a nonce of the wrong size, or not bytes
-        raise OnionError(f"malformed path payload: {type(exc).__name__}") from exc
+        raise OnionError(f"malformed {what}: {type(exc).__name__}") from exc
+
+
+def seal_payload(path_key: bytes, direction: bytes, payload: Payload) -> bytes:
+    """A payload sealed for the other end of the path; a fresh random nonce each time, and the
+    direction bound in, so a payload cannot be reflected back."""
+    plaintext = msgpack.packb([payload.first, payload.data, payload.reply_id], use_bin_type=True)
+    return _seal(path_key, _PAYLOAD_DOMAIN + direction, plaintext)
+
+
+def open_payload(path_key: bytes, direction: bytes, sealed: bytes) -> Payload:
+    """The payload inside a sealed one; OnionError if it was altered or is not for this path."""
+    plaintext = _open(path_key, _PAYLOAD_DOMAIN + direction, sealed, "path payload")
     try:
-        pair = unpack_bounded(plaintext, PAYLOAD_LIMITS)
+        fields = unpack_bounded(plaintext, PAYLOAD_LIMITS)
     except CodecError as exc:
         raise OnionError(f"malformed path payload: {exc}") from exc
-    if not isinstance(pair, list) or len(pair) != 2:
+    if not isinstance(fields, list) or len(fields) != 3:
         raise OnionError("malformed path payload")
-    first, data = pair
+    first, data, reply_id = fields
     if not isinstance(first, bytes | str) or type(data) is not bytes:
         raise OnionError("malformed path payload")
-    return first, data
+    if type(reply_id) is not bytes or len(reply_id) not in (0, ID_SIZE):
+        raise OnionError("malformed reply id in a path payload")
+    return Payload(first, data, reply_id)
+
+
+def wrap(hop_key: bytes, direction: bytes, sealed: bytes) -> bytes:
+    """One hop's layer around a path payload: a fresh nonce, so its bytes on the next link share
+    nothing with those on the last."""
+    return _seal(hop_key, _HOP_DOMAIN + direction, sealed)
+
+
+def unwrap(hop_key: bytes, direction: bytes, wrapped: bytes) -> bytes:
+    """A path payload without this hop's layer; OnionError if the layer was altered."""
+    return _open(hop_key, _HOP_DOMAIN + direction, wrapped, "hop layer")
+
+
+def wrap_all(hop_keys: Sequence[bytes], direction: bytes, sealed: bytes) -> bytes:
+    """A payload as the first of `hop_keys` receives it, each hop's layer outside the next's."""
+    for key in reversed(hop_keys):
+        sealed = wrap(key, direction, sealed)
+    return sealed
+
+
+def unwrap_all(hop_keys: Sequence[bytes], direction: bytes, wrapped: bytes) -> bytes:
+    """A payload that crossed the hops of `hop_keys`, the first outermost, without their layers."""
+    for key in hop_keys:
+        wrapped = unwrap(key, direction, wrapped)
+    return wrapped
 
 
 @functools.lru_cache(maxsize=4096)
@@ -172,6 +230,7 @@ def exchange_secret(identity: SigningKey) -> bytes:
 class _Keys:
     aead: ChaCha20Poly1305
     seed: bytes
+    hop: bytes
 
     @property
     def filler(self) -> bytes:
@@ -183,16 +242,17 @@ class _Keys:
 def _derive(shared: bytes, ephemeral: bytes, recipient: bytes) -> _Keys:
     if shared == bytes(KEY_SIZE):
         raise OnionError("degenerate ephemeral key")
-    okm = HKDF(hashes.SHA256(), 2 * KEY_SIZE, salt=None, info=_INFO + ephemeral + recipient).derive(shared)
-    return _Keys(ChaCha20Poly1305(okm[:KEY_SIZE]), okm[KEY_SIZE:])
+    okm = HKDF(hashes.SHA256(), 3 * KEY_SIZE, salt=None, info=_INFO + ephemeral + recipient).derive(shared)
+    return _Keys(ChaCha20Poly1305(okm[:KEY_SIZE]), okm[KEY_SIZE:2 * KEY_SIZE], okm[2 * KEY_SIZE:])
 
 
 def _xor(a: bytes, b: bytes) -> bytes:
     return (int.from_bytes(a) ^ int.from_bytes(b)).to_bytes(len(a))
 
 
-def build(route: Sequence[bytes], layers: Sequence[Layer]) -> bytes:
-    """The packet for the first relay of `route` (identity keys), whose relays read `layers` in order."""
+def build(route: Sequence[bytes], layers: Sequence[Layer]) -> tuple[bytes, tuple[bytes, ...]]:
+    """The packet for the first relay of `route` (identity keys), whose relays read `layers` in order,
+    and each relay's hop key."""
     hops = len(route)
     if not 1 <= hops <= MAX_HOPS:
         raise ValueError(f"a path has 1..{MAX_HOPS} relays, not {hops}")
@@ -214,13 +274,13 @@ def build(route: Sequence[bytes], layers: Sequence[Layer]) -> bytes:
     tail = filler[-1]
     body = secrets.token_bytes(_BODY - HEADER_SIZE - len(tail))
     plaintext = layers[-1].encode() + body + _xor(tail, streams[-1][_BODY - len(tail):])
-    packet = _seal(keys[-1], ephemerals[-1], plaintext)
+    packet = _seal_layer(keys[-1], ephemerals[-1], plaintext)
     for j in range(hops - 2, -1, -1):
-        packet = _seal(keys[j], ephemerals[j], layers[j].encode() + packet[:PACKET_SIZE - LAYER_SIZE])
-    return packet
+        packet = _seal_layer(keys[j], ephemerals[j], layers[j].encode() + packet[:PACKET_SIZE - LAYER_SIZE])
+    return packet, tuple(k.hop for k in keys)
 
 
-def _seal(keys: _Keys, ephemeral: bytes, plaintext: bytes) -> bytes:
+def _seal_layer(keys: _Keys, ephemeral: bytes, plaintext: bytes) -> bytes:
     sealed = keys.aead.encrypt(_NONCE, plaintext, ephemeral)
     return ephemeral + sealed[-TAG_SIZE:] + sealed[:-TAG_SIZE]
 
@@ -261,5 +321,5 @@ def peel(secret: bytes, packet: bytes) -> tuple[Layer, bytes]:
         plaintext = keys.aead.decrypt(_NONCE, body + tag, ephemeral)
     except InvalidTag:
         raise OnionError("setup packet does not authenticate (not for us, or tampered)") from None
-    layer = Layer.decode(plaintext[:HEADER_SIZE])
+    layer = replace(Layer.decode(plaintext[:HEADER_SIZE]), hop_key=keys.hop)
     return layer, plaintext[HEADER_SIZE:] + keys.filler

@@ -78,11 +78,11 @@ class Path:
     link: bytes
     """Id of the link from us to the first relay: how that relay and we name this path."""
     route: tuple[bytes, ...]
-    reply_id: bytes
     token: bytes
     key: bytes = field(repr=False)
-    reply_key: bytes = field(repr=False)
-    """Seals the answer cloves model nodes send back over this path."""
+    """The path key: seals what we and the proxy exchange."""
+    hop_keys: tuple[bytes, ...] = field(default=(), repr=False)
+    """The hop keys of the relays before the proxy, first relay first: each re-encrypts the payloads."""
     created: float = field(default_factory=time.monotonic)
     listed: int = 0
     """Users in the verified list the path's relays were chosen from."""
@@ -111,12 +111,20 @@ class Path:
         """Answers over it still arrive: live, or retiring after its replacement went live."""
         return self.state in ("live", "retiring")
 
-    def seal(self, destination: bytes, data: bytes) -> bytes:
-        """A payload only our proxy can open: data for the model node `destination` (empty: a ping)."""
-        return onion.seal_payload(self.key, onion.FORWARD, destination, data)
+    def seal(self, destination: bytes, data: bytes, reply_id: bytes = b"") -> bytes:
+        """A payload only our proxy can open, as our first relay receives it: data for the model node
+        `destination` (empty: a ping), to be answered under `reply_id`."""
+        sealed = onion.seal_payload(self.key, onion.FORWARD, onion.Payload(destination, data, reply_id))
+        return onion.wrap_all(self.hop_keys, onion.FORWARD, sealed)
+
+    def open(self, wrapped: bytes) -> onion.Payload:
+        """A payload from our proxy, as our first relay passed it on; OnionError if anyone altered it."""
+        sealed = onion.unwrap_all(self.hop_keys, onion.BACKWARD, wrapped)
+        return onion.open_payload(self.key, onion.BACKWARD, sealed)
 
 
 CloveSink = Callable[[Path, bytes], None]
+ReplyKeys = Callable[[bytes], bytes | None]
 UnreachableSink = Callable[[Path, bytes], None]
 
 
@@ -133,6 +141,9 @@ class PathManager:
         self.paths: dict[tuple[bytes, bytes], Path] = {}
         self.avoided: dict[bytes, float] = {}
         self.on_clove: CloveSink = lambda _path, _data: None
+        self.reply_key: ReplyKeys = lambda _reply_id: None
+        """The key an answer clove under a reply id of ours is sealed with (None: not, or no longer,
+        awaited)."""
         self.on_unreachable: UnreachableSink = lambda _path, _node: None
         self.on_death: list[Callable[[Path], None]] = []
         self.in_use: Callable[[Path], bool] = lambda _path: False
@@ -174,14 +185,14 @@ class PathManager:
             self.last_error = str(exc)
             return None
         links = [secrets.token_bytes(onion.ID_SIZE) for _ in route]
-        path = Path(links[0], route, secrets.token_bytes(onion.ID_SIZE),
-                    secrets.token_bytes(onion.TOKEN_SIZE), secrets.token_bytes(onion.KEY_SIZE),
+        path = Path(links[0], route, secrets.token_bytes(onion.TOKEN_SIZE),
                     secrets.token_bytes(onion.KEY_SIZE), listed=len(users))
         layers = [onion.relay_layer(links[i + 1], route[i + 1]) for i in range(len(route) - 1)]
-        layers.append(onion.proxy_layer(path.reply_id, path.token, path.key))
+        layers.append(onion.proxy_layer(path.token, path.key))
         self.paths[(path.first, path.link)] = path  # before any await: concurrent builds avoid its relays
         try:
-            packet = await asyncio.to_thread(onion.build, route, layers)
+            packet, hop_keys = await asyncio.to_thread(onion.build, route, layers)
+            path.hop_keys = hop_keys[:-1]
             await self.send(path.first, "setup", [path.link, packet])
             await asyncio.wait_for(asyncio.shield(path.ready), self.settings.setup_timeout)
         except (TransportError, TimeoutError, asyncio.CancelledError) as exc:
@@ -348,11 +359,12 @@ class PathManager:
         if path is None:
             return False
         try:
-            kind, data = onion.open_payload(path.key, onion.BACKWARD, sealed)
+            payload = path.open(sealed)
         except onion.OnionError:
             self.counters["altered"] += 1
             self.spawn(self.penalize(path, "a relay altered its traffic"))
             return True
+        kind, data = payload.first, payload.data
         if kind == "ready":
             if path.state == "building" and hmac.compare_digest(data, path.token):
                 path.state = "live"
@@ -363,9 +375,9 @@ class PathManager:
                 pending[1].set_result(hmac.compare_digest(pending[0], data))
         elif kind == "unreachable":
             self.on_unreachable(path, data)
-        elif path.carrying:
+        elif path.carrying and (reply_key := self.reply_key(payload.reply_id)) is not None:
             try:
-                _, clove = onion.open_payload(path.reply_key, onion.REPLY, data)
+                clove = onion.open_payload(reply_key, onion.REPLY, data).data
             except onion.OnionError:
                 self.counters["altered"] += 1
                 self.spawn(self.penalize(path, "its proxy altered an answer clove"))

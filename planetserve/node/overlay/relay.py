@@ -2,31 +2,36 @@
 
 Peer messages between relays (one-way, over `transport`):
   "setup" [link id, packet]   builds a path hop by hop; the packet is peeled here (`onion`)
-  "fwd"   [link id, sealed]   toward the proxy, which opens (destination, data) with the path key and
-                              sends data to the model node `destination`, any registered active one,
-                              trusted or not (empty: a ping, echoed)
-  "back"  [link id, sealed]   toward the user: (kind, data), kind "ready", "pong", "clove", or
+  "fwd"   [link id, sealed]   toward the proxy: each relay removes its hop layer; the proxy opens
+                              (destination, data, reply id) with the path key, keeps the reply id for
+                              the answer and sends data to the model node `destination`, any registered
+                              active one, trusted or not (empty: a ping, echoed)
+  "back"  [link id, sealed]   toward the user, each relay adding its hop layer: (kind, data, reply id),
+                              kind "ready", "pong", "clove" (with the reply id it came under), or
                               "unreachable" (the proxy could not reach the model node named)
   "down"  [link id]           the path is gone (sent both ways when a neighbour disappears)
 and between a proxy and model nodes:
   "clove" data                    proxy → model node: one clove of a prompt
   "reply" [reply id, data]        model node → proxy: one clove of an answer
 
-A relay stores, per path, only (predecessor, link id in) ↔ (successor, link id out), or at the proxy
-the reply id and path key; link ids are random per link and payloads are sealed per path, so relays on
-different paths, or on different links of one path, hold and see nothing in common.
+A relay stores, per path, only (predecessor, link id in) ↔ (successor, link id out) and its hop key,
+or at the proxy the path key and the reply ids of the requests in flight; link ids are random per link,
+reply ids random per request and path, and payloads are sealed per path and re-encrypted at every hop,
+so relays on different paths, or on different links of one path, hold and see nothing in common, and
+no reply id names a path for longer than its requests last.
 
 What a relay holds for others is bounded, per previous-hop peer as well as in all, and a setup is
 refused before anything is stored (the refusal goes back as "down" [link id], so the user rebuilds over
 other relays at once):
 - the path table: at most `max_hops` paths (20,000) and at most `max_hops_per_peer` (256) whose
-  predecessor is one peer. Entries are of one fixed size (two keys, three ids, a path key), so a bound
-  in entries is a bound in bytes. An honest user keeps N = `proxies` paths (5 by default, each built
-  once and torn down with "down" when replaced), and its paths avoid each other's relays, so as a first
-  hop a relay holds about N of one user's paths; as a later hop it holds the paths that one neighbour
-  forwards, about 2·N·U / R² of them with U users over R relays (under 10 for U ≈ R). 256 leaves a wide
-  margin for small lists, where every path crosses the same few relays, and for replaced paths whose
-  "down" was lost (they expire after 15 idle minutes), while one key fills at most 1/78 of the table.
+  predecessor is one peer. Entries are of one fixed size (two keys, two ids, a hop or path key) but for
+  a proxy's reply ids, bounded below, so a bound in entries is a bound in bytes. An honest user keeps
+  N = `proxies` paths (5 by default, each built once and torn down with "down" when replaced), and its
+  paths avoid each other's relays, so as a first hop a relay holds about N of one user's paths; as a
+  later hop it holds the paths that one neighbour forwards, about 2·N·U / R² of them with U users over
+  R relays (under 10 for U ≈ R). 256 leaves a wide margin for small lists, where every path crosses
+  the same few relays, and for replaced paths whose "down" was lost (they expire after 15 idle
+  minutes), while one key fills at most 1/78 of the table.
 - the replay cache of setups' ephemeral keys: a layer carries the time it was built (`onion`), and a
   setup is accepted only from SETUP_MAX_AGE (60 s) before to SETUP_MAX_AHEAD (15 s) after this relay's
   clock. An ephemeral key is remembered until its setup leaves that window and is never evicted before:
@@ -35,6 +40,12 @@ other relays at once):
   `replay_memory` (65,536) in all; past either, setups are refused (the cache fails closed, never
   evicting). 512 in 75 s is about 7 setups a second from one neighbour, far above what an honest user
   (N paths, rebuilt on failure) or a forwarding relay sends.
+- the proxy's reply ids (16 bytes each, one per request and path, registered by the prompt clove they
+  come with): at most `MAX_REPLIES_PER_PATH` (256) per path, where a new one replaces the path's least
+  recently used (the path's own user is the only one it can cost); at most `max_replies_per_peer`
+  (4,096) over the paths of one previous-hop peer and `max_replies` (65,536) in all, past which the clove
+  is refused before anything is stored. A reply id unused for REPLY_IDLE_SECONDS (180 s, beyond the
+  users' default 120 s wait for an answer's next part) is forgotten.
 """
 
 from __future__ import annotations
@@ -42,6 +53,7 @@ from __future__ import annotations
 import heapq
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -61,6 +73,10 @@ SETUP_MAX_AHEAD = 15.0
 MAX_PING = 64
 EXPIRE_EVERY = 1.0
 """Seconds between two sweeps of the whole table when it is full (each sweep reads every path)."""
+MAX_REPLIES = 65_536
+MAX_REPLIES_PER_PEER = 4_096
+MAX_REPLIES_PER_PATH = 256
+REPLY_IDLE_SECONDS = 180.0
 
 Send = Callable[[bytes, str, Any], Awaitable[None]]
 
@@ -80,10 +96,11 @@ class Hop:
     in_id: bytes
     succ: bytes | None
     out_id: bytes | None
-    reply_id: bytes | None
-    key: bytes | None = field(default=None, repr=False)
-    """The path key (the proxy only)."""
+    key: bytes = field(repr=False)
+    """The hop key that re-encrypts this hop's payloads (a relay), the path key (the proxy)."""
     used: float = field(default_factory=time.monotonic)
+    replies: OrderedDict[bytes, float] = field(default_factory=OrderedDict, repr=False)
+    """The proxy's reply ids for this path, least recently used first, with when each was last used."""
 
 
 class RelayError(Exception):
@@ -112,6 +129,7 @@ class Relay:
                  is_node: Callable[[bytes], bool], owner: PathOwner | None = None,
                  max_hops: int = MAX_HOPS_STORED, max_hops_per_peer: int = MAX_HOPS_PER_PEER,
                  replay_memory: int | None = None, max_setups_per_peer: int = MAX_SETUPS_PER_PEER,
+                 max_replies: int = MAX_REPLIES, max_replies_per_peer: int = MAX_REPLIES_PER_PEER,
                  clock: Callable[[], float] = time.time) -> None:
         self.secret = secret
         self.send = send
@@ -122,11 +140,16 @@ class Relay:
         self.max_hops_per_peer = max_hops_per_peer
         self.replay_memory = REPLAY_MEMORY if replay_memory is None else replay_memory
         self.max_setups_per_peer = max_setups_per_peer
+        self.max_replies = max_replies
+        self.max_replies_per_peer = max_replies_per_peer
         self.clock = clock
         """Wall clock (setups carry the user's time); read through `now`, which never goes back."""
         self.forward: dict[tuple[bytes, bytes], Hop] = {}
         self.backward: dict[tuple[bytes, bytes], Hop] = {}
         self.replies: dict[bytes, Hop] = {}
+        """The proxy's reply ids in all, and the path each answers on."""
+        self.replies_by_peer: dict[bytes, int] = {}
+        """Reply ids per previous-hop peer of their paths."""
         self.by_peer: dict[bytes, dict[tuple[bytes, bytes], Hop]] = {}
         """Paths by predecessor: what each peer holds in the table."""
         self.seen: dict[bytes, bytes] = {}
@@ -138,7 +161,8 @@ class Relay:
         self._swept = float("-inf")
         self.counters = {"setups": 0, "proxied": 0, "forwarded": 0, "returned": 0, "to_nodes": 0,
                          "refused": 0, "unknown_path": 0, "send_failures": 0, "refused_full": 0,
-                         "refused_peer_limit": 0, "refused_setup_rate": 0, "replays": 0, "stale": 0}
+                         "refused_peer_limit": 0, "refused_setup_rate": 0, "replays": 0, "stale": 0,
+                         "refused_replies": 0}
 
     @property
     def hops(self) -> list[Hop]:
@@ -227,16 +251,14 @@ class Relay:
         self._remember(ephemeral, layer.issued, peer)
         self.counters["setups"] += 1
         if layer.is_proxy:
-            hop = Hop(peer, in_id, None, None, layer.reply_id, layer.path_key)
-            if layer.reply_id in self.replies:
-                raise RelayError("reply id already in use")
+            hop = Hop(peer, in_id, None, None, layer.path_key)
             self._store(hop)
             await self._back(hop, "ready", layer.token)
             return
         if not self.is_user(layer.next_key):
             await self._pass_on(peer, "down", [in_id])
             raise RelayError("next relay is not a listed user")
-        hop = Hop(peer, in_id, layer.next_key, layer.out_id, None)
+        hop = Hop(peer, in_id, layer.next_key, layer.out_id, layer.hop_key)
         self._store(hop)
         if not await self._pass_on(layer.next_key, "setup", [layer.out_id, inner]):
             self._drop(hop)
@@ -268,8 +290,6 @@ class Relay:
         self.by_peer.setdefault(hop.pred, {})[(hop.pred, hop.in_id)] = hop
         if hop.succ is not None and hop.out_id is not None:
             self.backward[(hop.succ, hop.out_id)] = hop
-        if hop.reply_id is not None:
-            self.replies[hop.reply_id] = hop
 
     def _drop(self, hop: Hop) -> None:
         if self.forward.pop((hop.pred, hop.in_id), None) is None:
@@ -281,15 +301,61 @@ class Relay:
                 del self.by_peer[hop.pred]
         if hop.succ is not None and hop.out_id is not None:
             self.backward.pop((hop.succ, hop.out_id), None)
-        if hop.reply_id is not None:
-            self.replies.pop(hop.reply_id, None)
+        while hop.replies:
+            self._forget_reply(hop, next(iter(hop.replies)))
+
+    # -- reply ids (the proxy) -----------------------------------------------------------------------
+
+    def _forget_reply(self, hop: Hop, reply_id: bytes) -> None:
+        del hop.replies[reply_id]
+        self.replies.pop(reply_id, None)
+        left = self.replies_by_peer[hop.pred] - 1
+        if left:
+            self.replies_by_peer[hop.pred] = left
+        else:
+            del self.replies_by_peer[hop.pred]
+
+    def _expire_replies(self, hop: Hop, cutoff: float) -> None:
+        while hop.replies and next(iter(hop.replies.values())) < cutoff:
+            self._forget_reply(hop, next(iter(hop.replies)))
+
+    def _register_reply(self, hop: Hop, reply_id: bytes) -> None:
+        """Keep `reply_id` for the answer to a prompt clove on `hop`'s path (its own once more: used now)."""
+        now = time.monotonic()
+        owner = self.replies.get(reply_id)
+        if owner is not None and owner is not hop:
+            raise RelayError("reply id in use by another path")
+        if owner is None:
+            self._make_room_for_reply(hop, now)
+            self.replies[reply_id] = hop
+            self.replies_by_peer[hop.pred] = self.replies_by_peer.get(hop.pred, 0) + 1
+        hop.replies[reply_id] = now
+        hop.replies.move_to_end(reply_id)
+
+    def _make_room_for_reply(self, hop: Hop, now: float) -> None:
+        """Forget the path's idle reply ids, and its least recently used one at its bound; Refused, with
+        nothing stored, while the path's peer or the whole table is at its bound once idle ones are gone."""
+        cutoff = now - REPLY_IDLE_SECONDS
+        self._expire_replies(hop, cutoff)
+        if len(hop.replies) >= MAX_REPLIES_PER_PATH:
+            self._forget_reply(hop, next(iter(hop.replies)))
+        if self.replies_by_peer.get(hop.pred, 0) >= self.max_replies_per_peer:
+            for other in list(self.by_peer.get(hop.pred, {}).values()):
+                self._expire_replies(other, cutoff)
+            if self.replies_by_peer.get(hop.pred, 0) >= self.max_replies_per_peer:
+                raise Refused(f"peer's paths hold {self.max_replies_per_peer} reply ids here",
+                              "refused_replies")
+        if len(self.replies) >= self.max_replies:
+            if now - self._swept >= EXPIRE_EVERY:
+                self.expire()
+            if len(self.replies) >= self.max_replies:
+                raise Refused("the reply table is full", "refused_replies")
 
     # -- traffic -------------------------------------------------------------------------------------
 
-    async def _back(self, hop: Hop, kind: str, data: bytes) -> None:
+    async def _back(self, hop: Hop, kind: str, data: bytes, reply_id: bytes = b"") -> None:
         """Originate a payload toward the user (we are its proxy)."""
-        assert hop.key is not None
-        sealed = onion.seal_payload(hop.key, onion.BACKWARD, kind, data)
+        sealed = onion.seal_payload(hop.key, onion.BACKWARD, onion.Payload(kind, data, reply_id))
         await self._pass_on(hop.pred, "back", [hop.in_id, sealed])
 
     async def _on_fwd(self, peer: bytes, body: Any) -> None:
@@ -302,18 +368,22 @@ class Relay:
             return
         hop.used = time.monotonic()
         if hop.succ is not None:
+            inner = onion.unwrap(hop.key, onion.FORWARD, body[1])
             self.counters["forwarded"] += 1
-            await self._pass_on(hop.succ, "fwd", [hop.out_id, body[1]])
+            await self._pass_on(hop.succ, "fwd", [hop.out_id, inner])
             return
-        assert hop.key is not None
-        destination, data = onion.open_payload(hop.key, onion.FORWARD, body[1])
+        payload = onion.open_payload(hop.key, onion.FORWARD, body[1])
+        destination = payload.first
         if not destination:
-            if len(data) > MAX_PING:
+            if len(payload.data) > MAX_PING:
                 raise RelayError("ping too long")
-            await self._back(hop, "pong", data)
+            await self._back(hop, "pong", payload.data)
         elif type(destination) is bytes and self.is_node(destination):
+            if not payload.reply_id:
+                raise RelayError("a prompt clove names no reply id")
+            self._register_reply(hop, payload.reply_id)
             self.counters["to_nodes"] += 1
-            if not await self._pass_on(destination, "clove", data):
+            if not await self._pass_on(destination, "clove", payload.data):
                 await self._back(hop, "unreachable", destination)
         else:
             raise RelayError("destination is not a registered model node")
@@ -321,13 +391,15 @@ class Relay:
     async def _on_reply(self, body: Any) -> None:
         if not (isinstance(body, list) and len(body) == 2 and type(body[1]) is bytes):
             raise RelayError("reply is [reply id, clove]")
-        hop = self.replies.get(_link(body[0]))
+        reply_id = _link(body[0])
+        hop = self.replies.get(reply_id)
         if hop is None:
             self.counters["unknown_path"] += 1
             return
-        hop.used = time.monotonic()
+        hop.used = hop.replies[reply_id] = time.monotonic()
+        hop.replies.move_to_end(reply_id)
         self.counters["proxied"] += 1
-        await self._back(hop, "clove", body[1])
+        await self._back(hop, "clove", body[1], reply_id)
 
     async def _on_back(self, peer: bytes, body: Any) -> None:
         if not (isinstance(body, list) and len(body) == 2 and type(body[1]) is bytes):
@@ -337,7 +409,7 @@ class Relay:
         if hop is not None:
             hop.used = time.monotonic()
             self.counters["returned"] += 1
-            await self._pass_on(hop.pred, "back", [hop.in_id, body[1]])
+            await self._pass_on(hop.pred, "back", [hop.in_id, onion.wrap(hop.key, onion.BACKWARD, body[1])])
         elif self.owner is None or not self.owner.deliver(peer, link, body[1]):
             self.counters["unknown_path"] += 1
 
@@ -377,4 +449,8 @@ class Relay:
         stale = [h for h in held if h.used < cutoff]
         for hop in stale:
             self._drop(hop)
+        if peer is None:
+            reply_cutoff = cutoff + HOP_IDLE_SECONDS - REPLY_IDLE_SECONDS
+            for hop in [h for h in self.forward.values() if h.replies]:
+                self._expire_replies(hop, reply_cutoff)
         return len(stale)

@@ -1,0 +1,69 @@
+"""Adversaries that try to link one user's requests (docs/threat-model.md, "Links one user's requests"):
+a real model node that logs every clove and prompt it gets from two users, and every relay of the
+overlay logging, as a first relay and as a proxy, the bytes it carries so that a first relay and a proxy
+can collude by comparing them. Both users send their requests through their real relays over TLS, as a
+program would (`UserRelay.respond`). What they record is scored by bench/linkability.py's rules: a pair
+of requests is linked by a field when a value of it occurs in both, and by bytes when 31 bytes handled
+at a proxy for each occur in what a first relay exchanged with one user."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from overlaynet import make_user, start_overlay
+from waiting import run
+
+from bench.linkability import MODEL_FIELDS, Observations, pair_shares, record_gateway, record_relay, rows
+
+REQUESTS = 3
+"""Requests per user: 3 pairs of one user's requests per user, 9 pairs of two users'."""
+
+
+async def observe(data) -> Observations:  # type: ignore[no-untyped-def]
+    obs = Observations()
+    net = await start_overlay(data, [make_user() for _ in range(7)], 1)
+    try:
+        record_gateway(net.nodes[0].gateway, obs)
+        senders = net.users[:2]
+        by_key = {u.keys.public: u for u in senders}
+        for user in net.users:
+            record_relay(user.relay, user.keys.public, by_key, obs)
+        assert await senders[1].paths.wait_live(senders[1].paths.settings.target, 20)
+        for index in range(2 * REQUESTS):
+            user = senders[index % 2]
+            obs.current, obs.users[index] = index, user.keys.public
+            body = {"model": "gt", "messages": [{"role": "user", "content": "Who wrote this?"}], "max_tokens": 2,
+                    "temperature": 0}
+            reply = await user.respond("chat", json.dumps(body).encode())
+            assert reply.status == 200
+            async for _ in reply.parts:
+                pass
+    finally:
+        await net.close()
+    return obs
+
+
+@pytest.fixture(scope="module")
+def observed(quick_family) -> Observations:  # type: ignore[no-untyped-def]
+    return run(observe(quick_family), timeout=120)
+
+
+def test_a_model_node_cannot_link_two_requests_of_one_user(observed):
+    assert len(observed.fields) == 2 * REQUESTS, "every request reached the node's log"
+    table = {name: (same, other) for adversary, name, same, other in rows(observed) if adversary == "model node"}
+    for name in MODEL_FIELDS:
+        (linked, pairs), _ = table[name]
+        assert pairs == 2 * 3 and linked == 0, f"{name} links {linked} of {pairs} pairs of one user's requests"
+    # what every request shares, whoever sent it
+    assert table["n and k"] == ((6, 6), (9, 9))
+    # the proxies (a path's end, the peer that delivers its clove) are what is left: see the threat model
+    assert all(observed.fields[r]["proxies"] == {p for s in observed.fields[r]["proxy set"] for p in s}
+               for r in observed.users)
+
+
+def test_a_colluding_first_relay_and_proxy_cannot_match_a_payload_by_its_bytes(observed):
+    assert all(observed.proxy[r] for r in observed.users) and observed.first, "both adversaries saw traffic"
+    assert not any(observed.attributed(r) for r in observed.users), "a payload was matched by its bytes"
+    same, other = pair_shares(observed.users, lambda a, b: bool(observed.attributed(a) & observed.attributed(b)))
+    assert same[0] == other[0] == 0
