@@ -187,10 +187,14 @@ def test_node_homes_take_an_existing_key_and_are_never_overwritten(tmp_path):
     node = json.loads(run("node", "init-model", "--home", str(tmp_path / "m"), "--org-id", "acme",
                           "--model-id", "gt", "--genesis", str(genesis), "--node-keys", str(key),
                           "--engine-url", "http://127.0.0.1:8001", "--kv-events", "tcp://127.0.0.1:5557",
-                          "--kv-events-replay", "tcp://127.0.0.1:5558", "--json"))
+                          "--kv-events-replay", "tcp://127.0.0.1:5558", "--prefill-chunk", "256",
+                          "--kv-budget-tokens", "65536", "--json"))
     assert node["node"] == created["identity"]
     saved = json.loads((tmp_path / "m" / "node.json").read_text())
     assert (saved["kv_events"], saved["kv_events_replay"]) == ("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558")
+    assert (saved["prefill_chunk"], saved["kv_budget_tokens"]) == (256, 65536)
+    assert "--prefill-chunk" in run("node", "init-model", "--home", str(tmp_path / "z"), "--org-id", "acme",
+                                    "--model-id", "gt", "--genesis", str(genesis), "--prefill-chunk", "0", code=2)
     fresh = json.loads(run("node", "init-user", "--home", str(tmp_path / "v"), "--genesis", str(genesis),
                            "--node", "http://10.0.0.7:26657", "--witness", "http://10.0.0.8:26657/",
                            "--max-age", "120", "--json"))

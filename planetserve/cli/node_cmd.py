@@ -69,6 +69,12 @@ def group() -> None:
 @click.option("--advertise", default="", help="Peer address registered on the ledger (default: --peer).")
 @click.option("--capacity", default=4, show_default=True, type=click.IntRange(1, 1024),
               help="Sequences decoded concurrently (also registered).")
+@click.option("--prefill-chunk", default=512, show_default=True, type=click.IntRange(1),
+              help="Prompt tokens the built-in engine prefills per step: a long prompt then delays running "
+                   "requests by one chunk's time per step instead of its whole prefill.")
+@click.option("--kv-budget-tokens", default=0, show_default=True, type=click.IntRange(0),
+              help="KV positions the built-in engine may reserve (prompt + max_tokens per request); 0 sizes "
+                   "it from the GPU's free memory. Requests beyond it wait; past a full queue they get 503.")
 @click.option("--hardware", default="cpu", show_default=True, help="Hardware class, registered.")
 @click.option("--memory-mib", default=0, show_default=True, type=click.IntRange(0),
               help="Memory offered for the model (MiB), registered. Less than a sized model needs makes this "

@@ -44,11 +44,15 @@ log = logging.getLogger(__name__)
 
 
 def builtin_engine(config: ModelNodeConfig) -> tuple[Engine, Tokenizer, int, tuple[int, ...]]:
-    """The built-in engine over the configured model; also its tokenizer, vocabulary and stop ids."""
+    """The built-in engine over the configured model, on the GPU when there is one; also its tokenizer,
+    vocabulary and stop ids."""
+    import torch
+
     from planetserve.models import load
     from planetserve.node.engine.builtin import BuiltinEngine
 
-    loaded = load(config.model, data_dir=config.data_dir or None)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    loaded = load(config.model, data_dir=config.data_dir or None, device=device)
     # No engine-wide stop ids: each request carries its own (EOS unless the client asked ignore_eos).
     engine = BuiltinEngine(loaded.model, config.model_id, block_size=config.block_size,
                            max_batch=config.capacity, cache_capacity_tokens=config.cache_tokens,
