@@ -78,6 +78,12 @@ class Committee:
         with ThreadPoolExecutor(len(online)) as pool:
             outcomes = list(pool.map(lambda i: self.clients[i].submit(self.members[i], msg_of(i)), online))
         assert [o.outcome.code for o in outcomes] == [0] * len(online), [o.outcome.log for o in outcomes]
+        self.settle(online, max(o.height for o in outcomes))
+
+    def settle(self, online: list[int], height: int) -> None:
+        """Wait until every online validator has committed `height`: each checks the next transaction
+        against its own state, and one a block behind would not yet know what was just committed."""
+        self.net.wait_for_height(height, validators=online, timeout=60)
 
     def elect_and_plan(self, number: int, online: list[int]) -> None:
         """In epoch number-1's windows: VRF proofs of the online members, the plan of its leader."""
@@ -125,6 +131,7 @@ class Committee:
             results.append(result)
         done = self.own(leader).submit(leader, SubmitResults(number, "leader", tuple(results)))
         assert done.outcome.code == 0, done.outcome.log
+        self.settle(online, done.height)
         return leader
 
     def answer(self, node_key: bytes, prompt: str, challenge: Challenge):
