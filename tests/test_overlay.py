@@ -21,10 +21,11 @@ from overlaynet import FAST, chat, faulty, make_user, record, relays_on_one_path
 from waiting import run, until
 
 from planetserve.node.api.openai import ApiError
+from planetserve.node.home import HomeError, UserConfig
 from planetserve.node.overlay import onion, sida
 from planetserve.node.overlay.directory import DirectoryView
 from planetserve.node.overlay.messages import Part, Prompt
-from planetserve.node.user import MAX_ANSWER_BYTES, MAX_PARTS_AHEAD, Exchange
+from planetserve.node.user import MAX_ANSWER_BYTES, MAX_PARTS_AHEAD, Exchange, path_settings
 
 RELAYS = 12
 MODEL_NODES = 4
@@ -278,8 +279,8 @@ def test_a_relay_that_corrupts_or_drops_is_detected_and_avoided(quick_family, mo
                 assert events(answer.text)[-1]["choices"][0]["finish_reason"] is not None
                 if not bad_path.live:
                     break
-            await until(lambda: not bad_path.live)
-            assert bad_key in net.client.paths.avoided
+            await until(lambda: not bad_path.live)  # used up, or torn down for what it did
+            await until(lambda: bad_key in net.client.paths.avoided)  # drops show once the answer is in
             if mode == "drop":
                 assert net.client.counters["dropping_paths"] >= 1
             else:  # the path key (relays) or the node's reply key (the proxy) catches it before S-IDA
@@ -476,7 +477,9 @@ def test_live_paths_end_at_distinct_proxies_whenever_the_list_allows(quick_famil
 
 def test_paths_rotate_after_their_lifetime_without_a_gap(quick_family):
     async def main():
-        short = replace(FAST, lifetime=1.5, lifetime_jitter=0.25, retire_grace=5.0)
+        # paths used once are replaced by each request (the default): rotation by lifetime is what
+        # replaces paths that go unused, and those that carry many requests when a user allows it
+        short = replace(FAST, lifetime=1.5, lifetime_jitter=0.25, retire_grace=5.0, uses=0)
         net = await start_overlay(quick_family, [make_user(settings=short) for _ in range(9)], 1)
         client, fewest = net.client, [short.target]
         first = set(client.paths.live())
@@ -664,3 +667,16 @@ def test_an_answer_longer_than_the_limit_is_refused():
         assert got == MAX_ANSWER_BYTES
 
     run(main())
+
+
+def test_a_user_home_limits_how_many_requests_a_path_carries(tmp_path):
+    config = UserConfig(genesis="g.json")
+    assert config.path_uses == 1 and path_settings(config).uses == 1  # every request on paths of its own
+    config.save(tmp_path)
+    raw = json.loads((tmp_path / "user.json").read_text())
+    for bad in (-1, 1.5, True, "1"):
+        (tmp_path / "user.json").write_text(json.dumps({**raw, "path_uses": bad}))
+        with pytest.raises(HomeError, match="path_uses must be a whole number of requests >= 0"):
+            UserConfig.load(tmp_path)
+    (tmp_path / "user.json").write_text(json.dumps({**raw, "path_uses": 0}))
+    assert path_settings(UserConfig.load(tmp_path)).uses == 0

@@ -126,6 +126,10 @@ class UserConfig(LedgerHome):
     lifetime is drawn within ±25% of it, so they rotate one by one); 0 never rotates. Shorter gives
     a proxy fewer of the user's requests to collect, at one path setup per rotation
     (`node/overlay/paths.py` PathSettings.lifetime says why ten minutes)."""
+    path_uses: int = 1
+    """Requests each path carries before it is replaced; 1 (the default) gives every request paths, and
+    so proxies, that no earlier request of this user had, which is what keeps a model node from linking
+    the user's requests by their proxies (PathSettings.uses). 0 leaves rotation to `path_lifetime`."""
 
     def check(self) -> None:
         super().check()
@@ -133,6 +137,10 @@ class UserConfig(LedgerHome):
         if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < float("inf"):
             raise HomeError(f"{self.FILE}: path_lifetime must be a number of seconds >= 0 (0: never "
                             f"rotate), got {value!r}")
+        uses = self.path_uses
+        if isinstance(uses, bool) or not isinstance(uses, int) or uses < 0:
+            raise HomeError(f"{self.FILE}: path_uses must be a whole number of requests >= 0 (0: no limit), "
+                            f"got {uses!r}")
 
     @property
     def address(self) -> str:

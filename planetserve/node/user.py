@@ -333,15 +333,15 @@ class UserRelay:
         self.spawn(self.paths.penalize(path, "dropped cloves"))
 
     async def _check_drops(self, exchange: Exchange) -> None:
-        """After the answer and a grace period: a live path that carried fewer than half of the answer's
-        messages is dropping them."""
+        """After the answer and a grace period: a path that carried fewer than half of the answer's
+        messages (and did not fail on its own meanwhile) is dropping them."""
         await asyncio.sleep(DROP_GRACE_SECONDS)
         for reply_id in exchange.reply_keys:
             self.reply_keys.pop(reply_id, None)
         if exchange.messages < 2:
             return
         for path in exchange.paths:
-            if path.carrying and 2 * exchange.delivered[path] < exchange.messages:
+            if path.state != "dead" and 2 * exchange.delivered[path] < exchange.messages:
                 self._penalize_dropping(path)
 
     # -- asking ------------------------------------------------------------------------------------------
@@ -365,6 +365,7 @@ class UserRelay:
         cloves = sida.split(prompt.seal(), len(chosen), threshold)
         exchange = Exchange(request_id, node, chosen, threshold, dict(replies))
         self.exchanges[request_id] = exchange
+        self.paths.use(chosen)
         self.reply_keys.update(exchange.reply_keys)
         self.counters["requests"] += 1
         try:
@@ -515,10 +516,11 @@ class UserRelay:
 
 def path_settings(config: UserConfig) -> PathSettings:
     """The paths a relay keeps, from its configuration: N = max(proxies, n), pinged every
-    `ping_interval`, replaced after about `path_lifetime`; a replaced path stays open for answers as
-    long as a request waits for its next part."""
+    `ping_interval`, replaced after `path_uses` requests or about `path_lifetime`; a replaced path stays
+    open for answers as long as a request waits for its next part."""
     return PathSettings(target=max(config.proxies, config.n), ping_interval=config.ping_interval,
-                        lifetime=config.path_lifetime, retire_grace=config.response_timeout)
+                        lifetime=config.path_lifetime, retire_grace=config.response_timeout,
+                        uses=config.path_uses)
 
 
 def new_session_id() -> str:

@@ -57,9 +57,20 @@ def test_a_model_node_cannot_link_two_requests_of_one_user(observed):
         assert pairs == 2 * 3 and linked == 0, f"{name} links {linked} of {pairs} pairs of one user's requests"
     # what every request shares, whoever sent it
     assert table["n and k"] == ((6, 6), (9, 9))
-    # the proxies (a path's end, the peer that delivers its clove) are what is left: see the threat model
+    # the proxies the prompt names for the answer are the peers that delivered its cloves
     assert all(observed.fields[r]["proxies"] == {p for s in observed.fields[r]["proxy set"] for p in s}
                for r in observed.users)
+
+
+def test_a_model_node_cannot_link_a_users_next_request_by_its_proxies(observed):
+    """Paths are used once: a user's next request goes out over paths built while the last one's answer
+    came back, ending (as far as the 6 other relays allow) at proxies the last one did not use. Reused
+    paths delivered every request of a user through the same 4 proxies."""
+    for user in {observed.users[r] for r in observed.users}:
+        mine = sorted(r for r in observed.users if observed.users[r] == user)
+        for before, after in zip(mine, mine[1:], strict=False):
+            first, then = observed.fields[before]["proxies"], observed.fields[after]["proxies"]
+            assert len(then - first) >= 2, f"request {after} came through proxies {len(first & then)} of 4 shared"
 
 
 def test_a_colluding_first_relay_and_proxy_cannot_match_a_payload_by_its_bytes(observed):
