@@ -36,7 +36,7 @@ import json
 import secrets
 from collections import defaultdict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from planetserve.chain.keys import KeySet
@@ -239,12 +239,12 @@ def body(index: int) -> bytes:
                        "planetserve": {"session_id": secrets.token_hex(16)}}, separators=(",", ":")).encode()
 
 
-async def run(users: int, relays: int, requests: int) -> Observations:
+async def run(users: int, relays: int, requests: int, paths: PathSettings = PATHS) -> Observations:
     obs = Observations()
     node = StandInNode(obs)
     await node.start()
     everyone = [UserRelay(UserConfig(peer="127.0.0.1:0", http="127.0.0.1:0", proxies=PATHS.target),
-                          KeySet.generate(), None, settings=PATHS) for _ in range(users + relays)]
+                          KeySet.generate(), None, settings=paths) for _ in range(users + relays)]
     clients = everyone[:users]
     by_key = {u.keys.public: u for u in clients}
     try:
@@ -281,10 +281,16 @@ def main() -> None:
     parser.add_argument("--users", type=int, default=4)
     parser.add_argument("--relays", type=int, default=8, help="user relays besides the users themselves")
     parser.add_argument("--requests", type=int, default=6, help="requests per user")
+    parser.add_argument("--path-uses", type=int, default=None,
+                        help="requests a path carries before it is replaced (default: PathSettings'; "
+                             "0 reuses paths until their lifetime, as before per-request paths)")
     args = parser.parse_args()
-    obs = asyncio.run(run(args.users, args.relays, args.requests))
+    paths = PATHS if args.path_uses is None else replace(PATHS, uses=args.path_uses)
+    obs = asyncio.run(run(args.users, args.relays, args.requests, paths))
+    uses = getattr(paths, "uses", 0)
     print(f"{args.users} users x {args.requests} requests over {args.users + args.relays} relays, "
-          f"{PATHS.target} paths of {PATHS.length} relays each, n 4, k 3")
+          f"{paths.target} paths of {paths.length} relays each, n 4, k 3, "
+          f"{f'each path used {uses} time(s)' if uses else 'paths reused'}")
     print(f"{'adversary':<20} {'links by':<20} {'same-user pairs':>18} {'different-user pairs':>22}")
     for adversary, name, same, other in rows(obs):
         print(f"{adversary:<20} {name:<20} {share(same):>18} {share(other):>22}")

@@ -8,7 +8,9 @@ at a proxy for each occur in what a first relay exchanged with one user."""
 
 from __future__ import annotations
 
+import itertools
 import json
+from dataclasses import dataclass, field
 
 import pytest
 from overlaynet import make_user, start_overlay
@@ -20,8 +22,16 @@ REQUESTS = 3
 """Requests per user: 3 pairs of one user's requests per user, 9 pairs of two users'."""
 
 
-async def observe(data) -> Observations:  # type: ignore[no-untyped-def]
+@dataclass
+class Seen:
+    obs: Observations
+    links: dict[int, set[bytes]] = field(default_factory=dict)
+    """Per request, the link ids of the sender's paths it went out over (the sender's own view)."""
+
+
+async def observe(data) -> Seen:  # type: ignore[no-untyped-def]
     obs = Observations()
+    seen = Seen(obs)
     net = await start_overlay(data, [make_user() for _ in range(7)], 1)
     try:
         record_gateway(net.nodes[0].gateway, obs)
@@ -29,6 +39,11 @@ async def observe(data) -> Observations:  # type: ignore[no-untyped-def]
         by_key = {u.keys.public: u for u in senders}
         for user in net.users:
             record_relay(user.relay, user.keys.public, by_key, obs)
+        for user in senders:
+            def use(paths, original=user.paths.use):  # type: ignore[no-untyped-def]
+                seen.links.setdefault(obs.current, set()).update(p.link for p in paths)
+                original(paths)
+            user.paths.use = use
         assert await senders[1].paths.wait_live(senders[1].paths.settings.target, 20)
         for index in range(2 * REQUESTS):
             user = senders[index % 2]
@@ -41,12 +56,17 @@ async def observe(data) -> Observations:  # type: ignore[no-untyped-def]
                 pass
     finally:
         await net.close()
-    return obs
+    return seen
 
 
 @pytest.fixture(scope="module")
-def observed(quick_family) -> Observations:  # type: ignore[no-untyped-def]
+def seen(quick_family) -> Seen:  # type: ignore[no-untyped-def]
     return run(observe(quick_family), timeout=120)
+
+
+@pytest.fixture(scope="module")
+def observed(seen) -> Observations:  # type: ignore[no-untyped-def]
+    return seen.obs
 
 
 def test_a_model_node_cannot_link_two_requests_of_one_user(observed):
@@ -62,15 +82,14 @@ def test_a_model_node_cannot_link_two_requests_of_one_user(observed):
                for r in observed.users)
 
 
-def test_a_model_node_cannot_link_a_users_next_request_by_its_proxies(observed):
-    """Paths are used once: a user's next request goes out over paths built while the last one's answer
-    came back, ending (as far as the 6 other relays allow) at proxies the last one did not use. Reused
-    paths delivered every request of a user through the same 4 proxies."""
-    for user in {observed.users[r] for r in observed.users}:
-        mine = sorted(r for r in observed.users if observed.users[r] == user)
-        for before, after in zip(mine, mine[1:], strict=False):
-            first, then = observed.fields[before]["proxies"], observed.fields[after]["proxies"]
-            assert len(then - first) >= 2, f"request {after} came through proxies {len(first & then)} of 4 shared"
+def test_every_request_goes_out_over_paths_no_earlier_request_used(seen):
+    """What keeps a model node from linking a user's requests by their proxies: each request's paths are
+    fresh, their proxies drawn as if the last request's paths were gone (bench/linkability.py measures
+    that one user's pairs of requests then share proxies as often as two users' do). With reused paths
+    every request of a user came through the same proxies."""
+    assert sorted(seen.links) == list(range(2 * REQUESTS)) and all(len(v) == 4 for v in seen.links.values())
+    for a, b in itertools.combinations(seen.links, 2):
+        assert not seen.links[a] & seen.links[b], f"requests {a} and {b} shared a path"
 
 
 def test_a_colluding_first_relay_and_proxy_cannot_match_a_payload_by_its_bytes(observed):
