@@ -180,3 +180,50 @@ def test_junk_cloves_from_one_proxy_do_not_evict_another_proxys_message(quick_fa
             await net.close()
 
     run(main(), timeout=120)
+
+
+REPLIES_PER_PEER = 600
+"""The victim proxy's reply ids per previous-hop peer in the reply-id test: small, so the flood stays quick."""
+REPLY_FLOOD = 900
+"""Prompt cloves the adversary sends, each under a fresh reply id, over 3 paths: 300 more than the bound."""
+
+
+def test_one_user_cannot_fill_a_proxys_reply_ids(quick_family):
+    """A listed user builds three paths ending at one proxy and sends prompt cloves over them, each under a
+    fresh reply id: the proxy keeps at most 256 per path (a new one replacing that path's oldest) and
+    `max_replies_per_peer` over one peer's paths, refusing the rest before storing; another user still
+    gets answers through the overlay."""
+    async def main():
+        net = await start_overlay(quick_family, [make_user() for _ in range(6)], 1)
+        try:
+            node = net.nodes[0].keys.public
+            adversary, victim = net.users[1], net.users[2]
+            target = victim.keys.public
+            victim.relay.max_replies_per_peer = REPLIES_PER_PEER
+            adversary.paths.settings = replace(adversary.paths.settings, length=1)
+            adversary.paths.users = lambda: [target]
+            paths = [await adversary.paths.build() for _ in range(3)]
+            assert all(paths) and {p.proxy for p in paths} == {target}, adversary.paths.last_error
+            clove = onion.seal_to(node, sida.encode(sida.split(secrets.token_bytes(100))[0]))
+            counters = victim.relay.counters
+            before = dict(counters)
+            started = time.monotonic()
+            for i in range(REPLY_FLOOD):
+                path = paths[i % 3]
+                sealed = path.seal(node, clove, secrets.token_bytes(onion.ID_SIZE))
+                await adversary._send(path.first, "fwd", [path.link, sealed])
+            await until(lambda: counters["to_nodes"] + counters["refused_replies"]
+                        >= before["to_nodes"] + before["refused_replies"] + REPLY_FLOOD)
+            assert time.monotonic() - started < 20
+            held = victim.relay.replies_by_peer[adversary.keys.public]
+            assert held == REPLIES_PER_PEER
+            assert counters["refused_replies"] - before["refused_replies"] == REPLY_FLOOD - REPLIES_PER_PEER
+            hops = [h for h in victim.relay.hops if h.pred == adversary.keys.public]
+            assert len(hops) == 3 and all(len(h.replies) <= relay.MAX_REPLIES_PER_PATH for h in hops)
+            assert len(victim.relay.replies) <= held + 64  # the adversary's, and the few of honest requests
+            for question in ("Still answering?", "And now?"):
+                assert (await chat(net.client, question)).status_code == 200
+        finally:
+            await net.close()
+
+    run(main(), timeout=120)
