@@ -237,29 +237,6 @@ def test_recheck_validates_the_envelope_and_sequence_only(h):
     assert code(h, pending) == Code.ALREADY_EXISTS
 
 
-def test_admitted_user_transactions_are_decoded_once_and_forgotten_when_a_block_runs_them(h, tmp_path):
-    """CheckTx keeps what it decoded of the users' transactions it admits, for recheck and the block,
-    at most DECODED_CACHE of them; the block gives the same results as on a validator that never
-    checked them, and leaves nothing behind."""
-    from planetserve.chain.abci.app import DECODED_CACHE
-
-    users, owner = [KeySet.generate() for _ in range(3)], KeySet.generate()
-    txs = [h.tx(u, "register-user", {"address": "10.0.0.1:9000", "region": "eu"}) for u in users]
-    txs += [h.tx(owner, "register-org", {"org_id": "org7", "name": "Seven"}),
-            h.tx(users[0], "heartbeat", {"region": "us"}),
-            h.tx(users[1], "register-user", {"address": "10.0.0.2:9000", "region": "eu"})]
-    assert [h.check(raw).code for raw in txs] == [0, 0, 0, 0, 0, Code.ALREADY_EXISTS]
-    assert len(h.app._decoded) == 4  # three registrations and the heartbeat
-    kept = next(iter(h.app._decoded.values()))
-    result = h.block(*txs)
-    assert [r.code for r in result.tx_results] == [0, 0, 0, 0, 0, Code.ALREADY_EXISTS]
-    assert not h.app._decoded
-    assert all(here == there for here, there in h.replay(sqlite_url(tmp_path, "replay.db")))
-    h.app._decoded.update((i.to_bytes(32, "big"), kept) for i in range(DECODED_CACHE))
-    more = h.tx(KeySet.generate(), "register-user", {"address": "10.0.0.3:9000", "region": "eu"})
-    assert h.check(more).code == 0 and len(h.app._decoded) == DECODED_CACHE
-
-
 def test_a_database_read_failure_stops_the_block_instead_of_failing_the_transaction(h, tmp_path):
     """A driver error while a handler reads state would be code 12 on this validator only (the
     others commit the transaction): it must stop the app, which CometBFT then replays."""

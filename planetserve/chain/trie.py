@@ -459,8 +459,7 @@ def apply_changes(
     tks: list[bytes] = []
     prev = b""
     for key, value in changes:
-        if type(key) is not bytes or not 0 < len(key) <= MAX_KEY_LEN or not key.isascii() or b"\x00" in key:
-            check_key(key)  # raises with the precise reason
+        check_key(key)
         if value is not None and not isinstance(value, bytes):
             raise TypeError(f"value must be bytes or None, not {type(value).__name__}")
         if key <= prev:
@@ -485,16 +484,6 @@ def apply_changes(
         present = [it for it in items if it is not None]
         if len(present) <= 1:
             return present[0] if present else None
-        if len(present) == 2:  # mostly a new key beside an old leaf: their parent, as TrieBuilder makes it
-            (rep, depth, h, ref), (rep2, depth2, h2, ref2) = present
-            c = _common(rep, rep2)
-            if c < depth and c < depth2 and rep[c] < rep2[c]:  # else TrieBuilder says what is wrong
-                body = b"".join((b"\x01", c.to_bytes(2, "big"), rep[:c], b"\x01",
-                                 rep[c : c + 1], h, rep2[c : c + 1], h2))
-                nh = _sha256(body).digest()
-                nref = new_ref(nh)
-                nodes.append((nref, nh, body, (ref, ref2)))
-                return rep, c, nh, nref
         builder = TrieBuilder(collect=True, new_ref=new_ref)
         for it in present:
             builder.add(*it)
@@ -530,24 +519,6 @@ def apply_changes(
                 pos = off + HASH_LEN
                 refs[k] = item[3]  # type: ignore[index]
             pieces.append(body[pos:])
-            nb = b"".join(pieces)
-        elif all(item is not None for _, item in subs):  # children added, none removed: splice them in
-            base = 4 + d
-            child_bytes = body[base::CHILD_LEN]
-            # (position among the old children, 0 to insert before it or 1 to replace it, byte, item)
-            edits = sorted([(k, 1, child_bytes[k], item) for k, item in subs]
-                           + [(bisect_left(child_bytes, c), 0, c, item) for c, item in added])
-            pieces = [body[:3 + d], bytes((len(kids) + len(added) - 1,))]
-            refs = []
-            pos = 0
-            for at, replace, c, item in edits:
-                pieces.append(body[base + CHILD_LEN * pos : base + CHILD_LEN * at])
-                refs += kids[pos:at]
-                pieces += (bytes((c,)), item[2])  # type: ignore[index]
-                refs.append(item[3])  # type: ignore[index]
-                pos = at + replace
-            pieces.append(body[base + CHILD_LEN * pos :])
-            refs += kids[pos:]
             nb = b"".join(pieces)
         else:
             children = _split_children(body[4 + d :])

@@ -7,7 +7,6 @@ sequence], so a signature is bound to one chain, one account position and one ex
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,20 +51,6 @@ def sign(keys: KeySet, chain_id: str, msg: Message, sequence: int) -> bytes:
     return build(keys, chain_id, msg.TYPE, msg.body(), sequence)
 
 
-_FIELDS: tuple[tuple[Callable[[Any], bool], str], ...] = (
-    (lambda v: v == VERSION, "unsupported envelope version {!r}"),
-    (lambda v: isinstance(v, str), "type must be a string"),
-    (lambda v: isinstance(v, dict), "body must be a map"),
-    (lambda v: isinstance(v, bytes) and len(v) == 32, "signer must be a 32-byte public key"),
-    (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
-     "sequence must be a non-negative integer"),
-    (lambda v: isinstance(v, str), "chain_id must be a string"),
-    (lambda v: isinstance(v, bytes) and len(v) == 64, "signature must be 64 bytes"),
-)
-"""The envelope's fields in order, each with its check and the reason a value fails it (checked in
-order: the first failing field is named)."""
-
-
 def decode(raw: bytes, max_bytes: int) -> Tx:
     """Parse the envelope; raises TxError(OVERSIZE | UNDECODABLE) with the reason."""
     if len(raw) > max_bytes:
@@ -76,8 +61,18 @@ def decode(raw: bytes, max_bytes: int) -> Tx:
         raise TxError(Code.UNDECODABLE, f"undecodable: {exc}") from exc
     if not isinstance(fields, list) or len(fields) != 7:
         raise TxError(Code.UNDECODABLE, "undecodable: envelope must be a 7-element array")
-    for (ok, reason), value in zip(_FIELDS, fields, strict=True):
-        if not ok(value):
-            raise TxError(Code.UNDECODABLE, "undecodable: " + reason.format(value))
-    _, tx_type, body, signer, sequence, chain_id, signature = fields
+    version, tx_type, body, signer, sequence, chain_id, signature = fields
+    problems = [
+        (version == VERSION, f"unsupported envelope version {version!r}"),
+        (isinstance(tx_type, str), "type must be a string"),
+        (isinstance(body, dict), "body must be a map"),
+        (isinstance(signer, bytes) and len(signer) == 32, "signer must be a 32-byte public key"),
+        (isinstance(sequence, int) and not isinstance(sequence, bool) and sequence >= 0,
+         "sequence must be a non-negative integer"),
+        (isinstance(chain_id, str), "chain_id must be a string"),
+        (isinstance(signature, bytes) and len(signature) == 64, "signature must be 64 bytes"),
+    ]
+    for ok, reason in problems:
+        if not ok:
+            raise TxError(Code.UNDECODABLE, f"undecodable: {reason}")
     return Tx(tx_type, body, signer, sequence, chain_id, signature)

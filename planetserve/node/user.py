@@ -145,18 +145,19 @@ class Exchange:
 
     async def next_part(self, timeout: float) -> Part:
         """The next part in order, within `timeout` seconds however many other parts arrive."""
-        try:  # one deadline for the whole wait, not wait_for's task per wake-up
-            async with asyncio.timeout(timeout):
-                while True:
-                    if self.next_seq in self.parts:
-                        self.next_seq += 1
-                        return self.parts.pop(self.next_seq - 1)
-                    if self.failure is not None:
-                        raise self.failure
-                    self.changed.clear()
-                    await self.changed.wait()
-        except TimeoutError:
-            raise timed_out(timeout) from None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            if self.next_seq in self.parts:
+                self.next_seq += 1
+                return self.parts.pop(self.next_seq - 1)
+            if self.failure is not None:
+                raise self.failure
+            self.changed.clear()
+            try:
+                await asyncio.wait_for(self.changed.wait(), max(deadline - loop.time(), 0.0))
+            except TimeoutError:
+                raise timed_out(timeout) from None
 
     async def data(self, first: Part, timeout: float) -> AsyncIterator[bytes]:
         """The answer's bytes part by part, from `first` to the last; ApiError when it cannot finish
@@ -337,6 +338,8 @@ class UserRelay:
         await asyncio.sleep(DROP_GRACE_SECONDS)
         for reply_id in exchange.reply_keys:
             self.reply_keys.pop(reply_id, None)
+        if exchange.messages < 2:
+            return
         for path in exchange.paths:
             if path.state != "dead" and 2 * exchange.delivered[path] < exchange.messages:
                 self._penalize_dropping(path)

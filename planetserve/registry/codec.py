@@ -147,41 +147,9 @@ def _canonical(value: Any, depth: int = 0) -> Any:
     raise CodecError(f"type {kind.__name__} is not allowed (no floats)")
 
 
-_INT_MIN, _INT_END = -(2**63), 2**64
-_SCALARS = frozenset((str, bytes, bool, type(None)))
-
-
-def _plain(value: Any, depth: int = 0) -> bool:
-    """Whether `value` is already what `_canonical` makes of it (allowed types only, maps with string
-    keys in sorted order): then msgpack encodes it as it is, without the copy. Everything signed or
-    stored is, and checking is cheaper than copying."""
-    kind = type(value)
-    if kind in _SCALARS:
-        return True
-    if kind is int:
-        return _INT_MIN <= value < _INT_END
-    if depth >= MAX_DEPTH:
-        return False
-    if kind is dict:
-        last = None
-        for k in value:
-            if type(k) is not str or (last is not None and k < last):
-                return False
-            last = k
-        items: Any = value.values()
-    elif kind is list or kind is tuple:
-        items = value
-    else:
-        return False
-    for item in items:  # noqa: SIM110 (all() over a generator costs a third more here)
-        if type(item) not in _SCALARS and not _plain(item, depth + 1):
-            return False
-    return True
-
-
 def pack(value: Any) -> bytes:
     """Encode canonically; raises CodecError for values outside the allowed types."""
-    return msgpack.packb(value if _plain(value) else _canonical(value), use_bin_type=True)
+    return msgpack.packb(_canonical(value), use_bin_type=True)
 
 
 def unpack(data: bytes, max_size: int = 1 << 20) -> Any:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Set as AbstractSet
 from typing import Any
 
 from planetserve.registry.errors import InvalidField
@@ -17,8 +16,7 @@ MAX_MIB = 1 << 30
 MAX_GFLOPS = 1 << 40
 
 
-def check_keys(body: dict[str, Any], required: AbstractSet[str],
-               optional: AbstractSet[str] = frozenset()) -> None:
+def check_keys(body: dict[str, Any], required: set[str], optional: frozenset[str] = frozenset()) -> None:
     missing = sorted(required - body.keys())
     if missing:
         raise InvalidField(missing[0], "missing")

@@ -11,9 +11,7 @@ import json
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import msgpack
 from sqlalchemy.exc import SQLAlchemyError
@@ -28,8 +26,6 @@ from planetserve.chain.abci.handlers.context import Context
 from planetserve.chain.abci.state import IterableKV, State, TxScope, due, members
 from planetserve.chain.abci.store import Batch, StateStore, StoreError, TooManyEntriesError
 from planetserve.chain.errors import CODESPACE, Code, TxError, from_registry
-from planetserve.chain.messages.base import Message
-from planetserve.chain.messages.registry import Heartbeat, RegisterUser
 from planetserve.chain.tx import Tx, decode
 from planetserve.registry.credits import Credits
 from planetserve.registry.entities import Proposal
@@ -45,29 +41,15 @@ CHAIN_ID_META = "chain_id"
 VERIFIED_CACHE = 100_000
 """Digests of transactions whose envelope checked (signature and sequence): 32 bytes each, so the cache
 holds a few MiB whatever the transactions held."""
-DECODED_CACHE = 20_000
-DECODED_TYPES = frozenset({RegisterUser.TYPE, Heartbeat.TYPE})
-"""Transactions of these types (the users' traffic) that CheckTx admitted keep their decoded envelope
-and message until a block executes them, so that recheck, proposals and FinalizeBlock do not decode
-them again: at most DECODED_CACHE of them. Their bodies are a few fields of bounded length, so an
-entry holds about 1 KiB whatever the sender wrote."""
-FIRST_READ: dict[str, Callable[[bytes], bytes]] = {
-    RegisterUser.TYPE: layout.user_key,
-    Heartbeat.TYPE: layout.user_key,
-}
-"""The key that the handler of the most frequent transaction types reads first, by signer."""
 ANSWER_CACHE_ENTRIES = 16
 ANSWER_CACHE_MAX_BYTES = 8 << 20
-
-
-RawEvents = list[tuple[str, dict[str, str]]]
 
 
 @dataclass
 class Outcome:
     code: Code
     log: str
-    events: RawEvents
+    events: list[abci.Event]
 
 
 @dataclass
@@ -90,13 +72,14 @@ def proposal_rank(tx_type: str) -> int:
     return 2 if tx_type in messages.REGISTRATIONS else 1
 
 
-def _add_events(events: Any, raw: RawEvents) -> None:
-    """Append `raw` to a repeated Event field in place: building each message apart and copying it in
-    costs twice as much, and a block carries events for every transaction."""
-    for kind, attrs in raw:
-        add = events.add(type=kind).attributes.add
-        for k, v in sorted(attrs.items()):
-            add(key=k, value=v, index=True)
+def _events(raw: list[tuple[str, dict[str, str]]]) -> list[abci.Event]:
+    return [
+        abci.Event(
+            type=kind,
+            attributes=[abci.EventAttribute(key=k, value=v, index=True) for k, v in sorted(attrs.items())],
+        )
+        for kind, attrs in raw
+    ]
 
 
 class Application:
@@ -110,7 +93,6 @@ class Application:
         self.check = store.batch()
         self._admitted = Admission(mempool=True)
         self._verified: OrderedDict[bytes, None] = OrderedDict()
-        self._decoded: OrderedDict[bytes, tuple[Tx, Message]] = OrderedDict()
         self._params: Params | None = None
         if store.height:  # queries, on other threads, read them without a batch
             self._params = State(store.batch()).params()
@@ -245,28 +227,34 @@ class Application:
         epochs.record_commit(self.block, self.params, req.height,
                              (v.validator.address for v in req.decided_last_commit.votes
                               if v.block_id_flag == validator_pb2.BLOCK_ID_FLAG_ABSENT))
-        response = abci.ResponseFinalizeBlock()
-        add_result = response.tx_results.add
+        results: list[abci.ExecTxResult] = []
         updates: dict[bytes, int] = {}
         admission = Admission(mempool=False)
         for raw in req.txs:
             outcome = self._execute(self.block, raw, req.height, self.block_time, updates,
                                     admission=admission)
-            result = add_result(code=outcome.code, log=outcome.log,
-                                codespace=CODESPACE if outcome.code else "")
-            _add_events(result.events, outcome.events)
+            results.append(
+                abci.ExecTxResult(
+                    code=outcome.code,
+                    log=outcome.log,
+                    codespace=CODESPACE if outcome.code else "",
+                    events=outcome.events,
+                )
+            )
         self._expire_proposals(self.block, req.height)
         removed = epochs.end_block(self.block, self.params, req.height, self.block_time)
         healed = deployments.heal_at_epoch_end(self.block, self.params, req.height, self.block_time)
         updates.update((r.consensus_key, 0) for r in removed)
-        _add_events(response.events, [
-            *(("member_removed", {"operator": r.operator.hex(), "faults": str(r.faults)}) for r in removed),
-            *healed])
-        response.validator_updates.extend(
-            abci.ValidatorUpdate(pub_key=keys_pb2.PublicKey(ed25519=k), power=p)
-            for k, p in sorted(updates.items()))
-        response.app_hash = self.block.root()
-        return response
+        return abci.ResponseFinalizeBlock(
+            tx_results=results,
+            events=_events([*(("member_removed", {"operator": r.operator.hex(), "faults": str(r.faults)})
+                              for r in removed), *healed]),
+            validator_updates=[
+                abci.ValidatorUpdate(pub_key=keys_pb2.PublicKey(ed25519=k), power=p)
+                for k, p in sorted(updates.items())
+            ],
+            app_hash=self.block.root(),
+        )
 
     def commit(self, _req: abci.RequestCommit) -> abci.ResponseCommit:
         if self.block is None or not self.block_height:
@@ -360,29 +348,20 @@ class Application:
         only with a transaction that succeeds: refused transactions from fresh keys leave no record."""
         st = State(batch)
         params = self.params
-        window = height // params.rate_window_blocks
         try:
-            tx, digest, known = self._decode(raw, params.max_tx_bytes)
-            if updates is not None:  # in a block: it leaves the mempool
-                self._decoded.pop(digest, None)
-            self._check_form(tx)
-            account, rate = layout.account_key(tx.signer), layout.rate_key(window, tx.signer)
-            # what every transaction reads (its signer's account, membership and count in the window)
-            # and what its handler reads first: one query rather than one each
-            reads = [account, layout.member_key(tx.signer), rate]
-            if (first := FIRST_READ.get(tx.type)) is not None:
-                reads.append(first(tx.signer))
-            batch.prefetch(reads)
-            self._check_envelope(st.get_int(account), tx, digest)
+            tx, digest = self._decode(raw, params.max_tx_bytes)
+            self._check_envelope(st, tx, digest)
         except TxError as exc:
             return Outcome(exc.code, exc.log, [])
         member = st.is_member(tx.signer)
         registration = tx.type in messages.REGISTRATIONS
+        window = height // params.rate_window_blocks
 
         def consume() -> None:
-            st.put_int(account, tx.sequence + 1)
+            st.put_int(layout.account_key(tx.signer), tx.sequence + 1)
             if not member:
-                st.put_int(rate, st.get_int(rate) + 1)
+                key = layout.rate_key(window, tx.signer)
+                st.put_int(key, st.get_int(key) + 1)
 
         def admitted(outcome: Outcome) -> Outcome:
             if admission is not None and outcome.code == Code.OK:
@@ -393,10 +372,10 @@ class Application:
             return outcome
 
         try:
-            self._admit(tx, len(raw), window, 0 if member else st.get_int(rate), member, admission)
+            self._admit(st, tx, len(raw), window, member, admission)
         except TxError as exc:
             if tx.sequence > 0 or member:
-                st.put_int(account, tx.sequence + 1)
+                st.put_int(layout.account_key(tx.signer), tx.sequence + 1)
             return Outcome(exc.code, exc.log, [])
         fresh = tx.sequence == 0 and not member
         if not fresh or envelope_only:
@@ -414,7 +393,7 @@ class Application:
             load_committee=lambda: members(batch),
         )
         try:
-            msg = known if known is not None else messages.decode(tx.type, tx.body)
+            msg = messages.decode(tx.type, tx.body)
             HANDLERS[type(msg)](ctx, msg)
         except RegistryError as exc:
             err = from_registry(exc)
@@ -428,20 +407,16 @@ class Application:
         if fresh:
             consume()
         if updates is None:  # a mempool check: its events would be thrown away
-            if known is None and tx.type in DECODED_TYPES:
-                self._decoded[digest] = (tx, msg)
-                if len(self._decoded) > DECODED_CACHE:
-                    self._decoded.popitem(last=False)
             return admitted(Outcome(Code.OK, "ok", []))
         updates.update(ctx.validator_updates)
-        return admitted(Outcome(Code.OK, "ok", [("tx", {"type": tx.type}), *ctx.events]))
+        return admitted(Outcome(Code.OK, "ok", _events([("tx", {"type": tx.type}), *ctx.events])))
 
-    def _admit(self, tx: Tx, size: int, window: int, sent: int, member: bool,
+    def _admit(self, st: State, tx: Tx, size: int, window: int, member: bool,
                admission: Admission | None) -> None:
         """The limits on traffic (docs/threat-model.md, "Client"): registrations per block, and the
-        transactions of a signer that is not a committee member per window of blocks (`sent` so far,
-        kept in the state, so every validator counts alike); in the mempool also the non-members'
-        share of it. Committee members are not limited: their epoch work must always get through."""
+        transactions of a signer that is not a committee member per window of blocks (kept in the
+        state, so every validator counts alike); in the mempool also the non-members' share of it.
+        Committee members are not limited: their epoch work must always get through."""
         params = self.params
         if admission is not None and tx.type in messages.REGISTRATIONS \
                 and admission.registrations >= params.max_registrations_per_block:
@@ -451,6 +426,7 @@ class Application:
                           f"a block allows; retry in a later block")
         if member:
             return
+        sent = st.get_int(layout.rate_key(window, tx.signer))
         if sent >= params.max_signer_txs:
             first = window * params.rate_window_blocks
             raise TxError(Code.RATE_LIMITED,
@@ -464,30 +440,23 @@ class Application:
                           "rate limited: the mempool's share for signers outside the committee is full "
                           "until the next block; retry")
 
-    def _decode(self, raw: bytes, max_bytes: int) -> tuple[Tx, bytes, Message | None]:
-        """The envelope of `raw`, its digest and, for a transaction that CheckTx admitted and no block
-        has executed yet, its message, both as decoded then."""
-        digest = hashlib.sha256(raw).digest() if len(raw) <= max_bytes else b""  # else decode() refuses it
-        known = self._decoded.get(digest)
-        if known is not None:
-            return known[0], digest, known[1]
-        return decode(raw, max_bytes), digest, None
+    @staticmethod
+    def _decode(raw: bytes, max_bytes: int) -> tuple[Tx, bytes]:
+        return decode(raw, max_bytes), hashlib.sha256(raw).digest()
 
-    def _check_form(self, tx: Tx) -> None:
-        """What an envelope is refused for before any state is read: another chain, an unknown type."""
+    def _check_envelope(self, st: State, tx: Tx, digest: bytes) -> None:
+        """The cheap checks first, the signature last, and only a transaction that passed them all is
+        remembered (by digest), so that recheck, proposals and FinalizeBlock do not verify its
+        signature again. Nothing a refused transaction carries is kept: a client flooding CheckTx with
+        well-signed transactions at a wrong sequence, or with bodies that decode into many objects,
+        leaves nothing behind."""
         if tx.chain_id != self.chain_id:
             raise TxError(
                 Code.WRONG_CHAIN_ID, f"wrong chain id: {tx.chain_id!r}, this chain is {self.chain_id!r}"
             )
         if tx.type not in messages.MESSAGES:
             raise TxError(Code.UNKNOWN_TYPE, f"unknown transaction type {tx.type!r}")
-
-    def _check_envelope(self, expected: int, tx: Tx, digest: bytes) -> None:
-        """After `_check_form`, the sequence (`expected`: the account's), then the signature, and only
-        a transaction that passed them all is remembered (by digest), so that recheck, proposals and
-        FinalizeBlock do not verify its signature again. Nothing a refused transaction carries is
-        kept: a client flooding CheckTx with well-signed transactions at a wrong sequence, or with
-        bodies that decode into many objects, leaves nothing behind."""
+        expected = st.sequence(tx.signer)
         if tx.sequence != expected:
             kind = "replayed" if tx.sequence < expected else "out of order"
             raise TxError(Code.BAD_SEQUENCE, f"bad sequence ({kind}): got {tx.sequence}, expected {expected}")

@@ -3,7 +3,7 @@ write buffer."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Protocol
 
 from planetserve.chain.layout import (
@@ -77,7 +77,6 @@ class KV(Protocol):
 
 class IterableKV(KV, Protocol):
     def iterate(self, prefix: bytes) -> Iterator[tuple[bytes, bytes]]: ...
-    def prefetch(self, keys: Iterable[bytes]) -> None: ...
 
 
 class TxScope:
@@ -97,10 +96,6 @@ class TxScope:
 
     def delete(self, k: bytes) -> None:
         self._writes[k] = None
-
-    def prefetch(self, keys: Iterable[bytes]) -> None:
-        """Read many keys of the base in one go, ahead of the get() calls that follow."""
-        self._base.prefetch([k for k in keys if k not in self._writes])
 
     def iterate(self, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
         merged = dict(self._base.iterate(prefix))

@@ -23,8 +23,6 @@ in one database transaction: new trie nodes, kv rows, meta and the root of the n
 of a commit is proportional to the number of keys the batch changes times the depth of the trie:
 only the nodes on the changed paths are read (one query per trie level, through a bounded cache of
 inner nodes), and only new nodes are written; old nodes are never rewritten.
-Reads of committed values go through a bounded cache of the values read lately (absent keys too),
-which every commit updates: the mempool's batch and the next block's read the same keys.
 
 Pruning (`keep_heights`): by default every committed height stays provable, and the node table
 grows with every block. With `keep_heights=K` each commit makes heights older than the last K
@@ -322,67 +320,6 @@ class _NodeCache:
         return len(self._young) + len(self._old)
 
 
-_ABSENT = object()
-
-
-class _ValueCache:
-    """Committed values by key (None: the key is absent) of the keys read lately; every commit updates
-    the ones it changes. The mempool's batch and the next block's both start from the same committed state
-    and read the same keys (a transaction's CheckTx, its recheck after a commit and its FinalizeBlock),
-    so each key costs one database read rather than one per batch. Two generations of plain dicts, as
-    in `_NodeCache`, bounded by the bytes of the keys and values they hold."""
-
-    OVERHEAD = 120
-    """Approximate Python overhead per entry (dict slot, key and value headers)."""
-
-    def __init__(self, max_bytes: int) -> None:
-        self._young: dict[bytes, bytes | None] = {}
-        self._old: dict[bytes, bytes | None] = {}
-        self._bytes = 0
-        self._half = max(max_bytes // 2, 1)
-
-    def get(self, key: bytes) -> Any:
-        """The cached value (None: absent) or `_ABSENT` when the key is not cached."""
-        value = self._young.get(key, _ABSENT)
-        if value is _ABSENT:
-            value = self._old.pop(key, _ABSENT)
-            if value is not _ABSENT:
-                self._insert(key, value)
-        return value
-
-    def put(self, key: bytes, value: bytes | None) -> None:
-        self._old.pop(key, None)
-        self._insert(key, value)
-
-    def update(self, changes: Iterable[tuple[bytes, bytes | None]]) -> None:
-        """A commit's changes, to the keys the cache holds (it grows by reads only); the old generation,
-        whose bytes are no longer counted, forgets them instead."""
-        young, old = self._young, self._old
-        for key, value in changes:
-            if key in young:
-                self._bytes += _size(value) - _size(young[key])
-                young[key] = value
-            else:
-                old.pop(key, None)
-        if self._bytes > self._half:
-            self._rotate()
-
-    def _insert(self, key: bytes, value: bytes | None) -> None:
-        self._young[key] = value
-        self._bytes += len(key) + _size(value) + self.OVERHEAD
-        if self._bytes > self._half:
-            self._rotate()
-
-    def _rotate(self) -> None:
-        self._old = self._young
-        self._young = {}
-        self._bytes = 0
-
-
-def _size(value: bytes | None) -> int:
-    return 0 if value is None else len(value)
-
-
 def _check_value(value: Any) -> bytes:
     if isinstance(value, bytes):
         return value
@@ -442,13 +379,14 @@ class Batch:
         self._meta: dict[str, bytes] = {}
         self._reads: dict[bytes, bytes | None] = {}
         self._version = 0
-        self._computed: tuple[int, list[tuple[bytes, bytes | None]], Update] | None = None
+        self._computed: tuple[int, Update] | None = None
         self._done = False
 
     # -- reads ---------------------------------------------------------------------------------
 
     def get(self, key: bytes) -> bytes | None:
-        if key in self._pending:  # keys are checked once, on their way in
+        check_key(key)
+        if key in self._pending:
             return self._pending[key]
         if key in self._reads:
             self._store._check_fresh(self)
@@ -461,10 +399,12 @@ class Batch:
         """Read many committed keys in a few queries, so that the get() calls that follow are
         answered from memory (a block touching thousands of known keys)."""
         wanted = [k for k in keys if k not in self._pending and k not in self._reads]
+        for key in wanted:
+            check_key(key)
         if wanted:
             with self._store._lock:
                 self._store._check_fresh(self)
-                self._reads.update(self._store._committed_values(wanted))
+                self._reads.update(self._store._committed_values(self, wanted))
 
     def iterate(self, prefix: bytes = b"") -> Iterator[tuple[bytes, bytes]]:
         """(key, value) for every key starting with `prefix`, in key order: the committed rows
@@ -508,14 +448,15 @@ class Batch:
     # -- writes --------------------------------------------------------------------------------
 
     def set(self, key: bytes, value: bytes) -> None:
+        check_key(key)
         self._write(key, _check_value(value))
 
     def delete(self, key: bytes) -> None:
+        check_key(key)
         self._write(key, None)
 
     def _write(self, key: bytes, value: bytes | None) -> None:
-        if key not in self._pending:  # a key written before was checked then
-            check_key(key)
+        if key not in self._pending:
             self._order_stale = True
         self._pending[key] = value
         self._version += 1
@@ -533,19 +474,16 @@ class Batch:
 
     def root(self) -> bytes:
         """The app hash the committed state would have with this batch applied."""
-        return self._compute()[1].root
+        return self._compute().root
 
-    def _compute(self) -> tuple[list[tuple[bytes, bytes | None]], Update]:
-        """The batch's changes in key order and the trie they make, kept until the next write (the
-        block's root, then its commit)."""
+    def _compute(self) -> Update:
         c = self._computed
         if c is not None and c[0] == self._version:
             self._store._check_fresh(self)
-            return c[1], c[2]
-        changes = sorted(self._pending.items())
-        update = self._store._apply(self, changes)
-        self._computed = (self._version, changes, update)
-        return changes, update
+            return c[1]
+        update = self._store._apply(self, sorted(self._pending.items()))
+        self._computed = (self._version, update)
+        return update
 
 
 def _prove_prefix(
@@ -765,7 +703,6 @@ class StateStore:
         url: str,
         *,
         cache_bytes: int = 384 << 20,
-        value_cache_bytes: int = 64 << 20,
         sqlite_synchronous: str = "NORMAL",
         keep_heights: int = 0,
         echo: bool = False,
@@ -779,8 +716,6 @@ class StateStore:
         self._lock = threading.RLock()
         self._cache_bytes = cache_bytes
         self._cache = _NodeCache(cache_bytes)
-        self._value_cache_bytes = value_cache_bytes
-        self._values = _ValueCache(value_cache_bytes)
         self._generation = 0
         self._engine = self._make_engine(u, sqlite_synchronous.upper(), echo)
         self._rconn: Connection | None = None
@@ -925,7 +860,8 @@ class StateStore:
             previous = self._height
             all_meta = dict(batch._meta)
             all_meta.update(_check_meta(meta or {}))
-            changes, (root, root_id, new_nodes, orphans, undo) = batch._compute()
+            root, root_id, new_nodes, orphans, undo = batch._compute()
+            changes = sorted(batch._pending.items())
             sets = [(k, v) for k, v in changes if v is not None]
             dels = [(k,) for k, v in changes if v is None]
             with self._engine.begin() as conn:
@@ -941,7 +877,6 @@ class StateStore:
                 if self.keep_heights:
                     self._prune(conn, cur, height - self.keep_heights + 1)
                 cur.close()
-            self._values.update(changes)
             self._committed(height, root, root_id, len(new_nodes))
             self._undo = (previous, undo)
             batch._done = True
@@ -970,7 +905,6 @@ class StateStore:
                 # the cache was warmed with ids that the rolled-back nodes had: forget them
                 self._cache = _NodeCache(self._cache_bytes)
                 raise
-            self._values = _ValueCache(self._value_cache_bytes)  # it holds the empty store's absences
             self._committed(height, root, root_id, written)
             self.checkpoint()
         return root
@@ -1168,13 +1102,8 @@ class StateStore:
     def _read(self, batch: Batch, key: bytes) -> bytes | None:
         with self._lock:
             self._check_fresh(batch)
-            value = self._values.get(key)
-            if value is _ABSENT:  # a cached key was checked on its way in
-                check_key(key)
-                rows = self._query(self._sql_get, (key,))
-                value = bytes(rows[0][0]) if rows else None
-                self._values.put(key, value)
-        return value
+            rows = self._query(self._sql_get, (key,))
+        return bytes(rows[0][0]) if rows else None
 
     def _scan(self, batch: Batch, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
         """Committed rows under `prefix` in key order, a page at a time (nothing is held between
@@ -1192,25 +1121,17 @@ class StateStore:
                 return
             sql, params = self._sql_scan_next, (bytes(rows[-1][0]), hi, _SCAN_PAGE)
 
-    def _committed_values(self, keys: list[bytes]) -> dict[bytes, bytes | None]:
-        """The committed values of `keys`: the cached ones, the rest in a few IN queries."""
-        out: dict[bytes, bytes | None] = {}
-        rest = []
-        for k in keys:
-            value = self._values.get(k)
-            if value is _ABSENT:  # a cached key was checked on its way in
-                check_key(k)
-                rest.append(k)
-            else:
-                out[k] = value
+    def _committed_values(self, batch: Batch, keys: list[bytes]) -> dict[bytes, bytes | None]:
+        """The committed values of `keys` before `batch`: the batch's own reads, the rest in a
+        few IN queries."""
+        out = {k: batch._reads[k] for k in keys if k in batch._reads}
+        rest = [k for k in keys if k not in out]
         for i in range(0, len(rest), _IN_CHUNK):
             chunk = rest[i : i + _IN_CHUNK]
             marks = ", ".join(["%s" if self._dialect == "postgresql" else "?"] * len(chunk))
             sql = f'SELECT "key", "value" FROM state_kv WHERE "key" IN ({marks})'  # noqa: S608 (placeholders only)
             found = {bytes(k): bytes(v) for k, v in self._query(sql, chunk)}
-            for k in chunk:
-                out[k] = found.get(k)
-                self._values.put(k, out[k])
+            out.update({k: found.get(k) for k in chunk})
         return out
 
     def _select_prefix(self, prefix: bytes, limit: int) -> list[tuple[bytes, bytes]]:

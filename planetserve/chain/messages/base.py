@@ -8,7 +8,6 @@ A field whose default is None is optional: absent from the body when None. A fie
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, ClassVar, Self
 
 from planetserve.registry import fields
@@ -30,14 +29,6 @@ def wire(value: Any) -> Any:
     return value
 
 
-@functools.cache
-def _declared_keys(cls: type) -> tuple[frozenset[str], frozenset[str]]:
-    """`Body.keys`, worked out once per class: every transaction's body is checked against them."""
-    declared = dataclasses.fields(cls)  # type: ignore[arg-type]
-    return (frozenset(f.name for f in declared if f.default is not None),
-            frozenset(f.name for f in declared if f.default is None))
-
-
 def as_map(value: Any, name: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise InvalidField(name, "must be a map")
@@ -48,9 +39,11 @@ class Body:
     """A map on the wire: a transaction's body, or a part of one."""
 
     @classmethod
-    def keys(cls) -> tuple[frozenset[str], frozenset[str]]:
+    def keys(cls) -> tuple[set[str], frozenset[str]]:
         """The required and the optional keys of the body."""
-        return _declared_keys(cls)
+        declared = dataclasses.fields(cls)  # type: ignore[arg-type]
+        return ({f.name for f in declared if f.default is not None},
+                frozenset(f.name for f in declared if f.default is None))
 
     def body(self) -> dict[str, Any]:
         return {f.name: wire(value) for f in dataclasses.fields(self)  # type: ignore[arg-type]

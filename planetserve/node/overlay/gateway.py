@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from planetserve.node.api.openai import Endpoint
@@ -31,41 +30,34 @@ MAX_ANSWERS = 256
 Respond = Callable[[Endpoint, bytes], Awaitable[Reply]]
 
 
-async def batched(parts: AsyncIterator[bytes],
-                  limit: int = MAX_PART_BYTES) -> AsyncIterator[tuple[bytes, bool]]:
-    """The reply's parts, joined while more are already waiting (fewer S-IDA rounds under load, no
-    delay when idle), each with whether it ends the reply: when the reply is complete by the time its
-    last batch leaves, that batch carries the end, so the end costs no round of its own. A reply that
-    fails raises here instead of ending as if complete."""
-    pending: deque[bytes] = deque()
-    ready = asyncio.Event()
-    ended = False
+async def batched(parts: AsyncIterator[bytes], limit: int = MAX_PART_BYTES) -> AsyncIterator[bytes]:
+    """The reply's parts, joined while more are already waiting: fewer messages under load, no delay
+    when idle."""
+    queue: asyncio.Queue[bytes | None] = asyncio.Queue()
 
     async def pump() -> None:
-        nonlocal ended
         try:
             async for part in parts:
-                pending.append(part)
-                ready.set()
+                await queue.put(part)
         finally:
-            ended = True
-            ready.set()
+            await queue.put(None)
 
     task = asyncio.create_task(pump())
     try:
-        while True:
-            while not pending and not ended:
-                ready.clear()
-                await ready.wait()
-            batch = bytearray()
-            while pending and (not batch or len(batch) < limit):
-                batch += pending.popleft()
-            last = ended and not pending
-            if last:
-                await task
-            yield bytes(batch), last
-            if last:
-                return
+        done = False
+        while not done:
+            item = await queue.get()
+            if item is None:
+                break
+            batch = bytearray(item)
+            while len(batch) < limit and not queue.empty():
+                more = queue.get_nowait()
+                if more is None:
+                    done = True
+                    break
+                batch += more
+            yield bytes(batch)
+        await task
     finally:
         task.cancel()
 
@@ -118,10 +110,11 @@ class Gateway:
     async def _reply(self, prompt: Prompt) -> None:
         reply = await self.respond(prompt.endpoint, prompt.body)  # type: ignore[arg-type]
         seq = 0
-        async for data, last in batched(reply.parts):
-            part = Part(prompt.request_id, seq, reply.status, reply.content_type, data, last)
+        async for data in batched(reply.parts):
+            part = Part(prompt.request_id, seq, reply.status, reply.content_type, data, False)
             await self._send(prompt, part)
             seq += 1
+        await self._send(prompt, Part(prompt.request_id, seq, reply.status, reply.content_type, b"", True))
 
     async def _send(self, prompt: Prompt, part: Part) -> None:
         n = len(prompt.reply_to)

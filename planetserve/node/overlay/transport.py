@@ -144,9 +144,8 @@ async def write_frame(writer: asyncio.StreamWriter, value: Any, limit: int = MAX
     if len(body) > limit:
         raise TransportError(f"frame of {len(body)} bytes exceeds the limit of {limit}")
     writer.write(_LENGTH.pack(len(body)) + body)
-    try:  # not wait_for, which on Python 3.11 runs every drain as a task of its own: one per frame
-        async with asyncio.timeout(timeout):
-            await writer.drain()
+    try:
+        await asyncio.wait_for(writer.drain(), timeout)
     except TimeoutError:
         writer.transport.abort()
         raise TransportError(f"peer took no data for {timeout:g} s: connection dropped") from None
