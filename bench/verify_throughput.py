@@ -33,6 +33,7 @@ from planetserve.chain.keys import KeySet
 from planetserve.models import LoadedModel, load
 from planetserve.node.engine.base import GenerationRequest
 from planetserve.node.engine.builtin import BuiltinEngine
+from planetserve.node.engine.profile import params
 from planetserve.sampling import GumbelProcessor
 from planetserve.verifier import Algorithm3Scorer, Answer, Decoding, OnePassScorer, Pair, ReferenceModel
 
@@ -44,10 +45,6 @@ TOPICS = ["json.dumps", "os.path.join", "str.split", "re.compile", "math.sqrt", 
           "subprocess.run", "datetime.datetime.strptime", "heapq.heappush", "shutil.copytree",
           "logging.getLogger", "argparse.ArgumentParser.add_argument"]
 ROW = "{:<14} {:<12} {:>5} {:>6} {:>9} {:>10} {:>12}"
-
-
-def params(model: torch.nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
 
 
 def gt_batch(loaded: LoadedModel, count: int) -> tuple[list[Pair], list[Answer]]:

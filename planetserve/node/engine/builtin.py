@@ -447,7 +447,7 @@ class BuiltinEngine:
                 budget -= self._prefill(seq, budget)
             except Exception as exc:  # noqa: BLE001 - this request fails, the others go on
                 self._prefilling.remove(seq)
-                self._fail(seq, exc)
+                self._fail([seq], exc)
 
     def _prefill(self, seq: _Sequence, budget: int) -> int:
         """Compute up to `budget` more of the prompt's positions; returns how many it computed."""
@@ -484,19 +484,21 @@ class BuiltinEngine:
         self._running.append(seq)
         self._batch = past if self._batch is None else merge_batches([self._batch, past])
 
-    def _fail(self, seq: _Sequence, exc: Exception) -> None:
-        log.warning("engine %s: a request failed: %r", self.model_id, exc)
-        seq.past, seq.finished = None, True
-        self.cache.unpin(seq.pinned)
-        seq.pinned = []
-        self._outbox.append((seq, EngineFailure(_failure(exc))))
+    def _fail(self, seqs: list[_Sequence], exc: Exception) -> None:
+        """Fail `seqs`, already out of the running and prefilling lists, then give the device back
+        what their KV held."""
+        log.warning("engine %s: %d request(s) failed: %r", self.model_id, len(seqs), exc)
+        for seq in seqs:
+            seq.past, seq.finished = None, True
+            self.cache.unpin(seq.pinned)
+            seq.pinned = []
+            self._outbox.append((seq, EngineFailure(_failure(exc))))
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
     def _fail_batch(self, exc: Exception) -> None:
-        for seq in self._running:
-            self._fail(seq, exc)
-        self._running, self._batch = [], None
+        failed, self._running, self._batch = self._running, [], None
+        self._fail(failed, exc)
 
     def _decode(self, batch: DynamicCache) -> None:
         last = torch.tensor([seq.tokens[-1] for seq in self._running], device=self.device)
