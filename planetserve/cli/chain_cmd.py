@@ -14,8 +14,10 @@ import click
 from planetserve.cli import console, emit_json, fail, keep_heights_option, log_level_option, setup_logging
 from planetserve.genesis.network import (
     APP_CONFIG_FILE,
+    DEFAULT_SNAPSHOT_INTERVAL,
     KEYS_FILE,
     NetworkBuildError,
+    StateSync,
     cometbft_binary,
     join_home,
 )
@@ -57,9 +59,24 @@ def group() -> None:
 @click.option("--local", is_flag=True, help="Nodes share one address (all on one machine): accept "
                                             "duplicate IPs and unroutable peers.")
 @keep_heights_option()
+@click.option("--state-sync", "state_sync_rpc", multiple=True, metavar="RPC_URL",
+              help="Join from a recent state snapshot instead of replaying every block: the RPC of a "
+                   "network node (repeat for a second, which must agree). The trusted header is the latest, "
+                   "verified from the genesis, unless --trust-height and --trust-hash say otherwise.")
+@click.option("--trust-height", type=click.IntRange(min=1), help="With --state-sync: the height of a header "
+              "you trust (needed when the nodes no longer keep the blocks back to the genesis).")
+@click.option("--trust-hash", metavar="HEX", help="With --state-sync: that header's hash.")
+@click.option("--snapshot-interval", type=click.IntRange(min=0), default=DEFAULT_SNAPSHOT_INTERVAL,
+              show_default=True, help="Heights between the state sync snapshots this node makes and serves "
+                                      "(0: none).")
+@click.option("--retain-blocks", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Blocks CometBFT keeps (0: all). Never fewer than a kept snapshot needs; CometBFT also "
+                   "keeps the headers that evidence still needs.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def init(home: Path, genesis: Path, peers: tuple[str, ...], moniker: str, p2p: str, external: str, rpc: str,
-         abci: str, db: str, local: bool, keep_heights: int, as_json: bool) -> None:
+         abci: str, db: str, local: bool, keep_heights: int, state_sync_rpc: tuple[str, ...],
+         trust_height: int | None, trust_hash: str | None, snapshot_interval: int, retain_blocks: int,
+         as_json: bool) -> None:
     """Make a node's home to join a running network (an institution joining the committee).
 
     The node starts as a full node: run it with `planetserve chain start --home HOME` and let it
@@ -67,26 +84,66 @@ def init(home: Path, genesis: Path, peers: tuple[str, ...], moniker: str, p2p: s
     `planetserve tx propose-member`; once members with more than 2/3 of the voting power approve
     (`planetserve tx vote-member`), the node becomes a validator at the next blocks. Keep
     HOME/config/priv_validator_key.json and HOME/config/planetserve_keys.json secret.
+
+    \b
+    Join by state sync (minutes instead of replaying the chain):
+      planetserve chain init --home v5 --genesis genesis.json --peer ID@host:26656 --moniker v5 \\
+        --state-sync http://host:26657 --state-sync http://other:26657
     """
+    sync = state_sync(genesis, state_sync_rpc, trust_height, trust_hash) if state_sync_rpc else None
+    if sync is None and (trust_height or trust_hash):
+        fail("--trust-height and --trust-hash go with --state-sync")
     try:
         joined = join_home(home, genesis, peers, moniker=moniker, rpc=rpc, p2p=p2p, abci=abci,
-                           external=external, db_url=db, local=local, keep_heights=keep_heights)
+                           external=external, db_url=db, local=local, keep_heights=keep_heights,
+                           snapshot_interval=snapshot_interval, retain_blocks=retain_blocks, state_sync=sync)
     except NetworkBuildError as exc:
         fail(str(exc))
     keys = joined.keys
     propose = (f"planetserve tx propose-member --operator {keys['identity']} "
                f"--consensus-key {joined.consensus_key.hex()} --vrf-key {keys['vrf']} "
                f"--x25519-key {keys['x25519']} --credential \"<who you are>\" --keys <member key file>")
+    trusted = None if sync is None else {"height": sync.trust_height, "hash": sync.trust_hash.hex().upper()}
     if as_json:
         emit_json({"home": str(joined.home), "chain_id": joined.chain_id, "node_id": joined.node_id,
                    "operator": keys["identity"], "consensus_key": joined.consensus_key.hex(),
-                   "vrf_key": keys["vrf"], "x25519_key": keys["x25519"], "propose": propose})
+                   "vrf_key": keys["vrf"], "x25519_key": keys["x25519"], "propose": propose,
+                   "state_sync": trusted})
         return
     console.print(f"created node home [bold]{joined.home}[/] for chain {joined.chain_id}; "
                   f"node id {joined.node_id}")
+    if trusted is not None:
+        console.print(f"it joins by state sync, trusting header {trusted['height']} ({trusted['hash']})")
     console.print(f"run it with: planetserve chain start --home {joined.home}")
     console.print(f"your keys are in {joined.home}/config/{KEYS_FILE}; a committee member proposes you with:")
     console.print(propose, soft_wrap=True)
+
+
+def state_sync(genesis: Path, servers: tuple[str, ...], height: int | None,
+               header_hash: str | None) -> StateSync:
+    """The state sync settings of a joining node: the trusted header given, or the latest one,
+    verified from the genesis by the project's light client (with a second server as its witness)."""
+    if (height is None) != (header_hash is None):
+        fail("give both --trust-height and --trust-hash, or neither")
+    if height is not None and header_hash is not None:
+        try:
+            trusted = bytes.fromhex(header_hash)
+        except ValueError:
+            trusted = b""
+        if len(trusted) != 32:
+            fail(f"--trust-hash {header_hash!r} is not a 64-hex-digit header hash")
+        return StateSync(servers, height, trusted)
+    from planetserve.chain.lightclient import LightClient, VerificationError
+    from planetserve.chain.rpc import RpcError
+
+    try:
+        witness = servers[1] if len(servers) > 1 else None
+        client = LightClient.from_genesis_file(genesis, servers[0], witness=witness)
+        header = client.verified_header()
+    except (VerificationError, RpcError, OSError, ValueError) as exc:
+        fail(f"cannot verify a header to trust from {servers[0]}: {exc}. If its node keeps no blocks back "
+             "to the genesis, give --trust-height and --trust-hash of a header you trust")
+    return StateSync(servers, header.height, header.hash)
 
 
 HOME_HELP = "The validator's home (CometBFT's config/ and data/, the app's config/planetserve.json)."
@@ -104,6 +161,7 @@ def app(home: Path, db: str | None, keep_heights: int | None, log_level: str) ->
 
     from planetserve.chain.abci.app import Application
     from planetserve.chain.abci.server import AbciServer, tune_gc
+    from planetserve.chain.abci.snapshots import CHUNK_BYTES, Snapshots
     from planetserve.chain.abci.store import StateStore, StoreError, masked_url
 
     setup_logging(log_level)
@@ -116,7 +174,15 @@ def app(home: Path, db: str | None, keep_heights: int | None, log_level: str) ->
     except (ValueError, StoreError, SQLAlchemyError) as exc:
         detail = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
         fail(f"cannot open the state at {masked_url(url)}: {detail}")
-    server = AbciServer(Application(store))
+    try:
+        snapshots = Snapshots(home / "data" / "snapshots", interval=config.get("snapshot_interval", 0),
+                              keep=config.get("snapshot_keep", 2),
+                              chunk_bytes=config.get("snapshot_chunk_bytes", CHUNK_BYTES))
+        application = Application(store, snapshots, retain_blocks=config.get("retain_blocks", 0),
+                                  chain_id=config.get("chain_id", ""))
+    except (ValueError, TypeError) as exc:
+        fail(f"{home}/config/{APP_CONFIG_FILE}: {exc}")
+    server = AbciServer(application)
     tune_gc()
     asyncio.run(server.serve(host, int(port)))
 

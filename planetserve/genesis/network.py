@@ -36,6 +36,30 @@ SPEC_FILE = "network.json"
 KEYS_FILE = "planetserve_keys.json"
 APP_CONFIG_FILE = "planetserve.json"
 DEFAULT_MAX_BLOCK_BYTES = 4 * 1024 * 1024
+DEFAULT_SNAPSHOT_INTERVAL = 1000
+"""Heights between a validator's state sync snapshots (about 8 minutes at 500 ms blocks)."""
+SNAPSHOT_KEEP = 2
+STATE_SYNC_TRUST_PERIOD = "168h0m0s"
+"""How old a trusted header may be: within a week, the validators that signed it are still accountable."""
+
+
+@dataclass(frozen=True)
+class StateSync:
+    """How a joining node syncs by snapshot: light-client `rpc_servers` (at least one; CometBFT asks for
+    two, so one is given twice) and a trusted header (`trust_height`, `trust_hash`) that the joining
+    operator verified, e.g. with `planetserve chain init --state-sync`, which verifies the latest from
+    the genesis."""
+
+    rpc_servers: tuple[str, ...]
+    trust_height: int
+    trust_hash: bytes
+    discovery_time: str = "5s"
+
+    def config(self) -> dict[str, Any]:
+        servers = list(self.rpc_servers) * (2 if len(self.rpc_servers) == 1 else 1)
+        return {"enable": True, "rpc_servers": ",".join(servers), "trust_height": self.trust_height,
+                "trust_hash": self.trust_hash.hex().upper(), "trust_period": STATE_SYNC_TRUST_PERIOD,
+                "discovery_time": self.discovery_time}
 
 
 class NetworkBuildError(Exception):
@@ -280,6 +304,8 @@ def build_network(
     max_block_bytes: int = DEFAULT_MAX_BLOCK_BYTES,
     extra_config: dict[str, dict[str, Any]] | None = None,
     keep_heights: int = 0,
+    snapshot_interval: int = DEFAULT_SNAPSHOT_INTERVAL,
+    retain_blocks: int = 0,
 ) -> NetworkSpec:
     """Create `root/v0 … root/v{n-1}` and a genesis shared by all of them.
 
@@ -290,6 +316,8 @@ def build_network(
     - `power` is one voting power for everyone or one per node; `db_urls` one URL per node.
     - `extra_config` maps a config.toml section ("" for the top level) to keys to set.
     - `keep_heights` is every app's state pruning (0: keep every height; see `StateStore`).
+    - `snapshot_interval`: every app makes a state sync snapshot each that many heights (0: none);
+      `retain_blocks`: the blocks each CometBFT keeps (0: all; see `Application`).
     """
     root = Path(root).absolute()
     if n < 1:
@@ -344,7 +372,8 @@ def build_network(
         for sec, kv in (extra_config or {}).items():
             edits.setdefault(sec, {}).update(kv)
         write_home(info.home, genesis_text, edits, abci_listen=info.abci_listen, db_url=info.db_url,
-                   chain_id=chain_id, keep_heights=keep_heights)
+                   chain_id=chain_id, keep_heights=keep_heights, snapshot_interval=snapshot_interval,
+                   retain_blocks=retain_blocks)
 
     spec = NetworkSpec(
         root=root, chain_id=chain_id, genesis_time=genesis_time, validators=infos, kvstore=use_kvstore
@@ -379,14 +408,18 @@ def node_config(*, moniker: str, proxy_app: str, rpc: str, p2p: str, peers: Sequ
 
 
 def write_home(home: Path, genesis_text: str, edits: dict[str, dict[str, Any]], *, abci_listen: str,
-               db_url: str, chain_id: str, keep_heights: int = 0) -> None:
+               db_url: str, chain_id: str, keep_heights: int = 0,
+               snapshot_interval: int = DEFAULT_SNAPSHOT_INTERVAL, retain_blocks: int = 0) -> None:
     """The shared genesis, the edited config.toml and planetserve.json in an initialised home
-    (`keep_heights`: how many recent heights the app keeps provable, 0 for all)."""
+    (`keep_heights`: how many recent heights the app keeps provable, 0 for all; `snapshot_interval`:
+    heights between state sync snapshots, 0 for none; `retain_blocks`: blocks kept, 0 for all)."""
     cfg = home / "config"
     (cfg / "genesis.json").write_text(genesis_text)
     toml_path = cfg / "config.toml"
     toml_path.write_text(edit_toml(toml_path.read_text(), edits))
-    app_cfg = {"abci_listen": abci_listen, "db": db_url, "chain_id": chain_id, "keep_heights": keep_heights}
+    app_cfg = {"abci_listen": abci_listen, "db": db_url, "chain_id": chain_id, "keep_heights": keep_heights,
+               "snapshot_interval": snapshot_interval, "snapshot_keep": SNAPSHOT_KEEP,
+               "retain_blocks": retain_blocks}
     write_private(cfg / APP_CONFIG_FILE, json.dumps(app_cfg, indent=2) + "\n")  # the database URL
     (home / "logs").mkdir(exist_ok=True)
 
@@ -406,9 +439,12 @@ class JoiningNode:
 def join_home(home: Path, genesis_path: Path, peers: Sequence[str], *, moniker: str,
               rpc: str = "127.0.0.1:26657", p2p: str = "0.0.0.0:26656", abci: str = "127.0.0.1:26658",
               external: str = "", db_url: str = "", local: bool = False,
-              log_level: str = "state:info,*:error", keep_heights: int = 0) -> JoiningNode:
+              log_level: str = "state:info,*:error", keep_heights: int = 0,
+              snapshot_interval: int = DEFAULT_SNAPSHOT_INTERVAL, retain_blocks: int = 0,
+              state_sync: StateSync | None = None) -> JoiningNode:
     """A full node's home for the network of `genesis_path` (another institution's copy of it),
-    following `peers` (node_id@host:port). Once it has synced, the committee can admit it."""
+    following `peers` (node_id@host:port). Once it has synced (from genesis, or from a snapshot with
+    `state_sync`), the committee can admit it."""
     try:
         genesis_text = genesis_path.read_text()
         chain_id = json.loads(genesis_text)["chain_id"]
@@ -423,9 +459,11 @@ def join_home(home: Path, genesis_path: Path, peers: Sequence[str], *, moniker: 
     keyset = init_home(home, cometbft_binary())
     edits = node_config(moniker=moniker, proxy_app=f"tcp://{abci}", rpc=rpc, p2p=p2p, peers=peers,
                         log_level=log_level, local=local, external=external)
+    if state_sync is not None:
+        edits["statesync"] = state_sync.config()
     write_home(home, genesis_text, edits, abci_listen=abci,
                db_url=db_url or f"sqlite:///{home}/data/planetserve.db", chain_id=chain_id,
-               keep_heights=keep_heights)
+               keep_heights=keep_heights, snapshot_interval=snapshot_interval, retain_blocks=retain_blocks)
     return JoiningNode(home, chain_id, node_id_from_key_file(home / "config" / "node_key.json"),
                        consensus_pubkey(home), keyset.public_summary())
 

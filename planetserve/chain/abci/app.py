@@ -23,6 +23,7 @@ from planetserve.chain import layout, messages
 from planetserve.chain.abci import deployments, epochs
 from planetserve.chain.abci.handlers import HANDLERS
 from planetserve.chain.abci.handlers.context import Context
+from planetserve.chain.abci.snapshots import FORMAT, Metadata, Restore, SnapshotError, Snapshots
 from planetserve.chain.abci.state import IterableKV, State, TxScope, due, members
 from planetserve.chain.abci.store import Batch, StateStore, StoreError, TooManyEntriesError
 from planetserve.chain.errors import CODESPACE, Code, TxError, from_registry
@@ -83,12 +84,23 @@ def _events(raw: list[tuple[str, dict[str, str]]]) -> list[abci.Event]:
 
 
 class Application:
-    def __init__(self, store: StateStore) -> None:
+    """`snapshots`: the state sync snapshots this validator makes and serves, and where a snapshot
+    being restored is kept (None: neither). `retain_blocks`: the blocks CometBFT keeps (0: all), never
+    fewer than a kept snapshot needs. `chain_id`: the chain this node belongs to, before its state
+    says so (a node restoring a snapshot refuses one of another chain)."""
+
+    def __init__(self, store: StateStore, snapshots: Snapshots | None = None, retain_blocks: int = 0,
+                 chain_id: str = "") -> None:
+        if retain_blocks < 0:
+            raise ValueError("retain_blocks must be at least 0")
         self.store = store
+        self.snapshots = snapshots
+        self.retain_blocks = retain_blocks
+        self._restore: Restore | None = None
         self.block: Batch | None = None
         self.block_height = 0
         self.block_time = 0
-        self.chain_id = (store.get_meta(CHAIN_ID_META) or b"").decode()
+        self.chain_id = (store.get_meta(CHAIN_ID_META) or b"").decode() or chain_id
         self.committed_time = int.from_bytes(store.get_meta(BLOCK_TIME_META) or b"", "big")
         self.check = store.batch()
         self._admitted = Admission(mempool=True)
@@ -269,7 +281,80 @@ class Application:
         self.block_height = 0
         self.check = self.store.batch()
         self._admitted = Admission(mempool=True)
-        return abci.ResponseCommit()
+        if self.snapshots is not None:
+            self.snapshots.after_commit(self.store, self.store.height, self.committed_time, self.chain_id)
+        return abci.ResponseCommit(retain_height=self._retain_height())
+
+    def _retain_height(self) -> int:
+        """The lowest block CometBFT must keep (0: keep all): the last `retain_blocks`, and every block
+        from the oldest kept snapshot on, which a joining node's light client and block sync read.
+        CometBFT itself keeps the headers and commits that evidence still needs."""
+        if not self.retain_blocks:
+            return 0
+        retain = max(1, self.store.height - self.retain_blocks + 1)
+        oldest = self.snapshots.oldest_needed() if self.snapshots is not None else None
+        return retain if oldest is None else min(retain, oldest)
+
+    # -- state sync ------------------------------------------------------------------------------
+
+    def list_snapshots(self, _req: abci.RequestListSnapshots) -> abci.ResponseListSnapshots:
+        return abci.ResponseListSnapshots(snapshots=self.snapshots.list() if self.snapshots else [])
+
+    def load_snapshot_chunk(self, req: abci.RequestLoadSnapshotChunk) -> abci.ResponseLoadSnapshotChunk:
+        chunk = self.snapshots.load_chunk(req.height, req.format, req.chunk) if self.snapshots else b""
+        return abci.ResponseLoadSnapshotChunk(chunk=chunk)
+
+    def offer_snapshot(self, req: abci.RequestOfferSnapshot) -> abci.ResponseOfferSnapshot:
+        """Accept a snapshot to restore into this node's empty state: one of format 1, whose metadata
+        matches its hash and the chunk count, of this chain. The app hash it must reach comes with the
+        offer, verified by CometBFT's light client."""
+        offer = abci.ResponseOfferSnapshot
+        if self.snapshots is None:
+            return offer(result=offer.ABORT)
+        if self.store.height:
+            log.error("state sync offered, but this node's state is at height %d: it needs an empty state",
+                      self.store.height)
+            return offer(result=offer.ABORT)
+        snapshot = req.snapshot
+        if snapshot.format != FORMAT:
+            return offer(result=offer.REJECT_FORMAT)
+        try:
+            if hashlib.sha256(snapshot.metadata).digest() != snapshot.hash:
+                raise SnapshotError("its metadata does not match its hash")
+            metadata = Metadata.decode(snapshot.metadata)
+            if len(metadata.chunk_hashes) != snapshot.chunks:
+                raise SnapshotError(f"it claims {snapshot.chunks} chunks and lists "
+                                    f"{len(metadata.chunk_hashes)}")
+            if self.chain_id and metadata.chain_id != self.chain_id:
+                raise SnapshotError(f"it is of chain {metadata.chain_id!r}, this node's is {self.chain_id!r}")
+            if len(req.app_hash) != 32 or snapshot.height < 1:
+                raise SnapshotError("it comes without a trusted app hash")
+        except SnapshotError as exc:
+            log.warning("state sync: snapshot of height %d refused: %s", snapshot.height, exc)
+            return offer(result=offer.REJECT)
+        if self._restore is not None:
+            self._restore.discard()
+        self._restore = Restore(req, metadata, self.snapshots.directory / "restoring")
+        log.info("state sync: restoring the snapshot of height %d (%d chunks)", snapshot.height,
+                 snapshot.chunks)
+        return offer(result=offer.ACCEPT)
+
+    def apply_snapshot_chunk(self, req: abci.RequestApplySnapshotChunk) -> abci.ResponseApplySnapshotChunk:
+        restore = self._restore
+        if restore is None:
+            return abci.ResponseApplySnapshotChunk(result=abci.ResponseApplySnapshotChunk.ABORT)
+        meta = {BLOCK_TIME_META: restore.metadata.block_time.to_bytes(8, "big"),
+                CHAIN_ID_META: restore.metadata.chain_id.encode()}
+        answer = restore.apply(req, lambda entries: self.store.bulk_load(entries, restore.height, meta))
+        if answer.result == abci.ResponseApplySnapshotChunk.REJECT_SNAPSHOT or restore.done:
+            restore.discard()
+            self._restore = None
+        if self.store.height:  # restored: this node now runs from that height
+            self.chain_id = restore.metadata.chain_id
+            self.committed_time = restore.metadata.block_time
+            self._params = State(self.store.batch()).params()
+            self.check = self.store.batch()
+        return answer
 
     # -- queries ---------------------------------------------------------------------------------
 

@@ -124,12 +124,10 @@ class AbciServer:
             "finalize_block": app.finalize_block,
             "commit": app.commit,
             "query": app.query,
-            "list_snapshots": lambda _r: abci.ResponseListSnapshots(),
-            "offer_snapshot": lambda _r: abci.ResponseOfferSnapshot(result=abci.ResponseOfferSnapshot.REJECT),
-            "load_snapshot_chunk": lambda _r: abci.ResponseLoadSnapshotChunk(),
-            "apply_snapshot_chunk": lambda _r: abci.ResponseApplySnapshotChunk(
-                result=abci.ResponseApplySnapshotChunk.ABORT
-            ),
+            "list_snapshots": app.list_snapshots,
+            "offer_snapshot": app.offer_snapshot,
+            "load_snapshot_chunk": app.load_snapshot_chunk,
+            "apply_snapshot_chunk": app.apply_snapshot_chunk,
             "extend_vote": lambda _r: abci.ResponseExtendVote(),
             "verify_vote_extension": lambda _r: abci.ResponseVerifyVoteExtension(
                 status=abci.ResponseVerifyVoteExtension.ACCEPT

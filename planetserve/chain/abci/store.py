@@ -113,6 +113,8 @@ at 3 µs each)."""
 _HEIGHT = "_height"
 _APP_HASH = "_app_hash"
 _SCHEMA = "_schema"
+_BASE = "_base"
+"""The height a store was bulk-loaded at (a node that joined by state sync): nothing before it exists."""
 _MAX_META_NAME = 200
 _IN_CHUNK = 500  # hashes per `IN (...)` query
 _SCAN_PAGE = 256  # rows per page when iterating
@@ -495,6 +497,9 @@ def _prove_prefix(
     latest = height is None or height == src._height
     found = src._root_at(src._height if height is None else height)
     if found is None:
+        if height is not None and 0 < height < src._base:
+            raise ValueError(f"no state at height {height}: this validator's state starts at height "
+                             f"{src._base}, where it joined by state sync")
         if height is not None and 0 < height < src.earliest_height:
             raise ValueError(
                 f"the state at height {height} is pruned: this validator keeps the last "
@@ -522,10 +527,10 @@ def _prove_prefix(
     return entries, proof
 
 
-def _earliest(height: int, keep_heights: int) -> int:
+def _earliest(height: int, keep_heights: int, base: int) -> int:
     if not height:
         return 0
-    return max(1, height - keep_heights + 1) if keep_heights else 1
+    return max(1, base, height - keep_heights + 1 if keep_heights else 1)
 
 
 def _rows_to_nodes(rows: Iterable[Any], out: dict[int, NodeRecord]) -> None:
@@ -555,6 +560,7 @@ class Snapshot:
 
     def __init__(self, store: StateStore) -> None:
         self.keep_heights = store.keep_heights
+        self._base = store._base
         self._sqlite = store._dialect == "sqlite"
         self._dbapi_error = store._engine.dialect.dbapi.Error  # type: ignore[union-attr]
         conn = store._engine.connect().execution_options(isolation_level="AUTOCOMMIT")
@@ -589,7 +595,7 @@ class Snapshot:
 
     @property
     def earliest_height(self) -> int:
-        return _earliest(self._height, self.keep_heights)
+        return _earliest(self._height, self.keep_heights, self._base)
 
     def prove_prefix(
         self, prefix: bytes, max_entries: int = DEFAULT_MAX_ENTRIES, height: int | None = None
@@ -599,6 +605,19 @@ class Snapshot:
         if self._conn is None:
             raise StoreError("the snapshot is closed")
         return _prove_prefix(self, prefix, max_entries, height)
+
+    def entries(self) -> Iterator[tuple[bytes, bytes]]:
+        """Every (key, value) of this snapshot's height in key order, a page at a time (what a state
+        sync snapshot holds)."""
+        if self._conn is None:
+            raise StoreError("the snapshot is closed")
+        rows = self._query(self._fixed(_SQL_SCAN_FIRST), (b"", b"\x80", _SCAN_PAGE))
+        while rows:
+            for k, v in rows:
+                yield bytes(k), bytes(v)
+            if len(rows) < _SCAN_PAGE:
+                return
+            rows = self._query(self._fixed(_SQL_SCAN_NEXT), (bytes(rows[-1][0]), b"\x80", _SCAN_PAGE))
 
     def close(self) -> None:
         conn, self._conn = self._conn, None
@@ -729,7 +748,7 @@ class StateStore:
             rows = dict(
                 conn.execute(
                     select(meta_table.c.name, meta_table.c.value).where(
-                        meta_table.c.name.in_([_HEIGHT, _APP_HASH, _SCHEMA])
+                        meta_table.c.name.in_([_HEIGHT, _APP_HASH, _SCHEMA, _BASE])
                     )
                 ).all()
             )
@@ -739,6 +758,7 @@ class StateStore:
             elif bytes(schema) != SCHEMA_VERSION:
                 raise StoreError(f"state schema {bytes(schema)!r}, this code reads {SCHEMA_VERSION!r}")
             self._height = int.from_bytes(bytes(rows.get(_HEIGHT, b"")), "big")
+            self._base = int.from_bytes(bytes(rows.get(_BASE, b"")), "big")
             # The previous values of the keys the last commit changed: serves the state one
             # height back (what a client verifies against the latest header) without a trie walk.
             self._undo: tuple[int, dict[bytes, bytes | None]] | None = None
@@ -811,7 +831,7 @@ class StateStore:
     @property
     def earliest_height(self) -> int:
         """The earliest height whose state can still be proven (1 on an archive; 0 when empty)."""
-        return _earliest(self._height, self.keep_heights)
+        return _earliest(self._height, self.keep_heights, self._base)
 
     @property
     def app_hash(self) -> bytes:
@@ -906,6 +926,7 @@ class StateStore:
                 self._cache = _NodeCache(self._cache_bytes)
                 raise
             self._committed(height, root, root_id, written)
+            self._base = height
             self.checkpoint()
         return root
 
@@ -952,7 +973,7 @@ class StateStore:
             if kv_rows:
                 cur.executemany(self._sql_ins_kv, kv_rows)
             cur.close()
-            self._write_head(conn, height, root, builder.root_ref, meta)
+            self._write_head(conn, height, root, builder.root_ref, {**meta, _BASE: height.to_bytes(8, "big")})
         return root, builder.root_ref, written
 
     def prove_prefix(
