@@ -288,12 +288,13 @@ def test_an_institution_joins_from_its_own_home_and_is_admitted(net, tmp_path):
     """`chain init` makes a home from the published genesis and a member's peer address; the node
     syncs as a full node; a member proposes it with the keys `chain init` printed, two more approve
     (3 of 4), and it signs the next blocks with the same app hashes as the others."""
-    ports = free_ports(3)
+    ports = free_ports(5)
     made = subprocess.run(
         [sys.executable, "-m", "planetserve", "chain", "init", "--home", str(tmp_path / "newcomer"),
          "--genesis", str(net.spec.genesis_path), "--peer", net.spec.validators[0].p2p_address,
          "--moniker", "newcomer", "--p2p", f"127.0.0.1:{ports[0]}", "--rpc", f"127.0.0.1:{ports[1]}",
-         "--abci", f"127.0.0.1:{ports[2]}", "--local", "--json"], capture_output=True, text=True, timeout=60)
+         "--abci", f"127.0.0.1:{ports[2]}", "--metrics", f"127.0.0.1:{ports[3]}",
+         "--app-metrics", f"127.0.0.1:{ports[4]}", "--local", "--json"], capture_output=True, text=True, timeout=60)
     assert made.returncode == 0, made.stderr
     joined = json.loads(made.stdout)
     refused = subprocess.run(

@@ -13,6 +13,7 @@ import pytest
 from chainnet import LISTED_AT_ONCE, MODELS
 from click.testing import CliRunner
 from harness import relaxed
+from promscrape import scrape, value
 from waiting import wait_until
 
 from planetserve.chain.client import LedgerClient, sign
@@ -65,20 +66,21 @@ def network(root: Path) -> Cluster:
 
 def joiner(cluster: Cluster, root: Path) -> Cluster:
     """v4's home made by the CLI, as an operator would, and a cluster of that one node."""
-    rpc, p2p, abci = free_ports(3)
+    rpc, p2p, abci, metrics, app_metrics = free_ports(5)
     home = root / "v4"
     peers = [f"{v.node_id}@127.0.0.1:{v.ports.p2p}" for v in cluster.validators]
     result = CliRunner().invoke(main, [
         "chain", "init", "--home", str(home), "--genesis", str(cluster.spec.genesis_path),
         *(a for p in peers for a in ("--peer", p)), "--moniker", "v4", "--local",
         "--p2p", f"127.0.0.1:{p2p}", "--rpc", f"127.0.0.1:{rpc}", "--abci", f"127.0.0.1:{abci}",
+        "--metrics", f"127.0.0.1:{metrics}", "--app-metrics", f"127.0.0.1:{app_metrics}",
         "--state-sync", cluster.rpc_url(ARCHIVE), "--state-sync", cluster.rpc_url(2), "--json"],
         catch_exceptions=False)
     assert result.exit_code == 0, result.output
     made = json.loads(result.output)
     assert made["state_sync"]["height"] > JOIN_AFTER
     info = ValidatorInfo(index=0, moniker="v4", home=home, pub_key=consensus_pubkey(home), power=0,
-                         node_id=made["node_id"], ports=Ports(rpc=rpc, p2p=p2p, abci=abci),
+                         node_id=made["node_id"], ports=Ports(rpc, p2p, abci, metrics, app_metrics),
                          db_url=f"sqlite:///{home}/data/planetserve.db")
     spec = NetworkSpec(root=root, chain_id=cluster.spec.chain_id, genesis_time=cluster.spec.genesis_time,
                        validators=[info], kvstore=False)
@@ -98,6 +100,13 @@ def test_a_node_joins_past_height_500_by_state_sync_while_validators_prune_their
             msg = RegisterUser(f"10.4.0.{i}:9000", "eu").solved(chain_id, keys.public, params)
             assert cluster.rpc(0).broadcast_tx_sync(sign(keys, chain_id, msg, 0)).ok
         wait_until(lambda: all(ledger.user(k.public) for k in users), timeout=60)
+        app_metrics, cometbft_metrics = (f"http://127.0.0.1:{port}/metrics" for port in (
+            cluster.validators[0].ports.app_metrics, cluster.validators[0].ports.cometbft_metrics))
+        early = scrape(app_metrics)
+        assert value(early, "planetserve_app_transactions_total", type="register-user", code="0") == len(users)
+        assert value(early, "planetserve_app_entities", kind="users") == len(users)
+        early_height = value(scrape(cometbft_metrics), "cometbft_consensus_height")
+        assert early_height >= 2
         cluster.wait_for_height(JOIN_AFTER + 5, timeout=240)
 
         # retention: the validators' block stores no longer start at 1, and never after a kept snapshot
@@ -108,6 +117,11 @@ def test_a_node_joins_past_height_500_by_state_sync_while_validators_prune_their
                       if p.name.isdigit())
         assert len(kept) == 2 and kept[-1] % INTERVAL == 0 and earliest <= kept[0]
         assert int(cluster.status(ARCHIVE)["sync_info"]["earliest_block_height"]) == 1
+        late_metrics = scrape(app_metrics)
+        assert value(late_metrics, "planetserve_app_height") > JOIN_AFTER
+        assert value(late_metrics, "planetserve_app_snapshot_height") >= kept[-1]
+        assert 1 < value(late_metrics, "planetserve_app_retain_height") <= kept[0]
+        assert value(scrape(cometbft_metrics), "cometbft_consensus_height") > early_height + JOIN_AFTER // 2
 
         late = joiner(cluster, tmp_path)
         started = time.monotonic()

@@ -72,11 +72,15 @@ def group() -> None:
 @click.option("--retain-blocks", type=click.IntRange(min=0), default=0, show_default=True,
               help="Blocks CometBFT keeps (0: all). Never fewer than a kept snapshot needs; CometBFT also "
                    "keeps the headers that evidence still needs.")
+@click.option("--metrics", default="127.0.0.1:26660", show_default=True, metavar="HOST:PORT",
+              help="Where CometBFT serves its Prometheus metrics ('' for nowhere).")
+@click.option("--app-metrics", default="127.0.0.1:26661", show_default=True, metavar="HOST:PORT",
+              help="Where the planetserve app serves its Prometheus metrics ('' for nowhere).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def init(home: Path, genesis: Path, peers: tuple[str, ...], moniker: str, p2p: str, external: str, rpc: str,
          abci: str, db: str, local: bool, keep_heights: int, state_sync_rpc: tuple[str, ...],
          trust_height: int | None, trust_hash: str | None, snapshot_interval: int, retain_blocks: int,
-         as_json: bool) -> None:
+         metrics: str, app_metrics: str, as_json: bool) -> None:
     """Make a node's home to join a running network (an institution joining the committee).
 
     The node starts as a full node: run it with `planetserve chain start --home HOME` and let it
@@ -96,7 +100,8 @@ def init(home: Path, genesis: Path, peers: tuple[str, ...], moniker: str, p2p: s
     try:
         joined = join_home(home, genesis, peers, moniker=moniker, rpc=rpc, p2p=p2p, abci=abci,
                            external=external, db_url=db, local=local, keep_heights=keep_heights,
-                           snapshot_interval=snapshot_interval, retain_blocks=retain_blocks, state_sync=sync)
+                           snapshot_interval=snapshot_interval, retain_blocks=retain_blocks, state_sync=sync,
+                           metrics=metrics, app_metrics=app_metrics)
     except NetworkBuildError as exc:
         fail(str(exc))
     keys = joined.keys
@@ -160,9 +165,11 @@ def app(home: Path, db: str | None, keep_heights: int | None, log_level: str) ->
     from sqlalchemy.exc import SQLAlchemyError
 
     from planetserve.chain.abci.app import Application
+    from planetserve.chain.abci.metrics import AppMetrics
     from planetserve.chain.abci.server import AbciServer, tune_gc
     from planetserve.chain.abci.snapshots import CHUNK_BYTES, Snapshots
     from planetserve.chain.abci.store import StateStore, StoreError, masked_url
+    from planetserve.metrics import serve as serve_metrics
 
     setup_logging(log_level)
     config = app_config(home)
@@ -178,10 +185,16 @@ def app(home: Path, db: str | None, keep_heights: int | None, log_level: str) ->
         snapshots = Snapshots(home / "data" / "snapshots", interval=config.get("snapshot_interval", 0),
                               keep=config.get("snapshot_keep", 2),
                               chunk_bytes=config.get("snapshot_chunk_bytes", CHUNK_BYTES))
+        listen = config.get("metrics_listen", "")
+        metrics = AppMetrics(store) if listen else None
         application = Application(store, snapshots, retain_blocks=config.get("retain_blocks", 0),
-                                  chain_id=config.get("chain_id", ""))
+                                  chain_id=config.get("chain_id", ""), metrics=metrics)
+        if metrics is not None:
+            serve_metrics(listen, metrics.registry)
     except (ValueError, TypeError) as exc:
         fail(f"{home}/config/{APP_CONFIG_FILE}: {exc}")
+    except OSError as exc:
+        fail(f"cannot serve the app's metrics at {listen}: {exc}")
     server = AbciServer(application)
     tune_gc()
     asyncio.run(server.serve(host, int(port)))

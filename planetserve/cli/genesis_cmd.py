@@ -131,8 +131,9 @@ def init(out: Path, validators: int, chain_id: str, models: tuple[str, ...], org
                    "validators": [{**v.to_json(), "db_url": masked_url(v.db_url)} for v in spec.validators]})
         return
     console.print(f"network [bold]{chain_id}[/] created under {out}")
-    table("validators", ["moniker", "home", "rpc", "p2p", "abci"],
-          [[v.moniker, v.home, v.rpc_url, v.ports.p2p, v.abci_listen] for v in spec.validators])
+    table("validators", ["moniker", "home", "rpc", "p2p", "abci", "metrics (cometbft, app)"],
+          [[v.moniker, v.home, v.rpc_url, v.ports.p2p, v.abci_listen,
+            f"{v.ports.cometbft_metrics}, {v.ports.app_metrics}"] for v in spec.validators])
     console.print("start each validator (ABCI app and CometBFT, until interrupted):")
     for v in spec.validators:
         console.print(f"  planetserve chain start --home {v.home}", soft_wrap=True)

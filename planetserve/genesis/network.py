@@ -15,6 +15,7 @@ tests) can reload it with `NetworkSpec.load(root)`.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 import json
 import os
@@ -73,6 +74,10 @@ class Ports:
     rpc: int
     p2p: int
     abci: int
+    cometbft_metrics: int = 0
+    """CometBFT's Prometheus endpoint (0: none)."""
+    app_metrics: int = 0
+    """The ABCI app's Prometheus endpoint (0: none)."""
 
 
 @dataclass(frozen=True)
@@ -114,7 +119,7 @@ class ValidatorInfo:
             "pub_key": self.pub_key.hex(),
             "power": self.power,
             "node_id": self.node_id,
-            "ports": {"rpc": self.ports.rpc, "p2p": self.ports.p2p, "abci": self.ports.abci},
+            "ports": dataclasses.asdict(self.ports),
             "keys": dict(self.keys),
             "db_url": self.db_url,
         }
@@ -338,7 +343,7 @@ def build_network(
     binary = cometbft_binary()
 
     root.mkdir(parents=True, exist_ok=True)
-    ports = free_ports(3 * n)
+    ports = free_ports(5 * n)
     infos: list[ValidatorInfo] = []
     for i in range(n):
         home = root / f"v{i}"
@@ -351,7 +356,7 @@ def build_network(
                 pub_key=consensus_pubkey(home),
                 power=powers[i] if i < n_genesis else 0,
                 node_id=node_id_from_key_file(home / "config" / "node_key.json"),
-                ports=Ports(rpc=ports[3 * i], p2p=ports[3 * i + 1], abci=ports[3 * i + 2]),
+                ports=Ports(*ports[5 * i : 5 * i + 5]),
                 keys=keyset.public_summary(),
                 db_url=db_urls[i] if db_urls else f"sqlite:///{home}/data/planetserve.db",
             )
@@ -367,13 +372,13 @@ def build_network(
             moniker=info.moniker, proxy_app="kvstore" if use_kvstore else f"tcp://{info.abci_listen}",
             rpc=f"127.0.0.1:{info.ports.rpc}", p2p=f"127.0.0.1:{info.ports.p2p}",
             peers=[o.p2p_address for o in infos if o.index != info.index], log_level=log_level,
-            local=True)
+            local=True, metrics=f"127.0.0.1:{info.ports.cometbft_metrics}")
         edits["consensus"] = {"timeout_commit": timeout_commit, "create_empty_blocks": True}
         for sec, kv in (extra_config or {}).items():
             edits.setdefault(sec, {}).update(kv)
         write_home(info.home, genesis_text, edits, abci_listen=info.abci_listen, db_url=info.db_url,
                    chain_id=chain_id, keep_heights=keep_heights, snapshot_interval=snapshot_interval,
-                   retain_blocks=retain_blocks)
+                   retain_blocks=retain_blocks, metrics_listen=f"127.0.0.1:{info.ports.app_metrics}")
 
     spec = NetworkSpec(
         root=root, chain_id=chain_id, genesis_time=genesis_time, validators=infos, kvstore=use_kvstore
@@ -395,31 +400,35 @@ def init_home(home: Path, binary: str) -> KeySet:
 
 
 def node_config(*, moniker: str, proxy_app: str, rpc: str, p2p: str, peers: Sequence[str],
-                log_level: str, local: bool, external: str = "") -> dict[str, dict[str, Any]]:
+                log_level: str, local: bool, external: str = "",
+                metrics: str = "") -> dict[str, dict[str, Any]]:
     """config.toml edits for one node. `local`: several nodes share one address (one machine), so
-    CometBFT must accept duplicate IPs and unroutable addresses."""
+    CometBFT must accept duplicate IPs and unroutable addresses. `metrics`: where CometBFT serves its
+    Prometheus metrics (host:port; empty: it serves none)."""
     return {
         "": {"moniker": moniker, "proxy_app": proxy_app, "log_level": log_level},
         "rpc": {"laddr": f"tcp://{rpc}", "pprof_laddr": ""},
         "p2p": {"laddr": f"tcp://{p2p}", "external_address": external, "persistent_peers": ",".join(peers),
                 "addr_book_strict": not local, "allow_duplicate_ip": local, "pex": False},
-        "instrumentation": {"prometheus": False},
+        "instrumentation": {"prometheus": bool(metrics), "prometheus_listen_addr": metrics or ":26660"},
     }
 
 
 def write_home(home: Path, genesis_text: str, edits: dict[str, dict[str, Any]], *, abci_listen: str,
                db_url: str, chain_id: str, keep_heights: int = 0,
-               snapshot_interval: int = DEFAULT_SNAPSHOT_INTERVAL, retain_blocks: int = 0) -> None:
+               snapshot_interval: int = DEFAULT_SNAPSHOT_INTERVAL, retain_blocks: int = 0,
+               metrics_listen: str = "") -> None:
     """The shared genesis, the edited config.toml and planetserve.json in an initialised home
     (`keep_heights`: how many recent heights the app keeps provable, 0 for all; `snapshot_interval`:
-    heights between state sync snapshots, 0 for none; `retain_blocks`: blocks kept, 0 for all)."""
+    heights between state sync snapshots, 0 for none; `retain_blocks`: blocks kept, 0 for all;
+    `metrics_listen`: where the app serves its Prometheus metrics, empty for nowhere)."""
     cfg = home / "config"
     (cfg / "genesis.json").write_text(genesis_text)
     toml_path = cfg / "config.toml"
     toml_path.write_text(edit_toml(toml_path.read_text(), edits))
     app_cfg = {"abci_listen": abci_listen, "db": db_url, "chain_id": chain_id, "keep_heights": keep_heights,
                "snapshot_interval": snapshot_interval, "snapshot_keep": SNAPSHOT_KEEP,
-               "retain_blocks": retain_blocks}
+               "retain_blocks": retain_blocks, "metrics_listen": metrics_listen}
     write_private(cfg / APP_CONFIG_FILE, json.dumps(app_cfg, indent=2) + "\n")  # the database URL
     (home / "logs").mkdir(exist_ok=True)
 
@@ -441,10 +450,11 @@ def join_home(home: Path, genesis_path: Path, peers: Sequence[str], *, moniker: 
               external: str = "", db_url: str = "", local: bool = False,
               log_level: str = "state:info,*:error", keep_heights: int = 0,
               snapshot_interval: int = DEFAULT_SNAPSHOT_INTERVAL, retain_blocks: int = 0,
-              state_sync: StateSync | None = None) -> JoiningNode:
+              state_sync: StateSync | None = None, metrics: str = "", app_metrics: str = "") -> JoiningNode:
     """A full node's home for the network of `genesis_path` (another institution's copy of it),
     following `peers` (node_id@host:port). Once it has synced (from genesis, or from a snapshot with
-    `state_sync`), the committee can admit it."""
+    `state_sync`), the committee can admit it. `metrics`, `app_metrics`: where CometBFT and the app
+    serve their Prometheus metrics (host:port; empty: nowhere)."""
     try:
         genesis_text = genesis_path.read_text()
         chain_id = json.loads(genesis_text)["chain_id"]
@@ -458,12 +468,13 @@ def join_home(home: Path, genesis_path: Path, peers: Sequence[str], *, moniker: 
     home = home.absolute()
     keyset = init_home(home, cometbft_binary())
     edits = node_config(moniker=moniker, proxy_app=f"tcp://{abci}", rpc=rpc, p2p=p2p, peers=peers,
-                        log_level=log_level, local=local, external=external)
+                        log_level=log_level, local=local, external=external, metrics=metrics)
     if state_sync is not None:
         edits["statesync"] = state_sync.config()
     write_home(home, genesis_text, edits, abci_listen=abci,
                db_url=db_url or f"sqlite:///{home}/data/planetserve.db", chain_id=chain_id,
-               keep_heights=keep_heights, snapshot_interval=snapshot_interval, retain_blocks=retain_blocks)
+               keep_heights=keep_heights, snapshot_interval=snapshot_interval, retain_blocks=retain_blocks,
+               metrics_listen=app_metrics)
     return JoiningNode(home, chain_id, node_id_from_key_file(home / "config" / "node_key.json"),
                        consensus_pubkey(home), keyset.public_summary())
 

@@ -10,6 +10,7 @@ import hashlib
 import json
 import logging
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ from planetserve.chain import layout, messages
 from planetserve.chain.abci import deployments, epochs
 from planetserve.chain.abci.handlers import HANDLERS
 from planetserve.chain.abci.handlers.context import Context
+from planetserve.chain.abci.metrics import AppMetrics
 from planetserve.chain.abci.snapshots import FORMAT, Metadata, Restore, SnapshotError, Snapshots
 from planetserve.chain.abci.state import IterableKV, State, TxScope, due, members
 from planetserve.chain.abci.store import Batch, StateStore, StoreError, TooManyEntriesError
@@ -46,11 +48,17 @@ ANSWER_CACHE_ENTRIES = 16
 ANSWER_CACHE_MAX_BYTES = 8 << 20
 
 
+UNDECODABLE = "undecodable"
+UNKNOWN_TX_TYPE = "unknown"
+
+
 @dataclass
 class Outcome:
     code: Code
     log: str
     events: list[abci.Event]
+    tx_type: str = UNDECODABLE
+    """The transaction's type, where it has one of the known types (a bounded set: a metric label)."""
 
 
 @dataclass
@@ -87,14 +95,16 @@ class Application:
     """`snapshots`: the state sync snapshots this validator makes and serves, and where a snapshot
     being restored is kept (None: neither). `retain_blocks`: the blocks CometBFT keeps (0: all), never
     fewer than a kept snapshot needs. `chain_id`: the chain this node belongs to, before its state
-    says so (a node restoring a snapshot refuses one of another chain)."""
+    says so (a node restoring a snapshot refuses one of another chain). `metrics`: what it records for
+    Prometheus (None: nothing)."""
 
     def __init__(self, store: StateStore, snapshots: Snapshots | None = None, retain_blocks: int = 0,
-                 chain_id: str = "") -> None:
+                 chain_id: str = "", metrics: AppMetrics | None = None) -> None:
         if retain_blocks < 0:
             raise ValueError("retain_blocks must be at least 0")
         self.store = store
         self.snapshots = snapshots
+        self.metrics = metrics
         self.retain_blocks = retain_blocks
         self._restore: Restore | None = None
         self.block: Batch | None = None
@@ -177,6 +187,8 @@ class Application:
         )
         if outcome.code == Code.OK:
             scope.apply()
+        if self.metrics is not None and req.type != abci.RECHECK:
+            self.metrics.checked.labels(outcome.tx_type, str(int(outcome.code))).inc()
         return abci.ResponseCheckTx(
             code=outcome.code, log=outcome.log, codespace=CODESPACE if outcome.code else "", gas_wanted=1
         )
@@ -228,6 +240,7 @@ class Application:
         return abci.ResponseProcessProposal(status=status)
 
     def finalize_block(self, req: abci.RequestFinalizeBlock) -> abci.ResponseFinalizeBlock:
+        started = time.perf_counter()
         if self.block is None or self.block_height:
             self.block = self.store.batch()
         self.block_height = req.height
@@ -245,6 +258,8 @@ class Application:
         for raw in req.txs:
             outcome = self._execute(self.block, raw, req.height, self.block_time, updates,
                                     admission=admission)
+            if self.metrics is not None:
+                self.metrics.transactions.labels(outcome.tx_type, str(int(outcome.code))).inc()
             results.append(
                 abci.ExecTxResult(
                     code=outcome.code,
@@ -257,6 +272,8 @@ class Application:
         removed = epochs.end_block(self.block, self.params, req.height, self.block_time)
         healed = deployments.heal_at_epoch_end(self.block, self.params, req.height, self.block_time)
         updates.update((r.consensus_key, 0) for r in removed)
+        if self.metrics is not None:
+            self.metrics.block(self.params, req.height, started)
         return abci.ResponseFinalizeBlock(
             tx_results=results,
             events=_events([*(("member_removed", {"operator": r.operator.hex(), "faults": str(r.faults)})
@@ -269,6 +286,7 @@ class Application:
         )
 
     def commit(self, _req: abci.RequestCommit) -> abci.ResponseCommit:
+        started = time.perf_counter()
         if self.block is None or not self.block_height:
             raise RuntimeError("Commit without a finalized block")
         self.store.commit(
@@ -283,7 +301,11 @@ class Application:
         self._admitted = Admission(mempool=True)
         if self.snapshots is not None:
             self.snapshots.after_commit(self.store, self.store.height, self.committed_time, self.chain_id)
-        return abci.ResponseCommit(retain_height=self._retain_height())
+        retain = self._retain_height()
+        if self.metrics is not None:
+            newest = max(self.snapshots.heights(), default=0) if self.snapshots is not None else 0
+            self.metrics.committed(self.store.height, started, retain, newest)
+        return abci.ResponseCommit(retain_height=retain)
 
     def _retain_height(self) -> int:
         """The lowest block CometBFT must keep (0: keep all): the last `retain_blocks`, and every block
@@ -431,10 +453,20 @@ class Application:
         envelope is valid and its signer has an account, that account's sequence, so it cannot be
         replayed later. A key without an account (sequence 0) that is not a committee member gets one
         only with a transaction that succeeds: refused transactions from fresh keys leave no record."""
+        try:
+            tx, digest = self._decode(raw, self.params.max_tx_bytes)
+        except TxError as exc:
+            return Outcome(exc.code, exc.log, [])
+        outcome = self._run(batch, tx, digest, len(raw), height, time, updates, envelope_only, admission)
+        outcome.tx_type = tx.type if tx.type in messages.MESSAGES else UNKNOWN_TX_TYPE
+        return outcome
+
+    def _run(self, batch: IterableKV, tx: Tx, digest: bytes, size: int, height: int, time: int,
+             updates: dict[bytes, int] | None, envelope_only: bool, admission: Admission | None) -> Outcome:
+        """`_execute` once the envelope decoded."""
         st = State(batch)
         params = self.params
         try:
-            tx, digest = self._decode(raw, params.max_tx_bytes)
             self._check_envelope(st, tx, digest)
         except TxError as exc:
             return Outcome(exc.code, exc.log, [])
@@ -453,11 +485,11 @@ class Application:
                 admission.registrations += registration
                 if not member:
                     admission.non_member_txs += 1
-                    admission.non_member_bytes += len(raw)
+                    admission.non_member_bytes += size
             return outcome
 
         try:
-            self._admit(st, tx, len(raw), window, member, admission)
+            self._admit(st, tx, size, window, member, admission)
         except TxError as exc:
             if tx.sequence > 0 or member:
                 st.put_int(layout.account_key(tx.signer), tx.sequence + 1)

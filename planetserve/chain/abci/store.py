@@ -606,6 +606,12 @@ class Snapshot:
             raise StoreError("the snapshot is closed")
         return _prove_prefix(self, prefix, max_entries, height)
 
+    def count(self, prefix: bytes) -> int:
+        """How many keys start with `prefix` (an ASCII prefix) at this snapshot's height."""
+        check_prefix(prefix)
+        sql = 'SELECT COUNT(*) FROM state_kv WHERE "key" >= ? AND "key" < ?'
+        return int(self._query(self._fixed(sql), (prefix, prefix + b"\x80"))[0][0])
+
     def entries(self) -> Iterator[tuple[bytes, bytes]]:
         """Every (key, value) of this snapshot's height in key order, a page at a time (what a state
         sync snapshot holds)."""
