@@ -24,6 +24,7 @@ ALLOWED: dict[str, set[str]] = {
     "registry": set(),
     "models": set(),
     "config": set(),
+    "metrics": set(),
     "sampling": {"registry"},
     "workloads": {"models"},
     "chain": {"registry"},
@@ -42,8 +43,8 @@ ALLOWED: dict[str, set[str]] = {
     "dashboard": {"chain", "registry"},
     "localnet": {"chain", "chain.abci", "registry", "models", "config", "genesis", "verifier", "dashboard",
                  "workloads", "sampling"} | NODE,
-    "cli": {"chain", "chain.abci", "registry", "models", "config", "workloads", "sampling", "genesis", "verifier",
-            "dashboard", "localnet"} | NODE,
+    "cli": {"chain", "chain.abci", "registry", "models", "config", "metrics", "workloads", "sampling", "genesis",
+            "verifier", "dashboard", "localnet"} | NODE,
     "__main__": {"cli"},
     "__init__": set(),
 }

@@ -17,6 +17,9 @@ or region can never match another (model ids may contain '/').
     member/<operator hex>                   Member
     proposal/<id:012d>                      Proposal
     next/proposal                           int
+    pchange/<height:012d>                   {name: value}   (parameter changes approved for that block)
+    upgrade                                 UpgradePlan     (the approved upgrade not yet reached)
+    appversion                              int             (the app version the chain runs; absent: 1)
 
 Verification epochs (<e> is the epoch number as %010d):
     epoch/<e>                               Epoch
@@ -261,6 +264,13 @@ def deployment_expiry_key(expires_at: int, deployment_id: int) -> bytes:
 
 NODE_PREFIX = key("node", "")
 PARAMS_KEY = key("params")
+UPGRADE_KEY = key("upgrade")
+APP_VERSION_KEY = key("appversion")
+PARAM_CHANGE_PREFIX = key("pchange", "")
+
+
+def param_change_key(height: int) -> bytes:
+    return PARAM_CHANGE_PREFIX + f"{height:012d}".encode()
 NEXT_PROPOSAL_KEY = key("next", "proposal")
 
 

@@ -11,6 +11,9 @@ from planetserve.registry import codec
 
 NODE_STATUSES = ("active", "inactive")
 MEMBER_ACTIONS = ("add", "remove")
+GOVERNANCE_ACTIONS = ("params", "upgrade")
+"""What a committee proposal does besides admitting or removing a member: change parameters at a
+height, or require a newer app from a height on."""
 
 
 @functools.cache
@@ -115,13 +118,26 @@ class Member(Record):
 
 @dataclass(frozen=True)
 class Proposal(Record):
-    """A pending admission or removal: approved at more than 2/3 of the power, rejected at 1/3 or more."""
+    """A pending committee decision (an admission or removal, a parameter change, an upgrade): approved
+    at more than 2/3 of the power, rejected at 1/3 or more. `subject` is the member's record, the
+    parameters' new values with their height (`{"height": h, "changes": {...}}`), or the UpgradePlan's
+    record."""
 
     proposal_id: int
     action: str
-    member: dict[str, Any]
+    subject: dict[str, Any]
     proposer: bytes
     votes: tuple[bytes, ...]
     rejections: tuple[bytes, ...]
     created_height: int
     expires_height: int
+
+
+@dataclass(frozen=True)
+class UpgradePlan(Record):
+    """An approved upgrade: from `height` on, validators must run an app of at least `app_version`, which
+    runs its migration `name` at the start of that block; an older app halts there."""
+
+    name: str
+    app_version: int
+    height: int

@@ -1,8 +1,9 @@
-"""Chain parameters, fixed in the genesis file's app_state."""
+"""Chain parameters: set in the genesis file's app_state, changed by a committee vote at a stated height."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
 from typing import Any, Self
 
 from planetserve.registry.entities import Record
@@ -84,17 +85,26 @@ class Params(Record):
     @classmethod
     def from_genesis(cls, raw: dict[str, Any] | None) -> Self:
         """Read parameters from genesis JSON; absent ones take their defaults, unknown ones are errors."""
-        raw = raw or {}
-        known = {f.name for f in fields(cls)}
-        for name, value in raw.items():
+        return cls().changed(raw or {})
+
+    def changed(self, changes: Mapping[str, Any]) -> Self:
+        """These parameters with `changes` (name -> value) applied, each checked as the genesis's are,
+        then their relations; InvalidField names the first that fails."""
+        self.check_values(changes)
+        params = replace(self, **changes)
+        params.check()
+        return params
+
+    @classmethod
+    def check_values(cls, changes: Mapping[str, Any]) -> None:
+        """Each named parameter exists and its value is an integer it may take, whatever the others."""
+        known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+        for name, value in changes.items():
             if name not in known:
                 raise InvalidField(name, "unknown parameter")
             least = 0 if name in MAY_BE_ZERO else 1
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise InvalidField(name, f"must be a {'non-negative' if least == 0 else 'positive'} integer")
-        params = cls(**raw)
-        params.check()
-        return params
 
     def check(self) -> None:
         """Relations between parameters that every block relies on."""

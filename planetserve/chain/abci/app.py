@@ -18,10 +18,10 @@ import msgpack
 from sqlalchemy.exc import SQLAlchemyError
 from tendermint.abci import types_pb2 as abci
 from tendermint.crypto import keys_pb2, proof_pb2
-from tendermint.types import validator_pb2
+from tendermint.types import params_pb2, validator_pb2
 
 from planetserve.chain import layout, messages
-from planetserve.chain.abci import deployments, epochs
+from planetserve.chain.abci import deployments, epochs, governance
 from planetserve.chain.abci.handlers import HANDLERS
 from planetserve.chain.abci.handlers.context import Context
 from planetserve.chain.abci.metrics import AppMetrics
@@ -39,6 +39,7 @@ from planetserve.registry.params import Params
 log = logging.getLogger(__name__)
 
 APP_VERSION = 1
+"""The newest chain version this app runs (chain/abci/governance.py: a higher one needs a newer app)."""
 BLOCK_TIME_META = "block_time"
 CHAIN_ID_META = "chain_id"
 VERIFIED_CACHE = 100_000
@@ -92,6 +93,10 @@ def _events(raw: list[tuple[str, dict[str, str]]]) -> list[abci.Event]:
 
 
 class Application:
+    VERSION = APP_VERSION
+    MIGRATIONS: dict[str, governance.Migration] = {}
+    """The migration of each upgrade (by its plan's name) that this version of the app runs."""
+
     """`snapshots`: the state sync snapshots this validator makes and serves, and where a snapshot
     being restored is kept (None: neither). `retain_blocks`: the blocks CometBFT keeps (0: all), never
     fewer than a kept snapshot needs. `chain_id`: the chain this node belongs to, before its state
@@ -125,7 +130,7 @@ class Application:
 
     @property
     def params(self) -> Params:
-        """Parameters are fixed at genesis, so they are read once."""
+        """Read once, and again when a block changes them (governance.begin_block)."""
         if self._params is None:
             self._params = State(self.block or self.store.batch()).params()
         return self._params
@@ -136,9 +141,9 @@ class Application:
         """`data` tells clients which heights this validator can prove (`abci_info` over RPC)."""
         kept = {"keep_heights": self.store.keep_heights, "earliest_height": self.store.earliest_height}
         return abci.ResponseInfo(
-            data=json.dumps({"app": "planetserve", **kept}, separators=(",", ":")),
+            data=json.dumps({"app": "planetserve", "runs": self.VERSION, **kept}, separators=(",", ":")),
             version="0.1.0",
-            app_version=APP_VERSION,
+            app_version=State(self.store.batch()).app_version(),
             last_block_height=self.store.height,
             last_block_app_hash=self.store.app_hash if self.store.height else b"",
         )
@@ -245,6 +250,8 @@ class Application:
             self.block = self.store.batch()
         self.block_height = req.height
         self.block_time = req.time.seconds
+        self._params = None  # this block's, as the committed state and its first changes make them
+        changed = governance.begin_block(self.block, req.height, self.VERSION, self.MIGRATIONS)
         self._expire_rate_windows(self.block, req.height)
         self._expire_users(self.block, self.block_time)
         deployments.expire(self.block, self.block_time)
@@ -276,8 +283,11 @@ class Application:
             self.metrics.block(self.params, req.height, started)
         return abci.ResponseFinalizeBlock(
             tx_results=results,
-            events=_events([*(("member_removed", {"operator": r.operator.hex(), "faults": str(r.faults)})
+            events=_events([*changed.events,
+                            *(("member_removed", {"operator": r.operator.hex(), "faults": str(r.faults)})
                               for r in removed), *healed]),
+            consensus_param_updates=None if changed.app_version is None else params_pb2.ConsensusParams(
+                version=params_pb2.VersionParams(app=changed.app_version)),
             validator_updates=[
                 abci.ValidatorUpdate(pub_key=keys_pb2.PublicKey(ed25519=k), power=p)
                 for k, p in sorted(updates.items())

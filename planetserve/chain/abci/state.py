@@ -7,12 +7,14 @@ from collections.abc import Iterator
 from typing import Protocol
 
 from planetserve.chain.layout import (
+    APP_VERSION_KEY,
     DEPLOYMENT_PREFIX,
     MEMBER_PREFIX,
     NEXT_DEPLOYMENT_KEY,
     NEXT_PROPOSAL_KEY,
     NODE_PREFIX,
     PARAMS_KEY,
+    UPGRADE_KEY,
     R,
     account_key,
     assigned_key,
@@ -34,6 +36,7 @@ from planetserve.chain.layout import (
     org_key,
     org_node_key,
     org_node_prefix,
+    param_change_key,
     plan_key,
     price_key,
     proposal_key,
@@ -55,6 +58,7 @@ from planetserve.registry.entities import (
     Organisation,
     Proposal,
     Record,
+    UpgradePlan,
     User,
 )
 from planetserve.registry.epochs import (
@@ -67,6 +71,8 @@ from planetserve.registry.epochs import (
     VrfEntry,
 )
 from planetserve.registry.params import Params
+
+GENESIS_APP_VERSION = 1
 
 
 class KV(Protocol):
@@ -154,6 +160,33 @@ class State:
 
     def put_params(self, params: Params) -> None:
         self._put(PARAMS_KEY, params)
+
+    def param_changes(self, height: int) -> dict[str, int]:
+        """The parameter changes approved for block `height` (empty: none)."""
+        raw = self.kv.get(param_change_key(height))
+        return {} if raw is None else dict(codec.unpack_stored(raw))
+
+    def put_param_changes(self, height: int, changes: dict[str, int]) -> None:
+        self.kv.set(param_change_key(height), codec.pack(dict(sorted(changes.items()))))
+
+    def delete_param_changes(self, height: int) -> None:
+        self.kv.delete(param_change_key(height))
+
+    def upgrade(self) -> UpgradePlan | None:
+        return self._load(UPGRADE_KEY, UpgradePlan)
+
+    def put_upgrade(self, plan: UpgradePlan) -> None:
+        self._put(UPGRADE_KEY, plan)
+
+    def delete_upgrade(self) -> None:
+        self.kv.delete(UPGRADE_KEY)
+
+    def app_version(self) -> int:
+        """The app version the chain runs: 1 until an upgrade raises it."""
+        return self.get_int(APP_VERSION_KEY) or GENESIS_APP_VERSION
+
+    def put_app_version(self, version: int) -> None:
+        self.put_int(APP_VERSION_KEY, version)
 
     def org(self, org_id: str) -> Organisation | None:
         return self._load(org_key(org_id), Organisation)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from planetserve.chain.messages.base import Message
-from planetserve.chain.messages.committee import ProposeMember, VoteMember
+from planetserve.chain.messages.committee import ProposeMember, ProposeParams, ProposeUpgrade, VoteMember
 from planetserve.chain.messages.credits import DeployModel
 from planetserve.chain.messages.epochs import (
     Attest,
@@ -29,7 +29,7 @@ from planetserve.chain.messages.registry import (
 MESSAGES: dict[str, type[Message]] = {
     m.TYPE: m
     for m in (RegisterOrg, RegisterUser, Heartbeat, RegisterModel, RegisterModelNode, UpdateModelNode,
-              ProposeMember, VoteMember,
+              ProposeMember, ProposeParams, ProposeUpgrade, VoteMember,
               SubmitVrf, CommitPlan, SubmitResults, Attest, ReportInvalid, CommitRechallenge,
               DeployModel)
 }
@@ -37,7 +37,7 @@ MESSAGES: dict[str, type[Message]] = {
 EPOCH_FAMILY = frozenset(m.TYPE for m in (SubmitVrf, CommitPlan, SubmitResults, Attest, ReportInvalid,
                                           CommitRechallenge))
 """The committee's epoch work, which proposals carry first."""
-COMMITTEE_FAMILY = frozenset(m.TYPE for m in (ProposeMember, VoteMember))
+COMMITTEE_FAMILY = frozenset(m.TYPE for m in (ProposeMember, ProposeParams, ProposeUpgrade, VoteMember))
 REGISTRATIONS = frozenset(m.TYPE for m in (RegisterUser, RegisterOrg))
 """New identities: at most `max_registrations_per_block` a block, proposed last."""
 

@@ -1,13 +1,16 @@
-"""Messages of the committee family: proposals to admit or remove a member, and votes on them."""
+"""Messages of the committee family: proposals to admit or remove a member, to change parameters at a
+height or to require a newer app from a height on, and votes on them."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, ClassVar, Self
 
-from planetserve.chain.messages.base import Message
+from planetserve.chain.messages.base import Message, as_map
 from planetserve.registry import fields
 from planetserve.registry.entities import MEMBER_ACTIONS, Member
+from planetserve.registry.errors import InvalidField
+from planetserve.registry.params import Params
 
 MAX_POWER = 1_000_000
 
@@ -49,8 +52,49 @@ class ProposeMember(Message):
                       self.credential, self.power)  # type: ignore[arg-type]
 
 
+MAX_HEIGHT = 2**62
+MAX_APP_VERSION = 2**31
+
+
+@dataclass(frozen=True)
+class ProposeParams(Message):
+    """Change parameters at the start of block `height`: each named one to its value, as the genesis
+    would set it. Their relations to the other parameters are checked when proposed and again when
+    applied."""
+
+    TYPE: ClassVar[str] = "propose-params"
+    height: int
+    changes: dict[str, int]
+
+    @classmethod
+    def parse(cls, body: dict[str, Any]) -> Self:
+        changes = as_map(body["changes"], "changes")
+        if not changes:
+            raise InvalidField("changes", "must name at least one parameter")
+        Params.check_values(changes)
+        return cls(fields.integer(body, "height", 1, MAX_HEIGHT), dict(sorted(changes.items())))
+
+
+@dataclass(frozen=True)
+class ProposeUpgrade(Message):
+    """From block `height` on, validators run an app of at least `app_version`; that app runs its
+    migration `name` at the start of the block, and an older one halts there."""
+
+    TYPE: ClassVar[str] = "propose-upgrade"
+    name: str
+    app_version: int
+    height: int
+
+    @classmethod
+    def parse(cls, body: dict[str, Any]) -> Self:
+        return cls(fields.ident(body, "name"), fields.integer(body, "app_version", 2, MAX_APP_VERSION),
+                   fields.integer(body, "height", 1, MAX_HEIGHT))
+
+
 @dataclass(frozen=True)
 class VoteMember(Message):
+    """A member's vote on any committee proposal (an admission or removal, parameters, an upgrade)."""
+
     TYPE: ClassVar[str] = "vote-member"
     proposal_id: int
     approve: bool

@@ -1,14 +1,16 @@
-"""Handlers of the committee family: a proposal to admit or remove a member is applied once more than
-2/3 of the voting power approves it, and dropped once more than 1/3 rejects it."""
+"""Handlers of the committee family: a proposal (to admit or remove a member, change parameters at a
+height, or require a newer app from a height on) is applied once more than 2/3 of the voting power
+approves it, and dropped once more than 1/3 rejects it. A proposal for a height expires the block
+before it: what is approved always lies in the future (chain/abci/governance.py applies it)."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
 from planetserve.chain.abci.handlers.context import Context
-from planetserve.chain.messages.committee import ProposeMember, VoteMember
+from planetserve.chain.messages.committee import ProposeMember, ProposeParams, ProposeUpgrade, VoteMember
 from planetserve.registry import rules
-from planetserve.registry.entities import Member, Proposal
+from planetserve.registry.entities import Member, Proposal, UpgradePlan
 from planetserve.registry.errors import AlreadyExists, Expired, InvalidField, UnknownEntity
 
 
@@ -33,17 +35,45 @@ def _removed(ctx: Context, msg: ProposeMember) -> Member:
 def propose_member(ctx: Context, msg: ProposeMember) -> None:
     ctx.require_member()
     member = _admitted(ctx, msg) if msg.action == "add" else _removed(ctx, msg)
+    _propose(ctx, msg.action, member.to_record(), "propose_member")
+
+
+def propose_params(ctx: Context, msg: ProposeParams) -> None:
+    ctx.require_member()
+    _future(ctx, msg.height)
+    ctx.params.changed(msg.changes)  # would hold today; checked again at its height
+    _propose(ctx, "params", {"height": msg.height, "changes": msg.changes}, "propose_params",
+             until=msg.height - 1)
+
+
+def propose_upgrade(ctx: Context, msg: ProposeUpgrade) -> None:
+    ctx.require_member()
+    _future(ctx, msg.height)
+    current = ctx.state.app_version()
+    if msg.app_version <= current:
+        raise InvalidField("app_version", f"must be above the chain's app version {current}")
+    plan = UpgradePlan(msg.name, msg.app_version, msg.height)
+    _propose(ctx, "upgrade", plan.to_record(), "propose_upgrade", until=msg.height - 1)
+
+
+def _future(ctx: Context, height: int) -> None:
+    if height <= ctx.height + 1:
+        raise InvalidField("height", f"must be after the next block ({ctx.height + 1}): a vote needs time")
+
+
+def _propose(ctx: Context, action: str, subject: dict, event: str, until: int | None = None) -> None:
+    expires = ctx.height + ctx.params.proposal_ttl_blocks
     proposal = Proposal(
         proposal_id=ctx.state.next_proposal_id(),
-        action=msg.action,
-        member=member.to_record(),
+        action=action,
+        subject=subject,
         proposer=ctx.signer,
         votes=(ctx.signer,),
         rejections=(),
         created_height=ctx.height,
-        expires_height=ctx.height + ctx.params.proposal_ttl_blocks,
+        expires_height=expires if until is None else min(expires, until),
     )
-    ctx.emit("propose_member", proposal_id=str(proposal.proposal_id), action=msg.action)
+    ctx.emit(event, proposal_id=str(proposal.proposal_id), action=action)
     _settle(ctx, proposal)
 
 
@@ -68,14 +98,23 @@ def _settle(ctx: Context, proposal: Proposal) -> None:
     """Apply an approved proposal, drop a rejected one, or keep it pending."""
     total = sum(m.power for m in ctx.committee.values())
     if rules.supermajority(rules.voting_power(proposal.votes, ctx.committee), total):
-        member = Member.from_record(proposal.member)
+        ctx.state.delete_proposal(proposal.proposal_id)
+        if proposal.action == "params":
+            _schedule_params(ctx, proposal.subject["height"], proposal.subject["changes"])
+            return
+        if proposal.action == "upgrade":
+            plan = UpgradePlan.from_record(proposal.subject)
+            ctx.state.put_upgrade(plan)
+            ctx.emit("upgrade_scheduled", name=plan.name, app_version=str(plan.app_version),
+                     height=str(plan.height))
+            return
+        member = Member.from_record(proposal.subject)
         if proposal.action == "add":
             ctx.state.put_member(member)
             ctx.validator_updates.append((member.consensus_key, member.power))
         else:
             ctx.state.delete_member(member.operator)
             ctx.validator_updates.append((member.consensus_key, 0))
-        ctx.state.delete_proposal(proposal.proposal_id)
         ctx.emit("member_" + ("admitted" if proposal.action == "add" else "removed"),
                  operator=member.operator.hex())
     elif rules.blocking_minority(rules.voting_power(proposal.rejections, ctx.committee), total):
@@ -85,4 +124,11 @@ def _settle(ctx: Context, proposal: Proposal) -> None:
         ctx.state.put_proposal(proposal)
 
 
-HANDLERS = {ProposeMember: propose_member, VoteMember: vote_member}
+def _schedule_params(ctx: Context, height: int, changes: dict[str, int]) -> None:
+    """Add approved changes to those of their block (a later approval of the same parameter wins)."""
+    ctx.state.put_param_changes(height, {**ctx.state.param_changes(height), **changes})
+    ctx.emit("params_scheduled", height=str(height), names=",".join(sorted(changes)))
+
+
+HANDLERS = {ProposeMember: propose_member, ProposeParams: propose_params, ProposeUpgrade: propose_upgrade,
+            VoteMember: vote_member}

@@ -1,0 +1,125 @@
+"""Parameter changes and upgrades by committee vote, in the real Application: applied at their stated
+height with more than 2/3 of the power and never without it; an app older than an upgrade halts at its
+height and the newer app goes on from the same state, with the same app hashes as one that ran it all.
+tests/test_network_governance.py runs both on four real validators."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from harness import AppHarness, sqlite_url
+from tendermint.abci import types_pb2 as abci
+
+from planetserve.chain.abci.app import Application
+from planetserve.chain.abci.governance import UpgradeNeeded
+from planetserve.chain.abci.state import State
+from planetserve.chain.abci.store import StateStore
+from planetserve.chain.errors import Code
+from planetserve.chain.keys import KeySet
+from planetserve.registry.params import Params
+
+MARK = b"upgraded/v2"
+
+
+class AppV2(Application):
+    """The next version of the app: its migration "v2" writes a mark into the state."""
+
+    VERSION = 2
+    MIGRATIONS = {"v2": lambda st: st.put_int(MARK, 1)}  # noqa: RUF012 (a class's table, as Application's)
+
+
+def committee(tmp_path: Path) -> AppHarness:
+    return AppHarness(sqlite_url(tmp_path), members=4)
+
+
+def codes(result: abci.ResponseFinalizeBlock) -> list[int]:
+    return [r.code for r in result.tx_results]
+
+
+def events(result: abci.ResponseFinalizeBlock, kind: str) -> list[dict[str, str]]:
+    """The block's events of `kind`, and its transactions'."""
+    found = [*result.events, *(e for r in result.tx_results for e in r.events)]
+    return [{a.key: a.value for a in e.attributes} for e in found if e.type == kind]
+
+
+def vote(h: AppHarness, voters: range, proposal_id: int, approve: bool = True) -> abci.ResponseFinalizeBlock:
+    return h.block(*(h.tx(h.members[i], "vote-member", {"proposal_id": proposal_id, "approve": approve})
+                     for i in voters))
+
+
+def test_a_parameter_change_applies_at_its_height_and_one_without_two_thirds_never_does(tmp_path: Path) -> None:
+    h = committee(tmp_path)
+    before = h.app.params.max_signer_txs
+    at = 8
+    assert codes(h.block(h.tx(h.members[0], "propose-params",
+                              {"height": at, "changes": {"max_signer_txs": before + 5}}))) == [0]
+    assert codes(h.block(h.tx(h.members[1], "propose-params",
+                              {"height": at, "changes": {"user_ttl_seconds": 1234}}))) == [0]
+    approved = vote(h, range(1, 3), 1)  # with the proposer's: 30 of 40, more than 2/3
+    assert events(approved, "params_scheduled") == [{"height": "8", "names": "max_signer_txs"}]
+    assert codes(vote(h, range(0, 1), 2)) == [0]  # 20 of 40: pending
+    while h.height < at - 1:
+        h.block()
+    assert State(h.store.batch()).params().max_signer_txs == before  # not before its height
+    applied = h.block()
+    assert h.height == at
+    assert events(applied, "params_changed") == [{"height": "8", "names": "max_signer_txs"}]
+    params = State(h.store.batch()).params()
+    assert params.max_signer_txs == before + 5 and params.user_ttl_seconds == Params().user_ttl_seconds
+    assert h.app.params == params
+    late = vote(h, range(2, 3), 2)  # the second proposal expired at the block before its height
+    assert late.tx_results[0].code == Code.UNKNOWN_ENTITY
+    assert State(h.store.batch()).params() == params  # and stays
+    assert [a == b for a, b in h.replay(sqlite_url(tmp_path, "replay.db"))] == [True] * h.height
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ({"height": 3, "changes": {"no_such": 1}}, "unknown parameter"),
+    ({"height": 3, "changes": {"max_signer_txs": 0}}, "must be a positive integer"),
+    ({"height": 3, "changes": {"results_blocks": 100}}, "must be less than epoch_blocks"),
+    ({"height": 3, "changes": {}}, "must name at least one parameter"),
+    ({"height": 2, "changes": {"max_signer_txs": 3}}, "must be after the next block"),
+])
+def test_parameter_changes_that_could_never_apply_are_refused(tmp_path: Path, body: dict, message: str) -> None:
+    h = committee(tmp_path)
+    result = h.block(h.tx(h.members[0], "propose-params", body))
+    assert result.tx_results[0].code != 0 and message in result.tx_results[0].log
+
+
+def test_only_members_propose_and_an_upgrade_must_raise_the_version(tmp_path: Path) -> None:
+    h = committee(tmp_path)
+    outsider = h.block(h.tx(KeySet.generate(), "propose-params", {"height": 9, "changes": {"max_signer_txs": 3}}))
+    assert outsider.tx_results[0].code == Code.UNAUTHORIZED
+    same = h.block(h.tx(h.members[0], "propose-upgrade", {"name": "v1", "app_version": 1, "height": 9}))
+    assert same.tx_results[0].code != 0 and "app_version" in same.tx_results[0].log
+
+
+def test_an_old_app_halts_at_the_upgrade_height_and_the_new_one_goes_on_from_the_same_state(
+        tmp_path: Path) -> None:
+    h = committee(tmp_path)
+    at = 6
+    h.block(h.tx(h.members[0], "propose-upgrade", {"name": "v2", "app_version": 2, "height": at}))
+    scheduled = vote(h, range(1, 3), 1)
+    assert events(scheduled, "upgrade_scheduled") == [{"name": "v2", "app_version": "2", "height": "6"}]
+    while h.height < at - 1:
+        h.block()
+    assert h.app.info(abci.RequestInfo()).app_version == 1
+    with pytest.raises(UpgradeNeeded, match="UPGRADE 'v2' NEEDED at height 6: this app is version 1"):
+        h.block()
+    h.height -= 1  # the block did not happen: the operator starts the new app, CometBFT replays it
+    h.time -= 5
+    h.app = AppV2(h.store)
+    upgraded = h.block(h.tx(KeySet.generate(), "register-user", {"address": "10.6.0.1:9000", "region": "eu"}))
+    assert codes(upgraded) == [0]
+    assert events(upgraded, "upgraded") == [{"name": "v2", "app_version": "2"}]
+    assert upgraded.consensus_param_updates.version.app == 2
+    assert State(h.store.batch()).get_int(MARK) == 1
+    assert h.app.info(abci.RequestInfo()).app_version == 2
+    assert not h.block().HasField("consensus_param_updates")
+    with StateStore(sqlite_url(tmp_path, "v2.db")) as store:  # a validator that ran version 2 all along
+        app = AppV2(store)
+        app.init_chain(h.genesis)
+        for request, app_hash in h.blocks:
+            assert app.finalize_block(request).app_hash == app_hash
+            app.commit(abci.RequestCommit())
