@@ -1,0 +1,87 @@
+"""Parameter changes and an upgrade voted by four real validators: a change approved by more than 2/3
+applies at its height on every validator with identical app hashes, one that lacks 2/3 never applies;
+at an upgrade's height every app of the old version halts, and the new one, started on the same state,
+carries the chain on (tests/test_governance.py has the rules in process)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from chainnet import LISTED_AT_ONCE, MODELS, assert_same_app_hashes, ledger, member_keys
+from harness import relaxed
+from upgraded_app import MARK
+from waiting import wait_until
+
+from planetserve.chain.messages import ProposeParams, ProposeUpgrade, VoteMember
+from planetserve.genesis.committee import app_state_builder
+from planetserve.genesis.network import ValidatorInfo, build_network
+from planetserve.localnet.cluster import Cluster
+from planetserve.localnet.net import cluster_app
+from planetserve.registry import codec
+
+pytestmark = pytest.mark.network
+
+FAST = {"consensus": {"timeout_propose": "1s", "peer_gossip_sleep_duration": "10ms"},
+        "p2p": {"flush_throttle_timeout": "10ms"}}
+LEAD = 60
+"""Blocks between a proposal and its height: the votes' time (about 4 s at these blocks' pace)."""
+UPGRADED = str(Path(__file__).with_name("upgraded_app.py"))
+
+
+def upgraded_app(info: ValidatorInfo) -> list[str]:
+    return [sys.executable, UPGRADED, "--home", str(info.home)]
+
+
+def test_parameter_changes_and_an_upgrade_by_vote(tmp_path: Path) -> None:
+    spec = build_network(tmp_path, 4, "planetserve-gov", app_state_builder(MODELS, relaxed(LISTED_AT_ONCE)),
+                         timeout_commit="30ms", extra_config=FAST)
+    cluster = Cluster(spec, cluster_app, start_timeout=60.0)
+    try:
+        cluster.start()
+        cluster.wait_for_height(2, timeout=60)
+        client = ledger(cluster, 0)
+        before = client.params()
+
+        # approved by 3 of 4 (30 of 40): applies at its height; approved by 2 of 4: never
+        at = client.rpc.latest_height() + LEAD
+        assert client.submit(member_keys(cluster, 0), ProposeParams(at, {"max_signer_txs": 77})).outcome.ok
+        assert client.submit(member_keys(cluster, 1), ProposeParams(at, {"user_ttl_seconds": 4321})).outcome.ok
+        for i in (1, 2):
+            assert client.submit(member_keys(cluster, i), VoteMember(1, True)).outcome.ok
+        assert client.submit(member_keys(cluster, 0), VoteMember(2, True)).outcome.ok
+        cluster.wait_for_height(at + 2, timeout=60)
+        for i in range(4):
+            node = ledger(cluster, i)
+            with node.snapshot(at - 1):
+                assert node.params() == before
+            with node.snapshot(at):
+                changed = node.params()
+            assert changed.max_signer_txs == 77 and changed.user_ttl_seconds == before.user_ttl_seconds
+        assert_same_app_hashes(cluster, at + 1)
+
+        # an upgrade: the old apps halt at its height, the new ones go on from the same state
+        upgrade_at = client.rpc.latest_height() + LEAD
+        assert client.submit(member_keys(cluster, 0), ProposeUpgrade("v2", 2, upgrade_at)).outcome.ok
+        for i in (1, 2):  # with the proposer's, 3 of 4: settled
+            assert client.submit(member_keys(cluster, i), VoteMember(3, True)).outcome.ok
+        wait_until(lambda: not any(cluster.running(i)["app"] for i in range(4)), timeout=60)
+        for v in spec.validators:
+            log = (v.home / "logs" / "app.log").read_text()
+            assert f"UPGRADE 'v2' NEEDED at height {upgrade_at}: this app is version 1" in log
+        assert max(cluster.height(i) or 0 for i in range(4)) <= upgrade_at
+        for i in range(4):
+            cluster.stop(i)
+        cluster.app_cmd = upgraded_app
+        cluster.start()
+        cluster.wait_for_height(upgrade_at + 3, timeout=90)
+        assert_same_app_hashes(cluster, upgrade_at + 2)
+        assert int(cluster.rpc(0).header(upgrade_at)["version"]["app"]) == 1
+        assert int(cluster.rpc(0).header(upgrade_at + 1)["version"]["app"]) == 2
+        for i in range(4):
+            _, mark = ledger(cluster, i).value(MARK)
+            assert mark is not None and codec.unpack(mark) == 1
+        assert client.submit(member_keys(cluster, 3), VoteMember(3, True)).outcome.code != 0  # settled
+    finally:
+        cluster.close()
