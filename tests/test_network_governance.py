@@ -1,22 +1,27 @@
 """Parameter changes and an upgrade voted by four real validators: a change approved by more than 2/3
 applies at its height on every validator with identical app hashes, one that lacks 2/3 never applies;
 at an upgrade's height every app of the old version halts, and the new one, started on the same state,
-carries the chain on (tests/test_governance.py has the rules in process)."""
+carries the chain on; `chain export` then `genesis init --from-export` starts a new network with the
+same registry (tests/test_governance.py and tests/test_export.py have the rules in process)."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
 import pytest
 from chainnet import LISTED_AT_ONCE, MODELS, assert_same_app_hashes, ledger, member_keys
+from click.testing import CliRunner
 from harness import relaxed
 from upgraded_app import MARK
 from waiting import wait_until
 
-from planetserve.chain.messages import ProposeParams, ProposeUpgrade, VoteMember
+from planetserve.chain.keys import KeySet
+from planetserve.chain.messages import ProposeParams, ProposeUpgrade, RegisterOrg, RegisterUser, VoteMember
+from planetserve.cli import main
 from planetserve.genesis.committee import app_state_builder
-from planetserve.genesis.network import ValidatorInfo, build_network
+from planetserve.genesis.network import NetworkSpec, ValidatorInfo, build_network
 from planetserve.localnet.cluster import Cluster
 from planetserve.localnet.net import cluster_app
 from planetserve.registry import codec
@@ -83,5 +88,33 @@ def test_parameter_changes_and_an_upgrade_by_vote(tmp_path: Path) -> None:
             _, mark = ledger(cluster, i).value(MARK)
             assert mark is not None and codec.unpack(mark) == 1
         assert client.submit(member_keys(cluster, 3), VoteMember(3, True)).outcome.code != 0  # settled
+
+        # its registry carried into a new network
+        users = [KeySet.generate() for _ in range(3)]
+        for i, keys in enumerate(users):
+            assert client.submit(keys, RegisterUser(f"10.8.0.{i}:9000", "eu")).outcome.ok
+        assert client.submit(KeySet.generate(), RegisterOrg("acme", "Acme")).outcome.ok
+        for i in range(4):
+            cluster.stop(i)
+        exported = tmp_path / "exported.json"
+        made = CliRunner().invoke(main, ["chain", "export", "--home", str(spec.validators[0].home),
+                                         "--out", str(exported), "--json"], catch_exceptions=False)
+        assert made.exit_code == 0, made.output
+        assert json.loads(made.output)["initial_height"] > upgrade_at
+        built = CliRunner().invoke(main, ["genesis", "init", str(tmp_path / "next"), "-n", "4", "--chain-id",
+                                          "planetserve-next", "--timeout-commit", "100ms", "--from-export",
+                                          str(exported), "--json"], catch_exceptions=False)
+        assert built.exit_code == 0, built.output
+        successor = Cluster(NetworkSpec.load(tmp_path / "next"), cluster_app, start_timeout=60.0)
+        try:
+            successor.start()
+            successor.wait_for_height(2, timeout=60)
+            follower = ledger(successor, 0)
+            assert all(follower.user(k.public) is not None for k in users)
+            assert follower.org("acme") is not None
+            new_committee = {bytes.fromhex(v.keys["identity"]) for v in successor.validators}
+            assert {m.operator for m in follower.committee()[1]} == new_committee
+        finally:
+            successor.close()
     finally:
         cluster.close()

@@ -274,5 +274,12 @@ def param_change_key(height: int) -> bytes:
 NEXT_PROPOSAL_KEY = key("next", "proposal")
 
 
+REGISTRY_PREFIXES = tuple(key(family, "") for family in (
+    "acct", "org", "user", "ulist", "uexp", "model", "node", "nlist", "orgnode", "rep", "price", "credit",
+    "deploy", "dnode", "dexp")) + (key("next", "deployment"),)
+"""The families a new chain takes from another's export (`genesis init --from-export`): its accounts,
+registry, reputations and credits; not its committee, proposals, epochs or counters of its heights."""
+
+
 def decode_records(entries: list[tuple[bytes, bytes]], cls: type[R]) -> list[R]:
     return [cls.decode(v) for _, v in entries]

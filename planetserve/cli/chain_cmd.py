@@ -200,6 +200,47 @@ def app(home: Path, db: str | None, keep_heights: int | None, log_level: str) ->
     asyncio.run(server.serve(host, int(port)))
 
 
+@group.command("export")
+@click.option("--home", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help=HOME_HELP)
+@click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="Where to write the new genesis.json.")
+@click.option("--chain-id", default=None, help="The new chain's id (default: this chain's).")
+@click.option("--json", "as_json", is_flag=True, help="Print what was exported as JSON.")
+def export(home: Path, out: Path, chain_id: str | None, as_json: bool) -> None:
+    """Write the genesis of a chain that goes on from this validator's last committed height H.
+
+    Stop the validator first (at an upgrade's halt, for instance). The new genesis starts at height
+    H+1, at H's block time, with the same committee and every entry of the state, whose app hash is
+    H's. Each member installs it in a reset home (`cometbft unsafe-reset-all`, a new state database);
+    `planetserve genesis init --from-export` takes only its registry for a new network.
+    """
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from planetserve.chain.abci.store import StateStore, StoreError, masked_url
+    from planetserve.genesis.export import export_genesis
+
+    config = app_config(home)
+    try:
+        genesis = json.loads((home / "config" / "genesis.json").read_text())
+        with StateStore(config["db"]) as store:
+            doc = export_genesis(store, genesis, chain_id)
+            app_hash = store.app_hash.hex().upper()
+    except (OSError, ValueError) as exc:  # ExportError included
+        fail(f"cannot export {home}: {exc}")
+    except (StoreError, SQLAlchemyError) as exc:
+        fail(f"cannot read the state at {masked_url(config['db'])}: {exc}")
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    summary = {"out": str(out), "chain_id": doc["chain_id"], "initial_height": int(doc["initial_height"]),
+               "app_hash": app_hash, "entries": len(doc["app_state"]["exported"]),
+               "validators": len(doc["validators"])}
+    if as_json:
+        emit_json(summary)
+        return
+    console.print(f"wrote {out}: chain {summary['chain_id']} from height {summary['initial_height']}, "
+                  f"{summary['entries']} state entries, app hash {app_hash}")
+
+
 @group.command("start")
 @click.option("--home", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
               help=HOME_HELP)

@@ -10,6 +10,7 @@ import click
 from planetserve.chain.abci.store import masked_url
 from planetserve.cli import console, emit_json, fail, keep_heights_option, table
 from planetserve.genesis.committee import ModelSpec, app_state_builder
+from planetserve.genesis.export import ExportError, registry_of
 from planetserve.genesis.network import NetworkBuildError, build_network
 from planetserve.registry.credits import CREDIT_SECONDS
 from planetserve.registry.entities import Model
@@ -101,10 +102,14 @@ def group() -> None:
 @click.option("--db", "db_urls", multiple=True, metavar="URL",
               help="Database URL per validator, in order (default: SQLite in each home).")
 @keep_heights_option()
+@click.option("--from-export", "from_export", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Start from the registry (accounts, organisations, users, models, model nodes, "
+                   "reputations, credits, deployments) of a genesis that `planetserve chain export` wrote; "
+                   "the committee and its epochs begin afresh.")
 @click.option("--json", "as_json", is_flag=True, help="Print the validators' homes and ports as JSON.")
 def init(out: Path, validators: int, chain_id: str, models: tuple[str, ...], orgs: tuple[str, ...],
          credential: str, timeout_commit: str, db_urls: tuple[str, ...], keep_heights: int,
-         as_json: bool) -> None:
+         from_export: Path | None, as_json: bool) -> None:
     """Create OUT/v0..v{N-1}: CometBFT homes with one genesis whose committee is the N validators.
 
     \b
@@ -115,8 +120,12 @@ def init(out: Path, validators: int, chain_id: str, models: tuple[str, ...], org
     if db_urls and len(db_urls) != validators:
         fail(f"--db given {len(db_urls)} times for {validators} validators")
     try:
+        exported = registry_of(from_export) if from_export else ()
+    except ExportError as exc:
+        fail(str(exc))
+    try:
         builder = app_state_builder(parse_models_option(models), credential=credential,
-                                    organisations=parse_orgs_option(orgs))
+                                    organisations=parse_orgs_option(orgs), exported=exported)
     except RegistryError as exc:
         raise click.UsageError(str(exc)) from exc
     try:

@@ -24,9 +24,11 @@ def app_state_builder(
     params: Params | None = None,
     credential: str = "{moniker}: founding committee member",
     organisations: Sequence[GenesisOrganisation] = (),
+    exported: tuple[tuple[bytes, bytes], ...] = (),
 ) -> Callable[[list[ValidatorInfo]], dict]:
     """A function from the validators `build_network` created to the genesis app_state.
 
+    `exported`: registry entries another chain exported (genesis/export.py `registry_of`), loaded first.
     Models and organisations are validated here, by the rules InitChain applies, so that a bad one
     raises a RegistryError (InvalidField, AlreadyExists) before any validator home is created."""
     checked_models = parse_models([model_json(Model(spec[0], spec[1], 0, *spec[2:])) for spec in models])
@@ -50,6 +52,7 @@ def app_state_builder(
             committee=committee,
             models=checked_models,
             organisations=checked_orgs,
+            exported=exported,
         ).to_json()
 
     return build

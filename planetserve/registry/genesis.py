@@ -6,17 +6,25 @@ organisations that exist from the start, with their credit endowment.
                     "credential": str, "power": int}, ...],
      "models": [{"model_id": str, "name": str, "layers": int, "layer_mib": int}, ...],
      "organisations": [{"org_id": str, "name": str, "owner": hex, "credits": int}, ...],
-     "prices": {hardware class: credits per server-hour, ...}}     (default: credits.DEFAULT_PRICES)
+     "prices": {hardware class: credits per server-hour, ...},    (default: credits.DEFAULT_PRICES)
+     "exported": [[key, base64 value], ...]}    (optional: a state `planetserve chain export` wrote)
 
 A model's "layers" and "layer_mib" are optional but come together (the same limits as the
 register-model transaction); a model without them does not declare its size. "organisations" is
 optional; each is owned by the 64-hex public key "owner" as if that key had sent register-org at
 genesis, and starts with "credits" credit-seconds (optional, default 0; credits.CREDIT_SECONDS per
 credit), as if it had earned them.
+
+"exported" holds state entries in strictly increasing key order, loaded before the rest. A genesis
+that continues a chain (initial height above 1) holds its whole state, committee included; one that
+starts a new chain from another's registry holds only the registry's families (chain/layout.py
+`REGISTRY_PREFIXES`), and its committee and epochs begin afresh.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +62,7 @@ class AppState:
     models: tuple[Model, ...]
     prices: tuple[tuple[str, int], ...] = tuple(sorted(DEFAULT_PRICES.items()))
     organisations: tuple[GenesisOrganisation, ...] = ()
+    exported: tuple[tuple[bytes, bytes], ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         state: dict[str, Any] = {
@@ -68,6 +77,8 @@ class AppState:
         }
         if self.organisations:
             state["organisations"] = [o.to_json() for o in self.organisations]
+        if self.exported:
+            state["exported"] = [[k.decode("ascii"), base64.b64encode(v).decode()] for k, v in self.exported]
         return state
 
 
@@ -97,7 +108,8 @@ def parse_app_state(raw: dict[str, Any]) -> AppState:
     """Validate genesis app_state; an invalid genesis stops the chain from starting, with the reason."""
     if not isinstance(raw, dict):
         raise InvalidField("app_state", "must be a JSON object")
-    fields.check_keys(raw, {"committee"}, frozenset({"params", "models", "organisations", "prices"}))
+    fields.check_keys(raw, {"committee"},
+                      frozenset({"params", "models", "organisations", "prices", "exported"}))
     params = Params.from_genesis(raw.get("params"))
     committee: list[Member] = []
     for entry in _entries(raw["committee"], "committee"):
@@ -116,7 +128,28 @@ def parse_app_state(raw: dict[str, Any]) -> AppState:
     return AppState(
         params, tuple(committee), parse_models(raw.get("models", [])),
         _prices(raw.get("prices", DEFAULT_PRICES)), parse_organisations(raw.get("organisations", [])),
+        parse_exported(raw.get("exported", [])),
     )
+
+
+def parse_exported(raw: Any) -> tuple[tuple[bytes, bytes], ...]:
+    """The "exported" entries: [ASCII key, base64 value] pairs in strictly increasing key order."""
+    if not isinstance(raw, list):
+        raise InvalidField("exported", "must be a list of [key, base64 value] pairs")
+    out: list[tuple[bytes, bytes]] = []
+    for item in raw:
+        if not (isinstance(item, list) and len(item) == 2 and all(isinstance(x, str) for x in item)):
+            raise InvalidField("exported", "must be a list of [key, base64 value] pairs")
+        if not item[0].isascii() or not 0 < len(item[0]) <= 1024:
+            raise InvalidField("exported", f"key {item[0][:80]!r} is not an ASCII state key")
+        key = item[0].encode("ascii")
+        if out and key <= out[-1][0]:
+            raise InvalidField("exported", f"keys out of order at {item[0][:80]!r}")
+        try:
+            out.append((key, base64.b64decode(item[1], validate=True)))
+        except binascii.Error:
+            raise InvalidField("exported", f"the value of {item[0][:80]!r} is not base64") from None
+    return tuple(out)
 
 
 def parse_models(raw: Any) -> tuple[Model, ...]:

@@ -31,7 +31,7 @@ from planetserve.chain.abci.store import Batch, StateStore, StoreError, TooManyE
 from planetserve.chain.errors import CODESPACE, Code, TxError, from_registry
 from planetserve.chain.tx import Tx, decode
 from planetserve.registry.credits import Credits
-from planetserve.registry.entities import Proposal
+from planetserve.registry.entities import Member, Proposal
 from planetserve.registry.errors import RegistryError
 from planetserve.registry.genesis import parse_app_state
 from planetserve.registry.params import Params
@@ -161,6 +161,10 @@ class Application:
         self.block = self.store.batch()
         self.block_height = 0  # a handshake repeating InitChain after FinalizeBlock(1) builds on this batch
         st = State(self.block)
+        for key, value in app_state.exported:
+            self.block.set(key, value)
+        if app_state.exported and req.initial_height > 1:  # this chain goes on from an export of itself
+            return self._continue(st, app_state.committee)
         st.put_params(app_state.params)
         self._params = app_state.params
         for member in app_state.committee:
@@ -175,6 +179,16 @@ class Application:
         for hardware, rate in app_state.prices:
             st.put_int(layout.price_key(hardware), rate)
         epochs.genesis(st, req.chain_id, list(app_state.committee))
+        return abci.ResponseInitChain(app_hash=self.block.root())
+
+    def _continue(self, st: State, committee: tuple[Member, ...]) -> abci.ResponseInitChain:
+        """InitChain of a chain that goes on from its own export at the height before its first: the
+        exported state is the whole state (its app hash is the exported height's), and its committee is
+        the genesis's."""
+        if sorted(members(self.block).values(), key=lambda m: m.operator) != \
+                sorted(committee, key=lambda m: m.operator):
+            raise ValueError("the exported state's committee is not the genesis committee")
+        self._params = st.params()
         return abci.ResponseInitChain(app_hash=self.block.root())
 
     # -- mempool ---------------------------------------------------------------------------------

@@ -1,0 +1,70 @@
+"""Carrying a chain's state into a new genesis: `planetserve chain export` writes the genesis of a chain
+that goes on from a validator's last committed height H (initial height H+1, every state entry, the same
+committee); `planetserve genesis init --from-export` takes only the registry from such a file for a new
+network with its own committee."""
+
+from __future__ import annotations
+
+import base64
+import json
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from planetserve.chain.abci.app import BLOCK_TIME_META
+from planetserve.chain.abci.state import GENESIS_APP_VERSION
+from planetserve.chain.abci.store import StateStore
+from planetserve.chain.layout import APP_VERSION_KEY, MEMBER_PREFIX, PARAMS_KEY, REGISTRY_PREFIXES
+from planetserve.registry import codec
+from planetserve.registry.entities import Member
+from planetserve.registry.errors import RegistryError
+from planetserve.registry.genesis import AppState, parse_exported
+from planetserve.registry.params import Params
+
+
+class ExportError(ValueError):
+    """A state that cannot be exported, or a file that is not an export."""
+
+
+def export_genesis(store: StateStore, genesis: dict[str, Any], chain_id: str | None = None) -> dict[str, Any]:
+    """The genesis document of the chain of `genesis` going on from `store`'s last committed height: run
+    it on a stopped validator (its state must not move while it is read)."""
+    with store.snapshot() as view:
+        height = view.height
+        entries = list(view.entries())
+    if not height:
+        raise ExportError("the state has no committed height to export")
+    if store.height != height:
+        raise ExportError("the state moved while it was read: stop the validator's app first")
+    kv = dict(entries)
+    committee = tuple(Member.decode(v) for k, v in entries if k.startswith(MEMBER_PREFIX))
+    version = int(codec.unpack_stored(kv[APP_VERSION_KEY])) if APP_VERSION_KEY in kv else GENESIS_APP_VERSION
+    app_state = AppState(Params.decode(kv[PARAMS_KEY]), committee, models=(), prices=(),
+                         exported=tuple(entries))
+    seconds = int.from_bytes(store.get_meta(BLOCK_TIME_META) or b"", "big")
+    consensus = json.loads(json.dumps(genesis["consensus_params"]))
+    consensus["version"] = {"app": str(version)}
+    return {
+        "genesis_time": datetime.fromtimestamp(seconds, UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "chain_id": chain_id or genesis["chain_id"],
+        "initial_height": str(height + 1),
+        "consensus_params": consensus,
+        "validators": [
+            {"pub_key": {"type": "tendermint/PubKeyEd25519",
+                         "value": base64.b64encode(m.consensus_key).decode()},
+             "power": str(m.power), "name": m.credential[:64]}
+            for m in sorted(committee, key=lambda m: m.consensus_key)
+        ],
+        "app_hash": "",
+        "app_state": app_state.to_json(),
+    }
+
+
+def registry_of(path: Path) -> tuple[tuple[bytes, bytes], ...]:
+    """The registry's entries (`REGISTRY_PREFIXES`) of an exported genesis file."""
+    try:
+        doc = json.loads(path.read_text())
+        exported = parse_exported(doc["app_state"]["exported"])
+    except (OSError, ValueError, KeyError, TypeError, RegistryError) as exc:
+        raise ExportError(f"{path} is not a genesis written by `planetserve chain export`: {exc}") from None
+    return tuple((k, v) for k, v in exported if k.startswith(REGISTRY_PREFIXES))

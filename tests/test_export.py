@@ -1,0 +1,102 @@
+"""Carrying state into a new genesis, in the real Application: a chain that goes on from its own export
+reaches the exported app hash at InitChain and the same hashes after; a new chain from another's
+registry has its users and organisations and a committee of its own; exports that are not whole are
+refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from harness import CHAIN_ID, AppHarness, sqlite_url
+from tendermint.abci import types_pb2 as abci
+from tendermint.crypto import keys_pb2
+
+from planetserve.chain import layout
+from planetserve.chain.abci.app import Application
+from planetserve.chain.abci.state import State, members
+from planetserve.chain.abci.store import StateStore
+from planetserve.chain.keys import KeySet
+from planetserve.genesis.export import ExportError, export_genesis, registry_of
+from planetserve.registry.entities import Member
+from planetserve.registry.errors import InvalidField
+from planetserve.registry.genesis import AppState, parse_app_state
+
+CONSENSUS = {"block": {"max_bytes": "4194304", "max_gas": "-1"}, "version": {"app": "0"}}
+
+
+def populated(tmp_path: Path) -> tuple[AppHarness, list[KeySet]]:
+    h = AppHarness(sqlite_url(tmp_path), members=2)
+    users = [KeySet.generate() for _ in range(5)]
+    owner = KeySet.generate()
+    h.block(*(h.tx(k, "register-user", {"address": f"10.7.0.{i}:9000", "region": "eu"}) for i, k in enumerate(users)),
+            h.tx(owner, "register-org", {"org_id": "acme", "name": "Acme"}))
+    h.block()
+    return h, users
+
+
+def init_request(doc: dict, initial_height: int) -> abci.RequestInitChain:
+    app_state = parse_app_state(doc["app_state"])
+    return abci.RequestInitChain(
+        chain_id=doc["chain_id"], initial_height=initial_height, app_state_bytes=json.dumps(doc["app_state"]).encode(),
+        validators=[abci.ValidatorUpdate(pub_key=keys_pb2.PublicKey(ed25519=m.consensus_key), power=m.power)
+                    for m in app_state.committee])
+
+
+def test_a_chain_goes_on_from_its_export_with_the_same_app_hashes(tmp_path: Path) -> None:
+    h, users = populated(tmp_path)
+    doc = export_genesis(h.store, {"chain_id": CHAIN_ID, "consensus_params": CONSENSUS})
+    assert doc["initial_height"] == "3" and len(doc["validators"]) == 2 and doc["consensus_params"]["version"] == {
+        "app": "1"}
+    with StateStore(sqlite_url(tmp_path, "next.db")) as store:
+        app = Application(store)
+        assert app.init_chain(init_request(doc, 3)).app_hash == h.store.app_hash
+        h.block(h.tx(KeySet.generate(), "register-user", {"address": "10.7.1.1:9000", "region": "eu"}))
+        request, app_hash = h.blocks[-1]
+        assert app.finalize_block(request).app_hash == app_hash
+        app.commit(abci.RequestCommit())
+        assert all(State(store.batch()).user(k.public) is not None for k in users)
+
+
+def test_a_new_chain_takes_the_registry_of_an_export_and_a_committee_of_its_own(tmp_path: Path) -> None:
+    h, users = populated(tmp_path)
+    path = tmp_path / "exported.json"
+    path.write_text(json.dumps(export_genesis(h.store, {"chain_id": CHAIN_ID, "consensus_params": CONSENSUS})))
+    registry = registry_of(path)
+    assert registry and all(k.startswith(layout.REGISTRY_PREFIXES) for k, _ in registry)
+    assert not any(k.startswith((layout.MEMBER_PREFIX, b"epoch/")) for k, _ in registry)
+    newcomer = KeySet.generate()
+    member = Member(newcomer.public, KeySet.generate().public, bytes(newcomer.vrf.verify_key),
+                    bytes(newcomer.x25519.public_key), "new committee", 10)
+    fresh = AppState(h.app.params, (member,), models=(), exported=registry)
+    doc = {"chain_id": "planetserve-next", "app_state": fresh.to_json()}
+    with StateStore(sqlite_url(tmp_path, "new.db")) as store:
+        app = Application(store)
+        app.init_chain(init_request(doc, 1))
+        st = State(app.block)
+        assert all(st.user(k.public) is not None for k in users)
+        assert st.org("acme") is not None
+        assert list(members(app.block)) == [newcomer.public]
+        assert st.epoch(0) is not None
+
+
+def test_exports_that_are_not_whole_are_refused(tmp_path: Path) -> None:
+    h, _ = populated(tmp_path)
+    doc = export_genesis(h.store, {"chain_id": CHAIN_ID, "consensus_params": CONSENSUS})
+    swapped = json.loads(json.dumps(doc))
+    swapped["app_state"]["exported"][:2] = swapped["app_state"]["exported"][1::-1]
+    with pytest.raises(InvalidField, match="keys out of order"):
+        parse_app_state(swapped["app_state"])
+    stranger = parse_app_state(doc["app_state"]).committee[0]
+    other = json.loads(json.dumps(doc))
+    other["app_state"]["committee"][0]["credential"] = stranger.credential + " (changed)"
+    with StateStore(sqlite_url(tmp_path, "other.db")) as store, \
+            pytest.raises(ValueError, match="committee is not the genesis committee"):
+        Application(store).init_chain(init_request(other, 3))
+    not_export = tmp_path / "plain.json"
+    not_export.write_text(json.dumps({"app_state": {"committee": []}}))
+    with pytest.raises(ExportError, match="is not a genesis written by"):
+        registry_of(not_export)
+    with StateStore(sqlite_url(tmp_path, "empty.db")) as store, pytest.raises(ExportError, match="no committed"):
+        export_genesis(store, {"chain_id": CHAIN_ID, "consensus_params": CONSENSUS})
