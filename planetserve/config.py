@@ -112,6 +112,8 @@ class LedgerHome(HomeConfig):
     max_age: float = MAX_AGE
     """Seconds the latest verified header may be older than this machine's clock: an endpoint serving
     an older (validly signed) state is refused, and lists read from it are dropped once this old."""
+    metrics: str = ""
+    """host:port where the role serves its Prometheus metrics (`/metrics`); empty: nowhere."""
     HOST_PORTS: ClassVar[tuple[str, ...]] = ()
     """The role's other settings that must be host:port."""
     URLS: ClassVar[tuple[str, ...]] = ()
@@ -120,8 +122,8 @@ class LedgerHome(HomeConfig):
     """Those of them that may also be empty."""
 
     def check(self) -> None:
-        check_addresses(self.FILE, self, host_ports=self.HOST_PORTS, urls=("rpc", "witness", *self.URLS),
-                        optional=("witness", *self.OPTIONAL))
+        check_addresses(self.FILE, self, host_ports=(*self.HOST_PORTS, "metrics"),
+                        urls=("rpc", "witness", *self.URLS), optional=("witness", "metrics", *self.OPTIONAL))
         if self.witness and self.witness.rstrip("/") == self.rpc.rstrip("/"):
             raise HomeError(f"{self.FILE}: witness must be another endpoint than rpc ({self.rpc}): a "
                             f"witness checks rpc's answers, so it cannot be rpc itself")

@@ -16,7 +16,7 @@ import planetserve
 
 PACKAGE = Path(planetserve.__file__).parent
 
-NODE_OUTSIDE = {"chain", "registry", "models", "config", "sampling"}
+NODE_OUTSIDE = {"chain", "registry", "models", "config", "sampling", "metrics"}
 NODE = {"node", "node.engine", "node.api", "node.routing", "node.overlay", "node.pipeline", "node.tasks",
         "node.home", "node.behaviours"}
 """node/'s roles (model_node, user, registration, runner), its wings and its shared modules."""
@@ -29,7 +29,7 @@ ALLOWED: dict[str, set[str]] = {
     "workloads": {"models"},
     "chain": {"registry"},
     "chain.abci": {"chain", "registry"},
-    "verifier": {"chain", "registry", "models", "workloads", "config", "sampling"},
+    "verifier": {"chain", "registry", "models", "workloads", "config", "sampling", "metrics"},
     "node": NODE_OUTSIDE | NODE,
     "node.engine": NODE_OUTSIDE | {"node.tasks"},
     "node.api": NODE_OUTSIDE | {"node.engine"},

@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 from chromium import CHROMIUM, browser_missing
+from promscrape import scrape, value
 from roles import localnet, quick_config
 from waiting import wait_until
 
@@ -32,6 +33,43 @@ def recorded(root: Path) -> list[dict[str, int]]:
     """Every process recorded under the root: validators' and roles'."""
     homes = sorted(root.glob("v[0-9]*")) + [home for _, home in existing_homes(root)]
     return [entry for home in homes for entry in processes.read_pids(home).values()]
+
+
+def check_metrics(root: Path) -> None:
+    """Every process's Prometheus endpoint answers with the names docs/operators.md lists, and the
+    counts follow what the network did (a prompt answered, validators' blocks, verifiers' passes)."""
+    from planetserve.genesis.network import NetworkSpec
+    from planetserve.node.home import ModelNodeConfig, UserConfig
+    from planetserve.verifier.config import VerifierConfig
+
+    spec = NetworkSpec.load(root)
+    for v in spec.validators:
+        app = scrape(f"http://127.0.0.1:{v.ports.app_metrics}/metrics")
+        assert value(app, "planetserve_app_height") >= 2
+        assert value(app, "planetserve_app_entities", kind="model_nodes") == len(NAMES)
+        assert value(app, "planetserve_app_transactions_total", type="register-model-node", code="0") >= len(NAMES)
+        assert value(scrape(f"http://127.0.0.1:{v.ports.cometbft_metrics}/metrics"),
+                      "cometbft_consensus_height") >= 2
+    homes = existing_homes(root)
+    nodes = [scrape(f"http://{ModelNodeConfig.load(h).metrics}/metrics") for kind, h in homes if kind == "node"]
+    assert len(nodes) == len(NAMES)
+    assert sum(value(n, "planetserve_model_node_served_total") for n in nodes) >= 1
+    assert sum(value(n, "planetserve_model_node_tokens_total") for n in nodes) >= 1
+    assert sum(value(n, "planetserve_model_node_ttft_seconds_count") for n in nodes) >= 1
+    assert all(value(n, "planetserve_model_node_listed") == 1 for n in nodes)
+    relays = [scrape(f"http://{UserConfig.load(h).metrics}/metrics") for kind, h in homes if kind == "relay"]
+    assert sum(value(r, "planetserve_relay_answered_total") for r in relays) >= 1
+    assert all(value(r, "planetserve_relay_paths_built_total") >= 1 for r in relays)
+    verifiers = [scrape(f"http://{VerifierConfig.load(h).metrics}/metrics") for kind, h in homes
+                 if kind == "verifier"]
+    assert len(verifiers) == len(spec.validators)
+    assert all(value(v, "planetserve_verifier_ticks_total") >= 1 for v in verifiers)
+    app = f"http://127.0.0.1:{spec.validators[0].ports.app_metrics}/metrics"
+    height = value(scrape(app), "planetserve_app_height")
+    wait_until(lambda: value(scrape(app), "planetserve_app_height") > height, timeout=20, interval=0.5)
+    verifier = next(f"http://{VerifierConfig.load(h).metrics}/metrics" for kind, h in homes if kind == "verifier")
+    ticks = value(scrape(verifier), "planetserve_verifier_ticks_total")
+    wait_until(lambda: value(scrape(verifier), "planetserve_verifier_ticks_total") > ticks, timeout=20, interval=0.5)
 
 
 def dashboard_state(url: str, names: set[str], timeout: float = 20.0) -> dict:
@@ -135,6 +173,7 @@ def test_localnet_runs_every_role_and_stops_them_all(tmp_path, quick_family):
             (entry,) = [r for r in localnet("status", "--root", str(root), "--json")["relays"] if r["client"]]
             return entry["rotations"] >= 1 and entry["live_paths"] == entry["distinct_proxies"] == 4
         wait_until(rotated_apart, timeout=60, interval=2)
+        check_metrics(root)
 
         # the dashboard: its JSON names what status shows, with reputations over every finalized epoch
         began = time.monotonic()

@@ -68,6 +68,25 @@ def _max_age(_ctx: click.Context, _param: click.Parameter, value: float) -> floa
     return value
 
 
+def _metrics(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
+    from planetserve.metrics import parse_listen
+
+    if value:
+        try:
+            parse_listen(value)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc)) from None
+    return value
+
+
+def metrics_option() -> Any:
+    """--metrics: where the role serves its Prometheus metrics."""
+    return click.option(
+        "--metrics", default="", callback=_metrics, metavar="HOST:PORT",
+        help="Serve Prometheus metrics at http://HOST:PORT/metrics (docs/operators.md, \"Monitoring\"). "
+             "Default: none.")
+
+
 def witness_option(where: str = "--rpc") -> Any:
     """--witness: a second endpoint whose headers must match those read from `where`."""
     return click.option(

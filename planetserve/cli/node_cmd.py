@@ -18,6 +18,7 @@ from planetserve.cli import (
     fail,
     log_level_option,
     max_age_option,
+    metrics_option,
     rpc_option,
     setup_logging,
     witness_option,
@@ -63,6 +64,7 @@ def group() -> None:
 @rpc_option
 @witness_option()
 @max_age_option()
+@metrics_option()
 @click.option("--http", "http_addr", default="127.0.0.1:8000", show_default=True,
               help="host:port of the OpenAI-compatible API.")
 @click.option("--peer", default="127.0.0.1:9000", show_default=True, help="host:port of the TLS peer port.")
@@ -197,6 +199,7 @@ USER_HOME_HELP = "The relay's home directory (configuration user.json and key fi
 @rpc_option
 @witness_option()
 @max_age_option()
+@metrics_option()
 @click.option("--http", "http_addr", default="127.0.0.1:8080", show_default=True,
               help="host:port of the local OpenAI-compatible endpoint (keep it on loopback).")
 @click.option("--peer", default="127.0.0.1:9100", show_default=True,

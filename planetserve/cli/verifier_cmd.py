@@ -14,6 +14,7 @@ from planetserve.cli import (
     fail,
     log_level_option,
     max_age_option,
+    metrics_option,
     rpc_option,
     setup_logging,
     table,
@@ -53,6 +54,7 @@ def group() -> None:
 @rpc_option
 @witness_option()
 @max_age_option()
+@metrics_option()
 @click.option("--relay", default="http://127.0.0.1:8080", show_default=True,
               help="A user relay's local OpenAI endpoint, which carries the challenges.")
 @click.option("--model", "models", multiple=True, metavar="MODEL_ID=REFERENCE",

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -79,11 +79,11 @@ Config = TypeVar("Config", ModelNodeConfig, UserConfig)
 
 def _home(home: Path, kind: type[Config], make: Callable[[str, str], Config]) -> tuple[Config, KeySet]:
     """The configuration and key of a node's or relay's home, made the first time by `make(http, peer)`
-    with two free ports."""
+    with free ports, its metrics served on a third."""
     if (home / kind.FILE).exists():
         return kind.load(home), load_keys(home)
-    http, peer = free_ports(2)
-    config = make(f"127.0.0.1:{http}", f"127.0.0.1:{peer}")
+    http, peer, metrics = free_ports(3)
+    config = replace(make(f"127.0.0.1:{http}", f"127.0.0.1:{peer}"), metrics=f"127.0.0.1:{metrics}")
     return config, init_home(home, config)
 
 
@@ -128,6 +128,7 @@ def verifier_role(plan: Plan, index: int, relay: Role) -> Role:
             models={model_id: model_id for model_id in plan.config.model_ids},
             data_dir=str(plan.family_dir), max_tokens=32, challenge_timeout=30.0,
             chat_share=QUICK_CHAT_SHARE if plan.config.preset == "quick" else None,
+            metrics=f"127.0.0.1:{free_ports(1)[0]}",
         ).save(home)
     return Role("verifier", validator.moniker, home, planetserve("verifier", "run", "--home", str(home)))
 

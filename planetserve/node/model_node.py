@@ -33,6 +33,7 @@ from planetserve.chain.challenge import (
     sign_response,
 )
 from planetserve.chain.keys import KeySet
+from planetserve.metrics import Histogram
 from planetserve.node.api.engine_server import EngineServer, Generation, Production
 from planetserve.node.api.openai import (
     ApiError,
@@ -56,6 +57,7 @@ from planetserve.node.engine.base import (
 )
 from planetserve.node.engine.kvevents import PrefixMirror
 from planetserve.node.home import ModelNodeConfig
+from planetserve.node.metrics import TTFT_BUCKETS
 from planetserve.node.overlay.directory import Directory, DirectoryView, OnDemand
 from planetserve.node.overlay.gateway import Gateway
 from planetserve.node.overlay.onion import exchange_secret
@@ -284,7 +286,9 @@ class ModelNode:
         self.gateway = Gateway(keys.public, exchange_secret(keys.identity), self.http.respond,
                                self._send_to_user)
         self.counters = {"served": 0, "forwarded": 0, "received_forwards": 0, "forward_failures": 0,
-                         "sync_errors": 0}
+                         "sync_errors": 0, "tokens": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0,
+                         "cache_hits": 0}
+        self.ttft = Histogram(TTFT_BUCKETS)
         self.routes: dict[str, int] = {}
         self.http_url = ""
         self.peer_port = 0
@@ -537,7 +541,20 @@ class ModelNode:
             self.latency.observe(time.monotonic() - started)
             return self._sign(job, state, route_reason, self.node_id)
 
-        return Production(self.engine.generate(generation), finish)
+        return Production(self._counted(self.engine.generate(generation), started), finish)
+
+    async def _counted(self, chunks: AsyncIterator[TokenChunk], started: float) -> AsyncIterator[TokenChunk]:
+        """The engine's stream, its first token timed and its tokens counted (`metrics`)."""
+        first = True
+        async for chunk in chunks:
+            if first:
+                first = False
+                self.ttft.observe(time.monotonic() - started)
+                self.counters["prompt_tokens"] += chunk.prompt_tokens
+                self.counters["cached_prompt_tokens"] += chunk.cached_tokens
+                self.counters["cache_hits"] += chunk.cached_tokens > 0
+            self.counters["tokens"] += len(chunk.token_ids)
+            yield chunk
 
     def _sign(self, job: Job, state: Generation, route_reason: str, served_by: str) -> dict[str, Any]:
         """The answer's `planetserve` extension: our signature over it, why it went where it went, and

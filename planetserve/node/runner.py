@@ -16,9 +16,11 @@ from planetserve.chain.client import LedgerClient, QueryRefused
 from planetserve.chain.keys import KeySet
 from planetserve.chain.lightclient import VerificationError
 from planetserve.chain.rpc import RpcError
+from planetserve.metrics import serve_role
 from planetserve.node.behaviours import HONEST
 from planetserve.node.engine.base import Engine, Tokenizer
 from planetserve.node.home import ModelNodeConfig, UserConfig, load_keys
+from planetserve.node.metrics import model_node_collector, relay_collector
 from planetserve.node.model_node import ModelNode
 from planetserve.node.overlay.directory import Directory
 from planetserve.node.pipeline.assignment import (
@@ -107,11 +109,13 @@ async def run_model_node(home: Path, org_keys: KeySet | None = None,
         node = ModelNode(config, keys, engine, tokenizer, vocab_size=vocab, eos_ids=stop,
                          group=Group(ledger, config.model_id), users=Directory(ledger, with_nodes=False))
         await node.start()
+        stop_metrics = serve_role(config.metrics, model_node_collector(node))
         try:
             if on_ready is not None:
                 on_ready(node, registered)
             await stop_event.wait()
         finally:
+            stop_metrics()
             await node.close()
     finally:
         with contextlib.suppress(Exception):
@@ -201,6 +205,7 @@ async def run_user_relay(home: Path, on_ready: Callable[[UserRelay, User, str], 
     relay = UserRelay(config, keys, Directory(ledger))
     stop_event = _stop_on_signals()
     await relay.start()
+    stop_metrics = serve_role(config.metrics, relay_collector(relay))
     try:
         relay.start_paths()
         relay.spawn(_heartbeats(ledger, keys, config, max(1.0, params.user_ttl_seconds / 3)))
@@ -209,4 +214,5 @@ async def run_user_relay(home: Path, on_ready: Callable[[UserRelay, User, str], 
             on_ready(relay, user, action)
         await stop_event.wait()
     finally:
+        stop_metrics()
         await relay.close()

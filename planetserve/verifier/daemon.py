@@ -47,6 +47,7 @@ from planetserve.chain.messages.epochs import (
     SubmitVrf,
     Unanswered,
 )
+from planetserve.metrics import StatusCollector
 from planetserve.registry import codec, credits, epochs
 from planetserve.registry.entities import Member, ModelNode
 from planetserve.registry.epochs import PLAN_COMMITTED, VALID, ChallengeResult, Schedule, SignedResponse
@@ -138,7 +139,8 @@ class Daemon:
         """(epoch, node, submitter) → what this member stands behind: (credibility ppm, deviations)."""
         self.given_up: set[tuple[int, Hashable]] = set()
         self.status: dict[str, Any] = {"member": self.me.hex(), "started": int(time.time()), "ticks": 0,
-                                       "submitted": 0, "rejected": 0, "last_error": None}
+                                       "submitted": 0, "rejected": 0, "challenges": 0, "scored": 0,
+                                       "last_error": None}
 
     # -- the loop --------------------------------------------------------------------------------
 
@@ -292,6 +294,7 @@ class Daemon:
             return Asked(challenge, node.pubkey, failure=f"{len(failures)} attempts: " + "; ".join(failures))
 
         self.pending[key] = self.pool.submit(run)
+        self.status["challenges"] += 1
 
     def _collect(self, number: int) -> None:
         """Submit what finished challenges brought back; challenges of past epochs are dropped."""
@@ -349,6 +352,7 @@ class Daemon:
         """The credibility and count of deviating tokens this member stands behind: a response the node
         signed but that cannot be scored (empty, not the detokenisation of its ids, beyond the
         vocabulary) is worth nothing. The paper's 1/PPL counts no deviations."""
+        self.status["scored"] += 1
         if not verdict.ok:
             return 0, 0
         value = verdict.calibrated_ppm if self.calibrated else verdict.credibility_ppm
@@ -479,3 +483,23 @@ def _parts(entries: list[PlanItem], limit: int) -> list[list[PlanItem]]:
         size += length
     return parts
 
+
+def collector(daemon: Daemon) -> StatusCollector:
+    """The daemon's Prometheus metrics (docs/operators.md, "Monitoring")."""
+    st = daemon.status
+
+    def counters() -> dict[str, tuple[float, str]]:
+        return {"ticks": (st["ticks"], "Passes over the ledger"),
+                "challenges": (st["challenges"], "Challenges sent through the overlay"),
+                "scored": (st["scored"], "Answers scored with the reference model"),
+                "submissions": (st["submitted"], "Transactions the chain accepted"),
+                "rejected_submissions": (st["rejected"], "Transactions the chain refused")}
+
+    def gauges() -> dict[str, tuple[float, str]]:
+        return {"height": (st.get("height", 0), "The last verified height"),
+                "epoch": (st.get("epoch", 0), "The epoch of the next block"),
+                "leader": (1 if st.get("leader") else 0, "1 while this member leads the epoch"),
+                "pending_challenges": (len(daemon.pending), "Challenges awaiting their answers"),
+                "failing": (1 if st.get("last_error") else 0, "1 while the last pass failed")}
+
+    return StatusCollector("planetserve_verifier", counters, gauges)

@@ -10,10 +10,11 @@ from pathlib import Path
 
 from planetserve.chain.client import LedgerClient
 from planetserve.chain.keys import KeySet
+from planetserve.metrics import serve_role
 from planetserve.verifier.challenges import ChallengeSource
 from planetserve.verifier.config import USED_PROMPTS_FILE, VerifierConfig
 from planetserve.verifier.credibility import ReferenceModel
-from planetserve.verifier.daemon import Daemon
+from planetserve.verifier.daemon import Daemon, collector
 from planetserve.verifier.overlay import OverlayChannel
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,10 @@ def run_verifier(home: Path, ready: Callable[[Daemon, VerifierConfig], None] | N
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     log.info("verifier %s running against %s", daemon.me.hex()[:16], config.rpc)
-    if ready is not None:
-        ready(daemon, config)
-    daemon.run(stop, config.poll_interval)
+    stop_metrics = serve_role(config.metrics, collector(daemon))
+    try:
+        if ready is not None:
+            ready(daemon, config)
+        daemon.run(stop, config.poll_interval)
+    finally:
+        stop_metrics()
