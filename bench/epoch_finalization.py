@@ -130,6 +130,7 @@ class Chain:
                         for c in consensus],
             app_state_bytes=json.dumps(state.to_json()).encode(),
             initial_height=1,
+            time=Timestamp(seconds=GENESIS_TIME),
         ))
         self.height = 0
         self.time = GENESIS_TIME

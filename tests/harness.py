@@ -86,6 +86,7 @@ class AppHarness:
                         for c in self.consensus],
             app_state_bytes=json.dumps(state.to_json()).encode(),
             initial_height=1,
+            time=Timestamp(seconds=GENESIS_TIME),
         )
         self.app.init_chain(self.genesis)
         self.blocks: list[tuple[abci.RequestFinalizeBlock, bytes]] = []  # each with its app hash

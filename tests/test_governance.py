@@ -13,7 +13,7 @@ from tendermint.abci import types_pb2 as abci
 
 from planetserve.chain.abci.app import Application
 from planetserve.chain.abci.governance import UpgradeNeeded
-from planetserve.chain.abci.state import State
+from planetserve.chain.abci.state import State, members
 from planetserve.chain.abci.store import StateStore
 from planetserve.chain.errors import Code
 from planetserve.chain.keys import KeySet
@@ -123,3 +123,41 @@ def test_an_old_app_halts_at_the_upgrade_height_and_the_new_one_goes_on_from_the
         for request, app_hash in h.blocks:
             assert app.finalize_block(request).app_hash == app_hash
             app.commit(abci.RequestCommit())
+
+
+EXPIRY = Params(credential_ttl_seconds=60, epoch_blocks=10, results_blocks=3, vrf_window_blocks=2,
+                plan_window_blocks=2)
+"""Credentials good for 60 s, at 5 s a block: they lapse at block 12, and take effect at the end of the
+epoch of blocks 11-20."""
+
+
+def removed(result: abci.ResponseFinalizeBlock) -> list[tuple[str, str]]:
+    return [(e["operator"], e["reason"]) for e in events(result, "member_removed")]
+
+
+def test_a_lapsed_credential_takes_the_members_power_at_the_epoch_end_unless_renewed(tmp_path: Path) -> None:
+    h = AppHarness(sqlite_url(tmp_path), members=4, params=EXPIRY)
+    renewed, *others = h.members
+    for _ in range(10):
+        assert not removed(h.block())  # the first epoch ends before the credentials lapse
+    h.block(h.tx(renewed, "propose-member", {"action": "renew", "operator": renewed.public,
+                                             "credential": "member 0, audited again"}))
+    renewal = vote(h, range(1, 3), 1)
+    assert events(renewal, "member_renewed") == [{"operator": renewed.public.hex(), "expires_at": str(h.time + 60)}]
+    while h.height < 19:
+        assert not removed(h.block())
+    end = h.block()
+    assert sorted(removed(end)) == sorted((m.public.hex(), "credential lapsed") for m in others)
+    assert sorted((u.pub_key.ed25519, u.power) for u in end.validator_updates) == sorted(
+        (c.public, 0) for c in h.consensus[1:])
+    left = members(h.store.batch())
+    assert list(left) == [renewed.public] and left[renewed.public].credential == "member 0, audited again"
+
+
+def test_the_last_member_keeps_its_power_when_every_credential_lapses(tmp_path: Path) -> None:
+    h = AppHarness(sqlite_url(tmp_path), members=3, params=EXPIRY)
+    while h.height < 19:
+        h.block()
+    end = h.block()
+    assert len(removed(end)) == 2
+    assert len(members(h.store.batch())) == 1

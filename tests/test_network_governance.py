@@ -18,10 +18,10 @@ from upgraded_app import MARK
 from waiting import wait_until
 
 from planetserve.chain.keys import KeySet
-from planetserve.chain.messages import ProposeParams, ProposeUpgrade, RegisterOrg, RegisterUser, VoteMember
+from planetserve.chain.messages import ProposeParams, RegisterOrg, RegisterUser, VoteMember
 from planetserve.cli import main
 from planetserve.genesis.committee import app_state_builder
-from planetserve.genesis.network import NetworkSpec, ValidatorInfo, build_network
+from planetserve.genesis.network import KEYS_FILE, NetworkSpec, ValidatorInfo, build_network
 from planetserve.localnet.cluster import Cluster
 from planetserve.localnet.net import cluster_app
 from planetserve.registry import codec
@@ -51,7 +51,11 @@ def test_parameter_changes_and_an_upgrade_by_vote(tmp_path: Path) -> None:
 
         # approved by 3 of 4 (30 of 40): applies at its height; approved by 2 of 4: never
         at = client.rpc.latest_height() + LEAD
-        assert client.submit(member_keys(cluster, 0), ProposeParams(at, {"max_signer_txs": 77})).outcome.ok
+        keys = spec.validators[0].home / "config" / KEYS_FILE
+        proposed = CliRunner().invoke(main, ["tx", "propose-params", "--height", str(at), "--set", "max_signer_txs=77",
+                                             "--keys", str(keys), "--node", cluster.rpc_url(0), "--json"],
+                                      catch_exceptions=False)
+        assert proposed.exit_code == 0, proposed.output
         assert client.submit(member_keys(cluster, 1), ProposeParams(at, {"user_ttl_seconds": 4321})).outcome.ok
         for i in (1, 2):
             assert client.submit(member_keys(cluster, i), VoteMember(1, True)).outcome.ok
@@ -68,7 +72,10 @@ def test_parameter_changes_and_an_upgrade_by_vote(tmp_path: Path) -> None:
 
         # an upgrade: the old apps halt at its height, the new ones go on from the same state
         upgrade_at = client.rpc.latest_height() + LEAD
-        assert client.submit(member_keys(cluster, 0), ProposeUpgrade("v2", 2, upgrade_at)).outcome.ok
+        proposed = CliRunner().invoke(main, ["tx", "propose-upgrade", "--name", "v2", "--app-version", "2",
+                                             "--height", str(upgrade_at), "--keys", str(keys),
+                                             "--node", cluster.rpc_url(0), "--json"], catch_exceptions=False)
+        assert proposed.exit_code == 0, proposed.output
         for i in (1, 2):  # with the proposer's, 3 of 4: settled
             assert client.submit(member_keys(cluster, i), VoteMember(3, True)).outcome.ok
         wait_until(lambda: not any(cluster.running(i)["app"] for i in range(4)), timeout=60)

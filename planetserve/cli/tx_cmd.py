@@ -17,6 +17,8 @@ from planetserve.chain.messages import (
     DeployModel,
     Heartbeat,
     ProposeMember,
+    ProposeParams,
+    ProposeUpgrade,
     RegisterModel,
     RegisterModelNode,
     RegisterOrg,
@@ -209,8 +211,9 @@ def update_model_node(ledger: LedgerClient, keys_path: Path, node_pubkey: str, a
 
 
 @group.command("propose-member")
-@click.option("--action", type=click.Choice(["add", "remove"]), default="add", show_default=True,
-              help="Admit a new member or remove an existing one.")
+@click.option("--action", type=click.Choice(["add", "remove", "renew"]), default="add", show_default=True,
+              help="Admit a new member, remove one, or renew one's credential (--credential, checked "
+                   "again) before it lapses.")
 @click.option("--operator", required=True, help="Candidate's identity key (hex).")
 @click.option("--consensus-key", help="Candidate's CometBFT validator key (hex or base64).")
 @click.option("--vrf-key", help="Candidate's VRF key (hex).")
@@ -224,11 +227,15 @@ def update_model_node(ledger: LedgerClient, keys_path: Path, node_pubkey: str, a
 def propose_member(ledger: LedgerClient, keys_path: Path, action: str, operator: str,
                    consensus_key: str | None, vrf_key: str | None, x25519_key: str | None,
                    credential: str | None, power: int, as_json: bool) -> None:
-    """Propose admitting or removing a committee member (applied at >2/3 of voting power).
+    """Propose admitting, removing or renewing a committee member (applied at >2/3 of voting power).
 
     The proposer's vote counts; the output names the proposal_id the other members vote on with
     `planetserve tx vote-member --proposal ID`."""
     proposal = ProposeMember(action, key_bytes(operator, "--operator"))
+    if action == "renew":
+        if not credential:
+            fail("renewing a member needs --credential")
+        proposal = replace(proposal, credential=credential)
     if action == "add":
         missing = [n for n, v in (("--consensus-key", consensus_key), ("--vrf-key", vrf_key),
                                   ("--x25519-key", x25519_key), ("--credential", credential)) if not v]
@@ -241,6 +248,47 @@ def propose_member(ledger: LedgerClient, keys_path: Path, action: str, operator:
     submit(ledger, load_keys(keys_path), proposal, as_json)
 
 
+@group.command("propose-params")
+@click.option("--height", required=True, type=click.IntRange(min=1),
+              help="The block at whose start the change applies (a vote needs time: some blocks ahead).")
+@click.option("--set", "changes", multiple=True, required=True, metavar="NAME=VALUE",
+              help="A parameter and its new integer value (repeatable); `planetserve query params` lists "
+                   "them.")
+@signer_option
+@json_option
+@ledger_options(verify=False)
+def propose_params(ledger: LedgerClient, keys_path: Path, height: int, changes: tuple[str, ...],
+                   as_json: bool) -> None:
+    """Propose changing parameters at a height (applied there once >2/3 of voting power approves).
+
+    The others vote with `planetserve tx vote-member --proposal ID` before that height."""
+    values: dict[str, int] = {}
+    for item in changes:
+        name, sep, value = item.partition("=")
+        if not sep or not name or not value.lstrip("-").isdigit():
+            fail(f"--set takes NAME=INTEGER, got {item!r}")
+        values[name] = int(value)
+    submit(ledger, load_keys(keys_path), ProposeParams(height, values), as_json)
+
+
+@group.command("propose-upgrade")
+@click.option("--name", required=True,
+              help="The upgrade's name: the newer app runs its migration of that name.")
+@click.option("--app-version", required=True, type=click.IntRange(min=2),
+              help="The app version validators must run from --height on.")
+@click.option("--height", required=True, type=click.IntRange(min=1),
+              help="The first block of the new version: older apps stop before it.")
+@signer_option
+@json_option
+@ledger_options(verify=False)
+def propose_upgrade(ledger: LedgerClient, keys_path: Path, name: str, app_version: int, height: int,
+                    as_json: bool) -> None:
+    """Propose an upgrade (approved at >2/3 of voting power): at --height, apps older than --app-version
+    halt with "UPGRADE <name> NEEDED"; each operator then starts the newer app, which goes on from the
+    same state (docs/operators.md, "Upgrade")."""
+    submit(ledger, load_keys(keys_path), ProposeUpgrade(name, app_version, height), as_json)
+
+
 @group.command("vote-member")
 @click.option("--proposal", "proposal_id", required=True, type=click.IntRange(min=1),
               help="The proposal_id that `tx propose-member` printed.")
@@ -251,7 +299,7 @@ def propose_member(ledger: LedgerClient, keys_path: Path, action: str, operator:
 @ledger_options(verify=False)
 def vote_member(ledger: LedgerClient, keys_path: Path, proposal_id: int, approve: bool,
                 as_json: bool) -> None:
-    """Vote on a pending committee proposal."""
+    """Vote on a pending committee proposal: a member, parameters or an upgrade."""
     submit(ledger, load_keys(keys_path), VoteMember(proposal_id, approve), as_json)
 
 

@@ -10,7 +10,7 @@ from typing import Any, Self
 from planetserve.registry import codec
 
 NODE_STATUSES = ("active", "inactive")
-MEMBER_ACTIONS = ("add", "remove")
+MEMBER_ACTIONS = ("add", "remove", "renew")
 GOVERNANCE_ACTIONS = ("params", "upgrade")
 """What a committee proposal does besides admitting or removing a member: change parameters at a
 height, or require a newer app from a height on."""
@@ -114,6 +114,9 @@ class Member(Record):
     x25519_key: bytes
     credential: str
     power: int
+    expires_at: int = 0
+    """When its credential lapses (block time, seconds; 0 until admission sets it): at the first epoch
+    end from then on it loses its power, unless the committee renewed it."""
 
 
 @dataclass(frozen=True)

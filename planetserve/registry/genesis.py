@@ -3,7 +3,8 @@ organisations that exist from the start, with their credit endowment.
 
     {"params": {...},
      "committee": [{"operator": hex, "consensus_key": hex, "vrf_key": hex, "x25519_key": hex,
-                    "credential": str, "power": int}, ...],
+                    "credential": str, "power": int, "expires_at": int}, ...],
+                                        ("expires_at" optional: genesis time + credential_ttl_seconds)
      "models": [{"model_id": str, "name": str, "layers": int, "layer_mib": int}, ...],
      "organisations": [{"org_id": str, "name": str, "owner": hex, "credits": int}, ...],
      "prices": {hardware class: credits per server-hour, ...},    (default: credits.DEFAULT_PRICES)
@@ -69,7 +70,7 @@ class AppState:
             "params": self.params.to_record(),
             "committee": [
                 {**{k: getattr(m, k).hex() for k in _MEMBER_KEYS}, "credential": m.credential,
-                 "power": m.power}
+                 "power": m.power, **({"expires_at": m.expires_at} if m.expires_at else {})}
                 for m in self.committee
             ],
             "models": [model_json(m) for m in self.models],
@@ -113,11 +114,12 @@ def parse_app_state(raw: dict[str, Any]) -> AppState:
     params = Params.from_genesis(raw.get("params"))
     committee: list[Member] = []
     for entry in _entries(raw["committee"], "committee"):
-        fields.check_keys(entry, {*_MEMBER_KEYS, "credential", "power"})
+        fields.check_keys(entry, {*_MEMBER_KEYS, "credential", "power"}, frozenset({"expires_at"}))
         member = Member(
             **{k: _hex32(entry, k) for k in _MEMBER_KEYS},
             credential=fields.text(entry, "credential", 1024),
             power=fields.integer(entry, "power", 1, 1_000_000),
+            expires_at=fields.integer(entry, "expires_at", 0, 2**62) if "expires_at" in entry else 0,
         )
         if any(m.operator == member.operator or m.consensus_key == member.consensus_key
                for m in committee):

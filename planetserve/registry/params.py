@@ -55,6 +55,9 @@ class Params(Record):
     member_fault_window: int = 10
     member_fault_limit: int = 5
     missed_blocks_ppm: int = 900_000
+    # A member's credential is good for this long from its admission (or the genesis) or its last
+    # renewal (propose-member --action renew); then it lapses and the member loses its power.
+    credential_ttl_seconds: int = 365 * 86_400
     # Deployments paid with contribution credits.
     max_deployment_nodes: int = 1_000
     min_deployment_seconds: int = 60

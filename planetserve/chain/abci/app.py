@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import msgpack
 from sqlalchemy.exc import SQLAlchemyError
@@ -167,11 +167,12 @@ class Application:
             return self._continue(st, app_state.committee)
         st.put_params(app_state.params)
         self._params = app_state.params
+        genesis_time = req.time.seconds
         for member in app_state.committee:
-            st.put_member(member)
+            lapses = member.expires_at or genesis_time + app_state.params.credential_ttl_seconds
+            st.put_member(replace(member, expires_at=lapses))
         for model in app_state.models:
             st.put_model(model)
-        genesis_time = req.time.seconds
         for org in sorted(app_state.organisations, key=lambda o: o.org_id):
             st.put_org(org.organisation(genesis_time))
             if org.credits > 0:
@@ -298,7 +299,8 @@ class Application:
         return abci.ResponseFinalizeBlock(
             tx_results=results,
             events=_events([*changed.events,
-                            *(("member_removed", {"operator": r.operator.hex(), "faults": str(r.faults)})
+                            *(("member_removed", {"operator": r.operator.hex(), "faults": str(r.faults),
+                                                  "reason": r.reason})
                               for r in removed), *healed]),
             consensus_param_updates=None if changed.app_version is None else params_pb2.ConsensusParams(
                 version=params_pb2.VersionParams(app=changed.app_version)),

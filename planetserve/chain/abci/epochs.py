@@ -82,6 +82,7 @@ class Removal:
     operator: bytes
     consensus_key: bytes
     faults: int
+    reason: str = "faults"
 
 
 def end_block(batch: Batch, params: Params, height: int, time: int) -> list[Removal]:
@@ -98,6 +99,10 @@ def end_block(batch: Batch, params: Params, height: int, time: int) -> list[Remo
     removed = _remove_faulty(st, params, number, committee)
     for removal in removed:
         del committee[removal.operator]
+    lapsed = _remove_lapsed(st, committee, time)
+    for removal in lapsed:
+        del committee[removal.operator]
+    removed += lapsed
     upcoming = st.epoch(number + 1)
     if upcoming is None:
         return removed
@@ -132,6 +137,20 @@ def _remove_faulty(st: State, params: Params, number: int, committee: dict[bytes
         if faults >= params.member_fault_limit and remaining > 1:
             st.delete_member(operator)
             removed.append(Removal(operator, committee[operator].consensus_key, faults))
+            remaining -= 1
+    return removed
+
+
+def _remove_lapsed(st: State, committee: dict[bytes, Member], time: int) -> list[Removal]:
+    """Take the power of each member (in key order) whose credential lapsed at or before `time`; the
+    last member always stays."""
+    remaining = len(committee)
+    removed = []
+    for operator in sorted(committee):
+        member = committee[operator]
+        if 0 < member.expires_at <= time and remaining > 1:
+            st.delete_member(operator)
+            removed.append(Removal(operator, member.consensus_key, 0, "credential lapsed"))
             remaining -= 1
     return removed
 

@@ -17,7 +17,8 @@ MAX_POWER = 1_000_000
 
 @dataclass(frozen=True)
 class ProposeMember(Message):
-    """Admit a member (every key, its credential and power given) or remove one (its operator key only)."""
+    """Admit a member (every key, its credential and power given), remove one (its operator key only), or
+    renew one's credential (its operator key and the credential, checked again)."""
 
     TYPE: ClassVar[str] = "propose-member"
     action: str
@@ -34,6 +35,10 @@ class ProposeMember(Message):
         if action == "remove":
             fields.check_keys(body, {"action", "operator"})
             return cls(action, fields.key32(body, "operator"))
+        if action == "renew":
+            fields.check_keys(body, {"action", "operator", "credential"})
+            return cls(action, fields.key32(body, "operator"),
+                       credential=fields.text(body, "credential", 1024))
         required, optional = cls.keys()
         fields.check_keys(body, required | optional)
         return cls(

@@ -23,10 +23,15 @@ def _admitted(ctx: Context, msg: ProposeMember) -> Member:
     return member
 
 
-def _removed(ctx: Context, msg: ProposeMember) -> Member:
-    existing = ctx.committee.get(msg.operator)
+def _existing(ctx: Context, operator: bytes) -> Member:
+    existing = ctx.committee.get(operator)
     if existing is None:
         raise UnknownEntity("operator is not a committee member")
+    return existing
+
+
+def _removed(ctx: Context, msg: ProposeMember) -> Member:
+    existing = _existing(ctx, msg.operator)
     if len(ctx.committee) == 1:
         raise InvalidField("operator", "cannot remove the last committee member")
     return existing
@@ -34,7 +39,12 @@ def _removed(ctx: Context, msg: ProposeMember) -> Member:
 
 def propose_member(ctx: Context, msg: ProposeMember) -> None:
     ctx.require_member()
-    member = _admitted(ctx, msg) if msg.action == "add" else _removed(ctx, msg)
+    if msg.action == "add":
+        member = _admitted(ctx, msg)
+    else:
+        member = _removed(ctx, msg) if msg.action == "remove" else _existing(ctx, msg.operator)
+    if msg.action == "renew":
+        member = replace(member, credential=msg.credential)
     _propose(ctx, msg.action, member.to_record(), "propose_member")
 
 
@@ -109,7 +119,18 @@ def _settle(ctx: Context, proposal: Proposal) -> None:
                      height=str(plan.height))
             return
         member = Member.from_record(proposal.subject)
+        if proposal.action == "renew":
+            current = ctx.committee.get(member.operator)
+            if current is None:  # removed since: nothing to renew
+                ctx.emit("proposal_void", proposal_id=str(proposal.proposal_id))
+                return
+            renewed = replace(current, credential=member.credential,
+                              expires_at=ctx.time + ctx.params.credential_ttl_seconds)
+            ctx.state.put_member(renewed)
+            ctx.emit("member_renewed", operator=member.operator.hex(), expires_at=str(renewed.expires_at))
+            return
         if proposal.action == "add":
+            member = replace(member, expires_at=ctx.time + ctx.params.credential_ttl_seconds)
             ctx.state.put_member(member)
             ctx.validator_updates.append((member.consensus_key, member.power))
         else:
