@@ -91,6 +91,9 @@ def test_parameter_changes_and_an_upgrade_by_vote(tmp_path: Path) -> None:
         assert_same_app_hashes(cluster, upgrade_at + 2)
         assert int(cluster.rpc(0).header(upgrade_at)["version"]["app"]) == 1
         assert int(cluster.rpc(0).header(upgrade_at + 1)["version"]["app"]) == 2
+        shown = CliRunner().invoke(main, ["query", "status", "--node", cluster.rpc_url(1), "--json"],
+                                   catch_exceptions=False)
+        assert json.loads(shown.output)["app_version"] == 2
         for i in range(4):
             _, mark = ledger(cluster, i).value(MARK)
             assert mark is not None and codec.unpack(mark) == 1

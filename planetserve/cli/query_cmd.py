@@ -82,7 +82,8 @@ def committee(ledger: LedgerClient, as_json: bool) -> None:
         listing, records = ledger.committee()
     except FAILURES as exc:
         fail(str(exc))
-    show_list("committee", listing, records, ["operator", "consensus_key", "power", "credential"], as_json)
+    show_list("committee", listing, records,
+              ["operator", "consensus_key", "power", "credential", "expires_at"], as_json)
 
 
 @group.command("node")
@@ -203,8 +204,9 @@ def params(ledger: LedgerClient, as_json: bool) -> None:
 @json_option
 @ledger_options(verify=False)
 def status(ledger: LedgerClient, as_json: bool) -> None:
-    """The RPC endpoint's view of the chain: id, latest height and app hash, and the earliest
-    height whose state it can still prove (a validator pruning with keep_heights)."""
+    """The RPC endpoint's view of the chain: id, latest height and app hash, the app version the chain
+    runs, its earliest kept block, and the earliest height whose state it can still prove (a validator
+    pruning with keep_heights, or one that joined by state sync)."""
     try:
         raw = ledger.rpc.status()
         app = ledger.rpc.abci_info()
@@ -218,6 +220,8 @@ def status(ledger: LedgerClient, as_json: bool) -> None:
         "app_hash": info["latest_app_hash"],
         "block_time": info["latest_block_time"],
         "catching_up": info["catching_up"],
+        "earliest_block": int(info["earliest_block_height"]),
+        "app_version": int(app.get("app_version") or 0),
         **_retention(app.get("data")),
     }
     show_record(summary, as_json)
