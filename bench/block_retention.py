@@ -2,7 +2,9 @@
 real app and CometBFT, side by side, each running `--blocks` blocks (a register-user transaction in
 every tenth), one keeping every block and one with `retain_blocks` set (and snapshots every
 `--interval` heights, which retention never goes above). Reports each one's earliest kept block and
-the sizes of CometBFT's block store and state store and of the app's database.
+the sizes of CometBFT's block store and state store and of the app's database, as they run and once
+goleveldb has compacted (`cometbft experimental-compact-goleveldb`, nodes stopped): deleted blocks
+give their room back only then.
 
     .venv/bin/python bench/block_retention.py                  # 10,000 blocks, retain 1,000
 """
@@ -10,6 +12,7 @@ the sizes of CometBFT's block store and state store and of the app's database.
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 import tempfile
 import time
@@ -21,7 +24,7 @@ from planetserve.chain.lightclient import LightClient
 from planetserve.chain.messages import RegisterUser
 from planetserve.chain.rpc import RpcClient
 from planetserve.genesis.committee import app_state_builder
-from planetserve.genesis.network import build_network
+from planetserve.genesis.network import build_network, cometbft_binary
 from planetserve.localnet.cluster import Cluster
 from planetserve.localnet.net import cluster_app
 from planetserve.registry.params import Params
@@ -32,6 +35,23 @@ CHEAP = Params(user_work_bits=0, max_signer_txs=10**6)
 
 def mib(path: Path) -> float:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / (1 << 20)
+
+
+def sizes(cluster: Cluster, status: bool = True) -> tuple[tuple[int, int], tuple[float, float, float]]:
+    """((latest, earliest) block, MiB of the block store, CometBFT's state store and the app's database)."""
+    heights = (0, 0)
+    if status:
+        info = cluster.status(0)["sync_info"]
+        heights = (int(info["latest_block_height"]), int(info["earliest_block_height"]))
+    data = cluster.validators[0].home / "data"
+    app_db = sum(f.stat().st_size for f in data.glob("planetserve.db*")) / (1 << 20)
+    return heights, (mib(data / "blockstore.db"), mib(data / "state.db"), app_db)
+
+
+def compact(cluster: Cluster) -> None:
+    """goleveldb frees the room of deleted blocks only when it compacts; force it (node stopped)."""
+    subprocess.run([cometbft_binary(), "experimental-compact-goleveldb", "--home",
+                    str(cluster.validators[0].home)], check=True, capture_output=True, timeout=600)
 
 
 def start(root: Path, retain: int, interval: int) -> Cluster:
@@ -69,19 +89,22 @@ def main() -> int:
                   file=sys.stderr, flush=True)
             time.sleep(1.0)
         print(file=sys.stderr)
+        live = {name: sizes(cluster) for name, cluster in runs.items()}
+        for cluster in runs.values():
+            cluster.stop(0)
+            compact(cluster)
         print(f"{'validator':>12} {'blocks':>7} {'earliest':>8} {'blockstore MiB':>14} {'state.db MiB':>12} "
-              f"{'app db MiB':>10} {'total MiB':>9}")
+              f"{'app db MiB':>10} {'total MiB':>9} {'compacted MiB':>13}")
         totals = {}
         for name, cluster in runs.items():
-            info = cluster.status(0)["sync_info"]
-            data = cluster.validators[0].home / "data"
-            app_db = sum(f.stat().st_size for f in data.glob("planetserve.db*")) / (1 << 20)
-            sizes = (mib(data / "blockstore.db"), mib(data / "state.db"), app_db)
-            totals[name] = sum(sizes)
-            print(f"{name:>12} {info['latest_block_height']:>7} {info['earliest_block_height']:>8} "
-                  f"{sizes[0]:>14.1f} {sizes[1]:>12.1f} {sizes[2]:>10.1f} {totals[name]:>9.1f}")
-        keep, retained = totals.values()
-        print(f"retention keeps {retained / keep:.2f}x the disk of keeping every block "
+            (latest, earliest), before = live[name]
+            _, after = sizes(cluster, status=False)
+            totals[name] = (sum(before), sum(after))
+            print(f"{name:>12} {latest:>7} {earliest:>8} {before[0]:>14.1f} {before[1]:>12.1f} "
+                  f"{before[2]:>10.1f} {totals[name][0]:>9.1f} {totals[name][1]:>13.1f}")
+        (keep, keep_compact), (retained, retained_compact) = totals.values()
+        print(f"retention: {retained / keep:.2f}x the disk of keeping every block as it runs, "
+              f"{retained_compact / keep_compact:.2f}x once goleveldb compacts "
               f"({args.blocks} blocks, {sent} registrations each)")
     finally:
         for cluster in runs.values():
