@@ -60,7 +60,14 @@ def test_build_with_app_state_and_failing_app(tmp_path) -> None:
         "db": "postgresql://db/a",
         "chain_id": "app-chain",
         "keep_heights": 0,
+        "snapshot_interval": 1000,
+        "snapshot_keep": 2,
+        "retain_blocks": 0,
+        "metrics_listen": f"127.0.0.1:{v0.ports.app_metrics}",
     }
+    assert config["instrumentation"] == {
+        **config["instrumentation"], "prometheus": True,
+        "prometheus_listen_addr": f"127.0.0.1:{v0.ports.cometbft_metrics}"}
     with pytest.raises(ClusterError, match="expects an ABCI app"):
         Cluster(spec)
     failing = Cluster(spec, lambda info: [sys.executable, "-c", "import sys; sys.exit(3)"])

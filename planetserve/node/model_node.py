@@ -544,17 +544,19 @@ class ModelNode:
         return Production(self._counted(self.engine.generate(generation), started), finish)
 
     async def _counted(self, chunks: AsyncIterator[TokenChunk], started: float) -> AsyncIterator[TokenChunk]:
-        """The engine's stream, its first token timed and its tokens counted (`metrics`)."""
+        """The engine's stream, its first token timed and its tokens counted (`metrics`); closed with it,
+        so that a reader who stops early stops the engine's work at once."""
         first = True
-        async for chunk in chunks:
-            if first:
-                first = False
-                self.ttft.observe(time.monotonic() - started)
-                self.counters["prompt_tokens"] += chunk.prompt_tokens
-                self.counters["cached_prompt_tokens"] += chunk.cached_tokens
-                self.counters["cache_hits"] += chunk.cached_tokens > 0
-            self.counters["tokens"] += len(chunk.token_ids)
-            yield chunk
+        async with contextlib.aclosing(chunks):
+            async for chunk in chunks:
+                if first:
+                    first = False
+                    self.ttft.observe(time.monotonic() - started)
+                    self.counters["prompt_tokens"] += chunk.prompt_tokens
+                    self.counters["cached_prompt_tokens"] += chunk.cached_tokens
+                    self.counters["cache_hits"] += chunk.cached_tokens > 0
+                self.counters["tokens"] += len(chunk.token_ids)
+                yield chunk
 
     def _sign(self, job: Job, state: Generation, route_reason: str, served_by: str) -> dict[str, Any]:
         """The answer's `planetserve` extension: our signature over it, why it went where it went, and
