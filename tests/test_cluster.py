@@ -8,6 +8,7 @@ import sys
 import tomllib
 
 import pytest
+from chainnet import FAST_P2P
 
 from planetserve.chain.keys import KeySet
 from planetserve.genesis.network import (
@@ -80,7 +81,7 @@ def test_build_with_app_state_and_failing_app(tmp_path) -> None:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     root = tmp_path_factory.mktemp("cluster")
-    spec = build_network(root, 4, "cluster-test", None, timeout_commit="300ms")
+    spec = build_network(root, 4, "cluster-test", None, timeout_commit="300ms", extra_config=FAST_P2P)
     c = Cluster(spec)
     try:
         c.start()

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import pytest
+from chainnet import FAST_P2P
 from nacl.signing import SigningKey
 from tamper import TamperProxy
 
@@ -606,7 +607,8 @@ def net(tmp_path_factory):
     from planetserve.localnet.cluster import Cluster
 
     root = tmp_path_factory.mktemp("lightnet")
-    spec = build_network(root, 5, "lc-test", None, n_genesis=4, timeout_commit="300ms")
+    spec = build_network(root, 5, "lc-test", None, n_genesis=4, timeout_commit="300ms",
+                         extra_config=FAST_P2P)
     cluster = Cluster(spec)
     try:
         cluster.start()

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from chainnet import LISTED_AT_ONCE, MODELS, assert_same_app_hashes, ledger, member_keys
+from chainnet import LISTED_AT_ONCE, MODELS, assert_same_app_hashes, fast_config, ledger, member_keys
 from click.testing import CliRunner
 from harness import relaxed
 from upgraded_app import MARK
@@ -28,8 +28,7 @@ from planetserve.registry import codec
 
 pytestmark = pytest.mark.network
 
-FAST = {"consensus": {"timeout_propose": "1s", "peer_gossip_sleep_duration": "10ms"},
-        "p2p": {"flush_throttle_timeout": "10ms"}}
+FAST = fast_config({"consensus": {"timeout_propose": "1s"}})
 LEAD = 60
 """Blocks between a proposal and its height: the votes' time (about 4 s at these blocks' pace)."""
 UPGRADED = str(Path(__file__).with_name("upgraded_app.py"))
