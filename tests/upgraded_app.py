@@ -10,8 +10,13 @@ from planetserve.cli import main
 
 MARK = b"upgraded/v2"
 
-Application.VERSION = 2
-Application.MIGRATIONS = {"v2": lambda st: st.put_int(MARK, 1)}
+
+def upgrade() -> None:
+    """Make this process's app the next version (only in the process that serves it: never on import)."""
+    Application.VERSION = 2
+    Application.MIGRATIONS = {"v2": lambda st: st.put_int(MARK, 1)}
+
 
 if __name__ == "__main__":
+    upgrade()
     main(["chain", "app", *sys.argv[1:]])

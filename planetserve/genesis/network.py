@@ -19,6 +19,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import random
 import re
 import shutil
 import socket
@@ -191,18 +192,38 @@ def cometbft_binary() -> str:
     raise NetworkBuildError("cometbft binary not found (run scripts/setup.sh)")
 
 
-def free_ports(count: int) -> list[int]:
-    """`count` distinct TCP ports on 127.0.0.1 that were free a moment ago."""
-    socks = []
+_HANDED_OUT: set[int] = set()
+_PORTS = random.Random()
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel gives outgoing connections (Linux's ip_local_port_range)."""
     try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct TCP ports on 127.0.0.1 that were free a moment ago. They are drawn below the
+    range the kernel takes outgoing connections' ports from, so that no client connection takes one
+    before its server binds it, and never twice in one process."""
+    low, high = 10_000, _ephemeral_low() - 1
+    out: list[int] = []
+    for _ in range(50 * count):
+        port = _PORTS.randint(low, high)
+        if port in _HANDED_OUT or port in out:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        out.append(port)
+        if len(out) == count:
+            _HANDED_OUT.update(out)
+            return out
+    raise NetworkBuildError(f"found only {len(out)} of {count} free ports in {low}..{high}")
 
 
 def node_id_from_key_file(path: Path) -> str:

@@ -55,7 +55,7 @@ def test_a_member_that_keeps_attesting_falsely_loses_its_power(tmp_path):
     [removal] = removals(s)  # one block took the power: the last of its third faulty epoch
     assert {u.pub_key.ed25519: u.power for u in removal.validator_updates} == {consensus_key(s, cheat): 0}
     assert [{a.key: a.value for a in e.attributes} for e in removal.events] == [
-        {"faults": str(PARAMS.member_fault_limit), "operator": cheat.hex()}]
+        {"faults": str(PARAMS.member_fault_limit), "operator": cheat.hex(), "reason": "faults"}]
     assert set(members(s.h.store.batch())) == set(s.members) - {cheat}
     assert all(s.faults(m) == [] for m in s.members if m != cheat)
 

@@ -218,8 +218,9 @@ def test_one_user_cannot_fill_a_proxys_reply_ids(quick_family):
             held = victim.relay.replies_by_peer[adversary.keys.public]
             assert held == REPLIES_PER_PEER
             assert counters["refused_replies"] - before["refused_replies"] == REPLY_FLOOD - REPLIES_PER_PEER
+            # the three paths built here, and any the adversary's own path keeping built meanwhile
             hops = [h for h in victim.relay.hops if h.pred == adversary.keys.public]
-            assert len(hops) == 3 and all(len(h.replies) <= relay.MAX_REPLIES_PER_PATH for h in hops)
+            assert len(hops) >= 3 and all(len(h.replies) <= relay.MAX_REPLIES_PER_PATH for h in hops)
             assert len(victim.relay.replies) <= held + 64  # the adversary's, and the few of honest requests
             for question in ("Still answering?", "And now?"):
                 assert (await chat(net.client, question)).status_code == 200
