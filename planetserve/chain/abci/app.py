@@ -93,15 +93,15 @@ def _events(raw: list[tuple[str, dict[str, str]]]) -> list[abci.Event]:
 
 
 class Application:
-    VERSION = APP_VERSION
-    MIGRATIONS: dict[str, governance.Migration] = {}
-    """The migration of each upgrade (by its plan's name) that this version of the app runs."""
-
     """`snapshots`: the state sync snapshots this validator makes and serves, and where a snapshot
     being restored is kept (None: neither). `retain_blocks`: the blocks CometBFT keeps (0: all), never
     fewer than a kept snapshot needs. `chain_id`: the chain this node belongs to, before its state
     says so (a node restoring a snapshot refuses one of another chain). `metrics`: what it records for
     Prometheus (None: nothing)."""
+
+    VERSION = APP_VERSION
+    MIGRATIONS: dict[str, governance.Migration] = {}
+    """The migration of each upgrade (by its plan's name) that this version of the app runs."""
 
     def __init__(self, store: StateStore, snapshots: Snapshots | None = None, retain_blocks: int = 0,
                  chain_id: str = "", metrics: AppMetrics | None = None) -> None:

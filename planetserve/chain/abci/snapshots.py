@@ -131,11 +131,14 @@ class Snapshots:
         directory.mkdir(parents=True, exist_ok=True)
         for stale in directory.glob("*.partial"):  # a snapshot a stopped process left half written
             shutil.rmtree(stale, ignore_errors=True)
+        self._kept = sorted(int(p.name) for p in directory.iterdir()
+                            if p.name.isdigit() and (p / _METADATA).is_file())
+        """The heights of the whole snapshots kept, oldest first: read from disk once, then replaced
+        (never changed in place) by the thread that writes and prunes them, so Commit lists no folder."""
 
     def heights(self) -> list[int]:
         """The heights of the whole snapshots kept, oldest first."""
-        return sorted(int(p.name) for p in self.directory.iterdir()
-                      if p.name.isdigit() and (p / _METADATA).is_file())
+        return list(self._kept)
 
     def oldest_needed(self) -> int | None:
         """The lowest height a kept (or a being made) snapshot stands on: the block store must keep
@@ -194,7 +197,9 @@ class Snapshots:
             (partial / _METADATA).write_bytes(Metadata(tuple(hashes), block_time, chain_id).encode())
             partial.rename(self.directory / str(height))
             log.info("snapshot of height %d written: %d chunks", height, len(hashes))
-            for old in self.heights()[: -self.keep]:
+            kept = sorted([*self._kept, height])
+            self._kept = kept[-self.keep:]
+            for old in kept[: -self.keep]:
                 shutil.rmtree(self.directory / str(old), ignore_errors=True)
         except Exception:
             log.exception("making the snapshot of height %d failed", height)

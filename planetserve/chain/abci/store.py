@@ -53,7 +53,7 @@ import struct
 import threading
 import weakref
 from bisect import bisect_left
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -527,6 +527,21 @@ def _prove_prefix(
     return entries, proof
 
 
+def _paged(read: Callable[[str, Any], list[Any]], first: str, following: str,
+           prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
+    """The rows under `prefix` in key order, `_SCAN_PAGE` at a time through `read(sql, params)` with
+    the scan statements `first` and `following`. Keys are ASCII, so every key starting with `prefix`
+    lies in [prefix, prefix + 0x80)."""
+    hi = prefix + b"\x80"
+    rows = read(first, (prefix, hi, _SCAN_PAGE))
+    while True:
+        for k, v in rows:
+            yield bytes(k), bytes(v)
+        if len(rows) < _SCAN_PAGE:
+            return
+        rows = read(following, (bytes(rows[-1][0]), hi, _SCAN_PAGE))
+
+
 def _earliest(height: int, keep_heights: int, base: int) -> int:
     if not height:
         return 0
@@ -617,13 +632,7 @@ class Snapshot:
         sync snapshot holds)."""
         if self._conn is None:
             raise StoreError("the snapshot is closed")
-        rows = self._query(self._fixed(_SQL_SCAN_FIRST), (b"", b"\x80", _SCAN_PAGE))
-        while rows:
-            for k, v in rows:
-                yield bytes(k), bytes(v)
-            if len(rows) < _SCAN_PAGE:
-                return
-            rows = self._query(self._fixed(_SQL_SCAN_NEXT), (bytes(rows[-1][0]), b"\x80", _SCAN_PAGE))
+        return _paged(self._query, self._fixed(_SQL_SCAN_FIRST), self._fixed(_SQL_SCAN_NEXT), b"")
 
     def close(self) -> None:
         conn, self._conn = self._conn, None
@@ -1134,19 +1143,14 @@ class StateStore:
 
     def _scan(self, batch: Batch, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
         """Committed rows under `prefix` in key order, a page at a time (nothing is held between
-        pages, so the caller may stop at any point). Keys are ASCII, so every key starting with
-        `prefix` lies in [prefix, prefix + 0x80)."""
-        hi = prefix + b"\x80"
-        sql, params = self._sql_scan_first, (prefix, hi, _SCAN_PAGE)
-        while True:
+        pages, so the caller may stop at any point)."""
+
+        def page(sql: str, params: Any) -> list[Any]:
             with self._lock:
                 self._check_fresh(batch)
-                rows = self._query(sql, params)
-            for k, v in rows:
-                yield bytes(k), bytes(v)
-            if len(rows) < _SCAN_PAGE:
-                return
-            sql, params = self._sql_scan_next, (bytes(rows[-1][0]), hi, _SCAN_PAGE)
+                return self._query(sql, params)
+
+        return _paged(page, self._sql_scan_first, self._sql_scan_next, prefix)
 
     def _committed_values(self, batch: Batch, keys: list[bytes]) -> dict[bytes, bytes | None]:
         """The committed values of `keys` before `batch`: the batch's own reads, the rest in a

@@ -41,10 +41,10 @@ def propose_member(ctx: Context, msg: ProposeMember) -> None:
     ctx.require_member()
     if msg.action == "add":
         member = _admitted(ctx, msg)
+    elif msg.action == "remove":
+        member = _removed(ctx, msg)
     else:
-        member = _removed(ctx, msg) if msg.action == "remove" else _existing(ctx, msg.operator)
-    if msg.action == "renew":
-        member = replace(member, credential=msg.credential)
+        member = replace(_existing(ctx, msg.operator), credential=msg.credential)
     _propose(ctx, msg.action, member.to_record(), "propose_member")
 
 
