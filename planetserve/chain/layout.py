@@ -35,6 +35,12 @@ Verification epochs (<e> is the epoch number as %010d):
     miss/<e>/<operator hex>                 int             (commits the member's validator missed in e)
     rep/<node hex>                          Reputation
 
+Key rotations (due at the first block of an epoch, chain/abci/rotations.py):
+    nrot/<height:012d>/<old key hex>        NodeRotation    (a model node's, due at the start of that block)
+    rkey/<key hex>                          NodeRotation    (a key no registration may take: a pending
+                                                             rotation's new key, or a retired one)
+    mrot/<height:012d>/<operator hex>       MemberRotation  (a member's, due at the start of that block)
+
 Contribution credits and deployments:
     price/<hardware>                        credits per server-hour (int)
     credit/<org>                            Credits         (credit-seconds)
@@ -271,12 +277,38 @@ PARAM_CHANGE_PREFIX = key("pchange", "")
 
 def param_change_key(height: int) -> bytes:
     return PARAM_CHANGE_PREFIX + f"{height:012d}".encode()
+
+
+NODE_ROTATION_PREFIX = key("nrot", "")
+MEMBER_ROTATION_PREFIX = key("mrot", "")
+
+
+def node_rotation_prefix(height: int) -> bytes:
+    return NODE_ROTATION_PREFIX + f"{height:012d}/".encode()
+
+
+def node_rotation_key(height: int, old: bytes) -> bytes:
+    return node_rotation_prefix(height) + old.hex().encode()
+
+
+def retired_key(pubkey: bytes) -> bytes:
+    return key("rkey", pubkey.hex())
+
+
+def member_rotation_prefix(height: int) -> bytes:
+    return MEMBER_ROTATION_PREFIX + f"{height:012d}/".encode()
+
+
+def member_rotation_key(height: int, operator: bytes) -> bytes:
+    return member_rotation_prefix(height) + operator.hex().encode()
+
+
 NEXT_PROPOSAL_KEY = key("next", "proposal")
 
 
 REGISTRY_PREFIXES = tuple(key(family, "") for family in (
     "acct", "org", "user", "ulist", "uexp", "model", "node", "nlist", "orgnode", "rep", "price", "credit",
-    "deploy", "dnode", "dexp")) + (key("next", "deployment"),)
+    "deploy", "dnode", "dexp", "rkey")) + (key("next", "deployment"),)
 """The families a new chain takes from another's export (`genesis init --from-export`): its accounts,
 registry, reputations and credits; not its committee, proposals, epochs or counters of its heights."""
 

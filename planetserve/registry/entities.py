@@ -105,6 +105,19 @@ class ModelNode(Record):
 
 
 @dataclass(frozen=True)
+class NodeRotation(Record):
+    """A model node's move from key `old` to key `new`, both of whose holders signed it: due at the start
+    of block `height` (the next epoch's first), when the node's record, listing, reputation, deployment
+    and planned challenge move to the new key. Kept for both keys until then, and for the old key after:
+    neither may be registered again."""
+
+    old: bytes
+    new: bytes
+    org_id: str
+    height: int
+
+
+@dataclass(frozen=True)
 class Member(Record):
     """A verification-committee member: an institution running a validator."""
 
@@ -117,6 +130,26 @@ class Member(Record):
     expires_at: int = 0
     """When its credential lapses (block time, seconds; 0 until admission sets it): at the first epoch
     end from then on it loses its power, unless the committee renewed it."""
+
+
+@dataclass(frozen=True)
+class MemberRotation(Record):
+    """A member's new keys (empty: unchanged), each signed for by its holder except the X25519 key, which
+    cannot sign and harms only its own member if wrong: due at the start of block `height` (the next
+    epoch's first), when the member's record, validator, faults and votes move to them."""
+
+    operator: bytes
+    height: int
+    new_operator: bytes = b""
+    consensus_key: bytes = b""
+    vrf_key: bytes = b""
+    x25519_key: bytes = b""
+
+    def applied(self, member: Member) -> Member:
+        return dataclasses.replace(
+            member, operator=self.new_operator or member.operator,
+            consensus_key=self.consensus_key or member.consensus_key,
+            vrf_key=self.vrf_key or member.vrf_key, x25519_key=self.x25519_key or member.x25519_key)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from tendermint.crypto import keys_pb2, proof_pb2
 from tendermint.types import params_pb2, validator_pb2
 
 from planetserve.chain import layout, messages
-from planetserve.chain.abci import deployments, epochs, governance
+from planetserve.chain.abci import deployments, epochs, governance, rotations
 from planetserve.chain.abci.handlers import HANDLERS
 from planetserve.chain.abci.handlers.context import Context
 from planetserve.chain.abci.metrics import AppMetrics
@@ -270,12 +270,13 @@ class Application:
         self._expire_rate_windows(self.block, req.height)
         self._expire_users(self.block, self.block_time)
         deployments.expire(self.block, self.block_time)
+        rotated = rotations.begin_block(self.block, self.params, req.height)
         epochs.begin_block(self.block, self.params, req.height, self.block_time)
         epochs.record_commit(self.block, self.params, req.height,
                              (v.validator.address for v in req.decided_last_commit.votes
                               if v.block_id_flag == validator_pb2.BLOCK_ID_FLAG_ABSENT))
         results: list[abci.ExecTxResult] = []
-        updates: dict[bytes, int] = {}
+        updates: dict[bytes, int] = dict(rotated.validator_updates)
         admission = Admission(mempool=False)
         for raw in req.txs:
             outcome = self._execute(self.block, raw, req.height, self.block_time, updates,
@@ -298,7 +299,7 @@ class Application:
             self.metrics.block(self.params, req.height, started)
         return abci.ResponseFinalizeBlock(
             tx_results=results,
-            events=_events([*changed.events,
+            events=_events([*changed.events, *rotated.events,
                             *(("member_removed", {"operator": r.operator.hex(), "faults": str(r.faults),
                                                   "reason": r.reason})
                               for r in removed), *healed]),

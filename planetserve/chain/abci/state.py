@@ -4,8 +4,10 @@ write buffer."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Protocol
 
+from planetserve.chain import layout
 from planetserve.chain.layout import (
     APP_VERSION_KEY,
     DEPLOYMENT_PREFIX,
@@ -28,11 +30,16 @@ from planetserve.chain.layout import (
     fault_counter_key,
     fault_epoch_prefix,
     fault_key,
+    fault_prefix,
     member_key,
+    member_rotation_key,
+    member_rotation_prefix,
     missed_key,
     model_key,
     node_key,
     node_list_key,
+    node_rotation_key,
+    node_rotation_prefix,
     org_key,
     org_node_key,
     org_node_prefix,
@@ -45,6 +52,7 @@ from planetserve.chain.layout import (
     report_key,
     reputation_key,
     result_key,
+    retired_key,
     user_key,
     user_list_key,
     vrf_prefix,
@@ -53,8 +61,10 @@ from planetserve.registry import codec
 from planetserve.registry.credits import Credits, Deployment
 from planetserve.registry.entities import (
     Member,
+    MemberRotation,
     Model,
     ModelNode,
+    NodeRotation,
     Organisation,
     Proposal,
     Record,
@@ -236,6 +246,10 @@ class State:
         if node.status == "active" and listable:
             self.kv.set(node_list_key(node), record)
 
+    def delete_node(self, node: ModelNode) -> None:
+        self.kv.delete(node_key(node.pubkey))
+        self.kv.delete(node_list_key(node))
+
     def listed(self, node: ModelNode) -> bool:
         """Whether the node is on the verified node list: active, trusted and past probation."""
         return node.status == "active" and self.listable(node.pubkey)
@@ -333,6 +347,17 @@ class State:
         self.put_int(counter, n + 1)
         self._put(fault_key(fault.operator, fault.epoch, n), fault)
 
+    def move_faults(self, old: bytes, new: bytes) -> None:
+        """A member's faults, numbered as they were, under its new operator key."""
+        for k, value in list(self.kv.iterate(fault_prefix(old))):
+            self.kv.delete(k)
+            moved = replace(Fault.decode(value), operator=new)
+            self._put(fault_prefix(new) + k[len(fault_prefix(old)):], moved)
+        counter = self.get_int(fault_counter_key(old))
+        if counter:
+            self.kv.delete(fault_counter_key(old))
+            self.put_int(fault_counter_key(new), counter)
+
     def faults_in(self, operator: bytes, epochs: range) -> int:
         """How many faults of the operator the chain recorded in these epochs: one prefix read per
         epoch, so the cost stays with the window, not with the operator's whole history."""
@@ -385,6 +410,36 @@ class State:
         for node in deployment.nodes:
             self.kv.delete(assigned_key(node))
         self.kv.delete(deployment_expiry_key(deployment.expires_at, deployment.deployment_id))
+
+    def retired(self, pubkey: bytes) -> NodeRotation | None:
+        """The rotation that reserves or retired `pubkey`, if any."""
+        return self._load(retired_key(pubkey), NodeRotation)
+
+    def put_node_rotation(self, rotation: NodeRotation) -> None:
+        self._put(node_rotation_key(rotation.height, rotation.old), rotation)
+        self._put(retired_key(rotation.old), rotation)
+        self._put(retired_key(rotation.new), rotation)
+
+    def node_rotations_due(self, height: int) -> list[NodeRotation]:
+        return layout.decode_records(list(self.kv.iterate(node_rotation_prefix(height))), NodeRotation)
+
+    def finish_node_rotation(self, rotation: NodeRotation) -> None:
+        """The new key is registered now (its node record guards it); the old one stays retired."""
+        self.kv.delete(node_rotation_key(rotation.height, rotation.old))
+        self.kv.delete(retired_key(rotation.new))
+
+    def member_rotations(self) -> list[MemberRotation]:
+        """Every pending member rotation (at most one per member), in key order."""
+        return layout.decode_records(list(self.kv.iterate(layout.MEMBER_ROTATION_PREFIX)), MemberRotation)
+
+    def member_rotations_due(self, height: int) -> list[MemberRotation]:
+        return layout.decode_records(list(self.kv.iterate(member_rotation_prefix(height))), MemberRotation)
+
+    def put_member_rotation(self, rotation: MemberRotation) -> None:
+        self._put(member_rotation_key(rotation.height, rotation.operator), rotation)
+
+    def delete_member_rotation(self, rotation: MemberRotation) -> None:
+        self.kv.delete(member_rotation_key(rotation.height, rotation.operator))
 
     def next_deployment_id(self) -> int:
         value = self.get_int(NEXT_DEPLOYMENT_KEY) + 1

@@ -7,7 +7,13 @@ from __future__ import annotations
 from typing import Any
 
 from planetserve.chain.messages.base import Message
-from planetserve.chain.messages.committee import ProposeMember, ProposeParams, ProposeUpgrade, VoteMember
+from planetserve.chain.messages.committee import (
+    ProposeMember,
+    ProposeParams,
+    ProposeUpgrade,
+    RotateMemberKey,
+    VoteMember,
+)
 from planetserve.chain.messages.credits import DeployModel
 from planetserve.chain.messages.epochs import (
     Attest,
@@ -23,13 +29,14 @@ from planetserve.chain.messages.registry import (
     RegisterModelNode,
     RegisterOrg,
     RegisterUser,
+    RotateNodeKey,
     UpdateModelNode,
 )
 
 MESSAGES: dict[str, type[Message]] = {
     m.TYPE: m
     for m in (RegisterOrg, RegisterUser, Heartbeat, RegisterModel, RegisterModelNode, UpdateModelNode,
-              ProposeMember, ProposeParams, ProposeUpgrade, VoteMember,
+              RotateNodeKey, ProposeMember, ProposeParams, ProposeUpgrade, VoteMember, RotateMemberKey,
               SubmitVrf, CommitPlan, SubmitResults, Attest, ReportInvalid, CommitRechallenge,
               DeployModel)
 }
@@ -37,7 +44,8 @@ MESSAGES: dict[str, type[Message]] = {
 EPOCH_FAMILY = frozenset(m.TYPE for m in (SubmitVrf, CommitPlan, SubmitResults, Attest, ReportInvalid,
                                           CommitRechallenge))
 """The committee's epoch work, which proposals carry first."""
-COMMITTEE_FAMILY = frozenset(m.TYPE for m in (ProposeMember, ProposeParams, ProposeUpgrade, VoteMember))
+COMMITTEE_FAMILY = frozenset(m.TYPE for m in (ProposeMember, ProposeParams, ProposeUpgrade, VoteMember,
+                                              RotateMemberKey))
 REGISTRATIONS = frozenset(m.TYPE for m in (RegisterUser, RegisterOrg))
 """New identities: at most `max_registrations_per_block` a block, proposed last."""
 

@@ -3,16 +3,20 @@ height or to require a newer app from a height on, and votes on them."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Self
 
+from nacl.signing import SigningKey
+
+from planetserve.chain.keys import KeySet
 from planetserve.chain.messages.base import Message, as_map
-from planetserve.registry import fields
+from planetserve.registry import codec, fields
 from planetserve.registry.entities import MEMBER_ACTIONS, Member
 from planetserve.registry.errors import InvalidField
 from planetserve.registry.params import Params
 
 MAX_POWER = 1_000_000
+MEMBER_ROTATION_DOMAIN = "planetserve/member-rotation/v1"
 
 
 @dataclass(frozen=True)
@@ -107,3 +111,70 @@ class VoteMember(Message):
     @classmethod
     def parse(cls, body: dict[str, Any]) -> Self:
         return cls(fields.integer(body, "proposal_id", 1, 2**62), fields.flag(body, "approve"))
+
+
+def member_rotation_message(chain_id: str, operator: bytes, new_operator: bytes | None,
+                            consensus_key: bytes | None, vrf_key: bytes | None, x25519_key: bytes | None
+                            ) -> bytes:
+    """What each new signing key of a member signs: the whole rotation, so no key is moved alone."""
+    return codec.pack([MEMBER_ROTATION_DOMAIN, chain_id, operator, new_operator or b"", consensus_key or b"",
+                       vrf_key or b"", x25519_key or b""])
+
+
+@dataclass(frozen=True)
+class RotateMemberKey(Message):
+    """The signer (a member's operator key) moves any of its keys to new ones at the next epoch's first
+    block. Each new key that can sign (operator, consensus, VRF: all ed25519) signs the rotation; the
+    X25519 key cannot, and a wrong one only stops its own member reading its sealed challenges."""
+
+    TYPE: ClassVar[str] = "rotate-member-key"
+    new_operator: bytes | None = None
+    operator_signature: bytes | None = None
+    consensus_key: bytes | None = None
+    consensus_signature: bytes | None = None
+    vrf_key: bytes | None = None
+    vrf_signature: bytes | None = None
+    x25519_key: bytes | None = None
+
+    SIGNED: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("new_operator", "operator_signature"), ("consensus_key", "consensus_signature"),
+        ("vrf_key", "vrf_signature"))
+
+    @classmethod
+    def signed(cls, chain_id: str, operator: bytes, keys: KeySet | None = None,
+               consensus: SigningKey | None = None) -> Self:
+        """The rotation to `keys` (operator, VRF and X25519 at once) and/or a new consensus key."""
+        unsigned = cls(
+            new_operator=keys.public if keys is not None else None,
+            consensus_key=bytes(consensus.verify_key) if consensus is not None else None,
+            vrf_key=bytes(keys.vrf.verify_key) if keys is not None else None,
+            x25519_key=bytes(keys.x25519.public_key) if keys is not None else None)
+        message = unsigned.message(chain_id, operator)
+        return replace(
+            unsigned, operator_signature=keys.sign(message) if keys is not None else None,
+            consensus_signature=consensus.sign(message).signature if consensus is not None else None,
+            vrf_signature=keys.vrf.sign(message).signature if keys is not None else None)
+
+    def message(self, chain_id: str, operator: bytes) -> bytes:
+        return member_rotation_message(chain_id, operator, self.new_operator, self.consensus_key,
+                                       self.vrf_key, self.x25519_key)
+
+    @classmethod
+    def parse(cls, body: dict[str, Any]) -> Self:
+        values: dict[str, Any] = {}
+        for key, signature in cls.SIGNED:
+            if (key in body) != (signature in body):
+                raise InvalidField(signature, f"must be given exactly when {key} is: the new key signs")
+            if key in body:
+                values[key] = fields.key32(body, key)
+                values[signature] = fields.sig64(body, signature)
+        if "x25519_key" in body:
+            values["x25519_key"] = fields.key32(body, "x25519_key")
+        if not values:
+            raise InvalidField("new_operator", "a rotation names at least one new key")
+        return cls(**values)
+
+    def signatures(self) -> list[tuple[str, bytes, bytes]]:
+        """(field, new key, its signature) for each new signing key."""
+        return [(key, getattr(self, key), getattr(self, signature)) for key, signature in self.SIGNED
+                if getattr(self, key) is not None]

@@ -10,15 +10,22 @@ from planetserve.chain.keys import KeySet
 from planetserve.chain.messages.base import Message
 from planetserve.registry import codec, fields, work
 from planetserve.registry.entities import NODE_STATUSES
+from planetserve.registry.errors import InvalidField
 from planetserve.registry.params import Params
 
 NODE_POP_DOMAIN = "planetserve/node-pop/v1"
+NODE_ROTATION_DOMAIN = "planetserve/node-rotation/v1"
 MAX_CAPACITY = 1_000_000
 
 
 def node_pop_message(chain_id: str, org_id: str, node_pubkey: bytes) -> bytes:
     """What a model node's key signs to prove its owner holds it when the organisation registers it."""
     return codec.pack([NODE_POP_DOMAIN, chain_id, org_id, node_pubkey])
+
+
+def node_rotation_message(chain_id: str, org_id: str, old: bytes, new: bytes) -> bytes:
+    """What both of a model node's keys sign to move the node from the old to the new."""
+    return codec.pack([NODE_ROTATION_DOMAIN, chain_id, org_id, old, new])
 
 
 def _optional(body: dict[str, Any], name: str, check: Any, *args: Any) -> Any:
@@ -167,3 +174,28 @@ class UpdateModelNode(Message):
             memory_mib=_optional(body, "memory_mib", fields.integer, 0, fields.MAX_MIB),
             gflops=_optional(body, "gflops", fields.integer, 0, fields.MAX_GFLOPS),
         )
+
+
+@dataclass(frozen=True)
+class RotateNodeKey(Message):
+    """Moves a model node of the signer's organisation to a new key at the next epoch's first block:
+    the old key's signature shows its holder agrees, the new key's that its holder exists."""
+
+    TYPE: ClassVar[str] = "rotate-node-key"
+    node_pubkey: bytes
+    new_pubkey: bytes
+    old_signature: bytes
+    new_signature: bytes
+
+    @classmethod
+    def signed(cls, chain_id: str, org_id: str, old: KeySet, new: KeySet) -> Self:
+        message = node_rotation_message(chain_id, org_id, old.public, new.public)
+        return cls(old.public, new.public, old.sign(message), new.sign(message))
+
+    @classmethod
+    def parse(cls, body: dict[str, Any]) -> Self:
+        msg = cls(fields.key32(body, "node_pubkey"), fields.key32(body, "new_pubkey"),
+                  fields.sig64(body, "old_signature"), fields.sig64(body, "new_signature"))
+        if msg.new_pubkey == msg.node_pubkey:
+            raise InvalidField("new_pubkey", "must differ from node_pubkey")
+        return msg

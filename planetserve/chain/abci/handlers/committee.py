@@ -8,9 +8,17 @@ from __future__ import annotations
 from dataclasses import replace
 
 from planetserve.chain.abci.handlers.context import Context
-from planetserve.chain.messages.committee import ProposeMember, ProposeParams, ProposeUpgrade, VoteMember
+from planetserve.chain.abci.rotations import next_epoch_start
+from planetserve.chain.keys import verify_signature
+from planetserve.chain.messages.committee import (
+    ProposeMember,
+    ProposeParams,
+    ProposeUpgrade,
+    RotateMemberKey,
+    VoteMember,
+)
 from planetserve.registry import rules
-from planetserve.registry.entities import Member, Proposal, UpgradePlan
+from planetserve.registry.entities import Member, MemberRotation, Proposal, UpgradePlan
 from planetserve.registry.errors import AlreadyExists, Expired, InvalidField, UnknownEntity
 
 
@@ -130,10 +138,18 @@ def _settle(ctx: Context, proposal: Proposal) -> None:
             ctx.emit("member_renewed", operator=member.operator.hex(), expires_at=str(renewed.expires_at))
             return
         if proposal.action == "add":
+            if any(m.consensus_key == member.consensus_key for m in ctx.committee.values()):
+                ctx.emit("proposal_void", proposal_id=str(proposal.proposal_id))
+                return
             member = replace(member, expires_at=ctx.time + ctx.params.credential_ttl_seconds)
             ctx.state.put_member(member)
             ctx.validator_updates.append((member.consensus_key, member.power))
         else:
+            current = ctx.committee.get(member.operator)
+            if current is None:
+                ctx.emit("proposal_void", proposal_id=str(proposal.proposal_id))
+                return
+            member = current
             ctx.state.delete_member(member.operator)
             ctx.validator_updates.append((member.consensus_key, 0))
         ctx.emit("member_" + ("admitted" if proposal.action == "add" else "removed"),
@@ -145,6 +161,29 @@ def _settle(ctx: Context, proposal: Proposal) -> None:
         ctx.state.put_proposal(proposal)
 
 
+def rotate_member_key(ctx: Context, msg: RotateMemberKey) -> None:
+    ctx.require_member()
+    message = msg.message(ctx.chain_id, ctx.signer)
+    for name, key, signature in msg.signatures():
+        if not verify_signature(key, message, signature):
+            raise InvalidField(name, "did not sign the rotation (its signature does not verify)")
+    pending = ctx.state.member_rotations()
+    mine = next((r for r in pending if r.operator == ctx.signer), None)
+    if mine is not None:
+        raise AlreadyExists(f"signer's keys already rotate at height {mine.height}")
+    if msg.new_operator is not None and (
+            msg.new_operator in ctx.committee or any(r.new_operator == msg.new_operator for r in pending)):
+        raise AlreadyExists("new_operator is already a member's operator key, or about to be")
+    if msg.consensus_key is not None and (
+            any(m.consensus_key == msg.consensus_key for m in ctx.committee.values())
+            or any(r.consensus_key == msg.consensus_key for r in pending)):
+        raise AlreadyExists("consensus_key is already a member's consensus key, or about to be")
+    rotation = MemberRotation(ctx.signer, next_epoch_start(ctx.params, ctx.height), msg.new_operator or b"",
+                              msg.consensus_key or b"", msg.vrf_key or b"", msg.x25519_key or b"")
+    ctx.state.put_member_rotation(rotation)
+    ctx.emit("rotate_member_key", operator=ctx.signer.hex(), height=str(rotation.height))
+
+
 def _schedule_params(ctx: Context, height: int, changes: dict[str, int]) -> None:
     """Add approved changes to those of their block (a later approval of the same parameter wins)."""
     ctx.state.put_param_changes(height, {**ctx.state.param_changes(height), **changes})
@@ -152,4 +191,4 @@ def _schedule_params(ctx: Context, height: int, changes: dict[str, int]) -> None
 
 
 HANDLERS = {ProposeMember: propose_member, ProposeParams: propose_params, ProposeUpgrade: propose_upgrade,
-            VoteMember: vote_member}
+            VoteMember: vote_member, RotateMemberKey: rotate_member_key}

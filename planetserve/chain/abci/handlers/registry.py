@@ -7,6 +7,7 @@ from dataclasses import replace
 
 from planetserve.chain.abci.deployments import heal_node
 from planetserve.chain.abci.handlers.context import Context
+from planetserve.chain.abci.rotations import next_epoch_start
 from planetserve.chain.keys import verify_signature
 from planetserve.chain.messages.registry import (
     Heartbeat,
@@ -14,12 +15,14 @@ from planetserve.chain.messages.registry import (
     RegisterModelNode,
     RegisterOrg,
     RegisterUser,
+    RotateNodeKey,
     UpdateModelNode,
     Worked,
     node_pop_message,
+    node_rotation_message,
 )
 from planetserve.registry import reputation, rules, work
-from planetserve.registry.entities import Model, ModelNode, Organisation, User
+from planetserve.registry.entities import Model, ModelNode, NodeRotation, Organisation, User
 from planetserve.registry.epochs import Reputation
 from planetserve.registry.errors import AlreadyExists, Expired, InsufficientWork, InvalidField, UnknownEntity
 
@@ -90,6 +93,7 @@ def register_model_node(ctx: Context, msg: RegisterModelNode) -> None:
         raise InvalidField("pop", "is not a signature by node_pubkey over the registration")
     if ctx.state.node(msg.node_pubkey) is not None:
         raise AlreadyExists("model node key is already registered")
+    _not_rotated(ctx, msg.node_pubkey, "node_pubkey")
     start = _new_standing(ctx, msg.org_id, msg.node_pubkey)
     ctx.state.put_node(ModelNode(
         pubkey=msg.node_pubkey,
@@ -119,10 +123,28 @@ def _new_standing(ctx: Context, org_id: str, node: bytes) -> Reputation:
     return record
 
 
+def _not_rotated(ctx: Context, key: bytes, name: str) -> None:
+    rotation = ctx.state.retired(key)
+    if rotation is None:
+        return
+    role = "retired by" if rotation.old == key else "reserved for"
+    raise AlreadyExists(f"{name} {key.hex()[:16]} is {role} the rotation of node {rotation.old.hex()[:16]} "
+                        f"at height {rotation.height}; no registration may take it")
+
+
+def _registered_node(ctx: Context, key: bytes) -> ModelNode:
+    node = ctx.state.node(key)
+    if node is not None:
+        return node
+    rotation = ctx.state.retired(key)
+    if rotation is not None and rotation.old == key:
+        raise UnknownEntity(f"model node key {key.hex()[:16]} was rotated to {rotation.new.hex()} at height "
+                            f"{rotation.height}; the old key is refused from then on")
+    raise UnknownEntity("model node is not registered")
+
+
 def update_model_node(ctx: Context, msg: UpdateModelNode) -> None:
-    node = ctx.state.node(msg.node_pubkey)
-    if node is None:
-        raise UnknownEntity("model node is not registered")
+    node = _registered_node(ctx, msg.node_pubkey)
     ctx.owned_org(node.org_id)
     changes = {name: value for name in ("address", "capacity", "region", "status", "model_id", "memory_mib",
                                         "gflops") if (value := getattr(msg, name)) is not None}
@@ -135,6 +157,25 @@ def update_model_node(ctx: Context, msg: UpdateModelNode) -> None:
         ctx.emit(kind, **attributes)
 
 
+def rotate_node_key(ctx: Context, msg: RotateNodeKey) -> None:
+    node = _registered_node(ctx, msg.node_pubkey)
+    ctx.owned_org(node.org_id)
+    message = node_rotation_message(ctx.chain_id, node.org_id, msg.node_pubkey, msg.new_pubkey)
+    if not verify_signature(msg.node_pubkey, message, msg.old_signature):
+        raise InvalidField("old_signature", "is not a signature by node_pubkey over the rotation")
+    if not verify_signature(msg.new_pubkey, message, msg.new_signature):
+        raise InvalidField("new_signature", "is not a signature by new_pubkey over the rotation")
+    pending = ctx.state.retired(msg.node_pubkey)
+    if pending is not None:
+        raise AlreadyExists(f"node already rotates to {pending.new.hex()[:16]} at height {pending.height}")
+    if ctx.state.node(msg.new_pubkey) is not None:
+        raise AlreadyExists("new_pubkey is already a registered model node's key")
+    _not_rotated(ctx, msg.new_pubkey, "new_pubkey")
+    height = next_epoch_start(ctx.params, ctx.height)
+    ctx.state.put_node_rotation(NodeRotation(msg.node_pubkey, msg.new_pubkey, node.org_id, height))
+    ctx.emit("rotate_node_key", node=msg.node_pubkey.hex(), new=msg.new_pubkey.hex(), height=str(height))
+
+
 HANDLERS = {
     RegisterOrg: register_org,
     RegisterUser: register_user,
@@ -142,4 +183,5 @@ HANDLERS = {
     RegisterModel: register_model,
     RegisterModelNode: register_model_node,
     UpdateModelNode: update_model_node,
+    RotateNodeKey: rotate_node_key,
 }
