@@ -32,7 +32,16 @@ from planetserve.chain.rpc import AbciQuery, RpcClient, RpcError, RpcResponseErr
 from planetserve.chain.tx import sign
 from planetserve.registry import codec
 from planetserve.registry.credits import Credits, Deployment
-from planetserve.registry.entities import Member, Model, ModelNode, Organisation, Record, User
+from planetserve.registry.entities import (
+    Member,
+    MemberRotation,
+    Model,
+    ModelNode,
+    NodeRotation,
+    Organisation,
+    Record,
+    User,
+)
 from planetserve.registry.epochs import (
     ChallengeResult,
     Epoch,
@@ -313,6 +322,14 @@ class LedgerClient:
 
     def node(self, pubkey: bytes) -> ModelNode | None:
         return self._entity(layout.node_key(pubkey), ModelNode)
+
+    def rotation(self, pubkey: bytes) -> NodeRotation | None:
+        """The rotation that reserves (pending) or retired this node key, if any."""
+        return self._entity(layout.retired_key(pubkey), NodeRotation)
+
+    def member_rotations(self) -> list[MemberRotation]:
+        """The members' pending key rotations."""
+        return layout.decode_records(self.entries(layout.MEMBER_ROTATION_PREFIX).entries, MemberRotation)
 
     def user(self, pubkey: bytes) -> User | None:
         return self._entity(layout.user_key(pubkey), User)

@@ -189,6 +189,42 @@ def model(home: Path, org_keys: Path | None, log_level: str, as_json: bool) -> N
         fail(f"the ledger could not be read: {exc}")
 
 
+@group.command("rotate-key")
+@click.option("--home", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help=HOME_HELP)
+@click.option("--org-keys", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="The organisation's key file: the organisation sends the rotation.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def rotate_key(home: Path, org_keys: Path, as_json: bool) -> None:
+    """Move a model node to a fresh key at the next epoch's first block.
+
+    Writes the new key to node_keys.next.json in the home and sends rotate-node-key, signed by the
+    node's current key and the new one. At the rotation height the node's registration, listing,
+    reputation and deployment move to the new key and the old key is refused. A running node switches
+    to the new key by itself (its model stays loaded); a stopped one does when it next starts.
+    """
+    from planetserve.chain.client import TRANSIENT, LedgerClient
+    from planetserve.node.home import HomeError, ModelNodeConfig, load_keys, prepare_next_keys
+    from planetserve.node.registration import RegistrationError, rotate_key
+
+    try:
+        config = ModelNodeConfig.load(home)
+        keys, org = load_keys(home), KeySet.load(org_keys)
+        new = prepare_next_keys(home)
+        ledger = LedgerClient.verified(config.rpc, config.genesis, witness=config.witness,
+                                       max_age=config.max_age)
+        rotation = rotate_key(ledger, config, keys, new, org)
+    except (HomeError, KeyFileError, RegistrationError) as exc:
+        fail(str(exc))
+    except TRANSIENT as exc:
+        fail(f"the ledger could not be reached: {exc}")
+    if as_json:
+        emit_json({"node": keys.public.hex(), "new": new.public.hex(), "height": rotation.height})
+        return
+    console.print(f"node {keys.public.hex()[:16]}… rotates to key {new.public.hex()} at height "
+                  f"{rotation.height}; a running node switches then, a stopped one when it starts")
+
+
 USER_HOME_HELP = "The relay's home directory (configuration user.json and key file node_keys.json)."
 
 

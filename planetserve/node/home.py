@@ -14,6 +14,9 @@ from planetserve.node.behaviours import HONEST, check_behaviour
 CONFIG_FILE = "node.json"
 USER_CONFIG_FILE = "user.json"
 KEYS_FILE = "node_keys.json"
+NEXT_KEYS_FILE = "node_keys.next.json"
+"""The key a node rotates to (`planetserve node rotate-key`), until the ledger's rotation makes it the
+node's key and it replaces node_keys.json."""
 ENGINE_SAMPLING = ("server", "vllm-processor")
 """How sampled requests reach an engine_url server (`engine/remote.py`): "server" sends temperature and
 seed for the server to sample with (its answers verify only if it samples by the protocol, as
@@ -161,3 +164,25 @@ def init_home(home: Path, config: HomeConfig, keys: KeySet | None = None) -> Key
 
 def load_keys(home: Path) -> KeySet:
     return KeySet.load(home / KEYS_FILE)
+
+
+def next_keys(home: Path) -> KeySet | None:
+    """The key the node rotates to, if one was prepared."""
+    path = home / NEXT_KEYS_FILE
+    return KeySet.load(path) if path.exists() else None
+
+
+def prepare_next_keys(home: Path) -> KeySet:
+    """The key to rotate to: the one already prepared (a rotation sent again reuses it), else a fresh one."""
+    keys = next_keys(home)
+    if keys is None:
+        keys = KeySet.generate()
+        keys.save(home / NEXT_KEYS_FILE)
+    return keys
+
+
+def promote_next_keys(home: Path) -> KeySet:
+    """Make the rotated-to key the node's key; the old key's file is replaced (a rotation away from a
+    key that may be compromised must not leave it lying around)."""
+    (home / NEXT_KEYS_FILE).replace(home / KEYS_FILE)
+    return load_keys(home)

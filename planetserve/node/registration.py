@@ -12,9 +12,15 @@ from planetserve.chain.client import LedgerClient
 from planetserve.chain.errors import Code
 from planetserve.chain.keys import KeySet
 from planetserve.chain.messages.base import Message
-from planetserve.chain.messages.registry import Heartbeat, RegisterModelNode, RegisterUser, UpdateModelNode
+from planetserve.chain.messages.registry import (
+    Heartbeat,
+    RegisterModelNode,
+    RegisterUser,
+    RotateNodeKey,
+    UpdateModelNode,
+)
 from planetserve.node.home import ModelNodeConfig, UserConfig
-from planetserve.registry.entities import ModelNode, User
+from planetserve.registry.entities import ModelNode, NodeRotation, User
 
 
 class RegistrationError(Exception):
@@ -43,6 +49,21 @@ def _submit(ledger: LedgerClient, org_keys: KeySet, msg: Message) -> None:
         result = ledger.submit(org_keys, msg)
     if not result.outcome.ok:
         raise RegistrationError(f"{msg.TYPE} refused (code {result.outcome.code}): {result.outcome.log}")
+
+
+def rotate_key(ledger: LedgerClient, config: ModelNodeConfig, node_keys: KeySet, new_keys: KeySet,
+               org_keys: KeySet) -> NodeRotation:
+    """Ask the ledger to move the node to `new_keys` at the next epoch's first block."""
+    _submit(ledger, org_keys, RotateNodeKey.signed(ledger.chain_id(), config.org_id, node_keys, new_keys))
+    rotation = ledger.rotation(node_keys.public)
+    if rotation is None:
+        raise RegistrationError("the rotation was accepted but the ledger does not show it yet; query again")
+    return rotation
+
+
+def rotated_record(ledger: LedgerClient, new_keys: KeySet | None) -> ModelNode | None:
+    """The node's record under the key it rotates to, once the rotation has taken effect."""
+    return ledger.node(new_keys.public) if new_keys is not None else None
 
 
 def ensure_registered(ledger: LedgerClient, config: ModelNodeConfig, node_keys: KeySet,

@@ -12,14 +12,14 @@ import signal
 from collections.abc import Callable
 from pathlib import Path
 
-from planetserve.chain.client import LedgerClient, QueryRefused
+from planetserve.chain.client import TRANSIENT, LedgerClient, QueryRefused
 from planetserve.chain.keys import KeySet
 from planetserve.chain.lightclient import VerificationError
 from planetserve.chain.rpc import RpcError
 from planetserve.metrics import serve_role
 from planetserve.node.behaviours import HONEST
 from planetserve.node.engine.base import Engine, Tokenizer
-from planetserve.node.home import ModelNodeConfig, UserConfig, load_keys
+from planetserve.node.home import ModelNodeConfig, UserConfig, load_keys, next_keys, promote_next_keys
 from planetserve.node.metrics import model_node_collector, relay_collector
 from planetserve.node.model_node import ModelNode
 from planetserve.node.overlay.directory import Directory
@@ -36,11 +36,13 @@ from planetserve.node.registration import (
     ensure_registered,
     ensure_user,
     heartbeat,
+    rotated_record,
 )
 from planetserve.node.routing.group import Group
 from planetserve.node.user import UserRelay
 from planetserve.registry.credits import Deployment
 from planetserve.registry.entities import Model, User
+from planetserve.registry.entities import ModelNode as NodeRecord
 
 log = logging.getLogger(__name__)
 
@@ -105,21 +107,50 @@ async def run_model_node(home: Path, org_keys: KeySet | None = None,
     else:
         engine, tokenizer, vocab, stop = await asyncio.to_thread(builtin_engine, config)
     try:
+        keys = await asyncio.to_thread(_settle_rotation, ledger, home, keys)
         registered = await asyncio.to_thread(ensure_registered, ledger, config, keys, org_keys)
-        node = ModelNode(config, keys, engine, tokenizer, vocab_size=vocab, eos_ids=stop,
-                         group=Group(ledger, config.model_id), users=Directory(ledger, with_nodes=False))
-        await node.start()
-        stop_metrics = serve_role(config.metrics, model_node_collector(node))
-        try:
-            if on_ready is not None:
-                on_ready(node, registered)
-            await stop_event.wait()
-        finally:
-            stop_metrics()
-            await node.close()
+        while registered is not None:
+            node = ModelNode(config, keys, engine, tokenizer, vocab_size=vocab, eos_ids=stop,
+                             group=Group(ledger, config.model_id), users=Directory(ledger, with_nodes=False))
+            await node.start()
+            stop_metrics = serve_role(config.metrics, model_node_collector(node))
+            try:
+                if on_ready is not None:
+                    on_ready(node, registered)
+                rotated = await _until_stopped_or_rotated(ledger, home, config.list_interval, stop_event)
+            finally:
+                stop_metrics()
+                await node.close()
+            registered = None if rotated is None else Registered(rotated, "rotated")
+            if registered is not None:
+                keys = promote_next_keys(home)
+                log.info("the ledger rotated this node to key %s: serving under it", keys.public.hex())
     finally:
         with contextlib.suppress(Exception):
             await engine.close()
+
+
+def _settle_rotation(ledger: LedgerClient, home: Path, keys: KeySet) -> KeySet:
+    """The node's key: the one it rotated to while it was down, once the ledger registered it."""
+    return promote_next_keys(home) if rotated_record(ledger, next_keys(home)) is not None else keys
+
+
+async def _until_stopped_or_rotated(ledger: LedgerClient, home: Path, interval: float,
+                                    stop_event: asyncio.Event) -> NodeRecord | None:
+    """Wait for SIGINT/SIGTERM (None) or for the ledger to move this node to the key it rotates to (the
+    node's record under that key): the engine stays loaded while the node restarts under the new key."""
+    while not stop_event.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop_event.wait(), interval)
+            return None
+        try:
+            record = await asyncio.to_thread(rotated_record, ledger, next_keys(home))
+        except TRANSIENT as exc:
+            log.warning("could not read the ledger for a pending key rotation: %s", exc)
+            continue
+        if record is not None:
+            return record
+    return None
 
 
 async def _serve_assignment(ledger: LedgerClient, keys: KeySet, config: ModelNodeConfig, model: Model,
