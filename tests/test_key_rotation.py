@@ -14,7 +14,7 @@ from harness import AppHarness, node_body, sqlite_url
 from test_governance import events
 
 from planetserve.chain.abci.state import members
-from planetserve.chain.challenge import open_plan_entry
+from planetserve.chain.challenge import SealedPromptError, open_plan_entry
 from planetserve.chain.errors import Code
 from planetserve.chain.keys import KeySet
 from planetserve.chain.messages import RotateMemberKey, RotateNodeKey
@@ -155,7 +155,9 @@ def test_a_rotated_member_keeps_its_votes_faults_and_plan_and_its_old_keys_are_r
     # its box in the plan of epoch 2 is its under the new operator key; sealed to the X25519 key it
     # had when the plan was committed, which its verifier keeps for this epoch
     entry = s.state.plan_entry(2, next(iter(s.nodes)))
-    assert open_plan_entry(entry, fresh.public, old.x25519).prompt
+    with pytest.raises(SealedPromptError, match="does not open"):
+        open_plan_entry(entry, fresh.public, fresh.x25519)
+    assert open_plan_entry(entry, fresh.public, fresh.x25519, old.x25519).prompt  # as its verifier opens it
 
     # the old operator key is no member any more; the new one is, and its earlier vote still counts
     s.members[fresh.public] = s.members.pop(planner)

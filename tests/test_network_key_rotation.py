@@ -7,18 +7,23 @@ has the ledger's rules over whole epochs in process)."""
 
 from __future__ import annotations
 
+import base64
 import json
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from chainnet import LISTED_AT_ONCE, assert_same_app_hashes, ledger, start_network
+from chainnet import LISTED_AT_ONCE, assert_same_app_hashes, ledger, member_keys, start_network
 from modelnodes import SHARED, signed
 from roles import NodeProcess, init_home, planetserve
 from waiting import wait_until
 
-from planetserve.chain.keys import KeySet
-from planetserve.chain.messages import RegisterOrg, UpdateModelNode
+from planetserve.chain.abci.epochs import validator_address
+from planetserve.chain.keys import KeySet, retired_key_file
+from planetserve.chain.messages import ProposeParams, RegisterOrg, UpdateModelNode
+from planetserve.genesis.network import KEYS_FILE as MEMBER_KEYS_FILE
+from planetserve.genesis.network import consensus_pubkey
+from planetserve.localnet.cluster import Cluster
 from planetserve.node.home import KEYS_FILE, NEXT_KEYS_FILE
 
 pytestmark = pytest.mark.network
@@ -82,3 +87,63 @@ def test_a_running_model_node_rotates_its_key_keeps_its_standing_and_its_old_key
         if node is not None:
             node.stop()
         net.close()
+
+
+def signed_by(net: Cluster, address: bytes) -> bool:
+    """Whether the latest commit carries a signature of the validator at `address`."""
+    commit = net.rpc(0).commit()["commit"]
+    return any(bytes.fromhex(sig.get("validator_address") or "00") == address and sig.get("signature")
+               for sig in commit["signatures"])
+
+
+def test_a_member_rotates_its_keys_and_its_validator_signs_under_the_new_consensus_key(tmp_path: Path) -> None:
+    net = start_network(tmp_path / "net", params=SHORT_EPOCHS, timeout_propose="500ms")
+    try:
+        client = ledger(net)
+        home = net.spec.validators[3].home
+        rpc = ("--node", net.rpc_url(0))
+        old_operator, old_consensus = member_keys(net, 3), consensus_pubkey(home)
+        early = planetserve("chain", "rotate-keys", "--home", str(home), "--finish", *rpc)
+        assert early.returncode == 1 and "no prepared rotation" in early.stderr
+
+        sent = planetserve("chain", "rotate-keys", "--home", str(home), *rpc, "--json")
+        assert sent.returncode == 0, sent.stderr
+        rotation = json.loads(sent.stdout)
+        height, new_operator = rotation["height"], bytes.fromhex(rotation["new_operator"])
+        assert rotation["operator"] == old_operator.public.hex() and height % SHORT_EPOCHS.epoch_blocks == 1
+        not_yet = planetserve("chain", "rotate-keys", "--home", str(home), "--finish", *rpc)
+        assert not_yet.returncode == 1 and f"due at height {height}" in not_yet.stderr
+        assert consensus_pubkey(home) == old_consensus  # nothing moved
+
+        wait_until(lambda: any(m.operator == new_operator for m in client.committee()[1]), timeout=60)
+        net.stop(3)
+        done = planetserve("chain", "rotate-keys", "--home", str(home), "--finish", *rpc, "--json")
+        assert done.returncode == 0, done.stderr
+        new_consensus = consensus_pubkey(home)
+        assert json.loads(done.stdout)["consensus_key"] == new_consensus.hex() != old_consensus.hex()
+        assert member_keys(net, 3).public == new_operator
+        assert KeySet.load(retired_key_file(home / "config" / MEMBER_KEYS_FILE)).public == old_operator.public
+        net.start(3)
+
+        # the validator signs under its new key, the set holds it and not the old one, and a light
+        # client that starts from the genesis follows the change through the rotated validator's RPC
+        wait_until(lambda: signed_by(net, validator_address(new_consensus)), timeout=60)
+        _, validators = client.rpc.validators()
+        keys = {v["pub_key"]["value"] for v in validators}
+        assert len(keys) == 4 and consensus_b64(new_consensus) in keys and consensus_b64(old_consensus) not in keys
+        listing, committee = ledger(net, 3).committee()
+        assert listing.verified and new_operator in {m.operator for m in committee}
+        assert old_operator.public not in {m.operator for m in committee}
+
+        # the old operator key is no member from the rotation height on; the new one is
+        at = client.rpc.latest_height() + 50
+        refused = client.submit(old_operator, ProposeParams(at, {"user_ttl_seconds": 999})).outcome
+        assert not refused.ok and "not a committee member" in refused.log
+        assert client.submit(member_keys(net, 3), ProposeParams(at, {"user_ttl_seconds": 999})).outcome.ok
+        assert_same_app_hashes(net, height + 2)
+    finally:
+        net.close()
+
+
+def consensus_b64(key: bytes) -> str:
+    return base64.b64encode(key).decode()

@@ -131,13 +131,24 @@ class Challenge:
                         served=Served.of(served) if served is not None else None, top_p=self.top_p)
 
 
-def open_plan_entry(entry: PlanEntry, operator: bytes, key: PrivateKey) -> Challenge:
-    """Decrypt this member's copy of a planned prompt and check it against the commitment."""
+def _unseal(box: bytes, keys: tuple[PrivateKey, ...]) -> bytes:
+    for key in keys[:-1]:
+        try:
+            return SealedBox(key).decrypt(box)
+        except CryptoError:
+            continue
+    return SealedBox(keys[-1]).decrypt(box)
+
+
+def open_plan_entry(entry: PlanEntry, operator: bytes, key: PrivateKey, *older: PrivateKey) -> Challenge:
+    """Decrypt this member's copy of a planned prompt and check it against the commitment. A member
+    that rotated its X25519 key passes the key it had too: the plan of the epoch its rotation reached
+    was sealed at the end of the one before."""
     box = next((sealed for member, sealed in entry.sealed if member == operator), None)
     if box is None:
         raise SealedPromptError("the plan entry holds no prompt sealed to this member")
     try:
-        plaintext = SealedBox(key).decrypt(box)
+        plaintext = _unseal(box, (key, *older))
         length = int.from_bytes(plaintext[:4], "big")
         unpacked = codec.unpack(plaintext[4:4 + length])
         prompt, salt, temperature, question, max_tokens, earlier, top_p = unpacked

@@ -85,6 +85,17 @@ class KeySet:
                                "identity_seed, vrf_seed and x25519_secret, each 32 bytes in hex)") from exc
 
 
+def next_key_file(path: Path) -> Path:
+    """Where the keys a participant rotates to wait until the rotation takes effect."""
+    return path.with_name(f"{path.stem}.next{path.suffix}")
+
+
+def retired_key_file(path: Path) -> Path:
+    """Where a member's previous keys stay after a rotation: its X25519 key still opens the plan that
+    was sealed to it before the rotation took effect."""
+    return path.with_name(f"{path.stem}.retired{path.suffix}")
+
+
 def write_private(path: Path, text: str) -> None:
     """Write a file only its owner can read (mode 0600, also when it existed): for anything that may
     hold a secret, such as a database URL with its password."""

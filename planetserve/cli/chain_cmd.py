@@ -11,7 +11,9 @@ from pathlib import Path
 
 import click
 
+from planetserve.chain.client import LedgerClient
 from planetserve.cli import console, emit_json, fail, keep_heights_option, log_level_option, setup_logging
+from planetserve.cli.ledger import ledger_options
 from planetserve.genesis.network import (
     APP_CONFIG_FILE,
     DEFAULT_SNAPSHOT_INTERVAL,
@@ -239,6 +241,62 @@ def export(home: Path, out: Path, chain_id: str | None, as_json: bool) -> None:
         return
     console.print(f"wrote {out}: chain {summary['chain_id']} from height {summary['initial_height']}, "
                   f"{summary['entries']} state entries, app hash {app_hash}")
+
+
+@group.command("rotate-keys")
+@click.option("--home", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help=HOME_HELP)
+@click.option("--finish", is_flag=True,
+              help="Once the rotation took effect, with the validator stopped: put the new keys in place.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@ledger_options(verify=False)
+def rotate_keys(ledger: LedgerClient, home: Path, finish: bool, as_json: bool) -> None:
+    """Rotate this member's keys: operator, VRF, X25519 and its validator's consensus key.
+
+    Step 1 (validator running): writes the new keys beside the current ones (*.next.json in
+    HOME/config) and sends rotate-member-key, signed by the operator key and by each new signing key.
+    It takes effect at the next epoch's first block H: the member's record, faults and votes move to
+    the new operator key, and its validator's power to the new consensus key from H+2 on.
+
+    Step 2 (after H): stop the validator and the verifier, run this again with --finish, start them.
+    The old operator keys stay as planetserve_keys.retired.json: the verifier still opens the epoch's
+    plan, sealed before the rotation, with them. The validator misses the few blocks it is down.
+    """
+    from planetserve.chain.client import TRANSIENT
+    from planetserve.chain.keys import KeyFileError, KeySet
+    from planetserve.chain.messages import RotateMemberKey
+    from planetserve.genesis import validator_keys
+
+    try:
+        operator = KeySet.load(home / "config" / KEYS_FILE)
+        new_keys, consensus = (validator_keys.prepared if finish else validator_keys.prepare)(home)
+        if finish:
+            member = next((m for m in ledger.committee()[1] if m.operator == new_keys.public), None)
+            if member is None or member.consensus_key != bytes(consensus.verify_key):
+                pending = [r for r in ledger.member_rotations() if r.operator == operator.public]
+                due = f"it is due at height {pending[0].height}" if pending else "none is pending"
+                fail(f"the ledger does not show the rotation in effect yet ({due}); the current keys stay")
+            validator_keys.finish(home)
+            summary = {"operator": new_keys.public.hex(), "consensus_key": bytes(consensus.verify_key).hex()}
+            message = "new keys in place: start the validator and its verifier again"
+        else:
+            rotation_msg = RotateMemberKey.signed(ledger.chain_id(), operator.public, new_keys, consensus)
+            done = ledger.submit(operator, rotation_msg)
+            if not done.outcome.ok:
+                fail(f"rotate-member-key refused (code {done.outcome.code}): {done.outcome.log}")
+            [rotation] = [r for r in ledger.member_rotations() if r.operator == operator.public]
+            summary = {"operator": operator.public.hex(), "new_operator": new_keys.public.hex(),
+                       "height": rotation.height}
+            message = (f"keys rotate at height {rotation.height}: after it, stop the validator, run "
+                       f"`planetserve chain rotate-keys --home {home} --finish` and start it again")
+    except (KeyFileError, validator_keys.RotationFileError) as exc:
+        fail(str(exc))
+    except TRANSIENT as exc:
+        fail(f"the ledger could not be reached: {exc}")
+    if as_json:
+        emit_json(summary)
+        return
+    console.print(message)
 
 
 @group.command("start")

@@ -118,8 +118,11 @@ class Daemon:
     def __init__(self, keys: KeySet, ledger: LedgerClient, references: dict[str, ReferenceModel],
                  channel: OverlayChannel, source: ChallengeSource, home: Path, *,
                  calibrated: bool = True, concurrency: int = 8, attempts: int = 2,
-                 rechallenge_share: float = RECHALLENGE_SHARE) -> None:
+                 rechallenge_share: float = RECHALLENGE_SHARE, retired: KeySet | None = None) -> None:
         self.keys = keys
+        self.earlier_x25519 = (retired.x25519,) if retired is not None else ()
+        """The X25519 key this member had before its last rotation: the plan sealed before it took
+        effect opens only with that one."""
         self.me = keys.public
         self.ledger = ledger
         self.references = references
@@ -328,7 +331,7 @@ class Daemon:
             if node is None:
                 continue
             try:
-                challenge = open_plan_entry(entry, self.me, self.keys.x25519)
+                challenge = open_plan_entry(entry, self.me, self.keys.x25519, *self.earlier_x25519)
             except SealedPromptError as exc:
                 log.error("planned challenge of %s does not open: %s", entry.node.hex()[:16], exc)
                 continue

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from planetserve.chain.client import LedgerClient
-from planetserve.chain.keys import KeySet
+from planetserve.chain.keys import KeySet, retired_key_file
 from planetserve.metrics import serve_role
 from planetserve.verifier.challenges import ChallengeSource
 from planetserve.verifier.config import USED_PROMPTS_FILE, VerifierConfig
@@ -40,6 +40,8 @@ def _longest(references: dict[str, ReferenceModel], text: str) -> int:
 def build_daemon(home: Path) -> tuple[Daemon, VerifierConfig]:
     config = VerifierConfig.load(home)
     keys = KeySet.load(Path(config.keys))
+    retired_file = retired_key_file(Path(config.keys))
+    retired = KeySet.load(retired_file) if retired_file.exists() else None
     # a bad genesis fails before models load
     ledger = LedgerClient.verified(config.rpc, config.genesis, witness=config.witness, max_age=config.max_age)
     references = reference_models(config)
@@ -53,7 +55,7 @@ def build_daemon(home: Path) -> tuple[Daemon, VerifierConfig]:
     channel = OverlayChannel(config.relay, timeout=config.challenge_timeout, max_tokens=config.max_tokens)
     daemon = Daemon(keys, ledger, references, channel, source, home,
                     calibrated=config.credibility == "calibrated", concurrency=config.concurrency,
-                    attempts=config.attempts, rechallenge_share=config.rechallenge_share)
+                    attempts=config.attempts, rechallenge_share=config.rechallenge_share, retired=retired)
     return daemon, config
 
 
