@@ -5,6 +5,7 @@ gets (refused, nothing stored). tests/test_network_state_sync.py runs it between
 from __future__ import annotations
 
 import hashlib
+import shutil
 from pathlib import Path
 
 import pytest
@@ -151,6 +152,25 @@ def test_a_snapshot_that_does_not_reach_the_trusted_app_hash_is_rejected_and_not
     assert [apply(app, 0, chunks[1]).result, apply(app, 1, chunks[0]).result] == [
         CHUNK.ACCEPT, CHUNK.REJECT_SNAPSHOT]
     # the honest snapshot still restores
+    assert offer(app, snapshot, h.store.app_hash) == OFFER.ACCEPT
+    assert all(apply(app, i, c).result == CHUNK.ACCEPT for i, c in enumerate(chunks))
+    assert app.store.app_hash == h.store.app_hash
+
+
+def test_a_snapshot_is_refused_before_its_chunks_take_the_disks_reserve(tmp_path: Path) -> None:
+    """A forged snapshot may list up to MAX_CHUNKS chunks, each of which checks: the restore stops
+    keeping them where the disk's reserve begins, and nothing of it stays."""
+    h = chain_with_snapshots(tmp_path)
+    snapshot = h.app.list_snapshots(abci.RequestListSnapshots()).snapshots[-1]
+    chunks = chunks_of(h.app, snapshot)
+    free = shutil.disk_usage(tmp_path).free
+    app = Application(StateStore(sqlite_url(tmp_path, "full.db")),
+                      Snapshots(tmp_path / "full-snapshots", disk_reserve=free + (1 << 30)), chain_id=CHAIN_ID)
+    assert offer(app, snapshot, h.store.app_hash) == OFFER.ACCEPT
+    assert apply(app, 0, chunks[0]).result == CHUNK.REJECT_SNAPSHOT
+    assert app.store.height == 0 and not (tmp_path / "full-snapshots" / "restoring").exists()
+    # with room, the same snapshot restores
+    app.snapshots.disk_reserve = 0
     assert offer(app, snapshot, h.store.app_hash) == OFFER.ACCEPT
     assert all(apply(app, i, c).result == CHUNK.ACCEPT for i, c in enumerate(chunks))
     assert app.store.app_hash == h.store.app_hash

@@ -383,7 +383,8 @@ class Application:
             return offer(result=offer.REJECT)
         if self._restore is not None:
             self._restore.discard()
-        self._restore = Restore(req, metadata, self.snapshots.directory / "restoring")
+        self._restore = Restore(req, metadata, self.snapshots.directory / "restoring",
+                                self.snapshots.disk_reserve)
         log.info("state sync: restoring the snapshot of height %d (%d chunks)", snapshot.height,
                  snapshot.chunks)
         return offer(result=offer.ACCEPT)
@@ -394,7 +395,8 @@ class Application:
             return abci.ResponseApplySnapshotChunk(result=abci.ResponseApplySnapshotChunk.ABORT)
         meta = {BLOCK_TIME_META: restore.metadata.block_time.to_bytes(8, "big"),
                 CHAIN_ID_META: restore.metadata.chain_id.encode()}
-        answer = restore.apply(req, lambda entries: self.store.bulk_load(entries, restore.height, meta))
+        answer = restore.apply(req, lambda entries, root: self.store.bulk_load(entries, restore.height, meta,
+                                                                               expect_root=root))
         if answer.result == abci.ResponseApplySnapshotChunk.REJECT_SNAPSHOT or restore.done:
             restore.discard()
             self._restore = None

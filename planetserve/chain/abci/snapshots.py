@@ -29,8 +29,8 @@ from pathlib import Path
 import msgpack
 from tendermint.abci import types_pb2 as abci
 
-from planetserve.chain.abci.store import StateStore
-from planetserve.chain.trie import MAX_KEY_LEN, TrieBuilder, check_key
+from planetserve.chain.abci.store import RootMismatch, StateStore
+from planetserve.chain.trie import MAX_KEY_LEN, check_key
 from planetserve.registry import codec
 
 log = logging.getLogger(__name__)
@@ -39,6 +39,8 @@ FORMAT = 1
 CHUNK_BYTES = 4 << 20
 """What a chunk holds, about: CometBFT carries a chunk in one message of at most 16 MB."""
 MAX_CHUNK_BYTES = 15 << 20
+DISK_RESERVE = 1 << 30
+"""Free space a restore never uses: past it the snapshot is refused (another, or a later one, may fit)."""
 """The most a chunk may hold, by one entry past `chunk_bytes`; a longer one is refused unread."""
 MAX_CHUNKS = 100_000
 """Chunks per snapshot, CometBFT's own default limit (`max_snapshot_chunks`)."""
@@ -117,7 +119,7 @@ class Snapshots:
     ever listed. `interval` 0 makes none; a node can still restore one."""
 
     def __init__(self, directory: Path, interval: int = 0, keep: int = 2,
-                 chunk_bytes: int = CHUNK_BYTES) -> None:
+                 chunk_bytes: int = CHUNK_BYTES, disk_reserve: int = DISK_RESERVE) -> None:
         if interval < 0 or keep < 1:
             raise ValueError("snapshot interval must be at least 0 and keep at least 1")
         if not 1 << 10 <= chunk_bytes <= MAX_CHUNK_BYTES // 2:
@@ -126,6 +128,8 @@ class Snapshots:
         self.interval = interval
         self.keep = keep
         self.chunk_bytes = chunk_bytes
+        self.disk_reserve = disk_reserve
+        """Free space a restore leaves untouched (DISK_RESERVE)."""
         self._making: threading.Thread | None = None
         self._making_height = 0
         directory.mkdir(parents=True, exist_ok=True)
@@ -228,20 +232,24 @@ class Snapshots:
 
 
 _CHUNK = abci.ResponseApplySnapshotChunk
+Loader = Callable[[Iterator[tuple[bytes, bytes]], bytes], bytes]
+"""Stores a restored snapshot's entries if they make the given app hash (else raises RootMismatch)."""
 
 
 class Restore:
     """One snapshot being restored into an empty store: chunks are checked against the metadata and
-    kept on disk in order, their entries fed to a trie builder; after the last, the root must be the
-    trusted app hash before the entries are loaded into the store."""
+    kept on disk in order, never into the last `disk_reserve` bytes of free space (a forged snapshot's
+    metadata may promise any number of chunks); after the last, the entries are loaded in one
+    transaction that commits only if their root is the trusted app hash."""
 
-    def __init__(self, offer: abci.RequestOfferSnapshot, metadata: Metadata, folder: Path) -> None:
+    def __init__(self, offer: abci.RequestOfferSnapshot, metadata: Metadata, folder: Path,
+                 disk_reserve: int = DISK_RESERVE) -> None:
         self.height = offer.snapshot.height
+        self.disk_reserve = disk_reserve
         self.app_hash = offer.app_hash
         self.metadata = metadata
         self.folder = folder
         self.next = 0
-        self._builder = TrieBuilder()
         self._last_key = b""
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
@@ -250,10 +258,9 @@ class Restore:
     def done(self) -> bool:
         return self.next == len(self.metadata.chunk_hashes)
 
-    def apply(self, req: abci.RequestApplySnapshotChunk,
-              load: Callable[[Iterator[tuple[bytes, bytes]]], bytes]) -> abci.ResponseApplySnapshotChunk:
-        """Check and keep chunk `req.index`; after the last, `load(entries)` stores them all and
-        returns the app hash it committed."""
+    def apply(self, req: abci.RequestApplySnapshotChunk, load: Loader) -> abci.ResponseApplySnapshotChunk:
+        """Check and keep chunk `req.index`; after the last, `load(entries, app_hash)` stores them all
+        if they make that app hash, and raises RootMismatch (storing nothing) if not."""
         if req.index < self.next:  # applied already (CometBFT retried it)
             return _CHUNK(result=_CHUNK.ACCEPT)
         if req.index > self.next:
@@ -268,29 +275,33 @@ class Restore:
             return _CHUNK(result=_CHUNK.RETRY, refetch_chunks=[req.index],
                           reject_senders=[req.sender] if req.sender else [])
         try:
-            for key, value in decode_chunk(chunk):
+            for key, _ in decode_chunk(chunk):
                 if key <= self._last_key:
                     raise SnapshotError(f"keys out of order at {key!r}")
                 self._last_key = key
-                self._builder.add_leaf(key, value)
         except SnapshotError as exc:  # the chunk is as the metadata says: the snapshot itself is bad
             log.warning("state sync: snapshot of height %d refused: chunk %d: %s", self.height, req.index,
                         exc)
+            return _CHUNK(result=_CHUNK.REJECT_SNAPSHOT)
+        free = shutil.disk_usage(self.folder).free
+        if free - len(chunk) < self.disk_reserve:
+            log.error("state sync: snapshot of height %d refused at chunk %d of %d: keeping it would leave "
+                      "%d MiB free (at least %d MiB stay free); free space or pick a later snapshot",
+                      self.height, req.index, len(self.metadata.chunk_hashes), (free - len(chunk)) >> 20,
+                      self.disk_reserve >> 20)
             return _CHUNK(result=_CHUNK.REJECT_SNAPSHOT)
         (self.folder / f"{req.index}.chunk").write_bytes(chunk)
         self.next += 1
         if not self.done:
             return _CHUNK(result=_CHUNK.ACCEPT)
-        root = self._builder.finish()
-        if root != self.app_hash:
-            log.warning("state sync: snapshot of height %d refused: its state's app hash %s is not the "
-                        "trusted %s", self.height, root.hex(), self.app_hash.hex())
+        try:
+            load(self._entries(), self.app_hash)
+        except RootMismatch as exc:
+            log.warning("state sync: snapshot of height %d refused: %s (the trusted app hash)", self.height,
+                        exc)
             return _CHUNK(result=_CHUNK.REJECT_SNAPSHOT)
-        committed = load(self._entries())
-        if committed != self.app_hash:  # the same entries gave the root above
-            raise SnapshotError("the loaded state's app hash differs from the checked one")
         log.info("state sync: restored height %d (%d chunks), app hash %s", self.height, self.next,
-                 root.hex())
+                 self.app_hash.hex())
         return _CHUNK(result=_CHUNK.ACCEPT)
 
     def _entries(self) -> Iterator[tuple[bytes, bytes]]:

@@ -189,6 +189,10 @@ class StoreError(Exception):
     """The store cannot do what was asked (wrong height, corrupt database, misuse)."""
 
 
+class RootMismatch(StoreError):
+    """bulk_load's entries make another root than the one expected: nothing was stored."""
+
+
 class StaleBatchError(StoreError):
     """The batch was made before the latest commit (or was itself committed); make a new one."""
 
@@ -925,9 +929,11 @@ class StateStore:
         meta: Mapping[str, bytes] | None = None,
         *,
         chunk: int = 20_000,
+        expect_root: bytes | None = None,
     ) -> bytes:
         """Build the state from `entries` (sorted by key, distinct) in one pass and commit it as
-        `height`, in one transaction. Only on an empty store (height 0). Returns the app hash."""
+        `height`, in one transaction. Only on an empty store (height 0). Returns the app hash; with
+        `expect_root`, raises RootMismatch and stores nothing unless the entries make that root."""
         if type(height) is not int or height <= 0:
             raise ValueError("height must be a positive int")
         checked_meta = _check_meta(meta or {})
@@ -935,7 +941,7 @@ class StateStore:
             if self._height != 0 or self._app_hash != EMPTY_ROOT:
                 raise StoreError("bulk_load needs an empty store (height 0)")
             try:
-                root, root_id, written = self._bulk_load_tx(entries, height, checked_meta, chunk)
+                root, root_id, written = self._bulk_load_tx(entries, height, checked_meta, chunk, expect_root)
             except BaseException:
                 # the cache was warmed with ids that the rolled-back nodes had: forget them
                 self._cache = _NodeCache(self._cache_bytes)
@@ -959,6 +965,7 @@ class StateStore:
         height: int,
         meta: dict[str, bytes],
         chunk: int,
+        expect_root: bytes | None,
     ) -> tuple[bytes, int | None, int]:
         ids = itertools.count(self._next_id)
         builder = TrieBuilder(collect=True, new_ref=lambda _h: next(ids))
@@ -983,6 +990,8 @@ class StateStore:
                     builder.nodes = []
                     kv_rows = []
             root = builder.finish()
+            if expect_root is not None and root != expect_root:  # leaving the block rolls it all back
+                raise RootMismatch(f"the entries' root {root.hex()} is not the expected {expect_root.hex()}")
             self._warm(self._write_nodes(conn, builder.nodes or []))
             written += len(builder.nodes or [])
             if kv_rows:
