@@ -68,7 +68,8 @@ def _max_age(_ctx: click.Context, _param: click.Parameter, value: float) -> floa
     return value
 
 
-def _metrics(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
+def check_listen(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
+    """A HOST:PORT to serve metrics at ('' for none), refused at once when it is not one."""
     from planetserve.metrics import parse_listen
 
     if value:
@@ -82,7 +83,7 @@ def _metrics(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
 def metrics_option() -> Any:
     """--metrics: where the role serves its Prometheus metrics."""
     return click.option(
-        "--metrics", default="", callback=_metrics, metavar="HOST:PORT",
+        "--metrics", default="", callback=check_listen, metavar="HOST:PORT",
         help="Serve Prometheus metrics at http://HOST:PORT/metrics (docs/operators.md, \"Monitoring\"). "
              "Default: none.")
 

@@ -12,7 +12,15 @@ from pathlib import Path
 import click
 
 from planetserve.chain.client import LedgerClient
-from planetserve.cli import console, emit_json, fail, keep_heights_option, log_level_option, setup_logging
+from planetserve.cli import (
+    check_listen,
+    console,
+    emit_json,
+    fail,
+    keep_heights_option,
+    log_level_option,
+    setup_logging,
+)
 from planetserve.cli.ledger import ledger_options
 from planetserve.genesis.network import (
     APP_CONFIG_FILE,
@@ -75,8 +83,9 @@ def group() -> None:
               help="Blocks CometBFT keeps (0: all). Never fewer than a kept snapshot needs; CometBFT also "
                    "keeps the headers that evidence still needs.")
 @click.option("--metrics", default="127.0.0.1:26660", show_default=True, metavar="HOST:PORT",
-              help="Where CometBFT serves its Prometheus metrics ('' for nowhere).")
+              callback=check_listen, help="Where CometBFT serves its Prometheus metrics ('' for nowhere).")
 @click.option("--app-metrics", default="127.0.0.1:26661", show_default=True, metavar="HOST:PORT",
+              callback=check_listen,
               help="Where the planetserve app serves its Prometheus metrics ('' for nowhere).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def init(home: Path, genesis: Path, peers: tuple[str, ...], moniker: str, p2p: str, external: str, rpc: str,
