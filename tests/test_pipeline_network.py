@@ -15,6 +15,7 @@ from chainnet import MODELS, ledger, start_network
 from modelfix import DEEP_LAYERS
 from modelnodes import signed
 from openai import OpenAI
+from promscrape import scrape, value
 from roles import NodeProcess, RelayProcess, planetserve, relay_retried, start_relays
 from waiting import wait_until
 
@@ -39,12 +40,12 @@ SHORT_S = 15
 
 
 def init_stage_home(home, net, deep: LoadedModel) -> None:
-    http, peer = free_ports(2)
+    http, peer, metrics = free_ports(3)
     done = planetserve("node", "init-model", "--home", str(home), "--org-id", "acme", "--model-id", "deep",
                        "--model", str(deep.path), "--genesis", str(net.spec.genesis_path),
                        "--rpc", net.rpc_url(0), "--http", f"127.0.0.1:{http}",
                        "--peer", f"127.0.0.1:{peer}", "--memory-mib", str(2 * LAYER_MIB),
-                       "--gflops", "50", "--capacity", "2", "--json")
+                       "--gflops", "50", "--capacity", "2", "--metrics", f"127.0.0.1:{metrics}", "--json")
     assert done.returncode == 0, done.stderr
     config = ModelNodeConfig.load(home)
     config.list_interval = 1.0
@@ -128,6 +129,9 @@ def test_a_model_split_across_three_nodes_serves_through_the_overlay(tmp_path, d
             assert answer["choices"][0]["text"] == deep_gt.tokenizer.decode(expected, skip_special_tokens=True)
         statuses = [node.status() for node in nodes]
         assert all(s["stage"] is not None and s["counters"]["served"] >= 1 for s in statuses)
+        for home in homes:  # each stage serves its metrics too
+            served = scrape(f"http://{ModelNodeConfig.load(home).metrics}/metrics")
+            assert value(served, "planetserve_model_node_served_total") >= 1
 
         # the verifier challenges the pipeline through its entry, as it would a single node
         entry = bytes.fromhex(stages[0][2])

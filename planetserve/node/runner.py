@@ -172,6 +172,7 @@ async def _serve_assignment(ledger: LedgerClient, keys: KeySet, config: ModelNod
                          users=Directory(ledger, with_nodes=False), stage=stage.role)
         await stage.engine.start(node.peering)
         await node.start()
+        stop_metrics = serve_role(config.metrics, model_node_collector(node))
         try:
             if on_ready is not None:
                 on_ready(node, registered)
@@ -184,6 +185,7 @@ async def _serve_assignment(ledger: LedgerClient, keys: KeySet, config: ModelNod
                 log.warning("deployment %d no longer assigns this node layers; waiting for a new assignment",
                             deployment.deployment_id)
         finally:
+            stop_metrics()
             await node.close()
     finally:
         with contextlib.suppress(Exception):
