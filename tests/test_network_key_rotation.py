@@ -14,13 +14,16 @@ from pathlib import Path
 
 import pytest
 from chainnet import LISTED_AT_ONCE, assert_same_app_hashes, ledger, member_keys, start_network
+from click.testing import CliRunner, Result
 from modelnodes import SHARED, signed
-from roles import NodeProcess, init_home, planetserve
+from roles import NodeProcess, init_home
 from waiting import wait_until
 
 from planetserve.chain.abci.epochs import validator_address
+from planetserve.chain.client import LedgerClient
 from planetserve.chain.keys import KeySet, retired_key_file
 from planetserve.chain.messages import ProposeParams, RegisterOrg, UpdateModelNode
+from planetserve.cli import main
 from planetserve.genesis.network import KEYS_FILE as MEMBER_KEYS_FILE
 from planetserve.genesis.network import consensus_pubkey
 from planetserve.localnet.cluster import Cluster
@@ -29,7 +32,19 @@ from planetserve.node.home import KEYS_FILE, NEXT_KEYS_FILE
 pytestmark = pytest.mark.network
 
 SHORT_EPOCHS = replace(LISTED_AT_ONCE, epoch_blocks=20, results_blocks=8, vrf_window_blocks=4, plan_window_blocks=4)
-"""Epochs of about 7 s at these blocks' pace: a rotation takes effect at the next one's first block."""
+"""Epochs of 20 blocks: a rotation takes effect at the next one's first block."""
+
+
+def cli(*args: str) -> Result:
+    """A command run in this process: quick enough to act within an epoch of these short ones."""
+    return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+
+def at_epoch_start(client: LedgerClient) -> None:
+    """Wait for an epoch's first blocks, so that a rotation sent now leaves the whole epoch to check
+    what holds before it takes effect."""
+    wait_until(lambda: (client.rpc.latest_height() - 1) % SHORT_EPOCHS.epoch_blocks < 2, timeout=60,
+               interval=0.05)
 
 
 def test_a_running_model_node_rotates_its_key_keeps_its_standing_and_its_old_key_is_refused(
@@ -49,14 +64,15 @@ def test_a_running_model_node_rotates_its_key_keeps_its_standing_and_its_old_key
         registered, standing = client.node(old), client.reputation(old)
         assert registered is not None and standing is not None
 
-        sent = planetserve("node", "rotate-key", "--home", str(home), "--org-keys", str(owner_path), "--json")
-        assert sent.returncode == 0, sent.stderr
+        at_epoch_start(client)
+        sent = cli("node", "rotate-key", "--home", str(home), "--org-keys", str(owner_path), "--json")
+        assert sent.exit_code == 0, sent.output
         rotation = json.loads(sent.stdout)
         new, height = bytes.fromhex(rotation["new"]), rotation["height"]
         assert rotation["node"] == old.hex() and height % SHORT_EPOCHS.epoch_blocks == 1
         assert (home / NEXT_KEYS_FILE).exists()
-        again = planetserve("node", "rotate-key", "--home", str(home), "--org-keys", str(owner_path))
-        assert again.returncode == 1 and "already rotates" in again.stderr
+        again = cli("node", "rotate-key", "--home", str(home), "--org-keys", str(owner_path))
+        assert again.exit_code == 1 and "already rotates" in again.stderr
         assert signed(node.complete(SHARED + "What is a list?")).node == old  # the old key until then
 
         # at the rotation height the ledger moves the node; the running process follows by itself
@@ -97,28 +113,29 @@ def signed_by(net: Cluster, address: bytes) -> bool:
 
 
 def test_a_member_rotates_its_keys_and_its_validator_signs_under_the_new_consensus_key(tmp_path: Path) -> None:
-    net = start_network(tmp_path / "net", params=SHORT_EPOCHS, timeout_propose="500ms")
+    net = start_network(tmp_path / "net", params=SHORT_EPOCHS, timeout_commit="100ms", timeout_propose="500ms")
     try:
         client = ledger(net)
         home = net.spec.validators[3].home
         rpc = ("--node", net.rpc_url(0))
         old_operator, old_consensus = member_keys(net, 3), consensus_pubkey(home)
-        early = planetserve("chain", "rotate-keys", "--home", str(home), "--finish", *rpc)
-        assert early.returncode == 1 and "no prepared rotation" in early.stderr
+        early = cli("chain", "rotate-keys", "--home", str(home), "--finish", *rpc)
+        assert early.exit_code == 1 and "no prepared rotation" in early.stderr
 
-        sent = planetserve("chain", "rotate-keys", "--home", str(home), *rpc, "--json")
-        assert sent.returncode == 0, sent.stderr
+        at_epoch_start(client)
+        sent = cli("chain", "rotate-keys", "--home", str(home), *rpc, "--json")
+        assert sent.exit_code == 0, sent.output
         rotation = json.loads(sent.stdout)
         height, new_operator = rotation["height"], bytes.fromhex(rotation["new_operator"])
         assert rotation["operator"] == old_operator.public.hex() and height % SHORT_EPOCHS.epoch_blocks == 1
-        not_yet = planetserve("chain", "rotate-keys", "--home", str(home), "--finish", *rpc)
-        assert not_yet.returncode == 1 and f"due at height {height}" in not_yet.stderr
+        not_yet = cli("chain", "rotate-keys", "--home", str(home), "--finish", *rpc)
+        assert not_yet.exit_code == 1 and f"due at height {height}" in not_yet.stderr
         assert consensus_pubkey(home) == old_consensus  # nothing moved
 
         wait_until(lambda: any(m.operator == new_operator for m in client.committee()[1]), timeout=60)
         net.stop(3)
-        done = planetserve("chain", "rotate-keys", "--home", str(home), "--finish", *rpc, "--json")
-        assert done.returncode == 0, done.stderr
+        done = cli("chain", "rotate-keys", "--home", str(home), "--finish", *rpc, "--json")
+        assert done.exit_code == 0, done.output
         new_consensus = consensus_pubkey(home)
         assert json.loads(done.stdout)["consensus_key"] == new_consensus.hex() != old_consensus.hex()
         assert member_keys(net, 3).public == new_operator
