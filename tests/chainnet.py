@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -23,6 +24,10 @@ LISTED_AT_ONCE = Params(probation_epochs=0)
 """The default genesis parameters of test networks: nodes are listed from registration, since these
 tests are about the ledger, the overlay and the committee, not probation (which the harness tests:
 tests/adversaries/test_whitewashing_node.py)."""
+SHORT_EPOCHS = dataclasses.replace(LISTED_AT_ONCE, epoch_blocks=20, results_blocks=8, vrf_window_blocks=4,
+                                   plan_window_blocks=4)
+"""Epochs of 20 blocks (about 7 s at the default pace): what takes effect at the next epoch's first block,
+a key rotation for one, does within a test's patience."""
 FAST_P2P = {"p2p": {"flush_throttle_timeout": "10ms"}, "consensus": {"peer_gossip_sleep_duration": "10ms"}}
 """config.toml settings of test networks: CometBFT flushes a connection's messages every 100 ms by
 default and its gossip routines sleep 100 ms between rounds, and a height takes several of them. Four

@@ -23,6 +23,7 @@ from planetserve.chain.messages import RegisterOrg
 from planetserve.genesis.network import free_ports
 from planetserve.localnet.cluster import Cluster
 from planetserve.node.home import ModelNodeConfig, UserConfig
+from planetserve.registry.params import Params
 
 T = TypeVar("T")
 
@@ -152,11 +153,12 @@ def acme_node(tmp_path: Path, net, data: Path) -> NodeProcess:
 
 
 @contextmanager
-def acme_network(tmp_path: Path, data: Path) -> Iterator[tuple[Cluster, LedgerClient, NodeProcess,
-                                                                 list[RelayProcess]]]:
-    """A four-validator network with acme's model node (`acme_node`): (network, ledger client, node,
-    relays). Relays the caller adds to the list are stopped with the rest, whatever happens."""
-    net = start_network(tmp_path / "net")
+def acme_network(tmp_path: Path, data: Path, params: Params | None = None
+                 ) -> Iterator[tuple[Cluster, LedgerClient, NodeProcess, list[RelayProcess]]]:
+    """A four-validator network (of genesis `params`, if given) with acme's model node (`acme_node`):
+    (network, ledger client, node, relays). Relays the caller adds to the list are stopped with the
+    rest, whatever happens."""
+    net = start_network(tmp_path / "net", params=params)
     relays: list[RelayProcess] = []
     node = None
     try:

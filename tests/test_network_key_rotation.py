@@ -13,7 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from chainnet import LISTED_AT_ONCE, assert_same_app_hashes, ledger, member_keys, start_network
+from chainnet import SHORT_EPOCHS, assert_same_app_hashes, ledger, member_keys, start_network
 from click.testing import CliRunner, Result
 from modelnodes import SHARED, signed
 from roles import NodeProcess, init_home
@@ -31,8 +31,6 @@ from planetserve.node.home import KEYS_FILE, NEXT_KEYS_FILE
 
 pytestmark = pytest.mark.network
 
-SHORT_EPOCHS = replace(LISTED_AT_ONCE, epoch_blocks=20, results_blocks=8, vrf_window_blocks=4, plan_window_blocks=4)
-"""Epochs of 20 blocks: a rotation takes effect at the next one's first block."""
 
 
 def cli(*args: str) -> Result:

@@ -4,7 +4,10 @@ processes, and the OpenAI client library talks to a relay's endpoint as to any O
 
 from __future__ import annotations
 
+import json
+
 import pytest
+from chainnet import SHORT_EPOCHS
 from modelnodes import signed
 from openai import OpenAI
 from roles import RelayProcess, acme_network, init_user, planetserve, relay_retried
@@ -16,7 +19,7 @@ RELAYS = 5
 
 
 def test_an_openai_client_chats_through_user_relays_on_the_ledger(tmp_path, quick_family):
-    with acme_network(tmp_path, quick_family) as (net, client, node, relays):
+    with acme_network(tmp_path, quick_family, SHORT_EPOCHS) as (net, client, node, relays):
         homes = [tmp_path / f"user{i}" for i in range(RELAYS)]
         for home in homes:
             init_user(home, net)
@@ -58,3 +61,17 @@ def test_an_openai_client_chats_through_user_relays_on_the_ledger(tmp_path, quic
         again = openai.completions.create(model="gt", prompt="The os module", max_tokens=4,
                                           extra_body={"ignore_eos": True})
         assert again.choices[0].finish_reason == "length" and again.usage.completion_tokens == 4
+
+        # the organisation rotates the node's key: from the next epoch the relays reach it under the new
+        # key, with no step of theirs (tests/test_network_key_rotation.py has the rest of rotation)
+        sent = planetserve("node", "rotate-key", "--home", str(tmp_path / "mn"), "--org-keys",
+                           str(tmp_path / "acme.json"), "--json")
+        assert sent.returncode == 0, sent.stderr
+        rotation = json.loads(sent.stdout)
+        wait_until(lambda: client.node(bytes.fromhex(rotation["new"])) is not None, timeout=60)
+        assert node.wait_ready()["node"] == rotation["new"]
+        wait_until(lambda: me.status()["directory_height"] >= rotation["height"], timeout=30)
+        rotated, _ = relay_retried(lambda: openai.chat.completions.create(
+            model="gt", messages=[{"role": "user", "content": "What does the re module do?"}],
+            max_tokens=4, temperature=0), lambda: f"relay {me.status()}; node {node.status()}")
+        assert signed(rotated.model_dump()).node.hex() == rotation["new"] != response.node.hex()

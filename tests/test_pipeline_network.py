@@ -1,6 +1,7 @@
 """A model too large for any one node, served on the ledger by a layer pipeline: three model node
 processes each declare memory for two of the model's six layers; an organisation's deployment records
-Parallax's phase-1 allocation on the ledger; each node reads its layer range from the verified state,
+Parallax's phase-1 allocation on the ledger (one node's key is rotated while it waits, and it is
+assigned under the new one); each node reads its layer range from the verified state,
 loads only those layers, and coordinates requests through the deployment's stages. Requests through
 the anonymous overlay, to each of the three nodes, come back signed with the unsplit model's greedy
 tokens, and the verifier's challenge of the pipeline's entry scores as an honest answer. When a stage
@@ -9,9 +10,12 @@ a standby node, and requests to each of them are served again."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import pytest
 import torch
-from chainnet import MODELS, ledger, start_network
+from chainnet import MODELS, SHORT_EPOCHS, ledger, start_network
 from modelfix import DEEP_LAYERS
 from modelnodes import signed
 from openai import OpenAI
@@ -24,10 +28,9 @@ from planetserve.chain.keys import KeySet
 from planetserve.chain.messages import DeployModel, UpdateModelNode
 from planetserve.genesis.network import free_ports
 from planetserve.models import LoadedModel
-from planetserve.node.home import ModelNodeConfig
+from planetserve.node.home import NEXT_KEYS_FILE, ModelNodeConfig
 from planetserve.registry.credits import CREDIT_SECONDS
 from planetserve.registry.genesis import GenesisOrganisation
-from planetserve.registry.params import Params
 from planetserve.verifier.credibility import ReferenceModel
 from planetserve.verifier.overlay import OverlayChannel
 
@@ -85,7 +88,7 @@ def test_a_model_split_across_three_nodes_serves_through_the_overlay(tmp_path, d
     owner = KeySet.generate()
     owner_path = tmp_path / "acme.json"
     owner.save(owner_path)
-    net = start_network(tmp_path / "net", params=Params(min_deployment_seconds=SHORT_S, probation_epochs=0),
+    net = start_network(tmp_path / "net", params=dataclasses.replace(SHORT_EPOCHS, min_deployment_seconds=SHORT_S),
                         models=(*MODELS, ("deep", "six-layer gt", DEEP_LAYERS, LAYER_MIB)),
                         organisations=(GenesisOrganisation("acme", "ACME", owner.public, 100 * CREDIT_SECONDS),))
     nodes: list[NodeProcess] = []
@@ -97,11 +100,18 @@ def test_a_model_split_across_three_nodes_serves_through_the_overlay(tmp_path, d
             init_stage_home(home, net, deep_gt)
         nodes = [NodeProcess(home, owner_path, wait=False) for home in homes]
         wait_until(lambda: registered(client, nodes) == 3, timeout=90)  # registered, then waiting
+        # a waiting stage's key is rotated: from the next epoch it waits, and is assigned, under the new key
+        sent = planetserve("node", "rotate-key", "--home", str(homes[0]), "--org-keys", str(owner_path), "--json")
+        assert sent.returncode == 0, sent.stderr
+        rotated = json.loads(sent.stdout)["new"]
+        wait_until(lambda: client.node(bytes.fromhex(rotated)) is not None, timeout=60)
+        wait_until(lambda: not (homes[0] / NEXT_KEYS_FILE).exists(), timeout=30)  # the process took it
 
         # a first, short deployment: the nodes serve it, and go back to waiting when it expires
         assert deploy(client, owner, SHORT_S).outcome.ok
         first = [node.wait_ready() for node in nodes]
         assert sorted(tuple(r["stage"][:2]) for r in first) == [(0, 2), (2, 4), (4, 6)]
+        assert first[0]["node"] == rotated and first[0]["registration"] == "rotated"
         relays = start_relays(tmp_path, net, RELAYS)  # they come up while the deployment runs out
         wait_until(lambda: all(client.deployment_of(bytes.fromhex(r["node"])) is None for r in first), timeout=120)
 

@@ -14,6 +14,8 @@ from planetserve.node.overlay import onion
 from planetserve.node.overlay.relay import MAX_REPLIES_PER_PATH, REPLY_IDLE_SECONDS, Hop, Relay
 
 NODE = b"n" * 32
+ROTATED = b"r" * 32
+STRANGER = b"s" * 32
 PEERS = (b"a" * 32, b"b" * 32)
 
 
@@ -32,10 +34,11 @@ def path_to(relay: Relay, peer: bytes) -> Hop:
     return hop
 
 
-async def clove(relay: Relay, hop: Hop, reply_id: bytes | None = None) -> bytes:
-    """A prompt clove on `hop`'s path under a fresh reply id (or `reply_id`); the id it used."""
+async def clove(relay: Relay, hop: Hop, reply_id: bytes | None = None, destination: bytes = NODE) -> bytes:
+    """A prompt clove for `destination` on `hop`'s path under a fresh reply id (or `reply_id`); the id it
+    used."""
     reply_id = reply_id or secrets.token_bytes(onion.ID_SIZE)
-    sealed = onion.seal_payload(hop.key, onion.FORWARD, onion.Payload(NODE, b"clove", reply_id))
+    sealed = onion.seal_payload(hop.key, onion.FORWARD, onion.Payload(destination, b"clove", reply_id))
     await relay.handle(hop.pred, "fwd", [hop.in_id, sealed])
     return reply_id
 
@@ -92,5 +95,37 @@ def test_idle_reply_ids_are_forgotten_and_so_are_those_of_a_path_torn_down():
         assert relay.replies_by_peer == {PEERS[1]: 1} and len(relay.forward) == 2  # the paths stay
         await relay.handle(PEERS[1], "down", [busy.in_id])
         assert not relay.replies and not relay.replies_by_peer
+
+    run(main())
+
+
+def test_a_clove_for_a_key_the_proxys_list_lacks_reads_the_list_again_and_else_says_unreachable():
+    """A model node's new key (registered or rotated to since the proxy's last read) is delivered to
+    once the lists are read again; a key no list holds comes back "unreachable" at once, so the user's
+    request fails now instead of at its timeout. One read serves both calls here (OnDemand's interval)."""
+    async def main():
+        registered = {NODE}
+        reads = []
+
+        async def refresh() -> None:
+            reads.append(True)
+            registered.add(ROTATED)
+
+        sent: list[tuple[bytes, str, object]] = []
+
+        async def send(peer: bytes, msg_type: str, body: object) -> None:
+            sent.append((peer, msg_type, body))
+
+        relay = Relay(bytes(32), send, is_user=lambda k: k in PEERS, is_node=lambda k: k in registered,
+                      refresh=refresh)
+        hop = path_to(relay, PEERS[0])
+        await clove(relay, hop, destination=ROTATED)
+        assert reads and sent[-1][:2] == (ROTATED, "clove") and relay.counters["to_nodes"] == 1
+        await clove(relay, hop, destination=STRANGER)
+        peer, kind, (link, sealed) = sent[-1]
+        assert (peer, kind, link) == (PEERS[0], "back", hop.in_id)
+        assert onion.open_payload(hop.key, onion.BACKWARD, sealed).first == "unreachable"
+        assert relay.counters["refused"] == 1 and relay.counters["to_nodes"] == 1
+        assert len(relay.replies) == 1  # the refused clove's reply id was never stored
 
     run(main())

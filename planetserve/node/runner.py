@@ -98,9 +98,13 @@ async def run_model_node(home: Path, org_keys: KeySet | None = None,
     # only a node that declares its memory may be too small for its model (the ledger says how big)
     model = await asyncio.to_thread(ledger.model, config.model_id) if config.memory_mib else None
     if model is not None and needs_pipeline(model, config):
+        keys = await asyncio.to_thread(_settle_rotation, ledger, home, keys)
         registered = await asyncio.to_thread(ensure_registered, ledger, config, keys, org_keys)
         while not stop_event.is_set():
-            await _serve_assignment(ledger, keys, config, model, registered, on_ready, stop_event)
+            await _serve_assignment(ledger, home, keys, config, model, registered, on_ready, stop_event)
+            rotated = await asyncio.to_thread(rotated_record, ledger, next_keys(home))
+            if rotated is not None:  # the ledger moved its stage to the new key: serve it under that
+                keys, registered = promote_next_keys(home), Registered(rotated, "rotated")
         return
     if config.engine_url:  # the model first: a node that cannot serve should not register
         engine, tokenizer, vocab, stop = await remote_engine(config)
@@ -153,12 +157,15 @@ async def _until_stopped_or_rotated(ledger: LedgerClient, home: Path, interval: 
     return None
 
 
-async def _serve_assignment(ledger: LedgerClient, keys: KeySet, config: ModelNodeConfig, model: Model,
-                            registered: Registered, on_ready: Callable[[ModelNode, Registered], None] | None,
+async def _serve_assignment(ledger: LedgerClient, home: Path, keys: KeySet, config: ModelNodeConfig,
+                            model: Model, registered: Registered,
+                            on_ready: Callable[[ModelNode, Registered], None] | None,
                             stop_event: asyncio.Event) -> None:
-    """Serve one deployment's layers until it stops assigning them (or the process is stopped)."""
+    """Serve one deployment's layers until it stops assigning them (a rotation of this node's key ends
+    the assignment under the old key) or the process is stopped."""
     waiting = asyncio.ensure_future(wait_for_assignment(ledger, keys, config))
-    stopping = asyncio.ensure_future(stop_event.wait())
+    interval = config.list_interval
+    stopping = asyncio.ensure_future(_until_stopped_or_rotated(ledger, home, interval, stop_event))
     await asyncio.wait((waiting, stopping), return_when=asyncio.FIRST_COMPLETED)
     stopping.cancel()
     if not waiting.done():

@@ -190,7 +190,8 @@ class UserRelay:
         self.paths.in_use = lambda path: any(path in e.paths for e in self.exchanges.values())
         self.relay = Relay(onion.exchange_secret(keys.identity), self._send,
                            is_user=lambda key: key in self.view.users,
-                           is_node=lambda key: self.view.node(key) is not None, owner=self.paths)
+                           is_node=lambda key: self.view.node(key) is not None,
+                           refresh=self.refresh_directory, owner=self.paths)
         self.reassembler = sida.Reassembler()
         self.exchanges: dict[bytes, Exchange] = {}
         self.reply_keys: dict[bytes, bytes] = {}

@@ -8,7 +8,8 @@ Peer messages between relays (one-way, over `transport`):
                               active one, trusted or not (empty: a ping, echoed)
   "back"  [link id, sealed]   toward the user, each relay adding its hop layer: (kind, data, reply id),
                               kind "ready", "pong", "clove" (with the reply id it came under), or
-                              "unreachable" (the proxy could not reach the model node named)
+                              "unreachable" (the proxy could not reach the model node named, or
+                              found no registered one of that key even after reading the lists again)
   "down"  [link id]           the path is gone (sent both ways when a neighbour disappears)
 and between a proxy and model nodes:
   "clove" data                    proxy → model node: one clove of a prompt
@@ -126,7 +127,8 @@ def _link(value: Any) -> bytes:
 
 class Relay:
     def __init__(self, secret: bytes, send: Send, *, is_user: Callable[[bytes], bool],
-                 is_node: Callable[[bytes], bool], owner: PathOwner | None = None,
+                 is_node: Callable[[bytes], bool], refresh: Callable[[], Awaitable[None]] | None = None,
+                 owner: PathOwner | None = None,
                  max_hops: int = MAX_HOPS_STORED, max_hops_per_peer: int = MAX_HOPS_PER_PEER,
                  replay_memory: int | None = None, max_setups_per_peer: int = MAX_SETUPS_PER_PEER,
                  max_replies: int = MAX_REPLIES, max_replies_per_peer: int = MAX_REPLIES_PER_PEER,
@@ -135,6 +137,9 @@ class Relay:
         self.send = send
         self.is_user = is_user
         self.is_node = is_node
+        self.refresh = refresh
+        """Reads the lists again (at most once per interval, shared by all callers): a node registered
+        or rotated to its key since the last read is a destination already."""
         self.owner = owner
         self.max_hops = max_hops
         self.max_hops_per_peer = max_hops_per_peer
@@ -378,15 +383,28 @@ class Relay:
             if len(payload.data) > MAX_PING:
                 raise RelayError("ping too long")
             await self._back(hop, "pong", payload.data)
-        elif type(destination) is bytes and self.is_node(destination):
+        elif type(destination) is bytes:
             if not payload.reply_id:
                 raise RelayError("a prompt clove names no reply id")
+            if not await self._known_node(destination):  # the user learns it now, not at its timeout
+                self.counters["refused"] += 1
+                await self._back(hop, "unreachable", destination)
+                return
             self._register_reply(hop, payload.reply_id)
             self.counters["to_nodes"] += 1
             if not await self._pass_on(destination, "clove", payload.data):
                 await self._back(hop, "unreachable", destination)
         else:
-            raise RelayError("destination is not a registered model node")
+            raise RelayError("a clove's destination is a model node's key")
+
+    async def _known_node(self, key: bytes) -> bool:
+        """Whether `key` is a registered model node's, reading the lists again if this relay's copy
+        does not hold it (it may be older than the node's registration or key rotation)."""
+        if self.is_node(key):
+            return True
+        if self.refresh is not None:
+            await self.refresh()
+        return self.is_node(key)
 
     async def _on_reply(self, body: Any) -> None:
         if not (isinstance(body, list) and len(body) == 2 and type(body[1]) is bytes):
