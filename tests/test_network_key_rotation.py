@@ -16,13 +16,13 @@ import pytest
 from chainnet import SHORT_EPOCHS, assert_same_app_hashes, ledger, member_keys, start_network
 from click.testing import CliRunner, Result
 from modelnodes import SHARED, signed
-from roles import NodeProcess, init_home
+from roles import NodeProcess, acme_network
 from waiting import wait_until
 
 from planetserve.chain.abci.epochs import validator_address
 from planetserve.chain.client import LedgerClient
 from planetserve.chain.keys import KeySet, retired_key_file
-from planetserve.chain.messages import ProposeParams, RegisterOrg, UpdateModelNode
+from planetserve.chain.messages import ProposeParams, UpdateModelNode
 from planetserve.cli import main
 from planetserve.genesis.network import KEYS_FILE as MEMBER_KEYS_FILE
 from planetserve.genesis.network import consensus_pubkey
@@ -47,17 +47,8 @@ def at_epoch_start(client: LedgerClient) -> None:
 
 def test_a_running_model_node_rotates_its_key_keeps_its_standing_and_its_old_key_is_refused(
         tmp_path: Path, quick_family: Path) -> None:
-    net = start_network(tmp_path / "net", params=SHORT_EPOCHS)
-    node: NodeProcess | None = None
-    try:
-        client = ledger(net)
-        owner = KeySet.generate()
-        owner_path = tmp_path / "acme.json"
-        owner.save(owner_path)
-        assert client.submit(owner, RegisterOrg("acme", "ACME")).outcome.ok
-        home = tmp_path / "mn"
-        init_home(home, net, quick_family)
-        node = NodeProcess(home, owner_path)
+    with acme_network(tmp_path, quick_family, SHORT_EPOCHS) as (net, client, node, _):
+        home, owner_path = tmp_path / "mn", tmp_path / "acme.json"
         old = bytes.fromhex(node.ready["node"])
         registered, standing = client.node(old), client.reputation(old)
         assert registered is not None and standing is not None
@@ -89,18 +80,17 @@ def test_a_running_model_node_rotates_its_key_keeps_its_standing_and_its_old_key
         assert KeySet.load(home / KEYS_FILE).public == new  # the old key's file is gone
 
         # the old key is refused from the rotation height on
-        refused = client.submit(owner, UpdateModelNode(old, capacity=1)).outcome
+        refused = client.submit(KeySet.load(owner_path), UpdateModelNode(old, capacity=1)).outcome
         assert not refused.ok and "was rotated to" in refused.log and "refused" in refused.log
 
         # a restart serves under the new key, registered as it is
         node.stop()
-        node = NodeProcess(home, None)
-        assert node.ready["node"] == new.hex() and node.ready["registration"] == "existing"
+        restarted = NodeProcess(home, None)
+        try:
+            assert restarted.ready["node"] == new.hex() and restarted.ready["registration"] == "existing"
+        finally:
+            restarted.stop()
         assert_same_app_hashes(net, height + 1)
-    finally:
-        if node is not None:
-            node.stop()
-        net.close()
 
 
 def signed_by(net: Cluster, address: bytes) -> bool:
