@@ -1,11 +1,17 @@
 """Overlay forwarding on real engines: model nodes with the built-in engine over the trained gt, on
 this machine, serving the same requests twice: without forwarding (each entry node serves what it
 gets, `no_forward`) and with PlanetServe's forwarding (HR-tree + F_LB, cache-state sync over TLS).
-Then the simulator (bench/sim) runs the same requests with a cost table measured from this gt, so
+Then the simulator (bench/sim) runs the same requests with a cost table measured from this model, so
 its prediction is checked against what the engines did.
 
+With `--shape` (0.5b, 1b, 3b, 8b) the nodes serve a model of that published shape with random weights
+instead of gt (one copy, shared by the nodes' engines; on the GPU when there is one, in bf16): what
+latency and the cache's savings depend on is the model's size, not its weights. It speaks gt's
+tokenizer, so its vocabulary is gt's rather than the shape's (a smaller output layer: 262M of the 1B
+shape's 1.50B parameters are its 128,256-word embedding and head).
+
     .venv/bin/python bench/forwarding_real.py [--nodes 4] [--workload mixed] [--rate 1.5]
-        [--duration 60] [--scale 0.05] [--capacity 4] [--model gt] [--data-dir DIR]
+        [--duration 60] [--scale 0.05] [--capacity 4] [--model gt] [--data-dir DIR] [--shape 1b]
 
 Latency is from sending the request to its last streamed chunk, TTFT to its first; the hit rate is
 the fraction of prompt tokens the engines served from their prefix caches (usage.cached_tokens).
@@ -23,12 +29,14 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+from transformers import PreTrainedModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.sim import A100_LLAMA3_8B, Cluster, NoForwarding, Overlay, Prepared, fit_measured, summarize  # noqa: E402
 from planetserve.chain.keys import KeySet  # noqa: E402
-from planetserve.node.engine.profile import measure_costs  # noqa: E402
+from planetserve.node.engine.base import Engine, Tokenizer  # noqa: E402
+from planetserve.node.engine.profile import SHAPES, measure_costs, params, sized_llama  # noqa: E402
 from planetserve.node.home import ModelNodeConfig  # noqa: E402
 from planetserve.node.model_node import ModelNode  # noqa: E402
 from planetserve.node.routing.cachesync import SyncConfig
@@ -38,23 +46,43 @@ from planetserve.registry.entities import ModelNode as NodeRecord  # noqa: E402
 from planetserve.workloads import Request, detokenize, generate  # noqa: E402
 
 MODES = ("no-forwarding", "planetserve")
-MAX_PROMPT_TOKENS = 1900
-"""Leaves room in gt's 2,048 positions for the longest output."""
+
+
+def prompt_limit(args: argparse.Namespace) -> int:
+    """Leaves room for the longest output in gt's 2,048 positions, or in a shaped model's 8,192."""
+    return 7900 if args.shape else 1900
 
 
 def node_config(args: argparse.Namespace, index: int) -> ModelNodeConfig:
     http, peer = args.port + 2 * index, args.port + 2 * index + 1
     return ModelNodeConfig(org_id="bench", model_id="gt", model=args.model, data_dir=args.data_dir or "",
                            http=f"127.0.0.1:{http}", peer=f"127.0.0.1:{peer}", capacity=args.capacity,
-                           cache_tokens=args.cache_tokens, max_prompt_tokens=MAX_PROMPT_TOKENS,
+                           cache_tokens=args.cache_tokens, max_prompt_tokens=prompt_limit(args),
                            delta_interval=0.1, load_interval=0.1, sync_interval=5.0)
+
+
+def shaped_engine(config: ModelNodeConfig, model: PreTrainedModel, tokenizer: Tokenizer
+                  ) -> tuple[Engine, Tokenizer, int, tuple[int, ...]]:
+    """builtin_engine's answer for a random-weight model built once and shared by the group's engines."""
+    from planetserve.node.engine.builtin import BuiltinEngine
+
+    engine = BuiltinEngine(model, config.model_id, block_size=config.block_size, max_batch=config.capacity,
+                           cache_capacity_tokens=config.cache_tokens, prefill_chunk=config.prefill_chunk)
+    return engine, tokenizer, engine.vocab_size, ()
+
+
+def group_engine(args: argparse.Namespace, config: ModelNodeConfig
+                 ) -> tuple[Engine, Tokenizer, int, tuple[int, ...]]:
+    if args.shaped is None:
+        return builtin_engine(config)
+    return shaped_engine(config, *args.shaped)
 
 
 async def start_group(args: argparse.Namespace) -> list[ModelNode]:
     nodes = []
     for i in range(args.nodes):
         config = node_config(args, i)
-        engine, tokenizer, vocab, stop = await asyncio.to_thread(builtin_engine, config)
+        engine, tokenizer, vocab, stop = await asyncio.to_thread(group_engine, args, config)
         node = ModelNode(config, KeySet.generate(), engine, tokenizer, vocab_size=vocab, eos_ids=stop,
                          group=None)
         await node.start()
@@ -131,7 +159,7 @@ def with_model_tokens(requests: list[Request], tokenizer) -> list[Request]:
 def simulate(args: argparse.Namespace, requests: list[Request], tokenizer, model) -> dict[str, dict]:
     # The built-in engine holds running sequences' KV outside its prefix cache; the simulated node
     # keeps both in one pool, so the pool gets room for a full batch of the longest prompts too.
-    pool = args.cache_tokens + args.capacity * MAX_PROMPT_TOKENS
+    pool = args.cache_tokens + args.capacity * prompt_limit(args)
     base = replace(A100_LLAMA3_8B, max_seqs=args.capacity, kv_capacity_tokens=pool)
     costs = fit_measured(measure_costs(model, prompt_lens=(128, 384, 768), batch_sizes=(1, 2, 4)), base)
     prepared = Prepared.of(with_model_tokens(requests, tokenizer), costs.block_size)
@@ -165,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data-dir", default="")
     parser.add_argument("--port", type=int, default=18400)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--shape", choices=sorted(SHAPES), help="serve a random-weight model of this shape")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
 
@@ -173,14 +202,24 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     requests = generate(args.workload, rate=args.rate, duration=args.duration, seed=args.seed,
                         scale=args.scale)
+    args.shaped = None
     engine, tokenizer, _, _ = builtin_engine(node_config(args, 0))
-    fits = [r for r in requests if len(tokenizer(r.text)["input_ids"]) <= MAX_PROMPT_TOKENS]
+    if args.shape is not None:
+        cuda = torch.cuda.is_available()
+        model = sized_llama(args.shape, device="cuda" if cuda else "cpu",
+                            dtype=torch.bfloat16 if cuda else torch.float32, vocab=len(tokenizer))
+        asyncio.run(engine.close())
+        args.shaped = (model, tokenizer)
+        engine = shaped_engine(node_config(args, 0), model, tokenizer)[0]
+    limit = prompt_limit(args)
+    fits = [r for r in requests if len(tokenizer(r.text)["input_ids"]) <= limit]
     if len(fits) < len(requests):
-        print(f"left out {len(requests) - len(fits)} requests whose prompt exceeds {MAX_PROMPT_TOKENS} "
+        print(f"left out {len(requests) - len(fits)} requests whose prompt exceeds {limit} "
               f"tokens (the model's context is {engine.max_model_len})")
     requests = fits
+    served = f"a random {args.shape} shape ({params(engine.model) / 1e9:.2f}B)" if args.shape else args.model
     print(f"{len(requests)} {args.workload} requests over {args.duration:.0f} s at {args.rate} req/s, "
-          f"{args.nodes} nodes of capacity {args.capacity}, model {args.model}", flush=True)
+          f"{args.nodes} nodes of capacity {args.capacity}, model {served}", flush=True)
     measured = {}
     for mode in MODES:
         measured[mode] = asyncio.run(run_mode(args, mode, requests))

@@ -20,4 +20,9 @@ fi
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
     python3 bench/engine_scale.py --device cuda --shapes 1b 8b --json "$OUT/engine_scale.json"
+    # forwarding on one GPU: four nodes sharing a random-weight 1B model, ToolUse and Mixed
+    python3 bench/forwarding_real.py --shape 1b --workload tooluse --scale 0.25 --rate 8 --duration 40 \
+        --json "$OUT/forwarding_tooluse.json"
+    python3 bench/forwarding_real.py --shape 1b --workload mixed --scale 0.25 --rate 4 --duration 40 \
+        --json "$OUT/forwarding_mixed.json"
 } 2>&1 | tee "$OUT/results.txt"

@@ -65,13 +65,14 @@ SHAPES = {
 
 def sized_llama(
     shape: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-    max_len: int = 8192, seed: int = 0,
+    max_len: int = 8192, seed: int = 0, vocab: int | None = None,
 ) -> LlamaForCausalLM:
     """A Llama of `shape`'s dimensions with random weights, built directly on `device` in `dtype` (an 8B
-    model never passes through host memory) and using PyTorch's SDPA attention."""
+    model never passes through host memory) and using PyTorch's SDPA attention. `vocab` replaces the
+    shape's vocabulary, for a model that must speak another tokenizer's ids."""
     dims = SHAPES[shape]
     config = LlamaConfig(
-        vocab_size=dims.vocab, hidden_size=dims.hidden, intermediate_size=dims.ffn,
+        vocab_size=vocab or dims.vocab, hidden_size=dims.hidden, intermediate_size=dims.ffn,
         num_hidden_layers=dims.layers, num_attention_heads=dims.heads, num_key_value_heads=dims.kv_heads,
         max_position_embeddings=max_len, attn_implementation="sdpa",
     )
