@@ -1,9 +1,10 @@
 """Key rotation on four real validators: a running model node process rotated by `planetserve node
 rotate-key` switches to its new key at the next epoch's first block without reloading its model,
 keeps its registration, listing and reputation, signs its answers with the new key, and its old key is
-refused; a member rotated by `planetserve chain rotate-keys` swaps its validator's consensus key, and
-its validator signs blocks under the new key, which the light client follows (tests/test_key_rotation.py
-has the ledger's rules over whole epochs in process)."""
+refused (rotated again while stopped, it starts under the newest key); a member rotated by
+`planetserve chain rotate-keys` swaps its validator's consensus key, and its validator signs blocks
+under the new key, which the light client follows (tests/test_key_rotation.py has the ledger's rules
+over whole epochs in process)."""
 
 from __future__ import annotations
 
@@ -83,13 +84,20 @@ def test_a_running_model_node_rotates_its_key_keeps_its_standing_and_its_old_key
         refused = client.submit(KeySet.load(owner_path), UpdateModelNode(old, capacity=1)).outcome
         assert not refused.ok and "was rotated to" in refused.log and "refused" in refused.log
 
-        # a restart serves under the new key, registered as it is
+        # rotated again while it is stopped: it starts under the newest key, registered as it is
         node.stop()
+        at_epoch_start(client)
+        sent = cli("node", "rotate-key", "--home", str(home), "--org-keys", str(owner_path), "--json")
+        assert sent.exit_code == 0, sent.output
+        newest = bytes.fromhex(json.loads(sent.stdout)["new"])
+        wait_until(lambda: client.node(newest) is not None, timeout=60)
         restarted = NodeProcess(home, None)
         try:
-            assert restarted.ready["node"] == new.hex() and restarted.ready["registration"] == "existing"
+            assert restarted.ready["node"] == newest.hex() and restarted.ready["registration"] == "existing"
+            assert signed(restarted.complete(SHARED + "What is a set?")).node == newest
         finally:
             restarted.stop()
+        assert client.reputation(newest) == replace(standing, node=newest)
         assert_same_app_hashes(net, height + 1)
 
 
