@@ -208,3 +208,19 @@ def test_every_forged_or_conflicting_member_rotation_is_refused(s):
     )
     assert conflicting[0][0] == Code.ALREADY_EXISTS and "already rotate" in conflicting[0][1]
     assert conflicting[1][0] == Code.ALREADY_EXISTS and "about to be" in conflicting[1][1]
+
+
+def test_a_member_cannot_rotate_onto_a_former_members_key_and_take_its_fault_record(s):
+    """A member removed for good leaves its faults under its operator key; another member that holds
+    that key (it signs) must not rotate onto it, where its own faults would merge with the record."""
+    s.run_to(s.schedule.end(0) + 1)  # nobody commits the plan of epoch 1: its planner's fault
+    faulty = s.members[s.epoch(1).plan_leader]
+    others = [m for k, m in s.members.items() if k != faulty.public]
+    assert s.faults(faulty.public) == ["no-plan"]
+    removal = s.block(s.tx(others[0], "propose-member", {"action": "remove", "operator": faulty.public}),
+                      *(s.tx(m, "vote-member", {"proposal_id": 1, "approve": True}) for m in others[1:]))
+    assert all(code == 0 for code, _ in removal), removal
+    assert faulty.public not in members(s.h.store.batch())
+    onto = RotateMemberKey.signed(CHAIN_ID, others[0].public, faulty)
+    [refused] = s.block(s.tx(others[0], "rotate-member-key", onto.body()))
+    assert refused[0] == Code.ALREADY_EXISTS and "former member's fault record" in refused[1]

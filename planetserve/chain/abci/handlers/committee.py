@@ -10,6 +10,7 @@ from dataclasses import replace
 from planetserve.chain.abci.handlers.context import Context
 from planetserve.chain.abci.rotations import next_epoch_start
 from planetserve.chain.keys import verify_signature
+from planetserve.chain.layout import fault_counter_key
 from planetserve.chain.messages.committee import (
     ProposeMember,
     ProposeParams,
@@ -174,6 +175,8 @@ def rotate_member_key(ctx: Context, msg: RotateMemberKey) -> None:
     if msg.new_operator is not None and (
             msg.new_operator in ctx.committee or any(r.new_operator == msg.new_operator for r in pending)):
         raise AlreadyExists("new_operator is already a member's operator key, or about to be")
+    if msg.new_operator is not None and ctx.state.get_int(fault_counter_key(msg.new_operator)):
+        raise AlreadyExists("new_operator carries a former member's fault record; rotate to a fresh key")
     if msg.consensus_key is not None and (
             any(m.consensus_key == msg.consensus_key for m in ctx.committee.values())
             or any(r.consensus_key == msg.consensus_key for r in pending)):
