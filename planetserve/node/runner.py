@@ -102,7 +102,7 @@ async def run_model_node(home: Path, org_keys: KeySet | None = None,
         registered = await asyncio.to_thread(ensure_registered, ledger, config, keys, org_keys)
         while not stop_event.is_set():
             await _serve_assignment(ledger, home, keys, config, model, registered, on_ready, stop_event)
-            rotated = await asyncio.to_thread(rotated_record, ledger, next_keys(home))
+            rotated = await _rotated(ledger, home)
             if rotated is not None:  # the ledger moved its stage to the new key: serve it under that
                 keys, registered = promote_next_keys(home), Registered(rotated, "rotated")
         return
@@ -147,14 +147,20 @@ async def _until_stopped_or_rotated(ledger: LedgerClient, home: Path, interval: 
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop_event.wait(), interval)
             return None
-        try:
-            record = await asyncio.to_thread(rotated_record, ledger, next_keys(home))
-        except TRANSIENT as exc:
-            log.warning("could not read the ledger for a pending key rotation: %s", exc)
-            continue
+        record = await _rotated(ledger, home)
         if record is not None:
             return record
     return None
+
+
+async def _rotated(ledger: LedgerClient, home: Path) -> NodeRecord | None:
+    """The node's record under the key it rotates to, once in effect; None meanwhile, and when the
+    ledger cannot be read now (the next look tries again)."""
+    try:
+        return await asyncio.to_thread(rotated_record, ledger, next_keys(home))
+    except TRANSIENT as exc:
+        log.warning("could not read the ledger for a pending key rotation: %s", exc)
+        return None
 
 
 async def _serve_assignment(ledger: LedgerClient, home: Path, keys: KeySet, config: ModelNodeConfig,
