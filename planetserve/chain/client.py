@@ -147,6 +147,19 @@ class LedgerClient:
         self._past = False
         """Whether the pinned header was asked for by height: then it is read whatever min_height says."""
 
+    def close(self) -> None:
+        """Close the endpoint's connections, and the witness's (a long-running role never needs to)."""
+        self.rpc.close()
+        witness = getattr(self.verifier, "witness", None)
+        if isinstance(witness, RpcClient):
+            witness.close()
+
+    def __enter__(self) -> LedgerClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     @contextlib.contextmanager
     def snapshot(self, height: int | None = None) -> Iterator[int]:
         """Reads inside the block see one state, the latest verified now (its height is yielded),

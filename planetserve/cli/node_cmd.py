@@ -211,9 +211,9 @@ def rotate_key(home: Path, org_keys: Path, as_json: bool) -> None:
         config = ModelNodeConfig.load(home)
         keys, org = load_keys(home), KeySet.load(org_keys)
         new = prepare_next_keys(home)
-        ledger = LedgerClient.verified(config.rpc, config.genesis, witness=config.witness,
-                                       max_age=config.max_age)
-        rotation = rotate_key(ledger, config, keys, new, org)
+        with LedgerClient.verified(config.rpc, config.genesis, witness=config.witness,
+                                   max_age=config.max_age) as ledger:
+            rotation = rotate_key(ledger, config, keys, new, org)
     except (HomeError, KeyFileError, RegistrationError) as exc:
         fail(str(exc))
     except TRANSIENT as exc:
