@@ -142,6 +142,15 @@ class TxOutcome:
     def ok(self) -> bool:
         return self.code == 0
 
+    def attribute(self, event: str, key: str) -> str | None:
+        """The value of `key` in the transaction's first event of type `event`, if it has one."""
+        for raw in self.events:
+            if isinstance(raw, dict) and raw.get("type") == event:
+                for attribute in raw.get("attributes") or ():
+                    if isinstance(attribute, dict) and attribute.get("key") == key:
+                        return str(attribute.get("value"))
+        return None
+
 
 @dataclass(frozen=True)
 class BroadcastResult:

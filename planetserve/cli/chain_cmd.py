@@ -293,10 +293,14 @@ def rotate_keys(ledger: LedgerClient, home: Path, finish: bool, as_json: bool) -
             done = ledger.submit(operator, rotation_msg)
             if not done.outcome.ok:
                 fail(f"rotate-member-key refused (code {done.outcome.code}): {done.outcome.log}")
-            [rotation] = [r for r in ledger.member_rotations() if r.operator == operator.public]
+            # its own event says when: the rotation may already be in effect by the time it is read
+            at = done.outcome.attribute("rotate_member_key", "height")
+            if at is None:
+                fail(f"rotate-member-key committed in block {done.height} without its height event")
+            height = int(at)
             summary = {"operator": operator.public.hex(), "new_operator": new_keys.public.hex(),
-                       "height": rotation.height}
-            message = (f"keys rotate at height {rotation.height}: after it, stop the validator, run "
+                       "height": height}
+            message = (f"keys rotate at height {height}: after it, stop the validator, run "
                        f"`planetserve chain rotate-keys --home {home} --finish` and start it again")
     except (KeyFileError, validator_keys.RotationFileError) as exc:
         fail(str(exc))
