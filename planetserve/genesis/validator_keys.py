@@ -6,12 +6,12 @@ opens the plan that was sealed before the rotation."""
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
 from pathlib import Path
 
 from nacl.signing import SigningKey
 
+from planetserve.chain.abci.epochs import validator_address
 from planetserve.chain.keys import KeySet, next_key_file, retired_key_file, write_private
 from planetserve.genesis.network import KEYS_FILE
 
@@ -25,7 +25,7 @@ class RotationFileError(Exception):
 def consensus_key_document(key: SigningKey) -> dict:
     """CometBFT's priv_validator_key.json for an ed25519 key."""
     public = bytes(key.verify_key)
-    return {"address": hashlib.sha256(public).digest()[:20].hex().upper(),
+    return {"address": validator_address(public).hex().upper(),
             "pub_key": {"type": "tendermint/PubKeyEd25519", "value": base64.b64encode(public).decode()},
             "priv_key": {"type": "tendermint/PrivKeyEd25519",
                          "value": base64.b64encode(bytes(key) + public).decode()}}

@@ -7,14 +7,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from planetserve.chain.keys import KeySet
+from planetserve.chain.keys import KeySet, next_key_file
 from planetserve.config import HomeConfig, HomeError, LedgerHome
 from planetserve.node.behaviours import HONEST, check_behaviour
 
 CONFIG_FILE = "node.json"
 USER_CONFIG_FILE = "user.json"
 KEYS_FILE = "node_keys.json"
-NEXT_KEYS_FILE = "node_keys.next.json"
+NEXT_KEYS_FILE = next_key_file(Path(KEYS_FILE)).name
 """The key a node rotates to (`planetserve node rotate-key`), until the ledger's rotation makes it the
 node's key and it replaces node_keys.json."""
 ENGINE_SAMPLING = ("server", "vllm-processor")

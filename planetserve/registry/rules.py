@@ -22,6 +22,11 @@ def voting_power(voters: Iterable[bytes], members: dict[bytes, Member]) -> int:
     return sum(members[v].power for v in set(voters) if v in members)
 
 
+def consensus_key_used(members: Iterable[Member], key: bytes) -> bool:
+    """Whether one of `members` validates with `key` (two members cannot share a validator)."""
+    return any(m.consensus_key == key for m in members)
+
+
 def hash_sample(tag: bytes, keys: list[bytes], count: int) -> list[bytes]:
     """The `count` keys with the lowest sha256(tag || key), in key order: a choice that no
     participant makes, the same on every validator."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 
 from planetserve.chain import layout
 from planetserve.chain.abci.state import IterableKV, State, members
+from planetserve.registry import rules
 from planetserve.registry.entities import Member, MemberRotation, NodeRotation, Proposal
 from planetserve.registry.epochs import PlanEntry, Schedule
 from planetserve.registry.params import Params
@@ -56,7 +57,7 @@ def _move_node(st: State, epoch: int, rotation: NodeRotation) -> tuple[str, dict
         st.kv.delete(layout.reputation_key(old))
         st.put_reputation(replace(reputation, node=new))
     st.delete_node(node)
-    st.put_node(replace(node, pubkey=new))
+    st.put_node(replace(node, pubkey=new), reputation is not None and reputation.listable)
     st.kv.delete(layout.org_node_key(node.org_id, old))
     st.add_org_node(node.org_id, new)
     deployment = st.deployment_of(old)
@@ -85,7 +86,7 @@ def _move_member(st: State, batch: IterableKV, epoch: int, rotation: MemberRotat
     others = [m for k, m in committee.items() if k != member.operator]
     if moved.operator != member.operator and moved.operator in committee:
         return "rotation_void", {**void, "reason": "the new operator key became another member's"}
-    if any(m.consensus_key == moved.consensus_key for m in others):
+    if rules.consensus_key_used(others, moved.consensus_key):
         return "rotation_void", {**void, "reason": "the new consensus key became another member's"}
     if moved.consensus_key != member.consensus_key:
         updates[member.consensus_key] = 0

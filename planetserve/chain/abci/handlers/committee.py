@@ -27,7 +27,7 @@ def _admitted(ctx: Context, msg: ProposeMember) -> Member:
     member = msg.member()
     if member.operator in ctx.committee:
         raise AlreadyExists("operator key is already a committee member")
-    if any(m.consensus_key == member.consensus_key for m in ctx.committee.values()):
+    if rules.consensus_key_used(ctx.committee.values(), member.consensus_key):
         raise AlreadyExists("consensus key is already used by a committee member")
     return member
 
@@ -139,7 +139,7 @@ def _settle(ctx: Context, proposal: Proposal) -> None:
             ctx.emit("member_renewed", operator=member.operator.hex(), expires_at=str(renewed.expires_at))
             return
         if proposal.action == "add":
-            if any(m.consensus_key == member.consensus_key for m in ctx.committee.values()):
+            if rules.consensus_key_used(ctx.committee.values(), member.consensus_key):
                 ctx.emit("proposal_void", proposal_id=str(proposal.proposal_id))
                 return
             member = replace(member, expires_at=ctx.time + ctx.params.credential_ttl_seconds)
@@ -178,7 +178,7 @@ def rotate_member_key(ctx: Context, msg: RotateMemberKey) -> None:
     if msg.new_operator is not None and ctx.state.get_int(fault_counter_key(msg.new_operator)):
         raise AlreadyExists("new_operator carries a former member's fault record; rotate to a fresh key")
     if msg.consensus_key is not None and (
-            any(m.consensus_key == msg.consensus_key for m in ctx.committee.values())
+            rules.consensus_key_used(ctx.committee.values(), msg.consensus_key)
             or any(r.consensus_key == msg.consensus_key for r in pending)):
         raise AlreadyExists("consensus_key is already a member's consensus key, or about to be")
     rotation = MemberRotation(ctx.signer, next_epoch_start(ctx.params, ctx.height), msg.new_operator or b"",
