@@ -6,6 +6,7 @@ same registry (tests/test_governance.py and tests/test_export.py have the rules 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -36,6 +37,23 @@ UPGRADED = str(Path(__file__).with_name("upgraded_app.py"))
 
 def upgraded_app(info: ValidatorInfo) -> list[str]:
     return [sys.executable, UPGRADED, "--home", str(info.home)]
+
+
+def halted_apps(cluster: Cluster, quorum: int) -> list[int]:
+    """The validators whose old app stopped at the upgrade: at least `quorum` (those that decided the
+    upgrade's block), and any other that reaches it. A validator that had not yet gathered that block's
+    commit when the others' processes stopped waits below the height, its app running, until the
+    restarted ones bring it the block."""
+    def stopped() -> list[int]:
+        return [i for i in range(len(cluster.spec.validators)) if not cluster.running(i)["app"]]
+    try:
+        wait_until(lambda: len(stopped()) >= quorum, timeout=60)
+    except AssertionError:
+        states = {i: (cluster.running(i), cluster.height(i)) for i in range(len(cluster.spec.validators))}
+        raise AssertionError(f"fewer than {quorum} old apps stopped; processes and heights: {states}") from None
+    with contextlib.suppress(AssertionError):
+        wait_until(lambda: len(stopped()) == len(cluster.spec.validators), timeout=10)
+    return stopped()
 
 
 def test_parameter_changes_and_an_upgrade_by_vote(tmp_path: Path) -> None:
@@ -77,11 +95,12 @@ def test_parameter_changes_and_an_upgrade_by_vote(tmp_path: Path) -> None:
         assert proposed.exit_code == 0, proposed.output
         for i in (1, 2):  # with the proposer's, 3 of 4: settled
             assert client.submit(member_keys(cluster, i), VoteMember(3, True)).outcome.ok
-        wait_until(lambda: not any(cluster.running(i)["app"] for i in range(4)), timeout=60)
-        for v in spec.validators:
-            log = (v.home / "logs" / "app.log").read_text()
+        halted = halted_apps(cluster, 3)
+        for i in halted:
+            log = (spec.validators[i].home / "logs" / "app.log").read_text()
             assert f"UPGRADE 'v2' NEEDED at height {upgrade_at}: this app is version 1" in log
         assert max(cluster.height(i) or 0 for i in range(4)) <= upgrade_at
+        assert all((cluster.height(i) or 0) < upgrade_at for i in set(range(4)) - set(halted))
         for i in range(4):
             cluster.stop(i)
         cluster.app_cmd = upgraded_app
