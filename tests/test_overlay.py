@@ -113,7 +113,9 @@ def test_a_prompt_arrives_and_the_answer_streams_back(quick_family):
                     "model": "gt", "messages": history, "max_tokens": 4})
             assert follow.json()["planetserve"]["node"] == first.json()["planetserve"]["node"]
             assert sum(n.gateway.counters["prompts"] for n in net.nodes) == 4
-            # the relays carried it all without a single public-key operation after setup
+            # the relays carried it all without a single public-key operation after setup (once the
+            # paths that replace the used ones, built as each answer began, are up)
+            assert await net.client.paths.wait_live(net.client.paths.settings.target, 10)
             assert sum(u.relay.counters["setups"] for u in net.users) == 3 * net.client.paths.counters["built"]
         finally:
             await net.close()

@@ -382,10 +382,12 @@ class UserRelay:
             if delivered < exchange.k:
                 raise too_few_paths(delivered, exchange.k, " the prompt could be sent on")
             first = await exchange.next_part(self.config.response_timeout)
+            self.paths.replenish()
             if first.content_type == EVENT_STREAM:
                 return Reply(first.status, first.content_type, self._stream(exchange, first))
             body = b"".join([data async for data in exchange.data(first, self.config.response_timeout)])
         except BaseException:
+            self.paths.replenish()
             self._finish(exchange, False)
             raise
         self._finish(exchange, True)

@@ -26,14 +26,20 @@ log = logging.getLogger(__name__)
 
 MAX_PART_BYTES = 60 << 10
 MAX_ANSWERS = 256
+PART_LINGER_SECONDS = 0.005
+"""The least time between two parts of one answer (bench/overlay_cost.py chose it; docs/benchmarks.md)."""
 
 Respond = Callable[[Endpoint, bytes], Awaitable[Reply]]
 
 
-async def batched(parts: AsyncIterator[bytes], limit: int = MAX_PART_BYTES) -> AsyncIterator[bytes]:
-    """The reply's parts, joined while more are already waiting: fewer messages under load, no delay
-    when idle."""
+async def batched(parts: AsyncIterator[bytes], limit: int = MAX_PART_BYTES,
+                  linger: float = PART_LINGER_SECONDS) -> AsyncIterator[bytes]:
+    """The reply's parts, joined: the first goes at once, and each later one no sooner than `linger`
+    seconds after the one before, with whatever else came meanwhile (up to `limit` bytes). Each part
+    costs an S-IDA round and n cloves through every relay of n paths, so tokens that come faster than
+    `linger` travel a few to a part; slower ones still go one by one as they come."""
     queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+    loop = asyncio.get_running_loop()
 
     async def pump() -> None:
         try:
@@ -45,10 +51,13 @@ async def batched(parts: AsyncIterator[bytes], limit: int = MAX_PART_BYTES) -> A
     task = asyncio.create_task(pump())
     try:
         done = False
+        sent = -float("inf")
         while not done:
             item = await queue.get()
             if item is None:
                 break
+            if (wait := sent + linger - loop.time()) > 0:
+                await asyncio.sleep(wait)
             batch = bytearray(item)
             while len(batch) < limit and not queue.empty():
                 more = queue.get_nowait()
@@ -57,6 +66,7 @@ async def batched(parts: AsyncIterator[bytes], limit: int = MAX_PART_BYTES) -> A
                     break
                 batch += more
             yield bytes(batch)
+            sent = loop.time()
         await task
     finally:
         task.cancel()

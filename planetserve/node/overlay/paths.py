@@ -301,19 +301,27 @@ class PathManager:
 
     def use(self, paths: Sequence[Path]) -> None:
         """A request goes out over `paths`: each that reaches its `uses` retires (its answer still comes
-        back over it) and its replacement is built now, not at the next maintenance round."""
+        back over it). Its replacement is built when the request calls `replenish`, once its answer has
+        begun, so that building (three key agreements per relay) does not delay the prompt on its way;
+        a request that finds too few paths meanwhile builds them itself (`wait_live`)."""
         limit = self.settings.uses
         for path in paths:
             path.uses += 1
             if limit and path.uses >= limit and path.live:
                 self.counters["used_up"] += 1
-                self._retire(path)
+                self._retire(path, replace=False)
 
-    def _retire(self, path: Path) -> None:
-        """The path takes no new request; it is torn down once its answers are in, and replaced now."""
+    def replenish(self) -> None:
+        """Build the paths that retired ones left missing, now rather than at the next maintenance round."""
+        self.spawn(self.fill())
+
+    def _retire(self, path: Path, replace: bool = True) -> None:
+        """The path takes no new request; it is torn down once its answers are in, and replaced now
+        (unless `replace` is false: then at `replenish`)."""
         path.state = "retiring"
         self.spawn(self._tear_down_when_done(path))
-        self.spawn(self.fill())
+        if replace:
+            self.replenish()
 
     async def _tear_down_when_done(self, path: Path) -> None:
         deadline = time.monotonic() + self.settings.retire_grace

@@ -1,0 +1,245 @@
+"""The anonymous overlay's cost: the same streamed completions asked of a model node directly (its HTTP
+API) and through a user relay's OpenAI endpoint (the prompt as n S-IDA cloves over n paths of three
+relays, every answer part back as cloves through the proxies the prompt named), interleaved one by
+one so both see the same machine.
+
+The model node runs in its own process, as it does on its own machine; the client's user relay and
+the relays that carry its paths run in this one, each on its own TLS port. Prompts are fresh random
+text (no prefix-cache hit in either mode), and every request generates exactly `--tokens` tokens.
+
+- TTFT: from sending the request to the first token's chunk.
+- per token: (last token's arrival - first token's) / (tokens - 1), the streaming rate a user sees.
+- the model's own per-token time is the direct request's.
+Target (issue 26): through the overlay at most +10 ms of TTFT and +0.5 ms per streamed token, or 5% of
+the model's own per-token time where that is larger.
+
+    .venv/bin/python bench/overlay_cost.py --data-dir DIR [--shape 0.5b] [--tokens 32] [--rounds 30]
+
+DIR holds a trained gt (for instance localnet/build after `make localnet`); with `--shape` the
+node serves a random-weight model of that published shape with gt's tokenizer instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, replace
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from planetserve.chain.keys import KeySet  # noqa: E402
+from planetserve.genesis.network import free_ports  # noqa: E402
+from planetserve.node.home import ModelNodeConfig, UserConfig  # noqa: E402
+from planetserve.node.overlay.directory import DirectoryView  # noqa: E402
+from planetserve.node.user import UserRelay  # noqa: E402
+from planetserve.registry.entities import ModelNode as NodeRecord  # noqa: E402
+from planetserve.registry.entities import User  # noqa: E402
+
+TTFT_TARGET_MS = 10.0
+TOKEN_TARGET_MS = 0.5
+TOKEN_TARGET_SHARE = 0.05
+WORDS = ("the", "of", "model", "node", "relay", "path", "token", "cache", "user", "proxy", "ledger",
+         "answer", "prompt", "stream", "clove", "key", "list", "block", "share", "time")
+
+
+@dataclass(frozen=True)
+class Timing:
+    ttft_ms: float
+    per_token_ms: float
+    tokens: int
+    node_cpu_ms: float = 0.0
+    """CPU the model node's process spent on the request (all its threads)."""
+    here_cpu_ms: float = 0.0
+    """CPU this process spent: the client, and for the overlay its user relay and the relays."""
+
+
+def cpu_ms(pid: int) -> float:
+    """A process's user + system CPU time so far (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) * 1e3 / os.sysconf("SC_CLK_TCK")
+
+
+def node_record(key: bytes, address: str) -> NodeRecord:
+    return NodeRecord(key, "bench", "gt", address, "cpu", 4, "global", "active", 1)
+
+
+def serve_node(pipe: Connection, args: argparse.Namespace, users: list[tuple[bytes, str]]) -> None:
+    """The model node's process: serve until the parent says stop."""
+    asyncio.run(_serve_node(pipe, args, users))
+
+
+async def _serve_node(pipe: Connection, args: argparse.Namespace, users: list[tuple[bytes, str]]) -> None:
+    import torch
+
+    from planetserve.node.engine.builtin import BuiltinEngine
+    from planetserve.node.engine.profile import sized_llama
+    from planetserve.node.model_node import ModelNode
+    from planetserve.node.routing.group import GroupView
+    from planetserve.node.runner import builtin_engine
+
+    torch.set_num_threads(args.threads)
+    http, peer = free_ports(2)
+    config = ModelNodeConfig(org_id="bench", model_id="gt", model="gt", data_dir=args.data_dir,
+                             http=f"127.0.0.1:{http}", peer=f"127.0.0.1:{peer}", capacity=4,
+                             max_prompt_tokens=4096)
+    engine, tokenizer, vocab, stop = builtin_engine(config)
+    if args.shape:
+        await engine.close()
+        model = sized_llama(args.shape, device="cpu", dtype=torch.float32, vocab=len(tokenizer))
+        engine = BuiltinEngine(model, "gt", block_size=config.block_size, max_batch=config.capacity,
+                               cache_capacity_tokens=config.cache_tokens, prefill_chunk=config.prefill_chunk)
+        vocab = engine.vocab_size
+    node = ModelNode(config, KeySet.generate(), engine, tokenizer, vocab_size=vocab, eos_ids=stop, group=None)
+    await node.start()
+    me = node_record(node.keys.public, config.peer)
+    node.apply_view(GroupView(1, {me.pubkey: me}))
+    node.apply_users(DirectoryView.of(1, [User(key, address, "global", 0, 1 << 40) for key, address in users],
+                                      [me]))
+    pipe.send((node.keys.public, config.peer, node.http_url))
+    await asyncio.to_thread(pipe.recv)
+    await node.close()
+    await engine.close()
+
+
+def prompt(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+async def stream(client: httpx.AsyncClient, url: str, text: str, tokens: int) -> Timing:
+    body = {"model": "gt", "prompt": text, "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    arrivals = []
+    sent = time.perf_counter()
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            raise SystemExit(f"{url}: {response.status_code} {(await response.aread()).decode()[:300]}")
+        async for line in response.aiter_lines():
+            if line.startswith("data: {") and json.loads(line[6:]).get("choices"):
+                arrivals.append(time.perf_counter())
+    if len(arrivals) != tokens:
+        raise SystemExit(f"{url}: {len(arrivals)} token chunks streamed, {tokens} asked for")
+    return Timing((arrivals[0] - sent) * 1e3, (arrivals[-1] - arrivals[0]) * 1e3 / max(1, tokens - 1), tokens)
+
+
+async def start_users(count: int, path_uses: int) -> list[UserRelay]:
+    users = []
+    for i in range(count):
+        config = UserConfig(http="127.0.0.1:0", peer="127.0.0.1:0", response_timeout=120.0,
+                            path_uses=path_uses)
+        user = UserRelay(config, KeySet.generate(), None)
+        await user.start(serve_http=i == 0)
+        users.append(user)
+    return users
+
+
+async def measure(args: argparse.Namespace) -> dict[str, list[Timing]]:
+    users = await start_users(args.relays + 1, args.path_uses)
+    listed = [(u.keys.public, u.config.address) for u in users]
+    context = multiprocessing.get_context("spawn")
+    parent, child = context.Pipe()
+    process = context.Process(target=serve_node, args=(child, args, listed), daemon=True)
+    process.start()
+    try:
+        deadline = time.monotonic() + 300
+        while not await asyncio.to_thread(parent.poll, 0.5):
+            if not process.is_alive() or time.monotonic() > deadline:
+                raise SystemExit("the model node did not start (its error is above)")
+        key, address, node_url = parent.recv()
+        view = DirectoryView.of(1, [User(k, a, "global", 0, 1 << 40) for k, a in listed],
+                                [node_record(key, address)])
+        for user in users:
+            user.apply_view(view)
+        client = users[0]
+        client.start_paths()
+        if not await client.paths.wait_live(client.config.n, 30):
+            raise SystemExit(f"no paths: {client.paths.last_error}")
+        rng = random.Random(args.seed)
+        timings: dict[str, list[Timing]] = {"direct": [], "overlay": []}
+        urls = {"direct": node_url, "overlay": client.http_url}
+        async with httpx.AsyncClient(timeout=600) as http:
+            for round_ in range(args.rounds + args.warmup):
+                order = ["direct", "overlay"] if round_ % 2 == 0 else ["overlay", "direct"]
+                for mode in order:
+                    node_cpu, here_cpu = cpu_ms(process.pid), time.process_time()
+                    timing = await stream(http, urls[mode], prompt(rng, args.prompt_words), args.tokens)
+                    timing = replace(timing, node_cpu_ms=cpu_ms(process.pid) - node_cpu,
+                                     here_cpu_ms=(time.process_time() - here_cpu) * 1e3)
+                    if round_ >= args.warmup:
+                        timings[mode].append(timing)
+                print(f"\r  {round_ + 1}/{args.rounds + args.warmup} rounds", end="", file=sys.stderr,
+                      flush=True)
+        print(file=sys.stderr)
+        return timings
+    finally:
+        if process.is_alive():
+            parent.send("stop")
+        await asyncio.to_thread(process.join, 60)
+        for user in users:
+            await user.close()
+
+
+def report(args: argparse.Namespace, timings: dict[str, list[Timing]]) -> dict[str, float]:
+    med = {mode: (statistics.median(t.ttft_ms for t in ts), statistics.median(t.per_token_ms for t in ts),
+                  statistics.fmean(t.node_cpu_ms for t in ts) / args.tokens,
+                  statistics.fmean(t.here_cpu_ms for t in ts) / args.tokens)
+           for mode, ts in timings.items()}
+    (ttft_d, tok_d, node_d, here_d), (ttft_o, tok_o, node_o, here_o) = med["direct"], med["overlay"]
+    print(f"\n{'':10} {'TTFT ms':>9} {'per token ms':>13} {'node CPU/token':>15} {'here CPU/token':>15}"
+          f"   (medians of {args.rounds} interleaved requests, {args.tokens} tokens each; CPU: means)")
+    for mode, (ttft, tok, node, here) in med.items():
+        print(f"{mode:10} {ttft:9.2f} {tok:13.3f} {node:15.3f} {here:15.3f}")
+    token_target = max(TOKEN_TARGET_MS, TOKEN_TARGET_SHARE * tok_d)
+    ttft_over, tok_over = ttft_o - ttft_d, tok_o - tok_d
+    print(f"{'overlay +':10} {ttft_over:+9.2f} {tok_over:+13.3f} {node_o - node_d:+15.3f} "
+          f"{here_o - here_d:+15.3f}"
+          f"   ({ttft_o / ttft_d:.2f}x, {tok_o / tok_d:.2f}x)")
+    print(f"target: TTFT <= +{TTFT_TARGET_MS:g} ms: {'met' if ttft_over <= TTFT_TARGET_MS else 'not met'}; "
+          f"per token <= +{token_target:.2f} ms (the larger of {TOKEN_TARGET_MS:g} ms and "
+          f"{TOKEN_TARGET_SHARE:.0%} of the model's {tok_d:.2f} ms): "
+          f"{'met' if tok_over <= token_target else 'not met'}")
+    return {"ttft_direct_ms": ttft_d, "ttft_overlay_ms": ttft_o, "token_direct_ms": tok_d,
+            "token_overlay_ms": tok_o, "node_cpu_per_token_direct_ms": node_d,
+            "node_cpu_per_token_overlay_ms": node_o, "here_cpu_per_token_direct_ms": here_d,
+            "here_cpu_per_token_overlay_ms": here_o}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data-dir", required=True, help="a directory holding a trained gt")
+    parser.add_argument("--shape", help="serve a random-weight model of this shape (0.5b, 1b, ...)")
+    parser.add_argument("--tokens", type=int, default=32, help="tokens generated per request")
+    parser.add_argument("--prompt-words", type=int, default=100)
+    parser.add_argument("--rounds", type=int, default=30, help="requests per mode (after the warm-up)")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--relays", type=int, default=6, help="user relays besides the client's")
+    parser.add_argument("--path-uses", type=int, default=UserConfig.path_uses,
+                        help="requests per path before it is replaced (the user's setting; 0: never)")
+    parser.add_argument("--threads", type=int, default=1, help="the model node's torch threads")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    if args.tokens < 2:
+        parser.error("--tokens must be at least 2")
+    served = f"a random-weight {args.shape} shape" if args.shape else "gt"
+    print(f"model node ({served}) in its own process; client and {args.relays} relays here, loopback TLS")
+    timings = asyncio.run(measure(args))
+    summary = report(args, timings)
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

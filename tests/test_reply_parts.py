@@ -1,0 +1,90 @@
+"""What one streamed answer costs the overlay: a model node's reply parts are joined when tokens come
+faster than the part linger (each part is an S-IDA round and n cloves through every relay of n paths),
+never held back when they come slower; a request's used-up paths are replaced once its answer has
+begun, not while its prompt is on its way (bench/overlay_cost.py measures both)."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import AsyncIterator
+
+from planetserve.chain.keys import KeySet
+from planetserve.node.overlay.gateway import batched
+from planetserve.node.overlay.paths import Path, PathManager, PathSettings
+
+
+async def produced(count: int, every: float, size: int = 10) -> AsyncIterator[bytes]:
+    for i in range(count):
+        await asyncio.sleep(every)
+        yield bytes([i]) * size
+
+
+async def collect(parts: AsyncIterator[bytes]) -> list[tuple[float, bytes]]:
+    return [(time.monotonic(), part) async for part in parts]
+
+
+def test_fast_tokens_travel_a_few_to_a_part_and_the_first_at_once():
+    async def main():
+        started = time.monotonic()
+        out = await collect(batched(produced(40, 0.002), linger=0.02))
+        expected = b"".join(bytes([i]) * 10 for i in range(40))
+        assert b"".join(part for _, part in out) == expected  # nothing lost, nothing reordered
+        assert out[0][1] == bytes([0]) * 10 and out[0][0] - started < 0.015  # the first token alone, at once
+        assert len(out) <= 10  # about 80 ms of tokens in parts at least 20 ms apart
+        gaps = [b[0] - a[0] for a, b in zip(out, out[1:], strict=False)]
+        assert min(gaps) >= 0.018
+
+    asyncio.run(main())
+
+
+def test_slow_tokens_go_one_by_one_without_waiting_for_the_linger():
+    async def main():
+        timed: list[float] = []
+
+        async def stamped() -> AsyncIterator[bytes]:
+            async for part in produced(6, 0.04):
+                timed.append(time.monotonic())
+                yield part
+
+        out = await collect(batched(stamped(), linger=0.01))
+        assert [part for _, part in out] == [bytes([i]) * 10 for i in range(6)]
+        assert max(sent - made for (sent, _), made in zip(out, timed, strict=True)) < 0.01
+
+    asyncio.run(main())
+
+
+def test_a_part_never_exceeds_its_limit_by_more_than_one_chunk():
+    async def main():
+        out = await collect(batched(produced(50, 0.0, size=100), limit=1000, linger=0.05))
+        assert b"".join(p for _, p in out) == b"".join(bytes([i]) * 100 for i in range(50))
+        assert all(len(p) <= 1100 for _, p in out) and len(out) >= 5
+
+    asyncio.run(main())
+
+
+def test_a_used_up_path_is_replaced_once_the_answer_begins_not_while_the_prompt_leaves():
+    async def main():
+        sent: list[str] = []
+
+        async def send(_peer: bytes, msg_type: str, _body: object) -> None:
+            sent.append(msg_type)
+
+        relays = [KeySet.generate().public for _ in range(6)]
+        manager = PathManager(secrets.token_bytes(32), send, lambda: relays,
+                              settings=PathSettings(target=1, uses=1, setup_timeout=0.2))
+        path = Path(secrets.token_bytes(16), tuple(relays[:3]), secrets.token_bytes(16), secrets.token_bytes(32),
+                    listed=len(relays))
+        path.state = "live"
+        manager.paths[(path.first, path.link)] = path
+        manager.use([path])
+        await asyncio.sleep(0.1)
+        assert path.state != "live" and "setup" not in sent  # retired, and nothing built yet
+        manager.replenish()
+        await asyncio.sleep(0.1)
+        assert sent.count("setup") == 1  # its replacement, now
+        await asyncio.sleep(0.3)  # the setup times out (no relay answers here)
+        assert manager.counters["setup_failures"] == 1
+
+    asyncio.run(main())
