@@ -3,8 +3,8 @@ API) and through a user relay's OpenAI endpoint (the prompt as n S-IDA cloves ov
 relays, every answer part back as cloves through the proxies the prompt named), interleaved one by
 one so both see the same machine.
 
-The model node runs in its own process, as it does on its own machine; the client's user relay and
-the relays that carry its paths run in this one, each on its own TLS port. Prompts are fresh random
+Every role runs in its own process, as on its own machine: the model node, each relay that carries the
+client's paths, and the client's own user relay (here, with the program that asks). Prompts are fresh random
 text (no prefix-cache hit in either mode), and every request generates exactly `--tokens` tokens.
 
 - TTFT: from sending the request to the first token's chunk.
@@ -60,8 +60,10 @@ class Timing:
     tokens: int
     node_cpu_ms: float = 0.0
     """CPU the model node's process spent on the request (all its threads)."""
-    here_cpu_ms: float = 0.0
-    """CPU this process spent: the client, and for the overlay its user relay and the relays."""
+    client_cpu_ms: float = 0.0
+    """CPU this process spent: the program asking, and for the overlay the client's user relay."""
+    relays_cpu_ms: float = 0.0
+    """CPU the relay processes spent, all together."""
 
 
 def cpu_ms(pid: int) -> float:
@@ -132,49 +134,86 @@ async def stream(client: httpx.AsyncClient, url: str, text: str, tokens: int) ->
     return Timing((arrivals[0] - sent) * 1e3, (arrivals[-1] - arrivals[0]) * 1e3 / max(1, tokens - 1), tokens)
 
 
-async def start_users(count: int, path_uses: int) -> list[UserRelay]:
-    users = []
-    for i in range(count):
-        config = UserConfig(http="127.0.0.1:0", peer="127.0.0.1:0", response_timeout=120.0,
-                            path_uses=path_uses)
-        user = UserRelay(config, KeySet.generate(), None)
-        await user.start(serve_http=i == 0)
-        users.append(user)
-    return users
+def user_config(path_uses: int) -> UserConfig:
+    return UserConfig(http="127.0.0.1:0", peer="127.0.0.1:0", response_timeout=120.0, path_uses=path_uses)
+
+
+def serve_relay(pipe: Connection, path_uses: int) -> None:
+    """A relay's process: report its key and address, take the directory, relay until told to stop."""
+    asyncio.run(_serve_relay(pipe, path_uses))
+
+
+async def _serve_relay(pipe: Connection, path_uses: int) -> None:
+    relay = UserRelay(user_config(path_uses), KeySet.generate(), None)
+    await relay.start(serve_http=False)
+    pipe.send((relay.keys.public, relay.config.address))
+    relay.apply_view(await asyncio.to_thread(pipe.recv))
+    await asyncio.to_thread(pipe.recv)
+    await relay.close()
+
+
+class Processes:
+    """The other roles' processes, each started with a pipe to talk to it."""
+
+    def __init__(self) -> None:
+        self.context = multiprocessing.get_context("spawn")
+        self.started: list[tuple[multiprocessing.process.BaseProcess, Connection]] = []
+
+    def start(self, target: object, *args: object) -> tuple[multiprocessing.process.BaseProcess, Connection]:
+        parent, child = self.context.Pipe()
+        process = self.context.Process(target=target, args=(child, *args), daemon=True)
+        process.start()
+        self.started.append((process, parent))
+        return process, parent
+
+    @staticmethod
+    async def answer(process: multiprocessing.process.BaseProcess, pipe: Connection, what: str) -> object:
+        deadline = time.monotonic() + 300
+        while not await asyncio.to_thread(pipe.poll, 0.5):
+            if not process.is_alive() or time.monotonic() > deadline:
+                raise SystemExit(f"the {what} did not start (its error is above)")
+        return pipe.recv()
+
+    async def stop(self) -> None:
+        for process, pipe in self.started:
+            if process.is_alive():
+                pipe.send("stop")
+        for process, _ in self.started:
+            await asyncio.to_thread(process.join, 60)
 
 
 async def measure(args: argparse.Namespace) -> dict[str, list[Timing]]:
-    users = await start_users(args.relays + 1, args.path_uses)
-    listed = [(u.keys.public, u.config.address) for u in users]
-    context = multiprocessing.get_context("spawn")
-    parent, child = context.Pipe()
-    process = context.Process(target=serve_node, args=(child, args, listed), daemon=True)
-    process.start()
+    client = UserRelay(user_config(args.path_uses), KeySet.generate(), None)
+    await client.start()
+    processes = Processes()
     try:
-        deadline = time.monotonic() + 300
-        while not await asyncio.to_thread(parent.poll, 0.5):
-            if not process.is_alive() or time.monotonic() > deadline:
-                raise SystemExit("the model node did not start (its error is above)")
-        key, address, node_url = parent.recv()
+        relays = [processes.start(serve_relay, args.path_uses) for _ in range(args.relays)]
+        listed = [(client.keys.public, client.config.address)]
+        for process, pipe in relays:
+            listed.append(await processes.answer(process, pipe, "relay"))  # type: ignore[arg-type]
+        node, node_pipe = processes.start(serve_node, args, listed)
+        key, address, node_url = await processes.answer(node, node_pipe, "model node")  # type: ignore[misc]
         view = DirectoryView.of(1, [User(k, a, "global", 0, 1 << 40) for k, a in listed],
                                 [node_record(key, address)])
-        for user in users:
-            user.apply_view(view)
-        client = users[0]
+        client.apply_view(view)
+        for _, pipe in relays:
+            pipe.send(view)
         client.start_paths()
         if not await client.paths.wait_live(client.config.n, 30):
             raise SystemExit(f"no paths: {client.paths.last_error}")
         rng = random.Random(args.seed)
         timings: dict[str, list[Timing]] = {"direct": [], "overlay": []}
         urls = {"direct": node_url, "overlay": client.http_url}
+        relay_pids = [process.pid for process, _ in relays]
         async with httpx.AsyncClient(timeout=600) as http:
             for round_ in range(args.rounds + args.warmup):
                 order = ["direct", "overlay"] if round_ % 2 == 0 else ["overlay", "direct"]
                 for mode in order:
-                    node_cpu, here_cpu = cpu_ms(process.pid), time.process_time()
+                    before = (cpu_ms(node.pid), time.process_time(), sum(map(cpu_ms, relay_pids)))
                     timing = await stream(http, urls[mode], prompt(rng, args.prompt_words), args.tokens)
-                    timing = replace(timing, node_cpu_ms=cpu_ms(process.pid) - node_cpu,
-                                     here_cpu_ms=(time.process_time() - here_cpu) * 1e3)
+                    timing = replace(timing, node_cpu_ms=cpu_ms(node.pid) - before[0],
+                                     client_cpu_ms=(time.process_time() - before[1]) * 1e3,
+                                     relays_cpu_ms=sum(map(cpu_ms, relay_pids)) - before[2])
                     if round_ >= args.warmup:
                         timings[mode].append(timing)
                 print(f"\r  {round_ + 1}/{args.rounds + args.warmup} rounds", end="", file=sys.stderr,
@@ -182,36 +221,39 @@ async def measure(args: argparse.Namespace) -> dict[str, list[Timing]]:
         print(file=sys.stderr)
         return timings
     finally:
-        if process.is_alive():
-            parent.send("stop")
-        await asyncio.to_thread(process.join, 60)
-        for user in users:
-            await user.close()
+        await processes.stop()
+        await client.close()
 
 
 def report(args: argparse.Namespace, timings: dict[str, list[Timing]]) -> dict[str, float]:
-    med = {mode: (statistics.median(t.ttft_ms for t in ts), statistics.median(t.per_token_ms for t in ts),
-                  statistics.fmean(t.node_cpu_ms for t in ts) / args.tokens,
-                  statistics.fmean(t.here_cpu_ms for t in ts) / args.tokens)
-           for mode, ts in timings.items()}
-    (ttft_d, tok_d, node_d, here_d), (ttft_o, tok_o, node_o, here_o) = med["direct"], med["overlay"]
-    print(f"\n{'':10} {'TTFT ms':>9} {'per token ms':>13} {'node CPU/token':>15} {'here CPU/token':>15}"
-          f"   (medians of {args.rounds} interleaved requests, {args.tokens} tokens each; CPU: means)")
-    for mode, (ttft, tok, node, here) in med.items():
-        print(f"{mode:10} {ttft:9.2f} {tok:13.3f} {node:15.3f} {here:15.3f}")
-    token_target = max(TOKEN_TARGET_MS, TOKEN_TARGET_SHARE * tok_d)
-    ttft_over, tok_over = ttft_o - ttft_d, tok_o - tok_d
-    print(f"{'overlay +':10} {ttft_over:+9.2f} {tok_over:+13.3f} {node_o - node_d:+15.3f} "
-          f"{here_o - here_d:+15.3f}"
-          f"   ({ttft_o / ttft_d:.2f}x, {tok_o / tok_d:.2f}x)")
-    print(f"target: TTFT <= +{TTFT_TARGET_MS:g} ms: {'met' if ttft_over <= TTFT_TARGET_MS else 'not met'}; "
+    def row(ts: list[Timing]) -> dict[str, float]:
+        return {"ttft_ms": statistics.median(t.ttft_ms for t in ts),
+                "token_ms": statistics.median(t.per_token_ms for t in ts),
+                **{f"{part}_cpu_per_token_ms":
+                   statistics.fmean(getattr(t, f"{part}_cpu_ms") for t in ts) / args.tokens
+                   for part in ("node", "client", "relays")}}
+
+    rows = {mode: row(ts) for mode, ts in timings.items()}
+    direct, overlay = rows["direct"], rows["overlay"]
+    print(f"\n{'':10} {'TTFT ms':>9} {'per token ms':>13}   CPU ms per token: {'node':>6} {'client':>7} "
+          f"{'relays':>7}   (medians of {args.rounds} interleaved requests of {args.tokens} tokens; "
+          f"CPU: means)")
+    for mode, r in rows.items():
+        print(f"{mode:10} {r['ttft_ms']:9.2f} {r['token_ms']:13.3f}   {'':18}"
+              f"{r['node_cpu_per_token_ms']:6.3f} {r['client_cpu_per_token_ms']:7.3f} "
+              f"{r['relays_cpu_per_token_ms']:7.3f}")
+    over = {k: overlay[k] - direct[k] for k in direct}
+    print(f"{'overlay +':10} {over['ttft_ms']:+9.2f} {over['token_ms']:+13.3f}   {'':18}"
+          f"{over['node_cpu_per_token_ms']:+6.3f} {over['client_cpu_per_token_ms']:+7.3f} "
+          f"{over['relays_cpu_per_token_ms']:+7.3f}   ({overlay['ttft_ms'] / direct['ttft_ms']:.2f}x TTFT, "
+          f"{overlay['token_ms'] / direct['token_ms']:.2f}x per token)")
+    token_target = max(TOKEN_TARGET_MS, TOKEN_TARGET_SHARE * direct["token_ms"])
+    ttft_met = over["ttft_ms"] <= TTFT_TARGET_MS
+    print(f"target: TTFT <= +{TTFT_TARGET_MS:g} ms: {'met' if ttft_met else 'not met'}; "
           f"per token <= +{token_target:.2f} ms (the larger of {TOKEN_TARGET_MS:g} ms and "
-          f"{TOKEN_TARGET_SHARE:.0%} of the model's {tok_d:.2f} ms): "
-          f"{'met' if tok_over <= token_target else 'not met'}")
-    return {"ttft_direct_ms": ttft_d, "ttft_overlay_ms": ttft_o, "token_direct_ms": tok_d,
-            "token_overlay_ms": tok_o, "node_cpu_per_token_direct_ms": node_d,
-            "node_cpu_per_token_overlay_ms": node_o, "here_cpu_per_token_direct_ms": here_d,
-            "here_cpu_per_token_overlay_ms": here_o}
+          f"{TOKEN_TARGET_SHARE:.0%} of the model's {direct['token_ms']:.2f} ms): "
+          f"{'met' if over['token_ms'] <= token_target else 'not met'}")
+    return {f"{mode}_{k}": v for mode, r in rows.items() for k, v in r.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -233,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.tokens < 2:
         parser.error("--tokens must be at least 2")
     served = f"a random-weight {args.shape} shape" if args.shape else "gt"
-    print(f"model node ({served}) in its own process; client and {args.relays} relays here, loopback TLS")
+    print(f"model node ({served}), {args.relays} relays and the client in processes of their own, "
+          f"loopback TLS")
     timings = asyncio.run(measure(args))
     summary = report(args, timings)
     if args.json:

@@ -26,8 +26,9 @@ log = logging.getLogger(__name__)
 
 MAX_PART_BYTES = 60 << 10
 MAX_ANSWERS = 256
-PART_LINGER_SECONDS = 0.005
-"""The least time between two parts of one answer (bench/overlay_cost.py chose it; docs/benchmarks.md)."""
+PART_LINGER_SECONDS = 0.02
+"""The least time between two parts of one answer: tokens faster than this travel a few to a part, which
+halves the relays' CPU per streamed token (docs/benchmarks.md, "The overlay's cost per token")."""
 
 Respond = Callable[[Endpoint, bytes], Awaitable[Reply]]
 

@@ -144,6 +144,10 @@ async def write_frame(writer: asyncio.StreamWriter, value: Any, limit: int = MAX
     if len(body) > limit:
         raise TransportError(f"frame of {len(body)} bytes exceeds the limit of {limit}")
     writer.write(_LENGTH.pack(len(body)) + body)
+    transport = writer.transport
+    if transport.get_write_buffer_size() <= transport.get_write_buffer_limits()[1]:
+        await writer.drain()  # below the high-water mark drain does not wait: no timer needed
+        return
     try:
         await asyncio.wait_for(writer.drain(), timeout)
     except TimeoutError:
