@@ -185,7 +185,7 @@ def load_costs(args: argparse.Namespace) -> CostModel:
     return costs
 
 
-def _mix(text: str) -> dict[str, int]:
+def mix_ratio(text: str) -> dict[str, int]:
     parts = [int(x) for x in text.split(":")]
     if len(parts) != 3 or min(parts) < 0 or not sum(parts):
         raise argparse.ArgumentTypeError("--mix is tooluse:coding:longdoc, e.g. 3:6:1")
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--policies", type=lambda s: tuple(s.split(",")),
                         help=f"any of {','.join(POLICIES)} (default: all; hr-tree only on tooluse)")
-    parser.add_argument("--mix", type=_mix, help="Mixed's tooluse:coding:longdoc ratio (default 3:6:1)")
+    parser.add_argument("--mix", type=mix_ratio, help="Mixed's tooluse:coding:longdoc ratio (default 3:6:1)")
     parser.add_argument("--scale", type=float, default=1.0,
                         help="shrink every workload length (with --calibrate: the small engine's context)")
     parser.add_argument("--followup", type=float, default=0.0, help="chance a request continues a session")

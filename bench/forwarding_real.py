@@ -1,8 +1,10 @@
 """Overlay forwarding on real engines: model nodes with the built-in engine over the trained gt, on
-this machine, serving the same requests twice: without forwarding (each entry node serves what it
-gets, `no_forward`) and with PlanetServe's forwarding (HR-tree + F_LB, cache-state sync over TLS).
-Then the simulator (bench/sim) runs the same requests with a cost table measured from this model, so
-its prediction is checked against what the engines did.
+this machine, serving the same requests three times: without forwarding (each entry node serves what
+it gets, `no_forward`), with PlanetServe's forwarding (HR-tree + F_LB, cache-state sync over TLS), and
+through a centralized router that sees every engine's prefix cache as it is (sgl-router's cache-aware
+policy with perfect, instant knowledge: the bound no forwarding policy can beat). Then the simulator
+(bench/sim) runs the same requests with a cost table measured from this model, so its prediction is
+checked against what the engines did.
 
 With `--shape` (0.5b, 1b, 3b, 8b) the nodes serve a model of that published shape with random weights
 instead of gt (one copy, shared by the nodes' engines; on the GPU when there is one, in bf16): what
@@ -10,7 +12,7 @@ latency and the cache's savings depend on is the model's size, not its weights. 
 tokenizer, so its vocabulary is gt's rather than the shape's (a smaller output layer: 262M of the 1B
 shape's 1.50B parameters are its 128,256-word embedding and head).
 
-    .venv/bin/python bench/forwarding_real.py [--nodes 4] [--workload mixed] [--rate 1.5]
+    .venv/bin/python bench/forwarding_real.py [--nodes 4] [--workload mixed] [--mix 3:6:1] [--rate 1.5]
         [--duration 60] [--scale 0.05] [--capacity 4] [--model gt] [--data-dir DIR] [--shape 1b]
 
 Latency is from sending the request to its last streamed chunk, TTFT to its first; the hit rate is
@@ -33,9 +35,20 @@ from transformers import PreTrainedModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.sim import A100_LLAMA3_8B, Cluster, NoForwarding, Overlay, Prepared, fit_measured, summarize  # noqa: E402
+from bench.forwarding import mix_ratio  # noqa: E402
+from bench.sim import (  # noqa: E402
+    A100_LLAMA3_8B,
+    Centralized,
+    Cluster,
+    NoForwarding,
+    Overlay,
+    Prepared,
+    fit_measured,
+    summarize,
+)
 from planetserve.chain.keys import KeySet  # noqa: E402
 from planetserve.node.engine.base import Engine, Tokenizer  # noqa: E402
+from planetserve.node.engine.kvcache import block_hashes  # noqa: E402
 from planetserve.node.engine.profile import SHAPES, measure_costs, params, sized_llama  # noqa: E402
 from planetserve.node.home import ModelNodeConfig  # noqa: E402
 from planetserve.node.model_node import ModelNode  # noqa: E402
@@ -45,7 +58,7 @@ from planetserve.node.runner import builtin_engine  # noqa: E402
 from planetserve.registry.entities import ModelNode as NodeRecord  # noqa: E402
 from planetserve.workloads import Request, detokenize, generate  # noqa: E402
 
-MODES = ("no-forwarding", "planetserve")
+MODES = ("no-forwarding", "planetserve", "centralized")
 
 
 def prompt_limit(args: argparse.Namespace) -> int:
@@ -95,25 +108,83 @@ async def start_group(args: argparse.Namespace) -> list[ModelNode]:
     return nodes
 
 
-async def send(client: httpx.AsyncClient, node: ModelNode, request: Request, mode: str,
-               started: float) -> dict:
+class CentralRouter:
+    """sgl-router's cache-aware policy (as bench/sim's Centralized) over the real engines: the node whose
+    prefix cache holds the longest prefix of the prompt, counting prompts routed there but not yet
+    prefilled as cached; the least loaded node below half a prompt matched or when loads drift apart."""
+
+    def __init__(self, nodes: list[ModelNode], tokenizer: Tokenizer,
+                 policy: Centralized | None = None) -> None:
+        self.nodes = nodes
+        self.tokenizer = tokenizer
+        self.policy = policy or Centralized()
+        self.outstanding = [0] * len(nodes)
+        self.pending: list[dict[int, int]] = [{} for _ in nodes]
+
+    def _match(self, i: int, hashes: list[int]) -> int:
+        cache, pending = self.nodes[i].engine.cache, self.pending[i]  # type: ignore[attr-defined]
+        return next((n for n, h in enumerate(hashes) if h not in cache and h not in pending), len(hashes))
+
+    def route(self, text: str) -> tuple[int, list[int]]:
+        ids = self.tokenizer(text)["input_ids"]
+        hashes = block_hashes(ids, self.nodes[0].engine.block_size)  # type: ignore[attr-defined]
+        loads, p = self.outstanding, self.policy
+        least = min(range(len(loads)), key=lambda i: (loads[i], i))
+        chosen = least
+        if not (max(loads) - loads[least] > p.balance_abs and max(loads) > p.balance_rel * loads[least]):
+            matches = [self._match(i, hashes) for i in range(len(loads))]
+            best = max(matches)
+            if best and best >= p.cache_threshold * len(hashes):
+                chosen = min((i for i in range(len(loads)) if matches[i] == best),
+                             key=lambda i: (loads[i], i))
+        self.outstanding[chosen] += 1
+        for h in hashes:
+            self.pending[chosen][h] = self.pending[chosen].get(h, 0) + 1
+        return chosen, hashes
+
+    def prefilled(self, chosen: int, hashes: list[int]) -> None:
+        pending = self.pending[chosen]
+        for h in hashes:
+            if pending[h] == 1:
+                del pending[h]
+            else:
+                pending[h] -= 1
+
+    def finished(self, chosen: int) -> None:
+        self.outstanding[chosen] -= 1
+
+
+async def send(client: httpx.AsyncClient, nodes: list[ModelNode], request: Request, mode: str,
+               started: float, router: CentralRouter | None) -> dict:
     await asyncio.sleep(max(0.0, started + request.arrival - time.monotonic()))
     sent = time.monotonic()
+    if router is not None:
+        chosen, hashes = router.route(request.text)
+    else:
+        chosen, hashes = request.id % len(nodes), []
     body = {"model": "gt", "prompt": request.text, "max_tokens": request.output_len, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
-            "planetserve": {"no_forward": mode == "no-forwarding"}}
+            "planetserve": {"no_forward": mode != "planetserve"}}
     first = None
     usage: dict = {}
-    async with client.stream("POST", f"{node.http_url}/v1/completions", json=body) as response:
-        if response.status_code != 200:
-            return {"error": (await response.aread()).decode()[:200]}
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if first is None and chunk.get("choices"):
-                first = time.monotonic()
-            usage = chunk.get("usage") or usage
+    try:
+        async with client.stream("POST", f"{nodes[chosen].http_url}/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                return {"error": (await response.aread()).decode()[:200]}
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if first is None and chunk.get("choices"):
+                    first = time.monotonic()
+                    if router is not None:
+                        router.prefilled(chosen, hashes)
+                usage = chunk.get("usage") or usage
+    finally:
+        if router is not None:
+            if first is None:
+                router.prefilled(chosen, hashes)
+            router.finished(chosen)
     done = time.monotonic()
     return {"latency": done - sent, "ttft": (first or done) - sent, "prompt": usage.get("prompt_tokens", 0),
             "cached": usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)}
@@ -121,11 +192,11 @@ async def send(client: httpx.AsyncClient, node: ModelNode, request: Request, mod
 
 async def run_mode(args: argparse.Namespace, mode: str, requests: list[Request]) -> dict:
     nodes = await start_group(args)
+    router = CentralRouter(nodes, args.tokenizer) if mode == "centralized" else None
     try:
         async with httpx.AsyncClient(timeout=600) as client:
             started = time.monotonic()
-            results = await asyncio.gather(*(send(client, nodes[r.id % len(nodes)], r, mode, started)
-                                             for r in requests))
+            results = await asyncio.gather(*(send(client, nodes, r, mode, started, router) for r in requests))
         forwarded = sum(n.counters["forwarded"] for n in nodes)
     finally:
         for node in nodes:
@@ -168,7 +239,7 @@ def simulate(args: argparse.Namespace, requests: list[Request], tokenizer, model
     overlay = Overlay(balance=True, seed=args.seed, min_depth=node.match_depth,
                       config=SyncConfig(batch_interval=node.delta_interval, load_interval=node.load_interval,
                                         snapshot_interval=node.sync_interval))
-    policies = (("no-forwarding", NoForwarding()), ("planetserve", overlay))
+    policies = (("no-forwarding", NoForwarding()), ("planetserve", overlay), ("centralized", Centralized()))
     for mode, policy in policies:
         s = summarize(Cluster(prepared, policy, costs, args.nodes, net_delay=0.0005).run())
         out[mode] = {"mean": s.mean_latency, "p99": s.p99_latency, "ttft": s.mean_ttft, "hit": s.hit_rate}
@@ -184,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", type=int, default=4)
     parser.add_argument("--workload", default="mixed")
+    parser.add_argument("--mix", type=mix_ratio, help="Mixed's tooluse:coding:longdoc ratio (default 3:6:1)")
     parser.add_argument("--rate", type=float, default=1.5, help="requests per second, whole group")
     parser.add_argument("--duration", type=float, default=60.0)
     parser.add_argument("--scale", type=float, default=0.05)
@@ -201,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     requests = generate(args.workload, rate=args.rate, duration=args.duration, seed=args.seed,
-                        scale=args.scale)
+                        scale=args.scale, mix=args.mix)
     args.shaped = None
     engine, tokenizer, _, _ = builtin_engine(node_config(args, 0))
     if args.shape is not None:
@@ -217,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"left out {len(requests) - len(fits)} requests whose prompt exceeds {limit} "
               f"tokens (the model's context is {engine.max_model_len})")
     requests = fits
+    args.tokenizer = tokenizer
     served = f"a random {args.shape} shape ({params(engine.model) / 1e9:.2f}B)" if args.shape else args.model
     print(f"{len(requests)} {args.workload} requests over {args.duration:.0f} s at {args.rate} req/s, "
           f"{args.nodes} nodes of capacity {args.capacity}, model {served}", flush=True)
@@ -238,6 +311,10 @@ def main(argv: list[str] | None = None) -> int:
         base, ps = table["no-forwarding"], table["planetserve"]
         print(f"PlanetServe vs no forwarding, {name}: mean latency {_change(ps['mean'], base['mean'])}, "
               f"TTFT {_change(ps['ttft'], base['ttft'])}, hit rate {base['hit']:.2f} -> {ps['hit']:.2f}")
+        central = table["centralized"]
+        print(f"PlanetServe vs the centralized router, {name}: mean latency "
+              f"{_change(ps['mean'], central['mean'])}, TTFT {_change(ps['ttft'], central['ttft'])}, "
+              f"hit rate {ps['hit'] / max(central['hit'], 1e-9):.2f}x the router's")
     if args.json:
         args.json.write_text(json.dumps({"measured": measured, "predicted": predicted}, indent=2))
     return 0
