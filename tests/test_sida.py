@@ -50,7 +50,7 @@ class Clock:
 # -- recovery -----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("n", "k"), [(4, 3), (5, 2), (1, 1), (3, 3), (6, 1), (7, 4), (8, 5)])
+@pytest.mark.parametrize(("n", "k"), [(4, 3), (2, 1), (6, 5), (5, 2), (1, 1), (3, 3), (6, 1), (7, 4), (8, 5)])
 def test_every_k_subset_recovers(n: int, k: int) -> None:
     message = secrets.token_bytes(1000)
     cloves = wire(split(message, n, k))
@@ -328,16 +328,24 @@ def test_k_minus_1_shares_are_uniform_whatever_the_secret() -> None:
 
 
 def test_coefficients_come_from_secrets(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The key, the message id, the nonce and the k - 1 coefficients all come from `secrets`: one read for
+    the first three, one for the coefficients (66 bytes each, 521 bits kept)."""
     calls: list[int] = []
-    real = secrets.randbelow
+    real = secrets.token_bytes
 
-    def recording(bound: int) -> int:
-        calls.append(bound)
-        return real(bound)
+    def recording(size: int) -> bytes:
+        calls.append(size)
+        return real(size)
 
-    monkeypatch.setattr(sida.secrets, "randbelow", recording)
+    monkeypatch.setattr(sida.secrets, "token_bytes", recording)
     split(b"m", 5, 3)
-    assert calls == [sida.PRIME, sida.PRIME]
+    assert calls == [sida.KEY_SIZE + sida.ID_SIZE + sida.NONCE_SIZE, 2 * sida.SHARE_SIZE]
+
+
+def test_a_draw_outside_the_field_is_drawn_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    draws = iter([b"\xff" * sida.SHARE_SIZE, (5).to_bytes(sida.SHARE_SIZE)])  # all ones masks to p itself
+    monkeypatch.setattr(sida.secrets, "token_bytes", lambda size: next(draws))
+    assert sida.random_elements(1) == [5]
 
 
 def test_shares_and_ids_change_between_splits() -> None:

