@@ -114,7 +114,8 @@ def main() -> None:
 
     impls = {"current": sida}
     if args.baseline:
-        impls[args.baseline] = baseline_module(args.baseline, Path(tempfile.mkdtemp()))
+        with tempfile.TemporaryDirectory() as directory:  # the module is loaded once read
+            impls[args.baseline] = baseline_module(args.baseline, Path(directory))
     print(f"(n, k) = ({args.n}, {args.k}), {args.iterations} iterations after {args.warmup} warm-up")
     print(ROW.format("message", "clove B", "operation", "mean ms", "P50 ms", "P99 ms", "vs paper"))
     worst = float("inf")
