@@ -13,10 +13,11 @@ text (no prefix-cache hit in either mode), and every request generates exactly `
 Target (issue 26): through the overlay at most +10 ms of TTFT and +0.5 ms per streamed token, or 5% of
 the model's own per-token time where that is larger.
 
-    .venv/bin/python bench/overlay_cost.py --data-dir DIR [--shape 0.5b] [--tokens 32] [--rounds 30]
+    .venv/bin/python bench/overlay_cost.py [--data-dir DIR] [--shape 0.5b] [--tokens 32] [--rounds 30]
 
-DIR holds a trained gt (for instance localnet/build after `make localnet`); with `--shape` the
-node serves a random-weight model of that published shape with gt's tokenizer instead.
+DIR holds a trained gt (for instance localnet/build after `make localnet`; by default the models' own
+data directory); with `--shape` the node serves a random-weight model of that published shape with
+gt's tokenizer instead.
 """
 
 from __future__ import annotations
@@ -98,7 +99,9 @@ async def _serve_node(pipe: Connection, args: argparse.Namespace, users: list[tu
     engine, tokenizer, vocab, stop = builtin_engine(config)
     if args.shape:
         await engine.close()
-        model = sized_llama(args.shape, device="cpu", dtype=torch.float32, vocab=len(tokenizer))
+        cuda = torch.cuda.is_available()
+        model = sized_llama(args.shape, device="cuda" if cuda else "cpu",
+                            dtype=torch.bfloat16 if cuda else torch.float32, vocab=len(tokenizer))
         engine = BuiltinEngine(model, "gt", block_size=config.block_size, max_batch=config.capacity,
                                cache_capacity_tokens=config.cache_tokens, prefill_chunk=config.prefill_chunk)
         vocab = engine.vocab_size
@@ -259,7 +262,8 @@ def report(args: argparse.Namespace, timings: dict[str, list[Timing]]) -> dict[s
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data-dir", required=True, help="a directory holding a trained gt")
+    parser.add_argument("--data-dir", default="",
+                        help="a directory holding a trained gt (default: the models' own data directory)")
     parser.add_argument("--shape", help="serve a random-weight model of this shape (0.5b, 1b, ...)")
     parser.add_argument("--tokens", type=int, default=32, help="tokens generated per request")
     parser.add_argument("--prompt-words", type=int, default=100)

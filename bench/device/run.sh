@@ -25,4 +25,6 @@ fi
         --json "$OUT/forwarding_tooluse.json"
     python3 bench/forwarding_real.py --shape 1b --workload mixed --scale 0.25 --rate 4 --duration 40 \
         --json "$OUT/forwarding_mixed.json"
+    # the overlay's cost per request and per streamed token at the 1B shape's speed
+    python3 bench/overlay_cost.py --shape 1b --rounds 10 --tokens 32 --json "$OUT/overlay_cost.json"
 } 2>&1 | tee "$OUT/results.txt"
