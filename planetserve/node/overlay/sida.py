@@ -41,7 +41,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import zfec
@@ -87,9 +87,9 @@ class AuthenticationError(CloveError):
     """No k-subset of the cloves decrypts: some are corrupted or forged."""
 
 
-@dataclass(frozen=True, slots=True)
-class SetHeader:
-    """What every clove of one message shares; cloves are grouped (and authenticated) by it."""
+class SetHeader(NamedTuple):
+    """What every clove of one message shares; cloves are grouped (and authenticated) by it (a tuple:
+    built and hashed for every clove received)."""
 
     message_id: bytes
     n: int
@@ -101,7 +101,7 @@ class SetHeader:
         return _AD.pack(_AD_DOMAIN, VERSION, self.message_id, self.n, self.k, self.length)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Clove:
     """One of n slices of a message; `index` (1..n) is both the fragment number and the share's x.
     `split` makes them well formed; `decode` checks every one from the network before it is made."""
