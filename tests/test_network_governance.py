@@ -39,20 +39,22 @@ def upgraded_app(info: ValidatorInfo) -> list[str]:
     return [sys.executable, UPGRADED, "--home", str(info.home)]
 
 
-def halted_apps(cluster: Cluster, quorum: int) -> list[int]:
-    """The validators whose old app stopped at the upgrade: at least `quorum` (those that decided the
-    upgrade's block), and any other that reaches it. A validator that had not yet gathered that block's
-    commit when the others' processes stopped waits below the height, its app running, until the
-    restarted ones bring it the block."""
+def halted_apps(cluster: Cluster) -> list[int]:
+    """The validators whose old app stopped at the upgrade: at least one. The first to gather the
+    upgrade block's commit stops, and its CometBFT with it, possibly before its precommit reached the
+    others; a validator left without that commit waits below the height, its old app running (seen: two
+    of four), until the restarted validators bring it the block."""
+    count = len(cluster.spec.validators)
+
     def stopped() -> list[int]:
-        return [i for i in range(len(cluster.spec.validators)) if not cluster.running(i)["app"]]
+        return [i for i in range(count) if not cluster.running(i)["app"]]
     try:
-        wait_until(lambda: len(stopped()) >= quorum, timeout=60)
+        wait_until(stopped, timeout=60)
     except AssertionError:
-        states = {i: (cluster.running(i), cluster.height(i)) for i in range(len(cluster.spec.validators))}
-        raise AssertionError(f"fewer than {quorum} old apps stopped; processes and heights: {states}") from None
+        states = {i: (cluster.running(i), cluster.height(i)) for i in range(count)}
+        raise AssertionError(f"no old app stopped; processes and heights: {states}") from None
     with contextlib.suppress(AssertionError):
-        wait_until(lambda: len(stopped()) == len(cluster.spec.validators), timeout=10)
+        wait_until(lambda: len(stopped()) == count, timeout=10)
     return stopped()
 
 
@@ -95,7 +97,7 @@ def test_parameter_changes_and_an_upgrade_by_vote(tmp_path: Path) -> None:
         assert proposed.exit_code == 0, proposed.output
         for i in (1, 2):  # with the proposer's, 3 of 4: settled
             assert client.submit(member_keys(cluster, i), VoteMember(3, True)).outcome.ok
-        halted = halted_apps(cluster, 3)
+        halted = halted_apps(cluster)
         for i in halted:
             log = (spec.validators[i].home / "logs" / "app.log").read_text()
             assert f"UPGRADE 'v2' NEEDED at height {upgrade_at}: this app is version 1" in log
