@@ -74,6 +74,15 @@ def node_config(args: argparse.Namespace, index: int) -> ModelNodeConfig:
                            delta_interval=0.1, load_interval=0.1, sync_interval=5.0)
 
 
+def shaped_model(shape: str, tokenizer: Tokenizer) -> PreTrainedModel:
+    """A random-weight model of `shape` speaking `tokenizer`: on the GPU in bf16 when there is one."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    return sized_llama(shape, device="cuda" if cuda else "cpu",
+                       dtype=torch.bfloat16 if cuda else torch.float32, vocab=len(tokenizer))
+
+
 def shaped_engine(config: ModelNodeConfig, model: PreTrainedModel, tokenizer: Tokenizer
                   ) -> tuple[Engine, Tokenizer, int, tuple[int, ...]]:
     """builtin_engine's answer for a random-weight model built once and shared by the group's engines."""
@@ -109,46 +118,25 @@ async def start_group(args: argparse.Namespace) -> list[ModelNode]:
 
 
 class CentralRouter:
-    """sgl-router's cache-aware policy (as bench/sim's Centralized) over the real engines: the node whose
-    prefix cache holds the longest prefix of the prompt, counting prompts routed there but not yet
-    prefilled as cached; the least loaded node below half a prompt matched or when loads drift apart."""
+    """bench/sim's Centralized (sgl-router's cache-aware policy) over the real engines: it sees each
+    engine's prefix cache as it is and counts the requests it sent each node until they end."""
 
-    def __init__(self, nodes: list[ModelNode], tokenizer: Tokenizer,
-                 policy: Centralized | None = None) -> None:
+    def __init__(self, nodes: list[ModelNode], tokenizer: Tokenizer) -> None:
         self.nodes = nodes
         self.tokenizer = tokenizer
-        self.policy = policy or Centralized()
+        self.policy = Centralized()
+        self.policy.start(len(nodes))
         self.outstanding = [0] * len(nodes)
-        self.pending: list[dict[int, int]] = [{} for _ in nodes]
-
-    def _match(self, i: int, hashes: list[int]) -> int:
-        cache, pending = self.nodes[i].engine.cache, self.pending[i]  # type: ignore[attr-defined]
-        return next((n for n, h in enumerate(hashes) if h not in cache and h not in pending), len(hashes))
 
     def route(self, text: str) -> tuple[int, list[int]]:
-        ids = self.tokenizer(text)["input_ids"]
-        hashes = block_hashes(ids, self.nodes[0].engine.block_size)  # type: ignore[attr-defined]
-        loads, p = self.outstanding, self.policy
-        least = min(range(len(loads)), key=lambda i: (loads[i], i))
-        chosen = least
-        if not (max(loads) - loads[least] > p.balance_abs and max(loads) > p.balance_rel * loads[least]):
-            matches = [self._match(i, hashes) for i in range(len(loads))]
-            best = max(matches)
-            if best and best >= p.cache_threshold * len(hashes):
-                chosen = min((i for i in range(len(loads)) if matches[i] == best),
-                             key=lambda i: (loads[i], i))
+        engines = [n.engine for n in self.nodes]
+        hashes = block_hashes(self.tokenizer(text)["input_ids"], engines[0].block_size)  # type: ignore[attr-defined]
+        chosen = self.policy.choose(self.outstanding, [e.cache for e in engines], hashes)  # type: ignore[attr-defined]
         self.outstanding[chosen] += 1
-        for h in hashes:
-            self.pending[chosen][h] = self.pending[chosen].get(h, 0) + 1
         return chosen, hashes
 
     def prefilled(self, chosen: int, hashes: list[int]) -> None:
-        pending = self.pending[chosen]
-        for h in hashes:
-            if pending[h] == 1:
-                del pending[h]
-            else:
-                pending[h] -= 1
+        self.policy.release(chosen, hashes)
 
     def finished(self, chosen: int) -> None:
         self.outstanding[chosen] -= 1
@@ -277,9 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     args.shaped = None
     engine, tokenizer, _, _ = builtin_engine(node_config(args, 0))
     if args.shape is not None:
-        cuda = torch.cuda.is_available()
-        model = sized_llama(args.shape, device="cuda" if cuda else "cpu",
-                            dtype=torch.bfloat16 if cuda else torch.float32, vocab=len(tokenizer))
+        model = shaped_model(args.shape, tokenizer)
         asyncio.run(engine.close())
         args.shaped = (model, tokenizer)
         engine = shaped_engine(node_config(args, 0), model, tokenizer)[0]

@@ -31,7 +31,7 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -58,12 +58,11 @@ WORDS = ("the", "of", "model", "node", "relay", "path", "token", "cache", "user"
 class Timing:
     ttft_ms: float
     per_token_ms: float
-    tokens: int
-    node_cpu_ms: float = 0.0
+    node_cpu_ms: float
     """CPU the model node's process spent on the request (all its threads)."""
-    client_cpu_ms: float = 0.0
+    client_cpu_ms: float
     """CPU this process spent: the program asking, and for the overlay the client's user relay."""
-    relays_cpu_ms: float = 0.0
+    relays_cpu_ms: float
     """CPU the relay processes spent, all together."""
 
 
@@ -77,6 +76,11 @@ def node_record(key: bytes, address: str) -> NodeRecord:
     return NodeRecord(key, "bench", "gt", address, "cpu", 4, "global", "active", 1)
 
 
+def directory(users: list[tuple[bytes, str]], node: NodeRecord) -> DirectoryView:
+    """The verified lists every role is given: the users (key, address) and the one model node."""
+    return DirectoryView.of(1, [User(key, address, "global", 0, 1 << 40) for key, address in users], [node])
+
+
 def serve_node(pipe: Connection, args: argparse.Namespace, users: list[tuple[bytes, str]]) -> None:
     """The model node's process: serve until the parent says stop."""
     asyncio.run(_serve_node(pipe, args, users))
@@ -85,8 +89,7 @@ def serve_node(pipe: Connection, args: argparse.Namespace, users: list[tuple[byt
 async def _serve_node(pipe: Connection, args: argparse.Namespace, users: list[tuple[bytes, str]]) -> None:
     import torch
 
-    from planetserve.node.engine.builtin import BuiltinEngine
-    from planetserve.node.engine.profile import sized_llama
+    from bench.forwarding_real import shaped_engine, shaped_model
     from planetserve.node.model_node import ModelNode
     from planetserve.node.routing.group import GroupView
     from planetserve.node.runner import builtin_engine
@@ -99,18 +102,12 @@ async def _serve_node(pipe: Connection, args: argparse.Namespace, users: list[tu
     engine, tokenizer, vocab, stop = builtin_engine(config)
     if args.shape:
         await engine.close()
-        cuda = torch.cuda.is_available()
-        model = sized_llama(args.shape, device="cuda" if cuda else "cpu",
-                            dtype=torch.bfloat16 if cuda else torch.float32, vocab=len(tokenizer))
-        engine = BuiltinEngine(model, "gt", block_size=config.block_size, max_batch=config.capacity,
-                               cache_capacity_tokens=config.cache_tokens, prefill_chunk=config.prefill_chunk)
-        vocab = engine.vocab_size
+        engine, _, vocab, _ = shaped_engine(config, shaped_model(args.shape, tokenizer), tokenizer)
     node = ModelNode(config, KeySet.generate(), engine, tokenizer, vocab_size=vocab, eos_ids=stop, group=None)
     await node.start()
     me = node_record(node.keys.public, config.peer)
     node.apply_view(GroupView(1, {me.pubkey: me}))
-    node.apply_users(DirectoryView.of(1, [User(key, address, "global", 0, 1 << 40) for key, address in users],
-                                      [me]))
+    node.apply_users(directory(users, me))
     pipe.send((node.keys.public, config.peer, node.http_url))
     await asyncio.to_thread(pipe.recv)
     await node.close()
@@ -121,7 +118,8 @@ def prompt(rng: random.Random, words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(words))
 
 
-async def stream(client: httpx.AsyncClient, url: str, text: str, tokens: int) -> Timing:
+async def stream(client: httpx.AsyncClient, url: str, text: str, tokens: int) -> tuple[float, float]:
+    """TTFT and per-token time (ms) of one streamed completion of exactly `tokens` tokens."""
     body = {"model": "gt", "prompt": text, "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
             "stream": True}
     arrivals = []
@@ -134,7 +132,7 @@ async def stream(client: httpx.AsyncClient, url: str, text: str, tokens: int) ->
                 arrivals.append(time.perf_counter())
     if len(arrivals) != tokens:
         raise SystemExit(f"{url}: {len(arrivals)} token chunks streamed, {tokens} asked for")
-    return Timing((arrivals[0] - sent) * 1e3, (arrivals[-1] - arrivals[0]) * 1e3 / max(1, tokens - 1), tokens)
+    return (arrivals[0] - sent) * 1e3, (arrivals[-1] - arrivals[0]) * 1e3 / (tokens - 1)
 
 
 def user_config(path_uses: int) -> UserConfig:
@@ -196,8 +194,7 @@ async def measure(args: argparse.Namespace) -> dict[str, list[Timing]]:
             listed.append(await processes.answer(process, pipe, "relay"))  # type: ignore[arg-type]
         node, node_pipe = processes.start(serve_node, args, listed)
         key, address, node_url = await processes.answer(node, node_pipe, "model node")  # type: ignore[misc]
-        view = DirectoryView.of(1, [User(k, a, "global", 0, 1 << 40) for k, a in listed],
-                                [node_record(key, address)])
+        view = directory(listed, node_record(key, address))
         client.apply_view(view)
         for _, pipe in relays:
             pipe.send(view)
@@ -213,10 +210,11 @@ async def measure(args: argparse.Namespace) -> dict[str, list[Timing]]:
                 order = ["direct", "overlay"] if round_ % 2 == 0 else ["overlay", "direct"]
                 for mode in order:
                     before = (cpu_ms(node.pid), time.process_time(), sum(map(cpu_ms, relay_pids)))
-                    timing = await stream(http, urls[mode], prompt(rng, args.prompt_words), args.tokens)
-                    timing = replace(timing, node_cpu_ms=cpu_ms(node.pid) - before[0],
-                                     client_cpu_ms=(time.process_time() - before[1]) * 1e3,
-                                     relays_cpu_ms=sum(map(cpu_ms, relay_pids)) - before[2])
+                    text = prompt(rng, args.prompt_words)
+                    ttft, per_token = await stream(http, urls[mode], text, args.tokens)
+                    timing = Timing(ttft, per_token, node_cpu_ms=cpu_ms(node.pid) - before[0],
+                                    client_cpu_ms=(time.process_time() - before[1]) * 1e3,
+                                    relays_cpu_ms=sum(map(cpu_ms, relay_pids)) - before[2])
                     if round_ >= args.warmup:
                         timings[mode].append(timing)
                 print(f"\r  {round_ + 1}/{args.rounds + args.warmup} rounds", end="", file=sys.stderr,

@@ -16,6 +16,7 @@ speculative insertions; load reports ride on those messages.
 from __future__ import annotations
 
 import random
+from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
 
 from planetserve.node.routing.balance import BalancePolicy, route
@@ -63,25 +64,41 @@ class Centralized:
 
     def bind(self, cluster: Cluster) -> None:
         self._cluster = cluster
-        self._pending = [{} for _ in cluster.nodes]
+        self.start(len(cluster.nodes))
+
+    def start(self, nodes: int) -> None:
+        """Route among `nodes` nodes, none of them holding a routed prompt yet."""
+        self._pending = [{} for _ in range(nodes)]
 
     def route(self, job: Job, entry: int, now: float) -> int:
         assert self._cluster is not None
         nodes = self._cluster.nodes
-        loads = [n.outstanding for n in nodes]
-        least = min(range(len(nodes)), key=lambda i: (loads[i], len(nodes[i].cache), i))
+        return self.choose([n.outstanding for n in nodes], [n.cache.refs for n in nodes], job.hashes,
+                           [len(n.cache) for n in nodes])
+
+    def choose(self, loads: Sequence[int], cached: Sequence[Container[int]], hashes: Sequence[int],
+               sizes: Sequence[int] | None = None) -> int:
+        """The node for a prompt of block `hashes`, from each node's outstanding requests and cached
+        blocks (ties in load go to the smaller cache when `sizes` are given); the prompt counts as
+        cached there until `release`. Any nodes: bench/forwarding_real.py routes real engines by it."""
+        order = sizes if sizes is not None else [0] * len(loads)
+        least = min(range(len(loads)), key=lambda i: (loads[i], order[i], i))
         if max(loads) - loads[least] > self.balance_abs and max(loads) > self.balance_rel * loads[least]:
-            return self._place(job, least)
-        matches = [self._match(i, job.hashes) for i in range(len(nodes))]
+            return self._place(hashes, least)
+        matches = [self._match(cached[i], self._pending[i], hashes) for i in range(len(loads))]
         best = max(matches)
-        if not best or best < self.cache_threshold * len(job.hashes):
-            return self._place(job, least)
-        return self._place(job, min((i for i in range(len(nodes)) if matches[i] == best),
-                                    key=lambda i: (loads[i], i)))
+        if not best or best < self.cache_threshold * len(hashes):
+            return self._place(hashes, least)
+        return self._place(hashes, min((i for i in range(len(loads)) if matches[i] == best),
+                                       key=lambda i: (loads[i], i)))
 
     def prefilled(self, job: Job, now: float) -> None:
-        pending = self._pending[job.node]
-        for h in job.hashes:
+        self.release(job.node, job.hashes)
+
+    def release(self, node: int, hashes: Sequence[int]) -> None:
+        """The prompt routed to `node` is prefilled: its cache now says whether it holds it."""
+        pending = self._pending[node]
+        for h in hashes:
             left = pending[h] - 1
             if left:
                 pending[h] = left
@@ -91,10 +108,8 @@ class Centralized:
     def stats(self) -> dict[str, float]:
         return {}
 
-    def _match(self, node: int, hashes: list[int]) -> int:
-        assert self._cluster is not None
-        cached = self._cluster.nodes[node].cache.refs
-        pending = self._pending[node]
+    @staticmethod
+    def _match(cached: Container[int], pending: dict[int, int], hashes: Sequence[int]) -> int:
         n = 0
         for h in hashes:
             if h not in cached and h not in pending:
@@ -102,9 +117,9 @@ class Centralized:
             n += 1
         return n
 
-    def _place(self, job: Job, node: int) -> int:
+    def _place(self, hashes: Sequence[int], node: int) -> int:
         pending = self._pending[node]
-        for h in job.hashes:
+        for h in hashes:
             pending[h] = pending.get(h, 0) + 1
         return node
 
