@@ -273,6 +273,15 @@ def test_garbage_rejected(raw: bytes) -> None:
         decode(raw)
 
 
+def test_a_clove_of_the_earlier_version_is_refused() -> None:
+    """Version 1 (ChaCha20-Poly1305, zfec for every n) does not mix with version 2: named, not guessed."""
+    raw = bytearray(encode(split(b"abc")[0]))
+    assert raw[0] == sida.VERSION == 2
+    raw[0] = 1
+    with pytest.raises(MalformedCloveError, match="unknown clove version 1"):
+        decode(bytes(raw))
+
+
 def test_share_outside_the_field_rejected() -> None:
     raw = bytearray(encode(split(b"abc")[0]))
     raw[sida.HEADER_SIZE - sida.SHARE_SIZE : sida.HEADER_SIZE] = b"\xff" * sida.SHARE_SIZE
