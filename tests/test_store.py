@@ -798,3 +798,65 @@ def test_sigkill_while_pruning_leaves_a_consistent_store(tmp_path: Path) -> None
     assert sorted(_retained(s)) == [h - 1, h, h + 1]
     assert _stored_ids(s) == set().union(*(_reachable(s, r) for r in _retained(s).values()))
     s.close()
+
+
+def test_committed_values_are_served_from_a_cache_the_commits_keep_exact(store_url: str) -> None:
+    """A value (or absence) read once is answered from memory until a commit changes it, which
+    writes it through; a failed commit changes nothing, and a key never read still goes to the
+    database."""
+    s = StateStore(store_url)
+    seed = s.batch()
+    seed.set(b"k/kept", b"1")
+    seed.set(b"k/gone", b"2")
+    s.commit(seed, 1)
+    reader = s.batch()
+    assert (reader.get(b"k/kept"), reader.get(b"k/gone"), reader.get(b"k/new")) == (b"1", b"2", None)
+    change = s.batch()
+    change.set(b"k/kept", b"10")
+    change.delete(b"k/gone")
+    change.set(b"k/new", b"3")
+    s.commit(change, 2)
+    after = s.batch()
+    assert (after.get(b"k/kept"), after.get(b"k/gone"), after.get(b"k/new")) == (b"10", None, b"3")
+    failing = s.batch()
+    failing.set(b"k/kept", b"lost")
+
+    def boom(*_a: object, **_k: object) -> None:
+        raise RuntimeError("disk full")
+
+    s._write_head = boom  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="disk full"):
+        s.commit(failing, 3)
+    del s._write_head
+    assert s.batch().get(b"k/kept") == b"10"
+    s.close()
+
+
+def test_the_value_cache_answers_without_the_database_and_is_bounded(tmp_path: Path) -> None:
+    import sqlite3
+
+    s = StateStore(f"sqlite:///{tmp_path / 'state.db'}", value_cache_bytes=64 * 1024)
+    b = s.batch()
+    for i in range(2000):
+        b.set(b"k/%05d" % i, b"v" * 100)
+    s.commit(b, 1)
+    b = s.batch()
+    for i in range(2000):
+        b.get(b"k/%05d" % i)
+    held = len(s._values)
+    assert 0 < held < 2000  # 64 KiB holds a few hundred of these, not all
+    with sqlite3.connect(tmp_path / "state.db") as other:
+        other.execute("ALTER TABLE state_kv RENAME TO state_kv_gone")
+    s._close_reader()  # the reader connection would still see the old schema
+    assert s.batch().get(b"k/01999") == b"v" * 100  # the last read: cached
+    with pytest.raises(StoreError, match="no such table: state_kv"):
+        s.batch().get(b"k/00000")  # pushed out long ago: a database read
+    s.close()
+
+
+def test_a_bulk_load_replaces_absences_cached_before_it(tmp_path: Path) -> None:
+    s = StateStore(f"sqlite:///{tmp_path / 'state.db'}")
+    assert s.batch().get(b"k/1") is None
+    s.bulk_load([(b"k/1", b"loaded")], 1)
+    assert s.batch().get(b"k/1") == b"loaded"
+    s.close()

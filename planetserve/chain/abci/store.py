@@ -24,6 +24,10 @@ of a commit is proportional to the number of keys the batch changes times the de
 only the nodes on the changed paths are read (one query per trie level, through a bounded cache of
 inner nodes), and only new nodes are written; old nodes are never rewritten.
 
+Reads of committed values go through a bounded cache (`value_cache_bytes`) of values and absences by
+key: a block's transactions read what their CheckTx read a moment before. A commit writes its changes
+through it and a bulk load empties it, so it is always exactly the committed state.
+
 Pruning (`keep_heights`): by default every committed height stays provable, and the node table
 grows with every block. With `keep_heights=K` each commit makes heights older than the last K
 unprovable and deletes the nodes only they used (those in orphan rows of heights up to the
@@ -268,37 +272,66 @@ def _unpack_ids(blob: bytes) -> tuple[int, ...]:
     return struct.unpack(f">{len(blob) >> 3}Q", blob)
 
 
-class _NodeCache:
-    """A bounded cache of committed inner nodes by id (leaves are read from the database: each
-    is touched once per change of its key, while inner nodes near the root are shared by every
-    block). Two generations of plain dicts approximate LRU at O(1) per call: hits move entries
-    into the young generation; when it is full the old one is dropped. Entries are packed as
-    body || children's ids (8 bytes each): bytes are not tracked by the garbage collector, so a
-    large cache adds nothing to the collector's work (a tuple per entry would make every full
-    collection walk them all)."""
+class _Generations:
+    """Two generations of plain dicts approximate LRU at O(1) per call: hits move entries into the
+    young generation; when it holds `max_bytes / 2` (by `_size`) the old one is dropped. Values are
+    bytes (or None), which the garbage collector does not track, so a large cache adds nothing to
+    the collector's work."""
 
     OVERHEAD = 100
-    """Approximate Python overhead per entry (dict slot, int key, bytes header)."""
+    """Approximate Python overhead per entry (dict slot, key, bytes header)."""
 
     def __init__(self, max_bytes: int) -> None:
-        self._young: dict[int, bytes] = {}
-        self._old: dict[int, bytes] = {}
+        self._young: dict[Any, bytes | None] = {}
+        self._old: dict[Any, bytes | None] = {}
         self._bytes = 0
         self._half = max(max_bytes // 2, 1)
+
+    def _take(self, key: Any) -> bytes | None | _Missing:
+        """The cached value (moved to the young generation), or MISSING."""
+        v = self._young.get(key, MISSING)
+        if v is MISSING:
+            v = self._old.pop(key, MISSING)
+            if v is not MISSING:
+                self._insert(key, v)
+        return v
+
+    def _size(self, key: Any, v: bytes | None) -> int:
+        return (0 if v is None else len(v)) + self.OVERHEAD
+
+    def _insert(self, key: Any, v: bytes | None) -> None:
+        self._young[key] = v
+        self._bytes += self._size(key, v)
+        if self._bytes > self._half:
+            self._old = self._young
+            self._young = {}
+            self._bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._young) + len(self._old)
+
+
+class _Missing:
+    """The type of MISSING: not cached (None is a cached absence)."""
+
+
+MISSING = _Missing()
+
+
+class _NodeCache(_Generations):
+    """A bounded cache of committed inner nodes by id (leaves are read from the database: each
+    is touched once per change of its key, while inner nodes near the root are shared by every
+    block). Entries are packed as body || children's ids (8 bytes each), not tuples, which the
+    collector would walk."""
 
     def get_many(self, ids: list[int], out: dict[int, NodeRecord]) -> list[int]:
         """Fill `out` with the cached ones of `ids`; return the others."""
         missing = []
-        young = self._young
         for i in ids:
-            v = young.get(i)
-            if v is None:
-                v = self._old.pop(i, None)
-                if v is None:
-                    missing.append(i)
-                    continue
-                self._insert(i, v)
-                young = self._young
+            v = self._take(i)
+            if not isinstance(v, bytes):
+                missing.append(i)
+                continue
             d = (v[1] << 8) | v[2]
             end = 4 + d + CHILD_LEN * (v[3 + d] + 1)
             out[i] = (v[:end], _unpack_ids(v[end:]))
@@ -314,16 +347,24 @@ class _NodeCache:
             self._old.pop(i, None)
             self._insert(i, v)
 
-    def _insert(self, i: int, v: bytes) -> None:
-        self._young[i] = v
-        self._bytes += len(v) + self.OVERHEAD
-        if self._bytes > self._half:
-            self._old = self._young
-            self._young = {}
-            self._bytes = 0
 
-    def __len__(self) -> int:
-        return len(self._young) + len(self._old)
+class _ValueCache(_Generations):
+    """A bounded cache of committed values by key, None for a key known to be absent: a block's
+    transactions read the keys their CheckTx read a moment before (and the recheck after the block
+    reads them again), each a database query otherwise. Kept exact by the store: a commit writes
+    its changes through, and nothing else changes the committed values of a store with entries."""
+
+    def get(self, key: bytes) -> bytes | None | _Missing:
+        return self._take(key)
+
+    def put(self, key: bytes, v: bytes | None) -> None:
+        self._old.pop(key, None)
+        if key in self._young:
+            self._bytes -= self._size(key, self._young.pop(key))
+        self._insert(key, v)
+
+    def _size(self, key: Any, v: bytes | None) -> int:
+        return len(key) + super()._size(key, v)
 
 
 def _check_value(value: Any) -> bytes:
@@ -741,6 +782,7 @@ class StateStore:
         url: str,
         *,
         cache_bytes: int = 384 << 20,
+        value_cache_bytes: int = 64 << 20,
         sqlite_synchronous: str = "NORMAL",
         keep_heights: int = 0,
         echo: bool = False,
@@ -754,6 +796,8 @@ class StateStore:
         self._lock = threading.RLock()
         self._cache_bytes = cache_bytes
         self._cache = _NodeCache(cache_bytes)
+        self._value_cache_bytes = value_cache_bytes
+        self._values = _ValueCache(value_cache_bytes)
         self._generation = 0
         self._engine = self._make_engine(u, sqlite_synchronous.upper(), echo)
         self._rconn: Connection | None = None
@@ -916,6 +960,9 @@ class StateStore:
                 if self.keep_heights:
                     self._prune(conn, cur, height - self.keep_heights + 1)
                 cur.close()
+            put = self._values.put
+            for key, value in changes:
+                put(key, value)
             self._committed(height, root, root_id, len(new_nodes))
             self._undo = (previous, undo)
             batch._done = True
@@ -940,6 +987,7 @@ class StateStore:
         with self._lock:
             if self._height != 0 or self._app_hash != EMPTY_ROOT:
                 raise StoreError("bulk_load needs an empty store (height 0)")
+            self._values = _ValueCache(self._value_cache_bytes)  # it may hold absences of these keys
             try:
                 root, root_id, written = self._bulk_load_tx(entries, height, checked_meta, chunk, expect_root)
             except BaseException:
@@ -1147,8 +1195,12 @@ class StateStore:
     def _read(self, batch: Batch, key: bytes) -> bytes | None:
         with self._lock:
             self._check_fresh(batch)
-            rows = self._query(self._sql_get, (key,))
-        return bytes(rows[0][0]) if rows else None
+            value = self._values.get(key)
+            if value is MISSING:
+                rows = self._query(self._sql_get, (key,))
+                value = bytes(rows[0][0]) if rows else None
+                self._values.put(key, value)
+        return value  # type: ignore[return-value]
 
     def _scan(self, batch: Batch, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
         """Committed rows under `prefix` in key order, a page at a time (nothing is held between
@@ -1165,13 +1217,22 @@ class StateStore:
         """The committed values of `keys` before `batch`: the batch's own reads, the rest in a
         few IN queries."""
         out = {k: batch._reads[k] for k in keys if k in batch._reads}
-        rest = [k for k in keys if k not in out]
+        rest = []
+        for k in keys:
+            if k not in out:
+                value = self._values.get(k)
+                if value is MISSING:
+                    rest.append(k)
+                else:
+                    out[k] = value  # type: ignore[assignment]
         for i in range(0, len(rest), _IN_CHUNK):
             chunk = rest[i : i + _IN_CHUNK]
             marks = ", ".join(["%s" if self._dialect == "postgresql" else "?"] * len(chunk))
             sql = f'SELECT "key", "value" FROM state_kv WHERE "key" IN ({marks})'  # noqa: S608 (placeholders only)
             found = {bytes(k): bytes(v) for k, v in self._query(sql, chunk)}
-            out.update({k: found.get(k) for k in chunk})
+            for k in chunk:
+                out[k] = found.get(k)
+                self._values.put(k, out[k])
         return out
 
     def _select_prefix(self, prefix: bytes, limit: int) -> list[tuple[bytes, bytes]]:
