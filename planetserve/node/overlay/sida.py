@@ -288,11 +288,19 @@ class _Group:
         kept = self.variants.get(clove.index, [])
         return len(kept) < self.max_variants and not any(_same(clove, c) for c in kept)
 
+    def store(self, clove: Clove) -> None:
+        """Keep a clove that `accepts` took (and still would: removals only make room)."""
+        kept = self.variants.get(clove.index)
+        if kept is None:
+            self.variants[clove.index] = [clove]
+        else:
+            kept.append(clove)
+
     def add(self, clove: Clove) -> bool:
         """Whether the clove is new (kept); duplicates and variants beyond the cap are not."""
         if not self.accepts(clove):
             return False
-        self.variants.setdefault(clove.index, []).append(clove)
+        self.store(clove)
         return True
 
     def subsets(self, including: Clove | None = None) -> Iterator[tuple[Clove, ...]]:
@@ -476,25 +484,31 @@ class Reassembler:
                 return None
             if group is not None and not group.accepts(clove):
                 return None
-        size = clove.size
+        size = HEADER_SIZE + len(clove.fragment)
         if peer is not None and size > self.max_pending_bytes_per_peer:
             self.refused += 1
             return None
-        self._make_room(peer, message_id, size)
-        entry = self._pending.get(message_id)
+        if (peer is not None or self.pending_bytes + size > self.max_pending_bytes
+                or len(self._pending) + (entry is None) > self.max_pending):
+            self._make_room(peer, message_id, size)
+            entry = self._pending.get(message_id)
         if entry is None:
             entry = self._pending[message_id] = _Pending(now)
         group = entry.groups.get(header)
         if group is None:
-            if len(entry.groups) >= self.max_sets:
-                return None
             group = entry.groups[header] = _Group(header, self.max_variants)
-        if not group.add(clove):
-            return None
+        group.store(clove)  # accepted above: evictions since only made room
         entry.size += size
         self.pending_bytes += size
-        entry.held.setdefault(peer, []).append(clove)
-        self._by_peer.setdefault(peer, OrderedDict())[message_id] = None
+        held = entry.held.get(peer)
+        if held is None:
+            entry.held[peer] = [clove]
+        else:
+            held.append(clove)
+        mine = self._by_peer.get(peer)
+        if mine is None:
+            mine = self._by_peer[peer] = OrderedDict()
+        mine[message_id] = None
         self._peer_bytes[peer] = self._peer_bytes.get(peer, 0) + size
         return self._try(message_id, entry, group, clove)
 
