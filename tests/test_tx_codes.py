@@ -271,39 +271,3 @@ def test_init_chain_repeated_before_the_first_commit_keeps_the_genesis_state(h, 
         assert app.finalize_block(first).app_hash == replayed
     assert State(h.store.batch()).params() == relaxed(PARAMS)
 
-
-def test_a_verified_transaction_is_still_held_to_a_lowered_size_limit(h):
-    """CheckTx keeps a transaction's decoded form once its signature verified; a later block whose
-    parameters lowered the size limit still refuses it by its size."""
-    from planetserve.chain.errors import TxError
-
-    raw = h.tx(KeySet.generate(), "register-user", {"address": "10.0.0.1:9000", "region": "eu"})
-    assert h.check(raw).code == 0
-    assert h.app._decode(raw, len(raw))[0].type == "register-user"
-    with pytest.raises(TxError, match="exceeds the limit") as refused:
-        h.app._decode(raw, len(raw) - 1)
-    assert refused.value.code == Code.OVERSIZE
-
-
-def test_only_verified_transactions_are_remembered_within_entry_and_byte_bounds(h):
-    from planetserve.chain.abci.envelopes import VerifiedEnvelopes
-
-    keys, other = KeySet.generate(), KeySet.generate()
-    body = {"org_id": "org1", "name": "Org One"}
-    unsigned = txlib.Tx("register-org", body, keys.public, 0, CHAIN_ID)
-    forged = txlib.Tx("register-org", body, keys.public, 0, CHAIN_ID, other.sign(unsigned.sign_bytes()))
-    before = len(h.app._verified)
-    for _ in range(3):
-        assert h.check(forged.encode()).code == Code.BAD_SIGNATURE
-    assert len(h.app._verified) == before
-    assert h.check(h.tx(keys, "register-org", body, sequence=0)).code == 0
-    assert len(h.app._verified) == before + 1
-
-    cache = VerifiedEnvelopes(max_entries=3, max_bytes=1000)
-    for i in range(5):
-        cache.add(bytes([i]) * 32, unsigned, 100)
-    assert len(cache) == 3 and cache.get(bytes([0]) * 32) is None and cache.get(bytes([4]) * 32)
-    cache.add(b"\xaa" * 32, unsigned, 900)
-    assert cache.bytes == 1000 and len(cache) == 2  # the two oldest made room
-    cache.add(b"\xbb" * 32, unsigned, 1001)
-    assert cache.get(b"\xbb" * 32) is None and cache.bytes <= 1000

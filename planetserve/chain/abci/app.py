@@ -22,7 +22,6 @@ from tendermint.types import params_pb2, validator_pb2
 
 from planetserve.chain import layout, messages
 from planetserve.chain.abci import deployments, epochs, governance, rotations
-from planetserve.chain.abci.envelopes import Verified, VerifiedEnvelopes
 from planetserve.chain.abci.handlers import HANDLERS
 from planetserve.chain.abci.handlers.context import Context
 from planetserve.chain.abci.metrics import AppMetrics
@@ -43,6 +42,9 @@ APP_VERSION = 1
 """The newest chain version this app runs (chain/abci/governance.py: a higher one needs a newer app)."""
 BLOCK_TIME_META = "block_time"
 CHAIN_ID_META = "chain_id"
+VERIFIED_CACHE = 100_000
+"""Digests of transactions whose envelope checked (signature and sequence): 32 bytes each, so the cache
+holds a few MiB whatever the transactions held."""
 ANSWER_CACHE_ENTRIES = 16
 ANSWER_CACHE_MAX_BYTES = 8 << 20
 
@@ -117,7 +119,7 @@ class Application:
         self.committed_time = int.from_bytes(store.get_meta(BLOCK_TIME_META) or b"", "big")
         self.check = store.batch()
         self._admitted = Admission(mempool=True)
-        self._verified = VerifiedEnvelopes()
+        self._verified: OrderedDict[bytes, None] = OrderedDict()
         self._params: Params | None = None
         if store.height:  # queries, on other threads, read them without a batch
             self._params = State(store.batch()).params()
@@ -494,7 +496,7 @@ class Application:
         st = State(batch)
         params = self.params
         try:
-            verified = self._check_envelope(st, tx, digest, size)
+            self._check_envelope(st, tx, digest)
         except TxError as exc:
             return Outcome(exc.code, exc.log, [])
         member = st.is_member(tx.signer)
@@ -537,9 +539,7 @@ class Application:
             load_committee=lambda: members(batch),
         )
         try:
-            if verified.message is None:
-                verified.message = messages.decode(tx.type, tx.body)
-            msg = verified.message
+            msg = messages.decode(tx.type, tx.body)
             HANDLERS[type(msg)](ctx, msg)
         except RegistryError as exc:
             err = from_registry(exc)
@@ -586,21 +586,16 @@ class Application:
                           "rate limited: the mempool's share for signers outside the committee is full "
                           "until the next block; retry")
 
-    def _decode(self, raw: bytes, max_bytes: int) -> tuple[Tx, bytes]:
-        """The envelope, decoded once per transaction (envelopes.py); the size limit is checked
-        every time, since a change of parameters may have lowered it."""
-        digest = hashlib.sha256(raw).digest()
-        known = self._verified.get(digest)
-        if known is not None and len(raw) <= max_bytes:
-            return known.tx, digest
-        return decode(raw, max_bytes), digest
+    @staticmethod
+    def _decode(raw: bytes, max_bytes: int) -> tuple[Tx, bytes]:
+        return decode(raw, max_bytes), hashlib.sha256(raw).digest()
 
-    def _check_envelope(self, st: State, tx: Tx, digest: bytes, size: int) -> Verified:
+    def _check_envelope(self, st: State, tx: Tx, digest: bytes) -> None:
         """The cheap checks first, the signature last, and only a transaction that passed them all is
-        remembered (by digest, with its decoded form), so that recheck, proposals and FinalizeBlock do
-        not decode it or verify its signature again. Nothing a refused transaction carries is kept: a
-        client flooding CheckTx with well-signed transactions at a wrong sequence leaves nothing
-        behind."""
+        remembered (by digest), so that recheck, proposals and FinalizeBlock do not verify its
+        signature again. Nothing a refused transaction carries is kept: a client flooding CheckTx with
+        well-signed transactions at a wrong sequence, or with bodies that decode into many objects,
+        leaves nothing behind."""
         if tx.chain_id != self.chain_id:
             raise TxError(
                 Code.WRONG_CHAIN_ID, f"wrong chain id: {tx.chain_id!r}, this chain is {self.chain_id!r}"
@@ -611,12 +606,14 @@ class Application:
         if tx.sequence != expected:
             kind = "replayed" if tx.sequence < expected else "out of order"
             raise TxError(Code.BAD_SEQUENCE, f"bad sequence ({kind}): got {tx.sequence}, expected {expected}")
-        known = self._verified.get(digest)
-        if known is not None:
-            return known
+        if digest in self._verified:
+            self._verified.move_to_end(digest)
+            return
         if not tx.signature_valid():
             raise TxError(Code.BAD_SIGNATURE, "bad signature: does not verify under the signer's key")
-        return self._verified.add(digest, tx, size)
+        self._verified[digest] = None
+        if len(self._verified) > VERIFIED_CACHE:
+            self._verified.popitem(last=False)
 
     def _expire_rate_windows(self, batch: Batch, height: int) -> None:
         """At the first block of a window, drop the previous window's counts."""

@@ -358,13 +358,15 @@ class _ValueCache(_Generations):
         return self._take(key)
 
     def put(self, key: bytes, v: bytes | None) -> None:
-        self._old.pop(key, None)
-        if key in self._young:
-            self._bytes -= self._size(key, self._young.pop(key))
+        replaced = self._young.pop(key, MISSING)
+        if replaced is MISSING:
+            self._old.pop(key, None)
+        else:
+            self._bytes -= self._size(key, replaced)  # type: ignore[arg-type]
         self._insert(key, v)
 
-    def _size(self, key: Any, v: bytes | None) -> int:
-        return len(key) + super()._size(key, v)
+    def _size(self, key: bytes, v: bytes | None) -> int:
+        return len(key) + (0 if v is None else len(v)) + self.OVERHEAD
 
 
 def _check_value(value: Any) -> bytes:
