@@ -106,3 +106,25 @@ def test_a_planned_entry_shows_only_its_size_bucket(s):
     long = Challenge.new("word " * SEALED_BUCKET_BYTES, 0).plan_entry(node, committee)
     assert {len(sealed) for _, sealed in long.sealed} != lengths  # a longer bucket, not an unbounded one
     assert epochs.commitment(variants[0].prompt, 0, variants[0].salt, variants[0].top_p) == variants[0].commitment
+
+
+def test_a_node_outside_the_committee_opens_no_sealed_copy_of_its_challenge(s):
+    """A planned node reads its committed plan entry from the state and tries every copy with the
+    X25519 key it has, under its own name and under each member's: none opens, and the committed state
+    holds the prompt nowhere in the clear (every member opens its own copy)."""
+    from nacl.public import PrivateKey
+
+    from planetserve.chain.challenge import SealedPromptError
+
+    s.run_election_and_plan(1)
+    node = next(iter(s.nodes))
+    entry = s.state.plan_entry(1, node)
+    assert entry is not None and len(entry.sealed) == len(s.members)
+    challenge = s.planned(1, node, next(iter(s.members.values())))
+    assert all(s.planned(1, node, m) == challenge for m in s.members.values())
+    own = PrivateKey.generate()
+    for operator in [node, *(member for member, _ in entry.sealed)]:
+        with pytest.raises(SealedPromptError, match="holds no prompt sealed to this member|does not open"):
+            open_plan_entry(entry, operator, own)
+    state = s.h.registry_state()
+    assert not any(challenge.prompt.encode() in k or challenge.prompt.encode() in v for k, v in state.items())
