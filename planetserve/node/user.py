@@ -350,9 +350,14 @@ class UserRelay:
     async def ask(self, node: bytes, endpoint: Endpoint, body: bytes) -> Reply:
         """Send one API request to `node` through the overlay; the Reply streams its answer."""
         n, k = self.config.n, self.config.k
+        want = min(n, self.paths.settings.target)
         live = self.paths.live()
-        if len(live) < k:
-            await self.paths.wait_live(k, self.paths.settings.setup_timeout)
+        if len(live) < want:
+            # A request right after another may find its predecessor's paths retired and their
+            # replacements still being built: it waits for them, since one sent over fewer paths would
+            # stand out by its (n, k) and lose the slack of a lost path. Fewer go only where the
+            # network cannot give more within the setup time, and never fewer than k.
+            await self.paths.wait_live(want, self.paths.settings.setup_timeout)
             live = self.paths.live()
             if len(live) < k:
                 raise too_few_paths(len(live), k, f" (last error: {self.paths.last_error})"

@@ -97,3 +97,51 @@ def test_a_colluding_first_relay_and_proxy_cannot_match_a_payload_by_its_bytes(o
     assert not any(observed.attributed(r) for r in observed.users), "a payload was matched by its bytes"
     same, other = pair_shares(observed.users, lambda a, b: bool(observed.attributed(a) & observed.attributed(b)))
     assert same[0] == other[0] == 0
+
+
+async def back_to_back(data) -> list[int]:  # type: ignore[no-untyped-def]
+    """How many paths each of two requests went out over, the second sent at once after the first: a
+    user keeping seven paths has three live left, while the first request's replacements are held in
+    setup (slow relays) until the second was sent."""
+    import asyncio
+    from dataclasses import replace
+
+    net = await start_overlay(data, [make_user() for _ in range(7)], 1)
+    try:
+        user = net.users[0]
+        user.paths.settings = replace(user.paths.settings, target=7)
+        assert await user.paths.wait_live(7, 20)
+        build, slow = user.paths.build, asyncio.Event()
+
+        async def slow_relays(replacing=None):  # type: ignore[no-untyped-def]
+            await slow.wait()
+            return await build(replacing)
+
+        user.paths.build = slow_relays
+        used: list[int] = []
+        use = user.paths.use
+        user.paths.use = lambda paths: (used.append(len(paths)), use(paths))  # type: ignore[method-assign]
+        body = json.dumps({"model": "gt", "messages": [{"role": "user", "content": "Who wrote this?"}],
+                           "max_tokens": 2, "temperature": 0}).encode()
+
+        async def ask() -> None:
+            reply = await user.respond("chat", body)
+            assert reply.status == 200
+            async for _ in reply.parts:
+                pass
+
+        await ask()
+        assert user.config.k <= len(user.paths.live()) < user.config.n
+        second = asyncio.create_task(ask())
+        await asyncio.sleep(0.3)
+        slow.set()
+        await second
+        return used
+    finally:
+        await net.close()
+
+
+def test_a_request_right_after_another_waits_for_n_paths_rather_than_going_over_fewer(quick_family):
+    """A request over fewer paths than n would stand out to the model node by the n of its prompt (the
+    "n and k" row above) and lose the slack of a lost path."""
+    assert run(back_to_back(quick_family), timeout=120) == [4, 4]
