@@ -60,6 +60,10 @@ class VerifierProcess:
     def submissions(self) -> list[dict]:
         return read_submissions(self.home)
 
+    def starts(self) -> int:
+        """How many times a daemon with this home has been ready (its log is kept across restarts)."""
+        return (self.home / "daemon.log").read_text().count("INFO planetserve.verifier.runner: verifier")
+
     def stop(self, sig: int = signal.SIGTERM) -> None:
         self.proc.send_signal(sig)
         try:
@@ -141,18 +145,30 @@ def test_the_committee_verifies_model_nodes_epoch_after_epoch(tmp_path, quick_fa
         victim = operators.index(leader)
         daemons[victim].stop(signal.SIGKILL)
         before = len(daemons[victim].submissions())
+        starts = daemons[victim].starts()
         time.sleep(3)
         daemons[victim] = VerifierProcess(tmp_path / f"verifier{victim}")
+        wait_until(lambda: daemons[victim].starts() > starts, timeout=120)
+        # A leader still down when its epoch's plan window closes leaves the next epoch unplanned, a
+        # `no-plan` fault of its own: where the restart (models, ledger) takes that long, as on two loaded
+        # cores, the epoch after the victim's is checked for exactly that instead.
+        back = max(net.wait_for_height(0).values())
+        may_miss_plan = back > SCHEDULE.end(victim_epoch) - PARAMS.plan_window_blocks
+        unplanned: set[int] = set()
 
         net.wait_for_height(SCHEDULE.end(last) + 1, timeout=600)
         client.min_height = SCHEDULE.end(last)
         for number in range(first, last + 1):
             record = client.epoch(number)
-            assert record.finalized and record.plan_nodes == len(NODES), record
+            if number == victim_epoch + 1 and may_miss_plan and record.plan_status == "none":
+                unplanned.add(number)
+                assert record.finalized and record.plan_nodes == 0 and record.scored == 0, record
+            else:
+                assert record.finalized and record.plan_nodes == len(NODES), record
             with client.snapshot(SCHEDULE.end(number)):  # right after the epoch was finalized
                 standing = {name: client.reputation(k) for name, k in key.items()}
             # every planned node was scored in this epoch, on an answer it returned
-            assert all(r.last_epoch == number for r in standing.values()), (number, standing)
+            assert number in unplanned or all(r.last_epoch == number for r in standing.values()), (number, standing)
             # and the honest nodes were trusted at the end of every finalized epoch, with no deviating token
             assert all(standing[name].trusted and standing[name].deviations == 0
                        for name in ("honest-a", "honest-b")), (number, standing)
@@ -163,7 +179,11 @@ def test_the_committee_verifies_model_nodes_epoch_after_epoch(tmp_path, quick_fa
         # submit in time (members then re-challenged those nodes). The first scored epoch is left out: once
         # in a CI run its leader's daemon skipped a node there (the node was still scored, by re-challenges)
         faults = [(f.epoch, f.kind, f.operator) for f in client.faults()[1] if f.epoch > first]
-        assert {(e, k) for e, k, _ in faults} <= {(victim_epoch, "skipped-node"), (victim_epoch, "withheld-results")}
+        allowed = {(victim_epoch, "skipped-node"), (victim_epoch, "withheld-results")}
+        if unplanned:
+            assert (victim_epoch, "no-plan", leader) in faults, faults
+            allowed.add((victim_epoch, "no-plan"))
+        assert {(e, k) for e, k, _ in faults} <= allowed
         assert {operator for _, _, operator in faults} <= {leader}
 
         # The challenged node answers for what it returned, even when a peer computed it. The smaller
