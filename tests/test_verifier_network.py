@@ -149,9 +149,10 @@ def test_the_committee_verifies_model_nodes_epoch_after_epoch(tmp_path, quick_fa
         time.sleep(3)
         daemons[victim] = VerifierProcess(tmp_path / f"verifier{victim}")
         wait_until(lambda: daemons[victim].starts() > starts, timeout=120)
-        # A leader still down when its epoch's plan window closes leaves the next epoch unplanned, a
-        # `no-plan` fault of its own: where the restart (models, ledger) takes that long, as on two loaded
-        # cores, the epoch after the victim's is checked for exactly that instead.
+        # A leader still down when its epoch's plan window closes leaves the next epoch without a committed
+        # plan (none, or only the parts it sent in time), a `no-plan` fault of its own: where the restart
+        # (models, ledger) takes that long, as on two loaded cores, the epoch after the victim's is checked
+        # for exactly that instead.
         back = max(net.wait_for_height(0).values())
         may_miss_plan = back > SCHEDULE.end(victim_epoch) - PARAMS.plan_window_blocks
         unplanned: set[int] = set()
@@ -160,9 +161,9 @@ def test_the_committee_verifies_model_nodes_epoch_after_epoch(tmp_path, quick_fa
         client.min_height = SCHEDULE.end(last)
         for number in range(first, last + 1):
             record = client.epoch(number)
-            if number == victim_epoch + 1 and may_miss_plan and record.plan_status == "none":
-                unplanned.add(number)
-                assert record.finalized and record.plan_nodes == 0 and record.scored == 0, record
+            if number == victim_epoch + 1 and may_miss_plan and record.plan_status != "committed":
+                unplanned.add(number)  # none, or the parts the daemon committed before the window closed
+                assert record.finalized and record.plan_nodes < len(NODES) and record.scored == 0, record
             else:
                 assert record.finalized and record.plan_nodes == len(NODES), record
             with client.snapshot(SCHEDULE.end(number)):  # right after the epoch was finalized
@@ -176,15 +177,16 @@ def test_the_committee_verifies_model_nodes_epoch_after_epoch(tmp_path, quick_fa
             if number > first:
                 assert not any(standing[name].trusted for name in ("smaller", "clickbait")), (number, standing)
         # the faults from the second scored epoch on: only the killed leader's, for results it could not
-        # submit in time (members then re-challenged those nodes). The first scored epoch is left out: once
-        # in a CI run its leader's daemon skipped a node there (the node was still scored, by re-challenges)
+        # submit in time (members then re-challenged those nodes), and `skipped-node` of any leader whose
+        # challenge came back too late, as on two loaded cores (docs/threat-model.md, "An honest leader can
+        # be faulted for a slow challenge": every planned node was still scored, as asserted above)
         faults = [(f.epoch, f.kind, f.operator) for f in client.faults()[1] if f.epoch > first]
-        allowed = {(victim_epoch, "skipped-node"), (victim_epoch, "withheld-results")}
+        allowed = {(victim_epoch, "withheld-results")} | {(e, "skipped-node") for e in range(first + 1, last + 1)}
         if unplanned:
             assert (victim_epoch, "no-plan", leader) in faults, faults
             allowed.add((victim_epoch, "no-plan"))
         assert {(e, k) for e, k, _ in faults} <= allowed
-        assert {operator for _, _, operator in faults} <= {leader}
+        assert {operator for _, kind, operator in faults if kind != "skipped-node"} <= {leader}
 
         # The challenged node answers for what it returned, even when a peer computed it. The smaller
         # model is the fastest node, which the load balancer favours until it falls out of the trusted
