@@ -484,7 +484,7 @@ class Reassembler:
                 return None
             if group is not None and not group.accepts(clove):
                 return None
-        size = HEADER_SIZE + len(clove.fragment)
+        size = clove.size
         if peer is not None and size > self.max_pending_bytes_per_peer:
             self.refused += 1
             return None
@@ -500,11 +500,7 @@ class Reassembler:
         group.store(clove)  # accepted above: evictions since only made room
         entry.size += size
         self.pending_bytes += size
-        held = entry.held.get(peer)
-        if held is None:
-            entry.held[peer] = [clove]
-        else:
-            held.append(clove)
+        entry.held.setdefault(peer, []).append(clove)
         mine = self._by_peer.get(peer)
         if mine is None:
             mine = self._by_peer[peer] = OrderedDict()
