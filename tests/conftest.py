@@ -55,5 +55,23 @@ def pg_url() -> Iterator[str]:
 
 
 # -- end PostgreSQL --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session", autouse=True)
+def corpus_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Built corpora go to the session's own folder (shared with the processes tests start), never to
+    the user's cache; a developer may point PLANETSERVE_CACHE_DIR at a lasting one."""
+    from planetserve.models.corpus import CACHE_DIR_ENV
+
+    if os.environ.get(CACHE_DIR_ENV):
+        yield
+        return
+    os.environ[CACHE_DIR_ENV] = str(tmp_path_factory.mktemp("cache"))
+    try:
+        yield
+    finally:
+        del os.environ[CACHE_DIR_ENV]
+
+
 from modelfix import deep_gt, quick_family  # noqa: E402,F401  (session fixtures: the quick model family)
 from relaystandin import relay  # noqa: E402,F401  (a stand-in for a user relay's endpoint)

@@ -156,7 +156,7 @@ def test_the_committee_verifies_model_nodes_epoch_after_epoch(tmp_path, quick_fa
         back = max(net.wait_for_height(0).values())
         may_miss_plan = back > SCHEDULE.end(victim_epoch) - PARAMS.plan_window_blocks
         unplanned: set[int] = set()
-
+        flagged: set[str] = set()
         net.wait_for_height(SCHEDULE.end(last) + 1, timeout=600)
         client.min_height = SCHEDULE.end(last)
         for number in range(first, last + 1):
@@ -176,9 +176,13 @@ def test_the_committee_verifies_model_nodes_epoch_after_epoch(tmp_path, quick_fa
             # and the honest nodes were trusted at the end of every finalized epoch, with no deviating token
             assert all(standing[name].trusted and standing[name].deviations == 0
                        for name in ("honest-a", "honest-b")), (number, standing)
-            # the dishonest ones, once scored, never climbed back: their deviations keep them flagged
-            if number > first:
-                assert not any(standing[name].trusted for name in ("smaller", "clickbait")), (number, standing)
+            # the dishonest ones, once flagged, never climbed back: their deviations keep them untrusted; and
+            # both were flagged by the first scored epoch's end, or where the restart outlasted the plan
+            # window and left the next epochs short of scores, by the last one's (asserted below)
+            assert not any(standing[name].trusted for name in flagged), (number, standing)
+            flagged |= {name for name in ("smaller", "clickbait") if not standing[name].trusted}
+            if number > first and not may_miss_plan:
+                assert flagged == {"smaller", "clickbait"}, (number, standing)
         # the faults from the second scored epoch on: only the killed leader's, for results it could not
         # submit in time (members then re-challenged those nodes), and `skipped-node` of any leader whose
         # challenge came back too late, as on two loaded cores (docs/threat-model.md, "An honest leader can

@@ -7,13 +7,20 @@ its first occurrence, so the corpus depends only on the stdlib's files, not on t
 
 Directories that distributions strip or that hold test data (`test`, `tests`, `idle_test`,
 `site-packages`, ...) are skipped: what remains is the same on every install of one Python version.
+
+Parsing the stdlib takes seconds, which a verifier restarted inside its plan window cannot spare, so a
+built corpus is kept in a cache file named for what it was built from (this module's source, the
+interpreter, each file's path, size and modification time): any change to those builds it afresh.
 """
 
 from __future__ import annotations
 
 import ast
+import contextlib
 import hashlib
+import os
 import re
+import sys
 import sysconfig
 import unicodedata
 from collections.abc import Iterator
@@ -21,12 +28,17 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
+import msgpack
+
 SKIPPED_DIRS = frozenset({"site-packages", "test", "tests", "idle_test", "__pycache__", "turtledemo"})
 TOPICS_FILE = Path("pydoc_data") / "topics.py"
 MIN_CHARS = 24
 """Shorter docstrings ("Return self.", "Docstring.") repeat across classes and teach nothing."""
 HELD_OUT_PER_256 = 13
 """About 5% of documents, picked by their text's hash, are held out of tokenizer and model training."""
+
+CACHE_DIR_ENV = "PLANETSERVE_CACHE_DIR"
+"""Where built corpora are kept; `$XDG_CACHE_HOME/planetserve` (or `~/.cache/planetserve`) if unset."""
 
 _TRAILING_SPACE = re.compile(r"[ \t]+\n")
 _BLANK_RUNS = re.compile(r"\n{3,}")
@@ -91,12 +103,30 @@ def normalise(text: str) -> str:
 
 
 def source_files(root: Path) -> list[Path]:
+    """The `.py` files under root in relative-path order, skipped directories never walked into."""
     files = []
-    for path in root.rglob("*.py"):
-        parts = path.relative_to(root).parts
-        if SKIPPED_DIRS.isdisjoint(parts[:-1]) and not parts[0].startswith("config-"):
-            files.append(path)
+    for folder, dirs, names in os.walk(root):
+        top = Path(folder) == root
+        dirs[:] = [d for d in dirs if d not in SKIPPED_DIRS and not (top and d.startswith("config-"))]
+        files += [Path(folder, name) for name in names
+                  if name.endswith(".py") and not (top and name.startswith("config-"))]
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def cache_dir() -> Path:
+    configured = os.environ.get(CACHE_DIR_ENV)
+    if configured:
+        return Path(configured)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "planetserve"
+
+
+def _cache_key(root: Path, files: list[Path]) -> str:
+    digest = hashlib.sha256(Path(__file__).read_bytes())
+    digest.update(f"\0{sys.implementation.cache_tag}\0{sys.version}\0{root}".encode())
+    for path in files:
+        stat = path.stat()
+        digest.update(f"\0{path.relative_to(root).as_posix()}\0{stat.st_size}\0{stat.st_mtime_ns}".encode())
+    return digest.hexdigest()
 
 
 def module_name(root: Path, path: Path) -> str:
@@ -132,9 +162,42 @@ def _topics(source: bytes) -> Iterator[tuple[str, str, str]]:
                 yield f"topic:{name}", "topic", topics[name]
 
 
+def _read_cached(path: Path) -> Corpus | None:
+    """The corpus kept at path, or None where there is none or it does not match its own digest."""
+    try:
+        files, digest, entries = msgpack.unpackb(path.read_bytes())
+        corpus = Corpus(documents=tuple(Document(*entry) for entry in entries), files=files)
+    except (OSError, ValueError, TypeError, msgpack.UnpackException):
+        return None
+    return corpus if corpus.sha256 == digest else None
+
+
+def _write_cached(path: Path, corpus: Corpus) -> None:
+    """Atomically, and not at all where the cache cannot be written: it only saves time."""
+    entries = [(d.title, d.kind, d.text) for d in corpus.documents]
+    partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_bytes(msgpack.packb([corpus.files, corpus.sha256, entries]))
+        os.replace(partial, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            partial.unlink(missing_ok=True)
+
+
 def build_corpus(root: Path | None = None) -> Corpus:
+    """The corpus of root (the running interpreter's stdlib), from the cache where it was built before."""
     root = root or stdlib_dir()
     files = source_files(root)
+    cached = cache_dir() / f"corpus-{_cache_key(root, files)}.msgpack"
+    corpus = _read_cached(cached)
+    if corpus is None:
+        corpus = parse_corpus(root, files)
+        _write_cached(cached, corpus)
+    return corpus
+
+
+def parse_corpus(root: Path, files: list[Path]) -> Corpus:
     seen: set[str] = set()
     documents: list[Document] = []
     for path in files:

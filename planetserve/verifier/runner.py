@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -38,13 +39,16 @@ def _longest(references: dict[str, ReferenceModel], text: str) -> int:
 
 
 def build_daemon(home: Path) -> tuple[Daemon, VerifierConfig]:
+    begun = time.monotonic()
     config = VerifierConfig.load(home)
     keys = KeySet.load(Path(config.keys))
     retired_file = retired_key_file(Path(config.keys))
     retired = KeySet.load(retired_file) if retired_file.exists() else None
     # a bad genesis fails before models load
     ledger = LedgerClient.verified(config.rpc, config.genesis, witness=config.witness, max_age=config.max_age)
+    opened = time.monotonic()
     references = reference_models(config)
+    loaded = time.monotonic()
     max_len = min(r.max_len for r in references.values())
     source = ChallengeSource(config.workload, scale=config.scale,
                              max_prompt_len=min(config.max_prompt_tokens, max_len - config.max_tokens),
@@ -52,6 +56,9 @@ def build_daemon(home: Path) -> tuple[Daemon, VerifierConfig]:
                              length=lambda text: _longest(references, text),
                              greedy_share=config.greedy_share, chat_share=config.chat_share)
     source.warm_up()
+    # a restarted leader must be back before its plan window closes: how long each step took says what to cut
+    log.info("started in %.1f s: ledger %.1f s, models %.1f s, workload %.1f s", time.monotonic() - begun,
+             opened - begun, loaded - opened, time.monotonic() - loaded)
     channel = OverlayChannel(config.relay, timeout=config.challenge_timeout, max_tokens=config.max_tokens)
     daemon = Daemon(keys, ledger, references, channel, source, home,
                     calibrated=config.credibility == "calibrated", concurrency=config.concurrency,
