@@ -2,7 +2,7 @@
 four validators each with its own `planetserve verifier run` daemon, four model node processes of one
 organisation (honest-a and honest-b serving gt, `smaller` serving the smallest model, tiny, while
 claiming gt, `clickbait` answering clickbait rewrites of its prompts) and user relay processes carrying
-the challenges. For six epochs the ledger scores every planned node in every epoch, both honest nodes
+the challenges. For five epochs the ledger scores every planned node in every epoch, both honest nodes
 are trusted at the end of every one, and both dishonest nodes end untrusted and off the signed list;
 one daemon is killed mid-epoch and restarted, and it rejoins without submitting anything twice."""
 
@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -35,7 +36,7 @@ PARAMS = Params(epoch_blocks=40, results_blocks=16, vrf_window_blocks=10, plan_w
                 probation_epochs=0)  # nodes listed from registration: the client asks them at once
 SCHEDULE = epochs.Schedule.from_params(PARAMS)
 RULE = reputation.ReputationRule.from_params(PARAMS)
-SCORED_EPOCHS = 6
+SCORED_EPOCHS = 5
 NODES = {"honest-a": ("gt", "honest"), "honest-b": ("gt", "honest"), "smaller": ("tiny", "honest"),
          "clickbait": ("gt", "alter-prompts")}
 
@@ -117,23 +118,32 @@ def test_the_committee_verifies_model_nodes_epoch_after_epoch(tmp_path, quick_fa
         owner = KeySet.generate()
         owner.save(tmp_path / "acme.json")
         assert client.submit(owner, RegisterOrg("acme", "ACME")).outcome.ok
-        for name, (model, behaviour) in NODES.items():
-            model_node_home(tmp_path / name, net, quick_family, model, behaviour)
-            nodes[name] = NodeProcess(tmp_path / name, tmp_path / "acme.json")
+        # every home made, then every process started at once (the nodes register through the one
+        # organisation key, retrying a sequence another took first), then each waited for
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(lambda item: model_node_home(tmp_path / item[0], net, quick_family, *item[1]),
+                          NODES.items()))
+        for name in NODES:
+            nodes[name] = NodeProcess(tmp_path / name, tmp_path / "acme.json", wait=False)
+        for node in nodes.values():
+            node.wait_ready()
         key = {name: bytes.fromhex(node.ready["node"]) for name, node in nodes.items()}
 
         relays = start_relays(tmp_path, net, 5, name="relay")
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(lambda i: verifier_home(tmp_path / f"verifier{i}", net, i, relays[i].ready["http"],
+                                                  quick_family), range(4)))
         for relay in relays[:4]:
             wait_until(lambda r=relay: len(r.status()["paths"]) >= 4, timeout=90)
-        for i in range(4):
-            verifier_home(tmp_path / f"verifier{i}", net, i, relays[i].ready["http"], quick_family)
         daemons = [VerifierProcess(tmp_path / f"verifier{i}") for i in range(4)]
         for daemon in daemons:
             daemon.wait_ready()
 
-        # the first epoch whose plan can cover the nodes, and the last one to wait for
+        # the first epoch whose plan can cover the nodes: the next one where the daemons were running well
+        # before its record was set up (and their VRFs were due), else the one after; and the last one
         height = max(net.wait_for_height(0).values())
-        first = SCHEDULE.epoch_of(height) + 2
+        lead = 1 if SCHEDULE.offset(height) < SCHEDULE.setup_height(0) - SCHEDULE.start(0) - 6 else 2
+        first = SCHEDULE.epoch_of(height) + lead
         last = first + SCORED_EPOCHS - 1
 
         # kill the leader's daemon early in an epoch's results window, then bring it back
