@@ -34,7 +34,9 @@ def test_model_nodes_register_group_forward_and_sign(tmp_path, quick_family):
         assert refused.returncode == 1 and "is not registered" in refused.stderr
         assert "register-model-node" in refused.stderr
 
-        nodes = [NodeProcess(home, owner_path) for home in homes[:2]]
+        nodes = [NodeProcess(home, owner_path, wait=False) for home in homes[:2]]  # both register at once
+        for node in nodes:
+            node.wait_ready()
         assert [n.ready["registration"] for n in nodes] == ["registered", "registered"]
         keys = [n.ready["node"] for n in nodes]
         listing, listed = client.nodes("gt")

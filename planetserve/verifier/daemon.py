@@ -29,14 +29,14 @@ from collections.abc import Callable, Hashable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from planetserve.chain import vrf
 from planetserve.chain.challenge import DEFAULT_MAX_TOKENS, Challenge, SealedPromptError, open_plan_entry
 from planetserve.chain.client import TRANSIENT, LedgerClient
 from planetserve.chain.errors import Code
 from planetserve.chain.keys import KeySet
-from planetserve.chain.messages.base import Message
+from planetserve.chain.messages.base import Body, Message
 from planetserve.chain.messages.epochs import (
     Attest,
     CommitPlan,
@@ -65,8 +65,10 @@ from planetserve.verifier.overlay import NoAnswer, OverlayChannel, RelayUnavaila
 
 log = logging.getLogger(__name__)
 
+Entry = TypeVar("Entry", bound=Body)
+
 TX_MARGIN_BYTES = 1_024
-"""Room left in max_tx_bytes for the envelope around a plan part."""
+"""Room left in max_tx_bytes for the envelope around a part of a plan or of results."""
 PLAN_DRAWS = 8
 ERROR_BACKOFF_MAX = 30.0
 RETRY_DELAY_S = 2.0
@@ -175,7 +177,7 @@ class Daemon:
             if current is None:
                 return
             self._forget_before(number)
-            self._collect(number)
+            self._collect(number, params.max_tx_bytes - TX_MARGIN_BYTES)
             if schedule.in_plan_window(upcoming):  # first: the plan takes longer than the proof
                 self._plan(number + 1, params, schedule)
             if schedule.in_vrf_window(upcoming):
@@ -299,8 +301,12 @@ class Daemon:
         self.pending[key] = self.pool.submit(run)
         self.status["challenges"] += 1
 
-    def _collect(self, number: int) -> None:
-        """Submit what finished challenges brought back; challenges of past epochs are dropped."""
+    def _collect(self, number: int, limit: int) -> None:
+        """Submit what finished challenges brought back, each kind's answers together in as few
+        transactions of at most `limit` bytes as hold them: the daemon waits for each transaction's
+        block, so one per answer took a leader's results past its window on a slow machine.
+        Challenges of past epochs are dropped."""
+        answers: dict[str, list[Asked]] = {"leader": [], "rechallenge": []}
         for key in sorted(self.pending, key=lambda k: (k[0], k[1], k[2])):
             future = self.pending[key]
             epoch, _, kind = key
@@ -316,10 +322,13 @@ class Daemon:
             except RelayUnavailable as exc:
                 log.warning("challenge of %s not sent, will retry: %s", key[1].hex()[:16], exc)
                 continue
-            if kind == "leader":
-                self._submit_leader(number, asked)
-            else:
-                self._submit_rechallenge(number, asked)
+            answers[kind].append(asked)
+        for kind, done in answers.items():
+            entries = [self._entry(number, asked, kind) for asked in done]
+            for part in _parts(entries, limit):
+                if part:
+                    self._submit(SubmitResults(number, kind, tuple(part)), number,
+                                 [(entry.node, kind) for entry in part])
 
     def _lead(self, number: int) -> None:
         mine = {r.node for r in self.ledger.results(number) if r.submitter == self.me}
@@ -383,10 +392,6 @@ class Daemon:
                 entry = replace(entry, credibility=self.scores[number, asked.node, self.me][0])
         return entry
 
-    def _submit_leader(self, number: int, asked: Asked) -> None:
-        entry = self._entry(number, asked, "leader")
-        self._submit(SubmitResults(number, "leader", (entry,)), number, [(asked.node, "leader")])
-
     def _rechallenge(self, number: int, leader: bytes) -> None:
         """Challenge, with a prompt of our own, each planned node the leader left without a valid result
         of the node's own (none, or one a peer computed, which shows the peer's model, not the node's),
@@ -423,10 +428,6 @@ class Daemon:
         digest = hashlib.blake2b(number.to_bytes(8, "big") + node, key=bytes(self.keys.x25519),
                                  digest_size=8).digest()
         return int.from_bytes(digest, "big") < self.rechallenge_share * 2**64
-
-    def _submit_rechallenge(self, number: int, asked: Asked) -> None:
-        entry = self._entry(number, asked, "rechallenge")
-        self._submit(SubmitResults(number, "rechallenge", (entry,)), number, [(asked.node, "rechallenge")])
 
     # -- attestations ----------------------------------------------------------------------------
 
@@ -472,10 +473,11 @@ def _reason(text: str) -> str:
     return " ".join(text.split())[:256] or "no answer"
 
 
-def _parts(entries: list[PlanItem], limit: int) -> list[list[PlanItem]]:
-    """Plan entries in consecutive parts of at most `limit` encoded bytes; at least one (maybe empty)
-    part, so that the last one, marked final, always exists."""
-    parts: list[list[PlanItem]] = [[]]
+def _parts(entries: list[Entry], limit: int) -> list[list[Entry]]:
+    """Plan or result entries in consecutive parts of at most `limit` encoded bytes (an entry larger
+    than that alone in its part); at least one (maybe empty) part, so that the last one of a plan,
+    marked final, always exists."""
+    parts: list[list[Entry]] = [[]]
     size = 0
     for entry in entries:
         length = len(codec.pack(entry.body()))
