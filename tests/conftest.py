@@ -58,19 +58,20 @@ def pg_url() -> Iterator[str]:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def corpus_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """Built corpora go to the session's own folder (shared with the processes tests start), never to
-    the user's cache; a developer may point PLANETSERVE_CACHE_DIR at a lasting one."""
-    from planetserve.models.corpus import CACHE_DIR_ENV
+def data_directory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The default data directory (where a built corpus is kept) is the session's own folder, shared
+    with the processes tests start, never the user's; a developer may point PLANETSERVE_DATA at one
+    that lasts."""
+    from planetserve.models import DATA_ENV
 
-    if os.environ.get(CACHE_DIR_ENV):
+    if os.environ.get(DATA_ENV, "").strip():
         yield
         return
-    os.environ[CACHE_DIR_ENV] = str(tmp_path_factory.mktemp("cache"))
+    os.environ[DATA_ENV] = str(tmp_path_factory.mktemp("data"))
     try:
         yield
     finally:
-        del os.environ[CACHE_DIR_ENV]
+        del os.environ[DATA_ENV]
 
 
 from modelfix import deep_gt, quick_family  # noqa: E402,F401  (session fixtures: the quick model family)

@@ -12,9 +12,9 @@ import torch
 from click.testing import CliRunner
 
 from planetserve.cli import main
-from planetserve.models import CheckpointError, ModelNotFound, load, model_dir
+from planetserve.models import DATA_ENV, CheckpointError, ModelNotFound, load, model_dir
 from planetserve.models import corpus as corpus_module
-from planetserve.models.corpus import CACHE_DIR_ENV, build_corpus, source_files
+from planetserve.models.corpus import build_corpus, source_files
 from planetserve.models.evaluate import continuation_loss, sample_continuations
 from planetserve.models.family import materials, train_family
 from planetserve.models.layout import read_stamp, state, write_stamp
@@ -63,10 +63,10 @@ def test_a_corpus_is_built_once_then_read_from_its_cache(tmp_path, monkeypatch):
     root = small_stdlib(tmp_path / "lib")
     assert [p.relative_to(root).as_posix() for p in source_files(root)] == ["alpha.py", "pkg/__init__.py",
                                                                                "pkg/beta.py"]
-    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(DATA_ENV, str(tmp_path / "data"))
     built = build_corpus(root)
     assert [d.title for d in built.documents] == ["alpha", "pkg", "pkg.beta"] and built.files == 3
-    assert len(list((tmp_path / "cache").glob("corpus-*.msgpack"))) == 1
+    assert len(list((tmp_path / "data" / "corpus").glob("corpus-*.msgpack"))) == 1
 
     def parse_again(*_):
         raise AssertionError("parsed although the cache holds this corpus")
@@ -79,25 +79,26 @@ def test_a_corpus_is_built_once_then_read_from_its_cache(tmp_path, monkeypatch):
 
 def test_a_changed_source_file_or_a_damaged_cache_builds_the_corpus_afresh(tmp_path, monkeypatch):
     root = small_stdlib(tmp_path / "lib")
-    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(DATA_ENV, str(tmp_path / "data"))
     build_corpus(root)
     (root / "pkg" / "beta.py").write_text(  # longer: its size tells it apart whatever the clock's grain
         '"""Beta now writes a third kind of document, a longer one."""\n')
     assert build_corpus(root).documents[-1].text == "Beta now writes a third kind of document, a longer one."
-    for cached in (tmp_path / "cache").glob("corpus-*.msgpack"):
+    for cached in (tmp_path / "data" / "corpus").glob("corpus-*.msgpack"):
         cached.write_bytes(cached.read_bytes()[:-40])  # cut short, as by a full disk
     assert build_corpus(root).documents[-1].text == "Beta now writes a third kind of document, a longer one."
-    for cached in (tmp_path / "cache").glob("corpus-*.msgpack"):
+    for cached in (tmp_path / "data" / "corpus").glob("corpus-*.msgpack"):
         cached.write_bytes(cached.read_bytes().replace(b"third", b"fifth"))  # its digest no longer matches
     assert build_corpus(root).documents[-1].text == "Beta now writes a third kind of document, a longer one."
 
 
 def test_a_corpus_is_built_where_its_cache_cannot_be_written(tmp_path, monkeypatch):
     root = small_stdlib(tmp_path / "lib")
-    (tmp_path / "cache").write_text("a file where the cache folder would be")
-    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "cache"))
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "corpus").write_text("a file where the cache folder would be")
+    monkeypatch.setenv(DATA_ENV, str(tmp_path / "data"))
     assert [d.title for d in build_corpus(root).documents] == ["alpha", "pkg", "pkg.beta"]
-    assert (tmp_path / "cache").read_text() == "a file where the cache folder would be"
+    assert (tmp_path / "data" / "corpus").read_text() == "a file where the cache folder would be"
 
 
 def test_tokenizer_round_trips_and_renders_chat(quick_family):

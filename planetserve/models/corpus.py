@@ -9,8 +9,9 @@ Directories that distributions strip or that hold test data (`test`, `tests`, `i
 `site-packages`, ...) are skipped: what remains is the same on every install of one Python version.
 
 Parsing the stdlib takes seconds, which a verifier restarted inside its plan window cannot spare, so a
-built corpus is kept in a cache file named for what it was built from (this module's source, the
-interpreter, each file's path, size and modification time): any change to those builds it afresh.
+built corpus is kept in the data directory's `corpus/`, in a file named for what it was built from (this
+module's source, the interpreter, each file's path, size and modification time): any change to those
+builds it afresh.
 """
 
 from __future__ import annotations
@@ -30,15 +31,14 @@ from pathlib import Path
 
 import msgpack
 
+from planetserve.models.layout import data_dir
+
 SKIPPED_DIRS = frozenset({"site-packages", "test", "tests", "idle_test", "__pycache__", "turtledemo"})
 TOPICS_FILE = Path("pydoc_data") / "topics.py"
 MIN_CHARS = 24
 """Shorter docstrings ("Return self.", "Docstring.") repeat across classes and teach nothing."""
 HELD_OUT_PER_256 = 13
 """About 5% of documents, picked by their text's hash, are held out of tokenizer and model training."""
-
-CACHE_DIR_ENV = "PLANETSERVE_CACHE_DIR"
-"""Where built corpora are kept; `$XDG_CACHE_HOME/planetserve` (or `~/.cache/planetserve`) if unset."""
 
 _TRAILING_SPACE = re.compile(r"[ \t]+\n")
 _BLANK_RUNS = re.compile(r"\n{3,}")
@@ -113,13 +113,6 @@ def source_files(root: Path) -> list[Path]:
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
-def cache_dir() -> Path:
-    configured = os.environ.get(CACHE_DIR_ENV)
-    if configured:
-        return Path(configured)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "planetserve"
-
-
 def _cache_key(root: Path, files: list[Path]) -> str:
     digest = hashlib.sha256(Path(__file__).read_bytes())
     digest.update(f"\0{sys.implementation.cache_tag}\0{sys.version}\0{root}".encode())
@@ -189,7 +182,7 @@ def build_corpus(root: Path | None = None) -> Corpus:
     """The corpus of root (the running interpreter's stdlib), from the cache where it was built before."""
     root = root or stdlib_dir()
     files = source_files(root)
-    cached = cache_dir() / f"corpus-{_cache_key(root, files)}.msgpack"
+    cached = data_dir() / "corpus" / f"corpus-{_cache_key(root, files)}.msgpack"
     corpus = _read_cached(cached)
     if corpus is None:
         corpus = parse_corpus(root, files)
