@@ -30,18 +30,15 @@ ROW = "{:<22} {:>9} {:>9} {:>9} {:>9}"
 def one_start(data_dir: str) -> dict[str, float]:
     """The steps of one start in this process (run in a fresh one)."""
     began = time.monotonic()
-    from planetserve.verifier.challenges import ChallengeSource
     from planetserve.verifier.config import VerifierConfig
-    from planetserve.verifier.runner import reference_models
+    from planetserve.verifier.runner import challenge_source, reference_models
 
     imported = time.monotonic()
     config = VerifierConfig(keys="unused: no ledger is opened", data_dir=data_dir)
-    reference_models(config)
+    references = reference_models(config)
     loaded = time.monotonic()
-    with tempfile.TemporaryDirectory() as directory:
-        ChallengeSource(config.workload, scale=config.scale, max_prompt_len=config.max_prompt_tokens,
-                        used_file=Path(directory) / "used", length=len, greedy_share=config.greedy_share,
-                        chat_share=config.chat_share).warm_up()
+    with tempfile.TemporaryDirectory() as home:
+        challenge_source(config, Path(home), references)
     done = time.monotonic()
     return {"imports": imported - began, "models": loaded - imported, "workload": done - loaded,
             "total": done - began}

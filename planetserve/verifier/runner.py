@@ -38,6 +38,20 @@ def _longest(references: dict[str, ReferenceModel], text: str) -> int:
                for form in (text, r.chat_prompt(text)) if form is not None)
 
 
+def challenge_source(config: VerifierConfig, home: Path,
+                     references: dict[str, ReferenceModel]) -> ChallengeSource:
+    """The workload generator challenges are drawn from, warmed up now (its first draw builds the
+    corpus) rather than inside the first plan window."""
+    max_len = min(r.max_len for r in references.values())
+    source = ChallengeSource(config.workload, scale=config.scale,
+                             max_prompt_len=min(config.max_prompt_tokens, max_len - config.max_tokens),
+                             used_file=home / USED_PROMPTS_FILE,
+                             length=lambda text: _longest(references, text),
+                             greedy_share=config.greedy_share, chat_share=config.chat_share)
+    source.warm_up()
+    return source
+
+
 def build_daemon(home: Path) -> tuple[Daemon, VerifierConfig]:
     begun = time.monotonic()
     config = VerifierConfig.load(home)
@@ -49,16 +63,11 @@ def build_daemon(home: Path) -> tuple[Daemon, VerifierConfig]:
     opened = time.monotonic()
     references = reference_models(config)
     loaded = time.monotonic()
-    max_len = min(r.max_len for r in references.values())
-    source = ChallengeSource(config.workload, scale=config.scale,
-                             max_prompt_len=min(config.max_prompt_tokens, max_len - config.max_tokens),
-                             used_file=home / USED_PROMPTS_FILE,
-                             length=lambda text: _longest(references, text),
-                             greedy_share=config.greedy_share, chat_share=config.chat_share)
-    source.warm_up()
+    source = challenge_source(config, home, references)
+    warm = time.monotonic()
     # a restarted leader must be back before its plan window closes: how long each step took says what to cut
-    log.info("started in %.1f s: ledger %.1f s, models %.1f s, workload %.1f s", time.monotonic() - begun,
-             opened - begun, loaded - opened, time.monotonic() - loaded)
+    log.info("started in %.1f s: ledger %.1f s, models %.1f s, workload %.1f s", warm - begun,
+             opened - begun, loaded - opened, warm - loaded)
     channel = OverlayChannel(config.relay, timeout=config.challenge_timeout, max_tokens=config.max_tokens)
     daemon = Daemon(keys, ledger, references, channel, source, home,
                     calibrated=config.credibility == "calibrated", concurrency=config.concurrency,
