@@ -1,5 +1,6 @@
 # planetserve: everything goes through the project's own virtual environment.
 VENV ?= .venv
+TEST_WORKERS ?= 2
 PY := $(VENV)/bin/python
 PS := $(VENV)/bin/planetserve
 
@@ -8,9 +9,13 @@ PS := $(VENV)/bin/planetserve
 setup:
 	@bash scripts/setup.sh
 
+# Two passes: every test but the timing-sensitive ones on TEST_WORKERS pytest-xdist workers (each test
+# module on one worker, the modules that serve models one after another; tests/conftest.py), then the
+# `serial` ones alone, whose assertions about block rates and epoch windows must not share the cores.
 test: setup
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q --durations=15 -m "not soak"
+	$(PY) -m pytest -q --durations=15 -m "not soak and not serial" -n $(TEST_WORKERS)
+	$(PY) -m pytest -q --durations=5 -m "serial and not soak"
 
 faults: setup
 	$(PY) -m pytest -q -m faults

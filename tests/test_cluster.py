@@ -12,10 +12,12 @@ from chainnet import FAST_P2P
 
 from planetserve.chain.keys import KeySet
 from planetserve.genesis.network import (
+    PORTS_ENV,
     NetworkBuildError,
     NetworkSpec,
     build_network,
     edit_toml,
+    free_ports,
 )
 from planetserve.localnet.cluster import Cluster, ClusterError, stop_all
 
@@ -37,6 +39,18 @@ def test_edit_toml_replaces_in_section_and_adds_missing_keys() -> None:
     assert parsed["p2p"] == {"laddr": "y", "pex": False, "allow_duplicate_ip": True}
     assert parsed["consensus"] == {"timeout_commit": "1s"}
     assert "# the address" in out
+
+
+def test_ports_are_drawn_from_the_configured_range(monkeypatch) -> None:
+    monkeypatch.setenv(PORTS_ENV, "20000-20009")
+    ports = free_ports(6)
+    assert len(set(ports)) == 6 and all(20000 <= p <= 20009 for p in ports)
+    with pytest.raises(NetworkBuildError, match=r"found only \d of 6 free ports in 20000..20009"):
+        free_ports(6)  # the range holds ten, and one process never hands a port out twice
+    for bad in ("20000", "20009-20000", "80-90", "a-b", "20000-70000"):
+        monkeypatch.setenv(PORTS_ENV, bad)
+        with pytest.raises(NetworkBuildError, match=f"{PORTS_ENV}=.*must be LOW-HIGH"):
+            free_ports(1)
 
 
 def test_build_with_app_state_and_failing_app(tmp_path) -> None:

@@ -150,14 +150,21 @@ def test_state_shows_every_failed_source_as_an_error(nowhere):
     ({"prompt": "hi", "model": "gt"}, 502, "relay_unreachable"),
 ])
 def test_chat_refusals(nowhere, body, status, code):
+    """A request refused before it is sent counts as no chat; one the relay failed counts as failed."""
+    state = f"{nowhere['url']}api/state"
+    before = httpx.get(state, timeout=30).json()["chat"]
     reply = httpx.post(f"{nowhere['url']}api/chat", json=body, timeout=30)
     assert reply.status_code == status, reply.text
     error = reply.json()["error"]
     assert error["code"] == code and error["message"]
+    sent = int(status == 502)
+    assert httpx.get(state, timeout=30).json()["chat"] == {
+        "chats": before["chats"] + sent, "answered": before["answered"], "failed": before["failed"] + sent}
 
 
 def test_chat_refuses_what_is_not_json_or_too_large(nowhere):
     url = f"{nowhere['url']}api/chat"
+    before = httpx.get(f"{nowhere['url']}api/state").json()["chat"]
     as_json = {"Content-Type": "application/json"}
     reply = httpx.post(url, content=b"{not json", headers=as_json)
     assert reply.status_code == 400 and reply.json()["error"]["code"] == "invalid_json"
@@ -165,7 +172,7 @@ def test_chat_refuses_what_is_not_json_or_too_large(nowhere):
     assert reply.status_code == 413 and reply.json()["error"]["code"] == "too_large"
     reply = httpx.post(url, content=json.dumps({"prompt": "hi"}).encode())  # JSON, but not said to be
     assert reply.status_code == 415 and reply.json()["error"]["code"] == "unsupported_media_type"
-    assert httpx.get(f"{nowhere['url']}api/state").json()["chat"]["failed"] >= 1
+    assert httpx.get(f"{nowhere['url']}api/state").json()["chat"] == before  # refused before any chat
 
 
 def test_without_a_relay_the_chat_says_how_to_get_one(tmp_path):

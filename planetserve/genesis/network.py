@@ -204,11 +204,32 @@ def _ephemeral_low() -> int:
         return 32768
 
 
+PORTS_ENV = "PLANETSERVE_PORTS"
+"""LOW-HIGH: where free_ports draws from, for processes that share a machine and must not draw the same
+port between drawing it and binding it (test workers, say); by default 10000 to the kernel's ephemeral
+range."""
+
+
+def port_range() -> tuple[int, int]:
+    """The ports free_ports draws from: $PLANETSERVE_PORTS, else 10000 up to the ephemeral range."""
+    raw = os.environ.get(PORTS_ENV, "").strip()
+    if not raw:
+        return 10_000, _ephemeral_low() - 1
+    low_text, _, high_text = raw.partition("-")
+    try:
+        low, high = int(low_text), int(high_text)
+    except ValueError:
+        low, high = 0, -1
+    if not 1024 <= low <= high <= 65535:
+        raise NetworkBuildError(f"{PORTS_ENV}={raw!r}: must be LOW-HIGH with 1024 <= LOW <= HIGH <= 65535")
+    return low, high
+
+
 def free_ports(count: int) -> list[int]:
     """`count` distinct TCP ports on 127.0.0.1 that were free a moment ago. They are drawn below the
     range the kernel takes outgoing connections' ports from, so that no client connection takes one
     before its server binds it, and never twice in one process."""
-    low, high = 10_000, _ephemeral_low() - 1
+    low, high = port_range()
     out: list[int] = []
     for _ in range(50 * count):
         port = _PORTS.randint(low, high)
