@@ -4,7 +4,8 @@ preparation 0.273 ms mean, 0.280 P50; decryption 0.302 ms mean, 0.309 P50).
 The paper's prompt size is taken as 7,206 tokens x 4 bytes per token of English text = 28,824 bytes;
 1 KiB and 256 KiB bracket it. Every iteration splits a fresh random message.
 
-- prepare: split (encrypt, disperse, share the key) and encode all n cloves to bytes.
+- prepare: split (encrypt, disperse, share the key) and encode all n cloves to bytes, as the senders
+  do (`split_encoded`; `split` then `encode` in a module without it).
 - recover: decode k cloves from bytes, feed them to a long-lived Reassembler, which joins and decrypts.
   "first k" gets cloves 1..k (the systematic fragments: no erasure decoding); "lost 1" gets 2..n,
   so the Reed-Solomon decoder runs, the worst case for one lost path at (4, 3).
@@ -59,6 +60,9 @@ def baseline_module(rev: str, directory: Path) -> types.ModuleType:
 
 
 def prepare(impl: types.ModuleType, message: bytes, n: int, k: int) -> list[bytes]:
+    """What a sender does: the n cloves' wire bytes (`split_encoded` where the module has it)."""
+    if hasattr(impl, "split_encoded"):
+        return impl.split_encoded(message, n, k)
     return [impl.encode(c) for c in impl.split(message, n, k)]
 
 

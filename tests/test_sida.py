@@ -59,6 +59,20 @@ def test_every_k_subset_recovers(n: int, k: int) -> None:
     assert join(cloves) == message
 
 
+@pytest.mark.parametrize(("n", "k"), [(4, 3), (1, 1), (7, 4), (255, 200)])
+def test_split_encoded_gives_the_wire_bytes_of_split(n: int, k: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The senders' path: with the same randomness, byte for byte what encoding `split`'s cloves gives."""
+    message = secrets.token_bytes(3001)
+    state = random.Random(7)
+    monkeypatch.setattr(sida.secrets, "token_bytes", lambda size: state.randbytes(size))
+    encoded = sida.split_encoded(message, n, k)
+    state.seed(7)
+    assert encoded == [sida.encode(c) for c in split(message, n, k)]
+    assert sida.join(sida.decode(b) for b in encoded[n - k :]) == message
+    with pytest.raises(ValueError, match="exceeds the 3000-byte limit"):
+        sida.split_encoded(message, n, k, max_message=3000)
+
+
 def test_large_parameters() -> None:
     message = secrets.token_bytes(5000)
     cloves = wire(split(message, 255, 200))

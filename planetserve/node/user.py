@@ -368,14 +368,14 @@ class UserRelay:
         replies = [(secrets.token_bytes(onion.ID_SIZE), secrets.token_bytes(onion.KEY_SIZE)) for _ in chosen]
         prompt = Prompt(request_id, node, endpoint, body,
                         tuple((p.proxy, *reply) for p, reply in zip(chosen, replies, strict=True)), threshold)
-        cloves = sida.split(prompt.seal(), len(chosen), threshold)
+        cloves = sida.split_encoded(prompt.seal(), len(chosen), threshold)
         exchange = Exchange(request_id, node, chosen, threshold, dict(replies))
         self.exchanges[request_id] = exchange
         self.paths.use(chosen)
         self.reply_keys.update(exchange.reply_keys)
         self.counters["requests"] += 1
         try:
-            payloads = [p.seal(node, onion.seal_to(node, sida.encode(c)), reply_id)
+            payloads = [p.seal(node, onion.seal_to(node, c), reply_id)
                         for p, c, (reply_id, _) in zip(chosen, cloves, replies, strict=True)]
             sent = await asyncio.gather(*(self._send(p.first, "fwd", [p.link, data])
                                           for p, data in zip(chosen, payloads, strict=True)),

@@ -129,8 +129,8 @@ class Gateway:
 
     async def _send(self, prompt: Prompt, part: Part) -> None:
         n = len(prompt.reply_to)
-        cloves = sida.split(part.seal(), n, prompt.k)
-        sealed = [onion.seal_payload(key, onion.REPLY, onion.Payload("clove", sida.encode(clove)))
+        cloves = sida.split_encoded(part.seal(), n, prompt.k)
+        sealed = [onion.seal_payload(key, onion.REPLY, onion.Payload("clove", clove))
                   for (_, _, key), clove in zip(prompt.reply_to, cloves, strict=True)]
         results = await asyncio.gather(
             *(self.send(proxy, "reply", [reply_id, data])

@@ -62,6 +62,9 @@ DEFAULT_MAX_MESSAGE = 4 * 1024 * 1024
 DEFAULT_MAX_ATTEMPTS = 128
 
 _HEAD = struct.Struct(">B16sBBBI12s")
+_HEAD_SET, _HEAD_TAIL = struct.Struct(">B16sBB"), struct.Struct(">I12s")
+"""`_HEAD` before and after the index byte."""
+_INDEX = [bytes((i,)) for i in range(MAX_N + 1)]
 HEADER_SIZE = _HEAD.size + SHARE_SIZE
 _AD = struct.Struct(">16sB16sBBI")
 _AD_DOMAIN = b"planetserve-sida"
@@ -234,10 +237,8 @@ def _gather(cloves: Sequence[Clove]) -> bytes:
 # -- split / open -------------------------------------------------------------------------------------
 
 
-def split(
-    message: bytes, n: int = DEFAULT_N, k: int = DEFAULT_K, *, max_message: int = DEFAULT_MAX_MESSAGE
-) -> list[Clove]:
-    """n cloves of `message`, any k of which recover it."""
+def _seal(message: bytes, n: int, k: int, max_message: int) -> tuple[SetHeader, list[int], list[bytes]]:
+    """The set header, key shares and fragments of a fresh encryption of `message`."""
     _check_params(n, k, ValueError)
     if len(message) > max_message:
         raise ValueError(f"message of {len(message)} bytes exceeds the {max_message}-byte limit")
@@ -246,12 +247,30 @@ def split(
     message_id, nonce = fresh[KEY_SIZE : KEY_SIZE + ID_SIZE], fresh[KEY_SIZE + ID_SIZE :]
     header = SetHeader(message_id, n, k, len(message) + TAG_SIZE, nonce)
     ciphertext = AESGCM(key).encrypt(header.nonce, message, header.associated_data())
-    shares = shamir_split(int.from_bytes(key), n, k)
-    fragments = _disperse(ciphertext, n, k)
+    return header, shamir_split(int.from_bytes(key), n, k), _disperse(ciphertext, n, k)
+
+
+def split(
+    message: bytes, n: int = DEFAULT_N, k: int = DEFAULT_K, *, max_message: int = DEFAULT_MAX_MESSAGE
+) -> list[Clove]:
+    """n cloves of `message`, any k of which recover it."""
+    header, shares, fragments = _seal(message, n, k, max_message)
     return [
         Clove(header.message_id, i + 1, n, k, header.length, header.nonce, s.to_bytes(SHARE_SIZE), f)
         for i, (s, f) in enumerate(zip(shares, fragments, strict=True))
     ]
+
+
+def split_encoded(
+    message: bytes, n: int = DEFAULT_N, k: int = DEFAULT_K, *, max_message: int = DEFAULT_MAX_MESSAGE
+) -> list[bytes]:
+    """`encode` of each of `split`'s cloves, made without the Clove objects: what a sender puts on the
+    wire, and the cloves' common header fields are packed once."""
+    header, shares, fragments = _seal(message, n, k, max_message)
+    before = _HEAD_SET.pack(VERSION, header.message_id, n, k)
+    after = _HEAD_TAIL.pack(header.length, header.nonce)
+    return [b"".join((before, _INDEX[i], after, s.to_bytes(SHARE_SIZE), f))
+            for i, (s, f) in enumerate(zip(shares, fragments, strict=True), start=1)]
 
 
 def _open(cloves: Sequence[Clove]) -> bytes | None:
