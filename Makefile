@@ -9,13 +9,13 @@ PS := $(VENV)/bin/planetserve
 setup:
 	@bash scripts/setup.sh
 
-# Two passes: every test but the timing-sensitive ones on TEST_WORKERS pytest-xdist workers (each test
-# module on one worker, the modules that serve models one after another; tests/conftest.py), then the
-# `serial` ones alone, whose assertions about block rates and epoch windows must not share the cores.
+# Two passes: the tests that start no network on TEST_WORKERS pytest-xdist workers (each module whole on
+# one worker), then the network tests one at a time, as they were written to run: their waits for
+# blocks, epochs and shutdowns assume the cores are theirs.
 test: setup
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q --durations=15 -m "not soak and not serial" -n $(TEST_WORKERS)
-	$(PY) -m pytest -q --durations=5 -m "serial and not soak"
+	$(PY) -m pytest -q --durations=10 -m "not soak and not network" -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q --durations=15 -m "network and not soak"
 
 faults: setup
 	$(PY) -m pytest -q -m faults

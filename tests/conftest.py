@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 
@@ -70,39 +69,6 @@ def pytest_configure(config: pytest.Config) -> None:
     share = (high - low + 1) // int(count)
     start = low + int(worker.removeprefix("gw")) * share
     os.environ[PORTS_ENV] = f"{start}-{start + share - 1}"
-
-
-SERVING = ("tests/test_localnet.py", "tests/test_model_node_network.py", "tests/test_overlay_network.py",
-           "tests/test_pipeline_network.py")
-"""Modules that serve models from several processes each: pytest-xdist's workers (`make test`) run them
-one after another, never two at once."""
-
-
-def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """Each module goes to one worker whole (its module fixtures are made once), the SERVING modules
-    together, in the order the workers collected them (`pytest_collection_modifyitems`)."""
-    from xdist.scheduler import LoadScopeScheduling
-
-    class ByModule(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            module = nodeid.split("::", 1)[0]
-            return "serving" if module in SERVING else module
-
-    config.option.loadscopereorder = False
-    return ByModule(config, log)
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """On an xdist worker the longest modules go first (the SERVING ones, then those with network
-    tests), so that the workers finish close together; each module's own order is kept."""
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        return
-    network = {_module(item) for item in items if item.get_closest_marker("network")}
-    items.sort(key=lambda item: (_module(item) not in SERVING, _module(item) not in network))
-
-
-def _module(item: pytest.Item) -> str:
-    return item.nodeid.split("::", 1)[0]
 
 
 @pytest.fixture(scope="session", autouse=True)

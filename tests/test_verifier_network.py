@@ -30,7 +30,7 @@ from planetserve.registry import epochs, reputation
 from planetserve.registry.params import Params
 from planetserve.verifier.config import STATUS_FILE, VerifierConfig, read_submissions
 
-pytestmark = [pytest.mark.network, pytest.mark.faults, pytest.mark.serial]
+pytestmark = [pytest.mark.network, pytest.mark.faults]
 
 PARAMS = Params(epoch_blocks=40, results_blocks=16, vrf_window_blocks=10, plan_window_blocks=14,
                 probation_epochs=0)  # nodes listed from registration: the client asks them at once

@@ -25,7 +25,7 @@ from planetserve.chain.keys import KeySet
 from planetserve.chain.messages import RegisterUser
 from planetserve.registry.params import Params
 
-pytestmark = [pytest.mark.network, pytest.mark.serial]
+pytestmark = [pytest.mark.network]
 
 USERS = 1_000
 MAX_ENTRIES = 3_000

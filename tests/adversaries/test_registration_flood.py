@@ -27,7 +27,7 @@ from planetserve.chain.messages import CommitPlan, RegisterUser, SubmitVrf
 from planetserve.registry import epochs
 from planetserve.registry.params import Params
 
-pytestmark = [pytest.mark.network, pytest.mark.serial]
+pytestmark = [pytest.mark.network]
 
 PARAMS = Params(epoch_blocks=24, results_blocks=8, vrf_window_blocks=8, plan_window_blocks=8,
                 probation_epochs=0, user_work_bits=4, mempool_non_member_txs=300)
