@@ -90,4 +90,3 @@ def data_directory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
 
 from modelfix import deep_gt, quick_family  # noqa: E402,F401  (session fixtures: the quick model family)
 from relaystandin import relay  # noqa: E402,F401  (a stand-in for a user relay's endpoint)
-

@@ -61,9 +61,9 @@ DEFAULT_K = 3
 DEFAULT_MAX_MESSAGE = 4 * 1024 * 1024
 DEFAULT_MAX_ATTEMPTS = 128
 
-_HEAD = struct.Struct(">B16sBBBI12s")
 _HEAD_SET, _HEAD_TAIL = struct.Struct(">B16sBB"), struct.Struct(">I12s")
-"""`_HEAD` before and after the index byte."""
+"""A clove's header before and after its index byte: what all cloves of one set share."""
+_HEAD = struct.Struct(_HEAD_SET.format + "B" + _HEAD_TAIL.format.lstrip(">"))
 _INDEX = [bytes((i,)) for i in range(MAX_N + 1)]
 HEADER_SIZE = _HEAD.size + SHARE_SIZE
 _AD = struct.Struct(">16sB16sBBI")
