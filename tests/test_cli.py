@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import signal
 import subprocess
@@ -319,6 +320,32 @@ def test_chain_start_runs_app_and_cometbft_until_terminated(tmp_path):
     assert proc.returncode == 0, out.decode()
     with pytest.raises(RpcError):
         rpc.latest_height()
+
+
+def test_chain_start_kills_a_child_that_ignores_sigterm(tmp_path):
+    """A CometBFT that will not exit is killed once the shared deadline passes, and `start` says so."""
+    spec = json.loads(run("genesis", "init", str(tmp_path / "one"), "-n", "1", "--json"))
+    home = spec["validators"][0]["home"]
+    pid_file = tmp_path / "stubborn.pid"
+    stubborn = tmp_path / "cometbft"
+    stubborn.write_text(f"#!/bin/sh\ntrap '' TERM\necho $$ > {pid_file}\nwhile :; do sleep 0.1; done\n")
+    stubborn.chmod(0o755)
+    proc = subprocess.Popen([sys.executable, "-m", "planetserve", "chain", "start", "--home", home,
+                             "--stop-timeout", "2"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PLANETSERVE_COMETBFT": str(stubborn)})
+    try:
+        deadline = time.monotonic() + 30
+        while not pid_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert pid_file.exists()
+        time.sleep(0.3)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 1, out.decode()
+    assert "cometbft did not exit within 2 s of SIGTERM and was killed" in " ".join(out.decode().split())
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pid_file.read_text()), 0)
 
 
 def test_chain_app_refuses_a_home_without_config(tmp_path):

@@ -312,10 +312,33 @@ def rotate_keys(ledger: LedgerClient, home: Path, finish: bool, as_json: bool) -
     console.print(message)
 
 
+def stop_all(procs: dict[str, subprocess.Popen], grace: float) -> list[str]:
+    """SIGTERM every process, last started first; SIGKILL what outlives one shared deadline.
+
+    One deadline for all rather than one each, so a hung child cannot make the stop take
+    a multiple of it; returns the names of the processes that had to be killed.
+    """
+    for proc in reversed(procs.values()):
+        if proc.poll() is None:
+            proc.terminate()
+    deadline = time.monotonic() + grace
+    killed = []
+    for name, proc in procs.items():
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            killed.append(name)
+    return killed
+
+
 @group.command("start")
 @click.option("--home", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
               help=HOME_HELP)
-def start(home: Path) -> None:
+@click.option("--stop-timeout", default=20.0, show_default=True, type=click.FloatRange(min=0.0),
+              help="Seconds the app and CometBFT together get to exit after SIGTERM before they are killed.")
+def start(home: Path, stop_timeout: float) -> None:
     """Run the ABCI app and CometBFT together until interrupted; if either exits, stop both."""
     app_config(home)
     try:
@@ -330,17 +353,17 @@ def start(home: Path) -> None:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    procs = [subprocess.Popen(app_command(home))]
+    procs = {"app": subprocess.Popen(app_command(home))}
     time.sleep(1.0)
-    procs.append(subprocess.Popen([cometbft, "start", "--home", str(home)]))
-    console.print(f"validator {home} running (app pid {procs[0].pid}, cometbft pid {procs[1].pid})")
-    while not stopping and all(p.poll() is None for p in procs):
+    procs["cometbft"] = subprocess.Popen([cometbft, "start", "--home", str(home)])
+    pids = ", ".join(f"{name} pid {proc.pid}" for name, proc in procs.items())
+    console.print(f"validator {home} running ({pids})")
+    while not stopping and all(p.poll() is None for p in procs.values()):
         time.sleep(0.2)
-    for p in reversed(procs):
-        if p.poll() is None:
-            p.terminate()
-    for p in procs:
-        p.wait(timeout=20)
-    codes = [p.returncode for p in procs]
+    killed = stop_all(procs, stop_timeout)
+    if killed:
+        fail(f"{' and '.join(killed)} did not exit within {stop_timeout:g} s of SIGTERM and "
+             f"{'was' if len(killed) == 1 else 'were'} killed")
+    codes = [p.returncode for p in procs.values()]
     if not stopping:
         fail(f"a process exited unexpectedly (app {codes[0]}, cometbft {codes[1]})")
