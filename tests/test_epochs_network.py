@@ -230,8 +230,9 @@ def test_members_offline_and_a_cheating_leader(net):
 
 
 def test_each_leader_attack_is_detected_and_a_dishonest_node_is_delisted(net):
-    """Epoch by epoch: a tampered response, a skipped node, a false "invalid response", withheld
-    results. Node 1 answers badly throughout; node 0 is honest and never loses reputation."""
+    """Epoch by epoch: a tampered response, a skipped node, a false "invalid response" (recorded as an
+    unconfirmed report, which does not count toward removal), withheld results. Node 1 answers badly
+    throughout; node 0 is honest and never loses reputation."""
     c = Committee(net)
     everyone = [0, 1, 2, 3]
     honest, dishonest = c.nodes
@@ -257,7 +258,7 @@ def test_each_leader_attack_is_detected_and_a_dishonest_node_is_delisted(net):
     c.rechallenge(3, others, honest.public)
     c.attest(3, everyone, leader, [dishonest], bad)
     c.elect_and_plan(4, everyone)
-    expect[3] = (leader.public, ["false-invalid-report"])
+    expect[3] = (leader.public, ["unconfirmed-report"])
 
     expect[4] = (c.leader_of(4, everyone).public, ["withheld-results"])
     end = SCHEDULE.end(4)

@@ -153,7 +153,11 @@ def reputation(ledger: LedgerClient, node_key: str, as_json: bool) -> None:
 @json_option
 @ledger_options(verify=True)
 def faults(ledger: LedgerClient, member: str | None, as_json: bool) -> None:
-    """Faults the chain recorded against committee members (all, or one operator key)."""
+    """Faults the chain recorded against committee members (all, or one operator key).
+
+    Every kind counts toward a member's removal (member_fault_limit within member_fault_window epochs)
+    but `unconfirmed-report`: a leader's claim of no valid response that members' re-challenges
+    contradicted, which a node can cause by answering the leader late."""
     try:
         listing, records = ledger.faults(key_bytes(member, "MEMBER") if member else None)
     except FAILURES as exc:

@@ -25,9 +25,10 @@ A serving peer that is not planned gets the product of what it computed, after e
 node gets at most one C(T) per epoch.
 Faults: a leader that submitted nothing for a committed plan withheld its results; one that left a
 node out skipped it; one whose proposed credibility strays beyond the tolerance from the median
-deviated; one that claimed an invalid response where members holding more than 2/3 of the power
-got valid responses on re-challenge reported falsely. A member whose attestation strays beyond the
-tolerance from the median deviated too.
+deviated. A member whose attestation strays beyond the tolerance from the median deviated too.
+A leader that claimed no valid response where members holding more than 2/3 of the power got valid
+responses on re-challenge made an unconfirmed report: recorded, but not counted toward its removal
+(`UNCOUNTED`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,12 @@ from planetserve.registry import rules
 from planetserve.registry.epochs import INVALID, VALID, ChallengeResult
 from planetserve.registry.params import PPM
 from planetserve.registry.reputation import median
+
+UNCOUNTED = frozenset({"unconfirmed-report"})
+"""Findings recorded for people to weigh but not counted toward a member's removal, because a node can
+cause them: the leader's challenges come first in the epoch and members' re-challenges after, so a node
+can answer the leader late or badly and the members well, and the leader's claim is not its provable
+fault. Counted, a few such nodes in every plan took each leader's power in turn."""
 
 
 @dataclass(frozen=True)
@@ -164,7 +171,7 @@ def decide(ev: Evidence) -> tuple[list[Verdict], list[Finding]]:
         if own is not None and own.status == INVALID:
             answered = {r.submitter for r in node_results if r.kind == "rechallenge" and r.status == VALID}
             if rules.supermajority(_power(answered, ev.power), total):
-                findings.append(Finding(ev.leader, "false-invalid-report", node,
+                findings.append(Finding(ev.leader, "unconfirmed-report", node,
                                         "members holding more than 2/3 of the power got valid responses"))
     serving = [_combined(peer, answers, "served") for peer, answers in computed.items() if peer not in scored]
     return verdicts + serving, findings

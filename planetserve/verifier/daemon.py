@@ -76,6 +76,12 @@ SETTLE_BLOCKS = 5
 """The leader sends an epoch's challenges from this many blocks into it (at most half the results
 window): the previous epoch's finalization may just have delisted a node, and a challenged node that
 forwards on a view of the list a few seconds old would answer for what an unlisted peer computed."""
+GIVE_UP_BLOCKS = 4
+"""The leader claims no answer for each of its challenges still out this many blocks before its results
+window closes, so the claim lands in the window: a node that answers late, or answers the leader late
+on purpose and the members' re-challenges on time, costs the leader no `skipped-node` fault (and the
+claim, one report, has the members re-challenge it). A daemon ticks more often than this many blocks."""
+OVERDUE = f"no answer {GIVE_UP_BLOCKS} blocks before the results window closed"
 SIGNED_TIME_TOLERANCE_S = 60
 """How far from its arrival an answer's signed time may be: half the chain's default slack, so an answer
 this member reveals never makes it `stale-response`-faulty for the node's choice of time."""
@@ -177,14 +183,16 @@ class Daemon:
             if current is None:
                 return
             self._forget_before(number)
-            self._collect(number, params.max_tx_bytes - TX_MARGIN_BYTES)
+            leading = current.leader == self.me and schedule.in_results(upcoming)
+            overdue = leading and not schedule.in_results(upcoming + GIVE_UP_BLOCKS)
+            self._collect(number, params.max_tx_bytes - TX_MARGIN_BYTES, overdue)
             if schedule.in_plan_window(upcoming):  # first: the plan takes longer than the proof
                 self._plan(number + 1, params, schedule)
             if schedule.in_vrf_window(upcoming):
                 self._prove(number + 1, schedule)
             planned = current.plan_status == PLAN_COMMITTED
             settled = upcoming >= schedule.start(number) + min(SETTLE_BLOCKS, params.results_blocks // 2)
-            if planned and current.leader == self.me and schedule.in_results(upcoming) and settled:
+            if planned and leading and settled and not overdue:
                 self._lead(number)
             self._attest(number)
             if planned and not schedule.in_results(upcoming):
@@ -301,34 +309,44 @@ class Daemon:
         self.pending[key] = self.pool.submit(run)
         self.status["challenges"] += 1
 
-    def _collect(self, number: int, limit: int) -> None:
+    def _collect(self, number: int, limit: int, overdue: bool = False) -> None:
         """Submit what finished challenges brought back, each kind's answers together in as few
         transactions of at most `limit` bytes as hold them: the daemon waits for each transaction's
-        block, so one per answer took a leader's results past its window on a slow machine.
-        Challenges of past epochs are dropped."""
-        answers: dict[str, list[Asked]] = {"leader": [], "rechallenge": []}
-        for key in sorted(self.pending, key=lambda k: (k[0], k[1], k[2])):
+        block, so one per answer took a leader's results past its window on a slow machine."""
+        for kind, entries in self.results(number, overdue).items():
+            for part in _parts(entries, limit):
+                if part:
+                    self._submit(SubmitResults(number, kind, tuple(part)), number,
+                                 [(entry.node, kind) for entry in part])
+
+    def results(self, number: int, overdue: bool = False) -> dict[str, list[Revealed | Unanswered]]:
+        """The entries of epoch `number`'s finished challenges by kind, taken out of `pending`; with
+        `overdue`, the leader's challenges still out too, each claimed unanswered (`GIVE_UP_BLOCKS`).
+        Challenges of other epochs are dropped."""
+        entries: dict[str, list[Revealed | Unanswered]] = {"leader": [], "rechallenge": []}
+        for key in sorted(self.pending):
             future = self.pending[key]
-            epoch, _, kind = key
+            epoch, node, kind = key
             if epoch != number:
                 future.cancel()
                 del self.pending[key]
                 continue
             if not future.done():
+                if overdue and kind == "leader":
+                    future.cancel()
+                    del self.pending[key]
+                    log.warning("node %s has not answered the leader's challenge in epoch %d: claimed "
+                                "unanswered", node.hex()[:16], number)
+                    entries[kind].append(Unanswered(node, OVERDUE))
                 continue
             del self.pending[key]
             try:
                 asked = future.result()
             except RelayUnavailable as exc:
-                log.warning("challenge of %s not sent, will retry: %s", key[1].hex()[:16], exc)
+                log.warning("challenge of %s not sent, will retry: %s", node.hex()[:16], exc)
                 continue
-            answers[kind].append(asked)
-        for kind, done in answers.items():
-            entries = [self._entry(number, asked, kind) for asked in done]
-            for part in _parts(entries, limit):
-                if part:
-                    self._submit(SubmitResults(number, kind, tuple(part)), number,
-                                 [(entry.node, kind) for entry in part])
+            entries[kind].append(self._entry(number, asked, kind))
+        return entries
 
     def _lead(self, number: int) -> None:
         mine = {r.node for r in self.ledger.results(number) if r.submitter == self.me}

@@ -57,7 +57,7 @@ from planetserve.chain.layout import (
     user_list_key,
     vrf_prefix,
 )
-from planetserve.registry import codec
+from planetserve.registry import codec, finalization
 from planetserve.registry.credits import Credits, Deployment
 from planetserve.registry.entities import (
     Member,
@@ -359,9 +359,11 @@ class State:
             self.put_int(fault_counter_key(new), counter)
 
     def faults_in(self, operator: bytes, epochs: range) -> int:
-        """How many faults of the operator the chain recorded in these epochs: one prefix read per
-        epoch, so the cost stays with the window, not with the operator's whole history."""
-        return sum(1 for epoch in epochs for _ in self.kv.iterate(fault_epoch_prefix(operator, epoch)))
+        """How many faults of the operator that count toward its removal (not `finalization.UNCOUNTED`)
+        the chain recorded in these epochs: one prefix read per epoch, so the cost stays with the window,
+        not with the operator's whole history."""
+        return sum(1 for epoch in epochs for _, raw in self.kv.iterate(fault_epoch_prefix(operator, epoch))
+                   if Fault.decode(raw).kind not in finalization.UNCOUNTED)
 
     def missed(self, epoch: int, operator: bytes) -> int:
         return self.get_int(missed_key(epoch, operator))
