@@ -80,11 +80,32 @@ def test_a_parameter_change_applies_at_its_height_and_one_without_two_thirds_nev
     ({"height": 3, "changes": {"results_blocks": 100}}, "must be less than epoch_blocks"),
     ({"height": 3, "changes": {}}, "must name at least one parameter"),
     ({"height": 2, "changes": {"max_signer_txs": 3}}, "must be after the next block"),
+    ({"height": 3, "changes": {"epoch_blocks": 50}}, "field 'epoch_blocks': is set by the genesis alone: it "
+                                                     "numbers every epoch from the first block"),
+    ({"height": 86, "changes": {"plan_window_blocks": 20, "max_signer_txs": 3}},
+     "must be an epoch's first block to change plan_window_blocks (inside an epoch the block that sets up the "
+     "next could be skipped); the next epoch after it starts at 101"),
 ])
 def test_parameter_changes_that_could_never_apply_are_refused(tmp_path: Path, body: dict, message: str) -> None:
     h = committee(tmp_path)
     result = h.block(h.tx(h.members[0], "propose-params", body))
     assert result.tx_results[0].code != 0 and message in result.tx_results[0].log
+
+
+def test_an_epoch_window_changed_at_an_epochs_first_block_sets_up_the_next_epoch_under_it(tmp_path: Path) -> None:
+    """A wider plan window from epoch 1's first block moves the block that makes epoch 2's record ten
+    blocks earlier; the epochs go on (the same change voted for mid-epoch, after the new setup block
+    but before the old one, left epochs 1 and 2 without records)."""
+    h = committee(tmp_path)
+    assert (h.app.params.epoch_blocks, h.app.params.plan_window_blocks) == (100, 10)
+    assert codes(h.block(h.tx(h.members[0], "propose-params", {"height": 101, "changes": {"plan_window_blocks": 20}}))) == [0]
+    assert events(vote(h, range(1, 3), 1), "params_scheduled") == [{"height": "101", "names": "plan_window_blocks"}]
+    while h.height < 180:
+        h.block()
+    st = State(h.store.batch())
+    assert st.params().plan_window_blocks == 20 and st.epoch(1) is not None and st.epoch(2) is None
+    h.block()  # 181: the last 20 blocks of epoch 1 begin
+    assert State(h.store.batch()).epoch(2).start_height == 201
 
 
 def test_only_members_propose_and_an_upgrade_must_raise_the_version(tmp_path: Path) -> None:

@@ -261,7 +261,9 @@ def propose_params(ledger: LedgerClient, keys_path: Path, height: int, changes: 
                    as_json: bool) -> None:
     """Propose changing parameters at a height (applied there once >2/3 of voting power approves).
 
-    The others vote with `planetserve tx vote-member --proposal ID` before that height."""
+    The others vote with `planetserve tx vote-member --proposal ID` before that height. epoch_blocks is
+    set by the genesis alone, and results_blocks, vrf_window_blocks and plan_window_blocks change only
+    at an epoch's first block (`planetserve query epoch` shows where the next one starts)."""
     values: dict[str, int] = {}
     for item in changes:
         name, sep, value = item.partition("=")

@@ -14,6 +14,13 @@ MAY_BE_ZERO = frozenset({"probation_epochs", "user_work_bits", "org_work_bits"})
 """Parameters for which 0 means something (no probation, no proof of work); every other one must be
 positive."""
 MAX_WORK_BITS = 40
+GENESIS_ONLY = frozenset({"epoch_blocks"})
+"""Set by the genesis alone: epochs are numbered from the first block by it, so a change would renumber
+them (epochs skipped, whose records are never made, or finalized twice, and the fault window with
+them). A new chain's genesis (`planetserve chain export`, edited) may set another."""
+EPOCH_WINDOWS = frozenset({"results_blocks", "vrf_window_blocks", "plan_window_blocks"})
+"""Changed only at an epoch's first block: inside an epoch, a wider VRF or plan window moves the block
+that sets up the next epoch to one already past, and the next epoch would have no record or plan."""
 
 
 @dataclass(frozen=True)

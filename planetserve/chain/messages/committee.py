@@ -13,7 +13,7 @@ from planetserve.chain.messages.base import Message, as_map
 from planetserve.registry import codec, fields
 from planetserve.registry.entities import MEMBER_ACTIONS, Member
 from planetserve.registry.errors import InvalidField
-from planetserve.registry.params import Params
+from planetserve.registry.params import GENESIS_ONLY, Params
 
 MAX_POWER = 1_000_000
 MEMBER_ROTATION_DOMAIN = "planetserve/member-rotation/v1"
@@ -81,6 +81,10 @@ class ProposeParams(Message):
         if not changes:
             raise InvalidField("changes", "must name at least one parameter")
         Params.check_values(changes)
+        for name in sorted(GENESIS_ONLY & changes.keys()):
+            raise InvalidField(name, "is set by the genesis alone: it numbers every epoch from the first "
+                                     "block, so a change would renumber them (a new chain's genesis may set "
+                                     "another)")
         return cls(fields.integer(body, "height", 1, MAX_HEIGHT), dict(sorted(changes.items())))
 
 

@@ -20,7 +20,9 @@ from planetserve.chain.messages.committee import (
 )
 from planetserve.registry import rules
 from planetserve.registry.entities import Member, MemberRotation, Proposal, UpgradePlan
+from planetserve.registry.epochs import Schedule
 from planetserve.registry.errors import AlreadyExists, Expired, InvalidField, UnknownEntity
+from planetserve.registry.params import EPOCH_WINDOWS
 
 
 def _admitted(ctx: Context, msg: ProposeMember) -> Member:
@@ -61,6 +63,13 @@ def propose_params(ctx: Context, msg: ProposeParams) -> None:
     ctx.require_member()
     _future(ctx, msg.height)
     ctx.params.changed(msg.changes)  # would hold today; checked again at its height
+    windows = sorted(EPOCH_WINDOWS & msg.changes.keys())
+    schedule = Schedule.from_params(ctx.params)  # epoch_blocks, which no vote changes
+    if windows and schedule.offset(msg.height) != 0:
+        following = schedule.start(schedule.epoch_of(msg.height) + 1)
+        raise InvalidField("height", f"must be an epoch's first block to change {', '.join(windows)} "
+                                     f"(inside an epoch the block that sets up the next could be skipped); "
+                                     f"the next epoch after it starts at {following}")
     _propose(ctx, "params", {"height": msg.height, "changes": msg.changes}, "propose_params",
              until=msg.height - 1)
 
