@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+from committee import EPOCH_PARAMS, Script
 from harness import CHAIN_ID, AppHarness, sqlite_url
 from tendermint.abci import types_pb2 as abci
 from tendermint.crypto import keys_pb2
@@ -18,6 +19,7 @@ from planetserve.chain.abci.app import Application
 from planetserve.chain.abci.state import State, members
 from planetserve.chain.abci.store import StateStore
 from planetserve.chain.keys import KeySet
+from planetserve.chain.messages import RotateNodeKey
 from planetserve.genesis.export import ExportError, export_genesis, registry_of
 from planetserve.registry.entities import Member
 from planetserve.registry.errors import InvalidField
@@ -100,3 +102,27 @@ def test_exports_that_are_not_whole_are_refused(tmp_path: Path) -> None:
         registry_of(not_export)
     with StateStore(sqlite_url(tmp_path, "empty.db")) as store, pytest.raises(ExportError, match="no committed"):
         export_genesis(store, {"chain_id": CHAIN_ID, "consensus_params": CONSENSUS})
+
+
+def test_an_export_with_a_node_rotation_pending_gives_no_registry_until_it_took_effect(tmp_path: Path) -> None:
+    """The rotation is due at a height of the exported chain: a new network would keep the node under its
+    old key and its new key reserved, so the registry is refused until the rotation has happened."""
+    s = Script(AppHarness(sqlite_url(tmp_path), members=4, params=EPOCH_PARAMS))
+    old = next(iter(s.nodes))
+    new = KeySet.generate()
+    [result] = s.h.block(s.tx(s.owner, "rotate-node-key",
+                              RotateNodeKey.signed(CHAIN_ID, "org1", s.nodes[old], new).body())).tx_results
+    assert result.code == 0, result.log
+    due = s.schedule.start(1)
+    path = tmp_path / "exported.json"
+    path.write_text(json.dumps(export_genesis(s.h.store, {"chain_id": CHAIN_ID, "consensus_params": CONSENSUS})))
+    with pytest.raises(ExportError) as refused:
+        registry_of(path)
+    assert str(refused.value) == (
+        f"{path} holds 1 node rotation(s) not yet in effect ({old.hex()[:16]}… → {new.public.hex()[:16]}…), due "
+        f"by height {due} of the exported chain: a new network would keep those nodes under their old keys; "
+        f"export again once the chain is past that height")
+    s.run_to(due + 1)  # block `due` moved the node
+    path.write_text(json.dumps(export_genesis(s.h.store, {"chain_id": CHAIN_ID, "consensus_params": CONSENSUS})))
+    nodes = [k for k, _ in registry_of(path) if k.startswith(layout.key("node", ""))]
+    assert layout.key("node", new.public.hex()) in nodes and layout.key("node", old.hex()) not in nodes

@@ -14,9 +14,15 @@ from typing import Any
 from planetserve.chain.abci.app import BLOCK_TIME_META
 from planetserve.chain.abci.state import GENESIS_APP_VERSION
 from planetserve.chain.abci.store import StateStore
-from planetserve.chain.layout import APP_VERSION_KEY, MEMBER_PREFIX, PARAMS_KEY, REGISTRY_PREFIXES
+from planetserve.chain.layout import (
+    APP_VERSION_KEY,
+    MEMBER_PREFIX,
+    NODE_ROTATION_PREFIX,
+    PARAMS_KEY,
+    REGISTRY_PREFIXES,
+)
 from planetserve.registry import codec
-from planetserve.registry.entities import Member
+from planetserve.registry.entities import Member, NodeRotation
 from planetserve.registry.errors import RegistryError
 from planetserve.registry.genesis import AppState, parse_exported
 from planetserve.registry.params import Params
@@ -61,10 +67,19 @@ def export_genesis(store: StateStore, genesis: dict[str, Any], chain_id: str | N
 
 
 def registry_of(path: Path) -> tuple[tuple[bytes, bytes], ...]:
-    """The registry's entries (`REGISTRY_PREFIXES`) of an exported genesis file."""
+    """The registry's entries (`REGISTRY_PREFIXES`) of an exported genesis file. An export with a node
+    rotation still pending is refused: the rotation is due at a height of the old chain, so the new one
+    would keep the node under its old key, its new key reserved (`rkey`) for ever."""
     try:
         doc = json.loads(path.read_text())
         exported = parse_exported(doc["app_state"]["exported"])
     except (OSError, ValueError, KeyError, TypeError, RegistryError) as exc:
         raise ExportError(f"{path} is not a genesis written by `planetserve chain export`: {exc}") from None
+    pending = [NodeRotation.decode(v) for k, v in exported if k.startswith(NODE_ROTATION_PREFIX)]
+    if pending:
+        due = max(r.height for r in pending)
+        nodes = ", ".join(f"{r.old.hex()[:16]}… → {r.new.hex()[:16]}…" for r in pending[:3])
+        raise ExportError(f"{path} holds {len(pending)} node rotation(s) not yet in effect ({nodes}), due by "
+                          f"height {due} of the exported chain: a new network would keep those nodes under "
+                          f"their old keys; export again once the chain is past that height")
     return tuple((k, v) for k, v in exported if k.startswith(REGISTRY_PREFIXES))
