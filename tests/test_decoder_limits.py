@@ -211,13 +211,14 @@ def test_a_valid_frame_round_trips() -> None:
 
 
 PROMPT = Prompt(b"r" * 16, b"n" * 32, "chat", b'{"messages": []}',
-                tuple((secrets.token_bytes(32), secrets.token_bytes(16), secrets.token_bytes(32)) for _ in range(4)), 3)
+                tuple((secrets.token_bytes(32), secrets.token_bytes(16), secrets.token_bytes(32)) for _ in range(4)), 3,
+                1_700_000_000)
 PART = Part(b"r" * 16, 2, 200, "text/event-stream", b"data: {}\n\n", True)
 
 
 @FAST
 @given(st.binary(max_size=64) | mutations(msgpack.packb(["prompt", PROMPT.request_id, PROMPT.node, "chat", b"{}",
-                                                            [list(r) for r in PROMPT.reply_to]])))
+                                                            [list(r) for r in PROMPT.reply_to], 3, PROMPT.sent])))
 def test_messages_raise_only_message_errors(raw: bytes) -> None:
     for data in (raw, pad(raw)):  # as recovered, and padded as a sender pads
         with contextlib.suppress(MessageError):

@@ -12,7 +12,7 @@ import pytest
 from nacl.signing import SigningKey
 
 from planetserve.node.overlay import messages, onion
-from planetserve.node.overlay.messages import MessageError, Part, Prompt, open_message
+from planetserve.node.overlay.messages import MessageError, Part, Prompt, open_message, sent_now
 from planetserve.node.overlay.routes import NotEnoughRelays, choose_routes
 
 
@@ -184,7 +184,7 @@ def test_paths_end_at_distinct_proxies_whenever_the_list_allows():
 def prompt(body: bytes = b'{"model": "gt"}', proxies: int = 4) -> Prompt:
     return Prompt(secrets.token_bytes(16), secrets.token_bytes(32), "chat", body,
                   tuple((secrets.token_bytes(32), secrets.token_bytes(16), secrets.token_bytes(32))
-                        for _ in range(proxies)), min(3, proxies))
+                        for _ in range(proxies)), min(3, proxies), sent_now())
 
 
 def test_messages_round_trip_padded_to_buckets():
@@ -205,17 +205,19 @@ def test_oversized_messages_are_refused_before_splitting():
 
 
 @pytest.mark.parametrize("fields, error", [
-    (["prompt", b"r" * 16, b"n" * 32, "embeddings", b"{}", [[b"p" * 32, b"i" * 16, b"k" * 32]], 1], "endpoint"),
-    (["prompt", b"r" * 16, b"n" * 32, "chat", "text", [[b"p" * 32, b"i" * 16, b"k" * 32]], 1], "body"),
-    (["prompt", b"r" * 16, b"n" * 32, "chat", b"{}", [], 1], "proxies"),
-    (["prompt", b"r" * 16, b"n" * 32, "chat", b"{}", [[b"p" * 31, b"i" * 16, b"k" * 32]], 1], "proxy key"),
-    (["prompt", b"r" * 15, b"n" * 32, "chat", b"{}", [[b"p" * 32, b"i" * 16, b"k" * 32]], 1], "request id"),
+    (["prompt", b"r" * 16, b"n" * 32, "embeddings", b"{}", [[b"p" * 32, b"i" * 16, b"k" * 32]], 1, 1_700_000_000], "endpoint"),
+    (["prompt", b"r" * 16, b"n" * 32, "chat", "text", [[b"p" * 32, b"i" * 16, b"k" * 32]], 1, 1_700_000_000], "body"),
+    (["prompt", b"r" * 16, b"n" * 32, "chat", b"{}", [], 1, 1_700_000_000], "proxies"),
+    (["prompt", b"r" * 16, b"n" * 32, "chat", b"{}", [[b"p" * 31, b"i" * 16, b"k" * 32]], 1, 1_700_000_000], "proxy key"),
+    (["prompt", b"r" * 15, b"n" * 32, "chat", b"{}", [[b"p" * 32, b"i" * 16, b"k" * 32]], 1, 1_700_000_000], "request id"),
     (["prompt", b"r" * 16, b"n" * 32, "chat", b"{}", [[b"p" * 32, b"i" * 16, b"k" * 32]] * 17, 1], "max_array_len"),
-    (["prompt", b"r" * 16, b"n" * 32, "chat", b"{}", [[b"p" * 32, b"i" * 16]], 1], "reply key"),
-    (["prompt", b"r" * 16, b"n" * 32, "chat", b"{}", [[b"p" * 32, b"i" * 16, b"k" * 31]], 1], "reply key"),
-    (["prompt", b"r" * 16, b"n" * 32, "chat", b"{}", [[b"p" * 32, b"i" * 16, b"k" * 32]], 2], "answer threshold"),
-    (["prompt", b"r" * 16, b"n" * 32, "chat", b"{}", [[b"p" * 32, b"i" * 16, b"k" * 32]], 0], "answer threshold"),
-    (["prompt", b"r" * 16, b"n" * 32, "chat", b"{}", [[b"p" * 32, b"i" * 16, b"k" * 32]]], "with 6 fields"),
+    (["prompt", b"r" * 16, b"n" * 32, "chat", b"{}", [[b"p" * 32, b"i" * 16]], 1, 1_700_000_000], "reply key"),
+    (["prompt", b"r" * 16, b"n" * 32, "chat", b"{}", [[b"p" * 32, b"i" * 16, b"k" * 31]], 1, 1_700_000_000], "reply key"),
+    (["prompt", b"r" * 16, b"n" * 32, "chat", b"{}", [[b"p" * 32, b"i" * 16, b"k" * 32]], 2, 1_700_000_000], "answer threshold"),
+    (["prompt", b"r" * 16, b"n" * 32, "chat", b"{}", [[b"p" * 32, b"i" * 16, b"k" * 32]], 0, 1_700_000_000], "answer threshold"),
+    (["prompt", b"r" * 16, b"n" * 32, "chat", b"{}", [[b"p" * 32, b"i" * 16, b"k" * 32]], 1], "with 7 fields"),
+    (["prompt", b"r" * 16, b"n" * 32, "chat", b"{}", [[b"p" * 32, b"i" * 16, b"k" * 32]], 1, -10], "sent time"),
+    (["prompt", b"r" * 16, b"n" * 32, "chat", b"{}", [[b"p" * 32, b"i" * 16, b"k" * 32]], 1, "now"], "sent time"),
     (["part", b"r" * 16, -1, 200, "a", b"", True], "sequence"),
     (["part", b"r" * 16, 0, 700, "a", b"", True], "status"),
     (["part", b"r" * 16, 0, 200, "a", "text", True], "data"),

@@ -24,7 +24,7 @@ from planetserve.node.api.openai import ApiError
 from planetserve.node.home import HomeError, UserConfig
 from planetserve.node.overlay import onion, sida
 from planetserve.node.overlay.directory import DirectoryView
-from planetserve.node.overlay.messages import Part, Prompt
+from planetserve.node.overlay.messages import Part, Prompt, sent_now
 from planetserve.node.user import MAX_ANSWER_BYTES, MAX_PARTS_AHEAD, Exchange, path_settings
 
 RELAYS = 12
@@ -392,7 +392,7 @@ def test_a_model_node_refuses_garbage_cloves_and_keeps_serving(quick_family):
             garbage = [b"", b"\x01" * 50, onion.seal_to(me, b"\x07" * 500),
                        onion.seal_to(proxy.keys.public, b"\x07" * 500)]  # sealed for someone else
             stray = sida.split(Prompt(b"r" * 16, b"n" * 32, "chat", b"{}",
-                                      ((b"p" * 32, b"i" * 16, b"k" * 32),), 1).seal())
+                                      ((b"p" * 32, b"i" * 16, b"k" * 32),), 1, sent_now()).seal())
             garbage += [onion.seal_to(me, sida.encode(c)) for c in stray]  # a prompt for another node
             for data in garbage:
                 await proxy._send(node.keys.public, "clove", data)

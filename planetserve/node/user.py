@@ -44,7 +44,7 @@ from planetserve.node.engine.wire import SSE_DONE, sse
 from planetserve.node.home import UserConfig
 from planetserve.node.overlay import onion, sida
 from planetserve.node.overlay.directory import Directory, DirectoryView, OnDemand
-from planetserve.node.overlay.messages import MAX_MESSAGE, MessageError, Part, Prompt, open_message
+from planetserve.node.overlay.messages import MAX_MESSAGE, MessageError, Part, Prompt, open_message, sent_now
 from planetserve.node.overlay.paths import Path, PathManager, PathSettings
 from planetserve.node.overlay.relay import Relay
 from planetserve.node.overlay.transport import Peering, TransportError
@@ -367,7 +367,8 @@ class UserRelay:
         threshold = min(k, len(chosen))
         replies = [(secrets.token_bytes(onion.ID_SIZE), secrets.token_bytes(onion.KEY_SIZE)) for _ in chosen]
         prompt = Prompt(request_id, node, endpoint, body,
-                        tuple((p.proxy, *reply) for p, reply in zip(chosen, replies, strict=True)), threshold)
+                        tuple((p.proxy, *reply) for p, reply in zip(chosen, replies, strict=True)), threshold,
+                        sent_now())
         cloves = sida.split_encoded(prompt.seal(), len(chosen), threshold)
         exchange = Exchange(request_id, node, chosen, threshold, dict(replies))
         self.exchanges[request_id] = exchange

@@ -17,7 +17,7 @@ from overlaynet import FAST, chat, directory, make_user, start_overlay
 from waiting import run, until
 
 from planetserve.node.overlay import onion, relay, sida
-from planetserve.node.overlay.messages import Prompt
+from planetserve.node.overlay.messages import Prompt, sent_now
 from planetserve.node.overlay.relay import MAX_HOPS_PER_PEER, MAX_SETUPS_PER_PEER, Relay
 from planetserve.node.user import UserRelay
 
@@ -128,7 +128,7 @@ def test_a_captured_setup_replayed_after_a_cache_flood_is_refused(monkeypatch):
             assert await honest.paths.build() is not None, honest.paths.last_error
             # past the window the cache forgets it, and the replay is refused as stale
             now = time.time()
-            victim.relay.clock = lambda: now + relay.SETUP_MAX_AGE + 5
+            victim.relay.seen.clock = lambda: now + relay.SETUP_MAX_AGE + 5
             victim.relay.forget_setups()
             assert len(victim.relay.seen) == 0
             await adversary._send(target, "setup", [secrets.token_bytes(onion.ID_SIZE), captured[1]])
@@ -152,7 +152,7 @@ def test_junk_cloves_from_one_proxy_do_not_evict_another_proxys_message(quick_fa
                                "max_tokens": 4}).encode()
             prompt = Prompt(secrets.token_bytes(16), key, "chat", body,
                             tuple((honest.keys.public, secrets.token_bytes(16), secrets.token_bytes(32))
-                                  for _ in range(4)), 3)
+                                  for _ in range(4)), 3, sent_now())
             cloves = [onion.seal_to(key, sida.encode(c)) for c in sida.split(prompt.seal())]
             before = dict(gateway.counters)
             for data in cloves[:2]:  # the honest proxy's message is pending: two of the k = 3 cloves

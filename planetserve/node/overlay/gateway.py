@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from planetserve.node.api.openai import Endpoint
@@ -19,6 +20,7 @@ from planetserve.node.api.surface import Reply
 from planetserve.node.overlay import onion, sida
 from planetserve.node.overlay.messages import MessageError, Part, Prompt, open_message
 from planetserve.node.overlay.relay import Send
+from planetserve.node.overlay.replay import ReplayWindow
 from planetserve.node.overlay.transport import TransportError
 from planetserve.node.tasks import stop_tasks
 
@@ -26,6 +28,14 @@ log = logging.getLogger(__name__)
 
 MAX_PART_BYTES = 60 << 10
 MAX_ANSWERS = 256
+PROMPT_MAX_AGE = 120.0
+PROMPT_MAX_AHEAD = 30.0
+PROMPT_MEMORY = 65_536
+"""A prompt is answered only from PROMPT_MAX_AGE before to PROMPT_MAX_AHEAD after this node's clock
+(its `sent` is the user's, rounded down to `messages.SENT_STEP`), and once: its request id is remembered
+until it leaves that window. The reassembler alone forgets a finished message after 30 s, so a proxy
+that kept a prompt's cloves could have the node compute its answer again and again. Past
+PROMPT_MEMORY ids within the window, prompts are refused (busy) rather than any id forgotten."""
 PART_LINGER_SECONDS = 0.02
 """The least time between two parts of one answer: tokens faster than this travel a few to a part, which
 halves the relays' CPU per streamed token (docs/benchmarks.md, "The overlay's cost per token")."""
@@ -74,15 +84,18 @@ async def batched(parts: AsyncIterator[bytes], limit: int = MAX_PART_BYTES,
 
 
 class Gateway:
-    def __init__(self, me: bytes, secret: bytes, respond: Respond, send: Send) -> None:
+    def __init__(self, me: bytes, secret: bytes, respond: Respond, send: Send,
+                 clock: Callable[[], float] = time.time) -> None:
         self.me = me
         self.secret = secret
         self.respond = respond
         self.send = send
         self.reassembler = sida.Reassembler()
+        self.answered = ReplayWindow(PROMPT_MAX_AGE, PROMPT_MAX_AHEAD, PROMPT_MEMORY, clock=clock)
+        """The request ids of the prompts taken for an answer, while within their window."""
         self.tasks: set[asyncio.Task] = set()
         self.counters = {"cloves": 0, "bad_cloves": 0, "bad_messages": 0, "prompts": 0, "parts_sent": 0,
-                         "busy": 0, "failed": 0}
+                         "busy": 0, "failed": 0, "replays": 0, "stale": 0}
 
     async def on_clove(self, data: bytes, peer: bytes | None = None) -> None:
         """A clove from `peer` (the proxy that delivered it; the reassembler's bounds are per peer)."""
@@ -103,13 +116,31 @@ class Gateway:
             self.counters["bad_messages"] += 1
             log.info("overlay message refused: %s", exc)
             return
-        if len(self.tasks) >= MAX_ANSWERS:
+        if not self._first_time(prompt):
+            return
+        if len(self.tasks) >= MAX_ANSWERS or self.answered.full():
             self.counters["busy"] += 1
             return
+        self.answered.remember(prompt.request_id, prompt.sent)
         self.counters["prompts"] += 1
         task = asyncio.create_task(self._answer(prompt))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
+
+    def _first_time(self, prompt: Prompt) -> bool:
+        """Whether the prompt is within its window and not answered before (else counted as stale or a
+        replay)."""
+        now = self.answered.now()
+        self.answered.forget(now)
+        if prompt.request_id in self.answered:
+            self.counters["replays"] += 1
+            log.info("replayed prompt refused")
+            return False
+        if not self.answered.in_window(prompt.sent, now):
+            self.counters["stale"] += 1
+            log.info("prompt sent %.0f s from this node's clock refused", prompt.sent - now)
+            return False
+        return True
 
     async def _answer(self, prompt: Prompt) -> None:
         try:

@@ -9,6 +9,8 @@ Decoding is strict (field types and sizes), because a model node decodes what an
 from __future__ import annotations
 
 import struct
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,8 +27,12 @@ _LENGTH = struct.Struct(">I")
 KEY_SIZE = 32
 ID_SIZE = 16
 MESSAGE_LIMITS = Limits(max_objects=128, max_depth=3, max_len=MAX_PROXIES, max_str=512, max_bin=MAX_MESSAGE)
-"""A prompt is [kind, id, node, endpoint, body, [[proxy, reply id, reply key] × ≤16]] (72 values, depth
-3), a part seven scalars: anything past these limits is refused before it is built."""
+"""A prompt is [kind, id, node, endpoint, body, [[proxy, reply id, reply key] × ≤16], k, sent] (74 values,
+depth 3), a part seven scalars: anything past these limits is refused before it is built."""
+SENT_STEP = 10
+"""A prompt's `sent` is its user's clock rounded down to this many seconds: enough for a node to refuse a
+prompt replayed after its window, too coarse to tell users apart by their clocks' offsets."""
+MAX_SENT = 2**40
 
 
 class MessageError(Exception):
@@ -75,10 +81,13 @@ class Prompt:
     k: int
     """How many of the answer's cloves recover each part: the user's own threshold, so the answer is
     split as the prompt was (1 <= k <= len(reply_to))."""
+    sent: int
+    """When the user sent it (Unix seconds, a multiple of `SENT_STEP`): a node answers a prompt once,
+    and only within a window of this time (`gateway.py`)."""
 
     def seal(self) -> bytes:
         return pad(msgpack.packb(["prompt", self.request_id, self.node, self.endpoint, self.body,
-                                  [list(r) for r in self.reply_to], self.k], use_bin_type=True))
+                                  [list(r) for r in self.reply_to], self.k, self.sent], use_bin_type=True))
 
 
 @dataclass(frozen=True)
@@ -106,7 +115,7 @@ def open_message(data: bytes) -> Prompt | Part:
     if not isinstance(fields, list) or not fields:
         raise MessageError("message is not a list")
     kind = fields[0]
-    if kind == "prompt" and len(fields) == 7:
+    if kind == "prompt" and len(fields) == 8:
         return _prompt(fields)
     if kind == "part" and len(fields) == 7:
         return _part(fields)
@@ -114,7 +123,7 @@ def open_message(data: bytes) -> Prompt | Part:
 
 
 def _prompt(fields: list) -> Prompt:
-    _, request_id, node, endpoint, body, reply_to, k = fields
+    _, request_id, node, endpoint, body, reply_to, k, sent = fields
     if endpoint not in ENDPOINTS:
         raise MessageError(f"unknown endpoint {endpoint!r}")
     if type(body) is not bytes:
@@ -129,8 +138,10 @@ def _prompt(fields: list) -> Prompt:
                         _bytes(entry[2], KEY_SIZE, "reply key")))
     if type(k) is not int or not 1 <= k <= len(proxies):
         raise MessageError(f"a prompt's answer threshold must lie in 1..{len(proxies)} (its proxies)")
+    if type(sent) is not int or not 0 <= sent < MAX_SENT:
+        raise MessageError("a prompt's sent time must be Unix seconds")
     return Prompt(_bytes(request_id, ID_SIZE, "request id"), _bytes(node, KEY_SIZE, "node key"), endpoint,
-                  body, tuple(proxies), k)
+                  body, tuple(proxies), k, sent)
 
 
 def _part(fields: list) -> Part:
@@ -142,3 +153,8 @@ def _part(fields: list) -> Part:
     if type(data) is not bytes or type(last) is not bool:
         raise MessageError("part data or end flag is malformed")
     return Part(_bytes(request_id, ID_SIZE, "request id"), seq, status, content_type, data, last)
+
+
+def sent_now(clock: Callable[[], float] = time.time) -> int:
+    """A prompt's `sent` for now: the clock rounded down to `SENT_STEP` seconds."""
+    return int(clock()) // SENT_STEP * SENT_STEP

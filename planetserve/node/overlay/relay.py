@@ -51,7 +51,6 @@ other relays at once):
 
 from __future__ import annotations
 
-import heapq
 import logging
 import time
 from collections import OrderedDict
@@ -60,6 +59,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from planetserve.node.overlay import onion
+from planetserve.node.overlay.replay import ReplayWindow
 from planetserve.node.overlay.transport import TransportError
 
 log = logging.getLogger(__name__)
@@ -143,12 +143,9 @@ class Relay:
         self.owner = owner
         self.max_hops = max_hops
         self.max_hops_per_peer = max_hops_per_peer
-        self.replay_memory = REPLAY_MEMORY if replay_memory is None else replay_memory
         self.max_setups_per_peer = max_setups_per_peer
         self.max_replies = max_replies
         self.max_replies_per_peer = max_replies_per_peer
-        self.clock = clock
-        """Wall clock (setups carry the user's time); read through `now`, which never goes back."""
         self.forward: dict[tuple[bytes, bytes], Hop] = {}
         self.backward: dict[tuple[bytes, bytes], Hop] = {}
         self.replies: dict[bytes, Hop] = {}
@@ -157,12 +154,10 @@ class Relay:
         """Reply ids per previous-hop peer of their paths."""
         self.by_peer: dict[bytes, dict[tuple[bytes, bytes], Hop]] = {}
         """Paths by predecessor: what each peer holds in the table."""
-        self.seen: dict[bytes, bytes] = {}
-        """Replay cache: ephemeral key -> the peer that sent the setup, while it is within the window."""
-        self.seen_by_peer: dict[bytes, int] = {}
-        self._seen_order: list[tuple[int, bytes]] = []
-        """(issued, ephemeral key), a heap: what leaves the window first."""
-        self._latest = 0.0
+        self.seen = ReplayWindow(SETUP_MAX_AGE, SETUP_MAX_AHEAD,
+                                 REPLAY_MEMORY if replay_memory is None else replay_memory,
+                                 max_setups_per_peer, clock)
+        """Replay cache: setups' ephemeral keys, by the peer that sent them, while within the window."""
         self._swept = float("-inf")
         self.counters = {"setups": 0, "proxied": 0, "forwarded": 0, "returned": 0, "to_nodes": 0,
                          "refused": 0, "unknown_path": 0, "send_failures": 0, "refused_full": 0,
@@ -212,9 +207,7 @@ class Relay:
     # -- setup ---------------------------------------------------------------------------------------
 
     def now(self) -> float:
-        """The wall clock, never going back (a clock set back must not let a forgotten setup in)."""
-        self._latest = max(self._latest, self.clock())
-        return self._latest
+        return self.seen.now()
 
     async def _refuse(self, peer: bytes, in_id: bytes, reason: str, counter: str) -> None:
         await self._pass_on(peer, "down", [in_id])
@@ -244,16 +237,16 @@ class Relay:
             if len(self.forward) >= self.max_hops:
                 await self._refuse(peer, in_id, "relay is carrying its maximum number of paths",
                                    "refused_full")
-        if self.seen_by_peer.get(peer, 0) >= self.max_setups_per_peer:
+        if self.seen.held_by(peer) >= self.max_setups_per_peer:
             await self._refuse(peer, in_id, f"peer sent {self.max_setups_per_peer} setups within the window",
                                "refused_setup_rate")
-        if len(self.seen) >= self.replay_memory:
+        if self.seen.full():
             await self._refuse(peer, in_id, "replay cache is full", "refused_full")
         layer, inner = onion.peel(self.secret, packet)
-        if not now - SETUP_MAX_AGE <= layer.issued <= now + SETUP_MAX_AHEAD:
+        if not self.seen.in_window(layer.issued, now):
             await self._refuse(peer, in_id,
                                f"setup issued {now - layer.issued:.0f} s ago, outside the window", "stale")
-        self._remember(ephemeral, layer.issued, peer)
+        self.seen.remember(ephemeral, layer.issued, peer)
         self.counters["setups"] += 1
         if layer.is_proxy:
             hop = Hop(peer, in_id, None, None, layer.path_key)
@@ -269,26 +262,10 @@ class Relay:
             self._drop(hop)
             await self._pass_on(peer, "down", [in_id])
 
-    def _remember(self, ephemeral: bytes, issued: int, peer: bytes) -> None:
-        self.seen[ephemeral] = peer
-        self.seen_by_peer[peer] = self.seen_by_peer.get(peer, 0) + 1
-        heapq.heappush(self._seen_order, (issued, ephemeral))
-
     def forget_setups(self, now: float | None = None) -> int:
         """Forget the ephemeral keys of setups that left the window: a replay of one is refused as
         stale, so nothing but the window ever removes an entry."""
-        cutoff = (self.now() if now is None else now) - SETUP_MAX_AGE
-        forgotten = 0
-        while self._seen_order and self._seen_order[0][0] < cutoff:
-            _, ephemeral = heapq.heappop(self._seen_order)
-            peer = self.seen.pop(ephemeral)
-            left = self.seen_by_peer[peer] - 1
-            if left:
-                self.seen_by_peer[peer] = left
-            else:
-                del self.seen_by_peer[peer]
-            forgotten += 1
-        return forgotten
+        return self.seen.forget(self.now() if now is None else now)
 
     def _store(self, hop: Hop) -> None:
         self.forward[(hop.pred, hop.in_id)] = hop
