@@ -3,13 +3,14 @@ finalization, and each of the leader's attacks of seed section 4.4, with a scrip
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import replace
 
 import pytest
 from committee import EPOCH_PARAMS, HONEST, RULE, TEMPERATURE, Script, expected, finish, honest_epoch, listed
 from harness import AppHarness, sqlite_url
 
-from planetserve.chain import vrf
+from planetserve.chain import layout, vrf
 from planetserve.chain.abci.state import members
 from planetserve.chain.challenge import Challenge, SealedPromptError, open_plan_entry
 from planetserve.chain.errors import Code
@@ -74,6 +75,26 @@ def test_plain_words_of_the_seed_formula(s):
     s.run_election_and_plan(1)
     honest_epoch(s, 1, dict.fromkeys(s.nodes, 1_000_000))
     assert [s.reputation(n) for n in s.nodes] == [800_000, 800_000]
+
+
+@pytest.mark.faults
+def test_a_leader_proposing_a_credibility_far_from_the_median_is_faulty_and_outvoted(s):
+    """The leader proposes a perfect score for a node the members score at 0.3: its proposal decides
+    nothing (the median of the attestations does) and, beyond the tolerance, is its fault; a proposal
+    within the tolerance is not."""
+    s.run_election_and_plan(1)
+    leader = s.leader(1)
+    node0, node1 = list(s.nodes)
+    tolerance = s.state.params().credibility_tolerance_ppm
+    proposed = {node0: HONEST, node1: 300_000 + tolerance}
+    assert s.block(s.tx(leader, "submit-results", s.leader_results(1, proposed))) == [(0, "ok")]
+    assert all(c == 0 for c, _ in s.block(*s.attest_txs(1, leader.public, dict.fromkeys(s.nodes, 300_000))))
+    finish(s, 1)
+    assert s.faults(leader.public) == ["deviating-credibility"]
+    [fault] = layout.decode_records(list(s.h.store.batch().iterate(layout.fault_prefix(leader.public))),
+                                    epochs.Fault)
+    assert (fault.node, fault.detail) == (node0, "proposed 1000000 ppm against the median 300000")
+    assert [s.reputation(n) for n in (node0, node1)] == [expected(300_000)] * 2
 
 
 @pytest.mark.faults
@@ -369,6 +390,27 @@ def test_dishonest_node_leaves_the_list_and_honest_node_stays(s):
         number += 1
     assert listed(s) == [node0, node1]
     assert number - 4 == 3
+
+
+def test_above_max_plan_nodes_the_seed_picks_the_nodes_and_the_leader_cannot(tmp_path):
+    """Five nodes, a cap of two: the plan must cover the two whose sha256(seed || key) is lowest, so a
+    leader that plans another (one it colludes with, or one it wants left unchecked) is refused."""
+    s = Script(AppHarness(sqlite_url(tmp_path), members=4, params=replace(EPOCH_PARAMS, max_plan_nodes=2)),
+               nodes=5)
+    s.run_to(s.schedule.setup_height(0))
+    s.h.block()  # the record of epoch 1, with its seed
+    seed = s.epoch(1).seed
+    chosen = sorted(sorted(s.nodes, key=lambda k: hashlib.sha256(seed + k).digest())[:2])
+    planner = s.leader(0)
+    others = [n for n in s.nodes if n not in chosen]
+    refused = s.block(*(s.tx(planner, "commit-plan", s.plan(1, [other, chosen[0]])[0]) for other in others),
+                      s.tx(planner, "commit-plan", s.plan(1, chosen[:1])[0]))  # the plan window has 2 blocks left
+    assert refused[:-1] == [(Code.INVALID_FIELD, f"invalid field: field 'node': {other.hex()} is not among the "
+                                                 f"nodes this plan must cover") for other in others]
+    assert refused[-1][0] == Code.INVALID_FIELD and "the plan omits 1 node(s) it must cover" in refused[-1][1]
+    body, _ = s.plan(1, chosen)
+    assert s.block(s.tx(planner, "commit-plan", body)) == [(0, "ok")]
+    assert s.epoch(1).plan_status == epochs.PLAN_COMMITTED and s.planned_nodes(1) == chosen
 
 
 def test_without_vrf_the_fallback_leader_is_deterministic(s):
