@@ -24,6 +24,7 @@ from planetserve.config import HomeError
 from planetserve.genesis.network import free_ports
 from planetserve.registry import codec
 from planetserve.registry.entities import ModelNode
+from planetserve.registry.epochs import Schedule
 from planetserve.verifier import daemon as daemon_module
 from planetserve.verifier.config import CONFIG_FILE, STATUS_FILE, SUBMISSIONS_FILE, JsonLines, VerifierConfig
 from planetserve.verifier.daemon import Daemon, Journal, _parts
@@ -105,6 +106,25 @@ def test_plan_parts_stay_under_the_limit_and_end_in_a_final_part():
 
 
 # -- reading a relay's answers ------------------------------------------------------------------
+
+
+def test_sampled_rechallenges_come_inside_the_results_window_and_after_it(tmp_path):
+    """A member's sampled re-challenges start at offsets its secret spreads from the leader's start (5) to
+    halfway between the results window's end (16) and the closing windows (26): most inside the window,
+    where the leader's challenges come, the rest after it; the same member draws the same after a
+    restart, another member its own."""
+    schedule = Schedule(epoch_blocks=40, results_blocks=16, vrf_window_blocks=10, plan_window_blocks=14)
+    keys = KeySet.generate()
+    channel = OverlayChannel("http://127.0.0.1:9")
+    member, restarted = (Daemon(keys, None, {}, channel, None, tmp_path / name) for name in ("a", "b"))
+    other = Daemon(KeySet.generate(), None, {}, channel, None, tmp_path / "c")
+    nodes = [KeySet.generate().public for _ in range(400)]
+    offsets = [member._sample_offset(3, node, schedule) for node in nodes]
+    assert (min(offsets), max(offsets)) == (5, 21)
+    assert 0.5 < sum(o < schedule.results_blocks for o in offsets) / len(offsets) < 0.8  # 11 of 17 offsets
+    assert offsets == [restarted._sample_offset(3, node, schedule) for node in nodes]
+    assert offsets != [other._sample_offset(3, node, schedule) for node in nodes]
+    assert offsets != [member._sample_offset(4, node, schedule) for node in nodes]
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -200,6 +200,12 @@ def test_the_committee_verifies_model_nodes_epoch_after_epoch(tmp_path, quick_fa
         # a leader sends the answers that came back while it waited for a block in one transaction
         # (one each took its results past their window): in some epoch, fewer blocks than answers
         assert any(len(set(heights)) < len(heights) for heights in batches.values()), batches
+        # members' sampled re-challenges come inside the results window as well as after it, so a node
+        # cannot tell them from the leader's challenges by when they come
+        committed = [s for d in daemons for s in d.submissions()
+                     if s["type"] == "commit-rechallenge" and s["code"] == 0 and first <= s["epoch"] <= last]
+        assert any(SCHEDULE.offset(s["height"]) < PARAMS.results_blocks for s in committed), committed
+        assert any(SCHEDULE.offset(s["height"]) >= PARAMS.results_blocks for s in committed), committed
         # the faults from the second scored epoch on: only the killed leader's, for results it could not
         # submit in time (members then re-challenged those nodes), and an unconfirmed report of any leader
         # whose challenge had not come back `GIVE_UP_BLOCKS` before its window closed, as on two loaded

@@ -195,8 +195,8 @@ class Daemon:
             if planned and leading and settled and not overdue:
                 self._lead(number)
             self._attest(number)
-            if planned and not schedule.in_results(upcoming):
-                self._rechallenge(number, current.leader)
+            if planned:
+                self._rechallenge(number, current.leader, schedule, upcoming)
 
     def _forget_before(self, number: int) -> None:
         """Past epochs' scores and refusals are of no more use (their transactions would be refused)."""
@@ -410,18 +410,22 @@ class Daemon:
                 entry = replace(entry, credibility=self.scores[number, asked.node, self.me][0])
         return entry
 
-    def _rechallenge(self, number: int, leader: bytes) -> None:
+    def _rechallenge(self, number: int, leader: bytes, schedule: Schedule, upcoming: int) -> None:
         """Challenge, with a prompt of our own, each planned node the leader left without a valid result
-        of the node's own (none, or one a peer computed, which shows the peer's model, not the node's),
-        and a secret share of the others (`_sampled`)."""
+        of the node's own (none, or one a peer computed, which shows the peer's model, not the node's)
+        once the results window has closed, and a secret share of the nodes whatever the leader's result,
+        each from its secret offset into the epoch (`_sampled`, `_sample_offset`)."""
         results = self.ledger.results(number)
         answered = {r.node for r in results
                     if r.submitter == leader and r.status == VALID and not r.served_by}
         mine = {r.node for r in results if r.submitter == self.me}
+        after_results = not schedule.in_results(upcoming)
         for entry in self.ledger.plan(number)[1]:
             key = (entry.node, "rechallenge")
-            if ((entry.node in answered and not self._sampled(number, entry.node)) or entry.node in mine
-                    or self.me == leader
+            needed = after_results and entry.node not in answered
+            sampled = (self._sampled(number, entry.node)
+                       and schedule.offset(upcoming) >= self._sample_offset(number, entry.node, schedule))
+            if (not (needed or sampled) or entry.node in mine or self.me == leader
                     or (number, *key) in self.pending or not self._due(number, key)):
                 continue
             node = self._verifiable(entry.node)
@@ -438,6 +442,20 @@ class Daemon:
                 if not self._submit(commit, number, [(entry.node, "rechallenge")]):
                     continue
             self._ask((number, entry.node, "rechallenge"), challenge, node)
+
+    def _sample_offset(self, number: int, node: bytes, schedule: Schedule) -> int:
+        """The offset into epoch `number` from which this member sends its sampled re-challenge of `node`:
+        keyed by this member's secret, spread from when the leader starts (`SETTLE_BLOCKS`) to halfway
+        between the results window's end and the epoch's closing windows. So a node cannot tell a
+        sampled re-challenge from the leader's challenge by when it comes: one told its challenge by a
+        colluding leader, honest on it and cheating on the rest, meets re-challenges inside the results
+        window and after it alike."""
+        low = min(SETTLE_BLOCKS, schedule.results_blocks // 2)
+        closing = schedule.epoch_blocks - max(schedule.vrf_window_blocks, schedule.plan_window_blocks)
+        high = max(low, schedule.results_blocks + (closing - schedule.results_blocks) // 2)
+        digest = hashlib.blake2b(b"when" + number.to_bytes(8, "big") + node, key=bytes(self.keys.x25519),
+                                 digest_size=8).digest()
+        return low + int.from_bytes(digest, "big") % (high - low + 1)
 
     def _sampled(self, number: int, node: bytes) -> bool:
         """Whether this member challenges `node` again in epoch `number` although the leader got its
