@@ -176,6 +176,38 @@ def test_a_rotated_member_keeps_its_votes_faults_and_plan_and_its_old_keys_are_r
     assert all(a == b for a, b in s.h.replay(sqlite_url(tmp_path, "replay.db")))
 
 
+def test_a_members_misses_count_under_its_old_consensus_key_until_cometbft_switches(s):
+    """CometBFT applies the new consensus key two blocks after the rotation's block H, so the commits that
+    blocks H to H + 2 report are the old key's: the member's validator, absent from them, misses under
+    its old key, and from H + 3 under its new one; every one counts for the member."""
+    s.run_election_and_plan(1)
+    operator = sorted(s.members)[1]
+    index = [m.public for m in s.h.members].index(operator)
+    old_consensus, new_consensus = s.h.consensus[index], KeySet.generate()
+    rotation = RotateMemberKey.signed(CHAIN_ID, operator, None, new_consensus.identity).body()
+    assert s.block(s.tx(s.members[operator], "rotate-member-key", rotation)) == [(0, "ok")]
+    honest_epoch(s, 1, dict.fromkeys(s.nodes, HONEST))
+    due = s.schedule.start(2)
+    assert s.h.height == due - 1
+    s.h.absent = {old_consensus.public}
+    rotated = s.h.block()
+    assert sorted((u.pub_key.ed25519, u.power) for u in rotated.validator_updates) == sorted(
+        [(old_consensus.public, 0), (new_consensus.public, 10)])
+    s.h.block()
+    s.h.block()  # H + 2: the last block whose commit information carries the old key
+    assert s.state.missed(2, operator) == 3
+    assert s.state.retired_consensus() == [(old_consensus.public, operator, due + 2)]
+    s.h.consensus[index] = new_consensus  # the validator set CometBFT reports from H + 3
+    s.h.absent = {new_consensus.public}
+    s.h.block()
+    assert s.state.missed(2, operator) == 4 and s.state.retired_consensus() == []
+    s.h.absent = {old_consensus.public}  # a key no longer in the set counts for nobody
+    s.h.consensus[index] = old_consensus
+    s.h.block()
+    assert s.state.missed(2, operator) == 4
+    assert all(s.state.missed(2, m) == 0 for m in s.members if m != operator)
+
+
 def test_every_forged_or_conflicting_member_rotation_is_refused(s):
     first, second = list(s.members.values())[:2]
     fresh = KeySet.generate()

@@ -40,6 +40,9 @@ Key rotations (due at the first block of an epoch, chain/abci/rotations.py):
     rkey/<key hex>                          NodeRotation    (a key no registration may take: a pending
                                                              rotation's new key, or a retired one)
     mrot/<height:012d>/<operator hex>       MemberRotation  (a member's, due at the start of that block)
+    rcon/<consensus key hex>                [operator, last height] (a member's consensus key rotated
+                                                             away, still the one in the commits CometBFT
+                                                             reports up to that height)
 
 Contribution credits and deployments:
     price/<hardware>                        credits per server-hour (int)
@@ -301,6 +304,13 @@ def member_rotation_prefix(height: int) -> bytes:
 
 def member_rotation_key(height: int, operator: bytes) -> bytes:
     return member_rotation_prefix(height) + operator.hex().encode()
+
+
+RETIRED_CONSENSUS_PREFIX = key("rcon", "")
+
+
+def retired_consensus_key(consensus_key: bytes) -> bytes:
+    return RETIRED_CONSENSUS_PREFIX + consensus_key.hex().encode()
 
 
 NEXT_PROPOSAL_KEY = key("next", "proposal")

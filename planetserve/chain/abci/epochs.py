@@ -64,15 +64,24 @@ def validator_address(consensus_key: bytes) -> bytes:
 
 def record_commit(batch: Batch, params: Params, height: int, absent: Iterable[bytes]) -> None:
     """Count, for the epoch of `height`, each member whose validator (by address) the block's commit
-    information reports absent from the previous block's commit."""
+    information reports absent from the previous block's commit: under its consensus key, or under one it
+    rotated away that the reported commits still carry (`rotations.UPDATE_DELAY_BLOCKS`)."""
+    st = State(batch)
+    retired = st.retired_consensus()
+    for consensus_key, _, until in retired:
+        if height > until:
+            st.delete_retired_consensus(consensus_key)
     missing = set(absent)
     if not missing:
         return
-    st = State(batch)
+    committee = members(batch)
+    operators = {validator_address(m.consensus_key): operator for operator, m in committee.items()}
+    operators.update((validator_address(key), operator) for key, operator, until in retired
+                     if height <= until and operator in committee)
     number = Schedule.from_params(params).epoch_of(height)
-    for operator, member in members(batch).items():
-        if validator_address(member.consensus_key) in missing:
-            st.add_missed(number, operator)
+    for address in sorted(missing):
+        if address in operators:
+            st.add_missed(number, operators[address])
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@ and the one that starts with it runs under the new.
 A model node's record, list entry, reputation, place in its organisation's record, deployment and the
 challenge planned for it this epoch (committed under the old key at the end of the last) move to the
 new key; the old key stays retired. A member's record moves to its new keys, its validator's power to
-the new consensus key (CometBFT applies that two blocks on), and its faults, votes, leadership and
+the new consensus key (CometBFT applies that two blocks on, and until then the member's misses are counted
+under the old one), and its faults, votes, leadership and
 boxes in this epoch's plan to its new operator key. A rotation whose subject is gone, or whose new key
 another took meanwhile, is void."""
 
@@ -19,6 +20,10 @@ from planetserve.registry import rules
 from planetserve.registry.entities import Member, MemberRotation, NodeRotation, Proposal
 from planetserve.registry.epochs import PlanEntry, Schedule
 from planetserve.registry.params import Params
+
+UPDATE_DELAY_BLOCKS = 2
+"""CometBFT applies a validator update returned at height H from height H + 2, so the commits reported in
+blocks H to H + 2 are still signed under the consensus key a member rotated away at H."""
 
 
 @dataclass
@@ -91,6 +96,7 @@ def _move_member(st: State, batch: IterableKV, epoch: int, rotation: MemberRotat
     if moved.consensus_key != member.consensus_key:
         updates[member.consensus_key] = 0
         updates[moved.consensus_key] = member.power
+        st.put_retired_consensus(member.consensus_key, moved.operator, rotation.height + UPDATE_DELAY_BLOCKS)
     if moved.operator != member.operator:
         st.delete_member(member.operator)
         _follow_operator(st, batch, epoch, member.operator, moved.operator)

@@ -443,6 +443,20 @@ class State:
     def delete_member_rotation(self, rotation: MemberRotation) -> None:
         self.kv.delete(member_rotation_key(rotation.height, rotation.operator))
 
+    def put_retired_consensus(self, consensus_key: bytes, operator: bytes, until: int) -> None:
+        """A member's consensus key rotated away, which the commits CometBFT reports name up to height
+        `until`: the member's misses under it still count."""
+        self.kv.set(layout.retired_consensus_key(consensus_key), codec.pack([operator, until]))
+
+    def retired_consensus(self) -> list[tuple[bytes, bytes, int]]:
+        """(consensus key, operator, last height) of each retired consensus key still kept, in key order."""
+        prefix = layout.RETIRED_CONSENSUS_PREFIX
+        return [(bytes.fromhex(k[len(prefix):].decode()), *codec.unpack_stored(v))
+                for k, v in self.kv.iterate(prefix)]
+
+    def delete_retired_consensus(self, consensus_key: bytes) -> None:
+        self.kv.delete(layout.retired_consensus_key(consensus_key))
+
     def next_deployment_id(self) -> int:
         value = self.get_int(NEXT_DEPLOYMENT_KEY) + 1
         self.put_int(NEXT_DEPLOYMENT_KEY, value)
