@@ -6,6 +6,7 @@ prompts, and bad input from clients and peers."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from dataclasses import replace
 
@@ -92,8 +93,6 @@ def test_answers_are_signed_by_the_entry_node(quick_family):
 
 def test_streamed_answer_carries_the_signature_on_its_last_chunk(quick_family):
     async def main():
-        import httpx
-
         nodes = [make_node(quick_family)]
         await start(nodes)
         try:
@@ -305,8 +304,6 @@ class ForgingNode(ModelNode):
 @pytest.mark.faults
 def test_a_peer_answer_that_does_not_check_fails_and_is_never_signed(quick_family):
     async def main():
-        import httpx
-
         forger = make_node(quick_family, ForgingNode)
         entry = make_node(quick_family)
         await start([forger, entry])
@@ -400,6 +397,37 @@ def test_a_peer_failing_mid_answer_is_replaced_here_when_nothing_was_sent(quick_
     run(main())
 
 
+@pytest.mark.faults
+def test_a_peer_failing_after_tokens_reached_the_client_ends_the_stream_with_an_error(quick_family):
+    """A streamed answer passes the peer's tokens on as they come, so once some reached the client the
+    entry cannot start over: the stream ends with an OpenAI-shaped error event naming the failure and
+    no signature, and the entry goes on serving."""
+    async def main():
+        dying = make_node(quick_family, DyingNode)
+        entry = make_node(quick_family)
+        await start([dying, entry])
+        try:
+            await seed_shared_prefix(dying, entry)
+            async with httpx.AsyncClient(timeout=60) as client, client.stream(
+                    "POST", f"{entry.http_url}/v1/completions",
+                    json={"model": "gt", "prompt": SHARED + "What is a set?", "max_tokens": 12,
+                          "temperature": 0, "stream": True, "ignore_eos": True}) as response:
+                assert response.status_code == 200
+                lines = [line async for line in response.aiter_lines() if line.startswith("data: ")]
+            events = [json.loads(line[6:]) for line in lines if line != "data: [DONE]"]
+            texts = [e["choices"][0]["text"] for e in events if e.get("choices")]
+            assert texts and "".join(texts)  # tokens reached the client before the peer failed
+            assert "the peer failed mid-answer" in events[-1]["error"]["message"], events[-1]
+            assert lines[-1] == "data: [DONE]" and "planetserve" not in "".join(lines)
+            assert dying.counters["received_forwards"] == 1
+            after = await complete(entry, "What is a tuple?")
+            assert after.status_code == 200 and signed(after.json()).node == entry.keys.public
+        finally:
+            await stop([dying, entry])
+
+    run(main())
+
+
 class BabblingNode(ModelNode):
     """A peer that answers a forwarded job with more tokens than it asked for, without end."""
 
@@ -444,8 +472,6 @@ def test_a_peer_that_babbles_or_stalls_is_cut_off_and_the_job_served_here(quick_
 
 def test_a_node_that_alters_prompts_signs_for_the_original(quick_family):
     async def main():
-        import httpx
-
         honest = make_node(quick_family)
         cheat = make_node(quick_family, behaviour="alter-prompts")
         await start([honest, cheat])
