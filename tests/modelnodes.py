@@ -55,6 +55,16 @@ async def complete(node: ModelNode, prompt: str, max_tokens: int = 8, **extra: o
                                        "temperature": 0, **extra})
 
 
+async def streamed(node: ModelNode, prompt: str, max_tokens: int = 8, **extra: object) -> list[str]:
+    """The data of every server-sent event of a streamed completion, in order (the last is "[DONE]")."""
+    async with httpx.AsyncClient(timeout=60) as client, client.stream(
+            "POST", f"{node.http_url}/v1/completions",
+            json={"model": "gt", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                  **extra}) as response:
+        assert response.status_code == 200, await response.aread()
+        return [line[6:] async for line in response.aiter_lines() if line.startswith("data: ")]
+
+
 def signed(answer: dict) -> SignedResponse:
     """The answer's signed response, checked: a valid signature over exactly the returned text."""
     text = answer["choices"][0].get("text", answer["choices"][0].get("message", {}).get("content"))

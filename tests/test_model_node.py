@@ -13,7 +13,7 @@ from dataclasses import replace
 import httpx
 import pytest
 from crosssite import allowed, apost, attacks, check_refusal
-from modelnodes import SHARED, complete, make_node, signed, view
+from modelnodes import SHARED, complete, make_node, signed, streamed, view
 from waiting import run, until
 
 from planetserve.chain.challenge import response_from_extension, response_valid, served_from_extension
@@ -79,7 +79,7 @@ def test_answers_are_signed_by_the_entry_node(quick_family):
             assert not response_valid(response_from_extension(tampered, answer["choices"][0]["text"]))
             assert not response_valid(response_from_extension(answer["planetserve"], "something else"))
             # chat answers are signed over the prompt the template rendered
-            async with __import__("httpx").AsyncClient(timeout=60) as client:
+            async with httpx.AsyncClient(timeout=60) as client:
                 chat = (await client.post(f"{nodes[1].http_url}/v1/chat/completions", json={
                     "model": "gt", "messages": [{"role": "user", "content": "Name a module."}],
                     "max_tokens": 6, "temperature": 0})).json()
@@ -96,13 +96,8 @@ def test_streamed_answer_carries_the_signature_on_its_last_chunk(quick_family):
         nodes = [make_node(quick_family)]
         await start(nodes)
         try:
-            async with httpx.AsyncClient(timeout=60) as client, client.stream(
-                    "POST", f"{nodes[0].http_url}/v1/completions",
-                    json={"model": "gt", "prompt": "Explain the os module.", "max_tokens": 10,
-                          "temperature": 0, "stream": True}) as response:
-                events = [line[6:] async for line in response.aiter_lines() if line.startswith("data: ")]
+            events = await streamed(nodes[0], "Explain the os module.", 10)
             assert events[-1] == "[DONE]"
-            import json
             chunks = [json.loads(e) for e in events[:-1]]
             text = "".join(c["choices"][0]["text"] for c in chunks)
             assert "planetserve" in chunks[-1] and all("planetserve" not in c for c in chunks[:-1])
@@ -313,12 +308,8 @@ def test_a_peer_answer_that_does_not_check_fails_and_is_never_signed(quick_famil
             assert failed.status_code == 500 and "planetserve" not in failed.json()
             assert "answer does not check (its signature does not verify)" in failed.json()["error"]["message"]
             assert entry.routes.get("hit") == 1 and forger.counters["received_forwards"] == 1
-            async with httpx.AsyncClient(timeout=60) as client, client.stream(
-                    "POST", f"{entry.http_url}/v1/completions",
-                    json={"model": "gt", "prompt": SHARED + "What is a set?", "max_tokens": 6,
-                          "temperature": 0, "stream": True}) as response:
-                lines = [line async for line in response.aiter_lines() if line.startswith("data: ")]
-            assert "does not check" in lines[-2] and "planetserve" not in "".join(lines)
+            events = await streamed(entry, SHARED + "What is a set?", 6)
+            assert "does not check" in events[-2] and "planetserve" not in "".join(events)
         finally:
             await stop([forger, entry])
 
@@ -408,17 +399,12 @@ def test_a_peer_failing_after_tokens_reached_the_client_ends_the_stream_with_an_
         await start([dying, entry])
         try:
             await seed_shared_prefix(dying, entry)
-            async with httpx.AsyncClient(timeout=60) as client, client.stream(
-                    "POST", f"{entry.http_url}/v1/completions",
-                    json={"model": "gt", "prompt": SHARED + "What is a set?", "max_tokens": 12,
-                          "temperature": 0, "stream": True, "ignore_eos": True}) as response:
-                assert response.status_code == 200
-                lines = [line async for line in response.aiter_lines() if line.startswith("data: ")]
-            events = [json.loads(line[6:]) for line in lines if line != "data: [DONE]"]
+            data = await streamed(entry, SHARED + "What is a set?", 12, ignore_eos=True)
+            events = [json.loads(d) for d in data[:-1]]
             texts = [e["choices"][0]["text"] for e in events if e.get("choices")]
             assert texts and "".join(texts)  # tokens reached the client before the peer failed
             assert "the peer failed mid-answer" in events[-1]["error"]["message"], events[-1]
-            assert lines[-1] == "data: [DONE]" and "planetserve" not in "".join(lines)
+            assert data[-1] == "[DONE]" and "planetserve" not in "".join(data)
             assert dying.counters["received_forwards"] == 1
             after = await complete(entry, "What is a tuple?")
             assert after.status_code == 200 and signed(after.json()).node == entry.keys.public
