@@ -6,9 +6,12 @@ prompts, and bad input from clients and peers."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
+from collections.abc import AsyncIterator
 from dataclasses import replace
+from pathlib import Path
 
 import httpx
 import pytest
@@ -60,6 +63,20 @@ async def seed_shared_prefix(holder: ModelNode, entry: ModelNode) -> None:
     that `entry` forwards the next prompt of that prefix to `holder`."""
     signed((await complete(holder, SHARED + "Seed.", planetserve={"no_forward": True})).json())
     await until(lambda: entry.sync.search(entry.tokenizer(SHARED)["input_ids"]).holders >= {holder.node_id})
+
+
+@contextlib.asynccontextmanager
+async def holder_and_entry(family: Path, holder: type[ModelNode] = ModelNode
+                           ) -> AsyncIterator[tuple[ModelNode, ModelNode]]:
+    """A running node of class `holder` that holds the shared prefix, and an entry node that knows it
+    does, so that the entry forwards the next prompt of that prefix to it; both stopped after."""
+    peer, entry = make_node(family, holder), make_node(family)
+    await start([peer, entry])
+    try:
+        await seed_shared_prefix(peer, entry)
+        yield peer, entry
+    finally:
+        await stop([peer, entry])
 
 
 def test_answers_are_signed_by_the_entry_node(quick_family):
@@ -299,19 +316,13 @@ class ForgingNode(ModelNode):
 @pytest.mark.faults
 def test_a_peer_answer_that_does_not_check_fails_and_is_never_signed(quick_family):
     async def main():
-        forger = make_node(quick_family, ForgingNode)
-        entry = make_node(quick_family)
-        await start([forger, entry])
-        try:
-            await seed_shared_prefix(forger, entry)
+        async with holder_and_entry(quick_family, ForgingNode) as (forger, entry):
             failed = await complete(entry, SHARED + "What is a dict?")
             assert failed.status_code == 500 and "planetserve" not in failed.json()
             assert "answer does not check (its signature does not verify)" in failed.json()["error"]["message"]
             assert entry.routes.get("hit") == 1 and forger.counters["received_forwards"] == 1
             events = await streamed(entry, SHARED + "What is a set?", 6)
             assert "does not check" in events[-2] and "planetserve" not in "".join(events)
-        finally:
-            await stop([forger, entry])
 
     run(main())
 
@@ -328,26 +339,16 @@ def test_a_forwarded_nucleus_is_kept_and_a_peer_signing_another_is_refused(quick
     """top_p crosses the peer link with the job: the peer samples and signs the asked nucleus and the entry
     node countersigns it; a peer that signs another nucleus is never countersigned."""
     async def main():
-        holder, entry = make_node(quick_family), make_node(quick_family)
-        await start([holder, entry])
-        try:
-            await seed_shared_prefix(holder, entry)
+        async with holder_and_entry(quick_family) as (holder, entry):
             answer = (await complete(entry, SHARED + "What is a dict?", temperature=0.7, top_p=0.9, seed=3)).json()
             assert answer["planetserve"]["served_by"] == holder.node_id
             assert signed(answer).top_p == 900 and signed(answer).node == entry.keys.public
             served = served_from_extension(answer["planetserve"]["served"], signed(answer))
             assert served is not None and served.node == holder.keys.public and served.top_p == 900
-        finally:
-            await stop([holder, entry])
 
-        liar, entry = make_node(quick_family, WholeVocabularyNode), make_node(quick_family)
-        await start([liar, entry])
-        try:
-            await seed_shared_prefix(liar, entry)
+        async with holder_and_entry(quick_family, WholeVocabularyNode) as (liar, entry):
             failed = await complete(entry, SHARED + "What is a set?", temperature=0.7, top_p=0.9, seed=3)
             assert failed.status_code == 500 and "signed for another top_p" in failed.json()["error"]["message"]
-        finally:
-            await stop([liar, entry])
 
     run(main())
 
@@ -371,19 +372,13 @@ def test_a_peer_failing_mid_answer_is_replaced_here_when_nothing_was_sent(quick_
     """A whole (non-streamed) answer is taken from the peer in full before anything goes back, so a
     peer that fails mid-answer costs the client nothing: the entry computes the answer itself."""
     async def main():
-        dying = make_node(quick_family, DyingNode)
-        entry = make_node(quick_family)
-        await start([dying, entry])
-        try:
-            await seed_shared_prefix(dying, entry)
+        async with holder_and_entry(quick_family, DyingNode) as (dying, entry):
             whole = await complete(entry, SHARED + "What is a dict?")  # the client has seen nothing yet
             assert whole.status_code == 200, whole.text
             answer = whole.json()
             assert signed(answer).node.hex() == entry.node_id and answer["planetserve"]["served_by"] == entry.node_id
             assert "served" not in answer["planetserve"]
             assert entry.counters["forward_failures"] == 1 and dying.counters["received_forwards"] == 1
-        finally:
-            await stop([dying, entry])
 
     run(main())
 
@@ -394,11 +389,7 @@ def test_a_peer_failing_after_tokens_reached_the_client_ends_the_stream_with_an_
     entry cannot start over: the stream ends with an OpenAI-shaped error event naming the failure and
     no signature, and the entry goes on serving."""
     async def main():
-        dying = make_node(quick_family, DyingNode)
-        entry = make_node(quick_family)
-        await start([dying, entry])
-        try:
-            await seed_shared_prefix(dying, entry)
+        async with holder_and_entry(quick_family, DyingNode) as (dying, entry):
             data = await streamed(entry, SHARED + "What is a set?", 12, ignore_eos=True)
             events = [json.loads(d) for d in data[:-1]]
             texts = [e["choices"][0]["text"] for e in events if e.get("choices")]
@@ -408,8 +399,6 @@ def test_a_peer_failing_after_tokens_reached_the_client_ends_the_stream_with_an_
             assert dying.counters["received_forwards"] == 1
             after = await complete(entry, "What is a tuple?")
             assert after.status_code == 200 and signed(after.json()).node == entry.keys.public
-        finally:
-            await stop([dying, entry])
 
     run(main())
 
@@ -441,17 +430,11 @@ def test_a_peer_that_babbles_or_stalls_is_cut_off_and_the_job_served_here(quick_
     monkeypatch.setattr(model_node, "FORWARD_IDLE_S", 1.0)
 
     async def main():
-        bad = make_node(quick_family, peer)
-        entry = make_node(quick_family)
-        await start([bad, entry])
-        try:
-            await seed_shared_prefix(bad, entry)
+        async with holder_and_entry(quick_family, peer) as (bad, entry):
             whole = await complete(entry, SHARED + "What is a dict?")
             assert whole.status_code == 200, whole.text
             assert signed(whole.json()).node.hex() == entry.node_id
             assert entry.counters["forward_failures"] == 1 and bad.counters["received_forwards"] == 1
-        finally:
-            await stop([bad, entry])
 
     run(main())
 
