@@ -413,6 +413,33 @@ def test_above_max_plan_nodes_the_seed_picks_the_nodes_and_the_leader_cannot(tmp
     assert s.epoch(1).plan_status == epochs.PLAN_COMMITTED and s.planned_nodes(1) == chosen
 
 
+@pytest.mark.faults
+def test_a_backup_planner_completes_the_plan_its_leader_left_undone(s):
+    """The leader of epoch 0 commits nothing. In the plan window's first half even the backup planner is
+    refused; in its last half the backup (one of the others, picked by the epoch's seed) commits the
+    plan and any other member is still refused. Epoch 1 is checked as if its leader had planned it, and
+    that leader has its `no-plan` fault all the same."""
+    s.run_to(s.schedule.setup_height(0))
+    s.h.block()  # the record of epoch 1, with its seed
+    target = s.epoch(1)
+    others = sorted(k for k in s.members if k != target.plan_leader)
+    digest = hashlib.sha256(b"planetserve/backup-planner/v1" + target.seed).digest()
+    backup = s.members[others[int.from_bytes(digest, "big") % len(others)]]
+    bystander = next(s.members[k] for k in others if k != backup.public)
+    body, _ = s.plan(1)
+    early = s.block(s.tx(backup, "commit-plan", body), s.tx(bystander, "commit-plan", body), *s.vrf_txs(1))
+    assert [code for code, _ in early[:2]] == [Code.UNAUTHORIZED] * 2
+    assert "its backup planner in the plan window's last half" in early[0][1]
+    assert s.schedule.in_backup_plan_window(s.h.height + 1)
+    late = s.block(s.tx(bystander, "commit-plan", body), s.tx(backup, "commit-plan", body))
+    assert late[0][0] == Code.UNAUTHORIZED and late[1] == (0, "ok")
+    assert s.epoch(1).plan_status == epochs.PLAN_COMMITTED and s.planned_nodes(1) == sorted(s.nodes)
+    assert s.faults(target.plan_leader) == ["no-plan"]
+    honest_epoch(s, 1, dict.fromkeys(s.nodes, HONEST))
+    assert [s.reputation(n) for n in s.nodes] == [expected(HONEST)] * 2
+    assert s.faults(target.plan_leader) == ["no-plan"]  # once
+
+
 def test_without_vrf_the_fallback_leader_is_deterministic(s):
     s.run_to(s.schedule.end(0) + 1)
     epoch = s.epoch(1)

@@ -161,10 +161,11 @@ def test_the_committee_verifies_model_nodes_epoch_after_epoch(tmp_path, quick_fa
         time.sleep(3)
         daemons[victim] = VerifierProcess(tmp_path / f"verifier{victim}")
         wait_until(lambda: daemons[victim].starts() > starts, timeout=120)
-        # A leader still down when its epoch's plan window closes leaves the next epoch without a committed
-        # plan (none, or only the parts it sent in time), a `no-plan` fault of its own: where the restart
-        # (models, ledger) takes that long, as on two loaded cores, the epoch after the victim's is checked
-        # for exactly that instead.
+        # A leader still down in the first half of its epoch's plan window leaves the plan to its backup
+        # planner, which commits it in the last half: a `no-plan` fault of the leader's all the same. Where
+        # the restart (models, ledger) takes that long, as on two loaded cores, and the backup's parts did
+        # not land in time either, the epoch after the victim's has no committed plan (none, or only some
+        # parts) and is checked for exactly that instead.
         back = max(net.wait_for_height(0).values())
         may_miss_plan = back > SCHEDULE.end(victim_epoch) - PARAMS.plan_window_blocks
         unplanned: set[int] = set()
@@ -217,6 +218,7 @@ def test_the_committee_verifies_model_nodes_epoch_after_epoch(tmp_path, quick_fa
         allowed |= {(e, "unconfirmed-report") for e in range(first + 1, last + 1)}
         if unplanned:
             assert (victim_epoch, "no-plan", leader) in faults, faults
+        if may_miss_plan:
             allowed.add((victim_epoch, "no-plan"))
         assert {(e, k) for e, k, _ in faults} <= allowed, faults
         assert {operator for _, kind, operator in faults if kind not in UNCOUNTED} <= {leader}
@@ -238,9 +240,12 @@ def test_the_committee_verifies_model_nodes_epoch_after_epoch(tmp_path, quick_fa
         listed = {n.pubkey for n in client.nodes("gt")[1]}
         assert listed == {key["honest-a"], key["honest-b"]}, listed  # the dishonest two are delisted
 
-        # nothing was submitted twice, and the restarted daemon took part again
-        for daemon in daemons:
-            refused = [s for s in daemon.submissions() if s["code"] == Code.ALREADY_EXISTS]
+        # nothing was submitted twice; a backup planner's part can race the leader's last one (its view of
+        # the plan a block behind) and be refused as already committed, which repeats nothing of its own;
+        # and the restarted daemon took part again
+        for operator, daemon in zip(operators, daemons, strict=True):
+            refused = [s for s in daemon.submissions() if s["code"] == Code.ALREADY_EXISTS and not (
+                s["type"] == "commit-plan" and client.epoch(s["epoch"]).plan_leader != operator)]
             assert not refused, refused
         after = daemons[victim].submissions()[before:]
         assert {s["type"] for s in after} >= {"attest", "submit-vrf"}, after

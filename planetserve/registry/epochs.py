@@ -6,7 +6,8 @@ block. In epoch e:
     offsets [0, results_blocks)            the leader of e submits the results of e's plan
     offsets [0, L)                         members attest, report invalid responses, re-challenge
     the last vrf_window_blocks blocks      members submit VRF proofs electing the leader of e+1
-    the last plan_window_blocks blocks     the leader of e commits the challenge plan of e+1
+    the last plan_window_blocks blocks     the leader of e commits the challenge plan of e+1; in the
+                                           last half of them, the backup planner may complete it
     the last block, after its txs          e is finalized; e+1's leader is fixed
 
 The record of e+1 is created when the first of the two windows opens: its seed is then fixed, from
@@ -27,7 +28,8 @@ SEED_DOMAIN = "planetserve/epoch-seed/v1"
 NEXT_SEED_DOMAIN = "planetserve/epoch-seed/v2"
 COMMIT_DOMAIN = "planetserve/challenge/v3"
 RESPONSE_DOMAIN = "planetserve/response/v4"
-SEED_DOMAIN = b"planetserve/challenge-seed/v1"
+CHALLENGE_SEED_DOMAIN = b"planetserve/challenge-seed/v1"
+BACKUP_DOMAIN = b"planetserve/backup-planner/v1"
 SEED_BITS = 63
 """Seeds a requester draws: non-negative signed 64-bit integers, which every OpenAI client accepts."""
 SEED_LIMIT = 1 << 64
@@ -77,6 +79,10 @@ class Schedule:
     def in_plan_window(self, height: int) -> bool:
         return self.offset(height) >= self.epoch_blocks - self.plan_window_blocks
 
+    def in_backup_plan_window(self, height: int) -> bool:
+        """The plan window's last half (its last block at least), when the backup planner may commit."""
+        return self.offset(height) >= self.epoch_blocks - max(1, self.plan_window_blocks // 2)
+
     def setup_height(self, epoch: int) -> int:
         """The block of epoch `epoch` at which the record of epoch + 1 is created."""
         return self.end(epoch) - max(self.vrf_window_blocks, self.plan_window_blocks) + 1
@@ -92,6 +98,17 @@ def epoch_seed(previous_seed: bytes, drawn: Iterable[tuple[bytes, bytes]], epoch
 
 def genesis_seed(chain_id: str) -> bytes:
     return hashlib.sha256(codec.pack([SEED_DOMAIN, chain_id])).digest()
+
+
+def backup_planner(seed: bytes, operators: Iterable[bytes], plan_leader: bytes) -> bytes | None:
+    """The member that may complete the plan of the epoch of `seed` in the plan window's last half when
+    its planner has not: one of the others, at index sha256(domain || seed) mod their number in key
+    order, so neither can choose it. None in a committee of one."""
+    others = sorted(o for o in operators if o != plan_leader)
+    if not others:
+        return None
+    index = int.from_bytes(hashlib.sha256(BACKUP_DOMAIN + seed).digest(), "big") % len(others)
+    return others[index]
 
 
 def fallback_leader(seed: bytes, operators: list[bytes]) -> bytes:
@@ -140,7 +157,8 @@ def challenge_seed(salt: bytes) -> int:
     """The sampling seed a challenge is sent with: derived from its salt, so the commitment binds it
     (the salt is committed) and nothing about the commitment can be learnt from it; uniform like the
     seed a relay draws for a program that sends none."""
-    return int.from_bytes(hashlib.sha256(SEED_DOMAIN + salt).digest()[:8], "big") >> (64 - SEED_BITS)
+    digest = hashlib.sha256(CHALLENGE_SEED_DOMAIN + salt).digest()
+    return int.from_bytes(digest[:8], "big") >> (64 - SEED_BITS)
 
 
 def rechallenge_tag(node: bytes, commitment: bytes) -> bytes:

@@ -243,23 +243,32 @@ class Daemon:
         self._submit(SubmitVrf(target_number, proof), target_number, ["vrf"])
 
     def _plan(self, target_number: int, params: Params, schedule: Schedule) -> None:
+        """As the planner of `target_number`, commit its plan; as its backup planner, complete in the plan
+        window's last half what the planner has not committed."""
         target = self.ledger.epoch(target_number)
-        if (target is None or target.plan_leader != self.me or target.plan_status == PLAN_COMMITTED
-                or not self._due(target_number, "plan")):
+        if target is None or target.plan_status == PLAN_COMMITTED or not self._due(target_number, "plan"):
             return
+        _, committee = self.ledger.committee()
+        window = schedule.in_plan_window
+        if target.plan_leader != self.me:
+            backup = epochs.backup_planner(target.seed, [m.operator for m in committee], target.plan_leader)
+            if backup != self.me or not self._open(schedule.in_backup_plan_window):
+                return
+            window = schedule.in_backup_plan_window
+            log.warning("the plan of epoch %d is not committed: completing it as its backup planner",
+                        target_number)
         pipelines = credits.pipelines(self.ledger.deployments()[1])
         followers = {node for later in pipelines.values() for node in later}
         registered = self.ledger.registered_nodes()
         required = epochs.plan_nodes(target, registered, params.max_plan_nodes, followers)
         planned = {entry.node for entry in self.ledger.plan(target_number)[1]}
-        _, committee = self.ledger.committee()
         models = {n.pubkey: n.model_id for n in registered}
         entries = [self._plan_entry(node, models.get(node, ""), committee, params)
                    for node in required if node not in planned]
         parts = _parts(entries, params.max_tx_bytes - TX_MARGIN_BYTES)
         for index, part in enumerate(parts):
             final = index == len(parts) - 1
-            if not self._open(schedule.in_plan_window) or not self._submit(
+            if not self._open(window) or not self._submit(
                     CommitPlan(target_number, tuple(part), final), target_number, ["plan"]):
                 return
 

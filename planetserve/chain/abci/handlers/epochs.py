@@ -108,15 +108,21 @@ def _sealed(sealed: tuple[tuple[bytes, bytes], ...], committee: list[bytes]) -> 
 
 def commit_plan(ctx: Context, msg: CommitPlan) -> None:
     """The leader of epoch e commits, in one or more parts, the challenges of epoch e+1; the part
-    marked final is refused unless the plan covers every node it must."""
+    marked final is refused unless the plan covers every node it must. In the plan window's last half
+    the backup planner may commit too, so that a leader that is down (or will not plan) does not leave
+    e+1 unchecked; if the backup completes the plan, the leader gets its `no-plan` fault all the same."""
     ctx.require_member()
     current, _ = _current(ctx)
     _expect_epoch(msg.epoch, current + 1)
     target = ctx.state.epoch(current + 1)
-    if target is None or not _schedule(ctx).in_plan_window(ctx.height):
+    schedule = _schedule(ctx)
+    if target is None or not schedule.in_plan_window(ctx.height):
         raise Expired(f"the plan window of epoch {current} is not open at height {ctx.height}")
-    if ctx.signer != target.plan_leader:
-        raise Unauthorized(f"only the leader of epoch {current} commits the plan of epoch {target.number}")
+    backup = epochs.backup_planner(target.seed, ctx.committee, target.plan_leader)
+    if ctx.signer != target.plan_leader and not (ctx.signer == backup
+                                                 and schedule.in_backup_plan_window(ctx.height)):
+        raise Unauthorized(f"only the leader of epoch {current} commits the plan of epoch {target.number}, "
+                           f"and its backup planner in the plan window's last half")
     if target.plan_status == PLAN_COMMITTED:
         raise AlreadyExists(f"the plan of epoch {target.number} is already committed")
     committee = sorted(ctx.committee)
@@ -142,6 +148,9 @@ def commit_plan(ctx: Context, msg: CommitPlan) -> None:
             raise InvalidField("entries", f"the plan omits {len(missing)} node(s) it must cover, "
                                           f"first {missing[0].hex()}")
         status = PLAN_COMMITTED
+        if ctx.signer != target.plan_leader:
+            ctx.state.add_fault(Fault(target.plan_leader, current, "no-plan", b"", f"did not commit the plan "
+                                      f"of epoch {target.number}; its backup planner did"))
     ctx.state.put_epoch(replace(target, plan_status=status, plan_nodes=planned))
     ctx.emit("commit_plan", epoch=str(target.number), entries=str(added), status=status)
 
