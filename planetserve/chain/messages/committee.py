@@ -81,10 +81,11 @@ class ProposeParams(Message):
         if not changes:
             raise InvalidField("changes", "must name at least one parameter")
         Params.check_values(changes)
-        for name in sorted(GENESIS_ONLY & changes.keys()):
-            raise InvalidField(name, "is set by the genesis alone: it numbers every epoch from the first "
-                                     "block, so a change would renumber them (a new chain's genesis may set "
-                                     "another)")
+        fixed = sorted(GENESIS_ONLY & changes.keys())
+        if fixed:
+            raise InvalidField(fixed[0], "is set by the genesis alone: it numbers every epoch from the first "
+                                         "block, so a change would renumber them (a new chain's genesis may "
+                                         "set another)")
         return cls(fields.integer(body, "height", 1, MAX_HEIGHT), dict(sorted(changes.items())))
 
 
