@@ -187,7 +187,7 @@ class Daemon:
             overdue = leading and not schedule.in_results(upcoming + GIVE_UP_BLOCKS)
             self._collect(number, params.max_tx_bytes - TX_MARGIN_BYTES, overdue)
             if schedule.in_plan_window(upcoming):  # first: the plan takes longer than the proof
-                self._plan(number + 1, params, schedule)
+                self._plan(number + 1, params, schedule, upcoming)
             if schedule.in_vrf_window(upcoming):
                 self._prove(number + 1, schedule)
             planned = current.plan_status == PLAN_COMMITTED
@@ -242,17 +242,20 @@ class Daemon:
         proof = vrf.prove(bytes(self.keys.vrf), target.seed)
         self._submit(SubmitVrf(target_number, proof), target_number, ["vrf"])
 
-    def _plan(self, target_number: int, params: Params, schedule: Schedule) -> None:
+    def _plan(self, target_number: int, params: Params, schedule: Schedule, upcoming: int) -> None:
         """As the planner of `target_number`, commit its plan; as its backup planner, complete in the plan
         window's last half what the planner has not committed."""
         target = self.ledger.epoch(target_number)
         if target is None or target.plan_status == PLAN_COMMITTED or not self._due(target_number, "plan"):
             return
+        leading = target.plan_leader == self.me
+        if not (leading or schedule.in_backup_plan_window(upcoming)):
+            return
         _, committee = self.ledger.committee()
         window = schedule.in_plan_window
-        if target.plan_leader != self.me:
-            backup = epochs.backup_planner(target.seed, [m.operator for m in committee], target.plan_leader)
-            if backup != self.me or not self._open(schedule.in_backup_plan_window):
+        if not leading:
+            operators = [m.operator for m in committee]
+            if epochs.backup_planner(target.seed, operators, target.plan_leader) != self.me:
                 return
             window = schedule.in_backup_plan_window
             log.warning("the plan of epoch %d is not committed: completing it as its backup planner",
@@ -460,7 +463,7 @@ class Daemon:
         colluding leader, honest on it and cheating on the rest, meets re-challenges inside the results
         window and after it alike."""
         low = min(SETTLE_BLOCKS, schedule.results_blocks // 2)
-        closing = schedule.epoch_blocks - max(schedule.vrf_window_blocks, schedule.plan_window_blocks)
+        closing = schedule.offset(schedule.setup_height(number))
         high = max(low, schedule.results_blocks + (closing - schedule.results_blocks) // 2)
         digest = hashlib.blake2b(b"when" + number.to_bytes(8, "big") + node, key=bytes(self.keys.x25519),
                                  digest_size=8).digest()

@@ -155,8 +155,7 @@ class Relay:
         self.by_peer: dict[bytes, dict[tuple[bytes, bytes], Hop]] = {}
         """Paths by predecessor: what each peer holds in the table."""
         self.seen = ReplayWindow(SETUP_MAX_AGE, SETUP_MAX_AHEAD,
-                                 REPLAY_MEMORY if replay_memory is None else replay_memory,
-                                 max_setups_per_peer, clock)
+                                 REPLAY_MEMORY if replay_memory is None else replay_memory, clock)
         """Replay cache: setups' ephemeral keys, by the peer that sent them, while within the window."""
         self._swept = float("-inf")
         self.counters = {"setups": 0, "proxied": 0, "forwarded": 0, "returned": 0, "to_nodes": 0,

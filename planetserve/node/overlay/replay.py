@@ -1,7 +1,8 @@
 """Ids remembered for a window around the time their sender says it made them, so that a replay inside
 the window is refused as a replay and one after it as stale: nothing but the window ever removes an id,
-and past its limits (in all, and per sender) the window refuses new ids rather than forget old ones (it
-fails closed). A relay keeps one for path setups, a model node's gateway one for prompts."""
+and past its limit in all (and any per sender its owner sets by `held_by`) the window refuses new ids
+rather than forget old ones (it fails closed). A relay keeps one for path setups, a model node's gateway
+one for prompts."""
 
 from __future__ import annotations
 
@@ -11,12 +12,11 @@ from collections.abc import Callable, Hashable
 
 
 class ReplayWindow:
-    def __init__(self, max_age: float, max_ahead: float, capacity: int, per_sender: int | None = None,
+    def __init__(self, max_age: float, max_ahead: float, capacity: int,
                  clock: Callable[[], float] = time.time) -> None:
         self.max_age = max_age
         self.max_ahead = max_ahead
         self.capacity = capacity
-        self.per_sender = capacity if per_sender is None else per_sender
         self.clock = clock
         """Wall clock (ids carry their sender's time); read through `now`, which never goes back."""
         self._latest = 0.0
