@@ -4,8 +4,9 @@ relays, every answer part back as cloves through the proxies the prompt named), 
 one so both see the same machine.
 
 Every role runs in its own process, as on its own machine: the model node, each relay that carries the
-client's paths, and the client's own user relay (here, with the program that asks). Prompts are fresh random
-text (no prefix-cache hit in either mode), and every request generates exactly `--tokens` tokens.
+client's paths, and the client's own user relay (whose OpenAI endpoint the program asks, over loopback
+HTTP as a user's program does). Prompts are fresh random text (no prefix-cache hit in either mode), and
+every request generates exactly `--tokens` tokens.
 
 - TTFT: from sending the request to the first token's chunk.
 - per token: (last token's arrival - first token's) / (tokens - 1), the streaming rate a user sees.
@@ -13,7 +14,12 @@ text (no prefix-cache hit in either mode), and every request generates exactly `
 Target (issue 26): through the overlay at most +10 ms of TTFT and +0.5 ms per streamed token, or 5% of
 the model's own per-token time where that is larger.
 
+With `--loops asyncio,uvloop` every role's process runs on each event loop in turn: one whole set of
+processes per loop, all running at once, their requests interleaved round by round (the order rotating)
+so each loop sees the same machine. The CLI runs the overlay's roles on uvloop.
+
     .venv/bin/python bench/overlay_cost.py [--data-dir DIR] [--shape 0.5b] [--tokens 32] [--rounds 30]
+        [--loops asyncio,uvloop]
 
 DIR holds a trained gt (for instance localnet/build after `make localnet`; by default the models' own
 data directory); with `--shape` the node serves a random-weight model of that published shape with
@@ -36,6 +42,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 import httpx
+import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -81,9 +88,12 @@ def directory(users: list[tuple[bytes, str]], node: NodeRecord) -> DirectoryView
     return DirectoryView.of(1, [User(key, address, "global", 0, 1 << 40) for key, address in users], [node])
 
 
-def serve_node(pipe: Connection, args: argparse.Namespace, users: list[tuple[bytes, str]]) -> None:
+LOOPS = {"asyncio": asyncio.run, "uvloop": uvloop.run}
+
+
+def serve_node(pipe: Connection, loop: str, args: argparse.Namespace, users: list[tuple[bytes, str]]) -> None:
     """The model node's process: serve until the parent says stop."""
-    asyncio.run(_serve_node(pipe, args, users))
+    LOOPS[loop](_serve_node(pipe, args, users))
 
 
 async def _serve_node(pipe: Connection, args: argparse.Namespace, users: list[tuple[bytes, str]]) -> None:
@@ -139,16 +149,21 @@ def user_config(path_uses: int) -> UserConfig:
     return UserConfig(http="127.0.0.1:0", peer="127.0.0.1:0", response_timeout=120.0, path_uses=path_uses)
 
 
-def serve_relay(pipe: Connection, path_uses: int) -> None:
-    """A relay's process: report its key and address, take the directory, relay until told to stop."""
-    asyncio.run(_serve_relay(pipe, path_uses))
+def serve_relay(pipe: Connection, loop: str, path_uses: int, client: bool) -> None:
+    """A relay's process: report its key and address, take the directory, relay until told to stop. The
+    client's relay also serves its OpenAI endpoint, and reports it once its paths are live."""
+    LOOPS[loop](_serve_relay(pipe, path_uses, client))
 
 
-async def _serve_relay(pipe: Connection, path_uses: int) -> None:
+async def _serve_relay(pipe: Connection, path_uses: int, client: bool) -> None:
     relay = UserRelay(user_config(path_uses), KeySet.generate(), None)
-    await relay.start(serve_http=False)
+    await relay.start(serve_http=client)
     pipe.send((relay.keys.public, relay.config.address))
     relay.apply_view(await asyncio.to_thread(pipe.recv))
+    if client:
+        relay.start_paths()
+        live = await relay.paths.wait_live(relay.config.n, 30)
+        pipe.send(relay.http_url if live else SystemExit(f"no paths: {relay.paths.last_error}"))
     await asyncio.to_thread(pipe.recv)
     await relay.close()
 
@@ -183,50 +198,69 @@ class Processes:
             await asyncio.to_thread(process.join, 60)
 
 
-async def measure(args: argparse.Namespace) -> dict[str, list[Timing]]:
-    client = UserRelay(user_config(args.path_uses), KeySet.generate(), None)
-    await client.start()
+@dataclass(frozen=True)
+class Setup:
+    """One loop's set of processes, ready: where to ask, and whose CPU to count."""
+
+    urls: dict[str, str]
+    node_pid: int
+    client_pid: int
+    relay_pids: list[int]
+
+    def cpu(self) -> tuple[float, float, float]:
+        """CPU ms so far of the node, the client's relay and the relays together."""
+        return cpu_ms(self.node_pid), cpu_ms(self.client_pid), sum(map(cpu_ms, self.relay_pids))
+
+
+async def start_setup(processes: Processes, loop: str, args: argparse.Namespace) -> Setup:
+    client, client_pipe = processes.start(serve_relay, loop, args.path_uses, True)
+    relays = [processes.start(serve_relay, loop, args.path_uses, False) for _ in range(args.relays)]
+    listed = []
+    for process, pipe in [(client, client_pipe), *relays]:
+        listed.append(await processes.answer(process, pipe, f"relay ({loop})"))
+    node, node_pipe = processes.start(serve_node, loop, args, listed)
+    key, address, node_url = await processes.answer(node, node_pipe, f"model node ({loop})")  # type: ignore[misc]
+    view = directory(listed, node_record(key, address))  # type: ignore[arg-type]
+    for _, pipe in [(client, client_pipe), *relays]:
+        pipe.send(view)
+    client_url = await processes.answer(client, client_pipe, f"client's relay ({loop})")
+    if isinstance(client_url, SystemExit):
+        raise client_url
+    return Setup({"direct": node_url, "overlay": client_url}, node.pid, client.pid,  # type: ignore[arg-type]
+                 [process.pid for process, _ in relays])
+
+
+async def measure(args: argparse.Namespace) -> dict[str, dict[str, list[Timing]]]:
+    """Per loop and mode, the timings of the measured requests."""
     processes = Processes()
     try:
-        relays = [processes.start(serve_relay, args.path_uses) for _ in range(args.relays)]
-        listed = [(client.keys.public, client.config.address)]
-        for process, pipe in relays:
-            listed.append(await processes.answer(process, pipe, "relay"))  # type: ignore[arg-type]
-        node, node_pipe = processes.start(serve_node, args, listed)
-        key, address, node_url = await processes.answer(node, node_pipe, "model node")  # type: ignore[misc]
-        view = directory(listed, node_record(key, address))
-        client.apply_view(view)
-        for _, pipe in relays:
-            pipe.send(view)
-        client.start_paths()
-        if not await client.paths.wait_live(client.config.n, 30):
-            raise SystemExit(f"no paths: {client.paths.last_error}")
+        setups = {loop: await start_setup(processes, loop, args) for loop in args.loops}
         rng = random.Random(args.seed)
-        timings: dict[str, list[Timing]] = {"direct": [], "overlay": []}
-        urls = {"direct": node_url, "overlay": client.http_url}
-        relay_pids = [process.pid for process, _ in relays]
+        timings: dict[str, dict[str, list[Timing]]] = {loop: {"direct": [], "overlay": []} for loop in setups}
+        runs = [(loop, mode) for loop in setups for mode in ("direct", "overlay")]
         async with httpx.AsyncClient(timeout=600) as http:
             for round_ in range(args.rounds + args.warmup):
-                order = ["direct", "overlay"] if round_ % 2 == 0 else ["overlay", "direct"]
-                for mode in order:
-                    before = (cpu_ms(node.pid), time.process_time(), sum(map(cpu_ms, relay_pids)))
+                shift = round_ % len(runs)
+                for loop, mode in runs[shift:] + runs[:shift]:
+                    setup = setups[loop]
+                    before = setup.cpu()
                     text = prompt(rng, args.prompt_words)
-                    ttft, per_token = await stream(http, urls[mode], text, args.tokens)
-                    timing = Timing(ttft, per_token, node_cpu_ms=cpu_ms(node.pid) - before[0],
-                                    client_cpu_ms=(time.process_time() - before[1]) * 1e3,
-                                    relays_cpu_ms=sum(map(cpu_ms, relay_pids)) - before[2])
+                    ttft, per_token = await stream(http, setup.urls[mode], text, args.tokens)
+                    node, client, relays = (now - was for now, was in zip(setup.cpu(), before, strict=True))
+                    timing = Timing(ttft, per_token, node_cpu_ms=node, client_cpu_ms=client,
+                                    relays_cpu_ms=relays)
                     if round_ >= args.warmup:
-                        timings[mode].append(timing)
+                        timings[loop][mode].append(timing)
                 print(f"\r  {round_ + 1}/{args.rounds + args.warmup} rounds", end="", file=sys.stderr,
                       flush=True)
         print(file=sys.stderr)
         return timings
     finally:
         await processes.stop()
-        await client.close()
 
 
-def report(args: argparse.Namespace, timings: dict[str, list[Timing]]) -> dict[str, float]:
+def summarize(args: argparse.Namespace, timings: dict[str, list[Timing]]) -> dict[str, dict[str, float]]:
+    """Per mode: TTFT and per-token medians, CPU per token means; and the overlay's excess as "overlay +"."""
     def row(ts: list[Timing]) -> dict[str, float]:
         return {"ttft_ms": statistics.median(t.ttft_ms for t in ts),
                 "token_ms": statistics.median(t.per_token_ms for t in ts),
@@ -235,26 +269,35 @@ def report(args: argparse.Namespace, timings: dict[str, list[Timing]]) -> dict[s
                    for part in ("node", "client", "relays")}}
 
     rows = {mode: row(ts) for mode, ts in timings.items()}
-    direct, overlay = rows["direct"], rows["overlay"]
-    print(f"\n{'':10} {'TTFT ms':>9} {'per token ms':>13}   CPU ms per token: {'node':>6} {'client':>7} "
+    rows["overlay +"] = {k: rows["overlay"][k] - rows["direct"][k] for k in rows["direct"]}
+    return rows
+
+
+def report(args: argparse.Namespace, summaries: dict[str, dict[str, dict[str, float]]]) -> None:
+    print(f"\n{'':18} {'TTFT ms':>9} {'per token ms':>13}   CPU ms per token: {'node':>6} {'client':>7} "
           f"{'relays':>7}   (medians of {args.rounds} interleaved requests of {args.tokens} tokens; "
           f"CPU: means)")
-    for mode, r in rows.items():
-        print(f"{mode:10} {r['ttft_ms']:9.2f} {r['token_ms']:13.3f}   {'':18}"
-              f"{r['node_cpu_per_token_ms']:6.3f} {r['client_cpu_per_token_ms']:7.3f} "
-              f"{r['relays_cpu_per_token_ms']:7.3f}")
-    over = {k: overlay[k] - direct[k] for k in direct}
-    print(f"{'overlay +':10} {over['ttft_ms']:+9.2f} {over['token_ms']:+13.3f}   {'':18}"
-          f"{over['node_cpu_per_token_ms']:+6.3f} {over['client_cpu_per_token_ms']:+7.3f} "
-          f"{over['relays_cpu_per_token_ms']:+7.3f}   ({overlay['ttft_ms'] / direct['ttft_ms']:.2f}x TTFT, "
-          f"{overlay['token_ms'] / direct['token_ms']:.2f}x per token)")
-    token_target = max(TOKEN_TARGET_MS, TOKEN_TARGET_SHARE * direct["token_ms"])
-    ttft_met = over["ttft_ms"] <= TTFT_TARGET_MS
-    print(f"target: TTFT <= +{TTFT_TARGET_MS:g} ms: {'met' if ttft_met else 'not met'}; "
-          f"per token <= +{token_target:.2f} ms (the larger of {TOKEN_TARGET_MS:g} ms and "
-          f"{TOKEN_TARGET_SHARE:.0%} of the model's {direct['token_ms']:.2f} ms): "
-          f"{'met' if over['token_ms'] <= token_target else 'not met'}")
-    return {f"{mode}_{k}": v for mode, r in rows.items() for k, v in r.items()}
+    for loop, rows in summaries.items():
+        for mode, r in rows.items():
+            sign = "+" if mode == "overlay +" else ""
+            print(f"{loop:7} {mode:10} {r['ttft_ms']:{sign}9.2f} {r['token_ms']:{sign}13.3f}   {'':18}"
+                  f"{r['node_cpu_per_token_ms']:{sign}6.3f} {r['client_cpu_per_token_ms']:{sign}7.3f} "
+                  f"{r['relays_cpu_per_token_ms']:{sign}7.3f}")
+    for loop, rows in summaries.items():
+        direct, over = rows["direct"], rows["overlay +"]
+        token_target = max(TOKEN_TARGET_MS, TOKEN_TARGET_SHARE * direct["token_ms"])
+        ttft_met = "met" if over["ttft_ms"] <= TTFT_TARGET_MS else "not met"
+        token_met = "met" if over["token_ms"] <= token_target else "not met"
+        print(f"{loop}: TTFT {over['ttft_ms']:+.2f} ms (target <= +{TTFT_TARGET_MS:g}: {ttft_met}); "
+              f"per token {over['token_ms']:+.3f} ms (target <= +{token_target:.2f}, the larger of "
+              f"{TOKEN_TARGET_MS:g} ms and {TOKEN_TARGET_SHARE:.0%} of the model's "
+              f"{direct['token_ms']:.2f} ms: {token_met})")
+    (base, first), *others = summaries.items()
+    for loop, rows in others:
+        was, now = first["overlay"]["relays_cpu_per_token_ms"], rows["overlay"]["relays_cpu_per_token_ms"]
+        print(f"{loop} against {base}: the overlay's TTFT excess {first['overlay +']['ttft_ms']:.2f} -> "
+              f"{rows['overlay +']['ttft_ms']:.2f} ms; the relays' CPU per token {was:.3f} -> {now:.3f} ms "
+              f"({was / now:.2f}x less)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -271,18 +314,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--path-uses", type=int, default=UserConfig.path_uses,
                         help="requests per path before it is replaced (the user's setting; 0: never)")
     parser.add_argument("--threads", type=int, default=1, help="the model node's torch threads")
+    parser.add_argument("--loops", default="uvloop",
+                        help=f"the event loops every process runs on, comma-separated, each a whole set "
+                             f"of processes, the first the baseline ({', '.join(LOOPS)}; default uvloop, as "
+                             f"the CLI runs them)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     if args.tokens < 2:
         parser.error("--tokens must be at least 2")
+    args.loops = args.loops.split(",")
+    if any(loop not in LOOPS for loop in args.loops) or len(set(args.loops)) < len(args.loops):
+        parser.error(f"--loops: each of {', '.join(LOOPS)} at most once, comma-separated, not {args.loops}")
     served = f"a random-weight {args.shape} shape" if args.shape else "gt"
-    print(f"model node ({served}), {args.relays} relays and the client in processes of their own, "
-          f"loopback TLS")
+    print(f"model node ({served}), {args.relays} relays and the client's relay in processes of their own, "
+          f"loopback TLS; event loops: {', '.join(args.loops)}")
     timings = asyncio.run(measure(args))
-    summary = report(args, timings)
+    summaries = {loop: summarize(args, ts) for loop, ts in timings.items()}
+    report(args, summaries)
     if args.json:
-        args.json.write_text(json.dumps(summary, indent=2))
+        args.json.write_text(json.dumps(summaries, indent=2))
     return 0
 
 

@@ -3,12 +3,12 @@ that carries others' traffic and gives its user's programs an anonymous OpenAI-c
 
 from __future__ import annotations
 
-import asyncio
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
+import uvloop
 
 from planetserve.chain.keys import KeyFileError, KeySet
 from planetserve.cli import (
@@ -181,7 +181,7 @@ def model(home: Path, org_keys: Path | None, log_level: str, as_json: bool) -> N
                           f"{node.http_url} (peer port {node.peer_port}, {registered.action}{part})")
 
     try:
-        asyncio.run(run_model_node(home, org, ready))
+        uvloop.run(run_model_node(home, org, ready))
     except (HomeError, RegistrationError, ModelError, KeyFileError, ValueError, OSError,
             AssignmentError) as exc:
         fail(str(exc))
@@ -304,7 +304,7 @@ def user(home: Path, log_level: str, as_json: bool) -> None:
                           f"{relay.paths.last_error or 'still building'}[/]")
 
     try:
-        asyncio.run(run_user_relay(home, ready))
+        uvloop.run(run_user_relay(home, ready))
     except (HomeError, RegistrationError, KeyFileError, ValueError, OSError) as exc:
         fail(str(exc))
     except (RpcError, VerificationError, QueryRefused) as exc:
@@ -365,7 +365,7 @@ def stage(model: str, layers: tuple[int, int], key_file: Path, allow: set[bytes]
         keys = KeySet.load(key_file)
         served = StageModel.load(model, *layers, data_dir=data_dir, device=device)
         limits = {"idle_timeout": idle_timeout} if idle_timeout is not None else {}
-        asyncio.run(run_stage(keys, served, allow, host, port, ready, max_tokens=max_tokens, **limits))
+        uvloop.run(run_stage(keys, served, allow, host, port, ready, max_tokens=max_tokens, **limits))
     except KeyboardInterrupt:
         pass
     except (ModelError, KeyFileError, StageError, ValueError, OSError) as exc:
