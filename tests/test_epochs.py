@@ -438,6 +438,7 @@ def test_a_backup_planner_completes_the_plan_its_leader_left_undone(s):
     honest_epoch(s, 1, dict.fromkeys(s.nodes, HONEST))
     assert [s.reputation(n) for n in s.nodes] == [expected(HONEST)] * 2
     assert s.faults(target.plan_leader) == ["no-plan"]  # once
+    assert s.epoch(0).faults == 1  # in the epoch whose leader it was, as its record counts it
 
 
 def test_without_vrf_the_fallback_leader_is_deterministic(s):
@@ -446,6 +447,7 @@ def test_without_vrf_the_fallback_leader_is_deterministic(s):
     assert epoch.election == "fallback"
     assert epoch.leader == epochs.fallback_leader(epoch.seed, sorted(s.members))
     assert s.faults(s.epoch(0).leader) == ["no-plan"]
+    assert s.epoch(0).faults == 1
 
 
 def test_refusals(s):

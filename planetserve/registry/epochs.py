@@ -42,6 +42,9 @@ MAX_CHALLENGE_TEMPERATURE = MILLI
 challenge sent hotter could only frame its node."""
 
 PLAN_NONE, PLAN_PARTIAL, PLAN_COMMITTED = "none", "partial", "committed"
+NO_PLAN = "no-plan"
+"""The fault of a plan leader whose epoch's plan it left uncommitted: recorded at the epoch's end when
+nobody committed it, and when its backup planner did."""
 RESULT_KINDS = ("leader", "rechallenge")
 VALID, INVALID, FAULTY = "valid", "invalid", "faulty"
 

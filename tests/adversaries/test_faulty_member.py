@@ -52,6 +52,7 @@ def test_a_member_that_keeps_attesting_falsely_loses_its_power(tmp_path):
     cheat = sorted(s.members)[0]
     assert run_until_removed(s, cheat, cheat=cheat) == PARAMS.member_fault_limit
     assert s.faults(cheat) == ["deviating-attestation"] * PARAMS.member_fault_limit
+    assert [s.epoch(n).faults for n in range(1, PARAMS.member_fault_limit + 1)] == [1] * PARAMS.member_fault_limit
     [removal] = removals(s)  # one block took the power: the last of its third faulty epoch
     assert {u.pub_key.ed25519: u.power for u in removal.validator_updates} == {consensus_key(s, cheat): 0}
     assert [{a.key: a.value for a in e.attributes} for e in removal.events] == [
@@ -68,6 +69,7 @@ def test_a_validator_that_stays_away_is_faulty_each_epoch_and_then_loses_its_pow
     s = Script(h)
     assert run_until_removed(s, away) == PARAMS.member_fault_limit - 1  # away in epochs 0, 1 and 2
     assert s.faults(away) == ["missed-blocks"] * PARAMS.member_fault_limit
+    assert [s.epoch(n).faults for n in range(PARAMS.member_fault_limit)] == [1] * PARAMS.member_fault_limit
     [removal] = removals(s)
     assert {u.pub_key.ed25519: u.power for u in removal.validator_updates} == {consensus_key(s, away): 0}
     assert all(s.faults(m) == [] for m in s.members if m != away)

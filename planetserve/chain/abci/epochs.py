@@ -18,6 +18,7 @@ from planetserve.chain.abci.store import Batch
 from planetserve.registry import codec, credits, epochs, evidence, finalization, reputation
 from planetserve.registry.entities import Member, ModelNode
 from planetserve.registry.epochs import (
+    NO_PLAN,
     PLAN_COMMITTED,
     PLAN_NONE,
     ChallengeResult,
@@ -120,7 +121,7 @@ def end_block(batch: Batch, params: Params, height: int, time: int) -> list[Remo
                            leader=epochs.fallback_leader(upcoming.seed, sorted(committee)))
     st.put_epoch(upcoming)
     if upcoming.plan_status != PLAN_COMMITTED and upcoming.plan_leader in committee:
-        st.add_fault(Fault(upcoming.plan_leader, number, "no-plan", b"",
+        st.add_fault(Fault(upcoming.plan_leader, number, NO_PLAN, b"",
                            f"did not commit the plan of epoch {number + 1}"))
     return removed
 
@@ -232,6 +233,6 @@ def _finalize(batch: Batch, st: State, params: Params, epoch: Epoch, committee: 
             account = st.credits(org_id)
             st.put_credits(replace(account, balance=account.balance + earnings[org_id],
                                    earned=account.earned + earnings[org_id]))
+    st.put_epoch(replace(epoch, finalized=True, scored=len(verdicts)))
     for finding in findings:
         st.add_fault(Fault(finding.operator, epoch.number, finding.kind, finding.node, finding.detail))
-    st.put_epoch(replace(epoch, finalized=True, scored=len(verdicts), faults=epoch.faults + len(findings)))

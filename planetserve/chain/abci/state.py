@@ -341,11 +341,15 @@ class State:
         self.kv.set(report_key(epoch, node), codec.pack(sorted(members)))
 
     def add_fault(self, fault: Fault) -> None:
-        """Faults of one operator are numbered in the order the chain recorded them."""
+        """Faults of one operator are numbered in the order the chain recorded them; the epoch's record
+        counts those that count toward a member's removal (not `finalization.UNCOUNTED`)."""
         counter = fault_counter_key(fault.operator)
         n = self.get_int(counter)
         self.put_int(counter, n + 1)
         self._put(fault_key(fault.operator, fault.epoch, n), fault)
+        record = self.epoch(fault.epoch) if fault.kind not in finalization.UNCOUNTED else None
+        if record is not None:
+            self.put_epoch(replace(record, faults=record.faults + 1))
 
     def move_faults(self, old: bytes, new: bytes) -> None:
         """A member's faults, numbered as they were, under its new operator key."""

@@ -25,6 +25,7 @@ from planetserve.registry import credits, epochs
 from planetserve.registry.epochs import (
     FAULTY,
     INVALID,
+    NO_PLAN,
     PLAN_COMMITTED,
     PLAN_PARTIAL,
     VALID,
@@ -59,9 +60,6 @@ def _expect_epoch(got: int, expected: int) -> None:
 
 def _fault(ctx: Context, epoch: int, kind: str, node: bytes, detail: str) -> None:
     ctx.state.add_fault(Fault(ctx.signer, epoch, kind, node, detail))
-    record = ctx.state.epoch(epoch)
-    if record is not None:
-        ctx.state.put_epoch(replace(record, faults=record.faults + 1))
     ctx.emit("fault", operator=ctx.signer.hex(), epoch=str(epoch), fault=kind, node=node.hex())
 
 
@@ -149,7 +147,7 @@ def commit_plan(ctx: Context, msg: CommitPlan) -> None:
                                           f"first {missing[0].hex()}")
         status = PLAN_COMMITTED
         if ctx.signer != target.plan_leader:
-            ctx.state.add_fault(Fault(target.plan_leader, current, "no-plan", b"", f"did not commit the plan "
+            ctx.state.add_fault(Fault(target.plan_leader, current, NO_PLAN, b"", f"did not commit the plan "
                                       f"of epoch {target.number}; its backup planner did"))
     ctx.state.put_epoch(replace(target, plan_status=status, plan_nodes=planned))
     ctx.emit("commit_plan", epoch=str(target.number), entries=str(added), status=status)
