@@ -12,14 +12,13 @@ import os
 import sys
 import time
 import weakref
-from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from modelfix import DEEP_LAYERS
+from stagecluster import chain_router, cluster, refuse
 from waiting import run, until
 
 from planetserve.chain.keys import KeySet
@@ -27,17 +26,15 @@ from planetserve.models import LoadedModel, load
 from planetserve.node.engine.base import GenerationRequest
 from planetserve.node.overlay.transport import Peering, RemoteError
 from planetserve.node.pipeline import stages
-from planetserve.node.pipeline.chains import ChainRouter, Hop, LatencyTable, LayerDag
+from planetserve.node.pipeline.chains import Hop
 from planetserve.node.pipeline.coordinator import PipelineClient, PipelineError, StageAddress, sampler
 from planetserve.node.pipeline.stages import (
     ModelShape,
-    RunningStage,
     StageError,
     StageModel,
     StageServer,
     decode_tensor,
     encode_tensor,
-    serve_stage,
 )
 
 PROMPT = "Return a new"
@@ -65,53 +62,6 @@ def unsplit_tokens(loaded: LoadedModel, ids: list[int], n: int, temperature: flo
     return tokens[len(ids):]
 
 
-async def refuse(peer: bytes, msg_type: str, body) -> None:
-    raise ValueError("a pipeline client serves no requests")
-
-
-@dataclass
-class Cluster:
-    stages: dict[str, RunningStage]
-    keys: dict[str, KeySet]
-    peering: Peering
-    router: ChainRouter
-    client: PipelineClient
-
-    def address(self, gpu: str) -> StageAddress:
-        return StageAddress(self.keys[gpu].public, f"127.0.0.1:{self.stages[gpu].port}")
-
-    def held(self) -> int:
-        return sum(len(s.server.sessions) for s in self.stages.values())
-
-    async def close(self) -> None:
-        await self.peering.close()
-        for stage in self.stages.values():
-            await stage.close()
-
-
-def chain_router(placement: Mapping[str, tuple[int, int]], layer_ms: Mapping[str, float] | None = None
-                 ) -> ChainRouter:
-    table = LatencyTable(default_layer_ms=1.0, default_rtt_ms=1.0, profiled_layer_ms=layer_ms)
-    router = ChainRouter(LayerDag(placement, LAYERS), table)
-    router.refresh(time.monotonic())
-    return router
-
-
-async def cluster(loaded: LoadedModel, placement: Mapping[str, tuple[int, int]], *,
-                  step_timeout: float = 30.0, chunk_tokens: int | None = None, **limits) -> Cluster:
-    """Stage servers over one loaded model (each keeps only its layers' modules) and a client."""
-    client_keys = KeySet.generate()
-    keys = {gpu: KeySet.generate() for gpu in placement}
-    stages = {gpu: await serve_stage(keys[gpu], StageModel(loaded.model, *layers),
-                                     lambda key: key == client_keys.public, **limits)
-              for gpu, layers in placement.items()}
-    allowed = {k.public for k in keys.values()}
-    peering = Peering(client_keys, refuse, allowed.__contains__)
-    router = chain_router(placement)
-    addresses = {gpu: StageAddress(keys[gpu].public, f"127.0.0.1:{stages[gpu].port}") for gpu in placement}
-    client = PipelineClient(peering, router, addresses, ModelShape.of(loaded.model.config), loaded.tokenizer,
-                            step_timeout=step_timeout, chunk_tokens=chunk_tokens)
-    return Cluster(stages, keys, peering, router, client)
 
 
 def test_wire_tensors_round_trip_and_are_checked():
