@@ -45,13 +45,12 @@ from planetserve.node.routing.group import Group
 from planetserve.node.user import UserRelay
 from planetserve.registry import codec
 from planetserve.registry.entities import ModelNode
+from planetserve.registry.params import Params
 
 pytestmark = pytest.mark.network
 
 JUNK = 300
 """Junk transactions the CheckTx flood sends to one validator's RPC."""
-JUNK_LISTS = 15_800
-"""Empty lists in each junk body: 16 KB on the wire, about 1.1 MiB of Python objects once decoded."""
 JUNK_SENDERS = 4
 JUNK_SECONDS = 60.0
 """The flood's time limit: all of it must have been answered by then."""
@@ -121,7 +120,9 @@ def test_refused_tx_reports_its_code_over_rpc(net):
 
 def test_a_checktx_flood_through_a_validators_rpc_leaves_its_app_memory_and_honest_traffic_alone(net):
     """A client floods one validator's public RPC (broadcast_tx_sync, from several connections) with
-    well-signed heartbeats at a wrong sequence whose bodies decode into 15,800 empty lists. The app
+    well-signed heartbeats at a wrong sequence whose bodies are the densest the decoder admits: as many
+    empty lists as a transaction of the byte limit may hold (`tx.max_containers`), padded to the limit
+    (bodies of 15,800 lists are refused undecoded: tests/adversaries/test_checktx_flood.py). The app
     refuses each on its sequence and keeps nothing of it: its resident memory grows by less than
     FLOOD_RSS_BOUND (measured: 0.1-0.2 MiB; with the old cache of decoded transactions, 328 MiB), honest
     transactions sent through the same RPC during and after the flood commit, and the app lives on (the
@@ -132,7 +133,10 @@ def test_a_checktx_flood_through_a_validators_rpc_leaves_its_app_memory_and_hone
     client = ledger(net, flooded)
     chain_id = client.chain_id()
     attacker = KeySet.generate()
-    body = {"junk": [[] for _ in range(JUNK_LISTS)]}
+    limit = Params().max_tx_bytes  # the network's: it runs on the defaults
+    lists = txlib.max_containers(limit) - 3  # the envelope, the body, the list of lists
+    probe = txlib.build(attacker, chain_id, "heartbeat", {"junk": [[]] * lists, "pad": bytes(1_000)}, 1_000)
+    body = {"junk": [[] for _ in range(lists)], "pad": bytes(1_000 + limit - len(probe))}
 
     def junk(i: int) -> bytes:
         """`txlib.build`'s bytes, packed without its canonical walk of the body (already canonical), which
@@ -144,6 +148,7 @@ def test_a_checktx_flood_through_a_validators_rpc_leaves_its_app_memory_and_hone
                              use_bin_type=True)
 
     assert junk(0) == txlib.build(attacker, chain_id, "heartbeat", body, 1_000)
+    assert len(junk(0)) == limit
     with RpcClient(net.rpc_url(flooded)) as rpc:  # the decoder's transient memory is in use before measuring
         assert [rpc.broadcast_tx_sync(junk(-i)).code for i in range(1, 5)] == [Code.BAD_SEQUENCE] * 4
     before, cpu, began = resident_bytes(pid), cpu_seconds(pid), time.monotonic()

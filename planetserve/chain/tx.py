@@ -17,6 +17,17 @@ from planetserve.registry import codec
 
 VERSION = 1
 DOMAIN = "planetserve/tx/v1"
+CONTAINER_BYTES = 16
+"""A transaction of n bytes may decode into at most `max_containers(n)` arrays and maps. Each container
+a valid message holds comes with a 32-byte key or several fields (a plan entry, a result, a score, a
+sealed box), so valid transactions stay well inside the bound (tests/adversaries/test_checktx_flood.py
+builds the densest of each). A body of empty lists, one byte each on the wire and a Python object and
+a microsecond of decoding each, is refused after that many, not after 16,000."""
+
+
+def max_containers(size: int) -> int:
+    """Arrays and maps a transaction of `size` bytes may hold (the envelope and body among them)."""
+    return 16 + size // CONTAINER_BYTES
 
 
 @dataclass(frozen=True)
@@ -56,7 +67,10 @@ def decode(raw: bytes, max_bytes: int) -> Tx:
     if len(raw) > max_bytes:
         raise TxError(Code.OVERSIZE, f"oversize: {len(raw)} bytes exceeds the limit of {max_bytes}")
     try:
-        fields = codec.unpack(raw, max_size=max_bytes)
+        fields = codec.unpack(raw, max_size=max_bytes, max_containers=max_containers(len(raw)))
+    except codec.LimitExceeded as exc:
+        raise TxError(Code.UNDECODABLE, f"undecodable: {exc} in a transaction of {len(raw)} bytes (one per "
+                                        f"{CONTAINER_BYTES} bytes, and 16, are allowed)") from exc
     except codec.CodecError as exc:
         raise TxError(Code.UNDECODABLE, f"undecodable: {exc}") from exc
     if not isinstance(fields, list) or len(fields) != 7:

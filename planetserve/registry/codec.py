@@ -152,17 +152,39 @@ def pack(value: Any) -> bytes:
     return msgpack.packb(_canonical(value), use_bin_type=True)
 
 
-def unpack(data: bytes, max_size: int = 1 << 20) -> Any:
-    """Decode bytes that must be the canonical encoding of their value."""
+class _Containers:
+    """msgpack's hook for each array and map it completes: refuses the decode past `limit` of them."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.left = limit
+
+    def __call__(self, container: Any) -> Any:
+        self.left -= 1
+        if self.left < 0:
+            raise LimitExceeded(f"more than {self.limit} arrays and maps")
+        return container
+
+
+def unpack(data: bytes, max_size: int = 1 << 20, max_containers: int | None = None) -> Any:
+    """Decode bytes that must be the canonical encoding of their value; with `max_containers`, refused
+    (LimitExceeded) as soon as more arrays and maps than that are built, before the rest is read."""
     if len(data) > max_size:
         raise CodecError(f"{len(data)} bytes exceeds the limit of {max_size}")
+    hooks = {}
+    if max_containers is not None:
+        count = _Containers(max_containers)
+        hooks = {"list_hook": count, "object_hook": count}
     try:
         value = msgpack.unpackb(
             data,
             raw=False,
             use_list=True,
             strict_map_key=True,
+            **hooks,
         )
+    except CodecError:
+        raise
     except _UNDECODABLE as exc:
         raise CodecError(f"not msgpack: {type(exc).__name__}") from exc
     if pack(value) != data:
