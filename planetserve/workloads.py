@@ -30,9 +30,9 @@ number of items in the queue?"), so a challenge prompt made here looks like any 
 
 Each request also says how it is sent and sampled: half as a chat message (the rest as a bare
 completion prompt), half of them streamed; greedily for half of them, at temperature 0.7 or 1.0 (the
-API's default) for a quarter each; a quarter of them ask for nucleus sampling at top_p 0.9. The traces
-publish none of this; the mix is ours, and the verifier's challenges draw from it too, so that none of
-it tells a challenge apart.
+API's default) for a quarter each; a quarter of them ask for nucleus sampling at top_p 0.9; a tenth ask
+for each token's log-probability with 0-5 alternatives. The traces publish none of this; the mix is
+ours, and the verifier's challenges draw from it too, so that none of it tells a challenge apart.
 """
 
 from __future__ import annotations
@@ -65,6 +65,11 @@ CHAT_SHARE = 0.5
 STREAM_SHARE = 0.5
 """The share of new requests whose program asks for the answer streamed; a follow-up keeps its
 session's."""
+LOGPROBS_SHARE = 0.1
+"""The share of new requests whose program asks for each token's log-probability (OpenAI's `logprobs`),
+with a number of alternatives drawn uniformly from 0..MAX_TOP_LOGPROBS; a follow-up keeps its
+session's."""
+MAX_TOP_LOGPROBS = 5
 FOLLOWUP_SHARE = 0.25
 """The chance that a user's request continues a recent session (ours: the traces publish none); what
 `generate` is told by callers that model users' traffic as a whole, challenges included."""
@@ -133,6 +138,8 @@ class Request:
     stream: bool = False
     """Whether the program asks for the answer streamed."""
     top_p: float = 1.0
+    logprobs: int | None = None
+    """The log-probability alternatives per token the program asks for; None: no log-probabilities."""
 
     @property
     def prompt_ids(self) -> tuple[int, ...]:
@@ -351,7 +358,7 @@ def _follow_up(parent: Request, session: str, rid: int, arrival: float, writer: 
     suffix = (*parent.suffix_ids, *paragraph, *answer, *paragraph, *question)
     return Request(rid, arrival, parent.workload, parent.prefix_id, parent.prefix_ids, suffix,
                    parent.max_tokens, parent.output_len, session, parent.temperature, parent.chat,
-                   parent.stream, parent.top_p)
+                   parent.stream, parent.top_p, parent.logprobs)
 
 
 def _weighted(weights: dict[float, int], rng: np.random.Generator) -> Iterator[float]:
@@ -362,6 +369,13 @@ def _weighted(weights: dict[float, int], rng: np.random.Generator) -> Iterator[f
     cdf /= cdf[-1]
     while True:
         yield values[min(int(np.searchsorted(cdf, rng.random(), side="right")), len(values) - 1)]
+
+
+def _logprobs(rng: np.random.Generator) -> int | None:
+    """Whether a new request asks for log-probabilities (LOGPROBS_SHARE), and with how many alternatives."""
+    asked = rng.random() < LOGPROBS_SHARE
+    alternatives = int(rng.integers(MAX_TOP_LOGPROBS + 1))
+    return alternatives if asked else None
 
 
 def generate(
@@ -391,6 +405,7 @@ def generate(
     nuclei = _weighted(TOP_PS, np.random.default_rng([seed, 7]))
     forms = np.random.default_rng([seed, 5])
     streams = np.random.default_rng([seed, 6])
+    asks = np.random.default_rng([seed, 8])
     writer = _Writer(random.Random(f"questions:{seed}"))
     arrivals = poisson_arrivals(rate, np.random.default_rng([seed, 2]), count=count, duration=duration)
     recent: dict[str, list[Request]] = {n: [] for n in names}
@@ -407,7 +422,8 @@ def generate(
         else:
             request = replace(sources[name].request(rid, arrival, rng, writer), temperature=next(sampling),
                               chat=bool(forms.random() < CHAT_SHARE),
-                              stream=bool(streams.random() < STREAM_SHARE), top_p=next(nuclei))
+                              stream=bool(streams.random() < STREAM_SHARE), top_p=next(nuclei),
+                              logprobs=_logprobs(asks))
         pool.append(request)
         del pool[:-32]
         requests.append(request)

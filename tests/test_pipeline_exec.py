@@ -389,6 +389,17 @@ def test_the_pipeline_engine_serves_like_an_engine(deep_gt: LoadedModel):
             tokens = [t async for chunk in engine.generate(GenerationRequest(tuple(ids), 6))
                       for t in chunk.token_ids]
             assert tokens == unsplit_tokens(deep_gt, ids, 6)
+            # log-probabilities as the built-in engine reports them: the whole model's log-softmax at
+            # each position, the chosen token's and the two likeliest
+            scored = [chunk async for chunk in engine.generate(GenerationRequest(tuple(ids), 4, logprobs=2))]
+            with torch.inference_mode():
+                rows = deep_gt.model(torch.tensor([ids + tokens[:3]])).logits[0, len(ids) - 1:].log_softmax(-1)
+            for chunk, row in zip(scored, rows, strict=True):
+                (entry,) = chunk.logprobs
+                assert entry.logprob == pytest.approx(row[chunk.token_ids[0]].item(), abs=1e-4)
+                assert [i for i, _ in entry.top] == row.topk(2).indices.tolist()
+            with pytest.raises(EngineError, match="logprobs must lie in"):
+                await anext(engine.generate(GenerationRequest(tuple(ids), 2, logprobs=99)))
             with pytest.raises(EngineError, match="max_tokens must be >= 1"):
                 await anext(engine.generate(GenerationRequest(tuple(ids), 0)))
             first = engine.generate(GenerationRequest(tuple(ids), 4))

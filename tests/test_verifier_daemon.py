@@ -9,6 +9,7 @@ import time
 import pytest
 from click.testing import CliRunner
 
+from planetserve import workloads
 from planetserve.chain.challenge import (
     Challenge,
     response_extension,
@@ -135,7 +136,7 @@ def test_a_signed_answer_comes_back_whole(relay, stream):
     response = sign_response(node, "Why is the sky blue?", [5, 6], "Light.", "gt", int(time.time()), "h:1", 500, 0)
     relay.body = {"choices": [{"text": "Light."}], "planetserve": response_extension(response)}
     challenge = Challenge.new("Why is the sky blue?", 500, max_tokens=12)
-    got = OverlayChannel(relay.url, stream_share=float(stream)).ask(node.public, "gt", challenge)
+    got = OverlayChannel(relay.url, stream_share=float(stream), logprobs_share=0.0).ask(node.public, "gt", challenge)
     assert got.response == response and response_valid(got.response) and got.served is None
     assert relay.received[0] == {"path": "/v1/completions", "model": "gt", "prompt": "Why is the sky blue?",
                                  "max_tokens": 12, "temperature": 0.5, "stream": stream,
@@ -152,7 +153,7 @@ def test_a_chat_challenge_goes_as_its_one_message(relay, stream):
     relay.body = {"choices": [{"message": {"role": "assistant", "content": "Light."}}],
                   "planetserve": response_extension(response)}
     challenge = Challenge.new(rendered, 0, "Why is the sky blue?", max_tokens=12)
-    got = OverlayChannel(relay.url, stream_share=float(stream)).ask(node.public, "gt", challenge)
+    got = OverlayChannel(relay.url, stream_share=float(stream), logprobs_share=0.0).ask(node.public, "gt", challenge)
     assert got.response == response
     assert relay.received[0] == {"path": "/v1/chat/completions", "model": "gt", "max_tokens": 12,
                                  "temperature": 0.0, "stream": stream,
@@ -161,6 +162,29 @@ def test_a_chat_challenge_goes_as_its_one_message(relay, stream):
     relay.body = {"choices": [{"text": "Light."}], "planetserve": response_extension(response)}
     with pytest.raises(NoAnswer, match="malformed answer"):
         OverlayChannel(relay.url, stream_share=float(stream)).ask(node.public, "gt", challenge)
+
+
+def test_challenges_ask_for_log_probabilities_as_each_form_spells_it(relay):
+    """A challenge asking for log-probabilities (a tenth by default, as the workload's programs ask) says
+    so as a program would for its form, with 0-5 alternatives; its answer is the same signed text."""
+    assert OverlayChannel(relay.url).logprobs_share == workloads.LOGPROBS_SHARE
+    node = KeySet.generate()
+    rendered = "<|im_start|>user\nWhy?<|im_end|>\n<|im_start|>assistant\n"
+    asked = []
+    for prompt, question in (("Why?", ""), (rendered, "Why?")) * 12:
+        response = sign_response(node, prompt, [5, 6], "Light.", "gt", int(time.time()), "h:1", 0, 0)
+        choice = {"message": {"role": "assistant", "content": "Light."}} if question else {"text": "Light."}
+        relay.body = {"choices": [{**choice, "logprobs": {"content": []}}], "planetserve": response_extension(response)}
+        challenge = Challenge.new(prompt, 0, question, max_tokens=12)
+        assert OverlayChannel(relay.url, logprobs_share=1.0).ask(node.public, "gt", challenge).response == response
+        body = relay.received[-1]
+        if question:
+            assert body["logprobs"] is True
+            asked.append(body["top_logprobs"])
+        else:
+            assert "top_logprobs" not in body
+            asked.append(body["logprobs"])
+    assert set(asked) <= set(range(workloads.MAX_TOP_LOGPROBS + 1)) and len(set(asked)) > 2
 
 
 def test_a_follow_up_challenge_sends_its_first_turn_under_the_same_session(relay):

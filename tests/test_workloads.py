@@ -116,8 +116,9 @@ def test_followups_extend_their_session() -> None:
 
 
 def test_requests_say_how_they_are_sent_and_sampled(big: dict[str, list[w.Request]]) -> None:
-    """Half greedy, a quarter each at 0.7 and 1.0; a quarter with top_p 0.9; half sent as chats; drawn apart
-    from everything else, so adding them left every other field of a seed's requests as it was."""
+    """Half greedy, a quarter each at 0.7 and 1.0; a quarter with top_p 0.9; half sent as chats; a tenth
+    asking for log-probabilities with 0-5 alternatives; drawn apart from everything else, so adding them
+    left every other field of a seed's requests as it was."""
     requests = big["mixed"]
     for drawn, weights in ((Counter(r.temperature for r in requests), w.TEMPERATURES),
                            (Counter(r.top_p for r in requests), w.TOP_PS)):
@@ -125,6 +126,9 @@ def test_requests_say_how_they_are_sent_and_sampled(big: dict[str, list[w.Reques
         for value, weight in weights.items():
             assert drawn[value] / len(requests) == pytest.approx(weight / sum(weights.values()), abs=0.03)
     assert sum(r.chat for r in requests) / len(requests) == pytest.approx(w.CHAT_SHARE, abs=0.03)
+    asking = [r.logprobs for r in requests if r.logprobs is not None]
+    assert len(asking) / len(requests) == pytest.approx(w.LOGPROBS_SHARE, abs=0.03)
+    assert set(asking) == set(range(w.MAX_TOP_LOGPROBS + 1))
     first = requests[0]
     assert (first.prefix_id, first.output_len, len(first.suffix_ids)) == ("coding/7075", 628, 120)
 
@@ -134,7 +138,7 @@ def test_a_follow_up_is_sent_and_sampled_like_its_session() -> None:
     by_session: dict[str, set[tuple[float, bool, float]]] = {}
     for r in requests:
         if r.session is not None:
-            by_session.setdefault(r.session, set()).add((r.temperature, r.chat, r.top_p))
+            by_session.setdefault(r.session, set()).add((r.temperature, r.chat, r.top_p, r.logprobs))
     assert by_session and all(len(forms) == 1 for forms in by_session.values())
     assert len({form for forms in by_session.values() for form in forms}) > 1
 

@@ -100,6 +100,8 @@ class VerifierConfig(LedgerHome):
     Set it to what the network's users send, so that challenges look like their requests."""
     chat_share: float | None = None
     """Share of challenges sent as a chat message; None: the workload's (workloads.CHAT_SHARE)."""
+    logprobs_share: float = workloads.LOGPROBS_SHARE
+    """Share of challenges asking for each token's log-probability, as the workload's programs ask."""
     rechallenge_share: float = RECHALLENGE_SHARE
     """Share of the planned nodes the leader did answer that this member challenges again with a prompt
     of its own, each epoch, drawn secretly (verifier/daemon.py): more answers per node and epoch, so a
@@ -127,7 +129,7 @@ class VerifierConfig(LedgerHome):
         for name in ("max_prompt_tokens", "max_tokens", "concurrency", "attempts"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise HomeError(f"{CONFIG_FILE}: {name} must be a positive integer")
-        for name in ("greedy_share", "chat_share", "rechallenge_share"):
+        for name in ("greedy_share", "chat_share", "logprobs_share", "rechallenge_share"):
             share = getattr(self, name)
             if share is not None and (isinstance(share, bool) or not isinstance(share, int | float)
                                       or not 0 <= share <= 1):

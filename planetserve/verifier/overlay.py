@@ -1,8 +1,10 @@
 """Sending a challenge to one model node through a user relay's local OpenAI-compatible endpoint, as
 any program of a user would: on the wire it is an ordinary chat or completion request, streamed as
-often as users' programs stream (`workloads.STREAM_SHARE`). The relay's `planetserve.node` extension
-picks the node (trusted or not); the relay re-encodes every request canonically, so what leaves it is
-the same whichever program sent it."""
+often as users' programs stream (`workloads.STREAM_SHARE`) and asking for each token's log-probability
+as often as they ask (`workloads.LOGPROBS_SHARE`; the answer's signed tokens are scored, not the
+log-probabilities it reports). The relay's `planetserve.node` extension picks the node (trusted or
+not); the relay re-encodes every request canonically, so what leaves it is the same whichever program
+sent it."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from planetserve.chain.rpc import TooLarge, read_limited
 from planetserve.registry.epochs import MILLI, SEED_BITS, SignedResponse
 
 MAX_ANSWER_BYTES = 4 << 20
+ONE = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,10 @@ class OverlayChannel:
     max_tokens: int = 64
     """The most tokens a challenge asks for (a drawn cap above it is lowered to it)."""
     stream_share: float = workloads.STREAM_SHARE
+    logprobs_share: float = workloads.LOGPROBS_SHARE
+    """The share of challenges asking for log-probabilities (with 0..workloads.MAX_TOP_LOGPROBS
+    alternatives, uniformly): a program's request that asks for them must not tell a node it is no
+    challenge."""
 
     def ask(self, node: bytes, model_id: str, challenge: Challenge) -> Reply:
         """The node's signed answer to `challenge` (a chat when it has a question, else a completion),
@@ -53,7 +60,10 @@ class OverlayChannel:
         id the challenge then uses; a failed earlier turn is the node's failure to answer.
         Whether the answer is the right one (its signer, prompt, temperature and content) is for the
         caller to check."""
-        stream = secrets.randbelow(1_000_000) < self.stream_share * 1_000_000
+        stream = secrets.randbelow(ONE) < self.stream_share * ONE
+        logprobs = secrets.randbelow(workloads.MAX_TOP_LOGPROBS + 1)
+        if secrets.randbelow(ONE) >= self.logprobs_share * ONE:
+            logprobs = None
         options: dict = {"node": node.hex()}
         chat = bool(challenge.question)
         *earlier, text = challenge.turns()
@@ -62,11 +72,12 @@ class OverlayChannel:
         for turn, before in enumerate(earlier, start=1):
             try:
                 fresh = secrets.randbits(SEED_BITS)
-                self._answer(request_body(model_id, challenge, before, chat, stream, options, fresh), chat,
-                             stream)
+                body = request_body(model_id, challenge, before, chat, stream, options, fresh, logprobs)
+                self._answer(body, chat, stream)
             except NoAnswer as exc:
                 raise NoAnswer(f"turn {turn} of the session failed: {exc}"[:256]) from None
-        return self._answer(request_body(model_id, challenge, text, chat, stream, options), chat, stream)
+        return self._answer(request_body(model_id, challenge, text, chat, stream, options, logprobs=logprobs),
+                            chat, stream)
 
     def _answer(self, body: dict, chat: bool, stream: bool) -> Reply:
         url = f"{self.relay.rstrip('/')}/v1/{'chat/completions' if chat else 'completions'}"
@@ -104,11 +115,12 @@ class OverlayChannel:
 
 
 def request_body(model_id: str, challenge: Challenge, text: str, chat: bool, stream: bool,
-                 options: dict[str, Any], seed: int | None = None) -> dict[str, Any]:
+                 options: dict[str, Any], seed: int | None = None, logprobs: int | None = None
+                 ) -> dict[str, Any]:
     """What a user's program would send for `text` at the challenge's temperature and output cap, with
     the relay told to send `seed` unchanged (a program's seed it would key): the challenge's committed
     one unless another is given (earlier turns, which are not scored, get fresh ones as a program's
-    turns do)."""
+    turns do); asking for `logprobs` alternatives per token, as the API's form spells it, unless None."""
     exact = challenge.seed if seed is None else seed
     body: dict[str, Any] = {"model": model_id, "max_tokens": challenge.max_tokens, "stream": stream,
                             "temperature": challenge.sampling_temperature,
@@ -119,6 +131,8 @@ def request_body(model_id: str, challenge: Challenge, text: str, chat: bool, str
         body["messages"] = [{"role": "user", "content": text}]
     else:
         body["prompt"] = text
+    if logprobs is not None:
+        body |= {"logprobs": True, "top_logprobs": logprobs} if chat else {"logprobs": logprobs}
     return body
 
 

@@ -68,7 +68,8 @@ def build_daemon(home: Path) -> tuple[Daemon, VerifierConfig]:
     # a restarted leader must be back before its plan window closes: how long each step took says what to cut
     log.info("started in %.1f s: ledger %.1f s, models %.1f s, workload %.1f s", warm - begun,
              opened - begun, loaded - opened, warm - loaded)
-    channel = OverlayChannel(config.relay, timeout=config.challenge_timeout, max_tokens=config.max_tokens)
+    channel = OverlayChannel(config.relay, timeout=config.challenge_timeout, max_tokens=config.max_tokens,
+                             logprobs_share=config.logprobs_share)
     daemon = Daemon(keys, ledger, references, channel, source, home,
                     calibrated=config.credibility == "calibrated", concurrency=config.concurrency,
                     attempts=config.attempts, rechallenge_share=config.rechallenge_share, retired=retired)

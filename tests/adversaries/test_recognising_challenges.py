@@ -86,6 +86,9 @@ def program_body(request: workloads.Request, style: int) -> dict:
         body["messages"] = [{"role": "user", "content": request.text}]
     else:
         body["prompt"] = request.text
+    if request.logprobs is not None:
+        body |= ({"logprobs": True, "top_logprobs": request.logprobs} if request.chat
+                 else {"logprobs": request.logprobs})
     if request.session is not None:
         body["planetserve"] = {"session_id": f"program-{request.session}"}
     if style == 0:
@@ -97,9 +100,16 @@ def program_body(request: workloads.Request, style: int) -> dict:
     return body
 
 
+LOGPROBS_KEYS = {"chat": {"logprobs", "top_logprobs"}, "completions": {"logprobs"}}
+"""What a request asking for log-probabilities adds, by form (a tenth of requests, on both sides)."""
+
+
 def shape(endpoint: str, raw: bytes) -> tuple:
+    """A request's form and key set, less the log-probability keys (each form's own, or none)."""
     body = json.loads(raw)
-    return endpoint, body["stream"], tuple(sorted(body)), tuple(sorted(body["planetserve"]))
+    asked = LOGPROBS_KEYS[endpoint] & body.keys()
+    assert asked in (set(), LOGPROBS_KEYS[endpoint]), body.keys()
+    return (endpoint, body["stream"], tuple(sorted(body.keys() - asked)), tuple(sorted(body["planetserve"])))
 
 
 async def send_as_program(client: AsyncOpenAI, request: workloads.Request, style: int) -> None:
@@ -196,11 +206,13 @@ def arrivals_of_challenges(count: int) -> list[tuple[str, bytes]]:
     for drawn in (d for _ in range(0, count, 8) for d in source.draw(8)):
         challenge = to_challenge(drawn, f"<rendered>{drawn.text}" if drawn.chat else None, CAP)
         chat, stream = bool(challenge.question), random.random() < workloads.STREAM_SHARE  # noqa: S311
+        logprobs = random.randrange(workloads.MAX_TOP_LOGPROBS + 1)  # noqa: S311 - as the channel draws
+        logprobs = logprobs if random.random() < workloads.LOGPROBS_SHARE else None  # noqa: S311
         session = new_session_id()
         turns = challenge.turns()
         for turn, text in enumerate(turns, start=1):
             seed = None if turn == len(turns) else random.getrandbits(SEED_BITS)
-            body = request_body("gt", challenge, text, chat, stream, {"node": "ab" * 32}, seed)
+            body = request_body("gt", challenge, text, chat, stream, {"node": "ab" * 32}, seed, logprobs)
             endpoint = "chat" if chat else "completions"
             out.append((endpoint, relayed_body(taken_request(endpoint, body, SEED_KEY)[1], "gt", session)))
     return out
@@ -212,7 +224,8 @@ def pieces(text: str) -> int:
 
 def features(arrivals: list[tuple[str, bytes]]) -> np.ndarray:
     """Everything a node can read off a request: its form, sampling (its nucleus, and its seed's value and size too),
-    output cap, lengths, key set, and whether its session or seed was seen before (and how often)."""
+    output cap, the log-probabilities it asks for, lengths, key set, and whether its session or seed was seen
+    before (and how often)."""
     seen: dict[str, int] = {}
     seeds: dict[int, int] = {}
     rows = []
@@ -222,10 +235,15 @@ def features(arrivals: list[tuple[str, bytes]]) -> np.ndarray:
         session = body["planetserve"]["session_id"]
         rows.append([endpoint == "chat", body["stream"], body["temperature"], body.get("top_p", 1.0),
                      body["max_tokens"], len(text), len(raw), len(body), seen.get(session, 0), body["seed"],
-                     body["seed"].bit_length(), seeds.get(body["seed"], 0)])
+                     body["seed"].bit_length(), seeds.get(body["seed"], 0), "logprobs" in body,
+                     body.get("top_logprobs", body.get("logprobs", -1))])
         seeds[body["seed"]] = seeds.get(body["seed"], 0) + 1
         seen[session] = seen.get(session, 0) + 1
     return np.array(rows, dtype=float)
+
+
+LOGPROBS_COLUMN = 12
+"""The features' column that says whether a request asks for log-probabilities."""
 
 
 def test_a_classifier_tells_challenges_from_users_no_better_than_chance():
@@ -234,6 +252,9 @@ def test_a_classifier_tells_challenges_from_users_no_better_than_chance():
     user_rows = features(arrivals_of_users(4000, 21))
     x = np.vstack([user_rows, challenge_rows])
     y = np.concatenate([np.zeros(len(user_rows)), np.ones(len(challenge_rows))])
+    # a request asking for log-probabilities is a challenge as often as any (none was, once)
+    asking = x[:, LOGPROBS_COLUMN] == 1
+    assert asking.sum() > 400 and abs(y[asking].mean() - y.mean()) < 0.08, (asking.sum(), y[asking].mean())
     order = np.random.default_rng(3).permutation(len(y))
     x, y = x[order], y[order]
     half = len(y) // 2

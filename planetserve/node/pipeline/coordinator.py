@@ -38,7 +38,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from planetserve.node.engine.base import GenerationRequest, TokenChunk, Tokenizer
+from planetserve.node.engine.base import MAX_LOGPROBS, GenerationRequest, TokenChunk, Tokenizer
+from planetserve.node.engine.builtin import token_logprob
 from planetserve.node.overlay.transport import Peering, RemoteError, TransportError
 from planetserve.node.pipeline.chains import Chain, ChainRouter, Hop, NoChainError
 from planetserve.node.pipeline.stages import (
@@ -156,17 +157,22 @@ class PipelineClient:
 
     async def generate(self, request: GenerationRequest,
                        chains: list[Chain] | None = None) -> AsyncIterator[TokenChunk]:
-        """Stream a generation as the engines do, one token a chunk; `chains` collects the chains used."""
+        """Stream a generation as the engines do, one token a chunk (with its log-probability under the
+        raw logits, as the built-in engine's, when the request asks); `chains` collects the chains used."""
         self._check(request)
         route, pick = _Route(secrets.token_hex(8), chains), sampler(request.temperature, request.seed,
                                                                             request.top_p)
         tokens, stop = list(request.prompt_ids), frozenset(request.stop_ids)
         try:
             for produced in range(1, request.max_tokens + 1):
-                token = pick(await self._logits_after(route, tokens), produced - 1)
+                logits = await self._logits_after(route, tokens)
+                token = pick(logits, produced - 1)
                 tokens.append(token)
                 finish = "stop" if token in stop else "length" if produced == request.max_tokens else None
-                yield TokenChunk((token,), finish, len(request.prompt_ids) if produced == 1 else 0)
+                scored = None if request.logprobs is None else (
+                    token_logprob(torch.from_numpy(logits).float().log_softmax(-1), token, request.logprobs),)
+                yield TokenChunk((token,), finish, len(request.prompt_ids) if produced == 1 else 0,
+                                 logprobs=scored)
                 if finish is not None:
                     return
         finally:
@@ -195,6 +201,8 @@ class PipelineClient:
             raise PipelineError(str(exc)) from None
         if any(not 0 <= t < vocab for t in prompt):
             raise PipelineError(f"prompt token ids must lie in [0, {vocab})")
+        if request.logprobs is not None and not 0 <= request.logprobs <= min(MAX_LOGPROBS, vocab):
+            raise PipelineError(f"logprobs must lie in [0, {MAX_LOGPROBS}]")
         if len(prompt) + request.max_tokens > self.shape.max_positions:
             raise PipelineError(f"prompt ({len(prompt)}) + max_tokens ({request.max_tokens}) exceeds "
                                 f"{self.shape.max_positions}")

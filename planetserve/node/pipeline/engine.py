@@ -19,7 +19,6 @@ from planetserve.node.engine.base import (
     EngineLoad,
     GenerationRequest,
     TokenChunk,
-    UnsupportedParameter,
 )
 from planetserve.node.overlay.transport import Peering
 from planetserve.node.pipeline.coordinator import PipelineClient, PipelineError
@@ -67,11 +66,6 @@ class PipelineEngine:
                 log.exception("pipeline latency measurement failed")
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenChunk]:
-        """Refuses `logprobs`, which pipelines do not report yet (the coordinator holds each position's
-        logits, so adding it is local to `PipelineClient.generate`)."""
-        if request.logprobs is not None:
-            raise UnsupportedParameter("logprobs", "A model served by a layer pipeline does not report "
-                                       "log-probabilities yet.")
         client = self.client
         if client is None:
             raise EngineError("the pipeline is still starting")
