@@ -28,6 +28,7 @@ from sklearn.metrics import roc_auc_score
 from waiting import run
 
 from planetserve import workloads
+from planetserve.chain.challenge import response_valid
 from planetserve.node.api.openai import (
     ApiError,
     Endpoint,
@@ -160,6 +161,15 @@ def test_challenges_arrive_as_users_requests_do(quick_family):
                 await asyncio.gather(*(asyncio.to_thread(channel.ask, node.keys.public, "gt", c)
                                        for c in challenges[i:i + 4]))
             from_challenges = node.arrived[len(from_users):]
+            # one asking for log-probabilities, as a tenth do: the node reports them and signs its answer
+            for chat in (False, True):
+                drawn = next(d for d in source.draw(8) if d.chat == chat and not d.earlier)
+                rendered = node.tokenizer.apply_chat_template([{"role": "user", "content": drawn.text}], tokenize=False,
+                                                              add_generation_prompt=True) if chat else None
+                asking = replace(channel, logprobs_share=1.0)
+                reply = await asyncio.to_thread(asking.ask, node.keys.public, "gt", to_challenge(drawn, rendered, CAP))
+                assert response_valid(reply.response) and reply.response.token_ids
+                assert "logprobs" in json.loads(node.arrived[-1][1])
         finally:
             await net.close()
 
