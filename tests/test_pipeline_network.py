@@ -149,7 +149,9 @@ def test_a_model_split_across_three_nodes_serves_through_the_overlay(tmp_path, d
         reference = ReferenceModel.from_loaded(deep_gt, model_id="deep")
         question = "How do I read a file line by line?"
         challenge = Challenge.new(reference.chat_prompt(question), 0, question)
-        reply = OverlayChannel(me.ready["http"], max_tokens=16).ask(entry, "deep", challenge)
+        # asking for log-probabilities, as a tenth of challenges do: a pipeline reports them like any engine
+        channel = OverlayChannel(me.ready["http"], max_tokens=16, logprobs_share=1.0)
+        reply = channel.ask(entry, "deep", challenge)
         assert reply.response.node == entry and reply.response.temperature == 0
         verdict = reference.verify_one(reply.response, challenge.prompt, entry)
         # greedy through the split model is the unsplit model's choice at every step
