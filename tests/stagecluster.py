@@ -43,10 +43,10 @@ class Cluster:
             await stage.close()
 
 
-def chain_router(placement: Mapping[str, tuple[int, int]], layer_ms: Mapping[str, float] | None = None
-                 ) -> ChainRouter:
+def chain_router(placement: Mapping[str, tuple[int, int]], layer_ms: Mapping[str, float] | None = None,
+                 layers: int = LAYERS) -> ChainRouter:
     table = LatencyTable(default_layer_ms=1.0, default_rtt_ms=1.0, profiled_layer_ms=layer_ms)
-    router = ChainRouter(LayerDag(placement, LAYERS), table)
+    router = ChainRouter(LayerDag(placement, layers), table)
     router.refresh(time.monotonic())
     return router
 
@@ -63,8 +63,9 @@ async def cluster(loaded: LoadedModel, placement: Mapping[str, tuple[int, int]],
               for gpu, layers in placement.items()}
     allowed = {k.public for k in keys.values()}
     peering = Peering(client_keys, refuse, allowed.__contains__)
-    router = chain_router(placement)
+    shape = ModelShape.of(loaded.model.config)
+    router = chain_router(placement, layers=shape.num_layers)
     addresses = {gpu: StageAddress(keys[gpu].public, f"127.0.0.1:{stages[gpu].port}") for gpu in placement}
-    client = PipelineClient(peering, router, addresses, ModelShape.of(loaded.model.config), loaded.tokenizer,
+    client = PipelineClient(peering, router, addresses, shape, loaded.tokenizer,
                             step_timeout=step_timeout, chunk_tokens=chunk_tokens)
     return Cluster(stages, keys, peering, router, client)

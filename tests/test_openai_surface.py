@@ -19,6 +19,7 @@ import torch
 from enginefaults import fault
 from openai import AsyncOpenAI, OpenAI
 from overlaynet import make_user, start_overlay
+from stagecluster import cluster
 from waiting import run
 
 from planetserve.models import load
@@ -27,7 +28,9 @@ from planetserve.node.api.engine_server import EngineServer
 from planetserve.node.engine.base import GenerationRequest, TokenChunk
 from planetserve.node.engine.builtin import BuiltinEngine
 from planetserve.node.engine.remote import RemoteEngine
+from planetserve.node.pipeline.coordinator import PipelineClient
 from planetserve.node.pipeline.engine import PipelineEngine
+from planetserve.node.pipeline.stages import ModelShape
 
 MODEL = "planetserve/gt"
 """Served under a name with a slash, as a real model id has, so /v1/models/{id} must take it."""
@@ -352,21 +355,33 @@ def test_a_remote_engine_carries_logprobs_through_an_openai_server(served, gt):
         check_token(row, token, entry.logprob, list(entry.top), 4)
 
 
-def test_a_pipelined_model_refuses_logprobs_with_a_clear_400(gt):
-    async def main() -> None:
-        pipeline = PipelineEngine(lambda peering: None, "gt", max_model_len=256, capacity=1)
-        server = EngineServer(pipeline, gt.tokenizer, model_name="gt")
+def test_a_pipelined_model_reports_logprobs_as_one_engine_does(gt):
+    """A model split over two stage servers (TLS on loopback) answers `logprobs` through the OpenAI
+    surface with the whole model's values: each token's own and its likeliest alternatives."""
+    layers = {"a": (0, 1), "b": (1, 2)}
+    shape = ModelShape.of(gt.model.config)
+
+    async def main():
+        c = await cluster(gt, layers)
+        pipeline = PipelineEngine(lambda peering: PipelineClient(peering, c.router, {g: c.address(g) for g in layers},
+                                                                 shape, gt.tokenizer),
+                                  "gt", max_model_len=shape.max_positions, capacity=1)
+        await pipeline.start(c.peering)
+        server = EngineServer(pipeline, gt.tokenizer, model_name=MODEL)
         url = await server.start()
         try:
-            api = AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
-            with pytest.raises(openai.BadRequestError) as refused:
-                await api.chat.completions.create(model="gt", messages=QUESTION, logprobs=True)
-            assert refused.value.param == "logprobs" and refused.value.code == "unsupported_parameter"
-            assert "pipeline" in refused.value.message
+            return await asyncio.to_thread(chat_logprobs, OpenAI(base_url=f"{url}/v1", api_key="none"),
+                                           stream=False, as_ids=True)
         finally:
             await server.close()
+            await pipeline.close()
+            await c.close()
 
-    run(main())
+    ids, prompt, content, _, _ = run(main(), 60)
+    assert len(content) == len(ids) > 0
+    for row, token, entry in zip(teacher_forced(gt, prompt, ids), ids, content, strict=True):
+        assert token_id(entry.token) == token and len(entry.top_logprobs) == 5
+        check_token(row, token, entry.logprob, [(token_id(e.token), e.logprob) for e in entry.top_logprobs], 5)
 
 
 def test_a_failing_request_gets_a_500_a_full_queue_a_503_and_the_others_their_answers(gt):
