@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU measurements of docs/benchmarks.md ("On a GPU"), for a machine with one NVIDIA GPU and no network.
-# Everything travels with the working tree: the pinned transformers as a wheel in .whl/ (fetch it here with
-# bench/device/wheels.sh; the machine's own PyTorch is used), and the models are built from their shapes
-# with random weights. Writes a results table (and JSON) under $OUT, or bench/out/device without it.
+# Everything travels with the working tree: the pinned transformers and uvloop as wheels in .whl/ (fetch
+# them here with bench/device/wheels.sh; the machine's own PyTorch is used), and the models are built from
+# their shapes with random weights. Writes a results table (and JSON) under $OUT, or bench/out/device without it.
 #
 #     bash bench/device/run.sh
 set -euo pipefail
