@@ -142,6 +142,32 @@ def block_reader(past: DynamicCache, row: int, kv_len: int, block_size: int) -> 
     return read
 
 
+def request_problem(request: GenerationRequest, vocab_size: int, max_len: int) -> str | None:
+    """Why an engine that samples by the protocol over `vocab_size` tokens and `max_len` positions cannot
+    serve `request` (the first reason), or None. The built-in engine and a pipeline's coordinator both
+    check this before any work."""
+    prompt = request.prompt_ids
+    if not prompt:
+        return "empty prompt"
+    if request.max_tokens < 1:
+        return "max_tokens must be >= 1"
+    if not math.isfinite(request.temperature) or request.temperature < 0:
+        return "temperature must be a finite number >= 0"
+    try:
+        check_top_p(request.top_p)
+    except ValueError as exc:
+        return str(exc)
+    if request.seed is not None and not 0 <= request.seed < 1 << 64:
+        return "seed must lie in [0, 2**64)"
+    if request.logprobs is not None and not 0 <= request.logprobs <= min(MAX_LOGPROBS, vocab_size):
+        return f"logprobs must lie in [0, {MAX_LOGPROBS}]"
+    if any(not 0 <= t < vocab_size for t in prompt):
+        return f"prompt token ids must lie in [0, {vocab_size})"
+    if len(prompt) + request.max_tokens > max_len:
+        return f"prompt ({len(prompt)}) + max_tokens ({request.max_tokens}) exceeds {max_len}"
+    return None
+
+
 def token_logprob(logprobs: torch.Tensor, token: int, top: int) -> TokenLogprob:
     """A token's entry from its position's log-softmax row ([vocab]), with the `top` likeliest."""
     values, ids = logprobs.topk(top)
@@ -333,26 +359,8 @@ class BuiltinEngine:
         prompt = request.prompt_ids
         if self._closed:
             raise EngineError("engine is closed")
-        if not prompt:
-            raise EngineError("empty prompt")
-        if request.max_tokens < 1:
-            raise EngineError("max_tokens must be >= 1")
-        if not math.isfinite(request.temperature) or request.temperature < 0:
-            raise EngineError("temperature must be a finite number >= 0")
-        try:
-            check_top_p(request.top_p)
-        except ValueError as exc:
-            raise EngineError(str(exc)) from None
-        if request.seed is not None and not 0 <= request.seed < 1 << 64:
-            raise EngineError("seed must lie in [0, 2**64)")
-        if request.logprobs is not None and not 0 <= request.logprobs <= min(MAX_LOGPROBS, self.vocab_size):
-            raise EngineError(f"logprobs must lie in [0, {MAX_LOGPROBS}]")
-        if any(not 0 <= t < self.vocab_size for t in prompt):
-            raise EngineError(f"prompt token ids must lie in [0, {self.vocab_size})")
-        if len(prompt) + request.max_tokens > self.max_model_len:
-            raise EngineError(
-                f"prompt ({len(prompt)}) + max_tokens ({request.max_tokens}) exceeds {self.max_model_len}"
-            )
+        if (problem := request_problem(request, self.vocab_size, self.max_model_len)) is not None:
+            raise EngineError(problem)
         if len(prompt) + request.max_tokens > self.kv_budget_tokens:
             raise EngineError(
                 f"prompt ({len(prompt)}) + max_tokens ({request.max_tokens}) needs more KV memory than this "

@@ -28,7 +28,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import math
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -38,8 +37,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from planetserve.node.engine.base import MAX_LOGPROBS, GenerationRequest, TokenChunk, Tokenizer
-from planetserve.node.engine.builtin import token_logprob
+from planetserve.node.engine.base import GenerationRequest, TokenChunk, Tokenizer
+from planetserve.node.engine.builtin import request_problem, token_logprob
 from planetserve.node.overlay.transport import Peering, RemoteError, TransportError
 from planetserve.node.pipeline.chains import Chain, ChainRouter, Hop, NoChainError
 from planetserve.node.pipeline.stages import (
@@ -50,7 +49,7 @@ from planetserve.node.pipeline.stages import (
     decode_tensor,
     max_step_tokens,
 )
-from planetserve.sampling import check_top_p, sample
+from planetserve.sampling import sample
 
 log = logging.getLogger(__name__)
 
@@ -188,24 +187,8 @@ class PipelineClient:
             await self._finish(route)
 
     def _check(self, request: GenerationRequest) -> None:
-        prompt, vocab = request.prompt_ids, self.shape.vocab_size
-        if not prompt:
-            raise PipelineError("empty prompt")
-        if request.max_tokens < 1:
-            raise PipelineError("max_tokens must be >= 1")
-        if not math.isfinite(request.temperature) or request.temperature < 0:
-            raise PipelineError("temperature must be a finite number >= 0")
-        try:
-            check_top_p(request.top_p)
-        except ValueError as exc:
-            raise PipelineError(str(exc)) from None
-        if any(not 0 <= t < vocab for t in prompt):
-            raise PipelineError(f"prompt token ids must lie in [0, {vocab})")
-        if request.logprobs is not None and not 0 <= request.logprobs <= min(MAX_LOGPROBS, vocab):
-            raise PipelineError(f"logprobs must lie in [0, {MAX_LOGPROBS}]")
-        if len(prompt) + request.max_tokens > self.shape.max_positions:
-            raise PipelineError(f"prompt ({len(prompt)}) + max_tokens ({request.max_tokens}) exceeds "
-                                f"{self.shape.max_positions}")
+        if (problem := request_problem(request, self.shape.vocab_size, self.shape.max_positions)) is not None:
+            raise PipelineError(problem)
 
     async def _logits_after(self, route: _Route, tokens: list[int]) -> np.ndarray:
         """The logits after `tokens`, feeding the chain only what it has not seen; a lost stage is
