@@ -215,13 +215,12 @@ class Setup:
 async def start_setup(processes: Processes, loop: str, args: argparse.Namespace) -> Setup:
     client, client_pipe = processes.start(serve_relay, loop, args.path_uses, True)
     relays = [processes.start(serve_relay, loop, args.path_uses, False) for _ in range(args.relays)]
-    listed = []
-    for process, pipe in [(client, client_pipe), *relays]:
-        listed.append(await processes.answer(process, pipe, f"relay ({loop})"))
+    everyone = [(client, client_pipe), *relays]
+    listed = [await processes.answer(process, pipe, f"relay ({loop})") for process, pipe in everyone]
     node, node_pipe = processes.start(serve_node, loop, args, listed)
     key, address, node_url = await processes.answer(node, node_pipe, f"model node ({loop})")  # type: ignore[misc]
     view = directory(listed, node_record(key, address))  # type: ignore[arg-type]
-    for _, pipe in [(client, client_pipe), *relays]:
+    for _, pipe in everyone:
         pipe.send(view)
     client_url = await processes.answer(client, client_pipe, f"client's relay ({loop})")
     if isinstance(client_url, SystemExit):
