@@ -129,11 +129,14 @@ class VerifierConfig(LedgerHome):
         for name in ("max_prompt_tokens", "max_tokens", "concurrency", "attempts"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise HomeError(f"{CONFIG_FILE}: {name} must be a positive integer")
-        for name in ("greedy_share", "chat_share", "logprobs_share", "rechallenge_share"):
+        for name, nullable in (("greedy_share", True), ("chat_share", True), ("logprobs_share", False),
+                               ("rechallenge_share", False)):
             share = getattr(self, name)
-            if share is not None and (isinstance(share, bool) or not isinstance(share, int | float)
-                                      or not 0 <= share <= 1):
-                raise HomeError(f"{CONFIG_FILE}: {name} must be null or lie in [0, 1]")
+            if share is None and nullable:
+                continue
+            if isinstance(share, bool) or not isinstance(share, int | float) or not 0 <= share <= 1:
+                either = "be null or " if nullable else ""
+                raise HomeError(f"{CONFIG_FILE}: {name} must {either}lie in [0, 1]")
         if not 0 <= self.tolerance < 10:
             raise HomeError(f"{CONFIG_FILE}: tolerance must lie in [0, 10) nats")
         for name in ("scale", "challenge_timeout", "poll_interval"):
