@@ -11,7 +11,7 @@ BENCHES = ["commit_cost.py", "trie_shape.py", "tx_throughput.py", "app_cost.py",
            "whitewashing.py", "hrtree_fpr.py", "cache_sync.py", "engine_prefix.py", "forwarding.py",
            "forwarding_real.py", "clove_speed.py", "relay_overhead.py", "overlay_cost.py", "linkability.py",
            "anonymity.py", "churn.py", "verify_throughput.py", "detection.py", "allocation.py", "chains.py",
-           "pipeline_sim.py", "state_sync.py", "block_retention.py", "verifier_start.py"]
+           "pipeline_sim.py", "state_sync.py", "block_retention.py", "verifier_start.py", "tx_decode.py"]
 
 
 def main() -> int:
