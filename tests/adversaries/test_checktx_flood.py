@@ -77,6 +77,10 @@ def test_the_densest_valid_transactions_decode_within_the_container_bound():
         "commit-plan": densest(lambda n: tx(CommitPlan(1, (PlanItem(bytes(32), bytes(32), tuple(
             (b"", bytes(49)) for _ in range(n))),), False))),
     }
+    # bytes that look like container heads (in keys, signatures, padding) make the decoder count, not refuse
+    heads = bytes(range(0x80, 0xA0)) * 400
+    built["heartbeat"] = txlib.build(signer, CHAIN_ID, "heartbeat", {"pad": heads}, 0)
+    assert len(heads) > txlib.max_containers(len(built["heartbeat"]))
     for name, raw in built.items():
         held = containers(codec.unpack(raw))
         assert len(raw) <= MAX_TX and 3 * held <= txlib.max_containers(len(raw)), (name, held, len(raw))
