@@ -70,6 +70,12 @@ LOGPROBS_SHARE = 0.1
 with a number of alternatives drawn uniformly from 0..MAX_TOP_LOGPROBS; a follow-up keeps its
 session's."""
 MAX_TOP_LOGPROBS = 5
+STOP_SHARE = 0.1
+"""The share of new requests whose program asks the answer to end at a stop string (OpenAI's `stop`),
+drawn from STOPS; a follow-up keeps its session's."""
+STOPS = {("\n\n",): 2, ("\n",): 1, (".",): 1, ("\n\n", "Question:"): 1}
+"""The stop strings programs ask for and their weights: the end of a paragraph, a line or a sentence, or
+of an answer before the next question."""
 FOLLOWUP_SHARE = 0.25
 """The chance that a user's request continues a recent session (ours: the traces publish none); what
 `generate` is told by callers that model users' traffic as a whole, challenges included."""
@@ -140,6 +146,8 @@ class Request:
     top_p: float = 1.0
     logprobs: int | None = None
     """The log-probability alternatives per token the program asks for; None: no log-probabilities."""
+    stop: tuple[str, ...] = ()
+    """The stop strings the program asks for (none: the answer ends at a stop token or its cap)."""
 
     @property
     def prompt_ids(self) -> tuple[int, ...]:
@@ -358,7 +366,7 @@ def _follow_up(parent: Request, session: str, rid: int, arrival: float, writer: 
     suffix = (*parent.suffix_ids, *paragraph, *answer, *paragraph, *question)
     return Request(rid, arrival, parent.workload, parent.prefix_id, parent.prefix_ids, suffix,
                    parent.max_tokens, parent.output_len, session, parent.temperature, parent.chat,
-                   parent.stream, parent.top_p, parent.logprobs)
+                   parent.stream, parent.top_p, parent.logprobs, parent.stop)
 
 
 def _weighted(weights: dict[float, int], rng: np.random.Generator) -> Iterator[float]:
@@ -376,6 +384,15 @@ def _logprobs(rng: np.random.Generator) -> int | None:
     asked = rng.random() < LOGPROBS_SHARE
     alternatives = int(rng.integers(MAX_TOP_LOGPROBS + 1))
     return alternatives if asked else None
+
+
+def _stops(rng: np.random.Generator) -> Iterator[tuple[str, ...]]:
+    """Each new request's stop strings: none, or (STOP_SHARE) a draw from STOPS."""
+    stops = list(STOPS)
+    chosen = _weighted(dict(enumerate(STOPS.values())), rng)
+    while True:
+        pick = stops[int(next(chosen))]
+        yield pick if rng.random() < STOP_SHARE else ()
 
 
 def generate(
@@ -406,6 +423,7 @@ def generate(
     forms = np.random.default_rng([seed, 5])
     streams = np.random.default_rng([seed, 6])
     asks = np.random.default_rng([seed, 8])
+    stops = _stops(np.random.default_rng([seed, 9]))
     writer = _Writer(random.Random(f"questions:{seed}"))
     arrivals = poisson_arrivals(rate, np.random.default_rng([seed, 2]), count=count, duration=duration)
     recent: dict[str, list[Request]] = {n: [] for n in names}
@@ -423,7 +441,7 @@ def generate(
             request = replace(sources[name].request(rid, arrival, rng, writer), temperature=next(sampling),
                               chat=bool(forms.random() < CHAT_SHARE),
                               stream=bool(streams.random() < STREAM_SHARE), top_p=next(nuclei),
-                              logprobs=_logprobs(asks))
+                              logprobs=_logprobs(asks), stop=next(stops))
         pool.append(request)
         del pool[:-32]
         requests.append(request)

@@ -19,8 +19,9 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 from waiting import run, until
 
+from planetserve.models.detokenize import TextAssembler
 from planetserve.node.api.engine_server import EngineServer
-from planetserve.node.api.openai import ApiLimits, PlanetServeOptions, TextAssembler, parse_chat_request
+from planetserve.node.api.openai import ApiLimits, PlanetServeOptions, parse_chat_request
 from planetserve.node.engine.base import (
     BlockStored,
     CacheEvent,

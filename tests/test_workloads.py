@@ -117,8 +117,8 @@ def test_followups_extend_their_session() -> None:
 
 def test_requests_say_how_they_are_sent_and_sampled(big: dict[str, list[w.Request]]) -> None:
     """Half greedy, a quarter each at 0.7 and 1.0; a quarter with top_p 0.9; half sent as chats; a tenth
-    asking for log-probabilities with 0-5 alternatives; drawn apart from everything else, so adding them
-    left every other field of a seed's requests as it was."""
+    asking for log-probabilities with 0-5 alternatives, and a tenth ending at stop strings; drawn apart
+    from everything else, so adding them left every other field of a seed's requests as it was."""
     requests = big["mixed"]
     for drawn, weights in ((Counter(r.temperature for r in requests), w.TEMPERATURES),
                            (Counter(r.top_p for r in requests), w.TOP_PS)):
@@ -129,16 +129,20 @@ def test_requests_say_how_they_are_sent_and_sampled(big: dict[str, list[w.Reques
     asking = [r.logprobs for r in requests if r.logprobs is not None]
     assert len(asking) / len(requests) == pytest.approx(w.LOGPROBS_SHARE, abs=0.03)
     assert set(asking) == set(range(w.MAX_TOP_LOGPROBS + 1))
+    stopping = Counter(r.stop for r in requests if r.stop)
+    assert sum(stopping.values()) / len(requests) == pytest.approx(w.STOP_SHARE, abs=0.03)
+    for stop, weight in w.STOPS.items():
+        assert stopping[stop] / sum(stopping.values()) == pytest.approx(weight / sum(w.STOPS.values()), abs=0.08)
     first = requests[0]
     assert (first.prefix_id, first.output_len, len(first.suffix_ids)) == ("coding/7075", 628, 120)
 
 
 def test_a_follow_up_is_sent_and_sampled_like_its_session() -> None:
     requests = w.generate("coding", rate=2.0, count=300, seed=4, followup=0.4, scale=0.05)
-    by_session: dict[str, set[tuple[float, bool, float]]] = {}
+    by_session: dict[str, set[tuple]] = {}
     for r in requests:
         if r.session is not None:
-            by_session.setdefault(r.session, set()).add((r.temperature, r.chat, r.top_p, r.logprobs))
+            by_session.setdefault(r.session, set()).add((r.temperature, r.chat, r.top_p, r.logprobs, r.stop))
     assert by_session and all(len(forms) == 1 for forms in by_session.values())
     assert len({form for forms in by_session.values() for form in forms}) > 1
 

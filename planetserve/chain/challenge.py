@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import itertools
 import secrets
-from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from nacl.exceptions import CryptoError
@@ -21,6 +20,9 @@ from planetserve.registry.epochs import PlanEntry, SignedResponse
 DEFAULT_MAX_TOKENS = 64
 MAX_CHALLENGE_TOKENS = 1 << 16
 MAX_EARLIER_TURNS = 32
+MAX_CHALLENGE_STOPS = 16
+MAX_STOP_CHARS = 256
+"""A challenge's stop strings are bounded as a model node's API bounds a request's."""
 SEALED_BUCKET_BYTES = 1024
 """Sealed copies are padded to a multiple of this, so an entry's length on the ledger says only
 roughly how long its prompt is (about 200 tokens a step), and nothing of its temperature or cap."""
@@ -53,11 +55,16 @@ class Challenge:
     question, or the prompt), sent first under the same session id and not scored."""
     top_p: int = epochs.MILLI
     """Thousandths; the node is asked to sample from the nucleus of top_p / 1000 (MILLI: all tokens)."""
+    stop: tuple[str, ...] = ()
+    """The stop strings a user of the drawn workload would ask for. Like the cap, sealed but not
+    committed: only the member that sends a challenge checks where its answer ended."""
 
     @classmethod
     def new(cls, prompt: str, temperature: int, question: str = "", max_tokens: int = DEFAULT_MAX_TOKENS,
-            earlier: tuple[int, ...] = (), top_p: int = epochs.MILLI) -> Challenge:
-        return cls(prompt, secrets.token_bytes(32), temperature, question, max_tokens, tuple(earlier), top_p)
+            earlier: tuple[int, ...] = (), top_p: int = epochs.MILLI, stop: tuple[str, ...] = ()
+            ) -> Challenge:
+        return cls(prompt, secrets.token_bytes(32), temperature, question, max_tokens, tuple(earlier), top_p,
+                   tuple(stop))
 
     def turns(self) -> list[str]:
         """What is sent, in order and under one session id: the earlier turns, then the challenge."""
@@ -98,17 +105,6 @@ class Challenge:
             return f"the node signed time {response.time}, {response.time - now:+d} s from its answer"
         return ""
 
-    def cut_short(self, response: SignedResponse, stop_ids: Iterable[int]) -> str:
-        """Why `response` ended before it had to: fewer tokens than the cap it was asked for, and no stop
-        token last; empty when it is whole. Every token of a cut answer can be the honest choice, so only
-        its end shows that the node stopped generating (less work, a shorter answer) where the model
-        would have gone on."""
-        ids = response.token_ids
-        if len(ids) >= self.max_tokens or (ids and ids[-1] in set(stop_ids)):
-            return ""
-        return (f"the answer stops after {len(ids)} of the {self.max_tokens} tokens asked, without a stop "
-                f"token")
-
     def tag(self, node: bytes) -> bytes:
         """What a member commits before re-challenging `node` with this challenge."""
         return epochs.rechallenge_tag(node, self.commitment)
@@ -117,7 +113,7 @@ class Challenge:
         """A commit-plan entry: the commitment, and the challenge sealed to every member's X25519 key
         (whichever member leads sends it), padded to its size bucket."""
         packed = codec.pack([self.prompt, self.salt, self.temperature, self.question, self.max_tokens,
-                             list(self.earlier), self.top_p])
+                             list(self.earlier), self.top_p, list(self.stop)])
         framed = len(packed).to_bytes(4, "big") + packed
         plaintext = framed + bytes(padded_size(len(framed)) - len(framed))
         sealed = sorted((m.operator, SealedBox(PublicKey(m.x25519_key)).encrypt(plaintext))
@@ -151,7 +147,7 @@ def open_plan_entry(entry: PlanEntry, operator: bytes, key: PrivateKey, *older: 
         plaintext = _unseal(box, (key, *older))
         length = int.from_bytes(plaintext[:4], "big")
         unpacked = codec.unpack(plaintext[4:4 + length])
-        prompt, salt, temperature, question, max_tokens, earlier, top_p = unpacked
+        prompt, salt, temperature, question, max_tokens, earlier, top_p, stop = unpacked
     except (CryptoError, codec.CodecError, ValueError, TypeError) as exc:
         raise SealedPromptError(f"sealed prompt does not open: {type(exc).__name__}") from exc
     if type(temperature) is not int or not 0 <= temperature <= epochs.MAX_CHALLENGE_TEMPERATURE:
@@ -167,7 +163,10 @@ def open_plan_entry(entry: PlanEntry, operator: bytes, key: PrivateKey, *older: 
     if not _turn_lengths(earlier, len(question or prompt)):
         raise SealedPromptError(f"sealed earlier turns {earlier!r} are not increasing prefix lengths of "
                                 f"the text (at most {MAX_EARLIER_TURNS})")
-    challenge = Challenge(prompt, salt, temperature, question, max_tokens, tuple(earlier), top_p)
+    if not _stop_strings(stop):
+        raise SealedPromptError(f"sealed stop strings {stop!r} are not at most {MAX_CHALLENGE_STOPS} texts "
+                                f"of 1 to {MAX_STOP_CHARS} characters")
+    challenge = Challenge(prompt, salt, temperature, question, max_tokens, tuple(earlier), top_p, tuple(stop))
     if challenge.commitment != entry.commitment:
         raise SealedPromptError("sealed prompt does not match the plan's commitment")
     return challenge
@@ -178,6 +177,11 @@ def _turn_lengths(earlier: object, length: int) -> bool:
         return False
     bounds = [0, *earlier, length]
     return all(type(n) is int for n in earlier) and all(a < b for a, b in itertools.pairwise(bounds))
+
+
+def _stop_strings(stop: object) -> bool:
+    return (isinstance(stop, list) and len(stop) <= MAX_CHALLENGE_STOPS
+            and all(isinstance(text, str) and 0 < len(text) <= MAX_STOP_CHARS for text in stop))
 
 
 def sign_response(keys: KeySet, prompt: str, token_ids: list[int], text: str, model_id: str, time: int,

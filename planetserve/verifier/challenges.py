@@ -4,11 +4,11 @@ A challenge must look like any user's prompt, or a dishonest node could serve ch
 everything else cheaply. So challenges are drawn from the very generator of users' synthetic workloads
 (`planetserve.workloads`): the same shared prefixes (tool documentation, programming problems, long
 documents) with the same popularity, the same question forms, the same length distribution and output
-caps, sent in the same forms (chat or completion) and sampled at the same temperatures, as follow-ups
-of a session as often as users' requests are (the previous turn is sent first). Each draw seeds
-the generator from `secrets`, so nodes cannot predict the next challenge, and a record of every prompt
-already used (by sha256) makes sure none is ever sent twice, to any node in any epoch; given a file,
-the record survives restarts.
+caps and stop strings, sent in the same forms (chat or completion) and sampled at the same temperatures,
+as follow-ups of a session as often as users' requests are (the previous turn is sent first). Each draw
+seeds the generator from `secrets`, so nodes cannot predict the next challenge, and a record of every
+prompt already used (by sha256) makes sure none is ever sent twice, to any node in any epoch; given a
+file, the record survives restarts.
 """
 
 from __future__ import annotations
@@ -52,6 +52,8 @@ class ChallengePrompt:
     unscored, so that a session seen before says nothing)."""
     top_p: float = 1.0
     """The nucleus a user of this workload would ask for."""
+    stop: tuple[str, ...] = ()
+    """The stop strings a user of this workload would ask for."""
 
 
 def to_challenge(drawn: ChallengePrompt, rendered: str | None, max_tokens: int) -> Challenge:
@@ -61,9 +63,9 @@ def to_challenge(drawn: ChallengePrompt, rendered: str | None, max_tokens: int) 
     cap = min(drawn.max_tokens, max_tokens)
     if rendered is None:
         return Challenge.new(drawn.text, milli(drawn.temperature), max_tokens=cap, earlier=drawn.earlier,
-                             top_p=milli(drawn.top_p))
+                             top_p=milli(drawn.top_p), stop=drawn.stop)
     return Challenge.new(rendered, milli(drawn.temperature), drawn.text, cap, drawn.earlier,
-                         milli(drawn.top_p))
+                         milli(drawn.top_p), drawn.stop)
 
 
 def prompt_digest(text: str) -> str:
@@ -144,7 +146,7 @@ class ChallengeSource:
             self.used.add(digest)
             picked.append(ChallengePrompt(text, request.max_tokens, request.workload,
                                           self._temperature(request.temperature), self._chat(request.chat),
-                                          earlier, request.top_p))
+                                          earlier, request.top_p, request.stop))
         return picked
 
     def _temperature(self, drawn: float) -> float:

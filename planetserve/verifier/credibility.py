@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
-from planetserve.chain.challenge import response_valid
+from planetserve.chain.challenge import Challenge, response_valid
+from planetserve.models.detokenize import TextAssembler
 from planetserve.registry.epochs import MILLI, SignedResponse, prompt_hash
 from planetserve.registry.params import PPM
 from planetserve.verifier.scoring import Decoding, OnePassScorer, Scorer, TokenScores
@@ -196,6 +197,32 @@ class ReferenceModel:
         special = not (bos and prompt.startswith(bos))
         return list(self.tokenizer(prompt, add_special_tokens=special)["input_ids"])
 
+    def ending(self, challenge: Challenge, response: SignedResponse) -> str:
+        """Why `response` does not end where an answer to `challenge` must (empty when it does): at the
+        token that completes its first stop string, with its text cut before that string; else at a stop
+        token of the model or at the cap, with the whole text. Every token of a cut answer can be the
+        honest choice, so only its end shows that the node stopped generating where the model would have
+        gone on. Only the member that sent the challenge knows its stop strings, so it checks this; the
+        scorers, who do not, accept a text cut short of its tokens' (`check`)."""
+        ids = response.token_ids
+        if any(not 0 <= token < self.vocab_size for token in ids):
+            return ""  # scoring rejects the answer, and the node's signature stands behind that
+        text = TextAssembler(self.tokenizer, challenge.stop)
+        text.push(ids)
+        text.finish()
+        if text.stopped and text.consumed < len(ids):
+            return f"the answer goes on for {len(ids) - text.consumed} tokens past its stop string"
+        if not text.stopped and len(ids) < challenge.max_tokens and not (ids and ids[-1] in self.stop_ids):
+            stops = "a stop token or stop string" if challenge.stop else "a stop token"
+            return (f"the answer stops after {len(ids)} of the {challenge.max_tokens} tokens asked, "
+                    f"without {stops}")
+        decoded = self.tokenizer.decode(ids, skip_special_tokens=True)
+        if response.text != text.text and decoded.startswith(response.text):
+            cut = "cut at its first stop string" if text.stopped else "whole"
+            return (f"the signed text has {len(response.text)} characters where its tokens' text, {cut}, has "
+                    f"{len(text.text)}")
+        return ""
+
     def check(self, answer: Answer) -> Verdict | tuple[list[int], list[int]]:
         """A rejection, or the (prompt ids, response ids) to score. The checks run in this order, so the
         first failure is the one reported: whose response, signed, to which prompt, as which model, then
@@ -219,13 +246,13 @@ class ReferenceModel:
             return Verdict.reject(Rejection.INVALID_TOKEN_ID, f"token id {bad} is outside the vocabulary "
                                                               f"of {self.vocab_size}")
         decoded = self.tokenizer.decode(ids, skip_special_tokens=True)
-        if decoded != response.text:
+        if not decoded.startswith(response.text):
             at = next((i for i, (a, b) in enumerate(zip(decoded, response.text, strict=False)) if a != b),
                       min(len(decoded), len(response.text)))
             return Verdict.reject(Rejection.TOKENIZATION_MISMATCH,
-                                  f"the text is not the detokenisation of the token ids (first difference at "
-                                  f"character {at}: {len(response.text)} characters sent, {len(decoded)} "
-                                  f"decoded)")
+                                  f"the text is neither the detokenisation of the token ids nor a beginning "
+                                  f"of it (first difference at character {at}: {len(response.text)} "
+                                  f"characters sent, {len(decoded)} decoded)")
         prompt = self.prompt_ids(answer.prompt)
         if len(prompt) + len(ids) > self.max_len:
             return Verdict.reject(Rejection.TOO_LONG, f"{len(prompt)} prompt + {len(ids)} response tokens "

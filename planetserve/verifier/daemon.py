@@ -310,7 +310,7 @@ class Daemon:
                     now = int(time.time())
                     mismatch = challenge.signed_otherwise(reply.response, now, SIGNED_TIME_TOLERANCE_S)
                     if not mismatch and reference is not None:
-                        mismatch = challenge.cut_short(reply.response, reference.stop_ids)
+                        mismatch = reference.ending(challenge, reply.response)
                     if mismatch:
                         raise NoAnswer(mismatch)
                     return Asked(challenge, node.pubkey, reply)

@@ -117,16 +117,19 @@ class OverlayChannel:
 def request_body(model_id: str, challenge: Challenge, text: str, chat: bool, stream: bool,
                  options: dict[str, Any], seed: int | None = None, logprobs: int | None = None
                  ) -> dict[str, Any]:
-    """What a user's program would send for `text` at the challenge's temperature and output cap, with
-    the relay told to send `seed` unchanged (a program's seed it would key): the challenge's committed
-    one unless another is given (earlier turns, which are not scored, get fresh ones as a program's
-    turns do); asking for `logprobs` alternatives per token, as the API's form spells it, unless None."""
+    """What a user's program would send for `text` at the challenge's temperature, output cap and stop
+    strings, with the relay told to send `seed` unchanged (a program's seed it would key): the
+    challenge's committed one unless another is given (earlier turns, which are not scored, get fresh
+    ones as a program's turns do); asking for `logprobs` alternatives per token, as the API's form spells
+    it, unless None."""
     exact = challenge.seed if seed is None else seed
     body: dict[str, Any] = {"model": model_id, "max_tokens": challenge.max_tokens, "stream": stream,
                             "temperature": challenge.sampling_temperature,
                             "planetserve": {**options, "seed": exact}}
     if challenge.top_p < MILLI:
         body["top_p"] = challenge.sampling_top_p
+    if challenge.stop:
+        body["stop"] = list(challenge.stop)
     if chat:
         body["messages"] = [{"role": "user", "content": text}]
     else:

@@ -29,6 +29,7 @@ from waiting import run
 
 from planetserve import workloads
 from planetserve.chain.challenge import response_valid
+from planetserve.models import load
 from planetserve.node.api.openai import (
     ApiError,
     Endpoint,
@@ -40,6 +41,7 @@ from planetserve.node.api.openai import (
 from planetserve.node.model_node import ModelNode
 from planetserve.node.user import new_session_id, relayed_body, taken_request
 from planetserve.registry.epochs import SEED_BITS
+from planetserve.verifier import ReferenceModel
 from planetserve.verifier.challenges import RUN, ChallengeSource, to_challenge
 from planetserve.verifier.overlay import OverlayChannel, request_body
 
@@ -90,6 +92,8 @@ def program_body(request: workloads.Request, style: int) -> dict:
     if request.logprobs is not None:
         body |= ({"logprobs": True, "top_logprobs": request.logprobs} if request.chat
                  else {"logprobs": request.logprobs})
+    if request.stop:  # one program writes a single stop string as OpenAI's API allows, as a string
+        body["stop"] = request.stop[0] if style == 0 and len(request.stop) == 1 else list(request.stop)
     if request.session is not None:
         body["planetserve"] = {"session_id": f"program-{request.session}"}
     if style == 0:
@@ -103,14 +107,18 @@ def program_body(request: workloads.Request, style: int) -> dict:
 
 LOGPROBS_KEYS = {"chat": {"logprobs", "top_logprobs"}, "completions": {"logprobs"}}
 """What a request asking for log-probabilities adds, by form (a tenth of requests, on both sides)."""
+OPTIONAL = {"stop"}
+"""What a request ending at stop strings adds (a tenth of requests, on both sides)."""
 
 
 def shape(endpoint: str, raw: bytes) -> tuple:
-    """A request's form and key set, less the log-probability keys (each form's own, or none)."""
+    """A request's form and key set, less the log-probability keys (each form's own, or none) and the
+    stop strings."""
     body = json.loads(raw)
     asked = LOGPROBS_KEYS[endpoint] & body.keys()
     assert asked in (set(), LOGPROBS_KEYS[endpoint]), body.keys()
-    return (endpoint, body["stream"], tuple(sorted(body.keys() - asked)), tuple(sorted(body["planetserve"])))
+    return (endpoint, body["stream"], tuple(sorted(body.keys() - asked - OPTIONAL)),
+            tuple(sorted(body["planetserve"])))
 
 
 async def send_as_program(client: AsyncOpenAI, request: workloads.Request, style: int) -> None:
@@ -163,13 +171,22 @@ def test_challenges_arrive_as_users_requests_do(quick_family):
             from_challenges = node.arrived[len(from_users):]
             # one asking for log-probabilities, as a tenth do: the node reports them and signs its answer
             for chat in (False, True):
-                drawn = next(d for d in source.draw(8) if d.chat == chat and not d.earlier)
+                drawn = next(d for d in source.draw(32) if d.chat == chat and not d.earlier)
                 rendered = node.tokenizer.apply_chat_template([{"role": "user", "content": drawn.text}], tokenize=False,
                                                               add_generation_prompt=True) if chat else None
                 asking = replace(channel, logprobs_share=1.0)
                 reply = await asyncio.to_thread(asking.ask, node.keys.public, "gt", to_challenge(drawn, rendered, CAP))
                 assert response_valid(reply.response) and reply.response.token_ids
                 assert "logprobs" in json.loads(node.arrived[-1][1])
+            # one ending at stop strings, as a tenth do: the answer ends where it must (there, or at a stop token),
+            # and checks
+            drawn = next(d for d in source.draw(32) if not d.chat and not d.earlier)
+            stopping = to_challenge(replace(drawn, stop=(".", "\n"), temperature=0.7), None, CAP)
+            reply = await asyncio.to_thread(channel.ask, node.keys.public, "gt", stopping)
+            assert json.loads(node.arrived[-1][1])["stop"] == [".", "\n"]
+            reference = ReferenceModel.from_loaded(load("gt", quick_family), model_id="gt")
+            assert reference.ending(stopping, reply.response) == ""
+            assert reference.verify_one(reply.response, stopping.prompt).ok
         finally:
             await net.close()
 
@@ -234,8 +251,8 @@ def pieces(text: str) -> int:
 
 def features(arrivals: list[tuple[str, bytes]]) -> np.ndarray:
     """Everything a node can read off a request: its form, sampling (its nucleus, and its seed's value and size too),
-    output cap, the log-probabilities it asks for, lengths, key set, and whether its session or seed was seen
-    before (and how often)."""
+    output cap, the log-probabilities and stop strings it asks for, lengths, key set, and whether its session or
+    seed was seen before (and how often)."""
     seen: dict[str, int] = {}
     seeds: dict[int, int] = {}
     rows = []
@@ -246,7 +263,8 @@ def features(arrivals: list[tuple[str, bytes]]) -> np.ndarray:
         rows.append([endpoint == "chat", body["stream"], body["temperature"], body.get("top_p", 1.0),
                      body["max_tokens"], len(text), len(raw), len(body), seen.get(session, 0), body["seed"],
                      body["seed"].bit_length(), seeds.get(body["seed"], 0), "logprobs" in body,
-                     body.get("top_logprobs", body.get("logprobs", -1))])
+                     body.get("top_logprobs", body.get("logprobs", -1)), "stop" in body,
+                     STOP_CODES.get(tuple(body.get("stop", ())), -1)])
         seeds[body["seed"]] = seeds.get(body["seed"], 0) + 1
         seen[session] = seen.get(session, 0) + 1
     return np.array(rows, dtype=float)
@@ -254,6 +272,10 @@ def features(arrivals: list[tuple[str, bytes]]) -> np.ndarray:
 
 LOGPROBS_COLUMN = 12
 """The features' column that says whether a request asks for log-probabilities."""
+STOP_COLUMN = 14
+"""The features' column that says whether a request ends at stop strings."""
+STOP_CODES = {stop: code for code, stop in enumerate(workloads.STOPS)}
+"""Which of the workload's stop strings a request asks for, as a number."""
 
 
 def test_a_classifier_tells_challenges_from_users_no_better_than_chance():
@@ -263,8 +285,10 @@ def test_a_classifier_tells_challenges_from_users_no_better_than_chance():
     x = np.vstack([user_rows, challenge_rows])
     y = np.concatenate([np.zeros(len(user_rows)), np.ones(len(challenge_rows))])
     # a request asking for log-probabilities is a challenge as often as any (none was, once)
-    asking = x[:, LOGPROBS_COLUMN] == 1
-    assert asking.sum() > 400 and abs(y[asking].mean() - y.mean()) < 0.08, (asking.sum(), y[asking].mean())
+    # and so is one ending at stop strings (none was, once)
+    for column in (LOGPROBS_COLUMN, STOP_COLUMN):
+        asking = x[:, column] == 1
+        assert asking.sum() > 400 and abs(y[asking].mean() - y.mean()) < 0.08, (column, asking.sum(), y[asking].mean())
     order = np.random.default_rng(3).permutation(len(y))
     x, y = x[order], y[order]
     half = len(y) // 2

@@ -67,14 +67,15 @@ def served(quick_family) -> dict[str, list[SignedResponse]]:
 
 def test_an_answer_cut_before_its_cap_without_a_stop_token_is_told_from_a_whole_one(served, gt):
     stops = gt.stop_token_ids
+    reference = ReferenceModel.from_loaded(gt)
     for cap, response in zip(CAPS, served["honest"], strict=True):
         # honest: the cap reached, or a stop token last
         assert len(response.token_ids) == cap or response.token_ids[-1] in stops
-        assert Challenge.new(PROMPT, 700, max_tokens=cap).cut_short(response, stops) == ""
+        assert reference.ending(Challenge.new(PROMPT, 700, max_tokens=cap), response) == ""
     short, cut = served["cut"]
     assert len(short.token_ids) == 2 and len(cut.token_ids) == CUT and cut.token_ids[-1] not in stops
-    assert Challenge.new(PROMPT, 700, max_tokens=2).cut_short(short, stops) == ""
-    assert Challenge.new(PROMPT, 700, max_tokens=24).cut_short(cut, stops) == (
+    assert reference.ending(Challenge.new(PROMPT, 700, max_tokens=2), short) == ""
+    assert reference.ending(Challenge.new(PROMPT, 700, max_tokens=24), cut) == (
         f"the answer stops after {CUT} of the 24 tokens asked, without a stop token")
 
 

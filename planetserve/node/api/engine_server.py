@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mappin
 from dataclasses import dataclass
 from typing import Any
 
+from planetserve.models.detokenize import TextAssembler
 from planetserve.node.api.openai import (
     DEFAULT_LIMITS,
     ApiError,
@@ -18,7 +19,6 @@ from planetserve.node.api.openai import (
     LogprobsWriter,
     ResponseMeta,
     Scored,
-    TextAssembler,
     TokenTexts,
     build_generation,
     check_model,
