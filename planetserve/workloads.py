@@ -42,7 +42,7 @@ import math
 import random
 import re
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cache
 
@@ -76,6 +76,10 @@ drawn from STOPS; a follow-up keeps its session's."""
 STOPS = {("\n\n",): 2, ("\n",): 1, (".",): 1, ("\n\n", "Question:"): 1}
 """The stop strings programs ask for and their weights: the end of a paragraph, a line or a sentence, or
 of an answer before the next question."""
+STOP_AS_IDS_SHARE = 0.25
+"""Of the requests with stop strings, the share whose program sends them as token ids (vLLM's
+`stop_token_ids`): each string that is one token of the model's, the others as strings
+(`stop_fields`)."""
 FOLLOWUP_SHARE = 0.25
 """The chance that a user's request continues a recent session (ours: the traces publish none); what
 `generate` is told by callers that model users' traffic as a whole, challenges included."""
@@ -148,6 +152,8 @@ class Request:
     """The log-probability alternatives per token the program asks for; None: no log-probabilities."""
     stop: tuple[str, ...] = ()
     """The stop strings the program asks for (none: the answer ends at a stop token or its cap)."""
+    stop_as_ids: bool = False
+    """Whether the program sends its stop strings as token ids where it can (`stop_fields`)."""
 
     @property
     def prompt_ids(self) -> tuple[int, ...]:
@@ -366,7 +372,7 @@ def _follow_up(parent: Request, session: str, rid: int, arrival: float, writer: 
     suffix = (*parent.suffix_ids, *paragraph, *answer, *paragraph, *question)
     return Request(rid, arrival, parent.workload, parent.prefix_id, parent.prefix_ids, suffix,
                    parent.max_tokens, parent.output_len, session, parent.temperature, parent.chat,
-                   parent.stream, parent.top_p, parent.logprobs, parent.stop)
+                   parent.stream, parent.top_p, parent.logprobs, parent.stop, parent.stop_as_ids)
 
 
 def _weighted(weights: dict[float, int], rng: np.random.Generator) -> Iterator[float]:
@@ -386,13 +392,26 @@ def _logprobs(rng: np.random.Generator) -> int | None:
     return alternatives if asked else None
 
 
-def _stops(rng: np.random.Generator) -> Iterator[tuple[str, ...]]:
-    """Each new request's stop strings: none, or (STOP_SHARE) a draw from STOPS."""
+def _stops(rng: np.random.Generator) -> Iterator[tuple[tuple[str, ...], bool]]:
+    """Each new request's stop strings, none or (STOP_SHARE) a draw from STOPS, and whether its program
+    sends them as token ids (STOP_AS_IDS_SHARE)."""
     stops = list(STOPS)
     chosen = _weighted(dict(enumerate(STOPS.values())), rng)
     while True:
         pick = stops[int(next(chosen))]
-        yield pick if rng.random() < STOP_SHARE else ()
+        asked, as_ids = rng.random() < STOP_SHARE, rng.random() < STOP_AS_IDS_SHARE
+        yield (pick, as_ids) if asked else ((), False)
+
+
+def stop_fields(stop: tuple[str, ...], as_ids: bool, encode: Callable[[str], Sequence[int]]
+                ) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """The stop strings and stop token ids a program sends for `stop`: with `as_ids`, each string that
+    `encode` (the model's tokenizer, without special tokens) makes one token goes as that token's id,
+    the rest as strings."""
+    if not as_ids:
+        return stop, ()
+    single = {text: ids[0] for text in stop if len(ids := encode(text)) == 1}
+    return tuple(text for text in stop if text not in single), tuple(dict.fromkeys(single.values()))
 
 
 def generate(
@@ -438,10 +457,11 @@ def generate(
                 requests[parent.id] = replace(parent, session=session)
             request = _follow_up(requests[parent.id], session, rid, arrival, writer, scale)
         else:
+            stop, as_ids = next(stops)
             request = replace(sources[name].request(rid, arrival, rng, writer), temperature=next(sampling),
                               chat=bool(forms.random() < CHAT_SHARE),
                               stream=bool(streams.random() < STREAM_SHARE), top_p=next(nuclei),
-                              logprobs=_logprobs(asks), stop=next(stops))
+                              logprobs=_logprobs(asks), stop=stop, stop_as_ids=as_ids)
         pool.append(request)
         del pool[:-32]
         requests.append(request)

@@ -284,10 +284,11 @@ def test_a_challenge_hotter_than_one_cannot_be_revealed(s):
 
 def test_a_sealed_challenge_opens_whole_for_every_member_and_only_in_range(s):
     """Whichever member leads sends the challenge, so each one's sealed copy holds all of it: the text
-    to commit, the temperature, the stop strings and, for a chat, the user message; a temperature or stop
-    strings no challenge may have are refused on opening."""
+    to commit, the temperature, the stop strings and stop token ids and, for a chat, the user message; a
+    temperature, stop strings or stop token ids no challenge may have are refused on opening."""
     committee = list(members(s.h.store.batch()).values())
-    chat = Challenge.new("<|im_start|>user\nWhy?<|im_end|>\n", 0, "Why?", stop=("\n\n", "Question:"))
+    chat = Challenge.new("<|im_start|>user\nWhy?<|im_end|>\n", 0, "Why?", stop=("\n\n", "Question:"),
+                         stop_token_ids=(18, 203))
     entry = PlanEntry.from_record(chat.plan_entry(bytes(32), committee).body())
     assert {open_plan_entry(entry, m.public, m.x25519) for m in s.members.values()} == {chat}
     member = next(iter(s.members.values()))
@@ -295,7 +296,9 @@ def test_a_sealed_challenge_opens_whole_for_every_member_and_only_in_range(s):
                           "sealed temperature 1001 is not an integer in"),
                          (Challenge.new("Why?", 0, stop=("",)), "sealed stop strings \\[''\\] are not at most 16"),
                          (Challenge.new("Why?", 0, stop=("x" * 257,)), "texts of 1 to 256 characters"),
-                         (Challenge.new("Why?", 0, stop=(".",) * 17), "are not at most 16 texts")):
+                         (Challenge.new("Why?", 0, stop=(".",) * 17), "are not at most 16 texts"),
+                         (Challenge.new("Why?", 0, stop_token_ids=(2**32,)), "stop token ids \\[4294967296\\] are not"),
+                         (Challenge.new("Why?", 0, stop_token_ids=(1,) * 129), "not at most 128 integers")):
         entry = PlanEntry.from_record(bad.plan_entry(bytes(32), committee).body())
         with pytest.raises(SealedPromptError, match=refusal):
             open_plan_entry(entry, member.public, member.x25519)

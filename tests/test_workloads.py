@@ -133,6 +133,9 @@ def test_requests_say_how_they_are_sent_and_sampled(big: dict[str, list[w.Reques
     assert sum(stopping.values()) / len(requests) == pytest.approx(w.STOP_SHARE, abs=0.03)
     for stop, weight in w.STOPS.items():
         assert stopping[stop] / sum(stopping.values()) == pytest.approx(weight / sum(w.STOPS.values()), abs=0.08)
+    as_ids = [r.stop_as_ids for r in requests if r.stop]
+    assert sum(as_ids) / len(as_ids) == pytest.approx(w.STOP_AS_IDS_SHARE, abs=0.08)
+    assert not any(r.stop_as_ids for r in requests if not r.stop)
     first = requests[0]
     assert (first.prefix_id, first.output_len, len(first.suffix_ids)) == ("coding/7075", 628, 120)
 
@@ -142,9 +145,18 @@ def test_a_follow_up_is_sent_and_sampled_like_its_session() -> None:
     by_session: dict[str, set[tuple]] = {}
     for r in requests:
         if r.session is not None:
-            by_session.setdefault(r.session, set()).add((r.temperature, r.chat, r.top_p, r.logprobs, r.stop))
+            by_session.setdefault(r.session, set()).add((r.temperature, r.chat, r.top_p, r.logprobs, r.stop,
+                                                          r.stop_as_ids))
     assert by_session and all(len(forms) == 1 for forms in by_session.values())
     assert len({form for forms in by_session.values() for form in forms}) > 1
+
+
+def test_stop_strings_go_as_token_ids_where_the_model_has_one_token_for_them() -> None:
+    encode = {"\n": [203], ".": [18], "\n\n": [203, 203], "Question:": [53, 89]}.__getitem__
+    assert w.stop_fields((".",), False, encode) == ((".",), ())
+    assert w.stop_fields((".",), True, encode) == ((), (18,))
+    assert w.stop_fields(("\n\n", "Question:"), True, encode) == (("\n\n", "Question:"), ())
+    assert w.stop_fields(("\n", "\n\n", "."), True, encode) == (("\n\n",), (203, 18))
 
 
 def test_generated_shared_prefix_matches_sglang_defaults() -> None:

@@ -22,7 +22,9 @@ MAX_CHALLENGE_TOKENS = 1 << 16
 MAX_EARLIER_TURNS = 32
 MAX_CHALLENGE_STOPS = 16
 MAX_STOP_CHARS = 256
-"""A challenge's stop strings are bounded as a model node's API bounds a request's."""
+MAX_STOP_TOKEN_IDS = 128
+TOKEN_ID_LIMIT = 1 << 32
+"""A challenge's stop strings and stop token ids are bounded as a model node's API bounds a request's."""
 SEALED_BUCKET_BYTES = 1024
 """Sealed copies are padded to a multiple of this, so an entry's length on the ledger says only
 roughly how long its prompt is (about 200 tokens a step), and nothing of its temperature or cap."""
@@ -58,13 +60,15 @@ class Challenge:
     stop: tuple[str, ...] = ()
     """The stop strings a user of the drawn workload would ask for. Like the cap, sealed but not
     committed: only the member that sends a challenge checks where its answer ended."""
+    stop_token_ids: tuple[int, ...] = ()
+    """The stop token ids (vLLM's `stop_token_ids`) such a user would send, sealed like `stop`."""
 
     @classmethod
     def new(cls, prompt: str, temperature: int, question: str = "", max_tokens: int = DEFAULT_MAX_TOKENS,
-            earlier: tuple[int, ...] = (), top_p: int = epochs.MILLI, stop: tuple[str, ...] = ()
-            ) -> Challenge:
+            earlier: tuple[int, ...] = (), top_p: int = epochs.MILLI, stop: tuple[str, ...] = (),
+            stop_token_ids: tuple[int, ...] = ()) -> Challenge:
         return cls(prompt, secrets.token_bytes(32), temperature, question, max_tokens, tuple(earlier), top_p,
-                   tuple(stop))
+                   tuple(stop), tuple(stop_token_ids))
 
     def turns(self) -> list[str]:
         """What is sent, in order and under one session id: the earlier turns, then the challenge."""
@@ -113,7 +117,7 @@ class Challenge:
         """A commit-plan entry: the commitment, and the challenge sealed to every member's X25519 key
         (whichever member leads sends it), padded to its size bucket."""
         packed = codec.pack([self.prompt, self.salt, self.temperature, self.question, self.max_tokens,
-                             list(self.earlier), self.top_p, list(self.stop)])
+                             list(self.earlier), self.top_p, list(self.stop), list(self.stop_token_ids)])
         framed = len(packed).to_bytes(4, "big") + packed
         plaintext = framed + bytes(padded_size(len(framed)) - len(framed))
         sealed = sorted((m.operator, SealedBox(PublicKey(m.x25519_key)).encrypt(plaintext))
@@ -147,7 +151,7 @@ def open_plan_entry(entry: PlanEntry, operator: bytes, key: PrivateKey, *older: 
         plaintext = _unseal(box, (key, *older))
         length = int.from_bytes(plaintext[:4], "big")
         unpacked = codec.unpack(plaintext[4:4 + length])
-        prompt, salt, temperature, question, max_tokens, earlier, top_p, stop = unpacked
+        prompt, salt, temperature, question, max_tokens, earlier, top_p, stop, stop_token_ids = unpacked
     except (CryptoError, codec.CodecError, ValueError, TypeError) as exc:
         raise SealedPromptError(f"sealed prompt does not open: {type(exc).__name__}") from exc
     if type(temperature) is not int or not 0 <= temperature <= epochs.MAX_CHALLENGE_TEMPERATURE:
@@ -166,7 +170,11 @@ def open_plan_entry(entry: PlanEntry, operator: bytes, key: PrivateKey, *older: 
     if not _stop_strings(stop):
         raise SealedPromptError(f"sealed stop strings {stop!r} are not at most {MAX_CHALLENGE_STOPS} texts "
                                 f"of 1 to {MAX_STOP_CHARS} characters")
-    challenge = Challenge(prompt, salt, temperature, question, max_tokens, tuple(earlier), top_p, tuple(stop))
+    if not _stop_token_ids(stop_token_ids):
+        raise SealedPromptError(f"sealed stop token ids {stop_token_ids!r} are not at most "
+                                f"{MAX_STOP_TOKEN_IDS} integers in [0, 2**32)")
+    challenge = Challenge(prompt, salt, temperature, question, max_tokens, tuple(earlier), top_p, tuple(stop),
+                          tuple(stop_token_ids))
     if challenge.commitment != entry.commitment:
         raise SealedPromptError("sealed prompt does not match the plan's commitment")
     return challenge
@@ -182,6 +190,11 @@ def _turn_lengths(earlier: object, length: int) -> bool:
 def _stop_strings(stop: object) -> bool:
     return (isinstance(stop, list) and len(stop) <= MAX_CHALLENGE_STOPS
             and all(isinstance(text, str) and 0 < len(text) <= MAX_STOP_CHARS for text in stop))
+
+
+def _stop_token_ids(ids: object) -> bool:
+    return (isinstance(ids, list) and len(ids) <= MAX_STOP_TOKEN_IDS
+            and all(type(token) is int and 0 <= token < TOKEN_ID_LIMIT for token in ids))
 
 
 def sign_response(keys: KeySet, prompt: str, token_ids: list[int], text: str, model_id: str, time: int,

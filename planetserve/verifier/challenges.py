@@ -17,7 +17,7 @@ import hashlib
 import itertools
 import os
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,18 +54,25 @@ class ChallengePrompt:
     """The nucleus a user of this workload would ask for."""
     stop: tuple[str, ...] = ()
     """The stop strings a user of this workload would ask for."""
+    stop_as_ids: bool = False
+    """Whether that user would send them as token ids where it can (`workloads.stop_fields`)."""
 
 
-def to_challenge(drawn: ChallengePrompt, rendered: str | None, max_tokens: int) -> Challenge:
+def to_challenge(drawn: ChallengePrompt, rendered: str | None, max_tokens: int,
+                 encode: Callable[[str], Sequence[int]] | None = None) -> Challenge:
     """The challenge of a drawn prompt, asking for at most `max_tokens`: a chat is committed as
     `rendered`, the text the reference model's chat template makes of it (which the node will sign);
-    without one, the prompt goes as a completion."""
+    without one, the prompt goes as a completion. Its stop strings go as token ids where the user would
+    send them so and `encode` (the reference model's tokenizer) makes one token of them."""
     cap = min(drawn.max_tokens, max_tokens)
+    stop, stop_ids = drawn.stop, ()
+    if encode is not None:
+        stop, stop_ids = workloads.stop_fields(drawn.stop, drawn.stop_as_ids, encode)
     if rendered is None:
         return Challenge.new(drawn.text, milli(drawn.temperature), max_tokens=cap, earlier=drawn.earlier,
-                             top_p=milli(drawn.top_p), stop=drawn.stop)
+                             top_p=milli(drawn.top_p), stop=stop, stop_token_ids=stop_ids)
     return Challenge.new(rendered, milli(drawn.temperature), drawn.text, cap, drawn.earlier,
-                         milli(drawn.top_p), drawn.stop)
+                         milli(drawn.top_p), stop, stop_ids)
 
 
 def prompt_digest(text: str) -> str:
@@ -146,7 +153,7 @@ class ChallengeSource:
             self.used.add(digest)
             picked.append(ChallengePrompt(text, request.max_tokens, request.workload,
                                           self._temperature(request.temperature), self._chat(request.chat),
-                                          earlier, request.top_p, request.stop))
+                                          earlier, request.top_p, request.stop, request.stop_as_ids))
         return picked
 
     def _temperature(self, drawn: float) -> float:

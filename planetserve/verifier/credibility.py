@@ -189,6 +189,10 @@ class ReferenceModel:
         return self.tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
                                                   add_generation_prompt=True)
 
+    def encode(self, text: str) -> list[int]:
+        """`text`'s token ids without special tokens: how a program spells a stop string as ids."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
     def prompt_ids(self, prompt: str) -> list[int]:
         """The prompt's ids as the model node computed them: text that already starts with the BOS token
         (a rendered chat template) as is, other text (a completion prompt) with the tokenizer's special
@@ -200,10 +204,11 @@ class ReferenceModel:
     def ending(self, challenge: Challenge, response: SignedResponse) -> str:
         """Why `response` does not end where an answer to `challenge` must (empty when it does): at the
         token that completes its first stop string, with its text cut before that string; else at a stop
-        token of the model or at the cap, with the whole text. Every token of a cut answer can be the
-        honest choice, so only its end shows that the node stopped generating where the model would have
-        gone on. Only the member that sent the challenge knows its stop strings, so it checks this; the
-        scorers, who do not, accept a text cut short of its tokens' (`check`)."""
+        token (the model's, or one of the challenge's stop token ids) or at the cap, with the whole text.
+        Every token of a cut answer can be the honest choice, so only its end shows that the node stopped
+        generating where the model would have gone on. Only the member that sent the challenge knows its
+        stop strings, so it checks this; the scorers, who do not, accept a text cut short of its tokens'
+        (`check`)."""
         ids = response.token_ids
         if any(not 0 <= token < self.vocab_size for token in ids):
             return ""  # scoring rejects the answer, and the node's signature stands behind that
@@ -212,10 +217,11 @@ class ReferenceModel:
         text.finish()
         if text.stopped and text.consumed < len(ids):
             return f"the answer goes on for {len(ids) - text.consumed} tokens past its stop string"
-        if not text.stopped and len(ids) < challenge.max_tokens and not (ids and ids[-1] in self.stop_ids):
-            stops = "a stop token or stop string" if challenge.stop else "a stop token"
+        stops = {*self.stop_ids, *challenge.stop_token_ids}
+        if not text.stopped and len(ids) < challenge.max_tokens and not (ids and ids[-1] in stops):
+            ending = "a stop token or stop string" if challenge.stop else "a stop token"
             return (f"the answer stops after {len(ids)} of the {challenge.max_tokens} tokens asked, "
-                    f"without {stops}")
+                    f"without {ending}")
         decoded = self.tokenizer.decode(ids, skip_special_tokens=True)
         if response.text != text.text and decoded.startswith(response.text):
             cut = "cut at its first stop string" if text.stopped else "whole"

@@ -292,7 +292,8 @@ class Daemon:
         drawn = self.source.draw(1)[0]
         reference = self.references.get(model_id)
         rendered = reference.chat_prompt(drawn.text) if drawn.chat and reference is not None else None
-        return to_challenge(drawn, rendered, self.channel.max_tokens)
+        return to_challenge(drawn, rendered, self.channel.max_tokens,
+                            reference.encode if reference is not None else None)
 
     def _ask(self, key: tuple[int, bytes, str], challenge: Challenge, node: ModelNode) -> None:
         if key in self.pending:

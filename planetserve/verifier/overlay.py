@@ -130,6 +130,8 @@ def request_body(model_id: str, challenge: Challenge, text: str, chat: bool, str
         body["top_p"] = challenge.sampling_top_p
     if challenge.stop:
         body["stop"] = list(challenge.stop)
+    if challenge.stop_token_ids:
+        body["stop_token_ids"] = list(challenge.stop_token_ids)
     if chat:
         body["messages"] = [{"role": "user", "content": text}]
     else:

@@ -15,6 +15,8 @@ import asyncio
 import json
 import random
 import re
+import zlib
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import httpx
@@ -51,6 +53,10 @@ CAP = 64
 SEED_KEY = bytes(32)
 """The relay's seed key in the simulated arrivals (any key: the node never learns it)."""
 SESSION = re.compile(r"[0-9a-f]{32}")
+Encode = Callable[[str], Sequence[int]]
+SPELLED: Encode = {"\n": [203], ".": [18], "\n\n": [203, 203], "Question:": [53, 89, 417, 288, 30]}.__getitem__
+"""How the simulated arrivals spell the workload's stop strings in a model's tokens (gt's): users' programs and the
+channel alike."""
 
 
 class RecordingNode(ModelNode):
@@ -78,7 +84,7 @@ def users(count: int, seed: int, fits, per_seed: int = RUN) -> list[workloads.Re
     return [r for r in drawn if fits(r.text)]
 
 
-def program_body(request: workloads.Request, style: int) -> dict:
+def program_body(request: workloads.Request, style: int, encode: Encode) -> dict:
     """A request as one of two programs writes it: one passes `user`, `metadata` and a fixed seed, the other spells
     temperature 0 as an integer, adds `n: 1` and orders its keys its own way."""
     body: dict = {"model": "gt", "max_tokens": request.max_tokens, "temperature": request.temperature,
@@ -92,8 +98,11 @@ def program_body(request: workloads.Request, style: int) -> dict:
     if request.logprobs is not None:
         body |= ({"logprobs": True, "top_logprobs": request.logprobs} if request.chat
                  else {"logprobs": request.logprobs})
-    if request.stop:  # one program writes a single stop string as OpenAI's API allows, as a string
-        body["stop"] = request.stop[0] if style == 0 and len(request.stop) == 1 else list(request.stop)
+    stop, stop_ids = workloads.stop_fields(request.stop, request.stop_as_ids, encode)
+    if stop:  # one program writes a single stop string as OpenAI's API allows, as a string
+        body["stop"] = stop[0] if style == 0 and len(stop) == 1 else list(stop)
+    if stop_ids:
+        body["stop_token_ids"] = list(stop_ids)
     if request.session is not None:
         body["planetserve"] = {"session_id": f"program-{request.session}"}
     if style == 0:
@@ -107,7 +116,7 @@ def program_body(request: workloads.Request, style: int) -> dict:
 
 LOGPROBS_KEYS = {"chat": {"logprobs", "top_logprobs"}, "completions": {"logprobs"}}
 """What a request asking for log-probabilities adds, by form (a tenth of requests, on both sides)."""
-OPTIONAL = {"stop"}
+OPTIONAL = {"stop", "stop_token_ids"}
 """What a request ending at stop strings adds (a tenth of requests, on both sides)."""
 
 
@@ -121,8 +130,8 @@ def shape(endpoint: str, raw: bytes) -> tuple:
             tuple(sorted(body["planetserve"])))
 
 
-async def send_as_program(client: AsyncOpenAI, request: workloads.Request, style: int) -> None:
-    body = program_body(request, style)
+async def send_as_program(client: AsyncOpenAI, request: workloads.Request, style: int, encode: Encode) -> None:
+    body = program_body(request, style, encode)
     if style == 1:  # a program that writes its own JSON
         path = "chat/completions" if request.chat else "completions"
         async with httpx.AsyncClient(timeout=120) as http:
@@ -130,7 +139,7 @@ async def send_as_program(client: AsyncOpenAI, request: workloads.Request, style
                                        headers={"content-type": "application/json"})
         assert response.status_code == 200, response.text
         return
-    passed_through = ("planetserve",) if request.chat else ("planetserve", "metadata")
+    passed_through = ("planetserve", "stop_token_ids") if request.chat else ("planetserve", "metadata", "stop_token_ids")
     extra = {k: body.pop(k) for k in passed_through if k in body}
     create = client.chat.completions.create if request.chat else client.completions.create
     answer = await create(**body, extra_body=extra or None)
@@ -153,10 +162,11 @@ def test_challenges_arrive_as_users_requests_do(quick_family):
         assert await net.client.paths.wait_live(4, 20), net.client.paths.last_error
         try:
             fits = lambda text: len(node.tokenizer(text)["input_ids"]) <= MAX_PROMPT  # noqa: E731
+            encode = lambda text: node.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
             asked = users(90, 11, fits)[:60]
             async with AsyncOpenAI(base_url=f"{net.client.http_url}/v1", api_key="unused", timeout=120) as client:
                 for i in range(0, len(asked), 4):
-                    await asyncio.gather(*(send_as_program(client, r, j % 2)
+                    await asyncio.gather(*(send_as_program(client, r, j % 2, encode)
                                            for j, r in enumerate(asked[i:i + 4], start=i)))
             from_users = list(node.arrived)
             channel = OverlayChannel(net.client.http_url, timeout=120, max_tokens=CAP)
@@ -164,7 +174,7 @@ def test_challenges_arrive_as_users_requests_do(quick_family):
                                      length=lambda text: len(node.tokenizer(text)["input_ids"]))
             challenges = [to_challenge(d, node.tokenizer.apply_chat_template(
                 [{"role": "user", "content": d.text}], tokenize=False, add_generation_prompt=True)
-                if d.chat else None, CAP) for d in source.draw(60)]
+                if d.chat else None, CAP, encode) for d in source.draw(60)]
             for i in range(0, len(challenges), 4):
                 await asyncio.gather(*(asyncio.to_thread(channel.ask, node.keys.public, "gt", c)
                                        for c in challenges[i:i + 4]))
@@ -180,13 +190,17 @@ def test_challenges_arrive_as_users_requests_do(quick_family):
                 assert "logprobs" in json.loads(node.arrived[-1][1])
             # one ending at stop strings, as a tenth do: the answer ends where it must (there, or at a stop token),
             # and checks
-            drawn = next(d for d in source.draw(32) if not d.chat and not d.earlier)
-            stopping = to_challenge(replace(drawn, stop=(".", "\n"), temperature=0.7), None, CAP)
-            reply = await asyncio.to_thread(channel.ask, node.keys.public, "gt", stopping)
-            assert json.loads(node.arrived[-1][1])["stop"] == [".", "\n"]
             reference = ReferenceModel.from_loaded(load("gt", quick_family), model_id="gt")
-            assert reference.ending(stopping, reply.response) == ""
-            assert reference.verify_one(reply.response, stopping.prompt).ok
+            [dot], [newline] = reference.encode("."), reference.encode("\n")  # one token each
+            for as_ids, sent in ((False, {"stop": [".", "\n"]}), (True, {"stop_token_ids": [dot, newline]})):
+                drawn = next(d for d in source.draw(32) if not d.chat and not d.earlier)
+                stopping = to_challenge(replace(drawn, stop=(".", "\n"), stop_as_ids=as_ids, temperature=0.7), None,
+                                        CAP, reference.encode)
+                reply = await asyncio.to_thread(channel.ask, node.keys.public, "gt", stopping)
+                arrived = json.loads(node.arrived[-1][1])
+                assert {key: arrived[key] for key in OPTIONAL & arrived.keys()} == sent
+                assert reference.ending(stopping, reply.response) == ""
+                assert reference.verify_one(reply.response, stopping.prompt).ok
         finally:
             await net.close()
 
@@ -217,8 +231,8 @@ def arrivals_of_users(count: int, seed: int) -> list[tuple[str, bytes]]:
     out = []
     for i, request in enumerate(users(count, seed, lambda text: pieces(text) <= MAX_PROMPT)):
         endpoint = "chat" if request.chat else "completions"
-        _, parsed = taken_request(endpoint, parse_json_body(json.dumps(program_body(request, i % 2)).encode()),
-                                  SEED_KEY)
+        body = program_body(request, i % 2, SPELLED)
+        _, parsed = taken_request(endpoint, parse_json_body(json.dumps(body).encode()), SEED_KEY)
         key = request.session or new_session_id()
         session = relay_sessions.setdefault(key, new_session_id())
         out.append((endpoint, relayed_body(parsed, "gt", session)))
@@ -231,7 +245,7 @@ def arrivals_of_challenges(count: int) -> list[tuple[str, bytes]]:
     source = ChallengeSource("mixed", scale=SCALE, max_prompt_len=MAX_PROMPT, length=pieces)
     out = []
     for drawn in (d for _ in range(0, count, 8) for d in source.draw(8)):
-        challenge = to_challenge(drawn, f"<rendered>{drawn.text}" if drawn.chat else None, CAP)
+        challenge = to_challenge(drawn, f"<rendered>{drawn.text}" if drawn.chat else None, CAP, SPELLED)
         chat, stream = bool(challenge.question), random.random() < workloads.STREAM_SHARE  # noqa: S311
         logprobs = random.randrange(workloads.MAX_TOP_LOGPROBS + 1)  # noqa: S311 - as the channel draws
         logprobs = logprobs if random.random() < workloads.LOGPROBS_SHARE else None  # noqa: S311
@@ -263,8 +277,8 @@ def features(arrivals: list[tuple[str, bytes]]) -> np.ndarray:
         rows.append([endpoint == "chat", body["stream"], body["temperature"], body.get("top_p", 1.0),
                      body["max_tokens"], len(text), len(raw), len(body), seen.get(session, 0), body["seed"],
                      body["seed"].bit_length(), seeds.get(body["seed"], 0), "logprobs" in body,
-                     body.get("top_logprobs", body.get("logprobs", -1)), "stop" in body,
-                     STOP_CODES.get(tuple(body.get("stop", ())), -1)])
+                     body.get("top_logprobs", body.get("logprobs", -1)), bool(OPTIONAL & body.keys()),
+                     zlib.crc32(json.dumps([body.get(key) for key in sorted(OPTIONAL)]).encode())])
         seeds[body["seed"]] = seeds.get(body["seed"], 0) + 1
         seen[session] = seen.get(session, 0) + 1
     return np.array(rows, dtype=float)
@@ -273,9 +287,7 @@ def features(arrivals: list[tuple[str, bytes]]) -> np.ndarray:
 LOGPROBS_COLUMN = 12
 """The features' column that says whether a request asks for log-probabilities."""
 STOP_COLUMN = 14
-"""The features' column that says whether a request ends at stop strings."""
-STOP_CODES = {stop: code for code, stop in enumerate(workloads.STOPS)}
-"""Which of the workload's stop strings a request asks for, as a number."""
+"""The features' column that says whether a request ends at stop strings (or stop token ids)."""
 
 
 def test_a_classifier_tells_challenges_from_users_no_better_than_chance():

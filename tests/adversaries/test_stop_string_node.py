@@ -8,6 +8,7 @@ string and whose ids do not, check and score clean."""
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import replace
 
 import pytest
@@ -15,6 +16,7 @@ from modelnodes import complete, make_node, signed, view
 from relaystandin import relay  # noqa: F401 - the fixture
 from waiting import run
 
+from planetserve import workloads
 from planetserve.chain.challenge import Challenge, response_extension, sign_response
 from planetserve.chain.keys import KeySet
 from planetserve.chain.messages.epochs import Revealed, Unanswered
@@ -32,14 +34,17 @@ STOP = (".",)
 CAP = 48
 CUT = 2
 TEMPERATURE = 700
+SALT = hashlib.sha256(b"stop-4").digest()
+"""A salt whose seed's honest answer reaches a stop string (at most seeds quick gt stops at a stop token
+first)."""
 
 
 class EarlyStopNode(ModelNode):
-    """Ends every answer to a request with stop strings after CUT tokens, as if one had come; answers
-    every other request honestly, since those are the ones challenges used to be."""
+    """Ends every answer to a request with stop strings or stop token ids after CUT tokens, as if one
+    had come; answers every other request honestly, since those are the ones challenges used to be."""
 
     def _local(self, job, prompt_ids, generation, route_reason):
-        if job.stop:
+        if job.stop or job.stop_ids:
             generation = replace(generation, max_tokens=min(CUT, generation.max_tokens))
         return super()._local(job, prompt_ids, generation, route_reason)
 
@@ -51,13 +56,22 @@ def reference(quick_family) -> ReferenceModel:
 
 @pytest.fixture(scope="module")
 def challenge() -> Challenge:
-    return Challenge.new(PROMPT, TEMPERATURE, max_tokens=CAP, stop=STOP)
+    """With a fixed salt, so its seed, and the honest answer, are the same every run."""
+    return Challenge(PROMPT, SALT, TEMPERATURE, max_tokens=CAP, stop=STOP)
 
 
 @pytest.fixture(scope="module")
-def served(quick_family, challenge) -> dict[str, SignedResponse]:
-    """The honest and the early-stopping node's signed answers to the challenge, with its stop strings
-    and without them."""
+def by_id(reference, challenge) -> Challenge:
+    """The challenge with its stop string sent as a token id, as a quarter of programs send theirs."""
+    stop, ids = workloads.stop_fields(STOP, True, reference.encode)
+    assert stop == () and len(ids) == 1
+    return replace(challenge, stop=(), stop_token_ids=ids)
+
+
+@pytest.fixture(scope="module")
+def served(quick_family, challenge, by_id) -> dict:
+    """The honest and the early-stopping node's signed answers to the challenge, with its stop strings,
+    with them as token ids, and without either; and the early node's keys."""
     async def main() -> dict[str, SignedResponse]:
         nodes = {"honest": make_node(quick_family), "early": make_node(quick_family, EarlyStopNode)}
         for node in nodes.values():
@@ -66,11 +80,12 @@ def served(quick_family, challenge) -> dict[str, SignedResponse]:
         try:
             answers = {}
             for name, node in nodes.items():
-                for stop in (STOP, ()):
+                for asked, stops in ((True, {"stop": list(STOP)}), ("ids", {"stop_token_ids": list(by_id.stop_token_ids)}),
+                                     (False, {})):
                     answer = await complete(node, PROMPT, max_tokens=CAP, temperature=TEMPERATURE / 1000,
-                                            seed=challenge.seed, stop=list(stop))
+                                            seed=challenge.seed, **stops)
                     assert answer.status_code == 200, answer.text
-                    answers[name, bool(stop)] = signed(answer.json())
+                    answers[name, asked] = signed(answer.json())
             answers["keys"] = nodes["early"].keys
             return answers
         finally:
@@ -105,6 +120,17 @@ def test_an_answer_ended_early_where_a_stop_string_was_asked_is_caught(served, r
     assert len(early.token_ids) == CUT
     assert reference.ending(challenge, early) == (
         f"the answer stops after {CUT} of the {CAP} tokens asked, without a stop token or stop string")
+
+
+def test_stop_token_ids_end_an_answer_as_the_models_own_stop_tokens_do(served, reference, by_id):
+    honest, early = served["honest", "ids"], served["early", "ids"]
+    # the honest answer ends at the stop token id, as the answer to the stop string did
+    assert honest.token_ids == served["honest", True].token_ids and honest.token_ids[-1] in by_id.stop_token_ids
+    assert reference.ending(by_id, honest) == "" and reference.verify_one(honest, PROMPT).ok
+    assert reference.ending(replace(by_id, stop_token_ids=()), honest) == (
+        f"the answer stops after {len(honest.token_ids)} of the {CAP} tokens asked, without a stop token")
+    assert len(early.token_ids) == CUT and reference.ending(by_id, early) == (
+        f"the answer stops after {CUT} of the {CAP} tokens asked, without a stop token")
 
 
 def test_a_forged_stop_string_is_the_nodes_own_deviating_tokens(served, reference, challenge):
