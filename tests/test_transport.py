@@ -15,6 +15,7 @@ from waiting import run
 from planetserve.chain.keys import KeySet
 from planetserve.node.overlay.transport import (
     MAX_FRAME,
+    MAX_HELD_BYTES,
     MAX_IN_FLIGHT,
     Peering,
     RemoteError,
@@ -204,6 +205,82 @@ def test_a_flood_of_messages_waits_for_free_handlers_and_none_is_lost():
         await b.close()
 
     run(main(), 30)
+
+
+LARGE = 3 * 1024 * 1024
+"""A body near the frame limit: MAX_HELD_BYTES holds five such frames, not MAX_IN_FLIGHT."""
+
+
+def test_a_flood_of_large_messages_holds_at_most_the_byte_budget_and_none_is_lost():
+    """A peer sending 3 MiB messages faster than they are handled: the listener reads a frame's body only
+    when it has room for it, so its handlers hold at most MAX_HELD_BYTES (five such frames, where 64 slots
+    would let 192 MiB of bodies in); every message is handled once room frees."""
+    async def main():
+        release = asyncio.Event()
+        running, handled, most = 0, [], 0
+
+        async def slow(peer, msg_type, body):
+            nonlocal running, most
+            running += 1
+            most = max(most, running)
+            await release.wait()
+            running -= 1
+            handled.append(body[0])
+
+        a_keys, b_keys = KeySet.generate(), KeySet.generate()
+        a = Peering(a_keys, echo_handler, lambda key: key == b_keys.public)
+        b = Peering(b_keys, slow, lambda key: key == a_keys.public)
+        port = await b.listen("127.0.0.1", 0)
+        conn = await a.connect(b_keys.public, f"127.0.0.1:{port}")
+        total, payload = 12, bytes(LARGE)
+        sending = asyncio.gather(*(conn.notify("hold", [i, payload]) for i in range(total)))
+        await asyncio.sleep(1.0)
+        served = b.connections[a_keys.public]
+        fits = MAX_HELD_BYTES // (LARGE + 64)
+        assert (running, handled) == (fits, []) and served.budget.held <= MAX_HELD_BYTES
+        release.set()
+        await asyncio.wait_for(sending, 20)
+        for _ in range(200):
+            if len(handled) == total:
+                break
+            await asyncio.sleep(0.05)
+        assert sorted(handled) == list(range(total)) and most == fits and served.budget.held == 0
+        assert (await served.call("echo", "still open"))["body"] == "still open"
+        await a.close()
+        await b.close()
+
+    run(main(), 60)
+
+
+def test_replies_not_yet_read_hold_at_most_the_byte_budget():
+    """A peer answering one request with a stream of 3 MiB replies while the asker reads none: the
+    asker's connection takes in what its byte budget holds and leaves the rest in the socket; each
+    reply read makes room for the next, and none is lost."""
+    async def main():
+        count = 12
+
+        async def flood(peer, msg_type, body):
+            async def replies():
+                for i in range(count):
+                    yield [i, bytes(LARGE)]
+            return replies()
+
+        a_keys, b_keys = KeySet.generate(), KeySet.generate()
+        a = Peering(a_keys, echo_handler, lambda key: key == b_keys.public)
+        b = Peering(b_keys, flood, lambda key: key == a_keys.public)
+        port = await b.listen("127.0.0.1", 0)
+        conn = await a.connect(b_keys.public, f"127.0.0.1:{port}")
+        replies = conn.request("flood", None)
+        first = await anext(replies)
+        await asyncio.sleep(1.0)
+        queued = next(iter(conn.streams.values())).qsize()
+        assert first[0] == 0 and conn.budget.held <= MAX_HELD_BYTES and queued < count - 1
+        rest = [reply[0] async for reply in replies]
+        assert rest == list(range(1, count)) and conn.budget.held == 0
+        await a.close()
+        await b.close()
+
+    run(main(), 60)
 
 
 def test_a_peer_that_reads_nothing_is_dropped_after_the_write_timeout():

@@ -11,8 +11,9 @@ length-prefixed msgpack with a hard size limit and limits on what a frame may de
 (FRAME_LIMITS: values, nesting, items per container; a frame past them is malformed, which ends
 its connection); one connection per peer pair carries many concurrent streams (request id
 multiplexing). Memory per connection is bounded both ways: at most
-MAX_IN_FLIGHT incoming requests are handled at once (further frames wait in the peer's socket), and
-writes wait for the socket to drain, up to WRITE_TIMEOUT, after which the stalled peer is dropped.
+MAX_IN_FLIGHT incoming requests are handled at once, and at most MAX_HELD_BYTES of frames are held
+(by handlers, or as replies not yet read); further frames wait in the peer's socket. Writes wait for
+the socket to drain, up to WRITE_TIMEOUT, after which the stalled peer is dropped.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import functools
 import hmac
 import itertools
 import logging
@@ -55,6 +57,10 @@ STREAM_QUEUE = 64
 MAX_IN_FLIGHT = 64
 """Requests and messages one connection handles at once; the next frame is read when one ends, so
 a peer sending faster than we handle waits on TCP instead of filling our memory."""
+MAX_HELD_BYTES = 4 * MAX_FRAME
+"""Bytes of frames one connection holds at once: bodies its handlers are working on, and replies its
+streams have not yet read. Counted before a frame's body is read, so 64 frames of 4 MiB (which decode
+into a few hundred MiB of Python) cannot be held at once; four whole frames fit."""
 WRITE_TIMEOUT = 60.0
 """A peer that takes none of our bytes for this long is stalled: its connection is dropped."""
 HELLO_DOMAIN = b"planetserve/peer-hello/v1"
@@ -118,18 +124,50 @@ def certificate_key(der: bytes | None) -> bytes:
     return public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
 
 
+class ByteBudget:
+    """Bytes a connection holds at once. Its one reader takes room for a frame before reading the
+    frame's body, waiting while there is none; handlers and stream readers give it back."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+        self._freed = asyncio.Event()
+
+    async def take(self, size: int) -> None:
+        while self.held + size > self.limit:
+            self._freed.clear()
+            await self._freed.wait()
+        self.held += size
+
+    def give(self, size: int) -> None:
+        self.held -= size
+        self._freed.set()
+
+
 async def read_frame(reader: asyncio.StreamReader, limit: int = MAX_FRAME,
                      limits: Limits = FRAME_LIMITS) -> Any:
     """One frame's decoded value; TransportError on a short read, oversize, bad msgpack, or a value
     past `limits`."""
+    return decode_frame(await read_body(reader, limit), limits)
+
+
+async def read_body(reader: asyncio.StreamReader, limit: int = MAX_FRAME, budget: ByteBudget | None = None
+                    ) -> bytes:
+    """One frame's bytes; TransportError on a short read or oversize. With `budget`, room for the frame
+    is taken before its body is read (the caller gives it back once the frame is no longer held)."""
     try:
         header = await reader.readexactly(_LENGTH.size)
         (size,) = _LENGTH.unpack(header)
         if size > limit:
             raise TransportError(f"frame of {size} bytes exceeds the limit of {limit}")
-        body = await reader.readexactly(size)
+        if budget is not None:
+            await budget.take(size)
+        return await reader.readexactly(size)
     except asyncio.IncompleteReadError as exc:
         raise TransportError("connection closed mid-frame" if exc.partial else "connection closed") from exc
+
+
+def decode_frame(body: bytes, limits: Limits = FRAME_LIMITS) -> Any:
     try:
         return unpack_bounded(body, limits)
     except CodecError as exc:
@@ -182,6 +220,7 @@ class Connection:
     closed: asyncio.Event = field(default_factory=asyncio.Event)
     tasks: set[asyncio.Task] = field(default_factory=set)
     slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(MAX_IN_FLIGHT))
+    budget: ByteBudget = field(default_factory=lambda: ByteBudget(MAX_HELD_BYTES))
 
     async def send(self, frame: list) -> None:
         if self.closed.is_set():
@@ -201,7 +240,8 @@ class Connection:
         try:
             await self.send(["req", stream, msg_type, body])
             while True:
-                kind, payload = await queue.get()
+                kind, payload, size = await queue.get()
+                self.budget.give(size)
                 if kind == "rep":
                     yield payload
                 elif kind == "end":
@@ -210,6 +250,8 @@ class Connection:
                     raise RemoteError(str(payload))
         finally:
             self.streams.pop(stream, None)
+            while not queue.empty():
+                self.budget.give(queue.get_nowait()[2])
 
     async def call(self, msg_type: str, body: Any) -> Any:
         """A request with exactly one reply; a second one ends it at once (a peer cannot make us
@@ -228,38 +270,43 @@ class Connection:
         """Read frames until the connection ends; fail every open stream then."""
         try:
             while True:
-                frame = await read_frame(self.reader, self.limit)
+                body = await read_body(self.reader, self.limit, self.budget)
+                frame = decode_frame(body)
                 if not (isinstance(frame, list) and len(frame) == 4 and isinstance(frame[0], str)
                         and isinstance(frame[1], int) and isinstance(frame[2], str)):
                     raise TransportError("malformed frame: not [kind, stream, type, body]")
-                await self._dispatch(*frame)
+                await self._dispatch(*frame, len(body))
         except (TransportError, ConnectionError, ssl.SSLError) as exc:
             log.debug("connection to %s ended: %s", self.peer.hex()[:16], exc)
         finally:
             self.closed.set()
             for queue in self.streams.values():
                 with contextlib.suppress(asyncio.QueueFull):
-                    queue.put_nowait(("err", "connection closed"))
+                    queue.put_nowait(("err", "connection closed", 0))
             for task in self.tasks:
                 task.cancel()
             self.writer.close()
 
-    async def _dispatch(self, kind: str, stream: int, msg_type: str, body: Any) -> None:
+    async def _dispatch(self, kind: str, stream: int, msg_type: str, body: Any, size: int) -> None:
         if kind in ("rep", "end", "err"):
             queue = self.streams.get(stream)
-            if queue is not None:
-                await queue.put((kind, body))  # a slow consumer slows this connection: backpressure
+            if queue is None:
+                self.budget.give(size)
+            else:
+                await queue.put((kind, body, size))  # a slow consumer slows this connection: backpressure
         elif kind in ("msg", "req"):
             await self.slots.acquire()
             task = asyncio.create_task(self._serve(kind, stream, msg_type, body))
             self.tasks.add(task)
-            task.add_done_callback(self._done)
+            task.add_done_callback(functools.partial(self._done, size))
         else:
+            self.budget.give(size)
             raise TransportError(f"unknown frame kind {kind!r}")
 
-    def _done(self, task: asyncio.Task) -> None:
+    def _done(self, size: int, task: asyncio.Task) -> None:
         self.tasks.discard(task)
         self.slots.release()
+        self.budget.give(size)
 
     async def _serve(self, kind: str, stream: int, msg_type: str, body: Any) -> None:
         try:
