@@ -12,13 +12,16 @@ from transformers import PreTrainedModel
 
 class Fault:
     """Makes the real model's forward raise (or wait) for chosen inputs, through a hook on its
-    embedding: the engine under test runs unchanged, its model fails as a device can."""
+    embedding (or on `module`, one of its layers: the layers before it have run, and written their KV):
+    the engine under test runs unchanged, its model fails as a device can."""
 
-    def __init__(self, model: PreTrainedModel, raises: Callable[[torch.Tensor], bool]) -> None:
+    def __init__(self, model: PreTrainedModel, raises: Callable[[torch.Tensor], bool],
+                 module: torch.nn.Module | None = None) -> None:
         self.raises = raises
         self.gate = threading.Event()
         self.gate.set()
-        self.handle = model.get_input_embeddings().register_forward_pre_hook(self._hook)
+        hooked = model.get_input_embeddings() if module is None else module
+        self.handle = hooked.register_forward_pre_hook(self._hook)
 
     def _hook(self, module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
         self.gate.wait(30)
@@ -31,8 +34,9 @@ class Fault:
 
 
 @contextlib.contextmanager
-def fault(model: PreTrainedModel, raises: Callable[[torch.Tensor], bool]) -> Iterator[Fault]:
-    injected = Fault(model, raises)
+def fault(model: PreTrainedModel, raises: Callable[[torch.Tensor], bool],
+          module: torch.nn.Module | None = None) -> Iterator[Fault]:
+    injected = Fault(model, raises, module)
     try:
         yield injected
     finally:

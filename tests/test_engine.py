@@ -463,27 +463,43 @@ def test_a_failing_request_fails_alone_and_the_engine_keeps_serving(model: Llama
     serve(model, body)
 
 
-def test_a_failed_decode_step_fails_its_batch_and_the_engine_keeps_serving(model: LlamaForCausalLM) -> None:
+def test_a_failed_decode_step_is_retried_request_by_request(model: LlamaForCausalLM) -> None:
+    """A decode step that fails is run again for each request on its own: a fault of the whole batch (out
+    of memory at its width, say) fails none, and every answer is the one a fault-free engine gives; a
+    fault that follows one request fails it alone."""
     first, second, later = prompts(3, 20, seed=17)
-    armed = threading.Event()
-
-    def decode_once(ids: torch.Tensor) -> bool:
-        if ids.shape[1] == 1 and armed.is_set():
-            armed.clear()
-            return True
-        return False
 
     async def body(engine: BuiltinEngine) -> None:
-        with fault(model, decode_once):
-            streams = [engine.generate(GenerationRequest(p, 50)) for p in (first, second)]
-            for stream in streams:
-                await anext(stream)
-            armed.set()
-            for stream in streams:
-                with pytest.raises(EngineError, match="injected device fault"):
-                    async for _ in stream:
-                        pass
+        clean = [await tokens(engine, GenerationRequest(p, 30)) for p in (first, second)]
+        culprit = next(t for t in clean[0][2:] if t not in clean[1])  # a token only the first answer holds
+
+        raised: list[int] = []
+
+        def batch_only(hidden: torch.Tensor) -> bool:
+            hit = hidden.shape[:2] == (2, 1)
+            if hit:
+                raised.append(len(hidden))
+            return hit
+
+        # failing in the last layer, after the others wrote the step's KV, which the retries must not see
+        with fault(model, batch_only, model.model.layers[-1]):
+            assert await asyncio.gather(*(tokens(engine, GenerationRequest(p, 30)) for p in (first, second))) == clean
+        assert raised and set(raised) == {2}  # every step the two shared failed, and was retried
+
+        def follows_culprit(ids: torch.Tensor) -> bool:
+            hit = ids.shape[1] == 1 and culprit in ids[:, 0].tolist()
+            if hit:
+                raised.append(len(ids))
+            return hit
+
+        raised.clear()
+        with fault(model, follows_culprit):
+            failing, passing = (asyncio.ensure_future(tokens(engine, GenerationRequest(p, 30))) for p in (first, second))
+            with pytest.raises(EngineError, match="injected device fault"):
+                await failing
+            assert await passing == clean[1]
             assert len(await tokens(engine, GenerationRequest(later, 10))) == 10
+        assert raised == [2, 1]  # the batch's step, then the culprit's own
 
     serve(model, body)
 

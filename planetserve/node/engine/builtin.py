@@ -127,6 +127,14 @@ def select_rows(past: DynamicCache, rows: Sequence[int], width: int) -> DynamicC
     ])
 
 
+def truncated(past: DynamicCache, width: int) -> DynamicCache:
+    """The batch as it was at `width` columns: a step that failed part-way through the model had
+    appended its column to the layers before the failure, not to those after."""
+    return DynamicCache(ddp_cache_data=[
+        (layer.keys[:, :, :width], layer.values[:, :, :width]) for layer in past.layers
+    ])
+
+
 def block_reader(past: DynamicCache, row: int, kv_len: int, block_size: int) -> Callable[[int], torch.Tensor]:
     """Block i of the sequence in `row` (its KV being the rightmost `kv_len` columns) in the prefix
     cache's layout [layers, 2, kv_heads, block_size, head_dim]."""
@@ -434,10 +442,11 @@ class BuiltinEngine:
     def _step(self) -> None:
         self._retire_ended()  # consumers that went away since the last step
         if self._batch is not None:
+            width = self._batch.get_seq_length()
             try:
-                self._decode(self._batch)
-            except Exception as exc:  # noqa: BLE001 - the batch's requests fail, the engine goes on
-                self._fail_batch(exc)
+                self._decode(self._batch, self._running)
+            except Exception as exc:  # noqa: BLE001 - retried one request at a time, the engine goes on
+                self._decode_apart(truncated(self._batch, width), exc)
             self._retire_ended()
         self._prefill_some()
 
@@ -504,19 +513,37 @@ class BuiltinEngine:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def _fail_batch(self, exc: Exception) -> None:
-        failed, self._running, self._batch = self._running, [], None
-        self._fail(failed, exc)
+    def _decode_apart(self, batch: DynamicCache, exc: Exception) -> None:
+        """After a failed step, the same step for each request on its own, from its KV as it was: a
+        fault that follows one request (its inputs, its length) fails it alone, and one the whole batch
+        caused (out of memory at its width, say) fails none."""
+        log.warning("engine %s: a decode step of %d request(s) failed (%r): retrying each on its own",
+                    self.model_id, len(self._running), exc)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        kept, parts = [], []
+        for row, seq in enumerate(self._running):
+            part = select_rows(batch, [row], seq.kv_len)
+            try:
+                self._decode(part, [seq])
+            except Exception as failure:  # noqa: BLE001 - this request fails, the others go on
+                self._fail([seq], failure)
+                continue
+            kept.append(seq)
+            parts.append(part)
+        self._running = kept
+        self._batch = merge_batches(parts) if parts else None
 
-    def _decode(self, batch: DynamicCache) -> None:
-        last = torch.tensor([seq.tokens[-1] for seq in self._running], device=self.device)
-        lengths = torch.tensor([seq.kv_len for seq in self._running], device=self.device)
+    def _decode(self, batch: DynamicCache, seqs: list[_Sequence]) -> None:
+        """One step of `seqs`, the rows of `batch`: it grows by a column and each emits a token."""
+        last = torch.tensor([seq.tokens[-1] for seq in seqs], device=self.device)
+        lengths = torch.tensor([seq.kv_len for seq in seqs], device=self.device)
         logits = decode_step(self.model, batch, last, lengths)
         self._steps += 1
-        self._decode_tokens += len(self._running)
-        tokens = self._pick(logits, self._running)
-        scored = self._score(logits, self._running, tokens)
-        for seq, token, entry in zip(self._running, tokens, scored, strict=True):
+        self._decode_tokens += len(seqs)
+        tokens = self._pick(logits, seqs)
+        scored = self._score(logits, seqs, tokens)
+        for seq, token, entry in zip(seqs, tokens, scored, strict=True):
             seq.kv_len += 1
             self._emit(seq, token, entry, first=False)
 
