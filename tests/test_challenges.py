@@ -59,7 +59,14 @@ def test_challenges_are_sent_and_sampled_like_user_requests():
     sampled_chats = ChallengeSource("mixed", scale=SCALE, greedy_share=0, chat_share=1).draw(40)
     assert {c.temperature for c in sampled_chats} == {t for t in workloads.TEMPERATURES if t > 0}
     assert all(c.chat for c in sampled_chats)
-    for bad in ({"greedy_share": 1.5}, {"chat_share": -0.1}):
+    # stop strings: a tenth by default, from the workload's pool; a network's own share replaces it
+    assert 0.03 < sum(bool(c.stop) for c in drawn) / len(drawn) < 0.2
+    assert {c.stop for c in drawn if c.stop} <= set(workloads.STOPS)
+    stopping = ChallengeSource("mixed", scale=SCALE, stop_share=1).draw(80)
+    assert all(c.stop for c in stopping) and {c.stop for c in stopping} == set(workloads.STOPS)
+    assert 0 < sum(c.stop_as_ids for c in stopping) < len(stopping)
+    assert not any(c.stop or c.stop_as_ids for c in ChallengeSource("mixed", scale=SCALE, stop_share=0).draw(40))
+    for bad in ({"greedy_share": 1.5}, {"chat_share": -0.1}, {"stop_share": 2}):
         with pytest.raises(ValueError, match="must lie in"):
             ChallengeSource("mixed", **bad)
 

@@ -49,6 +49,7 @@ def test_config_loads_strictly(tmp_path):
                          ({"keys": "k", "tolerance": -1}, "tolerance must lie in"),
                          ({"keys": "k", "greedy_share": 2}, "greedy_share must be null or lie in"),
                          ({"keys": "k", "chat_share": "half"}, "chat_share must be null or lie in"),
+                         ({"keys": "k", "stop_share": -1}, "stop_share must be null or lie in"),
                          ({"keys": "k", "logprobs_share": 1.5}, "logprobs_share must lie in"),
                          ({"keys": "k", "logprobs_share": None}, "logprobs_share must lie in"),
                          ({"keys": "k", "rechallenge_share": None}, "rechallenge_share must lie in"),

@@ -20,6 +20,7 @@ import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from planetserve import workloads
 from planetserve.chain.challenge import Challenge
@@ -75,6 +76,19 @@ def to_challenge(drawn: ChallengePrompt, rendered: str | None, max_tokens: int,
                          milli(drawn.top_p), stop, stop_ids)
 
 
+def _chance(share: float) -> bool:
+    """True with probability `share`, from `secrets`."""
+    return secrets.randbelow(_ONE) < share * _ONE
+
+
+def _pick(weights: dict[Any, int]) -> Any:
+    """A value of `weights` (value: weight) drawn from `secrets`."""
+    values = sorted(weights)
+    pick = secrets.randbelow(sum(weights.values()))
+    return next(v for v, upto in zip(values, itertools.accumulate(weights[v] for v in values), strict=True)
+                if pick < upto)
+
+
 def prompt_digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -83,21 +97,23 @@ class ChallengeSource:
     """Fresh challenges from one workload, scaled for the served models' context (`scale`, as in
     `workloads.generate`), at most `max_prompt_len` tokens long when given.
 
-    `greedy_share` and `chat_share` replace the workload's own shares of greedy and of chat requests,
-    for a network whose users' traffic is known to differ: challenges should look like it."""
+    `greedy_share`, `chat_share` and `stop_share` replace the workload's own shares of greedy requests,
+    of chat requests and of requests with stop strings, for a network whose users' traffic is known to
+    differ: challenges should look like it."""
 
     def __init__(self, workload: str = "mixed", *, scale: float = 1.0, max_prompt_len: int | None = None,
                  used_file: Path | None = None, length: Callable[[str], int] | None = None,
                  greedy_share: float | None = None, chat_share: float | None = None,
-                 followup_share: float = workloads.FOLLOWUP_SHARE) -> None:
+                 stop_share: float | None = None, followup_share: float = workloads.FOLLOWUP_SHARE) -> None:
         if workload not in workloads.WORKLOADS:
             raise ValueError(f"unknown workload {workload!r}; choose from {', '.join(workloads.WORKLOADS)}")
         for name, share in (("greedy_share", greedy_share), ("chat_share", chat_share),
-                            ("followup_share", followup_share)):
+                            ("stop_share", stop_share), ("followup_share", followup_share)):
             if share is not None and not 0 <= share <= 1:
                 raise ValueError(f"{name} must lie in [0, 1], got {share}")
         self.greedy_share = greedy_share
         self.chat_share = chat_share
+        self.stop_share = stop_share
         self.followup_share = followup_share
         self.workload = workload
         self.scale = scale
@@ -153,21 +169,27 @@ class ChallengeSource:
             self.used.add(digest)
             picked.append(ChallengePrompt(text, request.max_tokens, request.workload,
                                           self._temperature(request.temperature), self._chat(request.chat),
-                                          earlier, request.top_p, request.stop, request.stop_as_ids))
+                                          earlier, request.top_p, *self._stop(request)))
         return picked
 
     def _temperature(self, drawn: float) -> float:
         if self.greedy_share is None:
             return drawn
-        if secrets.randbelow(_ONE) < self.greedy_share * _ONE:
+        if _chance(self.greedy_share):
             return 0.0
-        sampled = sorted(t for t in workloads.TEMPERATURES if t > 0)
-        weights = [workloads.TEMPERATURES[t] for t in sampled]
-        pick = secrets.randbelow(sum(weights))
-        return next(t for t, upto in zip(sampled, itertools.accumulate(weights), strict=True) if pick < upto)
+        return _pick({t: weight for t, weight in workloads.TEMPERATURES.items() if t > 0})
 
     def _chat(self, drawn: bool) -> bool:
-        return drawn if self.chat_share is None else secrets.randbelow(_ONE) < self.chat_share * _ONE
+        return drawn if self.chat_share is None else _chance(self.chat_share)
+
+    def _stop(self, request: workloads.Request) -> tuple[tuple[str, ...], bool]:
+        """The request's stop strings and whether it sends them as ids; with `stop_share`, drawn afresh
+        at that share from the workload's pool."""
+        if self.stop_share is None:
+            return request.stop, request.stop_as_ids
+        if not _chance(self.stop_share):
+            return (), False
+        return _pick(workloads.STOPS), _chance(workloads.STOP_AS_IDS_SHARE)
 
     def _too_long(self, pieces: int, text: str) -> bool:
         if self.max_prompt_len is None:

@@ -100,6 +100,9 @@ class VerifierConfig(LedgerHome):
     Set it to what the network's users send, so that challenges look like their requests."""
     chat_share: float | None = None
     """Share of challenges sent as a chat message; None: the workload's (workloads.CHAT_SHARE)."""
+    stop_share: float | None = None
+    """Share of challenges with stop strings (from workloads.STOPS); None: the workload's
+    (workloads.STOP_SHARE)."""
     logprobs_share: float = workloads.LOGPROBS_SHARE
     """Share of challenges asking for each token's log-probability, as the workload's programs ask."""
     rechallenge_share: float = RECHALLENGE_SHARE
@@ -129,8 +132,8 @@ class VerifierConfig(LedgerHome):
         for name in ("max_prompt_tokens", "max_tokens", "concurrency", "attempts"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise HomeError(f"{CONFIG_FILE}: {name} must be a positive integer")
-        for name, nullable in (("greedy_share", True), ("chat_share", True), ("logprobs_share", False),
-                               ("rechallenge_share", False)):
+        for name, nullable in (("greedy_share", True), ("chat_share", True), ("stop_share", True),
+                               ("logprobs_share", False), ("rechallenge_share", False)):
             share = getattr(self, name)
             if share is None and nullable:
                 continue

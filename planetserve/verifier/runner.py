@@ -47,7 +47,8 @@ def challenge_source(config: VerifierConfig, home: Path,
                              max_prompt_len=min(config.max_prompt_tokens, max_len - config.max_tokens),
                              used_file=home / USED_PROMPTS_FILE,
                              length=lambda text: _longest(references, text),
-                             greedy_share=config.greedy_share, chat_share=config.chat_share)
+                             greedy_share=config.greedy_share, chat_share=config.chat_share,
+                             stop_share=config.stop_share)
     source.warm_up()
     return source
 
