@@ -17,6 +17,7 @@ from planetserve.node.overlay.transport import (
     MAX_FRAME,
     MAX_HELD_BYTES,
     MAX_IN_FLIGHT,
+    ByteBudget,
     Peering,
     RemoteError,
     TransportError,
@@ -250,6 +251,26 @@ def test_a_flood_of_large_messages_holds_at_most_the_byte_budget_and_none_is_los
         await b.close()
 
     run(main(), 60)
+
+
+def test_the_byte_budget_waits_for_room_and_admits_an_oversized_frame_alone():
+    async def main():
+        budget = ByteBudget(10)
+        await budget.take(6)
+        waiting = asyncio.ensure_future(budget.take(5))
+        await asyncio.sleep(0.01)
+        assert not waiting.done() and budget.held == 6
+        budget.give(6)
+        await asyncio.wait_for(waiting, 1)
+        assert budget.held == 5
+        oversized = asyncio.ensure_future(budget.take(25))  # larger than the budget: waits for nothing held
+        await asyncio.sleep(0.01)
+        assert not oversized.done()
+        budget.give(5)
+        await asyncio.wait_for(oversized, 1)
+        assert budget.held == 25
+
+    run(main(), 10)
 
 
 def test_replies_not_yet_read_hold_at_most_the_byte_budget():

@@ -126,7 +126,8 @@ def certificate_key(der: bytes | None) -> bytes:
 
 class ByteBudget:
     """Bytes a connection holds at once. Its one reader takes room for a frame before reading the
-    frame's body, waiting while there is none; handlers and stream readers give it back."""
+    frame's body, waiting while there is none (a frame larger than the whole budget waits until
+    nothing is held); handlers and stream readers give it back."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -134,7 +135,7 @@ class ByteBudget:
         self._freed = asyncio.Event()
 
     async def take(self, size: int) -> None:
-        while self.held + size > self.limit:
+        while self.held and self.held + size > self.limit:
             self._freed.clear()
             await self._freed.wait()
         self.held += size
