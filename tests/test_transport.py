@@ -169,38 +169,53 @@ def test_oversized_and_garbage_frames_close_only_that_connection():
     run(main(), 30)
 
 
+class Holding:
+    """A handler that holds every message until released, counting how many it holds at once; a
+    message's number is its body, or its body's first item."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.running, self.most = 0, 0
+        self.handled: list[int] = []
+
+    async def __call__(self, peer, msg_type, body) -> None:
+        self.running += 1
+        self.most = max(self.most, self.running)
+        await self.release.wait()
+        self.running -= 1
+        self.handled.append(body if isinstance(body, int) else body[0])
+
+    async def all_handled(self, total: int) -> None:
+        for _ in range(200):
+            if len(self.handled) == total:
+                return
+            await asyncio.sleep(0.05)
+
+
+async def flooded(holding: Holding) -> tuple[Peering, Peering, object]:
+    """A dialler and a listener whose handler is `holding`, and the dialler's connection."""
+    a_keys, b_keys = KeySet.generate(), KeySet.generate()
+    a = Peering(a_keys, echo_handler, lambda key: key == b_keys.public)
+    b = Peering(b_keys, holding, lambda key: key == a_keys.public)
+    port = await b.listen("127.0.0.1", 0)
+    return a, b, await a.connect(b_keys.public, f"127.0.0.1:{port}")
+
+
 def test_a_flood_of_messages_waits_for_free_handlers_and_none_is_lost():
     """A peer sending faster than its messages are handled is held back by TCP: at most
     MAX_IN_FLIGHT handlers run for one connection, and every message is handled in the end."""
     async def main():
-        release = asyncio.Event()
-        running, handled, most = 0, [], 0
-
-        async def slow(peer, msg_type, body):
-            nonlocal running, most
-            running += 1
-            most = max(most, running)
-            await release.wait()
-            running -= 1
-            handled.append(body)
-
-        a_keys, b_keys = KeySet.generate(), KeySet.generate()
-        a = Peering(a_keys, echo_handler, lambda key: key == b_keys.public)
-        b = Peering(b_keys, slow, lambda key: key == a_keys.public)
-        port = await b.listen("127.0.0.1", 0)
-        conn = await a.connect(b_keys.public, f"127.0.0.1:{port}")
+        holding = Holding()
+        a, b, conn = await flooded(holding)
         total = 3 * MAX_IN_FLIGHT
         for i in range(total):
             await conn.notify("hold", i)
         await asyncio.sleep(0.3)
-        served = b.connections[a_keys.public]
-        assert (running, len(served.tasks), handled) == (MAX_IN_FLIGHT, MAX_IN_FLIGHT, [])
-        release.set()
-        for _ in range(100):
-            if len(handled) == total:
-                break
-            await asyncio.sleep(0.05)
-        assert sorted(handled) == list(range(total)) and most == MAX_IN_FLIGHT
+        served = b.connections[a.keys.public]
+        assert (holding.running, len(served.tasks), holding.handled) == (MAX_IN_FLIGHT, MAX_IN_FLIGHT, [])
+        holding.release.set()
+        await holding.all_handled(total)
+        assert sorted(holding.handled) == list(range(total)) and holding.most == MAX_IN_FLIGHT
         assert (await served.call("echo", "still open"))["body"] == "still open"
         await a.close()
         await b.close()
@@ -217,35 +232,18 @@ def test_a_flood_of_large_messages_holds_at_most_the_byte_budget_and_none_is_los
     when it has room for it, so its handlers hold at most MAX_HELD_BYTES (five such frames, where 64 slots
     would let 192 MiB of bodies in); every message is handled once room frees."""
     async def main():
-        release = asyncio.Event()
-        running, handled, most = 0, [], 0
-
-        async def slow(peer, msg_type, body):
-            nonlocal running, most
-            running += 1
-            most = max(most, running)
-            await release.wait()
-            running -= 1
-            handled.append(body[0])
-
-        a_keys, b_keys = KeySet.generate(), KeySet.generate()
-        a = Peering(a_keys, echo_handler, lambda key: key == b_keys.public)
-        b = Peering(b_keys, slow, lambda key: key == a_keys.public)
-        port = await b.listen("127.0.0.1", 0)
-        conn = await a.connect(b_keys.public, f"127.0.0.1:{port}")
+        holding = Holding()
+        a, b, conn = await flooded(holding)
         total, payload = 12, bytes(LARGE)
         sending = asyncio.gather(*(conn.notify("hold", [i, payload]) for i in range(total)))
         await asyncio.sleep(1.0)
-        served = b.connections[a_keys.public]
+        served = b.connections[a.keys.public]
         fits = MAX_HELD_BYTES // (LARGE + 64)
-        assert (running, handled) == (fits, []) and served.budget.held <= MAX_HELD_BYTES
-        release.set()
+        assert (holding.running, holding.handled) == (fits, []) and served.budget.held <= MAX_HELD_BYTES
+        holding.release.set()
         await asyncio.wait_for(sending, 20)
-        for _ in range(200):
-            if len(handled) == total:
-                break
-            await asyncio.sleep(0.05)
-        assert sorted(handled) == list(range(total)) and most == fits and served.budget.held == 0
+        await holding.all_handled(total)
+        assert sorted(holding.handled) == list(range(total)) and holding.most == fits and served.budget.held == 0
         assert (await served.call("echo", "still open"))["body"] == "still open"
         await a.close()
         await b.close()
