@@ -199,8 +199,8 @@ def _decoder(k: int, n: int) -> zfec.Decoder:
 
 
 def _xor(fragments: Sequence[bytes]) -> bytes:
-    """The XOR of equal-sized fragments: the parity of an (k + 1, k) code, and any one of its k + 1
-    fragments from the other k."""
+    """The XOR of equal-sized fragments: the parity of an (k + 1, k) code (`_gather_parity` recovers a
+    lost fragment the same way, in place)."""
     acc = np.frombuffer(fragments[0], np.uint8).copy()
     for fragment in fragments[1:]:
         np.bitwise_xor(acc, np.frombuffer(fragment, np.uint8), out=acc)
@@ -218,20 +218,36 @@ def _disperse(data: bytes, n: int, k: int) -> list[bytes]:
     return [*blocks, *_encoder(k, n).encode(blocks, tuple(range(k, n)))]
 
 
-def _gather(cloves: Sequence[Clove]) -> bytes:
+def _gather(cloves: Sequence[Clove]) -> bytes | bytearray:
     """Padded ciphertext from k cloves; only needs the parity when a parity fragment is among them."""
     first = cloves[0]
-    if all(c.index <= first.k for c in cloves):
-        blocks = [c.fragment for c in sorted(cloves, key=lambda c: c.index)]
-    elif first.n == first.k + 1:
-        held = {c.index: c.fragment for c in cloves}
-        lost = next(i for i in range(1, first.k + 1) if i not in held)
-        held[lost] = _xor(list(held.values()))
-        blocks = [held[i] for i in range(1, first.k + 1)]
+    k = first.k
+    if all(c.index <= k for c in cloves):
+        return b"".join([c.fragment for c in sorted(cloves, key=lambda c: c.index)])
+    if first.n == k + 1:
+        return _gather_parity(cloves, k)
+    fragments = tuple(c.fragment for c in cloves)
+    return b"".join(_decoder(k, first.n).decode(fragments, tuple(c.index - 1 for c in cloves)))
+
+
+def _gather_parity(cloves: Sequence[Clove], k: int) -> bytearray:
+    """Padded ciphertext from the parity fragment and k - 1 others, written in place: the lost
+    fragment is the XOR of the k held ones, computed into its slot."""
+    size = len(cloves[0].fragment)
+    padded = bytearray(size * k)
+    lost = k * (k + 1) // 2 + k + 1 - sum(c.index for c in cloves)  # the one index of 1..k+1 not held
+    for c in cloves:
+        if c.index <= k:
+            padded[(c.index - 1) * size : c.index * size] = c.fragment
+    slot = np.frombuffer(padded, np.uint8)[(lost - 1) * size : lost * size]
+    first, *rest = (np.frombuffer(c.fragment, np.uint8) for c in cloves)
+    if not rest:  # k = 1: the parity is the fragment
+        slot[:] = first
     else:
-        fragments = tuple(c.fragment for c in cloves)
-        blocks = _decoder(first.k, first.n).decode(fragments, tuple(c.index - 1 for c in cloves))
-    return b"".join(blocks)
+        np.bitwise_xor(first, rest[0], out=slot)
+        for fragment in rest[1:]:
+            np.bitwise_xor(slot, fragment, out=slot)
+    return padded
 
 
 # -- split / open -------------------------------------------------------------------------------------
@@ -284,7 +300,7 @@ def _open(cloves: Sequence[Clove]) -> bytes | None:
         return None
     aead = AESGCM(key.to_bytes(KEY_SIZE))
     try:
-        return aead.decrypt(header.nonce, padded[: header.length], header.associated_data())
+        return aead.decrypt(header.nonce, memoryview(padded)[: header.length], header.associated_data())
     except InvalidTag:
         return None
 
@@ -301,6 +317,8 @@ class _Group:
         self.header = header
         self.max_variants = max_variants
         self.variants: dict[int, list[Clove]] = {}
+        self.cloves = 0
+        """How many are kept, all indices together: k of them on k indices make one subset."""
 
     def accepts(self, clove: Clove) -> bool:
         """Whether the clove would be kept: not a duplicate, nor a variant beyond the cap."""
@@ -314,6 +332,7 @@ class _Group:
             self.variants[clove.index] = [clove]
         else:
             kept.append(clove)
+        self.cloves += 1
 
     def add(self, clove: Clove) -> bool:
         """Whether the clove is new (kept); duplicates and variants beyond the cap are not."""
@@ -325,6 +344,9 @@ class _Group:
     def subsets(self, including: Clove | None = None) -> Iterator[tuple[Clove, ...]]:
         """k-subsets, one clove per index, earliest variants first; only those with `including`."""
         k = self.header.k
+        if self.cloves == k and len(self.variants) == k:  # one clove on each of k indices: one subset
+            yield tuple(kept[0] for kept in self.variants.values())
+            return
         if including is None:
             for indices in itertools.combinations(sorted(self.variants), k):
                 yield from itertools.product(*(self.variants[i] for i in indices))
@@ -553,6 +575,7 @@ class Reassembler:
             group = entry.groups[clove.header]
             kept = group.variants[clove.index]
             kept[:] = [c for c in kept if c is not clove]
+            group.cloves -= 1
             if not kept:
                 del group.variants[clove.index]
             if not group.variants:
@@ -594,8 +617,9 @@ class Reassembler:
     def _drop(self, message_id: bytes) -> None:
         entry = self._pending.pop(message_id)
         self.pending_bytes -= entry.size
+        alone = len(entry.held) == 1
         for peer, cloves in entry.held.items():
-            self._peer_bytes[peer] -= sum(c.size for c in cloves)
+            self._peer_bytes[peer] -= entry.size if alone else sum(c.size for c in cloves)
             self._forget_peer(peer, message_id)
 
     def expire(self, now: float | None = None) -> int:
