@@ -17,6 +17,7 @@ from planetserve.node.overlay.transport import (
     MAX_FRAME,
     MAX_HELD_BYTES,
     MAX_IN_FLIGHT,
+    STREAM_QUEUE,
     ByteBudget,
     Peering,
     RemoteError,
@@ -192,11 +193,11 @@ class Holding:
             await asyncio.sleep(0.05)
 
 
-async def flooded(holding: Holding) -> tuple[Peering, Peering, object]:
-    """A dialler and a listener whose handler is `holding`, and the dialler's connection."""
+async def connected(handler) -> tuple[Peering, Peering, object]:
+    """A dialler and a listener that handles messages with `handler`, and the dialler's connection."""
     a_keys, b_keys = KeySet.generate(), KeySet.generate()
     a = Peering(a_keys, echo_handler, lambda key: key == b_keys.public)
-    b = Peering(b_keys, holding, lambda key: key == a_keys.public)
+    b = Peering(b_keys, handler, lambda key: key == a_keys.public)
     port = await b.listen("127.0.0.1", 0)
     return a, b, await a.connect(b_keys.public, f"127.0.0.1:{port}")
 
@@ -206,7 +207,7 @@ def test_a_flood_of_messages_waits_for_free_handlers_and_none_is_lost():
     MAX_IN_FLIGHT handlers run for one connection, and every message is handled in the end."""
     async def main():
         holding = Holding()
-        a, b, conn = await flooded(holding)
+        a, b, conn = await connected(holding)
         total = 3 * MAX_IN_FLIGHT
         for i in range(total):
             await conn.notify("hold", i)
@@ -233,7 +234,7 @@ def test_a_flood_of_large_messages_holds_at_most_the_byte_budget_and_none_is_los
     would let 192 MiB of bodies in); every message is handled once room frees."""
     async def main():
         holding = Holding()
-        a, b, conn = await flooded(holding)
+        a, b, conn = await connected(holding)
         total, payload = 12, bytes(LARGE)
         sending = asyncio.gather(*(conn.notify("hold", [i, payload]) for i in range(total)))
         await asyncio.sleep(1.0)
@@ -249,6 +250,35 @@ def test_a_flood_of_large_messages_holds_at_most_the_byte_budget_and_none_is_los
         await b.close()
 
     run(main(), 60)
+
+
+def test_replies_to_a_stream_its_asker_left_are_not_held():
+    """The asker reads one reply of many and leaves while the connection waits to queue one more (its
+    stream's queue is full): that reply, and every later one, gives its room back."""
+    async def main():
+        count, part = STREAM_QUEUE + 8, bytes(64 * 1024)
+
+        async def flood(peer, msg_type, body):
+            async def replies():
+                for i in range(count):
+                    yield [i, part]
+            return replies()
+
+        a, b, conn = await connected(flood)
+        replies = conn.request("flood", None)
+        assert (await anext(replies))[0] == 0
+        await asyncio.sleep(0.5)  # the queue fills; the connection waits to put the next reply
+        assert conn.budget.held > STREAM_QUEUE * len(part)
+        await replies.aclose()
+        for _ in range(100):
+            if conn.budget.held == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert conn.budget.held == 0 and not conn.streams
+        await a.close()
+        await b.close()
+
+    run(main(), 30)
 
 
 def test_the_byte_budget_waits_for_room_and_admits_an_oversized_frame_alone():

@@ -293,8 +293,10 @@ class Connection:
             queue = self.streams.get(stream)
             if queue is None:
                 self.budget.give(size)
-            else:
-                await queue.put((kind, body, size))  # a slow consumer slows this connection: backpressure
+                return
+            await queue.put((kind, body, size))  # a slow consumer slows this connection: backpressure
+            if self.streams.get(stream) is not queue:  # the stream ended while this waited: none will read it
+                self.budget.give(size)
         elif kind in ("msg", "req"):
             await self.slots.acquire()
             task = asyncio.create_task(self._serve(kind, stream, msg_type, body))
