@@ -23,7 +23,6 @@ from planetserve.chain.messages.epochs import Revealed, Unanswered
 from planetserve.models import load
 from planetserve.node.model_node import ModelNode
 from planetserve.registry.entities import ModelNode as NodeRecord
-from planetserve.registry.epochs import SignedResponse
 from planetserve.verifier import ReferenceModel
 from planetserve.verifier import daemon as daemon_module
 from planetserve.verifier.daemon import Daemon
@@ -35,7 +34,7 @@ CAP = 48
 CUT = 2
 TEMPERATURE = 700
 SALT = hashlib.sha256(b"stop-4").digest()
-"""A salt whose seed's honest answer reaches a stop string (at most seeds quick gt stops at a stop token
+"""A salt whose seed's honest answer reaches a stop string (for most seeds quick gt reaches a stop token
 first)."""
 
 
@@ -72,7 +71,7 @@ def by_id(reference, challenge) -> Challenge:
 def served(quick_family, challenge, by_id) -> dict:
     """The honest and the early-stopping node's signed answers to the challenge, with its stop strings,
     with them as token ids, and without either; and the early node's keys."""
-    async def main() -> dict[str, SignedResponse]:
+    async def main() -> dict:
         nodes = {"honest": make_node(quick_family), "early": make_node(quick_family, EarlyStopNode)}
         for node in nodes.values():
             await node.start()
