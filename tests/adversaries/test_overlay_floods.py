@@ -140,6 +140,38 @@ def test_a_captured_setup_replayed_after_a_cache_flood_is_refused(monkeypatch):
     run(main(), timeout=60)
 
 
+def test_a_setup_from_a_clock_ahead_is_refused_again_once_it_enters_the_window():
+    """A user whose clock runs 40 s ahead of the relay's: its setup is refused as early, and remembered,
+    so that an adversary who captured it and replays it once it is inside the window is refused as a
+    replay. A setup issued an hour ahead is refused and not kept (the cache stays bounded in time)."""
+    async def main():
+        victim, adversary, honest = users = await users_network(3)
+        target = victim.keys.public
+        counters = victim.relay.counters
+        try:
+            ahead = int(time.time()) + 40
+            link = secrets.token_bytes(onion.ID_SIZE)
+            layer = onion.proxy_layer(secrets.token_bytes(16), secrets.token_bytes(32), issued=ahead)
+            captured = [link, onion.build([target], [layer])[0]]
+            await honest._send(target, "setup", captured)
+            await until(lambda: counters["stale"] == 1)
+            assert len(victim.relay.seen) == 1 and counters["setups"] == 0
+            far = onion.proxy_layer(secrets.token_bytes(16), secrets.token_bytes(32), issued=ahead + 3600)
+            await honest._send(target, "setup", [secrets.token_bytes(onion.ID_SIZE), onion.build([target], [far])[0]])
+            await until(lambda: counters["stale"] == 2)
+            assert len(victim.relay.seen) == 1
+            # 30 s on, the captured setup is inside the relay's window: its replay is refused all the same
+            now = time.time()
+            victim.relay.seen.clock = lambda: now + 30
+            await adversary._send(target, "setup", [secrets.token_bytes(onion.ID_SIZE), captured[1]])
+            await until(lambda: counters["replays"] == 1)
+            assert counters["setups"] == 0 and not victim.relay.forward
+        finally:
+            await close(users)
+
+    run(main(), timeout=60)
+
+
 def test_junk_cloves_from_one_proxy_do_not_evict_another_proxys_message(quick_family):
     async def main():
         net = await start_overlay(quick_family, [make_user() for _ in range(6)], 1)

@@ -2,7 +2,8 @@
 computes the same answer again and again (docs/threat-model.md, "Replays the cloves of a prompt"). The
 reassembler forgets a finished message after 30 s; the gateway remembers the request ids it answered
 for the prompt window around their `sent` time and refuses the replay as a replay inside it and as
-stale after it, on a real model node over the real transport."""
+stale after it, on a real model node over the real transport. A prompt from a clock a little ahead is
+refused and remembered, so its replay once inside the window is refused too."""
 
 from __future__ import annotations
 
@@ -61,8 +62,22 @@ def test_a_replayed_prompt_is_answered_once(quick_family):
             # a prompt sent now (by the node's clock) is answered; one sent further ahead than the window is stale
             await deliver(cloves(sent_now(gateway.answered.clock)))
             await until(lambda: gateway.counters["prompts"] == before["prompts"] + 2)
+            held = len(gateway.answered)
             await deliver(cloves(sent_now(gateway.answered.clock) + 600))
             await until(lambda: gateway.counters["stale"] == before["stale"] + 2)
+            assert gateway.counters["prompts"] == before["prompts"] + 2 and len(gateway.answered) == held
+
+            # one from a user's clock 60 s ahead is stale too, but remembered: a proxy that kept its cloves
+            # and replays them once they are inside the window is refused
+            early = cloves(sent_now(gateway.answered.clock) + 60)
+            await deliver(early)
+            await until(lambda: gateway.counters["stale"] == before["stale"] + 3)
+            assert len(gateway.answered) == held + 1
+            clock = gateway.answered.clock
+            gateway.answered.clock = lambda: clock() + 50
+            gateway.reassembler.clock = lambda: time.monotonic() + 3 * (ttl + 1)
+            await deliver(early)
+            await until(lambda: gateway.counters["replays"] == before["replays"] + 2)
             assert gateway.counters["prompts"] == before["prompts"] + 2
             assert gateway.counters["failed"] == before["failed"]
         finally:

@@ -137,6 +137,8 @@ class Gateway:
             log.info("replayed prompt refused")
             return False
         if not self.answered.in_window(prompt.sent, now):
+            if self.answered.early(prompt.sent, now) and not self.answered.full():
+                self.answered.remember(prompt.request_id, prompt.sent)
             self.counters["stale"] += 1
             log.info("prompt sent %.0f s from this node's clock refused", prompt.sent - now)
             return False

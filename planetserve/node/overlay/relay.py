@@ -37,8 +37,10 @@ other relays at once):
   setup is accepted only from SETUP_MAX_AGE (60 s) before to SETUP_MAX_AHEAD (15 s) after this relay's
   clock. An ephemeral key is remembered until its setup leaves that window and is never evicted before:
   a replay is refused as a replay inside the window and as stale after it, so the cache cannot be
-  flushed. At most `max_setups_per_peer` (512) remembered setups come from one peer, at most
-  `replay_memory` (65,536) in all; past either, setups are refused (the cache fails closed, never
+  flushed. A setup issued up to SETUP_MAX_AGE past the window (a user's clock ahead) is refused and
+  remembered too, so that a capture of it is refused again once it enters the window. At most
+  `max_setups_per_peer` (512) remembered setups come from one peer, at most `replay_memory` (65,536)
+  in all; past either, setups are refused (the cache fails closed, never
   evicting). 512 in 75 s is about 7 setups a second from one neighbour, far above what an honest user
   (N paths, rebuilt on failure) or a forwarding relay sends.
 - the proxy's reply ids (16 bytes each, one per request and path, registered by the prompt clove they
@@ -243,6 +245,8 @@ class Relay:
             await self._refuse(peer, in_id, "replay cache is full", "refused_full")
         layer, inner = onion.peel(self.secret, packet)
         if not self.seen.in_window(layer.issued, now):
+            if self.seen.early(layer.issued, now):  # room was checked above
+                self.seen.remember(ephemeral, layer.issued, peer)
             await self._refuse(peer, in_id,
                                f"setup issued {now - layer.issued:.0f} s ago, outside the window", "stale")
         self.seen.remember(ephemeral, layer.issued, peer)

@@ -1,8 +1,9 @@
 """Ids remembered for a window around the time their sender says it made them, so that a replay inside
 the window is refused as a replay and one after it as stale: nothing but the window ever removes an id,
 and past its limit in all (and any per sender its owner sets by `held_by`) the window refuses new ids
-rather than forget old ones (it fails closed). A relay keeps one for path setups, a model node's gateway
-one for prompts."""
+rather than forget old ones (it fails closed). An id made a little after the window (its sender's clock
+ahead of ours: `early`) is refused and remembered too, so that a capture of it is refused again when it
+enters the window. A relay keeps one for path setups, a model node's gateway one for prompts."""
 
 from __future__ import annotations
 
@@ -45,6 +46,12 @@ class ReplayWindow:
 
     def in_window(self, made: float, now: float) -> bool:
         return now - self.max_age <= made <= now + self.max_ahead
+
+    def early(self, made: float, now: float) -> bool:
+        """Made after the window, but within one window's age of it: refused now, remembered (until it
+        leaves the window like any other), so that a capture replayed once it enters is refused too. An
+        id made further ahead is refused without being kept, which bounds how long any id is held."""
+        return now + self.max_ahead < made <= now + self.max_ahead + self.max_age
 
     def remember(self, key: bytes, made: float, sender: Hashable = None) -> None:
         """Keep an id its sender made at `made`, checked against the window and the limits before."""
