@@ -7,6 +7,9 @@ import statistics
 import pytest
 
 from planetserve import workloads
+from planetserve.chain import challenge
+from planetserve.node.api.openai import ApiLimits
+from planetserve.node.engine.wire import MAX_TOKEN_ID
 from planetserve.verifier.challenges import ChallengeError, ChallengeSource, prompt_digest
 
 SCALE = 0.05
@@ -84,3 +87,12 @@ def test_challenges_continue_sessions_as_often_as_users_do():
     assert not any(c.earlier for c in ChallengeSource("mixed", scale=SCALE, followup_share=0).draw(100))
     with pytest.raises(ValueError, match="followup_share must lie in"):
         ChallengeSource("mixed", followup_share=2)
+
+
+def test_a_sealed_challenges_stops_are_bounded_as_a_nodes_api_bounds_a_requests():
+    """A planner must not be able to seal stop strings or ids that the challenged node's API refuses:
+    the challenge would then look like a node that does not answer."""
+    api = ApiLimits()
+    sealed = (challenge.MAX_CHALLENGE_STOPS, challenge.MAX_STOP_CHARS, challenge.MAX_STOP_TOKEN_IDS,
+              challenge.TOKEN_ID_LIMIT)
+    assert sealed == (api.max_stop, api.max_stop_chars, api.max_stop_token_ids, MAX_TOKEN_ID + 1)

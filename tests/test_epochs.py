@@ -297,7 +297,7 @@ def test_a_sealed_challenge_opens_whole_for_every_member_and_only_in_range(s):
                          (Challenge.new("Why?", 0, stop=("",)), "sealed stop strings \\[''\\] are not at most 16"),
                          (Challenge.new("Why?", 0, stop=("x" * 257,)), "texts of 1 to 256 characters"),
                          (Challenge.new("Why?", 0, stop=(".",) * 17), "are not at most 16 texts"),
-                         (Challenge.new("Why?", 0, stop_token_ids=(2**32,)), "stop token ids \\[4294967296\\] are not"),
+                         (Challenge.new("Why?", 0, stop_token_ids=(2**31,)), "stop token ids \\[2147483648\\] are not"),
                          (Challenge.new("Why?", 0, stop_token_ids=(1,) * 129), "not at most 128 integers")):
         entry = PlanEntry.from_record(bad.plan_entry(bytes(32), committee).body())
         with pytest.raises(SealedPromptError, match=refusal):

@@ -23,8 +23,10 @@ MAX_EARLIER_TURNS = 32
 MAX_CHALLENGE_STOPS = 16
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 128
-TOKEN_ID_LIMIT = 1 << 32
-"""A challenge's stop strings and stop token ids are bounded as a model node's API bounds a request's."""
+TOKEN_ID_LIMIT = 1 << 31
+"""A challenge's stop strings and stop token ids are bounded as a model node's API bounds a request's
+(`node/api/openai.py` `ApiLimits`, token ids up to `engine/wire.py` `MAX_TOKEN_ID`), so that a planner
+cannot seal one the node must refuse; a test holds the two sets of bounds equal."""
 SEALED_BUCKET_BYTES = 1024
 """Sealed copies are padded to a multiple of this, so an entry's length on the ledger says only
 roughly how long its prompt is (about 200 tokens a step), and nothing of its temperature or cap."""
@@ -172,7 +174,7 @@ def open_plan_entry(entry: PlanEntry, operator: bytes, key: PrivateKey, *older: 
                                 f"of 1 to {MAX_STOP_CHARS} characters")
     if not _stop_token_ids(stop_token_ids):
         raise SealedPromptError(f"sealed stop token ids {stop_token_ids!r} are not at most "
-                                f"{MAX_STOP_TOKEN_IDS} integers in [0, 2**32)")
+                                f"{MAX_STOP_TOKEN_IDS} integers in [0, 2**31)")
     challenge = Challenge(prompt, salt, temperature, question, max_tokens, tuple(earlier), top_p, tuple(stop),
                           tuple(stop_token_ids))
     if challenge.commitment != entry.commitment:
