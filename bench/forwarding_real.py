@@ -281,8 +281,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.nodes} nodes of capacity {args.capacity}, model {served}", flush=True)
     measured = {}
     for mode in MODES:
-        measured[mode] = asyncio.run(run_mode(args, mode, requests))
-        print(f"  {mode}: done", flush=True)
+        started = time.monotonic()
+        measured[mode] = m = asyncio.run(run_mode(args, mode, requests))
+        print(f"  {mode}: mean {m['mean']:.2f} s, TTFT {m['ttft']:.2f} s, hit {m['hit']:.2f} "
+              f"({time.monotonic() - started:.0f} s)", flush=True)
     predicted = simulate(args, requests, tokenizer, engine.model)
     asyncio.run(engine.close())
 
