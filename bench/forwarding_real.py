@@ -7,13 +7,18 @@ policy with perfect, instant knowledge: the bound no forwarding policy can beat)
 checked against what the engines did.
 
 With `--shape` (0.5b, 1b, 3b, 8b) the nodes serve a model of that published shape with random weights
-instead of gt (one copy, shared by the nodes' engines; on the GPU when there is one, in bf16): what
-latency and the cache's savings depend on is the model's size, not its weights. It speaks gt's
-tokenizer, so its vocabulary is gt's rather than the shape's (a smaller output layer: 262M of the 1B
-shape's 1.50B parameters are its 128,256-word embedding and head).
+instead of gt (one copy shared by the nodes' engines, one each with `--processes`; on the GPU when
+there is one, in bf16): what latency and the cache's savings depend on is the model's size, not its
+weights. It speaks gt's tokenizer, so its vocabulary is gt's rather than the shape's (a smaller output
+layer: 262M of the 1B shape's 1.50B parameters are its 128,256-word embedding and head).
 
     .venv/bin/python bench/forwarding_real.py [--nodes 4] [--workload mixed] [--mix 3:6:1] [--rate 1.5]
-        [--duration 60] [--scale 0.05] [--capacity 4] [--model gt] [--data-dir DIR] [--shape 1b]
+        [--duration 60] [--scale 0.05] [--capacity 4] [--model gt] [--data-dir DIR] [--shape 1b] [--processes]
+
+The nodes share this process unless `--processes` gives each one a process (and a copy of the model)
+of its own, as on machines of their own: on a GPU, where the built-in engine is bound by the Python that
+launches its kernels, four nodes in one process serve what one would (one GIL); on a CPU their engines'
+work runs outside the GIL either way.
 
 Latency is from sending the request to its last streamed chunk, TTFT to its first; the hit rate is
 the fraction of prompt tokens the engines served from their prefix caches (usage.cached_tokens).
@@ -26,8 +31,11 @@ import asyncio
 import json
 import sys
 import time
+from collections.abc import Container, Sequence
 from dataclasses import replace
+from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Protocol
 
 import httpx
 import numpy as np
@@ -36,6 +44,7 @@ from transformers import PreTrainedModel
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.forwarding import mix_ratio  # noqa: E402
+from bench.processes import Processes  # noqa: E402
 from bench.sim import (  # noqa: E402
     A100_LLAMA3_8B,
     Centralized,
@@ -100,38 +109,143 @@ def group_engine(args: argparse.Namespace, config: ModelNodeConfig
     return shaped_engine(config, *args.shaped)
 
 
-async def start_group(args: argparse.Namespace) -> list[ModelNode]:
-    nodes = []
-    for i in range(args.nodes):
-        config = node_config(args, i)
-        engine, tokenizer, vocab, stop = await asyncio.to_thread(group_engine, args, config)
-        node = ModelNode(config, KeySet.generate(), engine, tokenizer, vocab_size=vocab, eos_ids=stop,
-                         group=None)
-        await node.start()
-        nodes.append(node)
-    members = {n.keys.public: NodeRecord(n.keys.public, "bench", "gt", n.config.address, "cpu", args.capacity,
-                                         "global", "active", 1) for n in nodes}
-    for node in nodes:
-        node.apply_view(GroupView(1, members))
-    await asyncio.sleep(1.0)  # one round of loads and snapshots
-    return nodes
+def member(key: bytes, address: str, capacity: int) -> NodeRecord:
+    return NodeRecord(key, "bench", "gt", address, "cpu", capacity, "global", "active", 1)
+
+
+class Group(Protocol):
+    """The four (or --nodes) model nodes of one mode's run, fresh: where to ask them, what their engines
+    cache and how many requests they forwarded."""
+
+    urls: list[str]
+
+    async def cached(self, hashes: list[int]) -> Sequence[Container[int]]: ...
+
+    async def forwarded(self) -> int: ...
+
+    async def close(self) -> None: ...
+
+
+class LocalGroup:
+    """The nodes in this process, sharing one copy of a shaped model and this process's GIL: on a CPU
+    their engines' work runs in parallel outside the GIL, on a GPU the group launches what one thread
+    can."""
+
+    def __init__(self, nodes: list[ModelNode]) -> None:
+        self.nodes = nodes
+        self.urls = [n.http_url for n in nodes]
+
+    @classmethod
+    async def start(cls, args: argparse.Namespace) -> LocalGroup:
+        nodes = []
+        for i in range(args.nodes):
+            config = node_config(args, i)
+            engine, tokenizer, vocab, stop = await asyncio.to_thread(group_engine, args, config)
+            node = ModelNode(config, KeySet.generate(), engine, tokenizer, vocab_size=vocab, eos_ids=stop,
+                             group=None)
+            await node.start()
+            nodes.append(node)
+        members = {n.keys.public: member(n.keys.public, n.config.address, args.capacity) for n in nodes}
+        for node in nodes:
+            node.apply_view(GroupView(1, members))
+        await asyncio.sleep(1.0)  # one round of loads and snapshots
+        return cls(nodes)
+
+    async def cached(self, hashes: list[int]) -> Sequence[Container[int]]:
+        return [n.engine.cache for n in self.nodes]  # type: ignore[attr-defined]
+
+    async def forwarded(self) -> int:
+        return sum(n.counters["forwarded"] for n in self.nodes)
+
+    async def close(self) -> None:
+        for node in self.nodes:
+            await node.close()
+            await node.engine.close()
+
+
+def serve_node(pipe: Connection, args: argparse.Namespace, index: int) -> None:
+    """A model node's process: its own engine (and copy of a shaped model), serving until told to stop;
+    between, it answers the benchmark's questions about its cache and its forwards."""
+    asyncio.run(_serve_node(pipe, args, index))
+
+
+async def _serve_node(pipe: Connection, args: argparse.Namespace, index: int) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    config = node_config(args, index)
+    engine, tokenizer, vocab, stop = builtin_engine(config)
+    if args.shape is not None:
+        await engine.close()
+        engine, _, vocab, stop = shaped_engine(config, shaped_model(args.shape, tokenizer), tokenizer)
+    node = ModelNode(config, KeySet.generate(), engine, tokenizer, vocab_size=vocab, eos_ids=stop, group=None)
+    await node.start()
+    pipe.send((node.keys.public, config.address, node.http_url))
+    node.apply_view(await asyncio.to_thread(pipe.recv))
+    while (command := await asyncio.to_thread(pipe.recv)) != "stop":
+        if command == "forwarded":
+            pipe.send(node.counters["forwarded"])
+        else:
+            pipe.send(frozenset(h for h in command if h in engine.cache))  # type: ignore[attr-defined]
+    await node.close()
+    await engine.close()
+
+
+class ProcessGroup:
+    """Each node in a process of its own, as on a machine of its own, each with its own copy of the
+    model: no node waits for another's GIL, so on a GPU the group launches what four nodes would."""
+
+    def __init__(self, processes: Processes, pipes: list[Connection], urls: list[str]) -> None:
+        self.processes = processes
+        self.pipes = pipes
+        self.locks = [asyncio.Lock() for _ in pipes]
+        self.urls = urls
+
+    @classmethod
+    async def start(cls, args: argparse.Namespace) -> ProcessGroup:
+        processes = Processes()
+        unpicklable = ("shaped", "tokenizer")
+        plain = argparse.Namespace(**{k: v for k, v in vars(args).items() if k not in unpicklable})
+        started = [processes.start(serve_node, plain, i) for i in range(args.nodes)]
+        listed = [await processes.answer(process, pipe, f"model node {i}")
+                  for i, (process, pipe) in enumerate(started)]
+        view = GroupView(1, {key: member(key, address, args.capacity) for key, address, _ in listed})  # type: ignore[misc]
+        for _, pipe in started:
+            pipe.send(view)
+        await asyncio.sleep(1.0)  # one round of loads and snapshots
+        return cls(processes, [pipe for _, pipe in started], [url for *_, url in listed])  # type: ignore[misc]
+
+    async def _ask(self, index: int, command: object) -> object:
+        async with self.locks[index]:
+            self.pipes[index].send(command)
+            return await asyncio.to_thread(self.pipes[index].recv)
+
+    async def cached(self, hashes: list[int]) -> Sequence[Container[int]]:
+        return await asyncio.gather(*(self._ask(i, hashes) for i in range(len(self.pipes))))  # type: ignore[return-value]
+
+    async def forwarded(self) -> int:
+        return sum(await asyncio.gather(*(self._ask(i, "forwarded") for i in range(len(self.pipes)))))  # type: ignore[arg-type]
+
+    async def close(self) -> None:
+        await self.processes.stop()
 
 
 class CentralRouter:
     """bench/sim's Centralized (sgl-router's cache-aware policy) over the real engines: it sees each
-    engine's prefix cache as it is and counts the requests it sent each node until they end."""
+    engine's prefix cache as it is when a request arrives and counts the requests it sent each node
+    until they end."""
 
-    def __init__(self, nodes: list[ModelNode], tokenizer: Tokenizer) -> None:
-        self.nodes = nodes
+    def __init__(self, group: Group, tokenizer: Tokenizer, block_size: int) -> None:
+        self.group = group
         self.tokenizer = tokenizer
+        self.block_size = block_size
         self.policy = Centralized()
-        self.policy.start(len(nodes))
-        self.outstanding = [0] * len(nodes)
+        self.policy.start(len(group.urls))
+        self.outstanding = [0] * len(group.urls)
 
-    def route(self, text: str) -> tuple[int, list[int]]:
-        engines = [n.engine for n in self.nodes]
-        hashes = block_hashes(self.tokenizer(text)["input_ids"], engines[0].block_size)  # type: ignore[attr-defined]
-        chosen = self.policy.choose(self.outstanding, [e.cache for e in engines], hashes)  # type: ignore[attr-defined]
+    async def route(self, text: str) -> tuple[int, list[int]]:
+        hashes = block_hashes(self.tokenizer(text)["input_ids"], self.block_size)
+        chosen = self.policy.choose(self.outstanding, await self.group.cached(hashes), hashes)
         self.outstanding[chosen] += 1
         return chosen, hashes
 
@@ -142,21 +256,21 @@ class CentralRouter:
         self.outstanding[chosen] -= 1
 
 
-async def send(client: httpx.AsyncClient, nodes: list[ModelNode], request: Request, mode: str,
+async def send(client: httpx.AsyncClient, group: Group, request: Request, mode: str,
                started: float, router: CentralRouter | None) -> dict:
     await asyncio.sleep(max(0.0, started + request.arrival - time.monotonic()))
     sent = time.monotonic()
     if router is not None:
-        chosen, hashes = router.route(request.text)
+        chosen, hashes = await router.route(request.text)
     else:
-        chosen, hashes = request.id % len(nodes), []
+        chosen, hashes = request.id % len(group.urls), []
     body = {"model": "gt", "prompt": request.text, "max_tokens": request.output_len, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
             "planetserve": {"no_forward": mode != "planetserve"}}
     first = None
     usage: dict = {}
     try:
-        async with client.stream("POST", f"{nodes[chosen].http_url}/v1/completions", json=body) as response:
+        async with client.stream("POST", f"{group.urls[chosen]}/v1/completions", json=body) as response:
             if response.status_code != 200:
                 return {"error": (await response.aread()).decode()[:200]}
             async for line in response.aiter_lines():
@@ -179,17 +293,16 @@ async def send(client: httpx.AsyncClient, nodes: list[ModelNode], request: Reque
 
 
 async def run_mode(args: argparse.Namespace, mode: str, requests: list[Request]) -> dict:
-    nodes = await start_group(args)
-    router = CentralRouter(nodes, args.tokenizer) if mode == "centralized" else None
+    group: Group = await (ProcessGroup if args.processes else LocalGroup).start(args)
+    block_size = node_config(args, 0).block_size
+    router = CentralRouter(group, args.tokenizer, block_size) if mode == "centralized" else None
     try:
         async with httpx.AsyncClient(timeout=600) as client:
             started = time.monotonic()
-            results = await asyncio.gather(*(send(client, nodes, r, mode, started, router) for r in requests))
-        forwarded = sum(n.counters["forwarded"] for n in nodes)
+            results = await asyncio.gather(*(send(client, group, r, mode, started, router) for r in requests))
+        forwarded = await group.forwarded()
     finally:
-        for node in nodes:
-            await node.close()
-            await node.engine.close()
+        await group.close()
     failed = [r["error"] for r in results if "error" in r]
     if failed:
         raise SystemExit(f"{len(failed)} of {len(requests)} requests failed, e.g. {failed[0]}")
@@ -254,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=18400)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--shape", choices=sorted(SHAPES), help="serve a random-weight model of this shape")
+    parser.add_argument("--processes", action="store_true",
+                        help="each node in a process of its own, with its own copy of the model")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import multiprocessing
 import os
 import random
 import statistics
@@ -46,6 +45,7 @@ import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.processes import Processes  # noqa: E402
 from planetserve.chain.keys import KeySet  # noqa: E402
 from planetserve.genesis.network import free_ports  # noqa: E402
 from planetserve.node.home import ModelNodeConfig, UserConfig  # noqa: E402
@@ -166,36 +166,6 @@ async def _serve_relay(pipe: Connection, path_uses: int, client: bool) -> None:
         pipe.send(relay.http_url if live else SystemExit(f"no paths: {relay.paths.last_error}"))
     await asyncio.to_thread(pipe.recv)
     await relay.close()
-
-
-class Processes:
-    """The other roles' processes, each started with a pipe to talk to it."""
-
-    def __init__(self) -> None:
-        self.context = multiprocessing.get_context("spawn")
-        self.started: list[tuple[multiprocessing.process.BaseProcess, Connection]] = []
-
-    def start(self, target: object, *args: object) -> tuple[multiprocessing.process.BaseProcess, Connection]:
-        parent, child = self.context.Pipe()
-        process = self.context.Process(target=target, args=(child, *args), daemon=True)
-        process.start()
-        self.started.append((process, parent))
-        return process, parent
-
-    @staticmethod
-    async def answer(process: multiprocessing.process.BaseProcess, pipe: Connection, what: str) -> object:
-        deadline = time.monotonic() + 300
-        while not await asyncio.to_thread(pipe.poll, 0.5):
-            if not process.is_alive() or time.monotonic() > deadline:
-                raise SystemExit(f"the {what} did not start (its error is above)")
-        return pipe.recv()
-
-    async def stop(self) -> None:
-        for process, pipe in self.started:
-            if process.is_alive():
-                pipe.send("stop")
-        for process, _ in self.started:
-            await asyncio.to_thread(process.join, 60)
 
 
 @dataclass(frozen=True)

@@ -54,14 +54,16 @@ print("python", sys.version.split()[0], "torch", torch.__version__, "transformer
     # the overlay's cost per request and per streamed token at the shape's speed
     step overlay 60 python3 bench/overlay_cost.py "${shaped[@]}" --rounds 10 --tokens 32 \
         --json "$OUT/overlay_cost.json"
-    # forwarding on one GPU: four nodes sharing one random-weight model; ToolUse, then Mixed at the paper's
-    # stated 3:6:1 and at a 2:1:14 that averages its stated 9,959 tokens
-    step forwarding-tooluse 130 python3 bench/forwarding_real.py "${shaped[@]}" --workload tooluse \
-        --scale 0.25 --rate 6 --duration "$DURATION" --json "$OUT/forwarding_tooluse.json"
-    step forwarding-mixed 120 python3 bench/forwarding_real.py "${shaped[@]}" --workload mixed \
-        --scale 0.25 --rate 1.5 --duration "$DURATION" --json "$OUT/forwarding_mixed.json"
-    step forwarding-mixed-2-1-14 100 python3 bench/forwarding_real.py "${shaped[@]}" --workload mixed \
-        --mix 2:1:14 --scale 0.25 --rate 0.75 --duration "$DURATION" --json "$OUT/forwarding_mixed_2_1_14.json"
+    # forwarding on one GPU: four nodes, each in a process of its own with its own copy of a random-weight
+    # model (in one process they launch what one thread can); ToolUse at a rate the group serves, then
+    # Mixed at the paper's stated 3:6:1 and at a 2:1:14 that averages its stated 9,959 tokens
+    step forwarding-tooluse 120 python3 bench/forwarding_real.py "${shaped[@]}" --workload tooluse \
+        --processes --scale 0.25 --rate 3 --duration "$DURATION" --json "$OUT/forwarding_tooluse.json"
+    step forwarding-mixed 150 python3 bench/forwarding_real.py "${shaped[@]}" --workload mixed \
+        --processes --scale 0.25 --rate 1.5 --duration "$DURATION" --json "$OUT/forwarding_mixed.json"
+    step forwarding-mixed-2-1-14 90 python3 bench/forwarding_real.py "${shaped[@]}" --workload mixed \
+        --processes --mix 2:1:14 --scale 0.25 --rate 0.75 --duration "$DURATION" \
+        --json "$OUT/forwarding_mixed_2_1_14.json"
     # the engine alone at 1B and 8B: TTFT cold and with a prefix hit, batched decode, a long prompt's stall
     # shellcheck disable=SC2086
     step engine 240 python3 bench/engine_scale.py --shapes $ENGINE_SHAPES --json "$OUT/engine_scale.json"
