@@ -16,6 +16,7 @@ from planetserve.chain.keys import KeySet
 from planetserve.node.overlay.transport import (
     MAX_FRAME,
     MAX_HELD_BYTES,
+    MAX_HELD_TOTAL,
     MAX_IN_FLIGHT,
     STREAM_QUEUE,
     ByteBudget,
@@ -247,6 +248,47 @@ def test_a_flood_of_large_messages_holds_at_most_the_byte_budget_and_none_is_los
         assert sorted(holding.handled) == list(range(total)) and holding.most == fits and served.budget.held == 0
         assert (await served.call("echo", "still open"))["body"] == "still open"
         await a.close()
+        await b.close()
+
+    run(main(), 60)
+
+
+def test_many_peers_flooding_one_node_hold_at_most_its_total_and_the_rest_are_refused():
+    """Seven members each send five 3 MiB requests that the node holds: each connection's own budget
+    would let 35 in (105 MiB). The node holds what MAX_HELD_TOTAL fits and refuses the rest at once
+    with a clear error, rather than waiting (which could wait on a reply one of its handlers needs);
+    once its handlers finish, a refused peer is served on the same connection."""
+    async def main():
+        holding = Holding()
+        b_keys = KeySet.generate()
+        senders = [KeySet.generate() for _ in range(7)]
+        members = {k.public for k in senders}
+        b = Peering(b_keys, holding, lambda key: key in members)
+        port = await b.listen("127.0.0.1", 0)
+        dialers = [Peering(k, echo_handler, lambda key: key == b_keys.public) for k in senders]
+        conns = [await d.connect(b_keys.public, f"127.0.0.1:{port}") for d in dialers]
+        payload = bytes(LARGE)
+        calls = [asyncio.ensure_future(conn.call("hold", [10 * i + j, payload]))
+                 for i, conn in enumerate(conns) for j in range(5)]
+        fits = MAX_HELD_TOTAL // (LARGE + 64)
+        for _ in range(200):
+            if sum(c.done() for c in calls) == len(calls) - fits:
+                break
+            await asyncio.sleep(0.05)
+        refused = [c for c in calls if c.done()]
+        assert len(refused) == len(calls) - fits and holding.running == fits
+        assert b.held.held <= MAX_HELD_TOTAL
+        for call in refused:
+            with pytest.raises(RemoteError, match="overloaded: the node holds"):
+                call.result()
+        holding.release.set()
+        await asyncio.wait_for(asyncio.gather(*(c for c in calls if c not in refused)), 20)
+        assert b.held.held == 0 and sorted(holding.handled) == sorted(
+            10 * i + j for i in range(7) for j in range(5) if calls[5 * i + j] not in refused)
+        unlucky = next(i for i in range(7) if any(calls[5 * i + j] in refused for j in range(5)))
+        assert await conns[unlucky].call("hold", [99, b"small"]) is None and 99 in holding.handled
+        for d in dialers:
+            await d.close()
         await b.close()
 
     run(main(), 60)

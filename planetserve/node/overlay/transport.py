@@ -12,8 +12,11 @@ length-prefixed msgpack with a hard size limit and limits on what a frame may de
 its connection); one connection per peer pair carries many concurrent streams (request id
 multiplexing). Memory per connection is bounded both ways: at most
 MAX_IN_FLIGHT incoming requests are handled at once, and at most MAX_HELD_BYTES of frames are held
-(by handlers, or as replies not yet read); further frames wait in the peer's socket. Writes wait for
-the socket to drain, up to WRITE_TIMEOUT, after which the stalled peer is dropped.
+(by handlers, or as replies not yet read); further frames wait in the peer's socket. Across all of a
+node's connections, its handlers hold at most MAX_HELD_TOTAL of requests and messages: past it, a
+request is refused at once ("overloaded") and a message dropped, rather than waited for, since a
+reader waiting on room other connections hold could wait on a reply its own handler needs. Writes wait
+for the socket to drain, up to WRITE_TIMEOUT, after which the stalled peer is dropped.
 """
 
 from __future__ import annotations
@@ -61,6 +64,10 @@ MAX_HELD_BYTES = 4 * MAX_FRAME
 """Bytes of frames one connection holds at once: bodies its handlers are working on, and replies its
 streams have not yet read. Counted before a frame's body is read, so 64 frames of 4 MiB (which decode
 into a few hundred MiB of Python) cannot be held at once; four whole frames fit."""
+MAX_HELD_TOTAL = 16 * MAX_FRAME
+"""Bytes of requests and messages one node's handlers hold at once, all its peers together: a few
+hundred members each holding MAX_HELD_BYTES would be gigabytes. Honest traffic (cloves, cache-state
+messages, prompts) holds a few MiB at most."""
 WRITE_TIMEOUT = 60.0
 """A peer that takes none of our bytes for this long is stalled: its connection is dropped."""
 HELLO_DOMAIN = b"planetserve/peer-hello/v1"
@@ -125,20 +132,26 @@ def certificate_key(der: bytes | None) -> bytes:
 
 
 class ByteBudget:
-    """Bytes a connection holds at once. Its one reader takes room for a frame before reading the
-    frame's body, waiting while there is none (a frame larger than the whole budget waits until
-    nothing is held); handlers and stream readers give it back."""
+    """Bytes held at once. A connection's one reader takes room for a frame before reading the
+    frame's body, waiting while there is none; a node's shared budget is tried, never waited on. A
+    frame larger than the whole budget fits only while nothing is held. Handlers and stream readers
+    give the room back."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.held = 0
         self._freed = asyncio.Event()
 
+    def try_take(self, size: int) -> bool:
+        if self.held and self.held + size > self.limit:
+            return False
+        self.held += size
+        return True
+
     async def take(self, size: int) -> None:
-        while self.held and self.held + size > self.limit:
+        while not self.try_take(size):
             self._freed.clear()
             await self._freed.wait()
-        self.held += size
 
     def give(self, size: int) -> None:
         self.held -= size
@@ -222,6 +235,8 @@ class Connection:
     tasks: set[asyncio.Task] = field(default_factory=set)
     slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(MAX_IN_FLIGHT))
     budget: ByteBudget = field(default_factory=lambda: ByteBudget(MAX_HELD_BYTES))
+    shared: ByteBudget | None = None
+    """The node's budget for requests and messages across its connections (Peering.held)."""
 
     async def send(self, frame: list) -> None:
         if self.closed.is_set():
@@ -299,7 +314,12 @@ class Connection:
                 self.budget.give(size)
         elif kind in ("msg", "req"):
             await self.slots.acquire()
-            task = asyncio.create_task(self._serve(kind, stream, msg_type, body))
+            if self.shared is None or self.shared.try_take(size):
+                task = asyncio.create_task(self._serve(kind, stream, msg_type, body))
+            else:
+                self.budget.give(size)
+                size = 0
+                task = asyncio.create_task(self._refuse(kind, stream, msg_type, self.shared.held))
             self.tasks.add(task)
             task.add_done_callback(functools.partial(self._done, size))
         else:
@@ -310,6 +330,15 @@ class Connection:
         self.tasks.discard(task)
         self.slots.release()
         self.budget.give(size)
+        if self.shared is not None:
+            self.shared.give(size)
+
+    async def _refuse(self, kind: str, stream: int, msg_type: str, held: int) -> None:
+        reason = f"overloaded: the node holds {held} bytes of its peers' requests"
+        log.info("peer %s: %s refused, %s", self.peer.hex()[:16], msg_type, reason)
+        if kind == "req":
+            with contextlib.suppress(TransportError, ConnectionError):
+                await self.send(["err", stream, msg_type, reason])
 
     async def _serve(self, kind: str, stream: int, msg_type: str, body: Any) -> None:
         try:
@@ -345,12 +374,13 @@ class Peering:
     def __init__(self, keys: KeySet, handler: Handler, authorize: Callable[[bytes], bool],
                  limit: int = MAX_FRAME, on_close: Callable[[bytes], None] | None = None,
                  refresh: Callable[[], Awaitable[None]] | None = None,
-                 write_timeout: float = WRITE_TIMEOUT) -> None:
+                 write_timeout: float = WRITE_TIMEOUT, held_limit: int = MAX_HELD_TOTAL) -> None:
         self.keys = keys
         self.handler = handler
         self.authorize = authorize
         self.limit = limit
         self.write_timeout = write_timeout
+        self.held = ByteBudget(held_limit)
         self.on_close = on_close
         self.refresh = refresh
         self.server_ctx = _context(keys, ssl.PROTOCOL_TLS_SERVER)
@@ -417,7 +447,7 @@ class Peering:
             writer.close()
             raise
         self._adopt(Connection(peer, reader, writer, self.handler, self.limit, outbound=False,
-                               write_timeout=self.write_timeout))
+                               write_timeout=self.write_timeout, shared=self.held))
 
     async def connect(self, peer: bytes, address: str) -> Connection:
         """The live connection to `peer`, dialling `address` (host:port) if there is none."""
@@ -468,7 +498,7 @@ class Peering:
             writer.close()
             raise
         return Connection(peer, reader, writer, self.handler, self.limit, outbound=True,
-                          write_timeout=self.write_timeout)
+                          write_timeout=self.write_timeout, shared=self.held)
 
     async def close(self) -> None:
         if self.server is not None:
