@@ -516,7 +516,7 @@ def test_a_peer_whose_claims_prove_false_is_not_believed_for_a_while() -> None:
     for m in a.poll(1.0):
         b.receive("a", m, 1.0)
     assert all(b.search(p).holders == {"a"} for p in prompts)
-    claimed = b.claimed_tokens(prompts[0], b.search(prompts[0]).depth)
+    claimed = b.claimed_tokens("a", prompts[0])
     assert claimed == 256
     # an honest miss now and then (evicted in between) is tolerated
     assert not b.check_claim("a", claimed, 0, now=1.1)
@@ -546,6 +546,25 @@ def test_a_peer_whose_claims_prove_false_is_not_believed_for_a_while() -> None:
     for m in a.poll(later + CONFIG.min_snapshot_gap):
         b.receive("a", m, later + CONFIG.min_snapshot_gap)
     assert all(b.search(p).holders == {"a"} for p in prompts)
+
+
+def test_a_hit_on_our_own_speculative_mark_is_no_claim_of_the_peers() -> None:
+    """b forwarded a prompt to a and marked a as holding its prefix; hits b sends on that mark before a
+    prefills it find nothing cached, which is no lie of a's: they are not held against it. Once a's own
+    delta lists the prefix, a claims it, and a hit that finds it missing counts."""
+    a, b = pair()
+    prompt = list(range(256))
+    b.forwarded("a", prompt, now=1.0)
+    assert b.search(prompt).holders == {"a"} and b.claimed_tokens("a", prompt) == 0
+    for now in (1.1, 1.2, 1.3, 1.4):
+        assert not b.check_claim("a", b.claimed_tokens("a", prompt), 0, now)
+    assert b.stats.false_claims == 0 and not b.distrusts("a", 1.4)
+    a.stored(prompt[:128])
+    for m in a.poll(1.5):
+        b.receive("a", m, 1.5)
+    assert b.search(prompt).holders == {"a"} and b.claimed_tokens("a", prompt) == 128
+    assert not b.check_claim("a", b.claimed_tokens("a", prompt), 0, 1.6)
+    assert b.stats.false_claims == 1
 
 
 def test_claims_policy_is_checked() -> None:

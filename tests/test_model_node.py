@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 from crosssite import allowed, apost, attacks, check_refusal
+from enginefaults import fault
 from modelnodes import SHARED, complete, make_node, signed, streamed, view
 from waiting import run, until
 
@@ -182,6 +183,48 @@ def test_a_peer_claiming_prefixes_it_does_not_hold_draws_only_a_few_requests(qui
             assert entry.sync.stats.false_claims == 3 and entry.sync.stats.distrusted == 1
             assert entry.sync.tree.entries(liar.node_id) == 0
             assert entry.status()["sync"]["distrusted"] == 1
+        finally:
+            await stop(nodes)
+
+    run(main())
+
+
+def test_a_burst_of_a_new_prefix_follows_its_first_forward_while_the_peer_is_busy(quick_family):
+    """Two idle peers whose engines are slow (held mid-forward, as a busy GPU holds them), and an entry
+    loaded itself: the entry forwards a prompt of a new prefix to one peer (a miss) and marks it as the
+    prefix's holder at once, not once the peer answers. Five more prompts of the prefix that come before
+    it answered follow it there as hits on the mark (ranked by load they would go to the other, idle
+    peer), and each finds the prefix cached, prefilled behind the first. Hits on a mark the entry made
+    are no claims of the peer's, so none is held against it (test_cachesync: an engine that prefills a
+    batch at once can find them uncached)."""
+    async def main():
+        entry = make_node(quick_family, capacity=1)
+        peers = [make_node(quick_family, capacity=8) for _ in range(2)]
+        nodes = [entry, *peers]
+        await start(nodes)
+        try:
+            prefix = "A topic nobody asked about before: the scheduler of the event loop. " + SHARED
+            with contextlib.ExitStack() as stack:
+                gates = [stack.enter_context(fault(p.engine.model, lambda ids: False)).gate for p in peers]
+                for gate in gates:
+                    gate.clear()
+                busy = asyncio.create_task(complete(entry, "Keep the entry busy.", max_tokens=300,
+                                                    ignore_eos=True, planetserve={"no_forward": True}))
+                await until(lambda: entry.status()["load"]["queued"] >= 1)
+                first = asyncio.create_task(complete(entry, prefix + "Question 0?"))
+                await until(lambda: any(entry.sync.tree.speculative(p.node_id) for p in peers))
+                holder = next(p for p in peers if entry.sync.tree.speculative(p.node_id))
+                rest = [asyncio.create_task(complete(entry, prefix + f"Question {i}?")) for i in range(1, 6)]
+                await until(lambda: entry.routes.get("hit", 0) == 5)
+                for gate in gates:
+                    gate.set()
+                answers = [(await task).json() for task in (first, *rest)]
+            await busy
+            assert entry.routes.get("miss") == 1
+            assert all(signed(a).node == entry.keys.public and a["planetserve"]["served_by"] == holder.node_id
+                       for a in answers)
+            assert all(a["usage"]["prompt_tokens_details"]["cached_tokens"] > 0 for a in answers[1:])
+            assert entry.sync.stats.false_claims == 0 and entry.sync.stats.distrusted == 0
         finally:
             await stop(nodes)
 

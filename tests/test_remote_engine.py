@@ -772,7 +772,7 @@ def test_a_repeated_prompt_reports_its_cached_tokens_and_a_hit_claimed_on_it_hol
             # claim against the count the peer's answer reports, as model_node.py does
             for message in peer.poll(1.0):
                 entry.receive("peer", message, 1.0)
-            claimed = entry.claimed_tokens(prompt, entry.search(prompt).depth)
+            claimed = entry.claimed_tokens("peer", prompt)
             assert claimed == 128
             for now in (1.1, 1.2, 1.3):
                 assert not entry.check_claim("peer", claimed, chunks[-1].cached_tokens, now)

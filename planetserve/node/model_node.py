@@ -498,7 +498,11 @@ class ModelNode:
             address = self.sync.address(decision.target)
             if address:
                 hit = decision.reason == Reason.HIT
-                claimed = self.sync.claimed_tokens(prompt_ids, result.depth) if hit else 0
+                claimed = self.sync.claimed_tokens(decision.target, prompt_ids) if hit else 0
+                if decision.reason in (Reason.MISS, Reason.HIT_OVERLOADED):
+                    # marked now, not once the peer answers: requests of this prefix that come while the
+                    # peer queues or prefills this one follow it there (a failed forward's mark expires)
+                    self.sync.forwarded(decision.target, prompt_ids, time.monotonic())
                 try:
                     production = await self._remote(decision.target, address, job,
                                                     decision.reason.value, whole, claimed)
@@ -506,8 +510,6 @@ class ModelNode:
                     self.counters["forward_failures"] += 1
                     log.info("forward to %s failed, serving here: %s", decision.target[:16], exc)
                 else:
-                    if decision.reason in (Reason.MISS, Reason.HIT_OVERLOADED):
-                        self.sync.forwarded(decision.target, prompt_ids, time.monotonic())
                     self._remember(job.session_id, decision.target)
                     self.counters["forwarded"] += 1
                     return production

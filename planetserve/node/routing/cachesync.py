@@ -16,7 +16,8 @@ hashes, never tokens), and keeps the group's HR-tree from what its peers tell it
 - speculative entries: forwarding a request to a peer marks it as holding the prompt's path until
   `speculative_ttl`, so a burst of requests for a new prefix follows the first one; the mark turns
   into a real entry when the peer's own delta or snapshot lists the path, else it expires (evictions
-  and snapshots leave it alone: they may predate the forwarded request);
+  and snapshots leave it alone: they may predate the forwarded request). A mark is ours, not the
+  peer's claim: hits sent on it are not held against the peer (below);
 - chunk plans: paths only compare under one plan, so deltas name the sender's plan and snapshots carry
   it; a node adopts a newer plan (by version, then origin) from a trusted peer's snapshot, recomputes
   its own paths, drops its peers' and broadcasts a snapshot at once, so the group follows within a
@@ -629,8 +630,12 @@ class CacheSync:
     def search(self, token_ids: Sequence[int]) -> SearchResult:
         return self.tree.search(token_ids)
 
-    def claimed_tokens(self, token_ids: Sequence[int], depth: int) -> int:
-        """How many tokens of the prompt a holder of its first `depth` chunks claims to have cached."""
+    def claimed_tokens(self, peer_id: str, token_ids: Sequence[int]) -> int:
+        """How many tokens of the prompt `peer_id` claims to have cached: the leading chunks its own
+        deltas and snapshots list. A match on our speculative mark is no claim of the peer's: we sent it
+        a prompt of that prefix a moment ago, which it may still be queueing or prefilling (on a busy
+        engine, for seconds), so a hit sent on the mark can find nothing cached through no fault of its."""
+        depth = self.tree.held_depth(peer_id, self.hasher.iter_path(token_ids))
         spans = self.plan.spans(len(token_ids))
         return spans[min(depth, len(spans)) - 1][1] if depth and spans else 0
 

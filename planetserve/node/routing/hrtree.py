@@ -361,8 +361,9 @@ class HRTree:
         entry = self.table.get(node_id)
         return len(self._by_holder.get(entry.slot, ())) if entry else 0
 
-    def held_depth(self, node_id: str, path: Path) -> int:
-        """How many leading chunks of `path` the node holds (confirmed)."""
+    def held_depth(self, node_id: str, path: Iterable[int]) -> int:
+        """How many leading chunks of `path` the node holds (confirmed); an iterator is read only as far
+        as that."""
         entry = self.table.get(node_id)
         if entry is None:
             return 0
