@@ -34,19 +34,22 @@ class Registered:
     """"existing", "registered" or "updated"."""
 
 
-SEQUENCE_ATTEMPTS = 5
+SEQUENCE_PATIENCE = 60.0
+"""Seconds a node retries a sequence another node of its organisation took first. The sequence it reads
+moves on only once that one's transaction commits, some blocks later, so nodes starting together queue
+behind each other: the fourth of four waited about three commits (five tries in 7 s were not always
+enough at CometBFT's default pace)."""
 
 
 def _submit(ledger: LedgerClient, org_keys: KeySet, msg: Message) -> None:
     """Submit, retrying a sequence clash: an organisation's nodes starting together all sign with its
     key, and all but one of them took a sequence another one used first."""
-    for _ in range(SEQUENCE_ATTEMPTS - 1):
+    deadline = time.monotonic() + SEQUENCE_PATIENCE
+    while True:
         result = ledger.submit(org_keys, msg)
-        if result.outcome.code != Code.BAD_SEQUENCE:
+        if result.outcome.code != Code.BAD_SEQUENCE or time.monotonic() >= deadline:
             break
         time.sleep(0.5 + secrets.randbelow(1000) / 1000)
-    else:
-        result = ledger.submit(org_keys, msg)
     if not result.outcome.ok:
         raise RegistrationError(f"{msg.TYPE} refused (code {result.outcome.code}): {result.outcome.log}")
 

@@ -374,13 +374,13 @@ class Peering:
     def __init__(self, keys: KeySet, handler: Handler, authorize: Callable[[bytes], bool],
                  limit: int = MAX_FRAME, on_close: Callable[[bytes], None] | None = None,
                  refresh: Callable[[], Awaitable[None]] | None = None,
-                 write_timeout: float = WRITE_TIMEOUT, held_limit: int = MAX_HELD_TOTAL) -> None:
+                 write_timeout: float = WRITE_TIMEOUT) -> None:
         self.keys = keys
         self.handler = handler
         self.authorize = authorize
         self.limit = limit
         self.write_timeout = write_timeout
-        self.held = ByteBudget(held_limit)
+        self.held = ByteBudget(MAX_HELD_TOTAL)
         self.on_close = on_close
         self.refresh = refresh
         self.server_ctx = _context(keys, ssl.PROTOCOL_TLS_SERVER)
