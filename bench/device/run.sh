@@ -8,7 +8,7 @@
 #     bash bench/device/run.sh        # on the GPU machine, with .device carried
 #
 # The steps run in order of what is least measured, each for at most its own limit and together for at
-# most BUDGET seconds (450): a step that fails or runs out of time is reported and the next one runs.
+# most BUDGET seconds (470, so the whole stays under 8 minutes): a step that fails or runs out of time is reported and the next one runs.
 # SHAPE (1b; empty serves gt itself), DURATION (20 s of arrivals per forwarding run) and ENGINE_SHAPES
 # ("1b 8b") size it, for instance for a trial on a CPU.
 set -uo pipefail
@@ -16,7 +16,7 @@ cd "$(dirname "$0")/../.."
 OUT=${OUT:-bench/out/device}
 SHAPE=${SHAPE-1b}
 DURATION=${DURATION:-20}
-BUDGET=${BUDGET:-450}
+BUDGET=${BUDGET:-470}
 ENGINE_SHAPES=${ENGINE_SHAPES:-1b 8b}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:$PWD/.device/proto"
@@ -57,11 +57,11 @@ print("python", sys.version.split()[0], "torch", torch.__version__, "transformer
     # forwarding on one GPU: four nodes, each in a process of its own with its own copy of a random-weight
     # model (in one process they launch what one thread can); ToolUse at a rate the group serves, then
     # Mixed at the paper's stated 3:6:1 and at a 2:1:14 that averages its stated 9,959 tokens
-    step forwarding-tooluse 120 python3 bench/forwarding_real.py "${shaped[@]}" --workload tooluse \
+    step forwarding-tooluse 150 python3 bench/forwarding_real.py "${shaped[@]}" --workload tooluse \
         --processes --scale 0.25 --rate 3 --duration "$DURATION" --json "$OUT/forwarding_tooluse.json"
-    step forwarding-mixed 150 python3 bench/forwarding_real.py "${shaped[@]}" --workload mixed \
+    step forwarding-mixed 170 python3 bench/forwarding_real.py "${shaped[@]}" --workload mixed \
         --processes --scale 0.25 --rate 1.5 --duration "$DURATION" --json "$OUT/forwarding_mixed.json"
-    step forwarding-mixed-2-1-14 90 python3 bench/forwarding_real.py "${shaped[@]}" --workload mixed \
+    step forwarding-mixed-2-1-14 110 python3 bench/forwarding_real.py "${shaped[@]}" --workload mixed \
         --processes --mix 2:1:14 --scale 0.25 --rate 0.75 --duration "$DURATION" \
         --json "$OUT/forwarding_mixed_2_1_14.json"
     # the engine alone at 1B and 8B: TTFT cold and with a prefix hit, batched decode, a long prompt's stall
