@@ -8,7 +8,8 @@
 #     bash bench/device/run.sh        # on the GPU machine, with .device carried
 #
 # The steps run in order of what is least measured, each for at most its own limit and together for at
-# most BUDGET seconds (470, so the whole stays under 8 minutes): a step that fails or runs out of time is reported and the next one runs.
+# most BUDGET seconds (470, so the whole stays under 8 minutes): a step that fails or runs out of time
+# is reported and the next one runs.
 # SHAPE (1b; empty serves gt itself), DURATION (20 s of arrivals per forwarding run) and ENGINE_SHAPES
 # ("1b 8b") size it, for instance for a trial on a CPU.
 set -uo pipefail
