@@ -102,6 +102,18 @@ def shaped_engine(config: ModelNodeConfig, model: PreTrainedModel, tokenizer: To
     return engine, tokenizer, engine.vocab_size, ()
 
 
+async def own_engine(config: ModelNodeConfig, shape: str | None
+                     ) -> tuple[Engine, Tokenizer, int, tuple[int, ...]]:
+    """builtin_engine's answer for the configured model or, with `shape`, for a random-weight model of
+    that shape (a copy of its own) speaking the configured model's tokenizer."""
+    loaded = builtin_engine(config)
+    if shape is None:
+        return loaded
+    engine, tokenizer, _, _ = loaded
+    await engine.close()
+    return shaped_engine(config, shaped_model(shape, tokenizer), tokenizer)
+
+
 def group_engine(args: argparse.Namespace, config: ModelNodeConfig
                  ) -> tuple[Engine, Tokenizer, int, tuple[int, ...]]:
     if args.shaped is None:
@@ -174,10 +186,7 @@ async def _serve_node(pipe: Connection, args: argparse.Namespace, index: int) ->
 
     torch.set_num_threads(1)
     config = node_config(args, index)
-    engine, tokenizer, vocab, stop = builtin_engine(config)
-    if args.shape is not None:
-        await engine.close()
-        engine, _, vocab, stop = shaped_engine(config, shaped_model(args.shape, tokenizer), tokenizer)
+    engine, tokenizer, vocab, stop = await own_engine(config, args.shape)
     node = ModelNode(config, KeySet.generate(), engine, tokenizer, vocab_size=vocab, eos_ids=stop, group=None)
     await node.start()
     pipe.send((node.keys.public, config.address, node.http_url))
@@ -377,13 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     requests = generate(args.workload, rate=args.rate, duration=args.duration, seed=args.seed,
                         scale=args.scale, mix=args.mix)
-    args.shaped = None
-    engine, tokenizer, _, _ = builtin_engine(node_config(args, 0))
-    if args.shape is not None:
-        model = shaped_model(args.shape, tokenizer)
-        asyncio.run(engine.close())
-        args.shaped = (model, tokenizer)
-        engine = shaped_engine(node_config(args, 0), model, tokenizer)[0]
+    engine, tokenizer, _, _ = asyncio.run(own_engine(node_config(args, 0), args.shape))
+    args.shaped = (engine.model, tokenizer) if args.shape is not None else None  # type: ignore[attr-defined]
     limit = prompt_limit(args)
     fits = [r for r in requests if len(tokenizer(r.text)["input_ids"]) <= limit]
     if len(fits) < len(requests):

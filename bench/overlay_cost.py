@@ -99,20 +99,16 @@ def serve_node(pipe: Connection, loop: str, args: argparse.Namespace, users: lis
 async def _serve_node(pipe: Connection, args: argparse.Namespace, users: list[tuple[bytes, str]]) -> None:
     import torch
 
-    from bench.forwarding_real import shaped_engine, shaped_model
+    from bench.forwarding_real import own_engine
     from planetserve.node.model_node import ModelNode
     from planetserve.node.routing.group import GroupView
-    from planetserve.node.runner import builtin_engine
 
     torch.set_num_threads(args.threads)
     http, peer = free_ports(2)
     config = ModelNodeConfig(org_id="bench", model_id="gt", model="gt", data_dir=args.data_dir,
                              http=f"127.0.0.1:{http}", peer=f"127.0.0.1:{peer}", capacity=4,
                              max_prompt_tokens=4096)
-    engine, tokenizer, vocab, stop = builtin_engine(config)
-    if args.shape:
-        await engine.close()
-        engine, _, vocab, _ = shaped_engine(config, shaped_model(args.shape, tokenizer), tokenizer)
+    engine, tokenizer, vocab, stop = await own_engine(config, args.shape or None)
     node = ModelNode(config, KeySet.generate(), engine, tokenizer, vocab_size=vocab, eos_ids=stop, group=None)
     await node.start()
     me = node_record(node.keys.public, config.peer)
