@@ -11,7 +11,8 @@
 # most BUDGET seconds (470, so the whole stays under 8 minutes): a step that fails or runs out of time
 # is reported and the next one runs.
 # SHAPE (1b; empty serves gt itself), DURATION (20 s of arrivals per forwarding run) and ENGINE_SHAPES
-# ("1b 8b") size it, for instance for a trial on a CPU.
+# ("1b 8b") size it, for instance for a trial on a CPU; STEPS (all of them when empty) names the steps to run,
+# for instance "forwarding-tooluse engine" to spend a short lease on what is still unmeasured.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-bench/out/device}
@@ -19,6 +20,7 @@ SHAPE=${SHAPE-1b}
 DURATION=${DURATION:-20}
 BUDGET=${BUDGET:-470}
 ENGINE_SHAPES=${ENGINE_SHAPES:-1b 8b}
+STEPS=${STEPS:-}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:$PWD/.device/proto"
 if compgen -G ".device/wheels/*.whl" > /dev/null; then
@@ -35,6 +37,10 @@ end=$((SECONDS + BUDGET))
 step() {  # step NAME LIMIT COMMAND...: COMMAND for at most LIMIT seconds, or what the budget has left
     local name=$1 limit=$2 left=$((end - SECONDS)) started=$SECONDS rc
     shift 2
+    if [[ -n $STEPS && " $STEPS " != *" $name "* ]]; then
+        echo "== $name: not in STEPS"
+        return
+    fi
     if ((left < 30)); then
         echo "== $name: skipped, $left s of the budget left"
         return
