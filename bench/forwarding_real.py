@@ -88,8 +88,11 @@ def shaped_model(shape: str, tokenizer: Tokenizer) -> PreTrainedModel:
     import torch
 
     cuda = torch.cuda.is_available()
-    return sized_llama(shape, device="cuda" if cuda else "cpu",
-                       dtype=torch.bfloat16 if cuda else torch.float32, vocab=len(tokenizer))
+    model = sized_llama(shape, device="cuda" if cuda else "cpu",
+                        dtype=torch.bfloat16 if cuda else torch.float32, vocab=len(tokenizer))
+    if hasattr(tokenizer, "model_max_length"):  # the shape's context, not gt's 2,048: no warning per prompt
+        tokenizer.model_max_length = model.config.max_position_embeddings
+    return model
 
 
 def shaped_engine(config: ModelNodeConfig, model: PreTrainedModel, tokenizer: Tokenizer

@@ -68,7 +68,7 @@ print("python", sys.version.split()[0], "torch", torch.__version__, "transformer
         --processes --scale 0.25 --rate 3 --duration "$DURATION" --json "$OUT/forwarding_tooluse.json"
     step forwarding-mixed 170 python3 bench/forwarding_real.py "${shaped[@]}" --workload mixed \
         --processes --scale 0.25 --rate 1.5 --duration "$DURATION" --json "$OUT/forwarding_mixed.json"
-    step forwarding-mixed-2-1-14 110 python3 bench/forwarding_real.py "${shaped[@]}" --workload mixed \
+    step forwarding-mixed-2-1-14 140 python3 bench/forwarding_real.py "${shaped[@]}" --workload mixed \
         --processes --mix 2:1:14 --scale 0.25 --rate 0.75 --duration "$DURATION" \
         --json "$OUT/forwarding_mixed_2_1_14.json"
     # the engine alone at 1B and 8B: TTFT cold and with a prefix hit, batched decode, a long prompt's stall
