@@ -9,13 +9,21 @@ from dataclasses import replace
 import pytest
 from committee import EPOCH_PARAMS, HONEST, RULE, TEMPERATURE, Script, expected, finish, honest_epoch, listed
 from harness import AppHarness, sqlite_url
+from nacl.public import PublicKey, SealedBox
 
 from planetserve.chain import layout, vrf
 from planetserve.chain.abci.state import members
-from planetserve.chain.challenge import Challenge, SealedPromptError, open_plan_entry
+from planetserve.chain.challenge import (
+    SEALED_VERSION,
+    Challenge,
+    SealedPromptError,
+    open_plan_entry,
+    padded_size,
+)
 from planetserve.chain.errors import Code
 from planetserve.chain.keys import KeySet
-from planetserve.registry import epochs, reputation
+from planetserve.chain.messages.epochs import PlanItem
+from planetserve.registry import codec, epochs, reputation
 from planetserve.registry.epochs import PlanEntry
 
 
@@ -302,6 +310,35 @@ def test_a_sealed_challenge_opens_whole_for_every_member_and_only_in_range(s):
         entry = PlanEntry.from_record(bad.plan_entry(bytes(32), committee).body())
         with pytest.raises(SealedPromptError, match=refusal):
             open_plan_entry(entry, member.public, member.x25519)
+
+
+def test_a_challenge_sealed_in_another_layout_is_refused_by_its_version(s):
+    """A planner on another release seals fields this member's daemon would misread (a field added,
+    moved or dropped): the member refuses the entry naming the layout's version, before reading any
+    field, rather than failing on their count or taking one field for another."""
+    member = next(iter(s.members.values()))
+    committee = list(members(s.h.store.batch()).values())
+    good = Challenge.new("Why?", 0)
+    fields = [good.prompt, good.salt, good.temperature, good.question, good.max_tokens, [], good.top_p, [], []]
+
+    def sealed(packed_fields: object) -> PlanEntry:
+        packed = codec.pack(packed_fields)
+        framed = len(packed).to_bytes(4, "big") + packed
+        plaintext = framed + bytes(padded_size(len(framed)) - len(framed))
+        boxes = tuple(sorted((m.operator, SealedBox(PublicKey(m.x25519_key)).encrypt(plaintext))
+                             for m in committee))
+        return PlanEntry.from_record(PlanItem(bytes(32), good.commitment, boxes).body())
+
+    assert open_plan_entry(sealed([SEALED_VERSION, *fields]), member.public, member.x25519) == good
+    refusals = (([SEALED_VERSION + 1, *fields, "new"], "layout version 2; this member reads version 1"),
+                ([0, *fields], "layout version 0;"),
+                (fields, r"layout version 'Why\?';"),
+                ([True, *fields], "layout version True;"),
+                ("Why?", "layout version None;"),
+                ([SEALED_VERSION, *fields[:-1]], "has 9 fields, not 10"))
+    for sealed_fields, refusal in refusals:
+        with pytest.raises(SealedPromptError, match=refusal):
+            open_plan_entry(sealed(sealed_fields), member.public, member.x25519)
 
 
 def claiming_no_response(s: Script, number: int, silent: bytes) -> dict:

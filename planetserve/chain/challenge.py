@@ -27,6 +27,9 @@ TOKEN_ID_LIMIT = 1 << 31
 """A challenge's stop strings and stop token ids are bounded as a model node's API bounds a request's
 (`node/api/openai.py` `ApiLimits`, token ids up to `engine/wire.py` `MAX_TOKEN_ID`), so that a planner
 cannot seal one the node must refuse; a test holds the two sets of bounds equal."""
+SEALED_VERSION = 1
+"""The layout of a sealed challenge (its first field): a member whose daemon reads another layout, say
+one that left an upgrade behind, is told so by name instead of failing to unpack the fields."""
 SEALED_BUCKET_BYTES = 1024
 """Sealed copies are padded to a multiple of this, so an entry's length on the ledger says only
 roughly how long its prompt is (about 200 tokens a step), and nothing of its temperature or cap."""
@@ -118,8 +121,9 @@ class Challenge:
     def plan_entry(self, node: bytes, committee: list[Member]) -> PlanItem:
         """A commit-plan entry: the commitment, and the challenge sealed to every member's X25519 key
         (whichever member leads sends it), padded to its size bucket."""
-        packed = codec.pack([self.prompt, self.salt, self.temperature, self.question, self.max_tokens,
-                             list(self.earlier), self.top_p, list(self.stop), list(self.stop_token_ids)])
+        packed = codec.pack([SEALED_VERSION, self.prompt, self.salt, self.temperature, self.question,
+                             self.max_tokens, list(self.earlier), self.top_p, list(self.stop),
+                             list(self.stop_token_ids)])
         framed = len(packed).to_bytes(4, "big") + packed
         plaintext = framed + bytes(padded_size(len(framed)) - len(framed))
         sealed = sorted((m.operator, SealedBox(PublicKey(m.x25519_key)).encrypt(plaintext))
@@ -153,9 +157,17 @@ def open_plan_entry(entry: PlanEntry, operator: bytes, key: PrivateKey, *older: 
         plaintext = _unseal(box, (key, *older))
         length = int.from_bytes(plaintext[:4], "big")
         unpacked = codec.unpack(plaintext[4:4 + length])
-        prompt, salt, temperature, question, max_tokens, earlier, top_p, stop, stop_token_ids = unpacked
-    except (CryptoError, codec.CodecError, ValueError, TypeError) as exc:
+    except (CryptoError, codec.CodecError, ValueError) as exc:
         raise SealedPromptError(f"sealed prompt does not open: {type(exc).__name__}") from exc
+    version = unpacked[0] if isinstance(unpacked, list) and unpacked else None
+    if type(version) is not int or version != SEALED_VERSION:
+        raise SealedPromptError(f"sealed challenge of layout version {version!r}; this member reads version "
+                                f"{SEALED_VERSION} (its daemon and the leader's run different releases)")
+    try:
+        _, prompt, salt, temperature, question, max_tokens, earlier, top_p, stop, stop_token_ids = unpacked
+    except ValueError as exc:
+        raise SealedPromptError(f"sealed challenge of version {SEALED_VERSION} has {len(unpacked)} fields, "
+                                "not 10") from exc
     if type(temperature) is not int or not 0 <= temperature <= epochs.MAX_CHALLENGE_TEMPERATURE:
         raise SealedPromptError(f"sealed temperature {temperature!r} is not an integer in "
                                 f"[0, {epochs.MAX_CHALLENGE_TEMPERATURE}]")
