@@ -136,9 +136,7 @@ class Gateway:
             self.counters["replays"] += 1
             log.info("replayed prompt refused")
             return False
-        if not self.answered.in_window(prompt.sent, now):
-            if self.answered.early(prompt.sent, now) and not self.answered.full():
-                self.answered.remember(prompt.request_id, prompt.sent)
+        if self.answered.outside(prompt.request_id, prompt.sent, now):
             self.counters["stale"] += 1
             log.info("prompt sent %.0f s from this node's clock refused", prompt.sent - now)
             return False

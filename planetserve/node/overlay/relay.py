@@ -244,9 +244,7 @@ class Relay:
         if self.seen.full():
             await self._refuse(peer, in_id, "replay cache is full", "refused_full")
         layer, inner = onion.peel(self.secret, packet)
-        if not self.seen.in_window(layer.issued, now):
-            if self.seen.early(layer.issued, now):  # room was checked above
-                self.seen.remember(ephemeral, layer.issued, peer)
+        if self.seen.outside(ephemeral, layer.issued, now, peer):  # the sender's room was checked above
             await self._refuse(peer, in_id,
                                f"setup issued {now - layer.issued:.0f} s ago, outside the window", "stale")
         self.seen.remember(ephemeral, layer.issued, peer)

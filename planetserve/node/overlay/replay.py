@@ -53,6 +53,15 @@ class ReplayWindow:
         id made further ahead is refused without being kept, which bounds how long any id is held."""
         return now + self.max_ahead < made <= now + self.max_ahead + self.max_age
 
+    def outside(self, key: bytes, made: float, now: float, sender: Hashable = None) -> bool:
+        """Whether an id made at `made` is outside the window, so to be refused; an early one is
+        remembered first, where the limits leave room (the caller checked its sender's)."""
+        if self.in_window(made, now):
+            return False
+        if self.early(made, now) and not self.full():
+            self.remember(key, made, sender)
+        return True
+
     def remember(self, key: bytes, made: float, sender: Hashable = None) -> None:
         """Keep an id its sender made at `made`, checked against the window and the limits before."""
         self._senders[key] = sender
