@@ -7,6 +7,7 @@ import asyncio
 import gc
 import ssl
 import struct
+import sys
 import warnings
 
 import pytest
@@ -23,8 +24,10 @@ from planetserve.node.overlay.transport import (
     Peering,
     RemoteError,
     TransportError,
+    decode_frame,
     read_frame,
 )
+from planetserve.registry import codec
 
 
 async def echo_handler(peer: bytes, msg_type: str, body):
@@ -292,6 +295,86 @@ def test_many_peers_flooding_one_node_hold_at_most_its_total_and_the_rest_are_re
         await b.close()
 
     run(main(), 60)
+
+
+def python_size(value, seen: set[int] | None = None) -> int:
+    """The bytes of Python objects `value` is made of, each object once."""
+    seen = set() if seen is None else seen
+    if id(value) in seen:
+        return 0
+    seen.add(id(value))
+    size = sys.getsizeof(value)
+    if isinstance(value, list):
+        size += sum(python_size(item, seen) for item in value)
+    elif isinstance(value, dict):
+        size += sum(python_size(k, seen) + python_size(v, seen) for k, v in value.items())
+    return size
+
+
+@pytest.mark.parametrize("body", [
+    ["ab"] * 130_000, [2**40 + i for i in range(100_000)], [[]] * 130_000, [[[[]]]] * 50_000,
+    [{"k": i} for i in range(50_000)], [{f"key{i}": [1, 2] for i in range(9)}] * 5_000,
+    [bytes(3)] * 100_000, [bytes(3 << 20)], [True, None, -1, "x" * 1000, b"y" * 1000] * 1000,
+], ids=["short strings", "large ints", "empty arrays", "nested arrays", "small maps", "maps of nine",
+        "short bytes", "one large bytes", "mixed"])
+def test_a_frame_is_held_at_no_less_than_the_python_it_decodes_into(body):
+    """What a connection and its node hold a frame at bounds the Python objects it decoded into, not
+    only its bytes (a frame of short strings is 20 times its size in Python); a frame of one large
+    byte string costs little more than its bytes."""
+    packed = codec.pack(["req", 1, "hold", body])
+    value, held = decode_frame(packed)
+    assert value == ["req", 1, "hold", body]
+    assert python_size(value) <= held <= 129 * len(packed) + 1024
+
+
+def test_frames_of_many_small_values_are_held_at_what_they_decode_into():
+    """Four members each send three requests of 2^17 two-character strings (0.4 MiB each, about 7 MiB
+    of Python once decoded), which the node holds. By their bytes all twelve fit every bound (about
+    90 MiB of Python); held at what they decode into (16.4 MiB each), three fit the node's total, the
+    frames behind a held one wait in their connection, and the requests of the connection that finds
+    the total full are refused. The Python the held requests are made of stays within the total, and
+    once the handlers finish every request that was not refused is served."""
+    async def main():
+        bodies: dict[int, list] = {}
+        holding = Holding()
+
+        async def keeping(peer, msg_type, body):
+            bodies[body[0]] = body
+            try:
+                await holding(peer, msg_type, body)
+            finally:
+                del bodies[body[0]]
+
+        b_keys = KeySet.generate()
+        senders = [KeySet.generate() for _ in range(4)]
+        members = {k.public for k in senders}
+        b = Peering(b_keys, keeping, lambda key: key in members)
+        port = await b.listen("127.0.0.1", 0)
+        dialers = [Peering(k, echo_handler, lambda key: key == b_keys.public) for k in senders]
+        conns = [await d.connect(b_keys.public, f"127.0.0.1:{port}") for d in dialers]
+        strings = ["ab"] * (1 << 17)
+        calls = [asyncio.ensure_future(conn.call("hold", [10 * i + j, strings]))
+                 for i, conn in enumerate(conns) for j in range(3)]
+        for _ in range(200):
+            if holding.running == 3 and sum(c.done() for c in calls) == 3:
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.3)  # nothing more is taken in
+        refused = [c for c in calls if c.done()]
+        assert holding.running == 3 and len(refused) == 3
+        assert sum(python_size(body) for body in bodies.values()) <= b.held.held <= MAX_HELD_TOTAL
+        assert all(conn.budget.held <= 1 << 20 for conn in conns)  # what the senders hold of replies
+        for call in refused:
+            with pytest.raises(RemoteError, match="overloaded: the node holds"):
+                call.result()
+        holding.release.set()
+        await asyncio.wait_for(asyncio.gather(*(c for c in calls if c not in refused)), 30)
+        assert b.held.held == 0 and len(holding.handled) == 9
+        for d in dialers:
+            await d.close()
+        await b.close()
+
+    run(main(), 90)
 
 
 def test_replies_to_a_stream_its_asker_left_are_not_held():

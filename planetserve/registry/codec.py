@@ -103,10 +103,16 @@ def unpack_bounded(data: bytes, limits: Limits, *, use_list: bool = True) -> Any
     """Decode untrusted msgpack within `limits`: LimitExceeded past them, CodecError for bytes that
     are not one msgpack value (trailing bytes included). Map keys must be strings or bytes. The
     result is what `msgpack.unpackb(data, raw=False, use_list=use_list)` returns."""
+    return unpack_counted(data, limits, use_list=use_list)[0]
+
+
+def unpack_counted(data: bytes, limits: Limits, *, use_list: bool = True) -> tuple[Any, int]:
+    """`unpack_bounded`'s value and how many values it holds, as `Limits.max_objects` counts them: what
+    a holder of it charges for the Python objects its bytes became."""
     budget = _Budget(limits)
     max_len = limits.max_objects if limits.max_len is None else limits.max_len
     try:
-        return msgpack.unpackb(
+        value = msgpack.unpackb(
             data,
             raw=False,
             use_list=use_list,
@@ -126,6 +132,7 @@ def unpack_bounded(data: bytes, limits: Limits, *, use_list: bool = True) -> Any
         if "exceeds max_" in str(exc):  # msgpack's own refusal of a length, from its header
             raise LimitExceeded(str(exc)) from exc
         raise CodecError(f"not msgpack: {type(exc).__name__}") from exc
+    return value, limits.max_objects - budget.left
 
 
 def _canonical(value: Any, depth: int = 0) -> Any:

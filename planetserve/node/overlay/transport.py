@@ -12,8 +12,10 @@ length-prefixed msgpack with a hard size limit and limits on what a frame may de
 its connection); one connection per peer pair carries many concurrent streams (request id
 multiplexing). Memory per connection is bounded both ways: at most
 MAX_IN_FLIGHT incoming requests are handled at once, and at most MAX_HELD_BYTES of frames are held
-(by handlers, or as replies not yet read); further frames wait in the peer's socket. Across all of a
-node's connections, its handlers hold at most MAX_HELD_TOTAL of requests and messages: past it, a
+(by handlers, or as replies not yet read); further frames wait in the peer's socket. A frame is held at
+its bytes plus VALUE_BYTES for each value it decoded into, so that a frame of many small values counts
+as the Python it became. Across all of a node's connections, its handlers hold at most MAX_HELD_TOTAL
+of requests and messages: past it, a
 request is refused at once ("overloaded") and a message dropped, rather than waited for, since a
 reader waiting on room other connections hold could wait on a reply its own handler needs. Writes wait
 for the socket to drain, up to WRITE_TIMEOUT, after which the stalled peer is dropped.
@@ -45,7 +47,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from cryptography.x509.oid import NameOID
 
 from planetserve.chain.keys import KeySet, verify_signature
-from planetserve.registry.codec import CodecError, Limits, unpack_bounded
+from planetserve.registry.codec import CodecError, Limits, unpack_counted
 
 log = logging.getLogger(__name__)
 
@@ -60,10 +62,16 @@ STREAM_QUEUE = 64
 MAX_IN_FLIGHT = 64
 """Requests and messages one connection handles at once; the next frame is read when one ends, so
 a peer sending faster than we handle waits on TCP instead of filling our memory."""
+VALUE_BYTES = 128
+"""What each value a frame decodes into is held at, beside the frame's bytes: at least the Python
+object it becomes (a str or bytes of n bytes is 33-49 + n of them, an int 28-36, a list 56 + 8 an item, a
+dict up to about 100 a pair), so a held frame of 2^18 two-character strings (0.8 MiB; 15 MiB of Python)
+counts as 33 MiB, where its bytes alone let a node hold 80 of them, over a GiB."""
 MAX_HELD_BYTES = 4 * MAX_FRAME
 """Bytes of frames one connection holds at once: bodies its handlers are working on, and replies its
-streams have not yet read. Counted before a frame's body is read, so 64 frames of 4 MiB (which decode
-into a few hundred MiB of Python) cannot be held at once; four whole frames fit."""
+streams have not yet read, each with VALUE_BYTES a value. A frame's bytes are counted before its body is
+read, so 64 frames of 4 MiB cannot be held at once (four whole frames fit), and its values once it is
+decoded, before it is handled or queued."""
 MAX_HELD_TOTAL = 16 * MAX_FRAME
 """Bytes of requests and messages one node's handlers hold at once, all its peers together: a few
 hundred members each holding MAX_HELD_BYTES would be gigabytes. Honest traffic (cloves, cache-state
@@ -162,7 +170,7 @@ async def read_frame(reader: asyncio.StreamReader, limit: int = MAX_FRAME,
                      limits: Limits = FRAME_LIMITS) -> Any:
     """One frame's decoded value; TransportError on a short read, oversize, bad msgpack, or a value
     past `limits`."""
-    return decode_frame(await read_body(reader, limit), limits)
+    return decode_frame(await read_body(reader, limit), limits)[0]
 
 
 async def read_body(reader: asyncio.StreamReader, limit: int = MAX_FRAME, budget: ByteBudget | None = None
@@ -181,9 +189,11 @@ async def read_body(reader: asyncio.StreamReader, limit: int = MAX_FRAME, budget
         raise TransportError("connection closed mid-frame" if exc.partial else "connection closed") from exc
 
 
-def decode_frame(body: bytes, limits: Limits = FRAME_LIMITS) -> Any:
+def decode_frame(body: bytes, limits: Limits = FRAME_LIMITS) -> tuple[Any, int]:
+    """A frame's value and what holding it costs: its bytes, and VALUE_BYTES for each value."""
     try:
-        return unpack_bounded(body, limits)
+        value, values = unpack_counted(body, limits)
+        return value, len(body) + VALUE_BYTES * values
     except CodecError as exc:
         raise TransportError(f"malformed frame: {exc}") from exc
 
@@ -287,11 +297,15 @@ class Connection:
         try:
             while True:
                 body = await read_body(self.reader, self.limit, self.budget)
-                frame = decode_frame(body)
+                frame, size = decode_frame(body)
                 if not (isinstance(frame, list) and len(frame) == 4 and isinstance(frame[0], str)
                         and isinstance(frame[1], int) and isinstance(frame[2], str)):
                     raise TransportError("malformed frame: not [kind, stream, type, body]")
-                await self._dispatch(*frame, len(body))
+                # its bytes were held before they were read; now what they decoded into is: a frame
+                # larger than the whole budget is held while nothing else is, as when it was read
+                self.budget.give(len(body))
+                await self.budget.take(size)
+                await self._dispatch(*frame, size)
         except (TransportError, ConnectionError, ssl.SSLError) as exc:
             log.debug("connection to %s ended: %s", self.peer.hex()[:16], exc)
         finally:
