@@ -21,7 +21,9 @@ launches its kernels, four nodes in one process serve what one would (one GIL); 
 work runs outside the GIL either way.
 
 Latency is from sending the request to its last streamed chunk, TTFT to its first; the hit rate is
-the fraction of prompt tokens the engines served from their prefix caches (usage.cached_tokens).
+the fraction of prompt tokens the engines served from their prefix caches (usage.cached_tokens). Each
+mode's line says what each node served and prefilled; "skew" is the busiest node's prefill against an
+even share (1.00: even), what placing by prefix gives up against round robin.
 """
 
 from __future__ import annotations
@@ -124,19 +126,26 @@ def group_engine(args: argparse.Namespace, config: ModelNodeConfig
     return shaped_engine(config, *args.shaped)
 
 
+def placement(node: ModelNode) -> dict[str, int]:
+    """What a node did in a run: requests it served and forwarded, and prompt tokens it prefilled."""
+    counters = node.counters
+    return {"served": counters["served"], "forwarded": counters["forwarded"],
+            "prefilled": counters["prompt_tokens"] - counters["cached_prompt_tokens"]}
+
+
 def member(key: bytes, address: str, capacity: int) -> NodeRecord:
     return NodeRecord(key, "bench", "gt", address, "cpu", capacity, "global", "active", 1)
 
 
 class Group(Protocol):
     """The four (or --nodes) model nodes of one mode's run, fresh: where to ask them, what their engines
-    cache and how many requests they forwarded."""
+    cache and each one's counters (what it served, forwarded and prefilled)."""
 
     urls: list[str]
 
     async def cached(self, hashes: list[int]) -> Sequence[Container[int]]: ...
 
-    async def forwarded(self) -> int: ...
+    async def counters(self) -> list[dict[str, int]]: ...
 
     async def close(self) -> None: ...
 
@@ -169,8 +178,8 @@ class LocalGroup:
     async def cached(self, hashes: list[int]) -> Sequence[Container[int]]:
         return [n.engine.cache for n in self.nodes]  # type: ignore[attr-defined]
 
-    async def forwarded(self) -> int:
-        return sum(n.counters["forwarded"] for n in self.nodes)
+    async def counters(self) -> list[dict[str, int]]:
+        return [placement(n) for n in self.nodes]
 
     async def close(self) -> None:
         for node in self.nodes:
@@ -195,8 +204,8 @@ async def _serve_node(pipe: Connection, args: argparse.Namespace, index: int) ->
     pipe.send((node.keys.public, config.address, node.http_url))
     node.apply_view(await asyncio.to_thread(pipe.recv))
     while (command := await asyncio.to_thread(pipe.recv)) != "stop":
-        if command == "forwarded":
-            pipe.send(node.counters["forwarded"])
+        if command == "counters":
+            pipe.send(placement(node))
         else:
             pipe.send(frozenset(h for h in command if h in engine.cache))  # type: ignore[attr-defined]
     await node.close()
@@ -235,8 +244,8 @@ class ProcessGroup:
     async def cached(self, hashes: list[int]) -> Sequence[Container[int]]:
         return await asyncio.gather(*(self._ask(i, hashes) for i in range(len(self.pipes))))  # type: ignore[return-value]
 
-    async def forwarded(self) -> int:
-        return sum(await asyncio.gather(*(self._ask(i, "forwarded") for i in range(len(self.pipes)))))  # type: ignore[arg-type]
+    async def counters(self) -> list[dict[str, int]]:
+        return await asyncio.gather(*(self._ask(i, "counters") for i in range(len(self.pipes))))  # type: ignore[return-value]
 
     async def close(self) -> None:
         await self.processes.stop()
@@ -312,7 +321,7 @@ async def run_mode(args: argparse.Namespace, mode: str, requests: list[Request])
         async with httpx.AsyncClient(timeout=600) as client:
             started = time.monotonic()
             results = await asyncio.gather(*(send(client, group, r, mode, started, router) for r in requests))
-        forwarded = await group.forwarded()
+        nodes = await group.counters()
     finally:
         await group.close()
     failed = [r["error"] for r in results if "error" in r]
@@ -323,7 +332,13 @@ async def run_mode(args: argparse.Namespace, mode: str, requests: list[Request])
     return {"mode": mode, "mean": float(latency.mean()), "p99": float(np.percentile(latency, 99)),
             "ttft": float(ttft.mean()), "ttft99": float(np.percentile(ttft, 99)),
             "hit": sum(r["cached"] for r in results) / max(1, sum(r["prompt"] for r in results)),
-            "forwarded": forwarded / len(requests)}
+            "forwarded": sum(n["forwarded"] for n in nodes) / len(requests), "nodes": nodes,
+            "skew": skew([n["prefilled"] for n in nodes])}
+
+
+def skew(values: list[int]) -> float:
+    """The busiest node's share against an even one (1.0: perfectly even)."""
+    return max(values) * len(values) / max(1, sum(values))
 
 
 def with_model_tokens(requests: list[Request], tokenizer) -> list[Request]:
@@ -405,18 +420,20 @@ def main(argv: list[str] | None = None) -> int:
     for mode in MODES:
         started = time.monotonic()
         measured[mode] = m = asyncio.run(run_mode(args, mode, requests))
+        served, prefilled = ("/".join(str(n[key]) for n in m["nodes"]) for key in ("served", "prefilled"))
         print(f"  {mode}: mean {m['mean']:.2f} s, TTFT {m['ttft']:.2f} s, hit {m['hit']:.2f} "
-              f"({time.monotonic() - started:.0f} s)", flush=True)
+              f"({time.monotonic() - started:.0f} s); served {served}, prefilled {prefilled} tokens",
+              flush=True)
     predicted = simulate(args, requests, tokenizer, engine.model)
     asyncio.run(engine.close())
 
     print(f"\n{'mode':14} {'mean s':>8} {'p99 s':>8} {'ttft s':>8} {'ttft99':>8} {'hit':>6} {'fwd':>6}"
-          f"   {'sim mean':>8} {'sim ttft':>8} {'sim hit':>7}   {'real/sim':>8}")
+          f" {'skew':>5}   {'sim mean':>8} {'sim ttft':>8} {'sim hit':>7}   {'real/sim':>8}")
     for mode in MODES:
         m, p = measured[mode], predicted[mode]
         print(f"{mode:14} {m['mean']:8.2f} {m['p99']:8.2f} {m['ttft']:8.2f} {m['ttft99']:8.2f} "
-              f"{m['hit']:6.2f} {m['forwarded']:6.2f}   {p['mean']:8.2f} {p['ttft']:8.2f} {p['hit']:7.2f}   "
-              f"{m['mean'] / p['mean']:8.2f}")
+              f"{m['hit']:6.2f} {m['forwarded']:6.2f} {m['skew']:5.2f}   {p['mean']:8.2f} {p['ttft']:8.2f} "
+              f"{p['hit']:7.2f}   {m['mean'] / p['mean']:8.2f}")
     for name, table in (("measured", measured), ("simulated", predicted)):
         base, ps = table["no-forwarding"], table["planetserve"]
         print(f"PlanetServe vs no forwarding, {name}: mean latency {_change(ps['mean'], base['mean'])}, "
