@@ -480,7 +480,9 @@ def test_lying_endpoint_cannot_forge_the_commit(net):
 def test_a_relay_drops_lists_from_a_stalled_endpoint_keeps_running_and_recovers(net):
     """An endpoint stuck at one height keeps serving validly signed lists of it. A relay reading through
     it keeps its lists while they are fresh, drops them once they are older than max_age (its directory
-    loop running on), and takes fresh lists again once the endpoint moves on; a model node's group too."""
+    loop running on), and takes fresh lists again once the endpoint moves on; a model node's group too.
+    Between, the endpoint answers every call with JSON built to exhaust its reader (5,000 levels deep,
+    then 200,000 empty arrays): each is refused by name and the loop runs on."""
     max_age = 4.0
     honest = ledger(net, 0)
     (node,) = register_org_and_nodes(honest, "org-stale", 1)
@@ -514,6 +516,12 @@ def test_a_relay_drops_lists_from_a_stalled_endpoint_keeps_running_and_recovers(
             assert group.refresh().members == {} and "older than max_age" in group.last_error
             loop = [t for t in relay._tasks if not t.done()]
             assert loop, "the directory loop stopped"
+            for bomb, refusal in ((b"[" * 5_000 + b"]" * 5_000, "nests too deeply"),
+                                  (b"[" + b"[]," * 200_000 + b"[]]", "more than 131072 arrays and objects")):
+                proxy.rewrite = lambda method, params, answer, bomb=bomb: bomb
+                await until(lambda refusal=refusal: refusal in (directory.last_error or ""), timeout=10)
+                assert group.refresh().members == {} and refusal in group.last_error
+                assert all(not t.done() for t in loop), "the directory loop stopped"
             proxy.rewrite = None
             await until(lambda: user.public in relay.view.users and node.public in relay.view.nodes)
             assert directory.last_error is None and relay.view.height > frozen - 1
