@@ -215,6 +215,33 @@ def test_a_temperature_other_than_the_committed_one_is_the_leaders_fault(s):
     assert s.state.result(1, node1, leader.public).status == epochs.VALID
 
 
+@pytest.mark.parametrize("when", ["before the epoch", "after the block"])
+def test_a_response_signed_outside_the_epoch_is_the_submitters_fault(s, when):
+    """A leader that reveals an answer the node signed long before the epoch began (asked early, while
+    the node served otherwise, or kept from an earlier asking) or one dated after the block it lands
+    in is faulted `stale-response`, and the answer counts for nothing; one signed at the window's edge
+    is the node's to answer for, and counts."""
+    s.run_election_and_plan(1)
+    leader = s.leader(1)
+    node0, node1 = list(s.nodes)
+    slack = s.h.app.params.response_slack_seconds
+    s.block()  # epoch 1's first block, which sets its start time
+    body = s.leader_results(1, HONEST)
+    start = s.epoch(1).start_time
+    block_time = s.h.time + 5  # the next block's (the harness moves 5 s a block)
+    outside = start - slack - 1 if when == "before the epoch" else block_time + slack + 1
+    for i, (node, time) in enumerate(((node0, outside), (node1, start - slack))):
+        challenge = s.planned(1, node, leader)
+        body["results"][i] = {**challenge.reveal(s.answer(node, challenge, time=time)).body(),
+                              "credibility": HONEST}
+    assert s.block(s.tx(leader, "submit-results", body)) == [(0, "ok")]
+    stale = s.state.result(1, node0, leader.public)
+    assert stale.status == epochs.FAULTY
+    assert stale.reason == f"response time {outside} is outside [{start - slack}, {block_time + slack}]"
+    assert s.faults(leader.public) == ["stale-response"]
+    assert s.state.result(1, node1, leader.public).status == epochs.VALID
+
+
 def test_a_seed_other_than_the_committed_one_is_the_leaders_fault(s):
     """The seed decides which token is the honest choice at every sampled step, so the node signs the one
     it was asked for and the plan binds it (it is derived from the committed salt): a leader who asked
