@@ -23,12 +23,14 @@ from chainnet import assert_same_app_hashes, ledger, member_keys, start_network
 from tamper import TamperProxy
 from waiting import run, until, wait_until
 
+from planetserve.chain import layout
 from planetserve.chain import tx as txlib
 from planetserve.chain.client import LedgerClient, QueryRefused
 from planetserve.chain.errors import Code
 from planetserve.chain.keys import KeySet
 from planetserve.chain.lightclient import LightClient, VerificationError
 from planetserve.chain.messages import (
+    Heartbeat,
     ProposeMember,
     RegisterModel,
     RegisterModelNode,
@@ -532,6 +534,55 @@ def test_a_relay_drops_lists_from_a_stalled_endpoint_keeps_running_and_recovers(
     frozen = 0
     try:
         run(scenario(), timeout=60)
+    finally:
+        proxy.close()
+
+
+def test_an_endpoint_cannot_have_one_message_signed_twice(net):
+    """A client's RPC endpoint lies about the client's account sequence, saying a higher one, then sends
+    a transaction on and says it was refused (RATE_LIMITED). Either would have had the client sign the
+    same message again at another sequence, so that the endpoint, which keeps every signed transaction,
+    could apply the message twice: before, the first was signed at the sequence said and refused, and
+    a retry signed the refused message again. The client signs at the sequence the ledger proves, and
+    sends a refused transaction again as the same bytes: each message is signed once, applied once."""
+    honest = ledger(net, 0)
+    user = KeySet.generate()
+    assert honest.submit(user, RegisterUser("127.0.0.1:9102", "global")).outcome.ok
+    account = layout.account_key(user.public)
+    proxy = TamperProxy(net.rpc_url(1))
+    rpc = RpcClient(proxy.url)
+    client = LedgerClient(rpc, LightClient.from_genesis_file(net.spec.genesis_path, rpc),
+                          min_height=honest.min_height)
+    sent: list[bytes] = []
+
+    def higher(method, params, answer):
+        if method == "abci_query" and params.get("data") == account.hex() and not params.get("prove"):
+            response = answer["result"]["response"]
+            said = codec.unpack(base64.b64decode(response["value"])) + 5
+            response["value"] = base64.b64encode(codec.pack(said)).decode()
+        if method == "broadcast_tx_sync":
+            sent.append(base64.b64decode(params["tx"]))
+        return answer
+
+    def refused_once(method, params, answer):
+        if method == "broadcast_tx_sync":
+            sent.append(base64.b64decode(params["tx"]))
+            if len(sent) == 1 and answer["result"]["code"] == 0:  # sent on to the mempool all the same
+                answer["result"].update(code=int(Code.RATE_LIMITED), log="rate limited (so it says)")
+        return answer
+
+    try:
+        for lie in (higher, refused_once):
+            before = honest.sequence(user.public)
+            sent.clear()
+            proxy.rewrite = lie
+            done = client.submit(user, Heartbeat())
+            proxy.rewrite = None
+            assert done.outcome.ok, (lie.__name__, done.outcome.log)
+            net.wait_for_height(done.height + 1, timeout=30)
+            assert len(set(sent)) == 1, lie.__name__  # one signed transaction, however often it was sent
+            assert txlib.decode(sent[0], len(sent[0])).sequence == before, lie.__name__
+            assert honest.sequence(user.public) == before + 1, lie.__name__  # applied once
     finally:
         proxy.close()
 

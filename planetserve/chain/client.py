@@ -9,6 +9,7 @@ answers are taken on the RPC endpoint's word and marked unverified.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -123,6 +124,11 @@ def decode_entries(value: bytes, prefix: bytes) -> list[tuple[bytes, bytes]]:
     return [(base + k, v) for k, v in pairs]
 
 
+def _sequence(raw: bytes | None) -> int:
+    """An account entry's next sequence (0: no account)."""
+    return 0 if raw is None else int(codec.unpack(raw))
+
+
 def holding_node(prefix: bytes, proof: trie.PrefixProof) -> tuple[bytes, list[int]]:
     """The prefix and child bytes of the trie node that holds every entry under `prefix`, read off
     the proof for the key `prefix` (`prefix` + NUL), whose path ends there: at that node opened, or
@@ -146,6 +152,9 @@ class LedgerClient:
         self._pinned: LightBlock | None = None
         self._past = False
         """Whether the pinned header was asked for by height: then it is read whatever min_height says."""
+        self._next: dict[bytes, int] = {}
+        """Per account this client signs for, the sequence after its last transaction that committed
+        and succeeded: spent for certain, whatever the verified state, a block behind, says yet."""
 
     def close(self) -> None:
         """Close the endpoint's connections, and the witness's (a long-running role never needs to)."""
@@ -211,25 +220,28 @@ class LedgerClient:
     # -- verified reads --------------------------------------------------------------------------
 
     def _query(
-        self, path: str, data: bytes, verify: bool = True, height: int = 0, shape: bool = False
+        self, path: str, data: bytes, verify: bool = True, height: int = 0, shape: bool = False,
+        since: int | None = None,
     ) -> tuple[AbciQuery, trie.PrefixProof | None, Header | None]:
         """Ask for the state whose app hash the latest verified header carries (height L-1 for
         header L), so a verified answer never waits for the next block: the answer, its proof and
         the verified header whose app hash it must be proven against (None: unverified). An
         unverified read is of `height` (0: the latest) and carries a proof, unchecked, only when
-        `shape` asks for it."""
+        `shape` asks for it. A verified read is of `since` (default: `min_height`, our own latest
+        write) or later, waiting for the header after it where needed."""
+        since = self.min_height if since is None else since
         if self.verifier is None or not verify:
-            if self.min_height and verify and not height:
-                self._await_height(self.min_height)
+            if since and verify and not height:
+                self._await_height(since)
             answer = self.rpc.abci_query(path, data, height=height, prove=shape)
             self._check_answer(path, answer)
             return answer, self._proof(path, data, answer) if shape else None, None
         latest = self._pinned or self.verifier.verified_light_block()
         height = latest.height - 1
-        if height >= max(1, self.min_height) or self._past:
+        if height >= max(1, since) or self._past:
             header = latest.header
         else:  # reading our own write, or only genesis exists: wait for the header after it
-            height = max(1, self.min_height)
+            height = max(1, since)
             header = self.verifier.verified_header_after(height)
         answer = self.rpc.abci_query(path, data, height=height, prove=True)
         self._check_answer(path, answer)
@@ -304,9 +316,9 @@ class LedgerClient:
             entries.extend(listing.entries)
         return Listing(probe.height, entries, probe.verified, probe.header)
 
-    def value(self, key: bytes) -> tuple[int, bytes | None]:
-        """One entry, or None when absent; a verified absence is proven too."""
-        answer, proof, header = self._query("/key", key)
+    def value(self, key: bytes, since: int | None = None) -> tuple[int, bytes | None]:
+        """One entry, or None when absent; a verified absence is proven too. `since`: `_query`'s."""
+        answer, proof, header = self._query("/key", key, since=since)
         claimed = answer.value if answer.info == "found" else None
         if header is not None:
             try:
@@ -444,10 +456,24 @@ class LedgerClient:
         return params
 
     def sequence(self, account: bytes) -> int:
-        """The account's next sequence in the latest state, on the endpoint's word: a wrong
-        answer can only make the transaction fail, and the verified state lags one block."""
-        answer, _, _ = self._query("/key", layout.account_key(account), verify=False)
-        return int(codec.unpack(answer.value)) if answer.info == "found" else 0
+        """The account's next sequence, never above what the ledger proves. An endpoint that said a
+        higher one would have us sign a transaction that fails now but that it could keep and send
+        once the account reaches that sequence, after the message was signed again at the right one:
+        the message applied twice. A lower one only makes the transaction fail. The endpoint's latest
+        state leads the verified one by a block, so a sequence that moved in that block (our own last
+        transaction, say) is read again from the state the next header proves, a block's wait."""
+        key = layout.account_key(account)
+        answer, _, _ = self._query("/key", key, verify=False)
+        said = _sequence(answer.value if answer.info == "found" else None)
+        if self.verifier is None:
+            return max(said, self._next.get(account, 0))
+        height, raw = self.value(key, since=0)
+        proven = max(_sequence(raw), self._next.get(account, 0))
+        if said <= proven:
+            return proven
+        # at most the block after the latest verified one: an endpoint naming a far height makes us
+        # wait for nothing
+        return _sequence(self.value(key, since=min(answer.height, height + 2))[1])
 
     # -- writes ----------------------------------------------------------------------------------
 
@@ -455,35 +481,60 @@ class LedgerClient:
         return self.rpc.status()["node_info"]["network"]
 
     def submit(self, keys: KeySet, msg: Message, timeout: float = 30.0) -> Submitted:
-        """Sign with the account's next sequence, broadcast, and wait until the tx is in a block. A
-        registration gets the proof of work the chain's parameters ask for (`Worked.solved`); one
-        refused as RATE_LIMITED (the signer's window, or the block's registrations, are full) is sent
-        again, a block later, until `timeout`."""
+        """Sign with the account's next sequence (`sequence`), broadcast, and wait until the tx is in a
+        block. A registration gets the proof of work the chain's parameters ask for (`Worked.solved`);
+        one refused as RATE_LIMITED (the signer's window, or the block's registrations, are full) is
+        sent again, a block later, until `timeout`: the same bytes, never signed again. The refusal
+        is the endpoint's word: one that sent the transaction on and said it was refused would have
+        us sign the message again at the next sequence, and apply it twice. Sent again once its
+        sequence is spent, the transaction is refused as BAD_SEQUENCE: it is in a block (what the
+        endpoint says of it is returned), or some block refused it (the refusal is returned)."""
         chain_id = self.chain_id()
         if isinstance(msg, Worked):
             msg = msg.solved(chain_id, keys.public, self.params())
+        sequence = self.sequence(keys.public)
+        raw = sign(keys, chain_id, msg, sequence)
         deadline = time.monotonic() + timeout
+        refused: Submitted | None = None
         while True:
-            done = self._submit_once(keys, chain_id, msg, deadline, timeout)
-            if done.outcome.code != Code.RATE_LIMITED or time.monotonic() > deadline:
-                return done
-            time.sleep(1.0)
+            done = self._broadcast(raw, msg, deadline, timeout, again=refused is not None)
+            if refused is not None and done.outcome.code == Code.BAD_SEQUENCE:
+                done = self._committed(hashlib.sha256(raw).digest()) or refused
+            elif done.outcome.code == Code.RATE_LIMITED and time.monotonic() <= deadline:
+                refused = done
+                time.sleep(1.0)
+                continue
+            if done.height and done.outcome.ok:
+                self._next[keys.public] = max(self._next.get(keys.public, 0), sequence + 1)
+            return done
 
-    def _submit_once(self, keys: KeySet, chain_id: str, msg: Message, deadline: float,
-                     timeout: float) -> Submitted:
-        raw = sign(keys, chain_id, msg, self.sequence(keys.public))
-        checked = self.rpc.broadcast_tx_sync(raw)
+    def _committed(self, tx_hash: bytes) -> Submitted | None:
+        """The transaction's block and outcome, if the endpoint knows it committed."""
+        try:
+            found = self.rpc.tx(tx_hash)
+        except RpcResponseError:
+            return None
+        self.min_height = max(self.min_height, found.height)
+        return Submitted(tx_hash, found.height, found.result)
+
+    def _broadcast(self, raw: bytes, msg: Message, deadline: float, timeout: float, again: bool) -> Submitted:
+        try:
+            checked = self.rpc.broadcast_tx_sync(raw)
+        except RpcResponseError as exc:
+            if again and "already exists in cache" in str(exc):  # sent on before: wait for its block
+                return self._await_tx(hashlib.sha256(raw).digest(), msg, deadline, timeout)
+            raise
         if not checked.ok:
             return Submitted(checked.hash, 0, TxOutcome(code=checked.code, data=b"", log=checked.log,
                                                         codespace=checked.codespace))
+        return self._await_tx(checked.hash, msg, deadline, timeout)
+
+    def _await_tx(self, tx_hash: bytes, msg: Message, deadline: float, timeout: float) -> Submitted:
         while True:
-            try:
-                found = self.rpc.tx(checked.hash)
-                self.min_height = max(self.min_height, found.height)
-                return Submitted(checked.hash, found.height, found.result)
-            except RpcResponseError:
-                if time.monotonic() > deadline:
-                    raise TxNotCommitted(f"{msg.TYPE} was accepted into the mempool as tx "
-                                         f"{checked.hash.hex().upper()} but not seen in a block within "
-                                         f"{timeout:g} s") from None
-                time.sleep(0.2)
+            found = self._committed(tx_hash)
+            if found is not None:
+                return found
+            if time.monotonic() > deadline:
+                raise TxNotCommitted(f"{msg.TYPE} was accepted into the mempool as tx "
+                                     f"{tx_hash.hex().upper()} but not seen in a block within {timeout:g} s")
+            time.sleep(0.2)
