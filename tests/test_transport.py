@@ -206,6 +206,18 @@ async def connected(handler) -> tuple[Peering, Peering, object]:
     return a, b, await a.connect(b_keys.public, f"127.0.0.1:{port}")
 
 
+async def members_connected(handler, count: int) -> tuple[Peering, list[Peering], list]:
+    """A listener that handles messages with `handler`, and `count` members each with a connection
+    to it: their diallers and connections."""
+    b_keys = KeySet.generate()
+    senders = [KeySet.generate() for _ in range(count)]
+    members = {k.public for k in senders}
+    b = Peering(b_keys, handler, lambda key: key in members)
+    port = await b.listen("127.0.0.1", 0)
+    dialers = [Peering(k, echo_handler, lambda key: key == b_keys.public) for k in senders]
+    return b, dialers, [await d.connect(b_keys.public, f"127.0.0.1:{port}") for d in dialers]
+
+
 def test_a_flood_of_messages_waits_for_free_handlers_and_none_is_lost():
     """A peer sending faster than its messages are handled is held back by TCP: at most
     MAX_IN_FLIGHT handlers run for one connection, and every message is handled in the end."""
@@ -263,13 +275,7 @@ def test_many_peers_flooding_one_node_hold_at_most_its_total_and_the_rest_are_re
     once its handlers finish, a refused peer is served on the same connection."""
     async def main():
         holding = Holding()
-        b_keys = KeySet.generate()
-        senders = [KeySet.generate() for _ in range(7)]
-        members = {k.public for k in senders}
-        b = Peering(b_keys, holding, lambda key: key in members)
-        port = await b.listen("127.0.0.1", 0)
-        dialers = [Peering(k, echo_handler, lambda key: key == b_keys.public) for k in senders]
-        conns = [await d.connect(b_keys.public, f"127.0.0.1:{port}") for d in dialers]
+        b, dialers, conns = await members_connected(holding, 7)
         payload = bytes(LARGE)
         calls = [asyncio.ensure_future(conn.call("hold", [10 * i + j, payload]))
                  for i, conn in enumerate(conns) for j in range(5)]
@@ -345,13 +351,7 @@ def test_frames_of_many_small_values_are_held_at_what_they_decode_into():
             finally:
                 del bodies[body[0]]
 
-        b_keys = KeySet.generate()
-        senders = [KeySet.generate() for _ in range(4)]
-        members = {k.public for k in senders}
-        b = Peering(b_keys, keeping, lambda key: key in members)
-        port = await b.listen("127.0.0.1", 0)
-        dialers = [Peering(k, echo_handler, lambda key: key == b_keys.public) for k in senders]
-        conns = [await d.connect(b_keys.public, f"127.0.0.1:{port}") for d in dialers]
+        b, dialers, conns = await members_connected(keeping, 4)
         strings = ["ab"] * (1 << 17)
         calls = [asyncio.ensure_future(conn.call("hold", [10 * i + j, strings]))
                  for i, conn in enumerate(conns) for j in range(3)]
