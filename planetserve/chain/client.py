@@ -152,9 +152,10 @@ class LedgerClient:
         self._pinned: LightBlock | None = None
         self._past = False
         """Whether the pinned header was asked for by height: then it is read whatever min_height says."""
-        self._next: dict[bytes, int] = {}
+        self._next: dict[bytes, tuple[int, int]] = {}
         """Per account this client signs for, the sequence after its last transaction that committed
-        and succeeded: spent for certain, whatever the verified state, a block behind, says yet."""
+        and succeeded, and that block's height: spent, though the verified state, a block behind, may
+        not show it yet (once it should, it is checked: `sequence`)."""
 
     def close(self) -> None:
         """Close the endpoint's connections, and the witness's (a long-running role never needs to)."""
@@ -460,15 +461,22 @@ class LedgerClient:
         higher one would have us sign a transaction that fails now but that it could keep and send
         once the account reaches that sequence, after the message was signed again at the right one:
         the message applied twice. A lower one only makes the transaction fail. The endpoint's latest
-        state leads the verified one by a block, so a sequence that moved in that block (our own last
-        transaction, say) is read again from the state the next header proves, a block's wait."""
+        state leads the verified one by a block: our own last transaction that succeeded counts as
+        spent (until the verified state should show it and does not), and a sequence that another
+        signer of the account moved in that block is read again from the state the next header
+        proves, a block's wait."""
         key = layout.account_key(account)
         answer, _, _ = self._query("/key", key, verify=False)
         said = _sequence(answer.value if answer.info == "found" else None)
+        spent, committed = self._next.get(account, (0, 0))
         if self.verifier is None:
-            return max(said, self._next.get(account, 0))
+            return max(said, spent)
         height, raw = self.value(key, since=0)
-        proven = max(_sequence(raw), self._next.get(account, 0))
+        proven = _sequence(raw)
+        if proven < spent and height >= committed:  # the endpoint said it committed; the ledger says not
+            del self._next[account]
+        elif spent > proven:
+            proven = spent
         if said <= proven:
             return proven
         # at most the block after the latest verified one: an endpoint naming a far height makes us
@@ -504,8 +512,8 @@ class LedgerClient:
                 refused = done
                 time.sleep(1.0)
                 continue
-            if done.height and done.outcome.ok:
-                self._next[keys.public] = max(self._next.get(keys.public, 0), sequence + 1)
+            if done.height and done.outcome.ok and sequence + 1 > self._next.get(keys.public, (0, 0))[0]:
+                self._next[keys.public] = (sequence + 1, done.height)
             return done
 
     def _committed(self, tx_hash: bytes) -> Submitted | None:
