@@ -11,14 +11,17 @@ from typing import Any
 import httpx
 
 Rewrite = Callable[[str, dict[str, Any], dict[str, Any]], "dict[str, Any] | bytes | None"]
+Intercept = Callable[[str, dict[str, Any]], "dict[str, Any] | None"]
 
 
 class TamperProxy:
-    """Forwards JSON-RPC POSTs to `upstream`, passing each answer through `rewrite`."""
+    """Forwards JSON-RPC POSTs to `upstream`, passing each answer through `rewrite`; a request that
+    `intercept` answers (its JSON-RPC `result`) is not forwarded at all."""
 
     def __init__(self, upstream: str) -> None:
         self.upstream = upstream
         self.rewrite: Rewrite | None = None
+        self.intercept: Intercept | None = None
         self.http = httpx.Client(timeout=5.0)
         proxy = self
 
@@ -26,9 +29,9 @@ class TamperProxy:
             def do_POST(self) -> None:  # noqa: N802 - the stdlib's name
                 body = self.rfile.read(int(self.headers["Content-Length"]))
                 req = json.loads(body)
-                answer = proxy.http.post(
-                    proxy.upstream, content=body, headers={"Content-Type": "application/json"}
-                ).json()
+                made = None if proxy.intercept is None else proxy.intercept(req["method"], req.get("params") or {})
+                answer = {"jsonrpc": "2.0", "id": req.get("id"), "result": made} if made is not None else (
+                    proxy.http.post(proxy.upstream, content=body, headers={"Content-Type": "application/json"}).json())
                 out: Any = answer
                 if proxy.rewrite is not None:
                     out = proxy.rewrite(req["method"], req.get("params") or {}, answer)

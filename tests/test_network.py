@@ -587,6 +587,50 @@ def test_an_endpoint_cannot_have_one_message_signed_twice(net):
         proxy.close()
 
 
+def test_a_commit_the_endpoint_made_up_does_not_leave_the_client_signing_ahead(net):
+    """A client counts its own last transaction that committed as spent before the verified state, a
+    block behind, shows it. An endpoint that kept a heartbeat back and said it committed would have the
+    client sign every later transaction a sequence ahead of its account, each refused, for good; once
+    the verified state should show that commit and does not, the client signs at the proven sequence
+    again, and its next heartbeat commits."""
+    honest = ledger(net, 0)
+    user = KeySet.generate()
+    assert honest.submit(user, RegisterUser("127.0.0.1:9103", "global")).outcome.ok
+    proxy = TamperProxy(net.rpc_url(1))
+    rpc = RpcClient(proxy.url)
+    client = LedgerClient(rpc, LightClient.from_genesis_file(net.spec.genesis_path, rpc),
+                          min_height=honest.min_height)
+    kept: list[bytes] = []
+    claimed = max(net.wait_for_height(0).values())
+
+    def keep_back(method, params):
+        if method == "broadcast_tx_sync":
+            kept.append(base64.b64decode(params["tx"]))
+            return {"code": 0, "data": "", "log": "", "codespace": "", "hash": _tx_hash(kept[-1])}
+        if method == "tx" and kept and base64.b64decode(params["hash"]).hex().upper() == _tx_hash(kept[-1]):
+            return {"hash": _tx_hash(kept[-1]), "height": str(claimed), "index": 0,
+                    "tx": base64.b64encode(kept[-1]).decode(), "tx_result": {"code": 0}}
+        return None
+
+    try:
+        before = honest.sequence(user.public)
+        proxy.intercept = keep_back
+        made_up = client.submit(user, Heartbeat())
+        proxy.intercept = None
+        assert made_up.outcome.ok and made_up.height == claimed and len(kept) == 1
+        net.wait_for_height(claimed + 2, timeout=30)
+        assert honest.sequence(user.public) == before  # the ledger never saw it
+        done = client.submit(user, Heartbeat())
+        assert done.outcome.ok, done.outcome.log
+        assert honest.sequence(user.public) == before + 1
+    finally:
+        proxy.close()
+
+
+def _tx_hash(raw: bytes) -> str:
+    return hashlib.sha256(raw).hexdigest().upper()
+
+
 def _stored_nodes(i: int, net) -> int:
     """Rows in validator i's trie node table, read beside the running app (SQLite WAL readers)."""
     db = net.spec.validators[i].home / "data" / "planetserve.db"
