@@ -29,12 +29,17 @@ class TamperProxy:
             def do_POST(self) -> None:  # noqa: N802 - the stdlib's name
                 body = self.rfile.read(int(self.headers["Content-Length"]))
                 req = json.loads(body)
-                made = None if proxy.intercept is None else proxy.intercept(req["method"], req.get("params") or {})
-                answer = {"jsonrpc": "2.0", "id": req.get("id"), "result": made} if made is not None else (
-                    proxy.http.post(proxy.upstream, content=body, headers={"Content-Type": "application/json"}).json())
+                params = req.get("params") or {}
+                made = None if proxy.intercept is None else proxy.intercept(req["method"], params)
+                if made is not None:
+                    answer = {"jsonrpc": "2.0", "id": req.get("id"), "result": made}
+                else:
+                    answer = proxy.http.post(
+                        proxy.upstream, content=body, headers={"Content-Type": "application/json"}
+                    ).json()
                 out: Any = answer
                 if proxy.rewrite is not None:
-                    out = proxy.rewrite(req["method"], req.get("params") or {}, answer)
+                    out = proxy.rewrite(req["method"], params, answer)
                     out = answer if out is None else out
                 data = out if isinstance(out, bytes) else json.dumps(out).encode()
                 self.send_response(200)

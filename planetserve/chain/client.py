@@ -502,12 +502,13 @@ class LedgerClient:
             msg = msg.solved(chain_id, keys.public, self.params())
         sequence = self.sequence(keys.public)
         raw = sign(keys, chain_id, msg, sequence)
+        tx_hash = hashlib.sha256(raw).digest()
         deadline = time.monotonic() + timeout
         refused: Submitted | None = None
         while True:
-            done = self._broadcast(raw, msg, deadline, timeout, again=refused is not None)
+            done = self._broadcast(raw, tx_hash, msg, deadline, timeout, again=refused is not None)
             if refused is not None and done.outcome.code == Code.BAD_SEQUENCE:
-                done = self._committed(hashlib.sha256(raw).digest()) or refused
+                done = self._committed(tx_hash) or refused
             elif done.outcome.code == Code.RATE_LIMITED and time.monotonic() <= deadline:
                 refused = done
                 time.sleep(1.0)
@@ -525,12 +526,13 @@ class LedgerClient:
         self.min_height = max(self.min_height, found.height)
         return Submitted(tx_hash, found.height, found.result)
 
-    def _broadcast(self, raw: bytes, msg: Message, deadline: float, timeout: float, again: bool) -> Submitted:
+    def _broadcast(self, raw: bytes, tx_hash: bytes, msg: Message, deadline: float, timeout: float,
+                   again: bool) -> Submitted:
         try:
             checked = self.rpc.broadcast_tx_sync(raw)
         except RpcResponseError as exc:
             if again and "already exists in cache" in str(exc):  # sent on before: wait for its block
-                return self._await_tx(hashlib.sha256(raw).digest(), msg, deadline, timeout)
+                return self._await_tx(tx_hash, msg, deadline, timeout)
             raise
         if not checked.ok:
             return Submitted(checked.hash, 0, TxOutcome(code=checked.code, data=b"", log=checked.log,
