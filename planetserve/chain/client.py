@@ -471,6 +471,8 @@ class LedgerClient:
         spent, committed = self._next.get(account, (0, 0))
         if self.verifier is None:
             return max(said, spent)
+        if said == spent:  # the endpoint agrees with our own last commit: nothing more to prove
+            return said
         height, raw = self.value(key, since=0)
         proven = _sequence(raw)
         if proven < spent and height >= committed:  # the endpoint said it committed; the ledger says not
