@@ -221,25 +221,50 @@ def test_completion_logprobs_as_token_ids_and_with_the_sampled_token_added(clien
     assert [list(t) for t in answer["top_logprobs"]] == [[f"token_id:{t}"] for t in answer["ids"]]
 
 
+SEEDS = 32
+"""Seeds tried for a sampled answer with text to stop at: greedy, quick gt may answer nothing but newlines
+(trained on some CPUs it does)."""
+
+
+def a_stop_in_the_second_half(texts: Iterator[tuple[int, str]], size: int) -> tuple[int, str]:
+    """The first (seed, text)'s seed whose text has `size` characters, not all blank, at its middle, and
+    those characters."""
+    for seed, text in texts:
+        stop = text[len(text) // 2 :][:size]
+        if stop.strip():
+            return seed, stop
+    pytest.fail(f"none of {SEEDS} sampled answers has text to stop at")
+
+
 def test_stop_strings_end_the_answer_and_its_logprobs(client):
-    free = completion_logprobs(client, stream=False)
-    stop = free["text"][len(free["text"]) // 2 :][:3]
-    assert stop.strip(), free["text"]
+    sampled = {"temperature": 1.0, "max_tokens": 16}
+    answers: dict[int, dict[str, Any]] = {}
+
+    def texts() -> Iterator[tuple[int, str]]:
+        for seed in range(SEEDS):
+            answers[seed] = completion_logprobs(client, stream=False, seed=seed, **sampled)
+            yield seed, answers[seed]["text"]
+
+    seed, stop = a_stop_in_the_second_half(texts(), 3)
+    free = answers[seed]
     cut = free["text"][: free["text"].index(stop)]
     for stream in (False, True):
-        answer = completion_logprobs(client, stream=stream, stop=[stop])
+        answer = completion_logprobs(client, stream=stream, stop=[stop], seed=seed, **sampled)
         assert answer["text"] == cut and answer["finish"] == "stop"
         # the tokens up to the one that completed the stop string, and their log-probabilities
         assert answer["ids"] == free["ids"][: len(answer["ids"])] and len(answer["ids"]) < len(free["ids"])
         assert "".join(answer["tokens"]).startswith(cut + stop[:1])
         assert len(answer["token_logprobs"]) == len(answer["ids"])
-    chat = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=12, temperature=0)
-    text = chat.choices[0].message.content
-    stop = text[len(text) // 2 :][:2]
-    stopped = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=12, temperature=0,
-                                             stop=stop)
-    assert stopped.choices[0].message.content == text[: text.index(stop)]
-    assert stopped.choices[0].finish_reason == "stop"
+
+    def chat(seed: int, **options: Any) -> Any:
+        return client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=12, temperature=1.0,
+                                              seed=seed, **options).choices[0]
+
+    seed, stop = a_stop_in_the_second_half(((s, chat(s).message.content) for s in range(SEEDS)), 2)
+    text = chat(seed).message.content
+    stopped = chat(seed, stop=stop)
+    assert stopped.message.content == text[: text.index(stop)]
+    assert stopped.finish_reason == "stop"
 
 
 # -- bad values --------------------------------------------------------------------------------------

@@ -23,7 +23,9 @@ from planetserve.registry.params import Params
 from planetserve.verifier import ReferenceModel
 from planetserve.verifier.credibility import Verdict
 
-PROMPT = "Return a new list of the"
+PROMPTS = ("Return a new list of the", "The json module", "Write a function that", "def parse(")
+"""Greedy, quick gt answers some prompts alike with the middle layers skipped or not (trained on some CPUs
+it answers most with newlines alone): the first prompt whose answer the skip changes is the one scored."""
 THREE = {"a": (0, 2), "b": (2, 4), "c": (4, 6)}
 TOKENS = 64
 TAU = Params().untrusted_threshold_ppm
@@ -46,24 +48,24 @@ class SkippingStage(StageModel):
         return inputs.to(self.dtype)
 
 
-def answer(deep_gt: LoadedModel, kinds: dict[str, type[StageModel]], temperature: float, seed: int,
-           entry: KeySet) -> Verdict:
-    """The pipeline's answer to PROMPT, signed by its entry as a model node signs a challenge's answer,
+def answer(deep_gt: LoadedModel, kinds: dict[str, type[StageModel]], prompt: str, temperature: float,
+           seed: int, entry: KeySet) -> tuple[tuple[int, ...], Verdict]:
+    """The pipeline's answer to `prompt`, signed by its entry as a model node signs a challenge's answer,
     and the committee's verdict on it against the whole model."""
 
     async def main():
         c = await cluster(deep_gt, THREE, kinds=kinds)
         try:
-            return await c.client.complete(PROMPT, TOKENS, temperature=temperature, seed=seed)
+            return await c.client.complete(prompt, TOKENS, temperature=temperature, seed=seed)
         finally:
             await c.close()
 
     out = run(main(), 60)
     assert len(out.token_ids) == TOKENS
-    response = sign_response(entry, PROMPT, list(out.token_ids), out.text, "gt", int(time.time()), "h:1",
+    response = sign_response(entry, prompt, list(out.token_ids), out.text, "gt", int(time.time()), "h:1",
                              milli(temperature), seed)
     reference = ReferenceModel.from_loaded(deep_gt, model_id="gt")
-    return reference.verify_one(response, PROMPT, entry.public)
+    return tuple(out.token_ids), reference.verify_one(response, prompt, entry.public)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
@@ -73,10 +75,15 @@ def test_a_stage_that_skips_its_layers_is_caught_by_the_entrys_score(deep_gt: Lo
     would: one deviating token, which the ledger's evidence accumulates epoch after epoch as it does a
     quantised copy's (tests/adversaries/test_quantised_node.py)."""
     entry = KeySet.generate()
-    honest = answer(deep_gt, {}, temperature, 11, entry)
-    assert honest.ok and honest.deviations == 0 and honest.calibrated_ppm == 1_000_000, honest
-    skipping = answer(deep_gt, {"b": SkippingStage}, temperature, 11, entry)
-    assert skipping.ok, skipping  # a well-formed answer, signed by the entry: only its tokens give it away
+    for prompt in PROMPTS:
+        honest_ids, honest = answer(deep_gt, {}, prompt, temperature, 11, entry)
+        assert honest.ok and honest.deviations == 0 and honest.calibrated_ppm == 1_000_000, honest
+        skipping_ids, skipping = answer(deep_gt, {"b": SkippingStage}, prompt, temperature, 11, entry)
+        assert skipping.ok, skipping  # a well-formed answer, signed by the entry: only its tokens give it away
+        if skipping_ids != honest_ids:
+            break
+    else:
+        pytest.fail(f"skipping the middle layers changed the answer to none of {len(PROMPTS)} prompts")
     assert skipping.deviations >= 1, skipping
     if temperature:
         assert skipping.deviations > 1 and skipping.calibrated_ppm < TAU, skipping
