@@ -29,6 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 from google.protobuf.timestamp_pb2 import Timestamp  # noqa: E402
+from machine import describe  # noqa: E402
 from tendermint.abci import types_pb2 as abci  # noqa: E402
 from tendermint.crypto import keys_pb2  # noqa: E402
 from tx_throughput import planetserve_txs  # noqa: E402
@@ -180,13 +181,14 @@ def main() -> None:
     median = {impl: {name: statistics.median(v) for name, v in values.items()}
               for impl, values in per_tx.items()}
     if args.json:
-        print(json.dumps({"txs": args.txs, "block": args.block, "rounds": args.rounds,
+        print(json.dumps({"machine": describe(), "txs": args.txs, "block": args.block, "rounds": args.rounds,
                           "package": str(Path(planetserve.__file__).parent),
                           "ms_per_tx": per_tx["current"], "median_ms_per_tx": median["current"],
                           **({"baseline": {"rev": args.baseline, "ms_per_tx": per_tx[args.baseline],
                                            "median_ms_per_tx": median[args.baseline]}}
                              if args.baseline else {})}, indent=2))
         return
+    print(f"machine: {describe()}")
     print(f"{args.txs} register-user txs in blocks of {args.block}, SQLite, {args.rounds} rounds; "
           "CPU ms per transaction, median (each round)")
     for impl in names:

@@ -30,6 +30,8 @@ import types
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from machine import describe
+
 from planetserve.node.overlay import sida
 
 MODULE_PATH = "planetserve/node/overlay/sida.py"
@@ -120,6 +122,7 @@ def main() -> None:
     if args.baseline:
         with tempfile.TemporaryDirectory() as directory:  # the module is loaded once read
             impls[args.baseline] = baseline_module(args.baseline, Path(directory))
+    print(f"machine: {describe()}")
     print(f"(n, k) = ({args.n}, {args.k}), {args.iterations} iterations after {args.warmup} warm-up")
     print(ROW.format("message", "clove B", "operation", "mean ms", "P50 ms", "P99 ms", "vs paper"))
     worst = float("inf")

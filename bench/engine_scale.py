@@ -24,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.machine import describe  # noqa: E402
 from planetserve.node.engine.profile import (  # noqa: E402
     SHAPES,
     decode_throughput,
@@ -94,13 +95,15 @@ def main() -> None:
     args = parser.parse_args()
     shapes = args.shapes or (["1b", "8b"] if args.device == "cuda" else ["0.5b"])
     where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
-    print(f"# built-in engine at real sizes, random weights, on {where} (torch {torch.__version__})")
+    print(f"# built-in engine at real sizes, random weights, on {where} (torch {torch.__version__}); "
+          f"machine: {describe()}")
     results = []
     for shape in shapes:
         results.append(measure(shape, args.device, args.quick))
         report(results[-1])
     if args.json:
-        args.json.write_text(json.dumps({"device": where, "torch": torch.__version__, "results": results},
+        args.json.write_text(json.dumps({"device": where, "machine": describe(), "torch": torch.__version__,
+                                         "results": results},
                                         indent=1))
 
 

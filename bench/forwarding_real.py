@@ -46,6 +46,7 @@ from transformers import PreTrainedModel
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.forwarding import mix_ratio  # noqa: E402
+from bench.machine import describe  # noqa: E402
 from bench.processes import Processes  # noqa: E402
 from bench.sim import (  # noqa: E402
     A100_LLAMA3_8B,
@@ -414,6 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     requests = fits
     args.tokenizer = tokenizer
     served = f"a random {args.shape} shape ({params(engine.model) / 1e9:.2f}B)" if args.shape else args.model
+    print(f"machine: {describe()}")
     print(f"{len(requests)} {args.workload} requests over {args.duration:.0f} s at {args.rate} req/s, "
           f"{args.nodes} nodes of capacity {args.capacity}, model {served}", flush=True)
     measured = {}

@@ -45,6 +45,7 @@ import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.machine import describe  # noqa: E402
 from bench.processes import Processes  # noqa: E402
 from planetserve.chain.keys import KeySet  # noqa: E402
 from planetserve.genesis.network import free_ports  # noqa: E402
@@ -292,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     if any(loop not in LOOPS for loop in args.loops) or len(set(args.loops)) < len(args.loops):
         parser.error(f"--loops: each of {', '.join(LOOPS)} at most once, comma-separated, not {args.loops}")
     served = f"a random-weight {args.shape} shape" if args.shape else "gt"
+    print(f"machine: {describe()}")
     print(f"model node ({served}), {args.relays} relays and the client's relay in processes of their own, "
           f"loopback TLS; event loops: {', '.join(args.loops)}")
     timings = asyncio.run(measure(args))
