@@ -14,6 +14,7 @@ from click.testing import CliRunner
 from committee import TEMPERATURE
 
 from planetserve.chain import vrf
+from planetserve.chain.abci.epochs import validator_address
 from planetserve.chain.challenge import Challenge, open_plan_entry, sign_response
 from planetserve.chain.client import LedgerClient
 from planetserve.chain.keys import KeySet
@@ -41,9 +42,24 @@ RULE = reputation.ReputationRule.from_params(PARAMS)
 CREDIBILITY = 750_000
 
 
+STRICT = replace(PARAMS, member_fault_limit=1)
+"""One fault takes a member's power."""
+
+
+def network(tmp_path, params: Params):
+    return start_network(tmp_path / "net", params=params, timeout_commit="150ms", timeout_propose="1s")
+
+
 @pytest.fixture
 def net(tmp_path):
-    cluster = start_network(tmp_path / "net", params=PARAMS, timeout_commit="150ms", timeout_propose="1s")
+    cluster = network(tmp_path, PARAMS)
+    yield cluster
+    cluster.close()
+
+
+@pytest.fixture
+def strict_net(tmp_path):
+    cluster = network(tmp_path, STRICT)
     yield cluster
     cluster.close()
 
@@ -280,3 +296,37 @@ def test_each_leader_attack_is_detected_and_a_dishonest_node_is_delisted(net):
     listing, listed = client.nodes("gt")
     assert listing.verified and [n.pubkey for n in listed] == [honest.public]
     assert_same_app_hashes(net, end)
+
+
+def test_a_validator_that_stays_away_loses_its_power_and_the_network_goes_on_without_it(strict_net):
+    """With `member_fault_limit` 1, a validator down for a whole epoch is recorded `missed-blocks` at the
+    epoch's end and the chain takes its power: CometBFT applies the power-0 update, so the validator set
+    is the other three from two blocks later, and they go on committing blocks. They planned, led and
+    attested, so they have no fault and keep their power."""
+    net = strict_net
+    c = Committee(net)
+    planner = c.index(c.clients[0].epoch(0).leader)
+    down = next(i for i in range(4) if i != planner)
+    online = [i for i in range(4) if i != down]
+    _, committee = c.clients[0].committee()
+    address = {m.operator: validator_address(m.consensus_key).hex().upper() for m in committee}
+    net.stop(down)
+    c.elect_and_plan(1, online)
+    leader = c.leader_results(1, online)
+    c.attest(1, online, leader, c.nodes)
+    c.elect_and_plan(2, online)
+    end = SCHEDULE.end(1)
+    net.wait_for_height(end + 3, validators=online, timeout=120)
+
+    client = c.client(online)
+    client.min_height = end
+    _, faults = client.faults()
+    assert {(f.operator, f.kind) for f in faults} == {(c.members[down].public, "missed-blocks")}, faults
+    _, committee = client.committee()
+    assert sorted(m.operator for m in committee) == sorted(c.members[i].public for i in online)
+    for i in online:
+        _, validators = net.rpc(i).validators()
+        assert sorted(v["address"] for v in validators) == sorted(address[c.members[j].public] for j in online)
+    height = net.rpc(online[0]).latest_height()
+    net.wait_for_height(height + 3, validators=online, timeout=60)
+    assert_same_app_hashes(net, height + 2, online)
