@@ -451,6 +451,35 @@ def test_lying_endpoint_cannot_alter_the_node_list(net, mutate, words):
         proxy.close()
 
 
+def test_a_list_read_again_in_one_snapshot_is_asked_for_once(net):
+    """Inside a snapshot the client reads one verified state, so a list read again there (the verifier's
+    tick reads an epoch's results once per duty) is not asked for and proven again; after a write of the
+    client's own, and in the next snapshot, it is read anew."""
+    proxy = TamperProxy(net.rpc_url(1))
+    asked: list[str] = []
+
+    def count(method: str, params: dict, answer: dict) -> None:
+        if method == "abci_query" and params.get("path") == "/prefix":
+            asked.append(params["data"])
+
+    try:
+        client = ledger(net, url=proxy.url)
+        proxy.rewrite = count
+        with client.snapshot():
+            _, members = client.committee()
+            assert client.committee()[1] == members and len(members) == 4
+            assert len(asked) == 1
+            done = client.submit(KeySet.generate(), RegisterOrg("read-once", "x"))
+            assert done.outcome.ok
+            assert client.committee()[1] == members and client.committee()[1] == members
+            assert len(asked) == 2  # once more, at our own write's height
+        with client.snapshot():
+            assert client.committee()[1] == members
+        assert len(asked) == 3
+    finally:
+        proxy.close()
+
+
 @pytest.mark.faults
 def test_lying_endpoint_cannot_hide_an_entity(net):
     honest = ledger(net, 0)

@@ -152,6 +152,11 @@ class LedgerClient:
         self._pinned: LightBlock | None = None
         self._past = False
         """Whether the pinned header was asked for by height: then it is read whatever min_height says."""
+        self._listed: dict[tuple[bytes, int], Listing] = {}
+        """Lists read inside the current snapshot, by prefix and the `min_height` they were read under:
+        one state, so a list a caller reads again there (the verifier's tick reads an epoch's results
+        for each of its duties) is not asked for and proven again. A write of ours since moves
+        `min_height`, so its own list is read anew."""
         self._next: dict[bytes, tuple[int, int]] = {}
         """Per account this client signs for, the sequence after its last transaction that committed
         and succeeded, and that block's height: spent, though the verified state, a block behind, may
@@ -190,6 +195,7 @@ class LedgerClient:
             yield self._pinned.height if self._pinned is not None else 0
         finally:
             self._pinned, self._past = None, False
+            self._listed.clear()
 
     @classmethod
     def verified(cls, rpc_url: str, genesis: str | Path, *, witness: str = "",
@@ -275,7 +281,17 @@ class LedgerClient:
 
     def entries(self, prefix: bytes) -> Listing:
         """Every entry under a key prefix, complete and unaltered when verified. A list longer than
-        one answer may be (the chain's `max_query_entries`) is read in parts, all of one height."""
+        one answer may be (the chain's `max_query_entries`) is read in parts, all of one height. Inside
+        a snapshot, a list is read once (`_listed`)."""
+        if self._pinned is None:
+            return self._entries(prefix)
+        key = (prefix, self.min_height)
+        listing = self._listed.get(key)
+        if listing is None:
+            listing = self._listed[key] = self._entries(prefix)
+        return listing
+
+    def _entries(self, prefix: bytes) -> Listing:
         try:
             return self._listing(prefix)[0]
         except QueryRefused as exc:
