@@ -537,6 +537,38 @@ def test_a_dial_cancelled_mid_handshake_closes_its_socket():
     run(main(), 30)
 
 
+def test_a_connection_uvloop_ends_with_a_cancelled_write_closes_without_cancelling_its_closer():
+    """uvloop reports a socket operation libuv cancelled (UV_ECANCELED: a write pending when the socket
+    went) to the protocol as an asyncio.CancelledError, which the stream raises from wait_closed(),
+    drain() and reads. A model node closing its peers on a new assignment died of it (its main task
+    ended "cancelled"). Here the protocol is told so, as uvloop tells it: writing gives a connection
+    error, closing returns, and the connection and both peers close; a real cancellation of the closer
+    still cancels it."""
+    async def main():
+        a, b, conn = await connected(echo_handler)
+        assert (await conn.call("echo", "before"))["body"] == "before"
+        conn.writer.transport.get_protocol().connection_lost(asyncio.CancelledError())
+        with pytest.raises(ConnectionResetError, match="cancelled socket operation"):
+            await conn.notify("echo", "after")
+        await conn.close()
+        assert conn.closed.is_set()
+        await a.close()
+        await b.close()
+
+        a, b, conn = await connected(echo_handler)
+        closer = asyncio.create_task(conn.close())
+        await asyncio.sleep(0)  # it waits for the TLS connection to close
+        assert not closer.done()
+        closer.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await closer
+        assert conn.closed.is_set()
+        await a.close()
+        await b.close()
+
+    run(main(), 30)
+
+
 def test_tls_is_1_3():
     async def main():
         a, b = peers()

@@ -35,7 +35,7 @@ import ssl
 import struct
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -198,6 +198,22 @@ def decode_frame(body: bytes, limits: Limits = FRAME_LIMITS) -> tuple[Any, int]:
         raise TransportError(f"malformed frame: {exc}") from exc
 
 
+@contextlib.contextmanager
+def lost_not_cancelled() -> Iterator[None]:
+    """A stream's CancelledError that is not this task's own cancellation, as the connection's end
+    (ConnectionResetError). uvloop reports a socket operation libuv cancelled (UV_ECANCELED, a write
+    still pending when the socket went) to the protocol as an asyncio.CancelledError, which the stream
+    then raises from drain(), reads and wait_closed(): a model node closing its peers on a new
+    assignment died of it."""
+    try:
+        yield
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is None or task.cancelling():
+            raise
+        raise ConnectionResetError("the connection ended under a cancelled socket operation") from None
+
+
 async def write_frame(writer: asyncio.StreamWriter, value: Any, limit: int = MAX_FRAME,
                       timeout: float = WRITE_TIMEOUT) -> None:
     """Write one frame and wait until the socket takes it; a peer that reads nothing for `timeout`
@@ -208,10 +224,12 @@ async def write_frame(writer: asyncio.StreamWriter, value: Any, limit: int = MAX
     writer.write(_LENGTH.pack(len(body)) + body)
     transport = writer.transport
     if transport.get_write_buffer_size() <= transport.get_write_buffer_limits()[1]:
-        await writer.drain()  # below the high-water mark drain does not wait: no timer needed
+        with lost_not_cancelled():
+            await writer.drain()  # below the high-water mark drain does not wait: no timer needed
         return
     try:
-        await asyncio.wait_for(writer.drain(), timeout)
+        with lost_not_cancelled():
+            await asyncio.wait_for(writer.drain(), timeout)
     except TimeoutError:
         writer.transport.abort()
         raise TransportError(f"peer took no data for {timeout:g} s: connection dropped") from None
@@ -296,7 +314,8 @@ class Connection:
         """Read frames until the connection ends; fail every open stream then."""
         try:
             while True:
-                body = await read_body(self.reader, self.limit, self.budget)
+                with lost_not_cancelled():
+                    body = await read_body(self.reader, self.limit, self.budget)
                 frame, size = decode_frame(body)
                 if not (isinstance(frame, list) and len(frame) == 4 and isinstance(frame[0], str)
                         and isinstance(frame[1], int) and isinstance(frame[2], str)):
@@ -375,9 +394,11 @@ class Connection:
 
     async def close(self) -> None:
         self.writer.close()
-        with contextlib.suppress(Exception):
-            await self.writer.wait_closed()
-        self.closed.set()
+        try:
+            with contextlib.suppress(Exception), lost_not_cancelled():
+                await self.writer.wait_closed()
+        finally:
+            self.closed.set()
 
 
 class Peering:
