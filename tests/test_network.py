@@ -467,7 +467,7 @@ def test_a_list_read_again_in_one_snapshot_is_asked_for_once(net):
         proxy.rewrite = count
         with client.snapshot():
             _, members = client.committee()
-            assert client.committee()[1] == members and len(members) == 4
+            assert client.committee()[1] == members and len(members) >= 4
             assert len(asked) == 1
             done = client.submit(KeySet.generate(), RegisterOrg("read-once", "x"))
             assert done.outcome.ok
