@@ -95,16 +95,16 @@ def main() -> None:
     args = parser.parse_args()
     shapes = args.shapes or (["1b", "8b"] if args.device == "cuda" else ["0.5b"])
     where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
+    machine = describe()
     print(f"# built-in engine at real sizes, random weights, on {where} (torch {torch.__version__}); "
-          f"machine: {describe()}")
+          f"machine: {machine}")
     results = []
     for shape in shapes:
         results.append(measure(shape, args.device, args.quick))
         report(results[-1])
     if args.json:
-        args.json.write_text(json.dumps({"device": where, "machine": describe(), "torch": torch.__version__,
-                                         "results": results},
-                                        indent=1))
+        args.json.write_text(json.dumps({"device": where, "machine": machine, "torch": torch.__version__,
+                                         "results": results}, indent=1))
 
 
 if __name__ == "__main__":

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import httpx
 import openai
@@ -221,32 +221,28 @@ def test_completion_logprobs_as_token_ids_and_with_the_sampled_token_added(clien
     assert [list(t) for t in answer["top_logprobs"]] == [[f"token_id:{t}"] for t in answer["ids"]]
 
 
+A = TypeVar("A")
 SEEDS = 32
 """Seeds tried for a sampled answer with text to stop at: greedy, quick gt may answer nothing but newlines
 (trained on some CPUs it does)."""
 
 
-def a_stop_in_the_second_half(texts: Iterator[tuple[int, str]], size: int) -> tuple[int, str]:
-    """The first (seed, text)'s seed whose text has `size` characters, not all blank, at its middle, and
-    those characters."""
-    for seed, text in texts:
+def with_a_stop(ask: Callable[[int], A], text_of: Callable[[A], str], size: int) -> tuple[int, A, str]:
+    """The first seed whose answer (`ask(seed)`) has `size` characters, not all blank, at the middle of
+    its text: the seed, the answer and those characters."""
+    for seed in range(SEEDS):
+        answer = ask(seed)
+        text = text_of(answer)
         stop = text[len(text) // 2 :][:size]
         if stop.strip():
-            return seed, stop
+            return seed, answer, stop
     pytest.fail(f"none of {SEEDS} sampled answers has text to stop at")
 
 
 def test_stop_strings_end_the_answer_and_its_logprobs(client):
     sampled = {"temperature": 1.0, "max_tokens": 16}
-    answers: dict[int, dict[str, Any]] = {}
-
-    def texts() -> Iterator[tuple[int, str]]:
-        for seed in range(SEEDS):
-            answers[seed] = completion_logprobs(client, stream=False, seed=seed, **sampled)
-            yield seed, answers[seed]["text"]
-
-    seed, stop = a_stop_in_the_second_half(texts(), 3)
-    free = answers[seed]
+    seed, free, stop = with_a_stop(lambda s: completion_logprobs(client, stream=False, seed=s, **sampled),
+                                   lambda answer: answer["text"], 3)
     cut = free["text"][: free["text"].index(stop)]
     for stream in (False, True):
         answer = completion_logprobs(client, stream=stream, stop=[stop], seed=seed, **sampled)
@@ -260,8 +256,7 @@ def test_stop_strings_end_the_answer_and_its_logprobs(client):
         return client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=12, temperature=1.0,
                                               seed=seed, **options).choices[0]
 
-    seed, stop = a_stop_in_the_second_half(((s, chat(s).message.content) for s in range(SEEDS)), 2)
-    text = chat(seed).message.content
+    seed, text, stop = with_a_stop(lambda s: chat(s).message.content, str, 2)
     stopped = chat(seed, stop=stop)
     assert stopped.message.content == text[: text.index(stop)]
     assert stopped.finish_reason == "stop"

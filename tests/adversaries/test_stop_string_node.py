@@ -69,9 +69,8 @@ def stop_ids(reference) -> tuple[int, ...]:
 @pytest.fixture(scope="module")
 def served(quick_family, reference, stop_ids) -> dict:
     """The first challenge (by salt) whose honest answer ends at its stop string and, without it, goes on
-    past it; the honest and the
-    early-stopping node's signed answers to it, with its stop strings, with them as token ids, and
-    without either; and the early node's keys."""
+    past it; the honest and the early-stopping node's signed answers to it, with its stop strings, with
+    them as token ids, and without either; and the early node's keys."""
     async def ask(node: ModelNode, challenge: Challenge, stops: dict):
         answer = await complete(node, PROMPT, max_tokens=CAP, temperature=TEMPERATURE / 1000,
                                 seed=challenge.seed, **stops)
