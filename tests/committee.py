@@ -82,11 +82,12 @@ class Script:
     def tx(self, signer: KeySet, tx_type: str, body: dict[str, Any]) -> bytes:
         return self.h.tx(signer, tx_type, body)
 
-    def register_node(self, owner: KeySet, org_id: str) -> bytes:
-        """A fresh key registered by `owner` in its organisation `org_id`: the Script signs its
-        answers, and plans it once the chain requires it."""
-        key = KeySet.generate()
-        registration = self.tx(owner, "register-model-node", node_body(key, org_id, address=NODE_ADDRESS))
+    def register_node(self, owner: KeySet, org_id: str, key: KeySet | None = None,
+                      address: str = NODE_ADDRESS) -> bytes:
+        """`key` (default: a fresh one) registered by `owner` in its organisation `org_id` at `address`: the
+        Script can sign its answers, and plans it once the chain requires it."""
+        key = key or KeySet.generate()
+        registration = self.tx(owner, "register-model-node", node_body(key, org_id, address=address))
         assert self.block(registration) == [(0, "ok")]
         self.nodes[key.public] = key
         return key.public

@@ -56,10 +56,12 @@ class AppHarness:
     def __init__(self, db_url: str, members: int = 1, params: Params | None = None,
                  models: tuple[tuple[str, str], ...] = (("gt", "reference"),),
                  keys: tuple[list[KeySet], list[KeySet]] | None = None,
-                 organisations: tuple[GenesisOrganisation, ...] = (), limits: bool = False) -> None:
+                 organisations: tuple[GenesisOrganisation, ...] = (), limits: bool = False,
+                 genesis_time: int = GENESIS_TIME) -> None:
         """`keys`: the members' operator and consensus keys, to run two chains of one committee;
         `organisations`: those genesis creates, with their credits; `limits`: keep the anti-spam limits
-        of `params` (by default those left at their defaults are relaxed, `relaxed`)."""
+        of `params` (by default those left at their defaults are relaxed, `relaxed`); `genesis_time`:
+        the chain's first time (now, for a chain whose model nodes sign answers by their own clocks)."""
         self.store = StateStore(db_url)
         self.app = Application(self.store)
         self.members, self.consensus = keys or ([KeySet.generate() for _ in range(members)],
@@ -69,7 +71,7 @@ class AppHarness:
         self.absent: set[bytes] = set()
         """Consensus keys of the validators that miss the commits of the blocks to come."""
         self.height = 0
-        self.time = GENESIS_TIME
+        self.time = genesis_time
         state = AppState(
             params=(params or Params()) if limits else relaxed(params or Params()),
             committee=tuple(
@@ -86,7 +88,7 @@ class AppHarness:
                         for c in self.consensus],
             app_state_bytes=json.dumps(state.to_json()).encode(),
             initial_height=1,
-            time=Timestamp(seconds=GENESIS_TIME),
+            time=Timestamp(seconds=genesis_time),
         )
         self.app.init_chain(self.genesis)
         self.blocks: list[tuple[abci.RequestFinalizeBlock, bytes]] = []  # each with its app hash

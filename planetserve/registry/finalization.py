@@ -18,9 +18,12 @@ Per node of the plan, in key order:
   result was forwarded). A planned node that computed none answers for what it returned: C(T) is the
   product of its attested results, so a forward never hides it. A verdict also counts the tokens those
   answers had checked and how many deviated, which accumulate across epochs (registry/evidence.py).
-- Without an attested result, the node is cut (C(T) = 0) only when members holding more than 1/3 of
-  the power reported no valid response from it; the leader's own "invalid" claim counts as its report.
-- Otherwise its reputation does not change this epoch.
+- A node that members holding more than 1/3 of the power reported as giving no valid response is cut
+  (C(T) = 0), whatever it answered: the leader's own "invalid" claim counts as its report. A node told
+  its challenge by a colluding leader answers that one and could drop every other request, users' and
+  re-challenges alike; reports from members whose power cannot all be faulty show it served no one.
+  Its answers' checked and deviating tokens still count toward its evidence.
+- Otherwise, without an attested result, its reputation does not change this epoch.
 A serving peer that is not planned gets the product of what it computed, after every planned node. A
 node gets at most one C(T) per epoch.
 Faults: a leader that submitted nothing for a committed plan withheld its results; one that left a
@@ -159,12 +162,12 @@ def decide(ev: Evidence) -> tuple[list[Verdict], list[Finding]]:
         if own is None and leader_submitted:
             findings.append(Finding(ev.leader, "skipped-node", node, "planned node left out of the results"))
         verdict = _verdict(node, attested[node], computed)
-        if verdict is None:
-            reporters = set(ev.reports.get(node, ()))
-            if own is not None and own.status == INVALID:
-                reporters.add(ev.leader)
-            if 3 * _power(reporters, ev.power) > total:
-                verdict = Verdict(node, 0, "invalid-reports")
+        reporters = set(ev.reports.get(node, ()))
+        if own is not None and own.status == INVALID:
+            reporters.add(ev.leader)
+        if 3 * _power(reporters, ev.power) > total:
+            verdict = (Verdict(node, 0, "invalid-reports") if verdict is None
+                       else replace(verdict, credibility=0, source="invalid-reports"))
         if verdict is not None:
             verdicts.append(verdict)
             scored.add(verdict.node)

@@ -1,0 +1,247 @@
+"""A member that tells a model node its challenge, and the node that takes the tip (docs/threat-model.md,
+"Learns or leaks the challenges"). Every member can open every sealed challenge, so a member colluding
+with a node can tell it, epoch after epoch, which request is its challenge; the node answers that one with
+the model it registered and every other request as it likes. Two such nodes run here behind a real
+overlay: one answers the rest with a cheaper model (tiny), the other answers nothing else at all (a node
+paid for serving no one). The leader's and the members' real daemons ask through a real user relay, score
+with the reference model and submit on the in-process chain; the colluding member attests its partner's
+answers as honest.
+
+Each honest member re-challenges the node on its own secret coin (`Daemon._sampled`). In every epoch in
+which enough coins came up (one for the cheap node, whose cheap answer is scored; members holding more
+than a third of the power for the idle one, whose silence is reported), the node's C(T) is cut and its
+organisation earns nothing for the epoch; the epochs it escapes are exactly the others. The honest node
+beside it and every honest member are never touched."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, replace
+
+import pytest
+from committee import EPOCH_PARAMS, HONEST, Script, finish
+from harness import AppHarness, sqlite_url
+from modelnodes import make_node, view
+from overlaynet import FAST, Overlay, make_user
+from waiting import run
+
+from planetserve.chain import layout
+from planetserve.chain.keys import KeySet
+from planetserve.models import load
+from planetserve.node.api.openai import overloaded
+from planetserve.node.engine.builtin import BuiltinEngine
+from planetserve.node.model_node import ModelNode
+from planetserve.registry import finalization
+from planetserve.registry.entities import ModelNode as NodeRecord
+from planetserve.registry.epochs import VALID, ChallengeResult
+from planetserve.registry.reputation import ReputationRule
+from planetserve.verifier import ReferenceModel
+from planetserve.verifier import daemon as daemon_module
+from planetserve.verifier.challenges import ChallengeSource
+from planetserve.verifier.daemon import Daemon
+from planetserve.verifier.overlay import OverlayChannel
+
+PARAMS = replace(EPOCH_PARAMS, response_slack_seconds=3_600)
+"""The in-process chain's clock runs 5 s a block, ahead of the nodes' own: the answers they sign by their
+clocks stay within the slack."""
+RULE = ReputationRule.from_params(PARAMS)
+CAP = 64
+MAX_PROMPT = 256
+SCALE = 0.05
+MAX_EPOCHS = 16
+"""Epochs played until the node is caught. The idle node escapes an epoch with probability 0.26 (the
+colluder leads) to 0.55 (an honest member leads, and two coins must come up): all sixteen about 1e-5."""
+
+
+class TippedNode(ModelNode):
+    """Answers the prompts it was told with the model it registered; every other request, users' and
+    re-challenges alike, with `cheap` (a smaller model's engine) or, without one, not at all."""
+
+    told: set[str]
+    cheap: BuiltinEngine | None
+
+    async def produce(self, job, prompt_ids, generation, options, *, whole=False):  # type: ignore[no-untyped-def]
+        if job.prompt not in self.told and self.cheap is None:
+            raise overloaded()
+        return await super().produce(job, prompt_ids, generation, options, whole=whole)
+
+    def _local(self, job, prompt_ids, generation, route_reason):  # type: ignore[no-untyped-def]
+        if job.prompt in self.told or self.cheap is None:
+            return super()._local(job, prompt_ids, generation, route_reason)
+        registered, self.engine = self.engine, self.cheap
+        try:
+            return super()._local(job, prompt_ids, generation, route_reason)
+        finally:
+            self.engine = registered
+
+
+@dataclass(frozen=True)
+class ChainReads:
+    """The one ledger read the daemons' scoring makes (`ledger.node`), from the in-process chain."""
+
+    s: Script
+
+    def node(self, key: bytes) -> NodeRecord | None:
+        return self.s.state.node(key)
+
+
+@dataclass(frozen=True)
+class Played:
+    number: int
+    samplers: int
+    """Honest members whose coin came up for the tipped node (the leader does not re-challenge)."""
+    credibility: int
+    """The tipped node's C(T) this epoch."""
+    earned: int
+    """What its organisation earned for the epoch."""
+
+
+def answered(daemon: Daemon, number: int) -> dict[str, list]:
+    """The daemon's entries of epoch `number` once every challenge it sent came back."""
+    for future in list(daemon.pending.values()):
+        future.result(timeout=300)
+    return daemon.results(number)
+
+
+def results(s: Script, number: int) -> list[ChallengeResult]:
+    return [ChallengeResult.decode(v) for _, v in s.h.store.batch().iterate(layout.result_prefix(number))]
+
+
+def play(s: Script, daemons: dict[bytes, Daemon], colluder: KeySet, tipped: TippedNode, honest: bytes,
+         number: int) -> Played:
+    """Epoch `number`, from its start to its end and the next one's plan."""
+    node = tipped.keys.public
+    tipped.told.add(s.planned(number, node, colluder).prompt)  # the colluder opens its copy: the tip
+    leader = s.leader(number)
+    lead = daemons[leader.public]
+    for planned in (honest, node):
+        lead._ask((number, planned, "leader"), s.planned(number, planned, leader), s.state.node(planned))
+    entries = answered(lead, number)["leader"]
+    assert s.block(s.tx(leader, "submit-results", {"epoch": number, "kind": "leader", "results": entries})) \
+        == [(0, "ok")]
+
+    commits = []
+    samplers = 0
+    for member, daemon in daemons.items():
+        for planned in (honest, node):
+            colluding = member == colluder.public and planned == node
+            if member == leader.public or colluding or not daemon._sampled(number, planned):
+                continue
+            samplers += planned == node
+            challenge = daemon._fresh("gt")
+            commits.append(s.tx(s.members[member], "commit-rechallenge",
+                                {"epoch": number, "tag": challenge.tag(planned)}))
+            daemon._ask((number, planned, "rechallenge"), challenge, s.state.node(planned))
+    committed = s.block(*commits)
+    assert all(code == 0 for code, _ in committed), committed
+    reveals = [s.tx(s.members[member], "submit-results", {"epoch": number, "kind": "rechallenge",
+                                                          "results": entries})
+               for member, daemon in daemons.items() if (entries := answered(daemon, number)["rechallenge"])]
+    assert all(code == 0 for code, _ in s.block(*reveals))
+
+    valid = [r for r in results(s, number) if r.status == VALID]
+    attestations = []
+    for member, daemon in daemons.items():
+        scores = [[r.node, r.submitter, *((HONEST, 0) if member == colluder.public and r.node == node
+                                          else daemon._attested_score(number, r))] for r in valid]
+        attestations.append(s.tx(s.members[member], "attest", {"epoch": number, "scores": sorted(scores)}))
+    assert all(code == 0 for code, _ in s.block(*attestations))
+
+    before = s.state.credits("org2").earned
+    finish(s, number)
+    assert s.state.reputation(honest).window[-1] == HONEST and s.state.reputation(honest).trusted
+    return Played(number, samplers, s.state.reputation(node).window[-1], s.state.credits("org2").earned - before)
+
+
+@pytest.mark.parametrize("cheap", [True, False], ids=["cheap", "idle"])
+def test_a_node_told_its_challenge_by_a_colluding_member_is_caught_wherever_it_cheats(
+        quick_family, tmp_path, monkeypatch, cheap):
+    monkeypatch.setattr(daemon_module, "RETRY_DELAY_S", 0.0)
+    reference = ReferenceModel.from_loaded(load("gt", quick_family), model_id="gt")
+
+    def epochs(relay: str, honest: ModelNode, tipped: TippedNode) -> tuple[Script, KeySet, list[Played]]:
+        s = Script(AppHarness(sqlite_url(tmp_path), members=4, params=PARAMS, genesis_time=int(time.time())),
+                   nodes=0)
+        s.register_node(s.owner, "org1", honest.keys, honest.config.address)
+        other = KeySet.generate()
+        assert s.block(s.tx(other, "register-org", {"org_id": "org2", "name": "Org Two"})) == [(0, "ok")]
+        s.register_node(other, "org2", tipped.keys, tipped.config.address)
+        channel = OverlayChannel(relay, max_tokens=CAP)
+        length = lambda text: len(honest.tokenizer(text)["input_ids"])  # noqa: E731
+        daemons = {}
+        for key, member in s.members.items():
+            (tmp_path / key.hex()).mkdir()
+            daemons[key] = Daemon(member, ChainReads(s), {"gt": reference}, channel,
+                                  ChallengeSource("mixed", scale=SCALE, max_prompt_len=MAX_PROMPT, length=length),
+                                  tmp_path / key.hex())
+        s.run_election_and_plan(1)
+        colluder = s.leader(1)
+        played: list[Played] = []
+        try:
+            while len(played) < MAX_EPOCHS and not (played and caught(played[-1])):
+                played.append(play(s, daemons, colluder, tipped, honest.keys.public, len(played) + 1))
+        finally:
+            for daemon in daemons.values():
+                daemon.pool.shutdown(wait=False, cancel_futures=True)
+        return s, colluder, played
+
+    def caught(epoch: Played) -> bool:
+        """Enough coins came up: one scored cheap answer, or reports from more than a third of the power
+        (four members of equal power)."""
+        return epoch.samplers >= 1 if cheap else 3 * epoch.samplers > 4
+
+    async def main() -> tuple[Script, KeySet, list[Played]]:
+        honest, tipped = make_node(quick_family), make_node(quick_family, TippedNode)
+        tipped.told = set()
+        tiny = load("tiny", quick_family)
+        tipped.cheap = BuiltinEngine(tiny.model, "gt", block_size=tipped.config.block_size,
+                                     max_batch=tipped.config.capacity,
+                                     cache_capacity_tokens=tipped.config.cache_tokens) if cheap else None
+        relays = [make_user(settings=FAST) for _ in range(6)]
+        net = Overlay(relays, [honest, tipped])
+        for node in net.nodes:
+            await node.start()
+            node.apply_view(view([node]))  # each in a group of its own: neither forwards to the other
+        for relay in relays:
+            await relay.start(serve_http=relay is relays[0])
+        net.publish()
+        net.client.start_paths()
+        assert await net.client.paths.wait_live(4, 20), net.client.paths.last_error
+        try:
+            return await asyncio.to_thread(epochs, net.client.http_url, honest, tipped)
+        finally:
+            await net.close()
+            if tipped.cheap is not None:
+                await tipped.cheap.close()
+
+    s, colluder, played = run(main(), timeout=900)
+    *escaped, last = played
+    assert caught(last), f"not caught in {MAX_EPOCHS} epochs: {played}"
+    # an epoch without enough coins is one the node escapes: its told answer alone is scored, and paid
+    assert all(not caught(e) and e.credibility == HONEST and e.earned > 0 for e in escaped), escaped
+    # caught: cut, and nothing earned for the epoch
+    assert last.earned == 0
+    assert last.credibility < RULE.abnormal if cheap else last.credibility == 0
+    honest_members = [m for m in s.members if m != colluder.public]
+    assert all(s.faults(m) == [] for m in honest_members)
+    # the colluder's cover is on the record: where the node's cheap answer was scored, its attestation
+    # of it strays from the median; where the node answered nothing else, there was nothing to cover
+    assert ("deviating-attestation" in s.faults(colluder.public)) == cheap
+
+
+@pytest.mark.parametrize(("reporters", "cut"), [(1, False), (2, True)])
+def test_reports_from_more_than_a_third_of_the_power_cut_a_node_whatever_it_answered(reporters, cut):
+    """The pure rule at its threshold, three members of equal power: the node's one answer, attested
+    honest, is cut by reports from two of them, not from one (who may be the faulty one); the answer's
+    tokens count toward its evidence either way."""
+    node, leader, *others = b"n" * 32, b"a" * 32, b"b" * 32, b"c" * 32
+    answer = ChallengeResult(node, leader, "leader", VALID, "", "p", b"s" * 32, {"token_ids": [5, 6, 7]},
+                             HONEST, 1)
+    evidence = finalization.Evidence(
+        leader=leader, plan_nodes=[node], results={node: [answer]},
+        attestations={(node, leader): [(m, HONEST, 1) for m in (leader, *others)]},
+        reports={node: tuple(others[:reporters])}, power=dict.fromkeys((leader, *others), 1), tolerance=0)
+    [verdict], findings = finalization.decide(evidence)
+    assert (verdict.credibility, verdict.scored) == ((0, False) if cut else (HONEST, True))
+    assert (verdict.checked, verdict.deviations) == (3, 1) and findings == []
