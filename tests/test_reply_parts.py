@@ -26,13 +26,23 @@ async def collect(parts: AsyncIterator[bytes]) -> list[tuple[float, bytes]]:
 
 
 def test_fast_tokens_travel_a_few_to_a_part_and_the_first_at_once():
+    """Tokens 2 ms apart, a 20 ms linger: the first token goes alone (held for the linger, it would carry
+    about ten), and the rest in parts at least the linger apart, so no more parts than the time the tokens
+    took allows, however slowly a loaded machine made them."""
     async def main():
-        started = time.monotonic()
-        out = await collect(batched(produced(40, 0.002), linger=0.02))
+        timed: list[float] = []
+
+        async def stamped() -> AsyncIterator[bytes]:
+            async for part in produced(40, 0.002):
+                timed.append(time.monotonic())
+                yield part
+
+        out = await collect(batched(stamped(), linger=0.02))
         expected = b"".join(bytes([i]) * 10 for i in range(40))
         assert b"".join(part for _, part in out) == expected  # nothing lost, nothing reordered
-        assert out[0][1] == bytes([0]) * 10 and out[0][0] - started < 0.015  # the first token alone, at once
-        assert len(out) <= 10  # about 80 ms of tokens in parts at least 20 ms apart
+        assert out[0][1] == bytes([0]) * 10  # the first token alone, at once
+        assert len(out) <= 2 + (timed[-1] - timed[0]) / 0.02
+        assert len(out) < len(expected) // 10
         gaps = [b[0] - a[0] for a, b in zip(out, out[1:], strict=False)]
         assert min(gaps) >= 0.018
 
@@ -44,13 +54,13 @@ def test_slow_tokens_go_one_by_one_without_waiting_for_the_linger():
         timed: list[float] = []
 
         async def stamped() -> AsyncIterator[bytes]:
-            async for part in produced(6, 0.04):
+            async for part in produced(6, 0.15):
                 timed.append(time.monotonic())
                 yield part
 
-        out = await collect(batched(stamped(), linger=0.01))
+        out = await collect(batched(stamped(), linger=0.1))
         assert [part for _, part in out] == [bytes([i]) * 10 for i in range(6)]
-        assert max(sent - made for (sent, _), made in zip(out, timed, strict=True)) < 0.01
+        assert max(sent - made for (sent, _), made in zip(out, timed, strict=True)) < 0.05  # not the linger's 0.1
 
     asyncio.run(main())
 
