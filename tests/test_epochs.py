@@ -175,7 +175,7 @@ def test_skipped_node_is_rechallenged_by_members(s):
     members = others(s, 1)
     # prompts are written like users' own: paragraph breaks and tabs are part of them
     own = {m.public: Challenge.new(f"Member {i} asks:\n\n\thow do tides work?", TEMPERATURE) for i, m in enumerate(members)}
-    commits = [s.tx(m, "commit-rechallenge", {"epoch": 1, "tag": own[m.public].tag(node0)})
+    commits = [s.tx(m, "commit-rechallenge", {"epoch": 1, "tags": [own[m.public].tag(node0)]})
                for m in members]
     assert all(c == 0 for c, _ in s.block(*commits))
     bell = {**own[members[0].public].reveal(s.answer(node0, own[members[0].public],
@@ -307,7 +307,7 @@ def test_a_challenge_hotter_than_one_cannot_be_revealed(s):
     assert s.block(s.tx(leader, "submit-results", s.leader_results(1, HONEST, [node1]))) == [(0, "ok")]
     member = others(s, 1)[0]
     hot = Challenge.new("How hot is the sun?", 1_500)
-    assert s.block(s.tx(member, "commit-rechallenge", {"epoch": 1, "tag": hot.tag(node0)}))[0][0] == 0
+    assert s.block(s.tx(member, "commit-rechallenge", {"epoch": 1, "tags": [hot.tag(node0)]}))[0][0] == 0
     reveal = hot.reveal(s.answer(node0, hot, temperature=1_500))
     assert s.block(s.tx(member, "submit-results", {"epoch": 1, "kind": "rechallenge",
                                                     "results": [reveal]})) == [(0, "ok")]
@@ -388,7 +388,7 @@ def test_an_unconfirmed_invalid_report_is_recorded(s):
     members = others(s, 1)
     own = {m.public: Challenge.new(f"Member {i}: what is a prime number?", TEMPERATURE) for i, m in enumerate(members)}
     assert all(c == 0 for c, _ in s.block(*[
-        s.tx(m, "commit-rechallenge", {"epoch": 1, "tag": own[m.public].tag(node0)})
+        s.tx(m, "commit-rechallenge", {"epoch": 1, "tags": [own[m.public].tag(node0)]})
         for m in members]))
     assert all(c == 0 for c, _ in s.block(*[
         s.tx(m, "submit-results", {"epoch": 1, "kind": "rechallenge",

@@ -159,7 +159,7 @@ class Committee:
         """Each member commits its own prompt for the node, has it answered, and reveals it."""
         own = {i: Challenge.new(f"Member {i} asks in epoch {number}: how do tides work?", TEMPERATURE)
                for i in members}
-        self.submit_all(members, lambda i: CommitRechallenge(number, own[i].tag(node)))
+        self.submit_all(members, lambda i: CommitRechallenge(number, (own[i].tag(node),)))
         self.submit_all(members, lambda i: SubmitResults(
             number, "rechallenge", (own[i].reveal(self.answer(node, own[i].prompt, own[i])),)))
 

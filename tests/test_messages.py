@@ -71,7 +71,7 @@ EXAMPLES = [
     SubmitResults(1, "rechallenge", (Revealed(KEY, "why?", bytes(32), 0, RESPONSE),)),
     Attest(1, ((KEY, KEY, 1000, 3),)),
     ReportInvalid(1, KEY, "no answer"),
-    CommitRechallenge(1, bytes(32)),
+    CommitRechallenge(1, (bytes(32), bytes(range(32)))),
     DeployModel("acme", "gt", "cpu", 2, 3600),
 ]
 
@@ -117,6 +117,10 @@ def test_optional_fields_are_left_out_of_the_body():
         Revealed(KEY, "p", bytes(32), 0, RESPONSE, 1, Served.of(RESPONSE)).body()]},
      "names the challenged node itself"),
     ("attest", {"epoch": 1, "scores": [[KEY, KEY]]}, "entries must be [node, submitter, credibility, deviations]"),
+    ("commit-rechallenge", {"epoch": 1, "tags": []}, "field 'tags': must be a list of 1..1000 entries"),
+    ("commit-rechallenge", {"epoch": 1, "tags": [KEY, b"short"]}, "field 'tags': must be tags of 32 bytes"),
+    ("commit-rechallenge", {"epoch": 1, "tags": [KEY, KEY]}, "field 'tags': must not repeat a tag"),
+    ("commit-rechallenge", {"epoch": 1, "tag": KEY}, "field 'tags': missing"),
     ("deploy-model", {"org_id": "a", "model_id": "m", "hardware": "cpu", "nodes": 0, "seconds": 60},
      "field 'nodes': must be an integer"),
 ])

@@ -21,12 +21,14 @@ from chainnet import assert_same_app_hashes, ledger, start_network
 from roles import NodeProcess, RelayProcess, planetserve, start_relays
 from waiting import wait_until
 
+from planetserve.chain import layout
 from planetserve.chain.errors import Code
 from planetserve.chain.keys import KeySet
 from planetserve.chain.messages import RegisterOrg
 from planetserve.genesis.network import KEYS_FILE, free_ports
 from planetserve.node.home import ModelNodeConfig
 from planetserve.registry import epochs, reputation
+from planetserve.registry.epochs import Rechallenge
 from planetserve.registry.finalization import UNCOUNTED
 from planetserve.registry.params import Params
 from planetserve.verifier.config import STATUS_FILE, VerifierConfig, read_submissions
@@ -203,10 +205,20 @@ def test_the_committee_verifies_model_nodes_epoch_after_epoch(tmp_path, quick_fa
         assert any(len(set(heights)) < len(heights) for heights in batches.values()), batches
         # members' sampled re-challenges come inside the results window as well as after it, so a node
         # cannot tell them from the leader's challenges by when they come
-        committed = [s for d in daemons for s in d.submissions()
-                     if s["type"] == "commit-rechallenge" and s["code"] == 0 and first <= s["epoch"] <= last]
-        assert any(SCHEDULE.offset(s["height"]) < PARAMS.results_blocks for s in committed), committed
-        assert any(SCHEDULE.offset(s["height"]) >= PARAMS.results_blocks for s in committed), committed
+        asked = [r.height for number in range(first, last + 1) for r in client.results(number)
+                 if r.kind == "rechallenge"]
+        assert any(SCHEDULE.offset(h) < PARAMS.results_blocks for h in asked), asked
+        assert any(SCHEDULE.offset(h) >= PARAMS.results_blocks for h in asked), asked
+        # nor by the ledger: in each epoch every member but the leader committed a tag for every planned node,
+        # all in one block, whichever of them it went on to ask
+        for operator in operators:
+            for number in range(first, last + 1):
+                record = client.epoch(number)
+                if record.plan_status != "committed" or record.leader == operator:
+                    continue
+                tags = [Rechallenge.decode(v) for _, v in client.entries(layout.rechallenge_prefix(number, operator)
+                                                                          ).entries]
+                assert len(tags) == record.plan_nodes and len({r.time for r in tags}) == 1, (number, tags)
         # the faults from the second scored epoch on: only the killed leader's, for results it could not
         # submit in time (members then re-challenged those nodes), and an unconfirmed report of any leader
         # whose challenge had not come back `GIVE_UP_BLOCKS` before its window closed, as on two loaded

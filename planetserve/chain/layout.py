@@ -183,8 +183,12 @@ def commitment_key(epoch: int, commitment: bytes) -> bytes:
     return key("pcom", _e(epoch), commitment.hex())
 
 
+def rechallenge_prefix(epoch: int, member: bytes) -> bytes:
+    return key("rch", _e(epoch), member.hex(), "")
+
+
 def rechallenge_key(epoch: int, member: bytes, tag: bytes) -> bytes:
-    return key("rch", _e(epoch), member.hex(), tag.hex())
+    return rechallenge_prefix(epoch, member) + tag.hex().encode()
 
 
 def rechallenge_count_key(epoch: int, member: bytes) -> bytes:

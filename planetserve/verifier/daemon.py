@@ -50,7 +50,14 @@ from planetserve.chain.messages.epochs import (
 from planetserve.metrics import StatusCollector
 from planetserve.registry import codec, credits, epochs
 from planetserve.registry.entities import Member, ModelNode
-from planetserve.registry.epochs import PLAN_COMMITTED, VALID, ChallengeResult, Schedule, SignedResponse
+from planetserve.registry.epochs import (
+    PLAN_COMMITTED,
+    VALID,
+    ChallengeResult,
+    PlanEntry,
+    Schedule,
+    SignedResponse,
+)
 from planetserve.registry.params import Params
 from planetserve.verifier.challenges import ChallengeError, ChallengeSource, to_challenge
 from planetserve.verifier.config import (
@@ -68,6 +75,8 @@ log = logging.getLogger(__name__)
 Entry = TypeVar("Entry", bound=Body)
 
 TX_MARGIN_BYTES = 1_024
+TAG_BYTES = 34
+"""A re-challenge tag in a transaction: 32 bytes and their msgpack header."""
 """Room left in max_tx_bytes for the envelope around a part of a plan or of results."""
 PLAN_DRAWS = 8
 ERROR_BACKOFF_MAX = 30.0
@@ -149,6 +158,8 @@ class Daemon:
         self.scores: dict[tuple[int, bytes, bytes], tuple[int, int]] = {}
         """(epoch, node, submitter) → what this member stands behind: (credibility ppm, deviations)."""
         self.given_up: set[tuple[int, Hashable]] = set()
+        self.tagged: set[int] = set()
+        """Epochs whose re-challenge tags this member has all committed."""
         self.status: dict[str, Any] = {"member": self.me.hex(), "started": int(time.time()), "ticks": 0,
                                        "submitted": 0, "rejected": 0, "challenges": 0, "scored": 0,
                                        "last_error": None}
@@ -196,12 +207,14 @@ class Daemon:
                 self._lead(number)
             self._attest(number)
             if planned:
-                self._rechallenge(number, current.leader, schedule, upcoming)
+                self._rechallenge(number, current.leader, schedule, upcoming,
+                                  (params.max_tx_bytes - TX_MARGIN_BYTES) // TAG_BYTES)
 
     def _forget_before(self, number: int) -> None:
         """Past epochs' scores and refusals are of no more use (their transactions would be refused)."""
         self.scores = {k: v for k, v in self.scores.items() if k[0] >= number}
         self.given_up = {k for k in self.given_up if k[0] >= number}
+        self.tagged = {n for n in self.tagged if n >= number}
 
     def _open(self, window: Callable[[int], bool]) -> bool:
         """Whether the window still holds for the next block, by the endpoint's latest height: only a
@@ -423,38 +436,62 @@ class Daemon:
                 entry = replace(entry, credibility=self.scores[number, asked.node, self.me][0])
         return entry
 
-    def _rechallenge(self, number: int, leader: bytes, schedule: Schedule, upcoming: int) -> None:
+    def _rechallenge(self, number: int, leader: bytes, schedule: Schedule, upcoming: int,
+                     tags_per_tx: int) -> None:
         """Challenge, with a prompt of our own, each planned node the leader left without a valid result
         of the node's own (none, or one a peer computed, which shows the peer's model, not the node's)
         once the results window has closed, and a secret share of the nodes whatever the leader's result,
-        each from its secret offset into the epoch (`_sampled`, `_sample_offset`)."""
+        each from its secret offset into the epoch (`_sampled`, `_sample_offset`). Every challenge's tag
+        was committed at the epoch's start (`_commit_tags`)."""
+        if self.me == leader:
+            return
+        plan = self.ledger.plan(number)[1]
+        self._commit_tags(number, plan, tags_per_tx)
         results = self.ledger.results(number)
         answered = {r.node for r in results
                     if r.submitter == leader and r.status == VALID and not r.served_by}
         mine = {r.node for r in results if r.submitter == self.me}
         after_results = not schedule.in_results(upcoming)
-        for entry in self.ledger.plan(number)[1]:
+        for entry in plan:
             key = (entry.node, "rechallenge")
             needed = after_results and entry.node not in answered
             sampled = (self._sampled(number, entry.node)
                        and schedule.offset(upcoming) >= self._sample_offset(number, entry.node, schedule))
-            if (not (needed or sampled) or entry.node in mine or self.me == leader
+            if (not (needed or sampled) or entry.node in mine
                     or (number, *key) in self.pending or not self._due(number, key)):
                 continue
+            node = self._verifiable(entry.node)
+            challenge = self.journal.get(number, entry.node)
+            if node is None or challenge is None or self.ledger.rechallenge(
+                    number, self.me, challenge.tag(entry.node)) is None:
+                continue
+            self._ask((number, entry.node, "rechallenge"), challenge, node)
+
+    def _commit_tags(self, number: int, plan: list[PlanEntry], tags_per_tx: int) -> None:
+        """A challenge of every planned node this member can verify, journalled, its tag committed with
+        the others at the epoch's start, whether or not it will be sent: so neither when a member commits
+        nor how many tags it commits tells a node that it is about to be asked (a node watching the
+        ledger would otherwise answer honestly just after each commit, and cheaply the rest of the
+        epoch)."""
+        if number in self.tagged or not self._due(number, "tags"):
+            return
+        untagged = []
+        for entry in plan:
             node = self._verifiable(entry.node)
             if node is None:
                 continue
             challenge = self.journal.get(number, entry.node)
-            committed = challenge is not None and self.ledger.rechallenge(
-                number, self.me, challenge.tag(entry.node)) is not None
-            if not committed:
-                if challenge is None:
-                    challenge = self._fresh(node.model_id)
-                    self.journal.add(number, entry.node, challenge)
-                commit = CommitRechallenge(number, challenge.tag(entry.node))
-                if not self._submit(commit, number, [(entry.node, "rechallenge")]):
-                    continue
-            self._ask((number, entry.node, "rechallenge"), challenge, node)
+            if challenge is None:
+                challenge = self._fresh(node.model_id)
+                self.journal.add(number, entry.node, challenge)
+            tag = challenge.tag(entry.node)
+            if self.ledger.rechallenge(number, self.me, tag) is None:
+                untagged.append(tag)
+        for i in range(0, len(untagged), tags_per_tx):
+            part = CommitRechallenge(number, tuple(untagged[i:i + tags_per_tx]))
+            if not self._submit(part, number, ["tags"]):
+                return
+        self.tagged.add(number)
 
     def _sample_offset(self, number: int, node: bytes, schedule: Schedule) -> int:
         """The offset into epoch `number` from which this member sends its sampled re-challenge of `node`:

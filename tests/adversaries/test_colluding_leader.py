@@ -131,7 +131,7 @@ def play(s: Script, daemons: dict[bytes, Daemon], colluder: KeySet, tipped: Tipp
             samplers += planned == node
             challenge = daemon._fresh("gt")
             commits.append(s.tx(s.members[member], "commit-rechallenge",
-                                {"epoch": number, "tag": challenge.tag(planned)}))
+                                {"epoch": number, "tags": [challenge.tag(planned)]}))
             daemon._ask((number, planned, "rechallenge"), challenge, s.state.node(planned))
     committed = s.block(*commits)
     assert all(code == 0 for code, _ in committed), committed

@@ -121,7 +121,7 @@ def test_a_fast_peer_serving_its_groups_challenges_with_a_cheaper_model_is_caugh
     members = [m for k, m in s.members.items() if k != leader.public]
     own = {m.public: Challenge.new(f"Member {i} asks: how do tides work?", TEMPERATURE)
            for i, m in enumerate(members)}
-    commits = [s.tx(m, "commit-rechallenge", {"epoch": 1, "tag": own[m.public].tag(node0)}) for m in members]
+    commits = [s.tx(m, "commit-rechallenge", {"epoch": 1, "tags": [own[m.public].tag(node0)]}) for m in members]
     assert all(c == 0 for c, _ in s.block(*commits))
     reveals = []
     for i, m in enumerate(members):
@@ -150,7 +150,7 @@ def test_the_nodes_own_answer_on_re_challenge_outweighs_its_forwarded_one(s):
     members = [m for k, m in s.members.items() if k != leader.public]
     own = {m.public: Challenge.new(f"Member {i} asks: how do tides work?", TEMPERATURE)
            for i, m in enumerate(members)}
-    commits = [s.tx(m, "commit-rechallenge", {"epoch": 1, "tag": own[m.public].tag(node0)})
+    commits = [s.tx(m, "commit-rechallenge", {"epoch": 1, "tags": [own[m.public].tag(node0)]})
                for m in members]
     assert all(c == 0 for c, _ in s.block(*commits))
     reveals = [s.tx(m, "submit-results", {"epoch": 1, "kind": "rechallenge", "results": [

@@ -89,7 +89,7 @@ def test_a_framing_node_is_scored_and_untrusted_and_no_member_is_faulted(relay, 
     assert s.block(s.tx(leader, "submit-results", body)) == [(0, "ok")]
     for member in [m for k, m in s.members.items() if k != leader.public][:2]:
         own = Challenge.new("Why is the sea salty?", TEMPERATURE)
-        assert s.block(s.tx(member, "commit-rechallenge", {"epoch": 1, "tag": own.tag(framing)}))[0][0] == 0
+        assert s.block(s.tx(member, "commit-rechallenge", {"epoch": 1, "tags": [own.tag(framing)]}))[0][0] == 0
         entry = claim(member, own, "rechallenge")
         assert s.block(s.tx(member, "submit-results", {"epoch": 1, "kind": "rechallenge",
                                                         "results": [entry]})) == [(0, "ok")]

@@ -47,7 +47,7 @@ def test_nodes_that_answer_the_leader_late_neither_fault_it_nor_take_its_power(r
     own = {(m.public, node): Challenge.new(f"Member {i} asks node {j}: why do leaves fall?", TEMPERATURE)
            for i, m in enumerate(others) for j, node in enumerate(s.nodes)}
     assert all(c == 0 for c, _ in s.block(*[
-        s.tx(m, "commit-rechallenge", {"epoch": 1, "tag": own[m.public, node].tag(node)})
+        s.tx(m, "commit-rechallenge", {"epoch": 1, "tags": [own[m.public, node].tag(node)]})
         for m in others for node in s.nodes]))
     assert all(c == 0 for c, _ in s.block(*[  # answered on time, every one
         s.tx(m, "submit-results", {"epoch": 1, "kind": "rechallenge", "results": [

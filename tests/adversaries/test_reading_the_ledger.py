@@ -38,7 +38,7 @@ def test_a_re_challenge_names_no_node_until_its_answer_is_revealed(s):
     node0, _, others = skipped_by_the_leader(s)
     own = {m.public: Challenge.new(f"Member {i} asks: how do tides work?", TEMPERATURE) for i, m in enumerate(others)}
     before = s.h.registry_state()
-    commits = [s.tx(m, "commit-rechallenge", {"epoch": 1, "tag": own[m.public].tag(node0)}) for m in others]
+    commits = [s.tx(m, "commit-rechallenge", {"epoch": 1, "tags": [own[m.public].tag(node0)]}) for m in others]
     assert all(c == 0 for c, _ in s.block(*commits))
     written = {k: v for k, v in s.h.registry_state().items() if before.get(k) != v}
     assert written, "the commitments wrote nothing"
@@ -57,7 +57,7 @@ def test_a_re_challenge_opens_only_for_its_node_once_and_within_the_plan(s):
     node0, node1, others = skipped_by_the_leader(s)
     member = others[0]
     challenge = Challenge.new("How do tides work?", TEMPERATURE)
-    assert s.block(s.tx(member, "commit-rechallenge", {"epoch": 1, "tag": challenge.tag(node0)}))[0][0] == 0
+    assert s.block(s.tx(member, "commit-rechallenge", {"epoch": 1, "tags": [challenge.tag(node0)]}))[0][0] == 0
     # the tag binds the node: the same challenge revealed as node1's does not open it
     as_node1 = challenge.reveal(s.answer(node1, challenge))
     assert s.block(s.tx(member, "submit-results", {"epoch": 1, "kind": "rechallenge", "results": [as_node1]})) == [
@@ -73,17 +73,19 @@ def test_a_re_challenge_opens_only_for_its_node_once_and_within_the_plan(s):
         (0, "ok")]
     assert member.public in s.state.reports(1, node0)
     # no more re-challenges than the plan has nodes (two), and no tag twice
-    again = s.tx(member, "commit-rechallenge", {"epoch": 1, "tag": challenge.tag(node0)})
+    again = s.tx(member, "commit-rechallenge", {"epoch": 1, "tags": [challenge.tag(node0)]})
     assert s.block(again)[0][0] == Code.ALREADY_EXISTS
-    second = Challenge.new("Why is the sea salty?", TEMPERATURE).tag(node1)
-    assert s.block(s.tx(member, "commit-rechallenge", {"epoch": 1, "tag": second}))[0][0] == 0
-    third = Challenge.new("Why is the sky blue?", TEMPERATURE).tag(node1)
-    code, log = s.block(s.tx(member, "commit-rechallenge", {"epoch": 1, "tag": third}))[0]
-    assert code == Code.UNAUTHORIZED and "as many re-challenges as epoch 1 plans nodes (2)" in log
+    second, third = (Challenge.new(f"Why is the sea salty, {i}?", TEMPERATURE).tag(node1) for i in (2, 3))
+    (code, log), done = s.block(s.tx(member, "commit-rechallenge", {"epoch": 1, "tags": [second, third]}),
+                                s.tx(member, "commit-rechallenge", {"epoch": 1, "tags": [second]}))
+    assert code == Code.UNAUTHORIZED and "more re-challenges than epoch 1 plans nodes (2)" in log
+    assert done == (0, "ok")  # the two were refused whole: the first of them still fits
+    code, log = s.block(s.tx(member, "commit-rechallenge", {"epoch": 1, "tags": [third]}))[0]
+    assert code == Code.UNAUTHORIZED and "more re-challenges than epoch 1 plans nodes (2)" in log
     # a planned prompt cannot come back as a re-challenge: its commitment is the plan's
     other = others[1]
     planned = s.planned(1, node0, other)
-    assert s.block(s.tx(other, "commit-rechallenge", {"epoch": 1, "tag": planned.tag(node0)}))[0][0] == 0
+    assert s.block(s.tx(other, "commit-rechallenge", {"epoch": 1, "tags": [planned.tag(node0)]}))[0][0] == 0
     replay = planned.reveal(s.answer(node0, planned))
     code, log = s.block(s.tx(other, "submit-results", {"epoch": 1, "kind": "rechallenge", "results": [replay]}))[0]
     assert code == Code.ALREADY_EXISTS and "repeats one of this epoch's" in log

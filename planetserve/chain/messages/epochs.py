@@ -257,13 +257,21 @@ class ReportInvalid(Message):
 
 @dataclass(frozen=True)
 class CommitRechallenge(Message):
-    """A member commits its own challenge of a planned node before sending it: the tag
-    `epochs.rechallenge_tag(node, commitment)`, which does not name the node."""
+    """A member commits its own challenges of planned nodes before sending them: for each, the tag
+    `epochs.rechallenge_tag(node, commitment)`, which does not name the node. Members commit one for
+    every planned node together, early in the epoch, and send only some of them later, so that neither
+    when a member commits nor how many tags it commits tells a node that it is about to be asked."""
 
     TYPE: ClassVar[str] = "commit-rechallenge"
     epoch: int
-    tag: bytes
+    tags: tuple[bytes, ...]
 
     @classmethod
     def parse(cls, body: dict[str, Any]) -> Self:
-        return cls(_epoch(body), fields.key32(body, "tag"))
+        epoch = _epoch(body)
+        tags = tuple(_entries(body, "tags"))
+        if not all(isinstance(tag, bytes) and len(tag) == 32 for tag in tags):
+            raise InvalidField("tags", "must be tags of 32 bytes")
+        if len(set(tags)) != len(tags):
+            raise InvalidField("tags", "must not repeat a tag")
+        return cls(epoch, tags)

@@ -307,20 +307,22 @@ def report_invalid(ctx: Context, msg: ReportInvalid) -> None:
 
 
 def commit_rechallenge(ctx: Context, msg: CommitRechallenge) -> None:
-    """A tag, not a node: which node is asked again stays hidden until the answer is revealed. A member
-    commits at most one re-challenge per planned node."""
+    """Tags, not nodes: which node is asked again stays hidden until the answer is revealed. A member
+    commits at most as many re-challenges in an epoch as it plans nodes."""
     ctx.require_member()
     number, epoch = _current(ctx)
     _expect_epoch(msg.epoch, number)
     if epoch.plan_status != PLAN_COMMITTED:
         raise UnknownEntity(f"epoch {number} has no committed plan")
-    if ctx.state.rechallenge(number, ctx.signer, msg.tag) is not None:
-        raise AlreadyExists(f"signer already committed re-challenge {msg.tag.hex()} in epoch {number}")
-    if ctx.state.rechallenges_committed(number, ctx.signer) >= epoch.plan_nodes:
-        raise Unauthorized(f"signer already committed as many re-challenges as epoch {number} plans "
-                           f"nodes ({epoch.plan_nodes})")
-    ctx.state.put_rechallenge(number, Rechallenge(ctx.signer, msg.tag, ctx.time))
-    ctx.emit("commit_rechallenge", epoch=str(number), tag=msg.tag.hex())
+    for tag in msg.tags:
+        if ctx.state.rechallenge(number, ctx.signer, tag) is not None:
+            raise AlreadyExists(f"signer already committed re-challenge {tag.hex()} in epoch {number}")
+    if ctx.state.rechallenges_committed(number, ctx.signer) + len(msg.tags) > epoch.plan_nodes:
+        raise Unauthorized(f"signer would commit more re-challenges than epoch {number} plans nodes "
+                           f"({epoch.plan_nodes})")
+    for tag in msg.tags:
+        ctx.state.put_rechallenge(number, Rechallenge(ctx.signer, tag, ctx.time))
+    ctx.emit("commit_rechallenge", epoch=str(number), tags=str(len(msg.tags)))
 
 
 def _opened_rechallenge(ctx: Context, number: int, entry: Revealed | Unanswered) -> tuple[bytes, int]:
