@@ -150,6 +150,22 @@ async def start_overlay(data, users: list[UserRelay], model_nodes: int, untruste
     return overlay
 
 
+async def start_apart(nodes: list[ModelNode], users: int = 6) -> Overlay:
+    """`users` relays (the first serving HTTP, with its paths live) to `nodes`, each node in a group of its
+    own: none forwards to another, so the node a request names is the one that computes it."""
+    overlay = Overlay([make_user() for _ in range(users)], nodes)
+    for node in nodes:
+        await node.start()
+        node.apply_view(view([node]))
+    for user in overlay.users:
+        await user.start(serve_http=user is overlay.users[0])
+    overlay.publish()
+    overlay.client.start_paths()
+    assert await overlay.client.paths.wait_live(overlay.client.paths.settings.target, 20), \
+        overlay.client.paths.last_error
+    return overlay
+
+
 async def chat(user: UserRelay, content: str, *, stream: bool = False, max_tokens: int = 8,
                **extra: object) -> httpx.Response:
     async with httpx.AsyncClient(timeout=60) as client:

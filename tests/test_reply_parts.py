@@ -25,19 +25,20 @@ async def collect(parts: AsyncIterator[bytes]) -> list[tuple[float, bytes]]:
     return [(time.monotonic(), part) async for part in parts]
 
 
+async def stamped(parts: AsyncIterator[bytes], timed: list[float]) -> AsyncIterator[bytes]:
+    """`parts`, the time each one was made appended to `timed`."""
+    async for part in parts:
+        timed.append(time.monotonic())
+        yield part
+
+
 def test_fast_tokens_travel_a_few_to_a_part_and_the_first_at_once():
     """Tokens 2 ms apart, a 20 ms linger: the first token goes alone (held for the linger, it would carry
     about ten), and the rest in parts at least the linger apart, so no more parts than the time the tokens
     took allows, however slowly a loaded machine made them."""
     async def main():
         timed: list[float] = []
-
-        async def stamped() -> AsyncIterator[bytes]:
-            async for part in produced(40, 0.002):
-                timed.append(time.monotonic())
-                yield part
-
-        out = await collect(batched(stamped(), linger=0.02))
+        out = await collect(batched(stamped(produced(40, 0.002), timed), linger=0.02))
         expected = b"".join(bytes([i]) * 10 for i in range(40))
         assert b"".join(part for _, part in out) == expected  # nothing lost, nothing reordered
         assert out[0][1] == bytes([0]) * 10  # the first token alone, at once
@@ -52,13 +53,7 @@ def test_fast_tokens_travel_a_few_to_a_part_and_the_first_at_once():
 def test_slow_tokens_go_one_by_one_without_waiting_for_the_linger():
     async def main():
         timed: list[float] = []
-
-        async def stamped() -> AsyncIterator[bytes]:
-            async for part in produced(6, 0.15):
-                timed.append(time.monotonic())
-                yield part
-
-        out = await collect(batched(stamped(), linger=0.1))
+        out = await collect(batched(stamped(produced(6, 0.15), timed), linger=0.1))
         assert [part for _, part in out] == [bytes([i]) * 10 for i in range(6)]
         assert max(sent - made for (sent, _), made in zip(out, timed, strict=True)) < 0.05  # not the linger's 0.1
 

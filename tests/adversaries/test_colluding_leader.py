@@ -22,8 +22,8 @@ from dataclasses import dataclass, replace
 import pytest
 from committee import EPOCH_PARAMS, HONEST, Script, finish
 from harness import AppHarness, sqlite_url
-from modelnodes import make_node, view
-from overlaynet import FAST, Overlay, make_user
+from modelnodes import make_node
+from overlaynet import start_apart
 from waiting import run
 
 from planetserve.chain import layout
@@ -198,16 +198,7 @@ def test_a_node_told_its_challenge_by_a_colluding_member_is_caught_wherever_it_c
         tipped.cheap = BuiltinEngine(tiny.model, "gt", block_size=tipped.config.block_size,
                                      max_batch=tipped.config.capacity,
                                      cache_capacity_tokens=tipped.config.cache_tokens) if cheap else None
-        relays = [make_user(settings=FAST) for _ in range(6)]
-        net = Overlay(relays, [honest, tipped])
-        for node in net.nodes:
-            await node.start()
-            node.apply_view(view([node]))  # each in a group of its own: neither forwards to the other
-        for relay in relays:
-            await relay.start(serve_http=relay is relays[0])
-        net.publish()
-        net.client.start_paths()
-        assert await net.client.paths.wait_live(4, 20), net.client.paths.last_error
+        net = await start_apart([honest, tipped])  # neither forwards to the other
         try:
             return await asyncio.to_thread(epochs, net.client.http_url, honest, tipped)
         finally:

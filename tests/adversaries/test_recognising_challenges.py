@@ -22,9 +22,9 @@ from dataclasses import replace
 import httpx
 import numpy as np
 import pytest
-from modelnodes import make_node, view
+from modelnodes import make_node
 from openai import AsyncOpenAI
-from overlaynet import FAST, Overlay, make_user
+from overlaynet import start_apart
 from sklearn.ensemble import HistGradientBoostingClassifier
 from sklearn.metrics import roc_auc_score
 from waiting import run
@@ -151,15 +151,7 @@ async def send_as_program(client: AsyncOpenAI, request: workloads.Request, style
 def test_challenges_arrive_as_users_requests_do(quick_family):
     async def main():
         node = make_node(quick_family, RecordingNode)
-        relays = [make_user(settings=FAST) for _ in range(6)]
-        net = Overlay(relays, [node])
-        await node.start()
-        node.apply_view(view([node]))
-        for relay in relays:
-            await relay.start(serve_http=relay is relays[0])
-        net.publish()
-        net.client.start_paths()
-        assert await net.client.paths.wait_live(4, 20), net.client.paths.last_error
+        net = await start_apart([node])
         try:
             fits = lambda text: len(node.tokenizer(text)["input_ids"]) <= MAX_PROMPT  # noqa: E731
             encode = lambda text: node.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
