@@ -668,6 +668,46 @@ def test_a_commit_the_endpoint_made_up_does_not_leave_the_client_signing_ahead(n
         proxy.close()
 
 
+def test_a_refusal_the_endpoint_made_up_is_not_believed_where_the_witness_takes_the_transaction(net):
+    """An endpoint that answers CheckTx with a refusal of its own making, never sending the transaction
+    on, would have a verifier daemon give up its duty for the epoch. A client with a witness asks the
+    witness too, with the same bytes: the witness takes it, and the client awaits its block there. The
+    endpoint's word stands without a witness, and where the witness refuses as well."""
+    honest = ledger(net, 0)
+    user = KeySet.generate()
+    assert honest.submit(user, RegisterUser("127.0.0.1:9104", "global")).outcome.ok
+    proxy = TamperProxy(net.rpc_url(1))
+    made_up = {"code": int(Code.UNAUTHORIZED), "data": "", "log": "unauthorized: so it says", "codespace": "ps"}
+
+    def refuse(method, params):
+        if method == "broadcast_tx_sync":
+            return {**made_up, "hash": _tx_hash(base64.b64decode(params["tx"]))}
+        return None
+
+    def client(witness: str | None) -> LedgerClient:
+        rpc = RpcClient(proxy.url)
+        return LedgerClient(rpc, LightClient.from_genesis_file(
+            net.spec.genesis_path, rpc, witness=RpcClient(witness) if witness else None),
+            min_height=honest.min_height)
+
+    try:
+        proxy.intercept = refuse
+        before = honest.sequence(user.public)
+        alone = client(None).submit(user, Heartbeat())
+        assert (alone.height, alone.outcome.code, alone.outcome.log) == (0, Code.UNAUTHORIZED, made_up["log"])
+        witnessed = client(net.rpc_url(2)).submit(user, Heartbeat())
+        assert witnessed.outcome.ok and witnessed.height > 0, witnessed.outcome.log
+        honest.min_height = witnessed.height
+        assert honest.sequence(user.public) == before + 1  # applied once, through the witness
+        # a transaction the witness refuses too (the user is registered already) keeps the endpoint's refusal
+        again = client(net.rpc_url(2)).submit(user, RegisterUser("127.0.0.1:9104", "global"))
+        assert (again.height, again.outcome.code) == (0, Code.UNAUTHORIZED)
+        net.wait_for_height(witnessed.height + 2, timeout=30)
+        assert honest.sequence(user.public) == before + 1
+    finally:
+        proxy.close()
+
+
 def _tx_hash(raw: bytes) -> str:
     return hashlib.sha256(raw).hexdigest().upper()
 

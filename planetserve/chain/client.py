@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -74,12 +75,17 @@ class QueryRefused(Exception):
         self.code = code
 
 
+log = logging.getLogger(__name__)
+
 TRANSIENT = (RpcError, QueryRefused, VerificationError, TimeoutError, OSError)
 """Ledger trouble that a later read can get past: the endpoint is down, slow or lying for now."""
 
 
 class Verifier(Protocol):
     """What a LedgerClient needs of a light client."""
+
+    witness: RpcClient | None
+    """A second endpoint, asked too before a transaction's refusal is believed (`LedgerClient.submit`)."""
 
     def verified_light_block(self, height: int | None = None) -> LightBlock: ...
     def verified_header_after(self, height: int) -> Header: ...
@@ -514,7 +520,12 @@ class LedgerClient:
         is the endpoint's word: one that sent the transaction on and said it was refused would have
         us sign the message again at the next sequence, and apply it twice. Sent again once its
         sequence is spent, the transaction is refused as BAD_SEQUENCE: it is in a block (what the
-        endpoint says of it is returned), or some block refused it (the refusal is returned)."""
+        endpoint says of it is returned), or some block refused it (the refusal is returned).
+
+        With a witness, a refusal in CheckTx (other than RATE_LIMITED, which is sent again) is believed
+        only when the witness refuses the same bytes too: an endpoint could otherwise make up refusals
+        and have work given up (a verifier daemon gives up a refused duty for the epoch). Where the
+        witness takes the transaction, its block is awaited through the witness."""
         chain_id = self.chain_id()
         if isinstance(msg, Worked):
             msg = msg.solved(chain_id, keys.public, self.params())
@@ -535,10 +546,10 @@ class LedgerClient:
                 self._next[keys.public] = (sequence + 1, done.height)
             return done
 
-    def _committed(self, tx_hash: bytes) -> Submitted | None:
-        """The transaction's block and outcome, if the endpoint knows it committed."""
+    def _committed(self, tx_hash: bytes, rpc: RpcClient | None = None) -> Submitted | None:
+        """The transaction's block and outcome, if the endpoint (by default ours) knows it committed."""
         try:
-            found = self.rpc.tx(tx_hash)
+            found = (rpc or self.rpc).tx(tx_hash)
         except RpcResponseError:
             return None
         self.min_height = max(self.min_height, found.height)
@@ -553,13 +564,31 @@ class LedgerClient:
                 return self._await_tx(tx_hash, msg, deadline, timeout)
             raise
         if not checked.ok:
-            return Submitted(checked.hash, 0, TxOutcome(code=checked.code, data=b"", log=checked.log,
-                                                        codespace=checked.codespace))
+            refused = Submitted(checked.hash, 0, TxOutcome(code=checked.code, data=b"", log=checked.log,
+                                                           codespace=checked.codespace))
+            witness = self.verifier.witness if self.verifier is not None else None
+            if witness is None or checked.code == Code.RATE_LIMITED or not self._taken_by(witness, raw):
+                return refused
+            log.warning("%s refused by %s (code %d: %s) but taken by the witness %s: awaiting it there",
+                        msg.TYPE, self.rpc.url, checked.code, checked.log[:200], witness.url)
+            return self._await_tx(tx_hash, msg, deadline, timeout, witness)
         return self._await_tx(checked.hash, msg, deadline, timeout)
 
-    def _await_tx(self, tx_hash: bytes, msg: Message, deadline: float, timeout: float) -> Submitted:
+    @staticmethod
+    def _taken_by(witness: RpcClient, raw: bytes) -> bool:
+        """Whether the witness's CheckTx takes the transaction (or already holds it); a witness that does
+        not answer takes nothing."""
+        try:
+            return witness.broadcast_tx_sync(raw).ok
+        except RpcResponseError as exc:
+            return "already exists in cache" in str(exc)
+        except RpcError:
+            return False
+
+    def _await_tx(self, tx_hash: bytes, msg: Message, deadline: float, timeout: float,
+                  rpc: RpcClient | None = None) -> Submitted:
         while True:
-            found = self._committed(tx_hash)
+            found = self._committed(tx_hash, rpc)
             if found is not None:
                 return found
             if time.monotonic() > deadline:
