@@ -26,7 +26,7 @@ from waiting import run, until, wait_until
 
 from planetserve.chain import layout
 from planetserve.chain import tx as txlib
-from planetserve.chain.client import LedgerClient, QueryRefused
+from planetserve.chain.client import LedgerClient, OutcomeMismatch, QueryRefused
 from planetserve.chain.errors import Code
 from planetserve.chain.keys import KeySet
 from planetserve.chain.lightclient import LightClient, VerificationError
@@ -704,6 +704,42 @@ def test_a_refusal_the_endpoint_made_up_is_not_believed_where_the_witness_takes_
         assert (again.height, again.outcome.code) == (0, Code.UNAUTHORIZED)
         net.wait_for_height(witnessed.height + 2, timeout=30)
         assert honest.sequence(user.public) == before + 1
+    finally:
+        proxy.close()
+
+
+def test_an_outcome_the_endpoint_made_up_is_refused_where_the_witness_tells_another(net):
+    """An endpoint that sends a heartbeat on and says a block refused it has a client without a witness
+    believe it. With a witness, an outcome is believed only once the witness tells the same: here the
+    client refuses it, naming what each said."""
+    honest = ledger(net, 0)
+    user = KeySet.generate()
+    assert honest.submit(user, RegisterUser("127.0.0.1:9105", "global")).outcome.ok
+    proxy = TamperProxy(net.rpc_url(1))
+
+    def refused_in_block(method, params, answer):
+        if method == "tx" and "result" in answer:
+            answer["result"]["tx_result"] = {**answer["result"]["tx_result"], "code": int(Code.UNAUTHORIZED),
+                                             "log": "unauthorized: so it says"}
+        return answer
+
+    def client(witness: str | None) -> LedgerClient:
+        rpc = RpcClient(proxy.url)
+        return LedgerClient(rpc, LightClient.from_genesis_file(
+            net.spec.genesis_path, rpc, witness=RpcClient(witness) if witness else None),
+            min_height=honest.min_height)
+
+    try:
+        proxy.rewrite = refused_in_block
+        before = honest.sequence(user.public)
+        alone = client(None).submit(user, Heartbeat())
+        assert alone.height > 0 and alone.outcome.code == Code.UNAUTHORIZED  # the endpoint's word
+        honest.min_height = alone.height
+        with pytest.raises(OutcomeMismatch, match=rf"{proxy.url} says heartbeat committed at height \d+ with "
+                                                  rf"code 10; the witness {net.rpc_url(2)} says height \d+, code 0"):
+            client(net.rpc_url(2)).submit(user, Heartbeat())
+        net.wait_for_height(alone.height + 3, timeout=30)
+        assert honest.sequence(user.public) == before + 2  # both heartbeats committed, whatever was said
     finally:
         proxy.close()
 

@@ -106,6 +106,10 @@ class TxNotCommitted(RpcError):
     """A broadcast transaction that no block carried in time (it may still be committed)."""
 
 
+class OutcomeMismatch(RpcError):
+    """The endpoint and the witness tell a transaction's block or outcome differently: one of them lies."""
+
+
 @dataclass(frozen=True)
 class Submitted:
     tx_hash: bytes
@@ -525,7 +529,9 @@ class LedgerClient:
         With a witness, a refusal in CheckTx (other than RATE_LIMITED, which is sent again) is believed
         only when the witness refuses the same bytes too: an endpoint could otherwise make up refusals
         and have work given up (a verifier daemon gives up a refused duty for the epoch). Where the
-        witness takes the transaction, its block is awaited through the witness."""
+        witness takes the transaction, its block is awaited through the witness. A block and outcome
+        the endpoint tells are believed only once the witness tells the same (OutcomeMismatch where it
+        does not)."""
         chain_id = self.chain_id()
         if isinstance(msg, Worked):
             msg = msg.solved(chain_id, keys.public, self.params())
@@ -537,7 +543,8 @@ class LedgerClient:
         while True:
             done = self._broadcast(raw, tx_hash, msg, deadline, timeout, again=refused is not None)
             if refused is not None and done.outcome.code == Code.BAD_SEQUENCE:
-                done = self._committed(tx_hash) or refused
+                found = self._committed(tx_hash)
+                done = self._witnessed(found, msg, deadline) if found is not None else refused
             elif done.outcome.code == Code.RATE_LIMITED and time.monotonic() <= deadline:
                 refused = done
                 time.sleep(1.0)
@@ -574,6 +581,24 @@ class LedgerClient:
             return self._await_tx(tx_hash, msg, deadline, timeout, witness)
         return self._await_tx(checked.hash, msg, deadline, timeout)
 
+    def _witnessed(self, found: Submitted, msg: Message, deadline: float) -> Submitted:
+        """`found`, the endpoint's word on a transaction's block and outcome, once the witness (if any)
+        tells the same; a witness a block behind is waited for until `deadline`."""
+        witness = self.verifier.witness if self.verifier is not None else None
+        if witness is None:
+            return found
+        while (theirs := self._committed(found.tx_hash, witness)) is None:
+            if time.monotonic() > deadline:
+                raise OutcomeMismatch(f"{self.rpc.url} says {msg.TYPE} committed at height {found.height}; "
+                                      f"the witness {witness.url} does not know it")
+            time.sleep(0.2)
+        if (theirs.height, theirs.outcome.code) != (found.height, found.outcome.code):
+            raise OutcomeMismatch(
+                f"{self.rpc.url} says {msg.TYPE} committed at height {found.height} with code "
+                f"{found.outcome.code}; the witness {witness.url} says height {theirs.height}, code "
+                f"{theirs.outcome.code}")
+        return found
+
     @staticmethod
     def _taken_by(witness: RpcClient, raw: bytes) -> bool:
         """Whether the witness's CheckTx takes the transaction (or already holds it); a witness that does
@@ -590,7 +615,7 @@ class LedgerClient:
         while True:
             found = self._committed(tx_hash, rpc)
             if found is not None:
-                return found
+                return found if rpc is not None else self._witnessed(found, msg, deadline)
             if time.monotonic() > deadline:
                 raise TxNotCommitted(f"{msg.TYPE} was accepted into the mempool as tx "
                                      f"{tx_hash.hex().upper()} but not seen in a block within {timeout:g} s")
