@@ -85,7 +85,8 @@ class Verifier(Protocol):
     """What a LedgerClient needs of a light client."""
 
     witness: RpcClient | None
-    """A second endpoint, asked too before a transaction's refusal is believed (`LedgerClient.submit`)."""
+    """A second endpoint, asked too before a transaction's refusal or outcome is believed
+    (`LedgerClient.submit`)."""
 
     def verified_light_block(self, height: int | None = None) -> LightBlock: ...
     def verified_header_after(self, height: int) -> Header: ...

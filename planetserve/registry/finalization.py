@@ -20,7 +20,7 @@ Per node of the plan, in key order:
   answers had checked and how many deviated, which accumulate across epochs (registry/evidence.py).
 - A node that members holding more than 1/3 of the power reported as giving no valid response is cut
   (C(T) = 0), whatever it answered: the leader's own "invalid" claim counts as its report. A node told
-  its challenge by a colluding leader answers that one and could drop every other request, users' and
+  its challenge by a colluding member answers that one and could drop every other request, users' and
   re-challenges alike; reports from members whose power cannot all be faulty show it served no one.
   Its answers' checked and deviating tokens still count toward its evidence.
 - Otherwise, without an attested result, its reputation does not change this epoch.

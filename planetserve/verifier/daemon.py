@@ -75,9 +75,9 @@ log = logging.getLogger(__name__)
 Entry = TypeVar("Entry", bound=Body)
 
 TX_MARGIN_BYTES = 1_024
+"""Room left in max_tx_bytes for the envelope around a part of a plan or of results."""
 TAG_BYTES = 34
 """A re-challenge tag in a transaction: 32 bytes and their msgpack header."""
-"""Room left in max_tx_bytes for the envelope around a part of a plan or of results."""
 PLAN_DRAWS = 8
 ERROR_BACKOFF_MAX = 30.0
 RETRY_DELAY_S = 2.0
