@@ -671,8 +671,9 @@ def test_a_commit_the_endpoint_made_up_does_not_leave_the_client_signing_ahead(n
 def test_a_refusal_the_endpoint_made_up_is_not_believed_where_the_witness_takes_the_transaction(net):
     """An endpoint that answers CheckTx with a refusal of its own making, never sending the transaction
     on, would have a verifier daemon give up its duty for the epoch. A client with a witness asks the
-    witness too, with the same bytes: the witness takes it, and the client awaits its block there. The
-    endpoint's word stands without a witness, and where the witness refuses as well."""
+    witness too, with the same bytes: the witness takes it, and the client awaits its block there, and
+    believes it once the endpoint tells the same block. The endpoint's word stands without a witness, and
+    where the witness refuses as well."""
     honest = ledger(net, 0)
     user = KeySet.generate()
     assert honest.submit(user, RegisterUser("127.0.0.1:9104", "global")).outcome.ok
@@ -704,6 +705,14 @@ def test_a_refusal_the_endpoint_made_up_is_not_believed_where_the_witness_takes_
         assert (again.height, again.outcome.code) == (0, Code.UNAUTHORIZED)
         net.wait_for_height(witnessed.height + 2, timeout=30)
         assert honest.sequence(user.public) == before + 1
+        # nor is the witness's word taken alone: where the endpoint denies the block too, the client names
+        # both rather than believe either
+        proxy.rewrite = lambda method, params, answer: {
+            "jsonrpc": "2.0", "id": answer.get("id"), "error": {"code": -32603, "message": "Internal error",
+                                                                "data": "tx not found"}} if method == "tx" else None
+        with pytest.raises(OutcomeMismatch, match=rf"{net.rpc_url(2)} says heartbeat committed at height \d+; "
+                                                  rf"{proxy.url} does not know it"):
+            client(net.rpc_url(2)).submit(user, Heartbeat(), timeout=5)
     finally:
         proxy.close()
 
@@ -736,7 +745,7 @@ def test_an_outcome_the_endpoint_made_up_is_refused_where_the_witness_tells_anot
         assert alone.height > 0 and alone.outcome.code == Code.UNAUTHORIZED  # the endpoint's word
         honest.min_height = alone.height
         with pytest.raises(OutcomeMismatch, match=rf"{proxy.url} says heartbeat committed at height \d+ with "
-                                                  rf"code 10; the witness {net.rpc_url(2)} says height \d+, code 0"):
+                                                  rf"code 10; {net.rpc_url(2)} says height \d+, code 0"):
             client(net.rpc_url(2)).submit(user, Heartbeat())
         net.wait_for_height(alone.height + 3, timeout=30)
         assert honest.sequence(user.public) == before + 2  # both heartbeats committed, whatever was said

@@ -531,7 +531,7 @@ class LedgerClient:
         only when the witness refuses the same bytes too: an endpoint could otherwise make up refusals
         and have work given up (a verifier daemon gives up a refused duty for the epoch). Where the
         witness takes the transaction, its block is awaited through the witness. A block and outcome
-        the endpoint tells are believed only once the witness tells the same (OutcomeMismatch where it
+        one of the two tells are believed only once the other tells the same (OutcomeMismatch where it
         does not)."""
         chain_id = self.chain_id()
         if isinstance(msg, Worked):
@@ -582,22 +582,25 @@ class LedgerClient:
             return self._await_tx(tx_hash, msg, deadline, timeout, witness)
         return self._await_tx(checked.hash, msg, deadline, timeout)
 
-    def _witnessed(self, found: Submitted, msg: Message, deadline: float) -> Submitted:
-        """`found`, the endpoint's word on a transaction's block and outcome, once the witness (if any)
-        tells the same; a witness a block behind is waited for until `deadline`."""
+    def _witnessed(self, found: Submitted, msg: Message, deadline: float,
+                   source: RpcClient | None = None) -> Submitted:
+        """`found`, what `source` (by default our endpoint) says of a transaction's block and outcome,
+        once the other of our endpoint and the witness tells the same: with a witness, no one endpoint's
+        word is taken. The other, a block behind, is waited for until `deadline`."""
         witness = self.verifier.witness if self.verifier is not None else None
         if witness is None:
             return found
-        while (theirs := self._committed(found.tx_hash, witness)) is None:
+        told_by = source or self.rpc
+        other = self.rpc if told_by is witness else witness
+        while (theirs := self._committed(found.tx_hash, other)) is None:
             if time.monotonic() > deadline:
-                raise OutcomeMismatch(f"{self.rpc.url} says {msg.TYPE} committed at height {found.height}; "
-                                      f"the witness {witness.url} does not know it")
+                raise OutcomeMismatch(f"{told_by.url} says {msg.TYPE} committed at height {found.height}; "
+                                      f"{other.url} does not know it")
             time.sleep(0.2)
         if (theirs.height, theirs.outcome.code) != (found.height, found.outcome.code):
             raise OutcomeMismatch(
-                f"{self.rpc.url} says {msg.TYPE} committed at height {found.height} with code "
-                f"{found.outcome.code}; the witness {witness.url} says height {theirs.height}, code "
-                f"{theirs.outcome.code}")
+                f"{told_by.url} says {msg.TYPE} committed at height {found.height} with code "
+                f"{found.outcome.code}; {other.url} says height {theirs.height}, code {theirs.outcome.code}")
         return found
 
     @staticmethod
@@ -616,7 +619,7 @@ class LedgerClient:
         while True:
             found = self._committed(tx_hash, rpc)
             if found is not None:
-                return found if rpc is not None else self._witnessed(found, msg, deadline)
+                return self._witnessed(found, msg, deadline, rpc)
             if time.monotonic() > deadline:
                 raise TxNotCommitted(f"{msg.TYPE} was accepted into the mempool as tx "
                                      f"{tx_hash.hex().upper()} but not seen in a block within {timeout:g} s")
