@@ -95,6 +95,11 @@ def test_transactions_and_verified_queries(localnet, tmp_path):
                                 "--keys", str(user), "--node", node, "--json"))
     assert {"type": "register_user", "attributes": {"user": json.loads(
         run("keys", "show", str(user), "--json"))["identity"]}} in registered["events"]
+    assert not registered["verified"]  # no genesis file: the endpoint's word
+    renewed = json.loads(run("tx", "heartbeat", "--keys", str(user), "--node", node, "--genesis", genesis,
+                             "--witness", up["rpc"][2], "--json"))
+    assert renewed["code"] == 0 and renewed["verified"] and renewed["height"] > registered["height"]
+    assert "outcome verified" in run("tx", "heartbeat", "--keys", str(user), "--node", node, "--genesis", genesis)
     after = str(registered["height"])
     nodes = json.loads(run("query", "nodes", "--model", "gt", "--region", "eu", "--genesis", genesis,
                            "--node", node, "--min-height", after, "--json"))

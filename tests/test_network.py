@@ -719,8 +719,10 @@ def test_a_refusal_the_endpoint_made_up_is_not_believed_where_the_witness_takes_
 
 def test_an_outcome_the_endpoint_made_up_is_refused_where_the_witness_tells_another(net):
     """An endpoint that sends a heartbeat on and says a block refused it has a client without a witness
-    believe it. With a witness, an outcome is believed only once the witness tells the same: here the
-    client refuses it, naming what each said."""
+    believe it, until the client checks the outcome against the verified headers (`verified_outcome`):
+    the block's results say otherwise, and altered to agree they no longer hash as committed; a block
+    the endpoint names that does not hold the transaction is refused too. With a witness, an outcome is
+    believed only once the witness tells the same: here the client refuses it, naming what each said."""
     honest = ledger(net, 0)
     user = KeySet.generate()
     assert honest.submit(user, RegisterUser("127.0.0.1:9105", "global")).outcome.ok
@@ -738,17 +740,42 @@ def test_an_outcome_the_endpoint_made_up_is_refused_where_the_witness_tells_anot
             net.spec.genesis_path, rpc, witness=RpcClient(witness) if witness else None),
             min_height=honest.min_height)
 
+    def results_refused(method, params, answer):
+        if method == "block_results" and "result" in answer:
+            for result in answer["result"]["txs_results"] or []:
+                result["code"] = int(Code.UNAUTHORIZED)
+        return refused_in_block(method, params, answer)
+
+    def elsewhere(method, params, answer):
+        if method == "tx" and "result" in answer:
+            answer["result"]["height"] = str(int(answer["result"]["height"]) - 1)
+        return answer
+
     try:
         proxy.rewrite = refused_in_block
         before = honest.sequence(user.public)
-        alone = client(None).submit(user, Heartbeat())
-        assert alone.height > 0 and alone.outcome.code == Code.UNAUTHORIZED  # the endpoint's word
+        lied_to = client(None)
+        alone = lied_to.submit(user, Heartbeat())
+        assert alone.height > 0 and alone.outcome.code == Code.UNAUTHORIZED  # the endpoint's word, until checked:
+        with pytest.raises(OutcomeMismatch, match=rf"ended with code 10; block {alone.height}'s verified results "
+                                                  r"say code 0"):
+            lied_to.verified_outcome(alone)
+        proxy.rewrite = results_refused  # the block's results altered to agree: they no longer hash as committed
+        with pytest.raises(OutcomeMismatch, match=rf"results of block {alone.height} do not hash to the verified"):
+            lied_to.verified_outcome(alone)
+        proxy.rewrite = None
+        assert honest.verified_outcome(replace(alone, outcome=replace(alone.outcome, code=0))).height == alone.height
         honest.min_height = alone.height
+        proxy.rewrite = refused_in_block
         with pytest.raises(OutcomeMismatch, match=rf"{proxy.url} says heartbeat committed at height \d+ with "
                                                   rf"code 10; {net.rpc_url(2)} says height \d+, code 0"):
             client(net.rpc_url(2)).submit(user, Heartbeat())
         net.wait_for_height(alone.height + 3, timeout=30)
         assert honest.sequence(user.public) == before + 2  # both heartbeats committed, whatever was said
+        proxy.rewrite = elsewhere  # a block that does not hold the transaction
+        moved = lied_to.submit(user, Heartbeat())
+        with pytest.raises(OutcomeMismatch, match=rf"committed at height {moved.height}; that block does not hold"):
+            lied_to.verified_outcome(moved)
     finally:
         proxy.close()
 

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, TypeVar
 
+from tendermint.abci import types_pb2 as abci_pb2
+
 from planetserve.chain import layout, trie
 from planetserve.chain.errors import Code
 from planetserve.chain.keys import KeySet
@@ -27,6 +29,7 @@ from planetserve.chain.lightclient import (
     LightBlock,
     LightClient,
     VerificationError,
+    merkle_root,
 )
 from planetserve.chain.messages.base import Message
 from planetserve.chain.messages.registry import Worked
@@ -108,7 +111,15 @@ class TxNotCommitted(RpcError):
 
 
 class OutcomeMismatch(RpcError):
-    """The endpoint and the witness tell a transaction's block or outcome differently: one of them lies."""
+    """A transaction's block or outcome, as an endpoint tells it, is not what the witness tells or what
+    the verified headers commit to: an endpoint lies."""
+
+
+def _deterministic(outcome: TxOutcome) -> bytes:
+    """An outcome's part that header H+1's last results hash covers (CometBFT's `deterministicExecTxResult`:
+    code, data and gas, encoded as an ExecTxResult)."""
+    return abci_pb2.ExecTxResult(code=outcome.code, data=outcome.data, gas_wanted=outcome.gas_wanted,
+                                 gas_used=outcome.gas_used).SerializeToString()
 
 
 @dataclass(frozen=True)
@@ -581,6 +592,33 @@ class LedgerClient:
                         msg.TYPE, self.rpc.url, checked.code, checked.log[:200], witness.url)
             return self._await_tx(tx_hash, msg, deadline, timeout, witness)
         return self._await_tx(checked.hash, msg, deadline, timeout)
+
+    def verified_outcome(self, done: Submitted) -> Submitted:
+        """`done`, a transaction the endpoint says committed at `done.height`, once the chain shows the
+        outcome it was told: block H's transactions hash to header H's data hash (so the transaction is
+        the one at its index), and their results to header H+1's last results hash (so its code, data
+        and gas are what every validator computed). Waits for block H+1. The log and events are in no
+        hash and stay the endpoint's word. OutcomeMismatch where the endpoint said otherwise."""
+        if self.verifier is None:
+            raise ValueError("an unverified client cannot verify an outcome: give it a genesis file")
+        height, url = done.height, self.rpc.url
+        txs = [hashlib.sha256(tx).digest() for tx in self.rpc.block_txs(height)]
+        if merkle_root(txs) != self.verifier.verified_light_block(height).header.data_hash:
+            raise OutcomeMismatch(f"{url}'s block {height} does not hash to the verified header's data hash")
+        if done.tx_hash not in txs:
+            raise OutcomeMismatch(f"{url} says tx {done.tx_hash.hex().upper()} committed at height {height}; "
+                                  f"that block does not hold it")
+        results = self.rpc.block_results(height)
+        if len(results) != len(txs) or merkle_root([_deterministic(r) for r in results]) != \
+                self.verifier.verified_header_after(height).last_results_hash:
+            raise OutcomeMismatch(f"{url}'s results of block {height} do not hash to the verified header's "
+                                  f"last results hash")
+        proven = results[txs.index(done.tx_hash)]
+        if (proven.code, proven.data) != (done.outcome.code, done.outcome.data):
+            raise OutcomeMismatch(f"{url} says tx {done.tx_hash.hex().upper()} ended with code "
+                                  f"{done.outcome.code}; block {height}'s verified results say code "
+                                  f"{proven.code}")
+        return done
 
     def _witnessed(self, found: Submitted, msg: Message, deadline: float,
                    source: RpcClient | None = None) -> Submitted:

@@ -336,6 +336,22 @@ class RpcClient:
         obj(result.get("block"), "block.block")
         return result
 
+    def block_txs(self, height: int) -> list[bytes]:
+        """The transactions of block `height`, in block order."""
+        data = obj(obj(self.block(height)["block"], "block.block").get("data"), "block.data")
+        txs = data.get("txs") or []
+        if not isinstance(txs, list):
+            raise RpcMalformed("block.data.txs: expected a list")
+        return [b64(tx, "block.data.txs") for tx in txs]
+
+    def block_results(self, height: int) -> list[TxOutcome]:
+        """The outcome of each transaction of block `height`, in block order."""
+        result = obj(self.call("block_results", height=_h(height)), "block_results")
+        txs = result.get("txs_results") or []
+        if not isinstance(txs, list):
+            raise RpcMalformed("block_results.txs_results: expected a list")
+        return [_outcome(tx, "block_results.txs_results") for tx in txs]
+
     def header(self, height: int | None = None) -> dict[str, Any]:
         result = obj(self.call("header", height=_h(height)), "header")
         return obj(result.get("header"), "header.header")

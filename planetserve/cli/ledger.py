@@ -16,9 +16,10 @@ from planetserve.cli import http_url, max_age_option, witness_option
 DEFAULT_NODE = "http://127.0.0.1:26657"
 
 
-def ledger_options(verify: bool) -> Callable:
-    """Add --node (and, for reads, --genesis/--no-verify/--witness/--max-age) and pass a ready
-    LedgerClient as `ledger`."""
+def ledger_options(verify: bool, required: bool = True) -> Callable:
+    """Add --node (and, to verify, --genesis/--no-verify/--witness/--max-age) and pass a ready
+    LedgerClient as `ledger`. Without `required` (transactions), no genesis file means no verification:
+    the endpoint's word is taken, as it always was for them."""
 
     def decorate(fn: Callable) -> Callable:
         @click.option("--node", envvar="PLANETSERVE_NODE", default=DEFAULT_NODE, show_default=True,
@@ -33,7 +34,7 @@ def ledger_options(verify: bool) -> Callable:
 
             rpc = RpcClient(node)
             verifier = None
-            if verify and not no_verify:
+            if verify and not no_verify and (genesis is not None or required):
                 if genesis is None:
                     fail("--genesis is required to verify answers (or pass --no-verify to trust the node)")
                 if witness and witness == node:
@@ -52,15 +53,19 @@ def ledger_options(verify: bool) -> Callable:
         if verify:
             wrapper = max_age_option()(wrapper)
             wrapper = witness_option("--node")(wrapper)
-            wrapper = click.option("--min-height", type=click.IntRange(min=0), default=0,
-                                   help="Read state of this height or later, e.g. the height a "
-                                        "transaction was committed in (waits for it).")(wrapper)
+            if required:
+                wrapper = click.option("--min-height", type=click.IntRange(min=0), default=0,
+                                       help="Read state of this height or later, e.g. the height a "
+                                            "transaction was committed in (waits for it).")(wrapper)
             wrapper = click.option("--no-verify", is_flag=True,
                                    help="Trust the RPC endpoint instead of verifying its answers.")(wrapper)
             wrapper = click.option("--genesis", envvar="PLANETSERVE_GENESIS",
                                    type=click.Path(exists=True, dir_okay=False, path_type=Path),
                                    help="Genesis file that answers are verified against "
-                                        "(env PLANETSERVE_GENESIS).")(wrapper)
+                                        "(env PLANETSERVE_GENESIS)." + ("" if required else
+                                        " A transaction's sequence and outcome are then checked against "
+                                        "verified headers (one block more); without it, the endpoint's "
+                                        "word is taken."))(wrapper)
         return wrapper
 
     return decorate

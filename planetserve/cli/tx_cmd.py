@@ -10,9 +10,10 @@ from typing import Any
 
 import click
 
-from planetserve.chain.client import LedgerClient, TxNotCommitted
+from planetserve.chain.client import LedgerClient, OutcomeMismatch, TxNotCommitted
 from planetserve.chain.errors import Code
 from planetserve.chain.keys import KeyFileError, KeySet
+from planetserve.chain.lightclient import VerificationError
 from planetserve.chain.messages import (
     DeployModel,
     Heartbeat,
@@ -82,11 +83,20 @@ def submit(ledger: LedgerClient, keys: KeySet, msg: Message, as_json: bool) -> N
     try:
         with err_console.status(f"submitting {tx_type} and waiting for a block...", spinner="dots"):
             done = ledger.submit(keys, msg)
+        if done.height and ledger.verifier is not None:
+            with err_console.status(f"checking {tx_type}'s outcome against the next block", spinner="dots"):
+                done = ledger.verified_outcome(done)
     except TxNotCommitted as exc:
         fail(f"{exc}: check with `planetserve query status` before sending it again (it may still commit)")
+    except OutcomeMismatch as exc:
+        fail(f"{exc}: the endpoint's answer does not check; read the outcome from another endpoint before "
+             "sending it again (it may have committed)")
     except RpcError as exc:
         fail(f"could not submit: {exc}")
+    except VerificationError as exc:
+        fail(f"could not verify the ledger's answers: {exc}")
     events = _events(done.outcome.events)
+    verified = bool(done.height) and ledger.verifier is not None
     result = {
         "type": tx_type,
         "hash": done.tx_hash.hex().upper(),
@@ -94,11 +104,13 @@ def submit(ledger: LedgerClient, keys: KeySet, msg: Message, as_json: bool) -> N
         "code": done.outcome.code,
         "log": done.outcome.log,
         "events": events,
+        "verified": verified,
     }
     if as_json:
         emit_json(result)
     elif done.outcome.code == 0:
-        console.print(f"[green]committed[/] {tx_type} in block {done.height} (tx {result['hash']})")
+        console.print(f"[green]committed[/] {tx_type} in block {done.height} (tx {result['hash']})"
+                      + (", outcome verified" if verified else ""))
         for event in events:
             shown = " ".join(f"{k}={v}" for k, v in event["attributes"].items())
             console.print(f"  {event['type']}: {shown}")
@@ -110,7 +122,9 @@ def submit(ledger: LedgerClient, keys: KeySet, msg: Message, as_json: bool) -> N
 
 @click.group("tx", short_help="Sign and submit transactions; each waits for its block.")
 def group() -> None:
-    """Sign and submit transactions (each waits until it is committed in a block)."""
+    """Sign and submit transactions (each waits until it is committed in a block). With a genesis file,
+    the outcome the endpoint reports is then checked against the next block's verified header, which
+    commits to every transaction's result (one block more)."""
 
 
 @group.command("register-org")
@@ -118,7 +132,7 @@ def group() -> None:
 @click.option("--name", required=True, help="Display name.")
 @signer_option
 @json_option
-@ledger_options(verify=False)
+@ledger_options(verify=True, required=False)
 def register_org(ledger: LedgerClient, keys_path: Path, org_id: str, name: str, as_json: bool) -> None:
     """Register an organisation owned by the signing key."""
     submit(ledger, load_keys(keys_path), RegisterOrg(org_id, name), as_json)
@@ -130,7 +144,7 @@ def register_org(ledger: LedgerClient, keys_path: Path, org_id: str, name: str, 
               help="Where the relay runs; clients ask for the user list of a region.")
 @signer_option
 @json_option
-@ledger_options(verify=False)
+@ledger_options(verify=True, required=False)
 def register_user(ledger: LedgerClient, keys_path: Path, address: str, region: str, as_json: bool) -> None:
     """Register the signing key as a user relay (renew it with `tx heartbeat` before it expires)."""
     submit(ledger, load_keys(keys_path), RegisterUser(address, region), as_json)
@@ -141,7 +155,7 @@ def register_user(ledger: LedgerClient, keys_path: Path, address: str, region: s
 @click.option("--region", help="A new region, if it changed.")
 @signer_option
 @json_option
-@ledger_options(verify=False)
+@ledger_options(verify=True, required=False)
 def heartbeat(ledger: LedgerClient, keys_path: Path, address: str | None, region: str | None,
               as_json: bool) -> None:
     """Renew the signing user's registration for another time-to-live."""
@@ -157,7 +171,7 @@ def heartbeat(ledger: LedgerClient, keys_path: Path, address: str | None, region
 @click.option("--layer-mib", type=click.IntRange(1), help="Memory one layer needs (MiB).")
 @signer_option
 @json_option
-@ledger_options(verify=False)
+@ledger_options(verify=True, required=False)
 def register_model(ledger: LedgerClient, keys_path: Path, model_id: str, name: str, layers: int | None,
                    layer_mib: int | None, as_json: bool) -> None:
     """Register a model that nodes may serve (committee members only)."""
@@ -178,7 +192,7 @@ def register_model(ledger: LedgerClient, keys_path: Path, model_id: str, name: s
 @click.option("--gflops", type=click.IntRange(0), help="Compute throughput (GFLOP/s), for pipelines.")
 @signer_option
 @json_option
-@ledger_options(verify=False)
+@ledger_options(verify=True, required=False)
 def register_model_node(ledger: LedgerClient, keys_path: Path, node_keys: Path, org_id: str,
                         model_id: str, address: str, hardware: str, capacity: int, region: str,
                         memory_mib: int | None, gflops: int | None, as_json: bool) -> None:
@@ -202,7 +216,7 @@ def register_model_node(ledger: LedgerClient, keys_path: Path, node_keys: Path, 
               help="inactive takes the node out of the lists without unregistering it.")
 @signer_option
 @json_option
-@ledger_options(verify=False)
+@ledger_options(verify=True, required=False)
 def update_model_node(ledger: LedgerClient, keys_path: Path, node_pubkey: str, as_json: bool,
                       **changes: Any) -> None:
     """Change a model node of the signer's organisation."""
@@ -223,7 +237,7 @@ def update_model_node(ledger: LedgerClient, keys_path: Path, node_pubkey: str, a
               help="The new member's voting power as a validator.")
 @signer_option
 @json_option
-@ledger_options(verify=False)
+@ledger_options(verify=True, required=False)
 def propose_member(ledger: LedgerClient, keys_path: Path, action: str, operator: str,
                    consensus_key: str | None, vrf_key: str | None, x25519_key: str | None,
                    credential: str | None, power: int, as_json: bool) -> None:
@@ -256,7 +270,7 @@ def propose_member(ledger: LedgerClient, keys_path: Path, action: str, operator:
                    "them.")
 @signer_option
 @json_option
-@ledger_options(verify=False)
+@ledger_options(verify=True, required=False)
 def propose_params(ledger: LedgerClient, keys_path: Path, height: int, changes: tuple[str, ...],
                    as_json: bool) -> None:
     """Propose changing parameters at a height (applied there once >2/3 of voting power approves).
@@ -282,7 +296,7 @@ def propose_params(ledger: LedgerClient, keys_path: Path, height: int, changes: 
               help="The first block of the new version: older apps stop before it.")
 @signer_option
 @json_option
-@ledger_options(verify=False)
+@ledger_options(verify=True, required=False)
 def propose_upgrade(ledger: LedgerClient, keys_path: Path, name: str, app_version: int, height: int,
                     as_json: bool) -> None:
     """Propose an upgrade (approved at >2/3 of voting power): at --height, apps older than --app-version
@@ -298,7 +312,7 @@ def propose_upgrade(ledger: LedgerClient, keys_path: Path, name: str, app_versio
               help="More than a third of the voting power rejecting drops the proposal.")
 @signer_option
 @json_option
-@ledger_options(verify=False)
+@ledger_options(verify=True, required=False)
 def vote_member(ledger: LedgerClient, keys_path: Path, proposal_id: int, approve: bool,
                 as_json: bool) -> None:
     """Vote on a pending committee proposal: a member, parameters or an upgrade."""
@@ -314,7 +328,7 @@ def vote_member(ledger: LedgerClient, keys_path: Path, proposal_id: int, approve
               help="For how long (fractions allowed; at least one minute).")
 @signer_option
 @json_option
-@ledger_options(verify=False)
+@ledger_options(verify=True, required=False)
 def deploy_model(ledger: LedgerClient, keys_path: Path, org_id: str, model_id: str, hardware: str, nodes: int,
                  days: float, as_json: bool) -> None:
     """Spend the organisation's contribution credits to have a model served by NODES servers of a

@@ -226,8 +226,12 @@ class Daemon:
 
     def _submit(self, msg: Message, epoch: int, keys: Iterable[Hashable] = ()) -> bool:
         """Submit and record the outcome. A refusal other than a stale sequence will not change on a
-        retry, so the work items `keys` are given up for this epoch instead of being sent again."""
+        retry, so the work items `keys` are given up for this epoch instead of being sent again; one the
+        endpoint says a block made is first checked against the verified headers (`verified_outcome`:
+        where it does not check, the tick fails and the work is tried again)."""
         done = self.ledger.submit(self.keys, msg)
+        if done.height and not done.outcome.ok:
+            done = self.ledger.verified_outcome(done)
         tx_type = msg.TYPE
         code, message = done.outcome.code, done.outcome.log
         self.status["submitted" if code == 0 else "rejected"] += 1
