@@ -591,9 +591,7 @@ def test_an_endpoint_cannot_have_one_message_signed_twice(net):
     assert honest.submit(user, RegisterUser("127.0.0.1:9102", "global")).outcome.ok
     account = layout.account_key(user.public)
     proxy = TamperProxy(net.rpc_url(1))
-    rpc = RpcClient(proxy.url)
-    client = LedgerClient(rpc, LightClient.from_genesis_file(net.spec.genesis_path, rpc),
-                          min_height=honest.min_height)
+    client = through(net, proxy, None, honest.min_height)
     sent: list[bytes] = []
 
     def higher(method, params, answer):
@@ -638,9 +636,7 @@ def test_a_commit_the_endpoint_made_up_does_not_leave_the_client_signing_ahead(n
     user = KeySet.generate()
     assert honest.submit(user, RegisterUser("127.0.0.1:9103", "global")).outcome.ok
     proxy = TamperProxy(net.rpc_url(1))
-    rpc = RpcClient(proxy.url)
-    client = LedgerClient(rpc, LightClient.from_genesis_file(net.spec.genesis_path, rpc),
-                          min_height=honest.min_height)
+    client = through(net, proxy, None, honest.min_height)
     kept: list[bytes] = []
     claimed = max(net.wait_for_height(0).values())
 
@@ -685,23 +681,17 @@ def test_a_refusal_the_endpoint_made_up_is_not_believed_where_the_witness_takes_
             return {**made_up, "hash": _tx_hash(base64.b64decode(params["tx"]))}
         return None
 
-    def client(witness: str | None) -> LedgerClient:
-        rpc = RpcClient(proxy.url)
-        return LedgerClient(rpc, LightClient.from_genesis_file(
-            net.spec.genesis_path, rpc, witness=RpcClient(witness) if witness else None),
-            min_height=honest.min_height)
-
     try:
         proxy.intercept = refuse
         before = honest.sequence(user.public)
-        alone = client(None).submit(user, Heartbeat())
+        alone = through(net, proxy, None, honest.min_height).submit(user, Heartbeat())
         assert (alone.height, alone.outcome.code, alone.outcome.log) == (0, Code.UNAUTHORIZED, made_up["log"])
-        witnessed = client(net.rpc_url(2)).submit(user, Heartbeat())
+        witnessed = through(net, proxy, net.rpc_url(2), honest.min_height).submit(user, Heartbeat())
         assert witnessed.outcome.ok and witnessed.height > 0, witnessed.outcome.log
         honest.min_height = witnessed.height
         assert honest.sequence(user.public) == before + 1  # applied once, through the witness
         # a transaction the witness refuses too (the user is registered already) keeps the endpoint's refusal
-        again = client(net.rpc_url(2)).submit(user, RegisterUser("127.0.0.1:9104", "global"))
+        again = through(net, proxy, net.rpc_url(2), honest.min_height).submit(user, RegisterUser("127.0.0.1:9104", "global"))
         assert (again.height, again.outcome.code) == (0, Code.UNAUTHORIZED)
         net.wait_for_height(witnessed.height + 2, timeout=30)
         assert honest.sequence(user.public) == before + 1
@@ -712,7 +702,7 @@ def test_a_refusal_the_endpoint_made_up_is_not_believed_where_the_witness_takes_
                                                                 "data": "tx not found"}} if method == "tx" else None
         with pytest.raises(OutcomeMismatch, match=rf"{net.rpc_url(2)} says heartbeat committed at height \d+; "
                                                   rf"{proxy.url} does not know it"):
-            client(net.rpc_url(2)).submit(user, Heartbeat(), timeout=5)
+            through(net, proxy, net.rpc_url(2), honest.min_height).submit(user, Heartbeat(), timeout=5)
     finally:
         proxy.close()
 
@@ -734,12 +724,6 @@ def test_an_outcome_the_endpoint_made_up_is_refused_where_the_witness_tells_anot
                                              "log": "unauthorized: so it says"}
         return answer
 
-    def client(witness: str | None) -> LedgerClient:
-        rpc = RpcClient(proxy.url)
-        return LedgerClient(rpc, LightClient.from_genesis_file(
-            net.spec.genesis_path, rpc, witness=RpcClient(witness) if witness else None),
-            min_height=honest.min_height)
-
     def results_refused(method, params, answer):
         if method == "block_results" and "result" in answer:
             for result in answer["result"]["txs_results"] or []:
@@ -754,7 +738,7 @@ def test_an_outcome_the_endpoint_made_up_is_refused_where_the_witness_tells_anot
     try:
         proxy.rewrite = refused_in_block
         before = honest.sequence(user.public)
-        lied_to = client(None)
+        lied_to = through(net, proxy, None, honest.min_height)
         alone = lied_to.submit(user, Heartbeat())
         assert alone.height > 0 and alone.outcome.code == Code.UNAUTHORIZED  # the endpoint's word, until checked:
         with pytest.raises(OutcomeMismatch, match=rf"ended with code 10; block {alone.height}'s verified results "
@@ -769,7 +753,7 @@ def test_an_outcome_the_endpoint_made_up_is_refused_where_the_witness_tells_anot
         proxy.rewrite = refused_in_block
         with pytest.raises(OutcomeMismatch, match=rf"{proxy.url} says heartbeat committed at height \d+ with "
                                                   rf"code 10; {net.rpc_url(2)} says height \d+, code 0"):
-            client(net.rpc_url(2)).submit(user, Heartbeat())
+            through(net, proxy, net.rpc_url(2), honest.min_height).submit(user, Heartbeat())
         net.wait_for_height(alone.height + 3, timeout=30)
         assert honest.sequence(user.public) == before + 2  # both heartbeats committed, whatever was said
         proxy.rewrite = elsewhere  # a block that does not hold the transaction
@@ -782,6 +766,13 @@ def test_an_outcome_the_endpoint_made_up_is_refused_where_the_witness_tells_anot
 
 def _tx_hash(raw: bytes) -> str:
     return hashlib.sha256(raw).hexdigest().upper()
+
+
+def through(net, proxy: TamperProxy, witness: str | None, min_height: int) -> LedgerClient:
+    """A client verifying what it reads through `proxy` against the genesis, with `witness` if given."""
+    rpc = RpcClient(proxy.url)
+    return LedgerClient(rpc, LightClient.from_genesis_file(
+        net.spec.genesis_path, rpc, witness=RpcClient(witness) if witness else None), min_height=min_height)
 
 
 def _stored_nodes(i: int, net) -> int:
