@@ -488,6 +488,11 @@ class LedgerClient:
     def rechallenge(self, number: int, member: bytes, tag: bytes) -> Rechallenge | None:
         return self._entity(layout.rechallenge_key(number, member, tag), Rechallenge)
 
+    def rechallenges(self, number: int, member: bytes) -> list[Rechallenge]:
+        """Every re-challenge the member committed in the epoch, in tag order."""
+        listing = self.entries(layout.rechallenge_prefix(number, member))
+        return layout.decode_records(listing.entries, Rechallenge)
+
     def params(self) -> Params:
         params = self._entity(layout.PARAMS_KEY, Params)
         if params is None:

@@ -295,7 +295,7 @@ class Daemon:
     def _plan_entry(self, node: bytes, model_id: str, committee: list[Member], params: Params) -> PlanItem:
         """A fresh challenge for `node`, drawn again while its sealed copies would not fit a transaction."""
         for _ in range(PLAN_DRAWS):
-            entry = self._fresh(model_id).plan_entry(node, committee)
+            entry = self._fresh(model_id)[0].plan_entry(node, committee)
             if len(codec.pack(entry.body())) <= params.max_tx_bytes - TX_MARGIN_BYTES:
                 return entry
         raise ChallengeError(f"no challenge small enough for a {len(committee)}-member plan entry in "
@@ -303,14 +303,15 @@ class Daemon:
 
     # -- challenges ------------------------------------------------------------------------------
 
-    def _fresh(self, model_id: str) -> Challenge:
-        """A new challenge for a node of `model_id`: a chat is committed as the text the reference model's
-        chat template makes of it (what the node will sign); a model without one gets a completion."""
-        drawn = self.source.draw(1)[0]
+    def _fresh(self, model_id: str, count: int = 1) -> list[Challenge]:
+        """`count` new challenges for nodes of `model_id`, drawn from one run of the workload: a chat is
+        committed as the text the reference model's chat template makes of it (what the node will sign);
+        a model without one gets a completion."""
         reference = self.references.get(model_id)
-        rendered = reference.chat_prompt(drawn.text) if drawn.chat and reference is not None else None
-        return to_challenge(drawn, rendered, self.channel.max_tokens,
-                            reference.encode if reference is not None else None)
+        encode = reference.encode if reference is not None else None
+        return [to_challenge(drawn, reference.chat_prompt(drawn.text) if drawn.chat and reference is not None
+                             else None, self.channel.max_tokens, encode)
+                for drawn in self.source.draw(count)]
 
     def _ask(self, key: tuple[int, bytes, str], challenge: Challenge, node: ModelNode) -> None:
         if key in self.pending:
@@ -479,18 +480,17 @@ class Daemon:
         epoch)."""
         if number in self.tagged or not self._due(number, "tags"):
             return
-        untagged = []
+        unjournalled: dict[str, list[bytes]] = {}
         for entry in plan:
             node = self._verifiable(entry.node)
-            if node is None:
-                continue
-            challenge = self.journal.get(number, entry.node)
-            if challenge is None:
-                challenge = self._fresh(node.model_id)
-                self.journal.add(number, entry.node, challenge)
-            tag = challenge.tag(entry.node)
-            if self.ledger.rechallenge(number, self.me, tag) is None:
-                untagged.append(tag)
+            if node is not None and self.journal.get(number, entry.node) is None:
+                unjournalled.setdefault(node.model_id, []).append(entry.node)
+        for model_id, nodes in unjournalled.items():
+            for node_key, challenge in zip(nodes, self._fresh(model_id, len(nodes)), strict=True):
+                self.journal.add(number, node_key, challenge)
+        committed = {r.tag for r in self.ledger.rechallenges(number, self.me)}
+        untagged = [tag for entry in plan if (challenge := self.journal.get(number, entry.node)) is not None
+                    and (tag := challenge.tag(entry.node)) not in committed]
         for i in range(0, len(untagged), tags_per_tx):
             part = CommitRechallenge(number, tuple(untagged[i:i + tags_per_tx]))
             if not self._submit(part, number, ["tags"]):

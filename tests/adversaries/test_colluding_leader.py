@@ -129,7 +129,7 @@ def play(s: Script, daemons: dict[bytes, Daemon], colluder: KeySet, tipped: Tipp
             if member == leader.public or colluding or not daemon._sampled(number, planned):
                 continue
             samplers += planned == node
-            challenge = daemon._fresh("gt")
+            challenge = daemon._fresh("gt")[0]
             commits.append(s.tx(s.members[member], "commit-rechallenge",
                                 {"epoch": number, "tags": [challenge.tag(planned)]}))
             daemon._ask((number, planned, "rechallenge"), challenge, s.state.node(planned))
