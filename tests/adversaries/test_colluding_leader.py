@@ -110,10 +110,18 @@ def results(s: Script, number: int) -> list[ChallengeResult]:
 
 def play(s: Script, daemons: dict[bytes, Daemon], colluder: KeySet, tipped: TippedNode, honest: bytes,
          number: int) -> Played:
-    """Epoch `number`, from its start to its end and the next one's plan."""
+    """Epoch `number`, from its start to its end and the next one's plan. At its start every member but
+    the leader commits a challenge of each planned node, as the daemon does (`_commit_tags`); each sends
+    only those its coin picks."""
     node = tipped.keys.public
     tipped.told.add(s.planned(number, node, colluder).prompt)  # the colluder opens its copy: the tip
     leader = s.leader(number)
+    own = {member: dict(zip((honest, node), daemon._fresh("gt", 2), strict=True))
+           for member, daemon in daemons.items() if member != leader.public}
+    tagged = s.block(*(s.tx(s.members[member], "commit-rechallenge",
+                            {"epoch": number, "tags": [c.tag(planned) for planned, c in challenges.items()]})
+                       for member, challenges in own.items()))
+    assert all(code == 0 for code, _ in tagged), tagged
     lead = daemons[leader.public]
     for planned in (honest, node):
         lead._ask((number, planned, "leader"), s.planned(number, planned, leader), s.state.node(planned))
@@ -121,20 +129,14 @@ def play(s: Script, daemons: dict[bytes, Daemon], colluder: KeySet, tipped: Tipp
     assert s.block(s.tx(leader, "submit-results", {"epoch": number, "kind": "leader", "results": entries})) \
         == [(0, "ok")]
 
-    commits = []
     samplers = 0
-    for member, daemon in daemons.items():
-        for planned in (honest, node):
-            colluding = member == colluder.public and planned == node
-            if member == leader.public or colluding or not daemon._sampled(number, planned):
+    for member, challenges in own.items():
+        daemon = daemons[member]
+        for planned, challenge in challenges.items():
+            if (member == colluder.public and planned == node) or not daemon._sampled(number, planned):
                 continue
             samplers += planned == node
-            challenge = daemon._fresh("gt")[0]
-            commits.append(s.tx(s.members[member], "commit-rechallenge",
-                                {"epoch": number, "tags": [challenge.tag(planned)]}))
             daemon._ask((number, planned, "rechallenge"), challenge, s.state.node(planned))
-    committed = s.block(*commits)
-    assert all(code == 0 for code, _ in committed), committed
     reveals = [s.tx(s.members[member], "submit-results", {"epoch": number, "kind": "rechallenge",
                                                           "results": entries})
                for member, daemon in daemons.items() if (entries := answered(daemon, number)["rechallenge"])]
