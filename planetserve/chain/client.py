@@ -590,7 +590,7 @@ class LedgerClient:
         if not checked.ok:
             refused = Submitted(checked.hash, 0, TxOutcome(code=checked.code, data=b"", log=checked.log,
                                                            codespace=checked.codespace))
-            witness = self.verifier.witness if self.verifier is not None else None
+            witness = self._witness
             if witness is None or checked.code == Code.RATE_LIMITED or not self._taken_by(witness, raw):
                 return refused
             log.warning("%s refused by %s (code %d: %s) but taken by the witness %s: awaiting it there",
@@ -630,7 +630,7 @@ class LedgerClient:
         """`found`, what `source` (by default our endpoint) says of a transaction's block and outcome,
         once the other of our endpoint and the witness tells the same: with a witness, no one endpoint's
         word is taken. The other, a block behind, is waited for until `deadline`."""
-        witness = self.verifier.witness if self.verifier is not None else None
+        witness = self._witness
         if witness is None:
             return found
         told_by = source or self.rpc
@@ -645,6 +645,10 @@ class LedgerClient:
                 f"{told_by.url} says {msg.TYPE} committed at height {found.height} with code "
                 f"{found.outcome.code}; {other.url} says height {theirs.height}, code {theirs.outcome.code}")
         return found
+
+    @property
+    def _witness(self) -> RpcClient | None:
+        return self.verifier.witness if self.verifier is not None else None
 
     @staticmethod
     def _taken_by(witness: RpcClient, raw: bytes) -> bool:

@@ -83,7 +83,8 @@ def submit(ledger: LedgerClient, keys: KeySet, msg: Message, as_json: bool) -> N
     try:
         with err_console.status(f"submitting {tx_type} and waiting for a block...", spinner="dots"):
             done = ledger.submit(keys, msg)
-        if done.height and ledger.verifier is not None:
+        verified = bool(done.height) and ledger.verifier is not None
+        if verified:
             with err_console.status(f"checking {tx_type}'s outcome against the next block", spinner="dots"):
                 done = ledger.verified_outcome(done)
     except TxNotCommitted as exc:
@@ -96,7 +97,6 @@ def submit(ledger: LedgerClient, keys: KeySet, msg: Message, as_json: bool) -> N
     except VerificationError as exc:
         fail(f"could not verify the ledger's answers: {exc}")
     events = _events(done.outcome.events)
-    verified = bool(done.height) and ledger.verifier is not None
     result = {
         "type": tx_type,
         "hash": done.tx_hash.hex().upper(),

@@ -447,7 +447,8 @@ class Daemon:
         of the node's own (none, or one a peer computed, which shows the peer's model, not the node's)
         once the results window has closed, and a secret share of the nodes whatever the leader's result,
         each from its secret offset into the epoch (`_sampled`, `_sample_offset`). Every challenge's tag
-        was committed at the epoch's start (`_commit_tags`)."""
+        was committed at the epoch's start (`_commit_tags`); only where some part of them was not is a
+        challenge's own tag looked up before it is sent."""
         if self.me == leader:
             return
         plan = self.ledger.plan(number)[1]
@@ -467,8 +468,8 @@ class Daemon:
                 continue
             node = self._verifiable(entry.node)
             challenge = self.journal.get(number, entry.node)
-            if node is None or challenge is None or self.ledger.rechallenge(
-                    number, self.me, challenge.tag(entry.node)) is None:
+            if node is None or challenge is None or (number not in self.tagged and self.ledger.rechallenge(
+                    number, self.me, challenge.tag(entry.node)) is None):
                 continue
             self._ask((number, entry.node, "rechallenge"), challenge, node)
 

@@ -105,7 +105,7 @@ def answered(daemon: Daemon, number: int) -> dict[str, list]:
 
 
 def results(s: Script, number: int) -> list[ChallengeResult]:
-    return [ChallengeResult.decode(v) for _, v in s.h.store.batch().iterate(layout.result_prefix(number))]
+    return layout.decode_records(list(s.h.store.batch().iterate(layout.result_prefix(number))), ChallengeResult)
 
 
 def play(s: Script, daemons: dict[bytes, Daemon], colluder: KeySet, tipped: TippedNode, honest: bytes,
