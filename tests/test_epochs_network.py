@@ -40,6 +40,7 @@ PARAMS = Params(epoch_blocks=40, results_blocks=15, vrf_window_blocks=15, plan_w
 SCHEDULE = epochs.Schedule.from_params(PARAMS)
 RULE = reputation.ReputationRule.from_params(PARAMS)
 CREDIBILITY = 750_000
+HONEST = 1_000_000
 
 
 STRICT = replace(PARAMS, member_fault_limit=1)
@@ -165,8 +166,12 @@ class Committee:
 
     def attest(self, number: int, online: list[int], submitter: KeySet, nodes: list[KeySet],
                credibility: dict[bytes, int] | None = None) -> None:
-        scores = tuple((n.public, submitter.public, (credibility or {}).get(n.public, CREDIBILITY)) for n in nodes)
-        self.submit_all(online, lambda i: Attest(number, scores))
+        self.attest_all(number, online, [(n.public, submitter.public, (credibility or {}).get(n.public, CREDIBILITY))
+                                         for n in nodes])
+
+    def attest_all(self, number: int, online: list[int], scores: list[tuple[bytes, bytes, int]]) -> None:
+        """The `online` members attest each (node, submitter, credibility), in one transaction each."""
+        self.submit_all(online, lambda i: Attest(number, tuple(sorted(scores))))
 
 
 def test_an_honest_epoch_end_to_end(net):
@@ -261,18 +266,19 @@ def test_each_leader_attack_is_detected_and_a_dishonest_node_is_delisted(net):
     expect = {1: (leader.public, ["altered-response"])}
 
     leader = c.leader_results(2, everyone, skip=honest.public, credibility=bad)
-    others = [i for i in everyone if c.members[i].public != leader.public]
-    c.rechallenge(2, others, honest.public)
-    first = min((c.members[i] for i in others), key=lambda m: m.public)
-    c.attest(2, everyone, first, [honest])
-    c.attest(2, everyone, leader, [dishonest], bad)
+    others = [c.members[i] for i in everyone if c.members[i].public != leader.public]
+    c.rechallenge(2, [c.members.index(m) for m in others], honest.public)
+    first = min(others, key=lambda m: m.public)
+    c.attest_all(2, everyone, [(honest.public, m.public, CREDIBILITY if m == first else HONEST) for m in others]
+                 + [(dishonest.public, leader.public, bad[dishonest.public])])
     c.elect_and_plan(3, everyone)
     expect[2] = (leader.public, ["skipped-node"])
 
     leader = c.leader_results(3, everyone, claim_invalid=honest.public, credibility=bad)
-    others = [i for i in everyone if c.members[i].public != leader.public]
-    c.rechallenge(3, others, honest.public)
-    c.attest(3, everyone, leader, [dishonest], bad)
+    others = [c.members[i] for i in everyone if c.members[i].public != leader.public]
+    c.rechallenge(3, [c.members.index(m) for m in others], honest.public)
+    c.attest_all(3, everyone, [(honest.public, m.public, HONEST) for m in others]
+                 + [(dishonest.public, leader.public, bad[dishonest.public])])
     c.elect_and_plan(4, everyone)
     expect[3] = (leader.public, ["unconfirmed-report"])
 
@@ -290,7 +296,7 @@ def test_each_leader_attack_is_detected_and_a_dishonest_node_is_delisted(net):
     assert recorded == {e: kinds for e, (_, kinds) in expect.items()}
 
     honest_rep = client.reputation(honest.public)
-    assert honest_rep.trusted and honest_rep.window == (CREDIBILITY,)  # scored once, by re-challenge
+    assert honest_rep.trusted and honest_rep.window == (CREDIBILITY, HONEST)  # scored by re-challenges only
     dishonest_rep = client.reputation(dishonest.public)
     assert not dishonest_rep.trusted and dishonest_rep.window == (100_000,) * 3
     listing, listed = client.nodes("gt")

@@ -31,7 +31,10 @@ node out skipped it; one whose proposed credibility strays beyond the tolerance 
 deviated. A member whose attestation strays beyond the tolerance from the median deviated too.
 A leader that claimed no valid response where members holding more than 2/3 of the power got valid
 responses on re-challenge made an unconfirmed report: recorded, but not counted toward its removal
-(`UNCOUNTED`).
+(`UNCOUNTED`). A valid result submitted before the epoch's closing windows that went unattested was
+withheld by every member that did not attest it and whose validator was not absent from the epoch: a
+member colluding with a node could otherwise keep the node's cheap answer from counting, whenever
+another member is away, at no cost (more than 2/3 of the power must attest).
 """
 
 from __future__ import annotations
@@ -60,6 +63,10 @@ class Evidence:
     reports: dict[bytes, tuple[bytes, ...]]
     power: dict[bytes, int]
     tolerance: int
+    attest_before: int
+    """Results submitted below this height left every member the closing windows to attest them."""
+    absent: frozenset[bytes]
+    """Members whose validators missed the epoch (their `missed-blocks` fault says so already)."""
 
 
 @dataclass(frozen=True)
@@ -177,7 +184,25 @@ def decide(ev: Evidence) -> tuple[list[Verdict], list[Finding]]:
                 findings.append(Finding(ev.leader, "unconfirmed-report", node,
                                         "members holding more than 2/3 of the power got valid responses"))
     serving = [_combined(peer, answers, "served") for peer, answers in computed.items() if peer not in scored]
-    return verdicts + serving, findings
+    return verdicts + serving, findings + _withheld(ev, total)
+
+
+def _withheld(ev: Evidence, total: int) -> list[Finding]:
+    """One `withheld-attestation` finding per present member that left unattested any of the valid
+    results submitted in time that members holding more than 2/3 of the power did not attest."""
+    unattested = 0
+    missing: dict[bytes, int] = {}
+    for node in ev.plan_nodes:
+        for result in _candidates(ev.results.get(node, [])):
+            attesters = {s[0] for s in ev.attestations.get((node, result.submitter), []) if s[0] in ev.power}
+            if result.height >= ev.attest_before or rules.supermajority(_power(attesters, ev.power), total):
+                continue
+            unattested += 1
+            for member in ev.power.keys() - attesters - ev.absent:
+                missing[member] = missing.get(member, 0) + 1
+    return [Finding(member, "withheld-attestation", b"",
+                    f"did not attest {missing[member]} of the {unattested} valid results submitted in time "
+                    "that went unattested") for member in sorted(missing)]
 
 
 def _verdict(node: bytes, attested: list[tuple[ChallengeResult, Scored]],

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import pytest
 from committee import EPOCH_PARAMS, HONEST, Script, finish
@@ -39,6 +41,7 @@ from planetserve.registry.reputation import ReputationRule
 from planetserve.verifier import ReferenceModel
 from planetserve.verifier import daemon as daemon_module
 from planetserve.verifier.challenges import ChallengeSource
+from planetserve.verifier.config import RECHALLENGE_SHARE
 from planetserve.verifier.daemon import Daemon
 from planetserve.verifier.overlay import OverlayChannel
 
@@ -109,15 +112,17 @@ def results(s: Script, number: int) -> list[ChallengeResult]:
 
 
 def play(s: Script, daemons: dict[bytes, Daemon], colluder: KeySet, tipped: TippedNode, honest: bytes,
-         number: int) -> Played:
+         number: int, withhold: bool = False, away: bytes | None = None) -> Played:
     """Epoch `number`, from its start to its end and the next one's plan. At its start every member but
     the leader commits a challenge of each planned node, as the daemon does (`_commit_tags`); each sends
-    only those its coin picks."""
+    only those its coin picks. The colluder attests its partner's answers as honest, or, `withhold`ing,
+    attests none of its re-challenged ones; the member `away` does nothing at all."""
     node = tipped.keys.public
     tipped.told.add(s.planned(number, node, colluder).prompt)  # the colluder opens its copy: the tip
     leader = s.leader(number)
+    present = {member: daemon for member, daemon in daemons.items() if member != away}
     own = {member: dict(zip((honest, node), daemon._fresh("gt", 2), strict=True))
-           for member, daemon in daemons.items() if member != leader.public}
+           for member, daemon in present.items() if member != leader.public}
     tagged = s.block(*(s.tx(s.members[member], "commit-rechallenge",
                             {"epoch": number, "tags": [c.tag(planned) for planned, c in challenges.items()]})
                        for member, challenges in own.items()))
@@ -139,14 +144,16 @@ def play(s: Script, daemons: dict[bytes, Daemon], colluder: KeySet, tipped: Tipp
             daemon._ask((number, planned, "rechallenge"), challenge, s.state.node(planned))
     reveals = [s.tx(s.members[member], "submit-results", {"epoch": number, "kind": "rechallenge",
                                                           "results": entries})
-               for member, daemon in daemons.items() if (entries := answered(daemon, number)["rechallenge"])]
+               for member, daemon in present.items() if (entries := answered(daemon, number)["rechallenge"])]
     assert all(code == 0 for code, _ in s.block(*reveals))
 
     valid = [r for r in results(s, number) if r.status == VALID]
     attestations = []
-    for member, daemon in daemons.items():
-        scores = [[r.node, r.submitter, *((HONEST, 0) if member == colluder.public and r.node == node
-                                          else daemon._attested_score(number, r))] for r in valid]
+    for member, daemon in present.items():
+        covering = member == colluder.public
+        scores = [[r.node, r.submitter, *((HONEST, 0) if covering and r.node == node
+                                          else daemon._attested_score(number, r))]
+                  for r in valid if not (covering and withhold and r.node == node and r.kind == "rechallenge")]
         attestations.append(s.tx(s.members[member], "attest", {"epoch": number, "scores": sorted(scores)}))
     assert all(code == 0 for code, _ in s.block(*attestations))
 
@@ -156,13 +163,18 @@ def play(s: Script, daemons: dict[bytes, Daemon], colluder: KeySet, tipped: Tipp
     return Played(number, samplers, s.state.reputation(node).window[-1], s.state.credits("org2").earned - before)
 
 
-@pytest.mark.parametrize("cheap", [True, False], ids=["cheap", "idle"])
-def test_a_node_told_its_challenge_by_a_colluding_member_is_caught_wherever_it_cheats(
-        quick_family, tmp_path, monkeypatch, cheap):
-    monkeypatch.setattr(daemon_module, "RETRY_DELAY_S", 0.0)
+Epochs = Callable[[Script, dict[bytes, Daemon], KeySet, TippedNode, bytes], list[Played]]
+"""Plays epochs from the first: the chain, the members' daemons, the colluder (epoch 1's leader), the
+tipped node and the honest node's key."""
+
+
+def collude(quick_family: Path, tmp_path: Path, cheap: bool, epochs: Epochs, share: float = RECHALLENGE_SHARE,
+            ) -> tuple[Script, KeySet, list[Played]]:
+    """An honest node and a tipped one (answering the rest with tiny where `cheap`) behind a real overlay,
+    four members' real daemons reading the in-process chain, and the epochs played."""
     reference = ReferenceModel.from_loaded(load("gt", quick_family), model_id="gt")
 
-    def epochs(relay: str, honest: ModelNode, tipped: TippedNode) -> tuple[Script, KeySet, list[Played]]:
+    def committee(relay: str, honest: ModelNode, tipped: TippedNode) -> tuple[Script, KeySet, list[Played]]:
         s = Script(AppHarness(sqlite_url(tmp_path), members=4, params=PARAMS, genesis_time=int(time.time())),
                    nodes=0)
         s.register_node(s.owner, "org1", honest.keys, honest.config.address)
@@ -176,22 +188,14 @@ def test_a_node_told_its_challenge_by_a_colluding_member_is_caught_wherever_it_c
             (tmp_path / key.hex()).mkdir()
             daemons[key] = Daemon(member, ChainReads(s), {"gt": reference}, channel,
                                   ChallengeSource("mixed", scale=SCALE, max_prompt_len=MAX_PROMPT, length=length),
-                                  tmp_path / key.hex())
+                                  tmp_path / key.hex(), rechallenge_share=share)
         s.run_election_and_plan(1)
         colluder = s.leader(1)
-        played: list[Played] = []
         try:
-            while len(played) < MAX_EPOCHS and not (played and caught(played[-1])):
-                played.append(play(s, daemons, colluder, tipped, honest.keys.public, len(played) + 1))
+            return s, colluder, epochs(s, daemons, colluder, tipped, honest.keys.public)
         finally:
             for daemon in daemons.values():
                 daemon.pool.shutdown(wait=False, cancel_futures=True)
-        return s, colluder, played
-
-    def caught(epoch: Played) -> bool:
-        """Enough coins came up: one scored cheap answer, or reports from more than a third of the power
-        (four members of equal power)."""
-        return epoch.samplers >= 1 if cheap else 3 * epoch.samplers > 4
 
     async def main() -> tuple[Script, KeySet, list[Played]]:
         honest, tipped = make_node(quick_family), make_node(quick_family, TippedNode)
@@ -202,13 +206,33 @@ def test_a_node_told_its_challenge_by_a_colluding_member_is_caught_wherever_it_c
                                      cache_capacity_tokens=tipped.config.cache_tokens) if cheap else None
         net = await start_apart([honest, tipped])  # neither forwards to the other
         try:
-            return await asyncio.to_thread(epochs, net.client.http_url, honest, tipped)
+            return await asyncio.to_thread(committee, net.client.http_url, honest, tipped)
         finally:
             await net.close()
             if tipped.cheap is not None:
                 await tipped.cheap.close()
 
-    s, colluder, played = run(main(), timeout=900)
+    return run(main(), timeout=900)
+
+
+@pytest.mark.parametrize("cheap", [True, False], ids=["cheap", "idle"])
+def test_a_node_told_its_challenge_by_a_colluding_member_is_caught_wherever_it_cheats(
+        quick_family, tmp_path, monkeypatch, cheap):
+    monkeypatch.setattr(daemon_module, "RETRY_DELAY_S", 0.0)
+
+    def caught(epoch: Played) -> bool:
+        """Enough coins came up: one scored cheap answer, or reports from more than a third of the power
+        (four members of equal power)."""
+        return epoch.samplers >= 1 if cheap else 3 * epoch.samplers > 4
+
+    def until_caught(s: Script, daemons: dict[bytes, Daemon], colluder: KeySet, tipped: TippedNode,
+                     honest: bytes) -> list[Played]:
+        played: list[Played] = []
+        while len(played) < MAX_EPOCHS and not (played and caught(played[-1])):
+            played.append(play(s, daemons, colluder, tipped, honest, len(played) + 1))
+        return played
+
+    s, colluder, played = collude(quick_family, tmp_path, cheap, until_caught)
     *escaped, last = played
     assert caught(last), f"not caught in {MAX_EPOCHS} epochs: {played}"
     # an epoch without enough coins is one the node escapes: its told answer alone is scored, and paid
@@ -223,6 +247,48 @@ def test_a_node_told_its_challenge_by_a_colluding_member_is_caught_wherever_it_c
     assert ("deviating-attestation" in s.faults(colluder.public)) == cheap
 
 
+def test_a_colluding_member_that_withholds_its_attestations_is_faulted_for_it(quick_family, tmp_path, monkeypatch):
+    """Rather than attest its partner's cheap answers as honest (a `deviating-attestation`), the colluder
+    attests none of them, while another member is away: two of four members attest them, not more than
+    2/3 of the power, so they do not count and the node escapes the epoch. The chain records the
+    withholding against the colluder; the away member's validator missed the epoch, which is its fault
+    already; the members who attested are not touched. Every present member re-challenges every node
+    (share 1), so the epoch has re-challenges to withhold."""
+    monkeypatch.setattr(daemon_module, "RETRY_DELAY_S", 0.0)
+
+    def withheld(s: Script, daemons: dict[bytes, Daemon], colluder: KeySet, tipped: TippedNode,
+                 honest: bytes) -> list[Played]:
+        away = min(m for m in s.members if m != colluder.public)
+        s.h.absent = {s.h.consensus[list(s.members).index(away)].public}
+        return [play(s, daemons, colluder, tipped, honest, 1, withhold=True, away=away)]
+
+    s, colluder, [epoch] = collude(quick_family, tmp_path, True, withheld, share=1.0)
+    away = min(m for m in s.members if m != colluder.public)
+    assert epoch.samplers == 2 and epoch.credibility == HONEST and epoch.earned > 0  # escaped the epoch
+    assert s.faults(colluder.public) == ["withheld-attestation"]
+    assert s.faults(away) == ["missed-blocks"]
+    assert all(s.faults(m) == [] for m in s.members if m not in (colluder.public, away))
+
+
+@pytest.mark.parametrize(("height", "attesters", "absent", "withheld"), [
+    (7, 2, {"c"}, ["d"]), (7, 2, set(), ["c", "d"]), (7, 3, set(), []), (8, 2, set(), [])],
+    ids=["away-excused", "both", "attested", "late"])
+def test_members_that_leave_a_timely_result_unattested_withheld_it(height, attesters, absent, withheld):
+    """The pure rule: four members of equal power, results due for attestation below height 8. A result
+    that two attested (not more than 2/3) was withheld by each other member whose validator was not
+    absent, one finding each; none where three attested, or where it came at height 8."""
+    node, (a, b, c, d) = b"n" * 32, (bytes([x]) * 32 for x in b"abcd")
+    names = {a: "a", b: "b", c: "c", d: "d"}
+    answer = ChallengeResult(node, a, "leader", VALID, "", "p", b"s" * 32, {"token_ids": [5]}, HONEST, height)
+    evidence = finalization.Evidence(
+        leader=a, plan_nodes=[node], results={node: [answer]},
+        attestations={(node, a): [(m, HONEST, 0) for m in (a, b, c)[:attesters]]}, reports={},
+        power=dict.fromkeys((a, b, c, d), 1), tolerance=0, attest_before=8,
+        absent=frozenset(m for m in (c, d) if names[m] in absent))
+    _, findings = finalization.decide(evidence)
+    assert [(names[f.operator], f.kind) for f in findings] == [(name, "withheld-attestation") for name in withheld]
+
+
 @pytest.mark.parametrize(("reporters", "cut"), [(1, False), (2, True)])
 def test_reports_from_more_than_a_third_of_the_power_cut_a_node_whatever_it_answered(reporters, cut):
     """The pure rule at its threshold, three members of equal power: the node's one answer, attested
@@ -234,7 +300,8 @@ def test_reports_from_more_than_a_third_of_the_power_cut_a_node_whatever_it_answ
     evidence = finalization.Evidence(
         leader=leader, plan_nodes=[node], results={node: [answer]},
         attestations={(node, leader): [(m, HONEST, 1) for m in (leader, *others)]},
-        reports={node: tuple(others[:reporters])}, power=dict.fromkeys((leader, *others), 1), tolerance=0)
+        reports={node: tuple(others[:reporters])}, power=dict.fromkeys((leader, *others), 1), tolerance=0,
+        attest_before=2, absent=frozenset())
     [verdict], findings = finalization.decide(evidence)
     assert (verdict.credibility, verdict.scored) == ((0, False) if cut else (HONEST, True))
     assert (verdict.checked, verdict.deviations) == (3, 1) and findings == []

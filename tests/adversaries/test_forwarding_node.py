@@ -86,7 +86,7 @@ def test_every_answer_counts_against_the_node_that_computed_it():
         results={challenged: [result(challenged, WEAK, peer)],
                  planned_peer: [result(planned_peer, HONEST, challenged)]},
         attestations={(challenged, member): [(member, WEAK, 3)], (planned_peer, member): [(member, HONEST, 0)]},
-        reports={}, power={member: 1}, tolerance=0)
+        reports={}, power={member: 1}, tolerance=0, attest_before=2, absent=frozenset())
     verdicts, findings = finalization.decide(evidence)
     # `challenged` computed planned_peer's answer; planned_peer computed nothing and answers for what it
     # returned; `peer`, not planned, computed challenged's
@@ -105,7 +105,8 @@ def test_a_node_that_computed_nothing_answers_for_everything_it_returned():
     attestations = {(node, member): [(member, 0, 0)], (node, b"x" * 32): [(member, HONEST, 0)],
                     (node, b"y" * 32): [(member, HONEST, 0)]}
     evidence = finalization.Evidence(leader=member, plan_nodes=[node], results={node: results},
-                                     attestations=attestations, reports={}, power={member: 1}, tolerance=0)
+                                     attestations=attestations, reports={}, power={member: 1}, tolerance=0,
+                                     attest_before=2, absent=frozenset())
     verdicts, _ = finalization.decide(evidence)
     assert [(v.node, v.credibility) for v in verdicts] == [(node, 0), (cheap, 0), (honest1, HONEST),
                                                            (honest2, HONEST)]
@@ -157,7 +158,8 @@ def test_the_nodes_own_answer_on_re_challenge_outweighs_its_forwarded_one(s):
         own[m.public].reveal(s.answer(node0, own[m.public]))]}) for m in members]
     assert all(c == 0 for c, _ in s.block(*reveals))
     first = min(m.public for m in members)
-    assert all(c == 0 for c, _ in s.block(*s.attest_txs(1, first, {node0: WEAK})))
+    assert all(c == 0 for c, _ in s.block(*(tx for m in members for tx in s.attest_txs(
+        1, m.public, {node0: WEAK if m.public == first else HONEST}))))
     finish(s, 1)
     assert s.reputation(node0) == expected(WEAK)
     assert s.reputation(node1) == expected(HONEST)
@@ -179,7 +181,8 @@ def test_answers_that_any_model_ends_at_once_cannot_outvote_a_deviating_one():
     served = [result(other, member, "leader", 32, served_by=peer)]
     scores = {(peer, r.submitter): [(member, PPM, 0)] for r in own} | {(other, member): [(member, 0, 20)]}
     evidence = finalization.Evidence(leader=member, plan_nodes=[other, peer], results={peer: own, other: served},
-                                     attestations=scores, reports={}, power={member: 1}, tolerance=0)
+                                     attestations=scores, reports={}, power={member: 1}, tolerance=0,
+                                     attest_before=2, absent=frozenset())
     verdicts, _ = finalization.decide(evidence)
     assert [(v.node, v.credibility, v.checked, v.deviations) for v in verdicts] == [(other, 0, 32, 20),
                                                                                       (peer, 0, 35, 20)]

@@ -129,11 +129,16 @@ def end_block(batch: Batch, params: Params, height: int, time: int) -> list[Remo
 def _missed_blocks(st: State, params: Params, number: int, committee: dict[bytes, Member]) -> None:
     """A `missed-blocks` fault for each member whose validator missed more than the allowed share of
     the epoch's commits."""
-    for operator in sorted(committee):
+    for operator in sorted(_absent(st, params, number, committee)):
         missed = st.missed(number, operator)
-        if missed * PPM > params.missed_blocks_ppm * params.epoch_blocks:
-            st.add_fault(Fault(operator, number, "missed-blocks", b"",
-                               f"missed {missed} of the epoch's {params.epoch_blocks} commits"))
+        st.add_fault(Fault(operator, number, "missed-blocks", b"",
+                           f"missed {missed} of the epoch's {params.epoch_blocks} commits"))
+
+
+def _absent(st: State, params: Params, number: int, committee: dict[bytes, Member]) -> frozenset[bytes]:
+    """The members whose validators missed more than the allowed share of epoch `number`'s commits."""
+    return frozenset(operator for operator in committee
+                     if st.missed(number, operator) * PPM > params.missed_blocks_ppm * params.epoch_blocks)
 
 
 def _remove_faulty(st: State, params: Params, number: int, committee: dict[bytes, Member]) -> list[Removal]:
@@ -184,6 +189,8 @@ def _evidence(batch: Batch, epoch: Epoch, committee: dict[bytes, Member], params
         leader=epoch.leader, plan_nodes=plan, results=dict(results), attestations=attestations,
         reports=reports, power={m.operator: m.power for m in committee.values()},
         tolerance=params.credibility_tolerance_ppm,
+        attest_before=Schedule.from_params(params).setup_height(n),
+        absent=_absent(State(batch), params, n, committee),
     )
 
 
