@@ -88,6 +88,7 @@ def nowhere(tmp_path_factory):
 def test_ready_line(nowhere):
     assert re.fullmatch(r"http://127\.0\.0\.1:[0-9]+/", nowhere["url"])
     assert len(nowhere["rpc"]) == 2 and nowhere["relay"].startswith("http://127.0.0.1:")
+    assert nowhere["witness"] is None
     assert not nowhere["relay"].endswith("/v1")  # the endpoint's base, given with or without /v1
 
 
@@ -202,19 +203,26 @@ def test_refused_arguments(tmp_path):
         (["--relay", "127.0.0.1:8080"], "--relay must be an http:// URL"),
         (["--rpc", "tcp://127.0.0.1:1"], "--rpc must be an http:// URL"),
         (["--max-age", "-1"], "--max-age must be a positive number of seconds"),
+        (["--witness", "127.0.0.1:26667"], "--witness must be an http:// URL"),
     ]:
         result = CliRunner().invoke(main, base + args)
         assert result.exit_code == 2 and message in result.output, result.output
     result = CliRunner().invoke(main, ["dashboard", "--genesis", str(bad), "--rpc", "http://127.0.0.1:1"])
     assert result.exit_code == 1 and "not a usable genesis file" in result.output
+    result = CliRunner().invoke(main, base + ["--witness", "http://127.0.0.1:26657/"])
+    assert result.exit_code == 1 and "--witness must be another endpoint than every --rpc" in result.output
     result = CliRunner().invoke(main, ["dashboard", "--help"])
     assert result.exit_code == 0 and "/api/state" in result.output
 
 
-def test_ledger_reads_take_the_freshness_bound(tmp_path):
-    settings = Settings(genesis=write_genesis(tmp_path / "g.json"), rpc=("http://127.0.0.1:9",), max_age=42.0)
-    assert Collector(settings)._ledger("http://127.0.0.1:9").verifier.max_age == 42.0
+def test_ledger_reads_take_the_freshness_bound_and_the_witness(tmp_path):
+    settings = Settings(genesis=write_genesis(tmp_path / "g.json"), rpc=("http://127.0.0.1:9",), max_age=42.0,
+                        witness="http://127.0.0.1:10")
+    verifier = Collector(settings)._ledger("http://127.0.0.1:9").verifier
+    assert verifier.max_age == 42.0 and verifier.witness.url == "http://127.0.0.1:10"
     assert Settings(genesis=settings.genesis, rpc=settings.rpc).max_age == DEFAULT_MAX_AGE
+    assert Collector(Settings(genesis=settings.genesis, rpc=settings.rpc))._ledger(settings.rpc[0]).verifier.witness \
+        is None
 
 
 def test_epoch_phases_follow_the_schedule():

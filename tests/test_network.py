@@ -40,6 +40,7 @@ from planetserve.chain.messages import (
     VoteMember,
 )
 from planetserve.chain.rpc import RpcClient, RpcError
+from planetserve.dashboard.collect import Collector, Settings
 from planetserve.genesis.network import edit_toml, free_ports
 from planetserve.localnet.processes import read_pids
 from planetserve.node.home import UserConfig
@@ -502,20 +503,42 @@ def test_lying_endpoint_cannot_hide_an_entity(net):
 
 
 @pytest.mark.faults
+def forge_app_hash(method, params, answer):
+    """Every signed header with an app hash of the endpoint's own (its signatures no longer match)."""
+    if method == "commit" and "result" in answer:
+        answer["result"]["signed_header"]["header"]["app_hash"] = "AB" * 32
+    return answer
+
+
 def test_lying_endpoint_cannot_forge_the_commit(net):
     proxy = TamperProxy(net.rpc_url(1))
-
-    def forge_app_hash(method, params, answer):
-        if method == "commit" and "result" in answer:
-            answer["result"]["signed_header"]["header"]["app_hash"] = "AB" * 32
-        return answer
-
     try:
         client = ledger(net, url=proxy.url)
         proxy.rewrite = forge_app_hash
         with pytest.raises(VerificationError, match="header hash mismatch"):
             client.nodes("gt")
     finally:
+        proxy.close()
+
+
+def test_the_dashboard_shows_the_ledger_only_where_its_witness_agrees(net):
+    """The dashboard's witness (`--witness`) serves another header at every height, as one side of a fork
+    would: the ledger's sections show its disagreement instead of the state read from the endpoint, whose
+    headers verify against the genesis. Once the witness agrees again, the same dashboard shows them."""
+    proxy = TamperProxy(net.rpc_url(1))
+    collector = Collector(Settings(genesis=net.spec.genesis_path, rpc=(net.rpc_url(0),), witness=proxy.url))
+    try:
+        proxy.rewrite = forge_app_hash
+        state = collector.collect()
+        assert state["ledger"]["verified"] is False
+        assert f"witness {proxy.url} disagrees with primary {net.rpc_url(0)}" in state["ledger"]["error"]
+        assert state["nodes"]["items"] == [] and state["epoch"]["error"] == state["ledger"]["error"]
+        proxy.rewrite = None
+        state = collector.collect()
+        assert state["ledger"]["verified"] is True and state["ledger"]["error"] is None
+        assert state["ledger"]["height"] > 0 and state["epoch"]["error"] is None
+    finally:
+        collector.close()
         proxy.close()
 
 

@@ -17,6 +17,7 @@ from planetserve.cli import (
     log_level_option,
     max_age_option,
     setup_logging,
+    witness_option,
 )
 from planetserve.config import is_host_port
 
@@ -72,10 +73,11 @@ def _labels(_ctx: click.Context, _param: click.Parameter, values: tuple[str, ...
               help="HOST:PORT to serve the page on (port 0: a free one). Keep it on loopback: the chat box "
                    "spends your relay.")
 @max_age_option()
+@witness_option("each --rpc")
 @log_level_option("warning")
 @click.option("--json", "as_json", is_flag=True, help="Print the ready line as JSON.")
 def command(genesis: Path, rpc: tuple[str, ...], relay: str | None, model: str | None, labels: dict[str, str],
-          http_addr: tuple[str, int], max_age: float, log_level: str, as_json: bool) -> None:
+          http_addr: tuple[str, int], max_age: float, witness: str, log_level: str, as_json: bool) -> None:
     """Serve a live dashboard of a planetserve network in your browser, until interrupted.
 
     \b
@@ -87,7 +89,8 @@ def command(genesis: Path, rpc: tuple[str, ...], relay: str | None, model: str |
       organisations  contribution credits (balance, earned, spent) and reputation
       overlay        the relay's live proxies (onion paths) and its delivery rate
       chat           a prompt sent anonymously through the relay; the answer and the node that signed it
-    Ledger reads are verified against the genesis file, so a lying RPC endpoint shows as an error.
+    Ledger reads are verified against the genesis file, so a lying RPC endpoint shows as an error;
+    with --witness, so does a header the witness does not have (a fork).
 
     \b
     Example (a localnet starts one for you: `planetserve localnet up` prints its URL):
@@ -103,18 +106,22 @@ def command(genesis: Path, rpc: tuple[str, ...], relay: str | None, model: str |
 
     setup_logging(log_level)
     check_genesis(genesis)
+    if witness in rpc:
+        fail(f"--witness must be another endpoint than every --rpc ({witness} is one): a witness checks the "
+             "endpoints' answers, so it cannot be one of them")
     host, port = http_addr
     settings = Settings(genesis=genesis.resolve(), rpc=rpc, relay=relay, model=model, labels=labels,
-                        max_age=max_age)
+                        max_age=max_age, witness=witness)
 
     def ready(dashboard: Dashboard) -> None:
         shown = f"[{host}]" if ":" in host else host
         url = f"http://{shown}:{dashboard.port}/"
         if as_json:
-            click.echo(json.dumps({"url": url, "rpc": list(rpc), "relay": relay, "genesis": str(genesis)}))
+            click.echo(json.dumps({"url": url, "rpc": list(rpc), "witness": witness or None, "relay": relay,
+                                   "genesis": str(genesis)}))
         else:
-            console.print(f"dashboard: [bold]{url}[/] ({len(rpc)} RPC endpoint(s), relay {relay or 'none'}); "
-                          "Ctrl-C stops it")
+            console.print(f"dashboard: [bold]{url}[/] ({len(rpc)} RPC endpoint(s), witness "
+                          f"{witness or 'none'}, relay {relay or 'none'}); Ctrl-C stops it")
 
     try:
         asyncio.run(run_dashboard(settings, host, port, ready))

@@ -72,6 +72,9 @@ class Settings:
     max_age: float = DEFAULT_MAX_AGE
     """Seconds the latest verified header may be old (the light client's bound): an endpoint serving an
     older state shows as an error, and the next endpoint is read."""
+    witness: str = ""
+    """A CometBFT RPC endpoint whose header of each height must hash like the one verified from the
+    endpoint read ("": none): a fork, or a witness that lies or is down, shows as the ledger's error."""
 
 
 def _phase(schedule: Schedule, height: int) -> tuple[str, list[str]]:
@@ -175,8 +178,9 @@ class Collector:
 
     def _ledger(self, url: str) -> LedgerClient:
         if url not in self._ledgers:
-            self._ledgers[url] = LedgerClient.verified(url, self.settings.genesis,
-                                                       max_age=self.settings.max_age)
+            settings = self.settings
+            self._ledgers[url] = LedgerClient.verified(url, settings.genesis, witness=settings.witness,
+                                                       max_age=settings.max_age)
         return self._ledgers[url]
 
     def ledger(self) -> dict[str, Any]:
