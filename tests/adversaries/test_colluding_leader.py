@@ -11,7 +11,9 @@ Each honest member re-challenges the node on its own secret coin (`Daemon._sampl
 which enough coins came up (one for the cheap node, whose cheap answer is scored; members holding more
 than a third of the power for the idle one, whose silence is reported), the node's C(T) is cut and its
 organisation earns nothing for the epoch; the epochs it escapes are exactly the others. The honest node
-beside it and every honest member are never touched."""
+beside it and every honest member are never touched. A colluder that withholds its attestations of the
+cheap answers instead, while another member is away, lets the node escape the epoch and is faulted for
+withholding them."""
 
 from __future__ import annotations
 
