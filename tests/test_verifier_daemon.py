@@ -26,9 +26,10 @@ from planetserve.genesis.network import free_ports
 from planetserve.registry import codec
 from planetserve.registry.entities import ModelNode
 from planetserve.registry.epochs import Schedule
+from planetserve.registry.params import Params
 from planetserve.verifier import daemon as daemon_module
 from planetserve.verifier.config import CONFIG_FILE, STATUS_FILE, SUBMISSIONS_FILE, JsonLines, VerifierConfig
-from planetserve.verifier.daemon import Daemon, Journal, _parts
+from planetserve.verifier.daemon import Daemon, Journal, _parts, rechallenge_cutoff
 from planetserve.verifier.overlay import MAX_ANSWER_BYTES, NoAnswer, OverlayChannel, RelayUnavailable
 
 
@@ -115,9 +116,10 @@ def test_plan_parts_stay_under_the_limit_and_end_in_a_final_part():
 
 def test_sampled_rechallenges_come_inside_the_results_window_and_after_it(tmp_path):
     """A member's sampled re-challenges start at offsets its secret spreads from the leader's start (5) to
-    halfway between the results window's end (16) and the closing windows (26): most inside the window,
-    where the leader's challenges come, the rest after it; the same member draws the same after a
-    restart, another member its own."""
+    the last block one is sent, four before the block before the closing windows (26): most inside the
+    results window (16), where the leader's challenges come, the rest after it; the same member draws the
+    same after a restart, another member its own. With the default parameters they reach offset 85 of 100,
+    where halfway to the closing windows (70) left the rest of the epoch without a challenge."""
     schedule = Schedule(epoch_blocks=40, results_blocks=16, vrf_window_blocks=10, plan_window_blocks=14)
     keys = KeySet.generate()
     channel = OverlayChannel("http://127.0.0.1:9")
@@ -127,6 +129,12 @@ def test_sampled_rechallenges_come_inside_the_results_window_and_after_it(tmp_pa
     offsets = [member._sample_offset(3, node, schedule) for node in nodes]
     assert (min(offsets), max(offsets)) == (5, 21)
     assert 0.5 < sum(o < schedule.results_blocks for o in offsets) / len(offsets) < 0.8  # 11 of 17 offsets
+    # the last is sent GIVE_UP_BLOCKS before re-challenges still out are claimed (block 25, the one before
+    # the closing windows), and the daemon sends none later
+    cutoff = schedule.offset(rechallenge_cutoff(schedule, 3))
+    assert cutoff == 25 and max(offsets) + daemon_module.GIVE_UP_BLOCKS == cutoff
+    defaults = Schedule.from_params(Params())
+    assert 70 < max(member._sample_offset(3, node, defaults) for node in nodes) <= 85  # 70: the old reach
     assert offsets == [restarted._sample_offset(3, node, schedule) for node in nodes]
     assert offsets != [other._sample_offset(3, node, schedule) for node in nodes]
     assert offsets != [member._sample_offset(4, node, schedule) for node in nodes]

@@ -25,7 +25,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Collection, Hashable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -91,6 +91,8 @@ window closes, so the claim lands in the window: a node that answers late, or an
 on purpose and the members' re-challenges on time, costs the leader no `skipped-node` fault (and the
 claim, one report, has the members re-challenge it). A daemon ticks more often than this many blocks."""
 OVERDUE = f"no answer {GIVE_UP_BLOCKS} blocks before the results window closed"
+LATE = "no answer by the block before the epoch's closing windows"
+"""A re-challenge still out at `rechallenge_cutoff` is claimed unanswered with this reason."""
 SIGNED_TIME_TOLERANCE_S = 60
 """How far from its arrival an answer's signed time may be: half the chain's default slack, so an answer
 this member reveals never makes it `stale-response`-faulty for the node's choice of time."""
@@ -195,7 +197,9 @@ class Daemon:
                 return
             self._forget_before(number)
             leading = current.leader == self.me and schedule.in_results(upcoming)
-            overdue = leading and not schedule.in_results(upcoming + GIVE_UP_BLOCKS)
+            overdue = {"leader"} if leading and not schedule.in_results(upcoming + GIVE_UP_BLOCKS) else set()
+            if upcoming >= rechallenge_cutoff(schedule, number):
+                overdue.add("rechallenge")
             self._collect(number, params.max_tx_bytes - TX_MARGIN_BYTES, overdue)
             if schedule.in_plan_window(upcoming):  # first: the plan takes longer than the proof
                 self._plan(number + 1, params, schedule, upcoming)
@@ -203,7 +207,7 @@ class Daemon:
                 self._prove(number + 1, schedule)
             planned = current.plan_status == PLAN_COMMITTED
             settled = upcoming >= schedule.start(number) + min(SETTLE_BLOCKS, params.results_blocks // 2)
-            if planned and leading and settled and not overdue:
+            if planned and leading and settled and "leader" not in overdue:
                 self._lead(number)
             self._attest(number)
             if planned:
@@ -340,7 +344,7 @@ class Daemon:
         self.pending[key] = self.pool.submit(run)
         self.status["challenges"] += 1
 
-    def _collect(self, number: int, limit: int, overdue: bool = False) -> None:
+    def _collect(self, number: int, limit: int, overdue: Collection[str] = ()) -> None:
         """Submit what finished challenges brought back, each kind's answers together in as few
         transactions of at most `limit` bytes as hold them: the daemon waits for each transaction's
         block, so one per answer took a leader's results past its window on a slow machine."""
@@ -350,10 +354,11 @@ class Daemon:
                     self._submit(SubmitResults(number, kind, tuple(part)), number,
                                  [(entry.node, kind) for entry in part])
 
-    def results(self, number: int, overdue: bool = False) -> dict[str, list[Revealed | Unanswered]]:
-        """The entries of epoch `number`'s finished challenges by kind, taken out of `pending`; with
-        `overdue`, the leader's challenges still out too, each claimed unanswered (`GIVE_UP_BLOCKS`).
-        Challenges of other epochs are dropped."""
+    def results(self, number: int, overdue: Collection[str] = ()) -> dict[str, list[Revealed | Unanswered]]:
+        """The entries of epoch `number`'s finished challenges by kind, taken out of `pending`; for the
+        kinds `overdue`, the challenges still out too, each claimed unanswered (the leader's
+        `GIVE_UP_BLOCKS` before its window closes, re-challenges at `rechallenge_cutoff`, naming the
+        commitment that opens their tags). Challenges of other epochs are dropped."""
         entries: dict[str, list[Revealed | Unanswered]] = {"leader": [], "rechallenge": []}
         for key in sorted(self.pending):
             future = self.pending[key]
@@ -363,12 +368,13 @@ class Daemon:
                 del self.pending[key]
                 continue
             if not future.done():
-                if overdue and kind == "leader":
+                if kind in overdue:
                     future.cancel()
                     del self.pending[key]
-                    log.warning("node %s has not answered the leader's challenge in epoch %d: claimed "
-                                "unanswered", node.hex()[:16], number)
-                    entries[kind].append(Unanswered(node, OVERDUE))
+                    log.warning("node %s has not answered the %s in epoch %d: claimed unanswered",
+                                node.hex()[:16], "leader's challenge" if kind == "leader" else "re-challenge",
+                                number)
+                    entries[kind].append(self._unanswered(number, node, kind))
                 continue
             del self.pending[key]
             try:
@@ -378,6 +384,14 @@ class Daemon:
                 continue
             entries[kind].append(self._entry(number, asked, kind))
         return entries
+
+    def _unanswered(self, number: int, node: bytes, kind: str) -> Unanswered:
+        if kind == "leader":
+            return Unanswered(node, OVERDUE)
+        challenge = self.journal.get(number, node)
+        if challenge is None:
+            raise RuntimeError(f"re-challenge of {node.hex()} in epoch {number} is not in the journal")
+        return Unanswered(node, LATE, challenge.commitment)
 
     def _lead(self, number: int) -> None:
         mine = {r.node for r in self.ledger.results(number) if r.submitter == self.me}
@@ -453,6 +467,8 @@ class Daemon:
             return
         plan = self.ledger.plan(number)[1]
         self._commit_tags(number, plan, tags_per_tx)
+        if upcoming + GIVE_UP_BLOCKS > rechallenge_cutoff(schedule, number):
+            return  # too late for an answer to come back before it would be claimed
         results = self.ledger.results(number)
         answered = {r.node for r in results
                     if r.submitter == leader and r.status == VALID and not r.served_by}
@@ -500,14 +516,13 @@ class Daemon:
 
     def _sample_offset(self, number: int, node: bytes, schedule: Schedule) -> int:
         """The offset into epoch `number` from which this member sends its sampled re-challenge of `node`:
-        keyed by this member's secret, spread from when the leader starts (`SETTLE_BLOCKS`) to halfway
-        between the results window's end and the epoch's closing windows. So a node cannot tell a
-        sampled re-challenge from the leader's challenge by when it comes: one told its challenge by a
+        keyed by this member's secret, spread from when the leader starts (`SETTLE_BLOCKS`) to the last
+        block a re-challenge is sent, `GIVE_UP_BLOCKS` before `rechallenge_cutoff`. So a node cannot tell
+        a sampled re-challenge from the leader's challenge by when it comes: one told its challenge by a
         colluding leader, honest on it and cheating on the rest, meets re-challenges inside the results
-        window and after it alike."""
+        window and after it alike, up to the epoch's closing windows."""
         low = min(SETTLE_BLOCKS, schedule.results_blocks // 2)
-        closing = schedule.offset(schedule.setup_height(number))
-        high = max(low, schedule.results_blocks + (closing - schedule.results_blocks) // 2)
+        high = max(low, schedule.offset(rechallenge_cutoff(schedule, number)) - GIVE_UP_BLOCKS)
         digest = hashlib.blake2b(b"when" + number.to_bytes(8, "big") + node, key=bytes(self.keys.x25519),
                                  digest_size=8).digest()
         return low + int.from_bytes(digest, "big") % (high - low + 1)
@@ -557,6 +572,16 @@ class Daemon:
         temporary = self.status_file.with_suffix(".tmp")
         temporary.write_text(json.dumps(self.status, indent=2, sort_keys=True) + "\n")
         temporary.replace(self.status_file)
+
+
+def rechallenge_cutoff(schedule: Schedule, number: int) -> int:
+    """The block from which a member claims each of its re-challenges of epoch `number` still out as
+    unanswered, and sends none GIVE_UP_BLOCKS before it: the one before the epoch's closing windows, so
+    the answers it reveals land before them, where every member must attest them
+    (`finalization.Evidence.attest_before`). A node holding its answers back until those windows would
+    otherwise have them revealed where a colluding member could leave them unattested without a fault;
+    instead they are reported."""
+    return schedule.setup_height(number) - 1
 
 
 def _reason(text: str) -> str:

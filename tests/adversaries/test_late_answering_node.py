@@ -18,7 +18,7 @@ from planetserve.chain.abci.state import members
 from planetserve.chain.challenge import Challenge
 from planetserve.chain.messages.epochs import Unanswered
 from planetserve.registry.entities import ModelNode
-from planetserve.verifier.daemon import OVERDUE, Daemon
+from planetserve.verifier.daemon import LATE, OVERDUE, Daemon
 from planetserve.verifier.overlay import OverlayChannel
 
 PARAMS = replace(EPOCH_PARAMS, member_fault_window=4, member_fault_limit=2)
@@ -36,7 +36,7 @@ def test_nodes_that_answer_the_leader_late_neither_fault_it_nor_take_its_power(r
             registered = ModelNode(node, "org1", "gt", "h:1", "cpu", 1, "eu", "active", 0)
             daemon._ask((1, node, "leader"), s.planned(1, node, leader), registered)
         assert daemon.results(1) == {"leader": [], "rechallenge": []}  # still in time: waiting
-        claims = daemon.results(1, overdue=True)["leader"]
+        claims = daemon.results(1, overdue={"leader"})["leader"]
     finally:
         daemon.pool.shutdown(wait=False, cancel_futures=True)
     assert claims == [Unanswered(node, OVERDUE) for node in sorted(s.nodes)] and not daemon.pending
@@ -65,3 +65,40 @@ def test_nodes_that_answer_the_leader_late_neither_fault_it_nor_take_its_power(r
     assert all(s.faults(m) == [] for m in s.members if m != leader.public)
     for node in s.nodes:  # scored on the members' re-challenges, and listed
         assert s.reputation(node) == expected(HONEST) and node in listed(s)
+
+
+def test_a_node_holding_back_its_answers_to_re_challenges_is_reported_rather_than_revealed_late(
+        relay, tmp_path):  # noqa: F811
+    """The node answers the leader on time and each member's re-challenge only once the epoch's closing
+    windows have opened, where a revealed answer could be left unattested by a colluding member without
+    a fault (`finalization`'s `attest_before`). The members' real daemons do not wait for it: at
+    `rechallenge_cutoff` each claims its re-challenge still out unanswered, naming its commitment. Two
+    such claims are reports from more than a third of the power: the node is cut for the epoch, though
+    the leader's answer was attested honest."""
+    s = Script(AppHarness(sqlite_url(tmp_path), members=4, params=PARAMS), nodes=1)
+    s.run_election_and_plan(1)
+    leader = s.leader(1)
+    (node,) = s.nodes
+    assert s.block(s.tx(leader, "submit-results", s.leader_results(1, HONEST))) == [(0, "ok")]
+    assert all(c == 0 for c, _ in s.block(*s.attest_txs(1, leader.public, {node: HONEST})))
+    relay.delay = 5.0  # every answer comes long after the cutoff
+    registered = ModelNode(node, "org1", "gt", "h:1", "cpu", 1, "eu", "active", 0)
+    claims = []
+    for i, member in enumerate([m for k, m in s.members.items() if k != leader.public][:2]):
+        (tmp_path / f"m{i}").mkdir()
+        daemon = Daemon(member, None, {}, OverlayChannel(relay.url), None, tmp_path / f"m{i}", attempts=1)
+        challenge = Challenge.new(f"Member {i} asks: why do leaves fall?", TEMPERATURE)
+        daemon.journal.add(1, node, challenge)
+        assert s.block(s.tx(member, "commit-rechallenge", {"epoch": 1, "tags": [challenge.tag(node)]})) == [(0, "ok")]
+        try:
+            daemon._ask((1, node, "rechallenge"), challenge, registered)
+            assert daemon.results(1) == {"leader": [], "rechallenge": []}  # before the cutoff: waiting
+            [claim] = daemon.results(1, overdue={"rechallenge"})["rechallenge"]
+        finally:
+            daemon.pool.shutdown(wait=False, cancel_futures=True)
+        assert claim == Unanswered(node, LATE, challenge.commitment) and not daemon.pending
+        claims.append(s.tx(member, "submit-results", {"epoch": 1, "kind": "rechallenge", "results": [claim.body()]}))
+    assert s.block(*claims) == [(0, "ok")] * 2
+    finish(s, 1)
+    assert s.reputation(node) == expected(0)
+    assert all(s.faults(m) == [] for m in s.members)
