@@ -113,13 +113,18 @@ class Scored:
     tokens: int
 
 
+def _scores(ev: Evidence, node: bytes, submitter: bytes) -> list[tuple[bytes, int, int]]:
+    """The attestations of `submitter`'s result for `node` by members that hold power."""
+    return [s for s in ev.attestations.get((node, submitter), []) if s[0] in ev.power]
+
+
 def _attested(ev: Evidence, node: bytes, total: int, findings: list[Finding]
               ) -> list[tuple[ChallengeResult, Scored]]:
     """The node's candidate results that members holding more than 2/3 of the power attested, each with
     the median of its attestations; an attestation or a leader's proposal far from it is a finding."""
     attested = []
     for result in _candidates(ev.results.get(node, [])):
-        scores = [s for s in ev.attestations.get((node, result.submitter), []) if s[0] in ev.power]
+        scores = _scores(ev, node, result.submitter)
         if not rules.supermajority(_power([s[0] for s in scores], ev.power), total):
             continue
         value = median([c for _, c, _ in scores])
@@ -194,7 +199,7 @@ def _withheld(ev: Evidence, total: int) -> list[Finding]:
     missing: dict[bytes, int] = {}
     for node in ev.plan_nodes:
         for result in _candidates(ev.results.get(node, [])):
-            attesters = {s[0] for s in ev.attestations.get((node, result.submitter), []) if s[0] in ev.power}
+            attesters = {member for member, *_ in _scores(ev, node, result.submitter)}
             if result.height >= ev.attest_before or rules.supermajority(_power(attesters, ev.power), total):
                 continue
             unattested += 1

@@ -467,8 +467,8 @@ class Daemon:
             return
         plan = self.ledger.plan(number)[1]
         self._commit_tags(number, plan, tags_per_tx)
-        if upcoming + GIVE_UP_BLOCKS > rechallenge_cutoff(schedule, number):
-            return  # too late for an answer to come back before it would be claimed
+        if upcoming > last_rechallenge(schedule, number):
+            return
         results = self.ledger.results(number)
         answered = {r.node for r in results
                     if r.submitter == leader and r.status == VALID and not r.served_by}
@@ -517,12 +517,12 @@ class Daemon:
     def _sample_offset(self, number: int, node: bytes, schedule: Schedule) -> int:
         """The offset into epoch `number` from which this member sends its sampled re-challenge of `node`:
         keyed by this member's secret, spread from when the leader starts (`SETTLE_BLOCKS`) to the last
-        block a re-challenge is sent, `GIVE_UP_BLOCKS` before `rechallenge_cutoff`. So a node cannot tell
-        a sampled re-challenge from the leader's challenge by when it comes: one told its challenge by a
-        colluding leader, honest on it and cheating on the rest, meets re-challenges inside the results
-        window and after it alike, up to the epoch's closing windows."""
+        block a re-challenge is sent (`last_rechallenge`). So a node cannot tell a sampled re-challenge
+        from the leader's challenge by when it comes: one told its challenge by a colluding leader, honest
+        on it and cheating on the rest, meets re-challenges inside the results window and after it alike,
+        up to the epoch's closing windows."""
         low = min(SETTLE_BLOCKS, schedule.results_blocks // 2)
-        high = max(low, schedule.offset(rechallenge_cutoff(schedule, number)) - GIVE_UP_BLOCKS)
+        high = max(low, last_rechallenge(schedule, number) - schedule.start(number))
         digest = hashlib.blake2b(b"when" + number.to_bytes(8, "big") + node, key=bytes(self.keys.x25519),
                                  digest_size=8).digest()
         return low + int.from_bytes(digest, "big") % (high - low + 1)
@@ -576,12 +576,18 @@ class Daemon:
 
 def rechallenge_cutoff(schedule: Schedule, number: int) -> int:
     """The block from which a member claims each of its re-challenges of epoch `number` still out as
-    unanswered, and sends none GIVE_UP_BLOCKS before it: the one before the epoch's closing windows, so
+    unanswered (it sends none after `last_rechallenge`): the one before the epoch's closing windows, so
     the answers it reveals land before them, where every member must attest them
     (`finalization.Evidence.attest_before`). A node holding its answers back until those windows would
     otherwise have them revealed where a colluding member could leave them unattested without a fault;
     instead they are reported."""
     return schedule.setup_height(number) - 1
+
+
+def last_rechallenge(schedule: Schedule, number: int) -> int:
+    """The last block a member sends a re-challenge of epoch `number` in: `GIVE_UP_BLOCKS` before
+    `rechallenge_cutoff`, so its answer has time to come back before it would be claimed."""
+    return rechallenge_cutoff(schedule, number) - GIVE_UP_BLOCKS
 
 
 def _reason(text: str) -> str:

@@ -103,9 +103,10 @@ def end_block(batch: Batch, params: Params, height: int, time: int) -> list[Remo
     st = State(batch)
     committee = members(batch)
     current = st.epoch(number)
+    absent = _absent(st, params, number, committee)
     if current is not None:
-        _finalize(batch, st, params, current, committee, time)
-    _missed_blocks(st, params, number, committee)
+        _finalize(batch, st, params, current, committee, absent, time)
+    _missed_blocks(st, params, number, absent)
     removed = _remove_faulty(st, params, number, committee)
     for removal in removed:
         del committee[removal.operator]
@@ -126,10 +127,10 @@ def end_block(batch: Batch, params: Params, height: int, time: int) -> list[Remo
     return removed
 
 
-def _missed_blocks(st: State, params: Params, number: int, committee: dict[bytes, Member]) -> None:
+def _missed_blocks(st: State, params: Params, number: int, absent: frozenset[bytes]) -> None:
     """A `missed-blocks` fault for each member whose validator missed more than the allowed share of
-    the epoch's commits."""
-    for operator in sorted(_absent(st, params, number, committee)):
+    the epoch's commits (`_absent`)."""
+    for operator in sorted(absent):
         missed = st.missed(number, operator)
         st.add_fault(Fault(operator, number, "missed-blocks", b"",
                            f"missed {missed} of the epoch's {params.epoch_blocks} commits"))
@@ -170,8 +171,8 @@ def _remove_lapsed(st: State, committee: dict[bytes, Member], time: int) -> list
     return removed
 
 
-def _evidence(batch: Batch, epoch: Epoch, committee: dict[bytes, Member], params: Params
-              ) -> finalization.Evidence:
+def _evidence(batch: Batch, epoch: Epoch, committee: dict[bytes, Member], absent: frozenset[bytes],
+              params: Params) -> finalization.Evidence:
     n = epoch.number
     plan = [bytes.fromhex(k.rsplit(b"/", 1)[1].decode()) for k, _ in batch.iterate(layout.plan_prefix(n))]
     results: dict[bytes, list[ChallengeResult]] = defaultdict(list)
@@ -190,7 +191,7 @@ def _evidence(batch: Batch, epoch: Epoch, committee: dict[bytes, Member], params
         reports=reports, power={m.operator: m.power for m in committee.values()},
         tolerance=params.credibility_tolerance_ppm,
         attest_before=Schedule.from_params(params).setup_height(n),
-        absent=_absent(State(batch), params, n, committee),
+        absent=absent,
     )
 
 
@@ -209,14 +210,14 @@ def _scored(rule: reputation.ReputationRule, evidence_rule: evidence.EvidenceRul
 
 
 def _finalize(batch: Batch, st: State, params: Params, epoch: Epoch, committee: dict[bytes, Member],
-              time: int) -> None:
+              absent: frozenset[bytes], time: int) -> None:
     """Apply the epoch's verdicts to reputations, credit the organisations of verified, listed
     nodes for their serving time in the epoch, and record the epoch's faults. A node on probation
     earns nothing: it is not listed, so it served no users."""
     verdicts: list[finalization.Verdict] = []
     findings: list[finalization.Finding] = []
     if epoch.plan_status == PLAN_COMMITTED:
-        verdicts, findings = finalization.decide(_evidence(batch, epoch, committee, params))
+        verdicts, findings = finalization.decide(_evidence(batch, epoch, committee, absent, params))
         verdicts = finalization.to_pipelines(verdicts, credits.pipelines(st.iterate_deployments()))
     rule = reputation.ReputationRule.from_params(params)
     evidence_rule = evidence.EvidenceRule.from_params(params)
