@@ -16,7 +16,7 @@ from planetserve.genesis.network import free_ports
 from planetserve.models import load
 from planetserve.node.engine.builtin import BuiltinEngine
 from planetserve.node.home import ModelNodeConfig
-from planetserve.node.model_node import ModelNode
+from planetserve.node.model_node import Job, ModelNode
 from planetserve.node.routing.group import GroupView
 from planetserve.registry.entities import ModelNode as NodeRecord
 from planetserve.registry.epochs import SignedResponse
@@ -40,6 +40,32 @@ def make_node(data: Path, cls: type[ModelNode] = ModelNode, **overrides: object)
                            max_batch=cfg.capacity, cache_capacity_tokens=cfg.cache_tokens)
     return cls(cfg, KeySet.generate(), engine, loaded.tokenizer, vocab_size=engine.vocab_size,
                      eos_ids=loaded.stop_token_ids, group=None)
+
+
+class PartlyCheapNode(ModelNode):
+    """Serves the requests `cheats` picks with `cheap` (a smaller model's engine: `cheap_engine`), and the
+    rest with the model it registered."""
+
+    cheap: BuiltinEngine | None = None
+
+    def cheats(self, job: Job) -> bool:
+        return False
+
+    def _local(self, job, prompt_ids, generation, route_reason):  # type: ignore[no-untyped-def]
+        if self.cheap is None or not self.cheats(job):
+            return super()._local(job, prompt_ids, generation, route_reason)
+        registered, self.engine = self.engine, self.cheap
+        try:
+            return super()._local(job, prompt_ids, generation, route_reason)
+        finally:
+            self.engine = registered
+
+
+def cheap_engine(data: Path, node: ModelNode) -> BuiltinEngine:
+    """The quick family's tiny, served under gt's name with `node`'s engine settings."""
+    tiny = load("tiny", data_dir=data)
+    return BuiltinEngine(tiny.model, "gt", block_size=node.config.block_size, max_batch=node.config.capacity,
+                         cache_capacity_tokens=node.config.cache_tokens)
 
 
 def view(nodes: Iterable[ModelNode], height: int = 1) -> GroupView:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from concurrent.futures import Future
 
 import pytest
 from click.testing import CliRunner
@@ -114,12 +115,14 @@ def test_plan_parts_stay_under_the_limit_and_end_in_a_final_part():
 # -- reading a relay's answers ------------------------------------------------------------------
 
 
-def test_sampled_rechallenges_come_inside_the_results_window_and_after_it(tmp_path):
-    """A member's sampled re-challenges start at offsets its secret spreads from the leader's start (5) to
-    the last block one is sent, four before the block before the closing windows (26): most inside the
-    results window (16), where the leader's challenges come, the rest after it; the same member draws the
-    same after a restart, another member its own. With the default parameters they reach offset 85 of 100,
-    where halfway to the closing windows (70) left the rest of the epoch without a challenge."""
+def test_sampled_rechallenges_come_before_the_epoch_inside_its_results_window_and_after_it(tmp_path):
+    """A member's sampled re-challenges start at offsets its secret spreads from the first block one can be
+    sent, in the closing windows of the epoch before once this epoch's plan and tags can be committed (-12,
+    two blocks after that epoch's setup height), to the last, four before the block before this epoch's
+    closing windows (21): a third of them before the epoch starts, where its own re-challenges are no
+    longer sent, half inside the results window (16), where the leader's challenges come, the rest after
+    it; the same member draws the same after a restart, another member its own. With the default
+    parameters they reach from offset 92 of the epoch before to offset 85."""
     schedule = Schedule(epoch_blocks=40, results_blocks=16, vrf_window_blocks=10, plan_window_blocks=14)
     keys = KeySet.generate()
     channel = OverlayChannel("http://127.0.0.1:9")
@@ -127,17 +130,36 @@ def test_sampled_rechallenges_come_inside_the_results_window_and_after_it(tmp_pa
     other = Daemon(KeySet.generate(), None, {}, channel, None, tmp_path / "c")
     nodes = [KeySet.generate().public for _ in range(400)]
     offsets = [member._sample_offset(3, node, schedule) for node in nodes]
-    assert (min(offsets), max(offsets)) == (5, 21)
-    assert 0.5 < sum(o < schedule.results_blocks for o in offsets) / len(offsets) < 0.8  # 11 of 17 offsets
+    assert (min(offsets), max(offsets)) == (-12, 21)
+    assert schedule.start(3) - 12 == schedule.setup_height(2) + daemon_module.AHEAD_BLOCKS
+    assert 0.25 < sum(o < 0 for o in offsets) / len(offsets) < 0.45  # 12 of 34 offsets
+    assert 0.35 < sum(0 <= o < schedule.results_blocks for o in offsets) / len(offsets) < 0.6  # 16 of 34
     # the last is sent GIVE_UP_BLOCKS before re-challenges still out are claimed (block 25, the one before
     # the closing windows), and the daemon sends none later
     cutoff = schedule.offset(rechallenge_cutoff(schedule, 3))
     assert cutoff == 25 and max(offsets) + daemon_module.GIVE_UP_BLOCKS == cutoff
     defaults = Schedule.from_params(Params())
-    assert 70 < max(member._sample_offset(3, node, defaults) for node in nodes) <= 85  # 70: the old reach
+    spread = [member._sample_offset(3, node, defaults) for node in nodes]
+    assert min(spread) == -8 and 70 < max(spread) <= 85  # 70: the reach before, from offset 5
     assert offsets == [restarted._sample_offset(3, node, schedule) for node in nodes]
     assert offsets != [other._sample_offset(3, node, schedule) for node in nodes]
     assert offsets != [member._sample_offset(4, node, schedule) for node in nodes]
+
+
+def test_the_next_epochs_re_challenges_are_held_until_it_starts_and_dropped_by_its_leader(tmp_path):
+    """Answers of the next epoch's re-challenges, sent in this epoch's closing windows, wait in `pending`
+    for that epoch; an earlier epoch's are dropped. Elected to lead that epoch, the member drops them:
+    a leader re-challenges nothing, and its one result per node is its own challenge's."""
+    daemon = Daemon(KeySet.generate(), None, {}, OverlayChannel("http://127.0.0.1:9"), None, tmp_path)
+    node = KeySet.generate().public
+    waiting = {(number, node, kind): Future() for number in (2, 3, 4) for kind in ("leader", "rechallenge")}
+    daemon.pending.update(waiting)
+    assert daemon.results(3) == {"leader": [], "rechallenge": []}
+    assert set(daemon.pending) == {k for k in waiting if k[0] in (3, 4)}
+    assert all(waiting[k].cancelled() for k in waiting if k[0] == 2)
+    daemon._drop_rechallenges(4)
+    assert set(daemon.pending) == {(3, node, "leader"), (3, node, "rechallenge"), (4, node, "leader")}
+    assert waiting[4, node, "rechallenge"].cancelled()
 
 
 @pytest.mark.parametrize("stream", [False, True])

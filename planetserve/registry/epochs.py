@@ -7,7 +7,8 @@ block. In epoch e:
     offsets [0, L)                         members attest, report invalid responses, re-challenge
     the last vrf_window_blocks blocks      members submit VRF proofs electing the leader of e+1
     the last plan_window_blocks blocks     the leader of e commits the challenge plan of e+1; in the
-                                           last half of them, the backup planner may complete it
+                                           last half of them, the backup planner may complete it; once
+                                           it is committed, members commit re-challenges of e+1 too
     the last block, after its txs          e is finalized; e+1's leader is fixed
 
 The record of e+1 is created when the first of the two windows opens: its seed is then fixed, from

@@ -12,7 +12,9 @@ Due work, in order:
   overlay, score the answer and submit it with the proposed credibility;
 - always: score every valid result not yet attested and attest;
 - once the results window has closed: re-challenge every planned node without a valid leader result
-  (commitment first, then the challenge, then the revealed result, or an invalid claim).
+  (commitment first, then the challenge, then the revealed result, or an invalid claim);
+- from the epoch's plan on (in the closing windows of the epoch before), re-challenge a secret share of
+  its nodes, each from a secret block, holding the answers until the epoch starts.
 
 Challenges run in a thread pool so that a slow node never holds up attestations; a re-challenge's
 prompt and salt are written to a journal before its commitment, so a restart can still reveal it.
@@ -90,6 +92,9 @@ GIVE_UP_BLOCKS = 4
 window closes, so the claim lands in the window: a node that answers late, or answers the leader late
 on purpose and the members' re-challenges on time, costs the leader no `skipped-node` fault (and the
 claim, one report, has the members re-challenge it). A daemon ticks more often than this many blocks."""
+AHEAD_BLOCKS = 2
+"""An epoch's plan lands in the block after the setup height of the epoch before at the earliest, and a
+member's tags of it in the block after that: from then on its sampled re-challenges may be sent."""
 OVERDUE = f"no answer {GIVE_UP_BLOCKS} blocks before the results window closed"
 LATE = "no answer by the block before the epoch's closing windows"
 """A re-challenge still out at `rechallenge_cutoff` is claimed unanswered with this reason."""
@@ -196,6 +201,8 @@ class Daemon:
             if current is None:
                 return
             self._forget_before(number)
+            if current.leader == self.me:
+                self._drop_rechallenges(number)
             leading = current.leader == self.me and schedule.in_results(upcoming)
             overdue = {"leader"} if leading and not schedule.in_results(upcoming + GIVE_UP_BLOCKS) else set()
             if upcoming >= rechallenge_cutoff(schedule, number):
@@ -210,15 +217,25 @@ class Daemon:
             if planned and leading and settled and "leader" not in overdue:
                 self._lead(number)
             self._attest(number)
+            tags_per_tx = (params.max_tx_bytes - TX_MARGIN_BYTES) // TAG_BYTES
             if planned:
-                self._rechallenge(number, current.leader, schedule, upcoming,
-                                  (params.max_tx_bytes - TX_MARGIN_BYTES) // TAG_BYTES)
+                self._rechallenge(number, current.leader, schedule, upcoming, tags_per_tx)
+            if upcoming > schedule.setup_height(number):  # the next epoch's plan may be committed
+                following = self.ledger.epoch(number + 1)
+                if following is not None and following.plan_status == PLAN_COMMITTED:
+                    self._rechallenge(number + 1, None, schedule, upcoming, tags_per_tx)
 
     def _forget_before(self, number: int) -> None:
         """Past epochs' scores and refusals are of no more use (their transactions would be refused)."""
         self.scores = {k: v for k, v in self.scores.items() if k[0] >= number}
         self.given_up = {k for k in self.given_up if k[0] >= number}
         self.tagged = {n for n in self.tagged if n >= number}
+
+    def _drop_rechallenges(self, number: int) -> None:
+        """The leader of epoch `number` re-challenges nothing in it, and it submits one result per node:
+        the re-challenges it sent in the closing windows before, not knowing it would lead, go unrevealed."""
+        for key in [k for k in self.pending if k[0] == number and k[2] == "rechallenge"]:
+            self.pending.pop(key).cancel()
 
     def _open(self, window: Callable[[int], bool]) -> bool:
         """Whether the window still holds for the next block, by the endpoint's latest height: only a
@@ -358,14 +375,16 @@ class Daemon:
         """The entries of epoch `number`'s finished challenges by kind, taken out of `pending`; for the
         kinds `overdue`, the challenges still out too, each claimed unanswered (the leader's
         `GIVE_UP_BLOCKS` before its window closes, re-challenges at `rechallenge_cutoff`, naming the
-        commitment that opens their tags). Challenges of other epochs are dropped."""
+        commitment that opens their tags). The next epoch's re-challenges, sent in this one's closing
+        windows, are kept until it starts; other epochs' challenges are dropped."""
         entries: dict[str, list[Revealed | Unanswered]] = {"leader": [], "rechallenge": []}
         for key in sorted(self.pending):
             future = self.pending[key]
             epoch, node, kind = key
             if epoch != number:
-                future.cancel()
-                del self.pending[key]
+                if epoch != number + 1:
+                    future.cancel()
+                    del self.pending[key]
                 continue
             if not future.done():
                 if kind in overdue:
@@ -455,13 +474,14 @@ class Daemon:
                 entry = replace(entry, credibility=self.scores[number, asked.node, self.me][0])
         return entry
 
-    def _rechallenge(self, number: int, leader: bytes, schedule: Schedule, upcoming: int,
+    def _rechallenge(self, number: int, leader: bytes | None, schedule: Schedule, upcoming: int,
                      tags_per_tx: int) -> None:
         """Challenge, with a prompt of our own, each planned node the leader left without a valid result
         of the node's own (none, or one a peer computed, which shows the peer's model, not the node's)
         once the results window has closed, and a secret share of the nodes whatever the leader's result,
-        each from its secret offset into the epoch (`_sampled`, `_sample_offset`). Every challenge's tag
-        was committed at the epoch's start (`_commit_tags`); only where some part of them was not is a
+        each from its secret offset into the epoch (`_sampled`, `_sample_offset`), which may lie in the
+        closing windows of the epoch before (its `leader` then not yet known: None). Every challenge's tag
+        was committed once the plan was (`_commit_tags`); only where some part of them was not is a
         challenge's own tag looked up before it is sent."""
         if self.me == leader:
             return
@@ -473,12 +493,12 @@ class Daemon:
         answered = {r.node for r in results
                     if r.submitter == leader and r.status == VALID and not r.served_by}
         mine = {r.node for r in results if r.submitter == self.me}
-        after_results = not schedule.in_results(upcoming)
+        after_results = upcoming >= schedule.start(number) + schedule.results_blocks
         for entry in plan:
             key = (entry.node, "rechallenge")
             needed = after_results and entry.node not in answered
-            sampled = (self._sampled(number, entry.node)
-                       and schedule.offset(upcoming) >= self._sample_offset(number, entry.node, schedule))
+            sampled = (self._sampled(number, entry.node) and upcoming
+                       >= schedule.start(number) + self._sample_offset(number, entry.node, schedule))
             if (not (needed or sampled) or entry.node in mine
                     or (number, *key) in self.pending or not self._due(number, key)):
                 continue
@@ -491,10 +511,10 @@ class Daemon:
 
     def _commit_tags(self, number: int, plan: list[PlanEntry], tags_per_tx: int) -> None:
         """A challenge of every planned node this member can verify, journalled, its tag committed with
-        the others at the epoch's start, whether or not it will be sent: so neither when a member commits
-        nor how many tags it commits tells a node that it is about to be asked (a node watching the
-        ledger would otherwise answer honestly just after each commit, and cheaply the rest of the
-        epoch)."""
+        the others as soon as the plan is (in the closing windows of the epoch before), whether or not it
+        will be sent: so neither when a member commits nor how many tags it commits tells a node that it
+        is about to be asked (a node watching the ledger would otherwise answer honestly just after each
+        commit, and cheaply the rest of the epoch)."""
         if number in self.tagged or not self._due(number, "tags"):
             return
         unjournalled: dict[str, list[bytes]] = {}
@@ -516,12 +536,13 @@ class Daemon:
 
     def _sample_offset(self, number: int, node: bytes, schedule: Schedule) -> int:
         """The offset into epoch `number` from which this member sends its sampled re-challenge of `node`:
-        keyed by this member's secret, spread from when the leader starts (`SETTLE_BLOCKS`) to the last
-        block a re-challenge is sent (`last_rechallenge`). So a node cannot tell a sampled re-challenge
-        from the leader's challenge by when it comes: one told its challenge by a colluding leader, honest
-        on it and cheating on the rest, meets re-challenges inside the results window and after it alike,
-        up to the epoch's closing windows."""
-        low = min(SETTLE_BLOCKS, schedule.results_blocks // 2)
+        keyed by this member's secret, spread from the first block one can be sent (`first_rechallenge`,
+        in the epoch before: a negative offset) to the last (`last_rechallenge`). So a node cannot tell a
+        sampled re-challenge from the leader's challenge by when it comes: one told its challenge by a
+        colluding leader, honest on it and cheating on the rest, meets re-challenges inside the results
+        window and after it alike, up to the epoch's closing windows; and one that cheats in the closing
+        windows, where the epoch before sends none, meets this epoch's."""
+        low = first_rechallenge(schedule, number) - schedule.start(number)
         high = max(low, last_rechallenge(schedule, number) - schedule.start(number))
         digest = hashlib.blake2b(b"when" + number.to_bytes(8, "big") + node, key=bytes(self.keys.x25519),
                                  digest_size=8).digest()
@@ -582,6 +603,13 @@ def rechallenge_cutoff(schedule: Schedule, number: int) -> int:
     otherwise have them revealed where a colluding member could leave them unattested without a fault;
     instead they are reported."""
     return schedule.setup_height(number) - 1
+
+
+def first_rechallenge(schedule: Schedule, number: int) -> int:
+    """The first block a member sends a sampled re-challenge of epoch `number` in: `AHEAD_BLOCKS` after
+    the setup height of the epoch before, in its closing windows, where that epoch sends none of its own
+    (`last_rechallenge`); their answers are revealed once `number` starts."""
+    return schedule.setup_height(number - 1) + AHEAD_BLOCKS
 
 
 def last_rechallenge(schedule: Schedule, number: int) -> int:

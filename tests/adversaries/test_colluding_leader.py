@@ -8,7 +8,8 @@ with the reference model and submit on the in-process chain; the colluding membe
 answers as honest.
 
 Each honest member re-challenges the node on its own secret coin (`Daemon._sampled`). In every epoch in
-which enough coins came up (one for the cheap node, whose cheap answer is scored; members holding more
+which enough coins came up (one for the cheap node, whose cheap answer is scored, unless it happens to be
+the registered model's own, as a short greedy answer can be; members holding more
 than a third of the power for the idle one, whose silence is reported), the node's C(T) is cut and its
 organisation earns nothing for the epoch; the epochs it escapes are exactly the others. The honest node
 beside it and every honest member are never touched. A colluder that withholds its attestations of the
@@ -26,7 +27,8 @@ from pathlib import Path
 import pytest
 from committee import EPOCH_PARAMS, HONEST, Script, finish
 from harness import AppHarness, sqlite_url
-from modelnodes import make_node
+from inprocess import InProcessLedger
+from modelnodes import PartlyCheapNode, cheap_engine, make_node
 from overlaynet import start_apart
 from waiting import run
 
@@ -34,10 +36,8 @@ from planetserve.chain import layout
 from planetserve.chain.keys import KeySet
 from planetserve.models import load
 from planetserve.node.api.openai import overloaded
-from planetserve.node.engine.builtin import BuiltinEngine
-from planetserve.node.model_node import ModelNode
+from planetserve.node.model_node import Job, ModelNode
 from planetserve.registry import finalization
-from planetserve.registry.entities import ModelNode as NodeRecord
 from planetserve.registry.epochs import VALID, ChallengeResult
 from planetserve.registry.reputation import ReputationRule
 from planetserve.verifier import ReferenceModel
@@ -59,36 +59,19 @@ MAX_EPOCHS = 16
 colluder leads) to 0.55 (an honest member leads, and two coins must come up): all sixteen about 1e-5."""
 
 
-class TippedNode(ModelNode):
+class TippedNode(PartlyCheapNode):
     """Answers the prompts it was told with the model it registered; every other request, users' and
-    re-challenges alike, with `cheap` (a smaller model's engine) or, without one, not at all."""
+    re-challenges alike, with `cheap` or, without one, not at all."""
 
     told: set[str]
-    cheap: BuiltinEngine | None
+
+    def cheats(self, job: Job) -> bool:
+        return job.prompt not in self.told
 
     async def produce(self, job, prompt_ids, generation, options, *, whole=False):  # type: ignore[no-untyped-def]
         if job.prompt not in self.told and self.cheap is None:
             raise overloaded()
         return await super().produce(job, prompt_ids, generation, options, whole=whole)
-
-    def _local(self, job, prompt_ids, generation, route_reason):  # type: ignore[no-untyped-def]
-        if job.prompt in self.told or self.cheap is None:
-            return super()._local(job, prompt_ids, generation, route_reason)
-        registered, self.engine = self.engine, self.cheap
-        try:
-            return super()._local(job, prompt_ids, generation, route_reason)
-        finally:
-            self.engine = registered
-
-
-@dataclass(frozen=True)
-class ChainReads:
-    """The one ledger read the daemons' scoring makes (`ledger.node`), from the in-process chain."""
-
-    s: Script
-
-    def node(self, key: bytes) -> NodeRecord | None:
-        return self.s.state.node(key)
 
 
 @dataclass(frozen=True)
@@ -96,6 +79,9 @@ class Played:
     number: int
     samplers: int
     """Honest members whose coin came up for the tipped node (the leader does not re-challenge)."""
+    told_apart: int
+    """Those of them whose reference model told its answer from the registered model's: a cheap answer
+    that is the registered model's own (a short greedy one that both models end alike) is no cheat."""
     credibility: int
     """The tipped node's C(T) this epoch."""
     earned: int
@@ -162,7 +148,10 @@ def play(s: Script, daemons: dict[bytes, Daemon], colluder: KeySet, tipped: Tipp
     before = s.state.credits("org2").earned
     finish(s, number)
     assert s.state.reputation(honest).window[-1] == HONEST and s.state.reputation(honest).trusted
-    return Played(number, samplers, s.state.reputation(node).window[-1], s.state.credits("org2").earned - before)
+    told_apart = sum(daemons[member].scores.get((number, node, member), (HONEST, 0))[0] < HONEST
+                     for member in own if member != colluder.public)
+    return Played(number, samplers, told_apart, s.state.reputation(node).window[-1],
+                  s.state.credits("org2").earned - before)
 
 
 Epochs = Callable[[Script, dict[bytes, Daemon], KeySet, TippedNode, bytes], list[Played]]
@@ -188,7 +177,7 @@ def collude(quick_family: Path, tmp_path: Path, cheap: bool, epochs: Epochs, sha
         daemons = {}
         for key, member in s.members.items():
             (tmp_path / key.hex()).mkdir()
-            daemons[key] = Daemon(member, ChainReads(s), {"gt": reference}, channel,
+            daemons[key] = Daemon(member, InProcessLedger(s.h), {"gt": reference}, channel,
                                   ChallengeSource("mixed", scale=SCALE, max_prompt_len=MAX_PROMPT, length=length),
                                   tmp_path / key.hex(), rechallenge_share=share)
         s.run_election_and_plan(1)
@@ -202,10 +191,7 @@ def collude(quick_family: Path, tmp_path: Path, cheap: bool, epochs: Epochs, sha
     async def main() -> tuple[Script, KeySet, list[Played]]:
         honest, tipped = make_node(quick_family), make_node(quick_family, TippedNode)
         tipped.told = set()
-        tiny = load("tiny", quick_family)
-        tipped.cheap = BuiltinEngine(tiny.model, "gt", block_size=tipped.config.block_size,
-                                     max_batch=tipped.config.capacity,
-                                     cache_capacity_tokens=tipped.config.cache_tokens) if cheap else None
+        tipped.cheap = cheap_engine(quick_family, tipped) if cheap else None
         net = await start_apart([honest, tipped])  # neither forwards to the other
         try:
             return await asyncio.to_thread(committee, net.client.http_url, honest, tipped)
@@ -223,9 +209,9 @@ def test_a_node_told_its_challenge_by_a_colluding_member_is_caught_wherever_it_c
     monkeypatch.setattr(daemon_module, "RETRY_DELAY_S", 0.0)
 
     def caught(epoch: Played) -> bool:
-        """Enough coins came up: one scored cheap answer, or reports from more than a third of the power
-        (four members of equal power)."""
-        return epoch.samplers >= 1 if cheap else 3 * epoch.samplers > 4
+        """Enough coins came up: one scored cheap answer that is not the registered model's own, or reports
+        from more than a third of the power (four members of equal power)."""
+        return epoch.told_apart >= 1 if cheap else 3 * epoch.samplers > 4
 
     def until_caught(s: Script, daemons: dict[bytes, Daemon], colluder: KeySet, tipped: TippedNode,
                      honest: bytes) -> list[Played]:

@@ -130,3 +130,34 @@ def test_a_node_outside_the_committee_opens_no_sealed_copy_of_its_challenge(s):
             open_plan_entry(entry, operator, own)
     state = s.h.registry_state()
     assert not any(challenge.prompt.encode() in k or challenge.prompt.encode() in v for k, v in state.items())
+
+
+def test_the_next_epochs_re_challenges_are_committed_once_its_plan_is_and_revealed_once_it_starts(s):
+    """Members re-challenge the next epoch's nodes through this epoch's closing windows: its tags are
+    taken once its plan is committed (not before, and never a later epoch's), counted against its plan,
+    and opened once it starts, by an answer the node signed before it did."""
+    s.run_election_and_plan(1)
+    node0, node1 = list(s.nodes)
+    member = next(m for m in s.members.values())
+    challenge = Challenge.new("How do tides work?", TEMPERATURE)
+    s.run_to(s.schedule.setup_height(1))
+    early, later = s.block(s.tx(member, "commit-rechallenge", {"epoch": 2, "tags": [challenge.tag(node0)]}),
+                           s.tx(member, "commit-rechallenge", {"epoch": 3, "tags": [challenge.tag(node0)]}))
+    assert early == (Code.UNKNOWN_ENTITY, "unknown entity: epoch 2 has no committed plan")
+    assert later == (Code.EXPIRED, "expired: re-challenges are committed for epoch 1, or for epoch 2 once its "
+                                   "plan is committed; not for epoch 3")
+    plan_txs, _ = s.plan_txs(2)
+    assert all(code == 0 for code, _ in s.block(*plan_txs, *s.vrf_txs(2)))
+    assert s.h.height < s.schedule.end(1)  # still epoch 1, its closing windows
+    extra = [Challenge.new(f"Why is the sea salty, {i}?", TEMPERATURE).tag(node1) for i in (2, 3)]
+    too_many, taken = s.block(
+        s.tx(member, "commit-rechallenge", {"epoch": 2, "tags": [challenge.tag(node0), *extra]}),
+        s.tx(member, "commit-rechallenge", {"epoch": 2, "tags": [challenge.tag(node0)]}))
+    assert too_many[0] == Code.UNAUTHORIZED and "more re-challenges than epoch 2 plans nodes (2)" in too_many[1]
+    assert taken == (0, "ok")
+    answer = s.answer(node0, challenge)  # signed now, in epoch 1
+    assert s.h.height == s.schedule.end(1)
+    assert s.block(s.tx(member, "submit-results", {"epoch": 2, "kind": "rechallenge",
+                                                   "results": [challenge.reveal(answer)]})) == [(0, "ok")]
+    assert s.state.result(2, node0, member.public).status == epochs.VALID
+    assert answer.time < s.epoch(2).start_time

@@ -308,11 +308,17 @@ def report_invalid(ctx: Context, msg: ReportInvalid) -> None:
 
 def commit_rechallenge(ctx: Context, msg: CommitRechallenge) -> None:
     """Tags, not nodes: which node is asked again stays hidden until the answer is revealed. A member
-    commits at most as many re-challenges in an epoch as it plans nodes."""
+    commits at most as many re-challenges in an epoch as it plans nodes. The next epoch's are taken as
+    soon as its plan is committed, so that members re-challenge its nodes through this epoch's closing
+    windows, which would otherwise be free of challenges, and reveal the answers once it starts."""
     ctx.require_member()
-    number, epoch = _current(ctx)
-    _expect_epoch(msg.epoch, number)
-    if epoch.plan_status != PLAN_COMMITTED:
+    current, _ = _current(ctx)
+    number = msg.epoch
+    if number not in (current, current + 1):
+        raise Expired(f"re-challenges are committed for epoch {current}, or for epoch {current + 1} once its "
+                      f"plan is committed; not for epoch {number}")
+    epoch = ctx.state.epoch(number)
+    if epoch is None or epoch.plan_status != PLAN_COMMITTED:
         raise UnknownEntity(f"epoch {number} has no committed plan")
     for tag in msg.tags:
         if ctx.state.rechallenge(number, ctx.signer, tag) is not None:
