@@ -30,7 +30,7 @@ class Script:
 
     def __init__(self, h: AppHarness, nodes: int = 2, model_id: str = "gt") -> None:
         self.h = h
-        self.schedule = Schedule.from_params(EPOCH_PARAMS)
+        self.schedule = Schedule.from_params(h.app.params)
         self.owner = KeySet.generate()
         self.nodes = {k.public: k for k in sorted((KeySet.generate() for _ in range(nodes)),
                                                   key=lambda k: k.public)}

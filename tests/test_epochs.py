@@ -25,6 +25,7 @@ from planetserve.chain.keys import KeySet
 from planetserve.chain.messages.epochs import PlanItem
 from planetserve.registry import codec, epochs, reputation
 from planetserve.registry.epochs import PlanEntry
+from planetserve.registry.params import Params
 
 
 @pytest.fixture
@@ -636,3 +637,51 @@ def test_an_attestation_cannot_count_more_deviating_tokens_than_the_answer_has(s
     code, log = s.block(*s.attest_txs(1, leader.public, {node0: HONEST}, [member], deviations={node0: 4}))[0]
     assert code == Code.INVALID_FIELD and "4 deviating tokens in an answer of 3" in log
     assert s.block(*s.attest_txs(1, leader.public, {node0: HONEST}, [member], deviations={node0: 3})) == [(0, "ok")]
+
+
+LONG = replace(EPOCH_PARAMS, epoch_blocks=40, results_blocks=16, vrf_window_blocks=14, plan_window_blocks=14)
+"""Epochs of the localnet's length and plan window (the Script proves and plans in one block, so the VRF
+window is as long): the setup height at offset 26, the last four blocks from offset 36."""
+
+
+def test_results_revealed_before_the_epochs_last_four_blocks_must_be_attested(tmp_path):
+    """Members' re-challenges run into the closing windows (until the next epoch's take over), so every
+    result revealed before the epoch's last `ATTEST_BLOCKS` blocks must be attested: one that members
+    holding more than 2/3 of the power left unattested is each other present member's
+    `withheld-attestation`, revealed after the setup height or not; one revealed in the last four is not.
+    Where the closing windows are shorter than that, the setup height stays the deadline."""
+    s = Script(AppHarness(sqlite_url(tmp_path), members=4, params=LONG), nodes=1)
+    (node,) = s.nodes
+    s.run_election_and_plan(1)
+    leader = s.leader(1)
+    assert s.block(s.tx(leader, "submit-results", s.leader_results(1, HONEST))) == [(0, "ok")]
+    assert all(c == 0 for c, _ in s.block(*s.attest_txs(1, leader.public, {node: HONEST})))
+    early, late, bystander = others(s, 1)
+    own = {m.public: Challenge.new(f"{i}: why do leaves fall?", TEMPERATURE) for i, m in enumerate((early, late))}
+    assert all(c == 0 for c, _ in s.block(*(s.tx(m, "commit-rechallenge", {"epoch": 1, "tags": [own[m.public].tag(node)]})
+                                            for m in (early, late))))
+    deadline = s.schedule.attest_before(1)
+    assert s.schedule.offset(deadline) == 36 and deadline - s.schedule.setup_height(1) == 10
+
+    def reveal(member, height: int) -> None:
+        """`member`'s re-challenge revealed at `height`, attested by itself and the leader only."""
+        s.run_to(height)
+        challenge = own[member.public]
+        assert s.block(s.tx(member, "submit-results", {"epoch": 1, "kind": "rechallenge", "results": [
+            challenge.reveal(s.answer(node, challenge)).body()]})) == [(0, "ok")]
+        assert all(c == 0 for c, _ in s.block(*s.attest_txs(1, member.public, {node: HONEST}, [member, leader])))
+
+    s.run_to(s.schedule.setup_height(1))
+    s.h.block()  # the setup block creates the record of epoch 2, whose plan and leader come next
+    plan_txs, _ = s.plan_txs(2)
+    assert all(c == 0 for c, _ in s.block(*plan_txs, *s.vrf_txs(2)))
+    reveal(early, deadline - 2)  # after the setup height, before the last four blocks
+    reveal(late, deadline)
+    s.run_to(s.schedule.start(2) + 1)
+    assert s.epoch(1).finalized
+    assert s.faults(bystander.public) == ["withheld-attestation"]
+    assert s.faults(late.public) == ["withheld-attestation"]  # for the early one, not for its own
+    assert s.faults(early.public) == [] and s.faults(leader.public) == []
+    defaults, short = epochs.Schedule.from_params(Params()), epochs.Schedule.from_params(EPOCH_PARAMS)
+    assert defaults.offset(defaults.attest_before(3)) == 96 and defaults.attest_before(3) == defaults.end(3) - 3
+    assert short.attest_before(1) == short.setup_height(1)

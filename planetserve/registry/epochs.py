@@ -47,6 +47,9 @@ NO_PLAN = "no-plan"
 """The fault of a plan leader whose epoch's plan it left uncommitted: recorded at the epoch's end when
 nobody committed it, and when its backup planner did."""
 RESULT_KINDS = ("leader", "rechallenge")
+ATTEST_BLOCKS = 4
+"""Blocks every member has, at least, to attest a result revealed before them: the epoch's last ones,
+within which a revealed result need not be attested (`Schedule.attest_before`)."""
 VALID, INVALID, FAULTY = "valid", "invalid", "faulty"
 
 
@@ -90,6 +93,14 @@ class Schedule:
     def setup_height(self, epoch: int) -> int:
         """The block of epoch `epoch` at which the record of epoch + 1 is created."""
         return self.end(epoch) - max(self.vrf_window_blocks, self.plan_window_blocks) + 1
+
+    def attest_before(self, epoch: int) -> int:
+        """The first block of epoch `epoch` whose revealed results need not be attested: `ATTEST_BLOCKS`
+        before its end, and never before the setup height. Every valid result revealed earlier that
+        members holding more than 2/3 of the power left unattested is the others' `withheld-attestation`
+        (registry/finalization.py), so that members' re-challenges can run into the closing windows, up
+        to where the next epoch's take over, with every answer they reveal attested."""
+        return max(self.setup_height(epoch), self.end(epoch) - ATTEST_BLOCKS + 1)
 
 
 def epoch_seed(previous_seed: bytes, drawn: Iterable[tuple[bytes, bytes]], epoch: int) -> bytes:

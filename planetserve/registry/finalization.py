@@ -64,7 +64,8 @@ class Evidence:
     power: dict[bytes, int]
     tolerance: int
     attest_before: int
-    """Results submitted below this height left every member the closing windows to attest them."""
+    """Results submitted below this height left every member time to attest them
+    (`Schedule.attest_before`)."""
     absent: frozenset[bytes]
     """Members whose validators missed the epoch (their `missed-blocks` fault says so already)."""
 

@@ -96,7 +96,7 @@ AHEAD_BLOCKS = 2
 """An epoch's plan lands in the block after the setup height of the epoch before at the earliest, and a
 member's tags of it in the block after that: from then on its sampled re-challenges may be sent."""
 OVERDUE = f"no answer {GIVE_UP_BLOCKS} blocks before the results window closed"
-LATE = "no answer by the block before the epoch's closing windows"
+LATE = "no answer in time to be revealed where every member must attest it"
 """A re-challenge still out at `rechallenge_cutoff` is claimed unanswered with this reason."""
 SIGNED_TIME_TOLERANCE_S = 60
 """How far from its arrival an answer's signed time may be: half the chain's default slack, so an answer
@@ -540,8 +540,8 @@ class Daemon:
         in the epoch before: a negative offset) to the last (`last_rechallenge`). So a node cannot tell a
         sampled re-challenge from the leader's challenge by when it comes: one told its challenge by a
         colluding leader, honest on it and cheating on the rest, meets re-challenges inside the results
-        window and after it alike, up to the epoch's closing windows; and one that cheats in the closing
-        windows, where the epoch before sends none, meets this epoch's."""
+        window and after it alike; and where the epoch before's own re-challenges stop, in its closing
+        windows, this epoch's have begun (with the defaults, the one block after the other)."""
         low = first_rechallenge(schedule, number) - schedule.start(number)
         high = max(low, last_rechallenge(schedule, number) - schedule.start(number))
         digest = hashlib.blake2b(b"when" + number.to_bytes(8, "big") + node, key=bytes(self.keys.x25519),
@@ -597,18 +597,18 @@ class Daemon:
 
 def rechallenge_cutoff(schedule: Schedule, number: int) -> int:
     """The block from which a member claims each of its re-challenges of epoch `number` still out as
-    unanswered (it sends none after `last_rechallenge`): the one before the epoch's closing windows, so
-    the answers it reveals land before them, where every member must attest them
-    (`finalization.Evidence.attest_before`). A node holding its answers back until those windows would
-    otherwise have them revealed where a colluding member could leave them unattested without a fault;
-    instead they are reported."""
-    return schedule.setup_height(number) - 1
+    unanswered (it sends none after `last_rechallenge`): the one before the epoch's last blocks, where a
+    revealed result need not be attested (`Schedule.attest_before`), so that every answer it reveals must
+    be attested by every member. A node holding its answers back until those blocks would otherwise have
+    them revealed where a colluding member could leave them unattested without a fault; instead they are
+    reported."""
+    return schedule.attest_before(number) - 1
 
 
 def first_rechallenge(schedule: Schedule, number: int) -> int:
     """The first block a member sends a sampled re-challenge of epoch `number` in: `AHEAD_BLOCKS` after
-    the setup height of the epoch before, in its closing windows, where that epoch sends none of its own
-    (`last_rechallenge`); their answers are revealed once `number` starts."""
+    the setup height of the epoch before, in its closing windows, which that epoch's own re-challenges
+    reach only up to its `last_rechallenge`; their answers are revealed once `number` starts."""
     return schedule.setup_height(number - 1) + AHEAD_BLOCKS
 
 

@@ -1,10 +1,10 @@
 """A model node that cheats where members' re-challenges used not to reach: an epoch's closing windows and
 the next epoch's first blocks (docs/threat-model.md, "Recognising challenges"). Reading the daemon, it
-knew that an epoch's own re-challenges stop at `last_rechallenge`, so that their answers are revealed
-before the closing windows, and that the next leader's challenges start `SETTLE_BLOCKS` into the next
-epoch; between the two it serves a cheaper model (tiny), and the model it registered elsewhere. Members
-now commit the next epoch's re-challenges as soon as its plan is, send them from `first_rechallenge`, in
-those windows, and reveal the answers once it starts.
+knows that an epoch's own re-challenges stop at `last_rechallenge`, so that their answers are revealed
+where every member must attest them, and that the next leader's challenges start `SETTLE_BLOCKS` into
+the next epoch; between the two it serves a cheaper model (tiny), and the model it registered elsewhere.
+Members now commit the next epoch's re-challenges as soon as its plan is, send them from
+`first_rechallenge`, in those windows, and reveal the answers once it starts.
 
 Four members' real daemons tick block by block against the in-process chain, doing all of an epoch's
 work themselves (proofs, plans, the leader's challenges, re-challenges, attestations), and ask through a
@@ -37,7 +37,13 @@ from planetserve.registry.reputation import ReputationRule
 from planetserve.verifier import ReferenceModel
 from planetserve.verifier import daemon as daemon_module
 from planetserve.verifier.challenges import ChallengeSource
-from planetserve.verifier.daemon import SETTLE_BLOCKS, Daemon, first_rechallenge, last_rechallenge
+from planetserve.verifier.daemon import (
+    SETTLE_BLOCKS,
+    Daemon,
+    first_rechallenge,
+    last_rechallenge,
+    rechallenge_cutoff,
+)
 from planetserve.verifier.overlay import OverlayChannel
 
 PARAMS = replace(EPOCH_PARAMS, epoch_blocks=40, results_blocks=16, vrf_window_blocks=10, plan_window_blocks=14,
@@ -46,21 +52,23 @@ PARAMS = replace(EPOCH_PARAMS, epoch_blocks=40, results_blocks=16, vrf_window_bl
 answers they sign by their clocks stay within the slack."""
 SCHEDULE = Schedule.from_params(PARAMS)
 RULE = ReputationRule.from_params(PARAMS)
-MAX_EPOCHS = 8
+MAX_EPOCHS = 20
 """Epochs played until the node is caught. Each honest member sends its re-challenge of the node (a coin
-of 2/3) from an offset in [-12, 21], half of them in the window: a member catches it with probability
-about 1/3, one of three about 0.7 an epoch, and all eight epochs escape about 1e-4 of the time."""
+of 2/3) from an offset in [-12, 31], 13 of the 44 in the window: a member catches it with probability
+about 1/5, one of three about 0.5 an epoch, and all twenty epochs escape about 1e-6 of the time."""
 
 
 class ClosingWindowNode(PartlyCheapNode):
     """Cheats whenever the block to come lies after its epoch's `last_rechallenge` or before the next
-    leader's start, as it reads the ledger's height; records the height of each prompt it cheated on."""
+    leader's start, as it reads the ledger's height; records the height each prompt came at, and those
+    it cheated on."""
 
     height: Callable[[], int]
+    asked: dict[str, int]
     cheated: dict[str, int]
 
     def cheats(self, job: Job) -> bool:
-        upcoming = self.height() + 1
+        upcoming = self.asked[job.prompt] = self.height() + 1
         if not unchecked_before(upcoming):
             return False
         self.cheated[job.prompt] = upcoming
@@ -131,6 +139,12 @@ def test_a_node_cheating_in_the_closing_windows_meets_the_next_epochs_re_challen
                 cheap = sorted(node.cheated[r.prompt] for r in results(s, number)
                                if r.node == node.keys.public and r.prompt in node.cheated and any(
                                    score < HONEST for _, score, _ in s.state.attestations(number, r.node, r.submitter)))
+                # every re-challenge of the epoch came once its tags could be committed, and early enough for
+                # its answer to be revealed before the epoch's closing windows
+                sent = [node.asked[r.prompt] for r in results(s, number)
+                        if r.node == node.keys.public and r.kind == "rechallenge" and r.prompt in node.asked]
+                assert all(first_rechallenge(SCHEDULE, number) <= height < rechallenge_cutoff(SCHEDULE, number)
+                           for height in sent), (number, sent)
                 rep = s.state.reputation(node.keys.public)
                 assert rep is not None and rep.last_epoch == number, f"epoch {number} did not score the node"
                 played.append(Played(number, cheap, rep.window[-1]))
@@ -147,7 +161,7 @@ def test_a_node_cheating_in_the_closing_windows_meets_the_next_epochs_re_challen
 
     async def main() -> tuple[Script, list[Played]]:
         honest, node = make_node(quick_family), make_node(quick_family, ClosingWindowNode)
-        node.cheated = {}
+        node.asked, node.cheated = {}, {}
         node.cheap = cheap_engine(quick_family, node)
         net = await start_apart([honest, node])  # neither forwards to the other
         try:

@@ -190,7 +190,7 @@ def _evidence(batch: Batch, epoch: Epoch, committee: dict[bytes, Member], absent
         leader=epoch.leader, plan_nodes=plan, results=dict(results), attestations=attestations,
         reports=reports, power={m.operator: m.power for m in committee.values()},
         tolerance=params.credibility_tolerance_ppm,
-        attest_before=Schedule.from_params(params).setup_height(n),
+        attest_before=Schedule.from_params(params).attest_before(n),
         absent=absent,
     )
 
