@@ -1,21 +1,42 @@
 """The ledger client over the in-process chain: the real `LedgerClient`'s typed reads, with its two
 primitive reads (one key, one prefix) answered from the harness's committed state and each submitted
 transaction carried by a block of its own, so that real verifier daemons tick against a chain that a test
-drives block by block. Nothing is proven: the state is the app's own."""
+drives block by block (`LiveCommittee`). Nothing is proven: the state is the app's own."""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import hashlib
-from collections.abc import Iterator
-from typing import Any
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
 
-from harness import AppHarness
+from committee import Script
+from harness import AppHarness, sqlite_url
+from modelnodes import make_node
+from overlaynet import start_apart
+from waiting import run
 
+from planetserve.chain import layout
 from planetserve.chain.client import LedgerClient, Listing, Submitted
 from planetserve.chain.keys import KeySet
 from planetserve.chain.messages.base import Message
 from planetserve.chain.rpc import TxOutcome
+from planetserve.models import load
+from planetserve.node.model_node import ModelNode
+from planetserve.registry.epochs import ChallengeResult, Schedule
+from planetserve.registry.params import Params
+from planetserve.verifier import ReferenceModel
+from planetserve.verifier.challenges import ChallengeSource
+from planetserve.verifier.config import RECHALLENGE_SHARE
+from planetserve.verifier.daemon import Daemon
+from planetserve.verifier.overlay import OverlayChannel
+
+T = TypeVar("T")
 
 
 class _Status:
@@ -54,3 +75,81 @@ class InProcessLedger(LedgerClient):
 
     def verified_outcome(self, done: Submitted) -> Submitted:
         return done
+
+
+def tick_all(h: AppHarness, daemons: Iterable[Daemon]) -> None:
+    """Each daemon's tick at the chain's height, waiting for the answers to what it sent before the next
+    one ticks (so that a node answers at the height it was asked at); then an empty block."""
+    for daemon in daemons:
+        daemon.tick()
+        concurrent.futures.wait(list(daemon.pending.values()), timeout=300)
+    h.block()
+
+
+@dataclass
+class LiveCommittee:
+    """Four members' real daemons doing all of their work (proofs, plans, the leader's challenges,
+    re-challenges, attestations) block by block on the in-process chain, asking through a real user
+    relay an honest node of org1 and `node`, of org2: real model nodes that do not forward to each other."""
+
+    s: Script
+    daemons: dict[bytes, Daemon]
+    honest: ModelNode
+    node: ModelNode
+
+    @property
+    def schedule(self) -> Schedule:
+        return self.s.schedule
+
+    def epoch(self) -> int:
+        """Through the epoch of the next block to its end, where it is finalized; its number."""
+        number = self.schedule.epoch_of(self.s.h.height + 1)
+        while self.schedule.epoch_of(self.s.h.height) <= number:
+            tick_all(self.s.h, self.daemons.values())
+        return number
+
+    def results(self, number: int) -> list[ChallengeResult]:
+        return layout.decode_records(list(self.s.h.store.batch().iterate(layout.result_prefix(number))),
+                                     ChallengeResult)
+
+
+def live_committee(data: Path, tmp_path: Path, params: Params, node: ModelNode, play: Callable[[LiveCommittee], T],
+                   share: float = RECHALLENGE_SHARE) -> T:
+    """`play` on a LiveCommittee with `node` (its `cheap` engine, if any, closed after), the chain's
+    clock starting now so that the nodes' signed times fall in its slack; the daemons re-challenge a
+    `share` of the nodes whatever the leader's result."""
+    reference = ReferenceModel.from_loaded(load("gt", data), model_id="gt")
+
+    def committee(relay: str, honest: ModelNode) -> T:
+        s = Script(AppHarness(sqlite_url(tmp_path), members=4, params=params, genesis_time=int(time.time())),
+                   nodes=0)
+        s.register_node(s.owner, "org1", honest.keys, honest.config.address)
+        other = KeySet.generate()
+        assert s.block(s.tx(other, "register-org", {"org_id": "org2", "name": "Org Two"})) == [(0, "ok")]
+        s.register_node(other, "org2", node.keys, node.config.address)
+        channel = OverlayChannel(relay, max_tokens=64)
+        length = lambda text: len(honest.tokenizer(text)["input_ids"])  # noqa: E731
+        daemons = {}
+        for key, member in s.members.items():
+            (tmp_path / key.hex()).mkdir()
+            daemons[key] = Daemon(member, InProcessLedger(s.h), {"gt": reference}, channel,
+                                  ChallengeSource("mixed", scale=0.05, max_prompt_len=256, length=length),
+                                  tmp_path / key.hex(), rechallenge_share=share)
+        try:
+            return play(LiveCommittee(s, daemons, honest, node))
+        finally:
+            for daemon in daemons.values():
+                daemon.pool.shutdown(wait=False, cancel_futures=True)
+
+    async def main() -> T:
+        honest = make_node(data)
+        net = await start_apart([honest, node])
+        try:
+            return await asyncio.to_thread(committee, net.client.http_url, honest)
+        finally:
+            await net.close()
+            cheap = getattr(node, "cheap", None)
+            if cheap is not None:
+                await cheap.close()
+
+    return run(main(), timeout=1500)

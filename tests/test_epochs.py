@@ -641,14 +641,14 @@ def test_an_attestation_cannot_count_more_deviating_tokens_than_the_answer_has(s
 
 LONG = replace(EPOCH_PARAMS, epoch_blocks=40, results_blocks=16, vrf_window_blocks=14, plan_window_blocks=14)
 """Epochs of the localnet's length and plan window (the Script proves and plans in one block, so the VRF
-window is as long): the setup height at offset 26, the last four blocks from offset 36."""
+window is as long): the setup height at offset 26, the last eight blocks from offset 32."""
 
 
-def test_results_revealed_before_the_epochs_last_four_blocks_must_be_attested(tmp_path):
+def test_results_revealed_before_the_epochs_last_eight_blocks_must_be_attested(tmp_path):
     """Members' re-challenges run into the closing windows (until the next epoch's take over), so every
     result revealed before the epoch's last `ATTEST_BLOCKS` blocks must be attested: one that members
     holding more than 2/3 of the power left unattested is each other present member's
-    `withheld-attestation`, revealed after the setup height or not; one revealed in the last four is not.
+    `withheld-attestation`, revealed after the setup height or not; one revealed in the last eight is not.
     Where the closing windows are shorter than that, the setup height stays the deadline."""
     s = Script(AppHarness(sqlite_url(tmp_path), members=4, params=LONG), nodes=1)
     (node,) = s.nodes
@@ -661,7 +661,7 @@ def test_results_revealed_before_the_epochs_last_four_blocks_must_be_attested(tm
     assert all(c == 0 for c, _ in s.block(*(s.tx(m, "commit-rechallenge", {"epoch": 1, "tags": [own[m.public].tag(node)]})
                                             for m in (early, late))))
     deadline = s.schedule.attest_before(1)
-    assert s.schedule.offset(deadline) == 36 and deadline - s.schedule.setup_height(1) == 10
+    assert s.schedule.offset(deadline) == 32 and deadline - s.schedule.setup_height(1) == 6
 
     def reveal(member, height: int) -> None:
         """`member`'s re-challenge revealed at `height`, attested by itself and the leader only."""
@@ -675,7 +675,7 @@ def test_results_revealed_before_the_epochs_last_four_blocks_must_be_attested(tm
     s.h.block()  # the setup block creates the record of epoch 2, whose plan and leader come next
     plan_txs, _ = s.plan_txs(2)
     assert all(c == 0 for c, _ in s.block(*plan_txs, *s.vrf_txs(2)))
-    reveal(early, deadline - 2)  # after the setup height, before the last four blocks
+    reveal(early, deadline - 2)  # after the setup height, before the last eight blocks
     reveal(late, deadline)
     s.run_to(s.schedule.start(2) + 1)
     assert s.epoch(1).finalized
@@ -683,5 +683,5 @@ def test_results_revealed_before_the_epochs_last_four_blocks_must_be_attested(tm
     assert s.faults(late.public) == ["withheld-attestation"]  # for the early one, not for its own
     assert s.faults(early.public) == [] and s.faults(leader.public) == []
     defaults, short = epochs.Schedule.from_params(Params()), epochs.Schedule.from_params(EPOCH_PARAMS)
-    assert defaults.offset(defaults.attest_before(3)) == 96 and defaults.attest_before(3) == defaults.end(3) - 3
+    assert defaults.offset(defaults.attest_before(3)) == 92 and defaults.attest_before(3) == defaults.end(3) - 7
     assert short.attest_before(1) == short.setup_height(1)

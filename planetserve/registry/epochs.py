@@ -47,9 +47,11 @@ NO_PLAN = "no-plan"
 """The fault of a plan leader whose epoch's plan it left uncommitted: recorded at the epoch's end when
 nobody committed it, and when its backup planner did."""
 RESULT_KINDS = ("leader", "rechallenge")
-ATTEST_BLOCKS = 4
+ATTEST_BLOCKS = 8
 """Blocks every member has, at least, to attest a result revealed before them: the epoch's last ones,
-within which a revealed result need not be attested (`Schedule.attest_before`)."""
+within which a revealed result need not be attested (`Schedule.attest_before`). Twice the three blocks a
+transaction was seen to take to land on two loaded cores: members that all attest late would each be
+faulted, and lose their power after `member_fault_limit` such epochs."""
 VALID, INVALID, FAULTY = "valid", "invalid", "faulty"
 
 

@@ -15,36 +15,24 @@ touched."""
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from committee import EPOCH_PARAMS, HONEST, Script
-from harness import AppHarness, sqlite_url
-from inprocess import InProcessLedger
+from committee import EPOCH_PARAMS, HONEST
+from inprocess import LiveCommittee, live_committee
 from modelnodes import PartlyCheapNode, cheap_engine, make_node
-from overlaynet import start_apart
-from waiting import run
 
-from planetserve.chain import layout
-from planetserve.chain.keys import KeySet
-from planetserve.models import load
-from planetserve.node.model_node import Job, ModelNode
-from planetserve.registry.epochs import ChallengeResult, Schedule
+from planetserve.chain.errors import Code
+from planetserve.node.model_node import Job
+from planetserve.registry.epochs import Schedule
 from planetserve.registry.reputation import ReputationRule
-from planetserve.verifier import ReferenceModel
 from planetserve.verifier import daemon as daemon_module
-from planetserve.verifier.challenges import ChallengeSource
 from planetserve.verifier.daemon import (
     SETTLE_BLOCKS,
-    Daemon,
     first_rechallenge,
     last_rechallenge,
     rechallenge_cutoff,
 )
-from planetserve.verifier.overlay import OverlayChannel
 
 PARAMS = replace(EPOCH_PARAMS, epoch_blocks=40, results_blocks=16, vrf_window_blocks=10, plan_window_blocks=14,
                  response_slack_seconds=3_600)
@@ -52,10 +40,10 @@ PARAMS = replace(EPOCH_PARAMS, epoch_blocks=40, results_blocks=16, vrf_window_bl
 answers they sign by their clocks stay within the slack."""
 SCHEDULE = Schedule.from_params(PARAMS)
 RULE = ReputationRule.from_params(PARAMS)
-MAX_EPOCHS = 20
+MAX_EPOCHS = 16
 """Epochs played until the node is caught. Each honest member sends its re-challenge of the node (a coin
-of 2/3) from an offset in [-12, 31], 13 of the 44 in the window: a member catches it with probability
-about 1/5, one of three about 0.5 an epoch, and all twenty epochs escape about 1e-6 of the time."""
+of 2/3) from an offset in [-12, 27], 17 of the 40 in the window: a member catches it with probability
+about 0.28, one of three about 0.63 an epoch, and all sixteen epochs escape about 1e-7 of the time."""
 
 
 class ClosingWindowNode(PartlyCheapNode):
@@ -93,90 +81,54 @@ class Played:
     """The node's C(T) this epoch."""
 
 
-def results(s: Script, number: int) -> list[ChallengeResult]:
-    return layout.decode_records(list(s.h.store.batch().iterate(layout.result_prefix(number))), ChallengeResult)
-
-
-def tick_all(s: Script, daemons: dict[bytes, Daemon]) -> None:
-    """Each daemon's tick at the chain's height, waiting for the answers to what it sent before the next
-    one ticks (so that the node answers at the height it was asked at); then an empty block."""
-    for daemon in daemons.values():
-        daemon.tick()
-        concurrent.futures.wait(list(daemon.pending.values()), timeout=300)
-    s.h.block()
-
-
 def test_a_node_cheating_in_the_closing_windows_meets_the_next_epochs_re_challenges(quick_family, tmp_path,
                                                                                      monkeypatch):
     monkeypatch.setattr(daemon_module, "RETRY_DELAY_S", 0.0)
     assert first_rechallenge(SCHEDULE, 2) - SCHEDULE.start(2) == -12  # sent from offset 28 of the epoch before
-    reference = ReferenceModel.from_loaded(load("gt", quick_family), model_id="gt")
 
-    def committee(relay: str, honest: ModelNode, node: ClosingWindowNode) -> tuple[Script, list[Played]]:
-        s = Script(AppHarness(sqlite_url(tmp_path), members=4, params=PARAMS, genesis_time=int(time.time())),
-                   nodes=0)
-        s.register_node(s.owner, "org1", honest.keys, honest.config.address)
-        other = KeySet.generate()
-        assert s.block(s.tx(other, "register-org", {"org_id": "org2", "name": "Org Two"})) == [(0, "ok")]
-        s.register_node(other, "org2", node.keys, node.config.address)
+    def play(c: LiveCommittee) -> list[Played]:
+        node, s = c.node, c.s
+        assert isinstance(node, ClosingWindowNode)
         node.height = lambda: s.h.height
-        channel = OverlayChannel(relay, max_tokens=64)
-        length = lambda text: len(honest.tokenizer(text)["input_ids"])  # noqa: E731
-        daemons = {}
-        for key, member in s.members.items():
-            (tmp_path / key.hex()).mkdir()
-            daemons[key] = Daemon(member, InProcessLedger(s.h), {"gt": reference}, channel,
-                                  ChallengeSource("mixed", scale=0.05, max_prompt_len=256, length=length),
-                                  tmp_path / key.hex())
         played: list[Played] = []
-        try:
-            while len(played) < MAX_EPOCHS and not (played and played[-1].cheap):
-                number = SCHEDULE.epoch_of(s.h.height + 1)
-                while SCHEDULE.epoch_of(s.h.height) <= number:
-                    tick_all(s, daemons)
-                if number == 0:
-                    continue
-                cheap = sorted(node.cheated[r.prompt] for r in results(s, number)
-                               if r.node == node.keys.public and r.prompt in node.cheated and any(
-                                   score < HONEST for _, score, _ in s.state.attestations(number, r.node, r.submitter)))
-                # every re-challenge of the epoch came once its tags could be committed, and early enough for
-                # its answer to be revealed before the epoch's closing windows
-                sent = [node.asked[r.prompt] for r in results(s, number)
-                        if r.node == node.keys.public and r.kind == "rechallenge" and r.prompt in node.asked]
-                assert all(first_rechallenge(SCHEDULE, number) <= height < rechallenge_cutoff(SCHEDULE, number)
-                           for height in sent), (number, sent)
-                rep = s.state.reputation(node.keys.public)
-                assert rep is not None and rep.last_epoch == number, f"epoch {number} did not score the node"
-                played.append(Played(number, cheap, rep.window[-1]))
-                leader = s.epoch(number).leader  # its answers of re-challenges it sent before it was elected
-                assert {(r.node, r.kind) for r in results(s, number) if r.submitter == leader} == {
-                    (honest.keys.public, "leader"), (node.keys.public, "leader")}  # go unrevealed
-                honest_rep = s.state.reputation(honest.keys.public)
-                assert honest_rep.last_epoch == number and honest_rep.trusted, honest_rep
-            assert all(d.status["rejected"] == 0 for d in daemons.values()), [d.status for d in daemons.values()]
-            return s, played
-        finally:
-            for daemon in daemons.values():
-                daemon.pool.shutdown(wait=False, cancel_futures=True)
+        while len(played) < MAX_EPOCHS and not (played and played[-1].cheap):
+            number = c.epoch()
+            if number == 0:
+                continue
+            results = c.results(number)
+            cheap = sorted(node.cheated[r.prompt] for r in results
+                           if r.node == node.keys.public and r.prompt in node.cheated and any(
+                               score < HONEST for _, score, _ in s.state.attestations(number, r.node, r.submitter)))
+            # every re-challenge of the epoch came once its tags could be committed, and early enough for its
+            # answer to be revealed where every member must attest it
+            sent = [node.asked[r.prompt] for r in results
+                    if r.node == node.keys.public and r.kind == "rechallenge" and r.prompt in node.asked]
+            assert all(first_rechallenge(SCHEDULE, number) <= height < rechallenge_cutoff(SCHEDULE, number)
+                       for height in sent), (number, sent)
+            rep = s.state.reputation(node.keys.public)
+            assert rep is not None and rep.last_epoch == number, f"epoch {number} did not score the node"
+            played.append(Played(number, cheap, rep.window[-1]))
+            leader = s.epoch(number).leader  # its answers of re-challenges it sent before it was elected
+            assert {(r.node, r.kind) for r in results if r.submitter == leader} == {
+                (c.honest.keys.public, "leader"), (node.keys.public, "leader")}  # go unrevealed
+            honest = s.state.reputation(c.honest.keys.public)
+            assert honest.last_epoch == number and honest.trusted, honest
+        # nothing refused (the leader did not reveal a re-challenge answer of the node it went on to challenge),
+        # but an attestation of a result revealed in the epoch's last blocks that landed after its end
+        refused = [entry for d in c.daemons.values() for entry in d.submissions.read() if entry["code"]
+                   and not (entry["type"] == "attest" and entry["code"] == Code.EXPIRED)]
+        assert not refused, refused
+        assert all(s.faults(m) == [] for m in s.members)
+        return played
 
-    async def main() -> tuple[Script, list[Played]]:
-        honest, node = make_node(quick_family), make_node(quick_family, ClosingWindowNode)
-        node.asked, node.cheated = {}, {}
-        node.cheap = cheap_engine(quick_family, node)
-        net = await start_apart([honest, node])  # neither forwards to the other
-        try:
-            return await asyncio.to_thread(committee, net.client.http_url, honest, node)
-        finally:
-            await net.close()
-            await node.cheap.close()
-
-    s, played = run(main(), timeout=1500)
-    *escaped, last = played
-    assert last.cheap, f"not caught in {MAX_EPOCHS} epochs: {played}"
+    node = make_node(quick_family, ClosingWindowNode)
+    node.asked, node.cheated = {}, {}
+    node.cheap = cheap_engine(quick_family, node)
+    *escaped, last = live_committee(quick_family, tmp_path, PARAMS, node, play)
+    assert last.cheap, f"not caught in {MAX_EPOCHS} epochs: {[*escaped, last]}"
     # caught: a re-challenge sent in the closing windows of the epoch before, or before its leader started,
     # met the cheap model, and its answer cut the node's C(T)
     assert all(unchecked_before(height) for height in last.cheap)
-    assert last.credibility < RULE.abnormal, played
+    assert last.credibility < RULE.abnormal, last
     # the epochs it escaped had no re-challenge there: only honest answers were scored
     assert all(not e.cheap and e.credibility >= RULE.abnormal for e in escaped), escaped
-    assert all(s.faults(m) == [] for m in s.members)
