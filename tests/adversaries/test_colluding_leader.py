@@ -18,42 +18,30 @@ withholding them."""
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
 from committee import EPOCH_PARAMS, HONEST, Script, finish
-from harness import AppHarness, sqlite_url
-from inprocess import InProcessLedger
+from inprocess import LiveCommittee, live_committee
 from modelnodes import PartlyCheapNode, cheap_engine, make_node
-from overlaynet import start_apart
-from waiting import run
 
 from planetserve.chain import layout
 from planetserve.chain.keys import KeySet
-from planetserve.models import load
 from planetserve.node.api.openai import overloaded
-from planetserve.node.model_node import Job, ModelNode
+from planetserve.node.model_node import Job
 from planetserve.registry import finalization
 from planetserve.registry.epochs import VALID, ChallengeResult
 from planetserve.registry.reputation import ReputationRule
-from planetserve.verifier import ReferenceModel
 from planetserve.verifier import daemon as daemon_module
-from planetserve.verifier.challenges import ChallengeSource
 from planetserve.verifier.config import RECHALLENGE_SHARE
 from planetserve.verifier.daemon import Daemon
-from planetserve.verifier.overlay import OverlayChannel
 
 PARAMS = replace(EPOCH_PARAMS, response_slack_seconds=3_600)
 """The in-process chain's clock runs 5 s a block, ahead of the nodes' own: the answers they sign by their
 clocks stay within the slack."""
 RULE = ReputationRule.from_params(PARAMS)
-CAP = 64
-MAX_PROMPT = 256
-SCALE = 0.05
 MAX_EPOCHS = 16
 """Epochs played until the node is caught. The idle node escapes an epoch with probability 0.26 (the
 colluder leads) to 0.55 (an honest member leads, and two coins must come up): all sixteen about 1e-5."""
@@ -162,45 +150,19 @@ tipped node and the honest node's key."""
 def collude(quick_family: Path, tmp_path: Path, cheap: bool, epochs: Epochs, share: float = RECHALLENGE_SHARE,
             ) -> tuple[Script, KeySet, list[Played]]:
     """An honest node and a tipped one (answering the rest with tiny where `cheap`) behind a real overlay,
-    four members' real daemons reading the in-process chain, and the epochs played."""
-    reference = ReferenceModel.from_loaded(load("gt", quick_family), model_id="gt")
+    four members' real daemons reading the in-process chain, and the epochs played (the test, not the
+    daemons' ticks, drives each epoch)."""
 
-    def committee(relay: str, honest: ModelNode, tipped: TippedNode) -> tuple[Script, KeySet, list[Played]]:
-        s = Script(AppHarness(sqlite_url(tmp_path), members=4, params=PARAMS, genesis_time=int(time.time())),
-                   nodes=0)
-        s.register_node(s.owner, "org1", honest.keys, honest.config.address)
-        other = KeySet.generate()
-        assert s.block(s.tx(other, "register-org", {"org_id": "org2", "name": "Org Two"})) == [(0, "ok")]
-        s.register_node(other, "org2", tipped.keys, tipped.config.address)
-        channel = OverlayChannel(relay, max_tokens=CAP)
-        length = lambda text: len(honest.tokenizer(text)["input_ids"])  # noqa: E731
-        daemons = {}
-        for key, member in s.members.items():
-            (tmp_path / key.hex()).mkdir()
-            daemons[key] = Daemon(member, InProcessLedger(s.h), {"gt": reference}, channel,
-                                  ChallengeSource("mixed", scale=SCALE, max_prompt_len=MAX_PROMPT, length=length),
-                                  tmp_path / key.hex(), rechallenge_share=share)
-        s.run_election_and_plan(1)
-        colluder = s.leader(1)
-        try:
-            return s, colluder, epochs(s, daemons, colluder, tipped, honest.keys.public)
-        finally:
-            for daemon in daemons.values():
-                daemon.pool.shutdown(wait=False, cancel_futures=True)
+    def play(c: LiveCommittee) -> tuple[Script, KeySet, list[Played]]:
+        assert isinstance(c.node, TippedNode)
+        c.s.run_election_and_plan(1)
+        colluder = c.s.leader(1)
+        return c.s, colluder, epochs(c.s, c.daemons, colluder, c.node, c.honest.keys.public)
 
-    async def main() -> tuple[Script, KeySet, list[Played]]:
-        honest, tipped = make_node(quick_family), make_node(quick_family, TippedNode)
-        tipped.told = set()
-        tipped.cheap = cheap_engine(quick_family, tipped) if cheap else None
-        net = await start_apart([honest, tipped])  # neither forwards to the other
-        try:
-            return await asyncio.to_thread(committee, net.client.http_url, honest, tipped)
-        finally:
-            await net.close()
-            if tipped.cheap is not None:
-                await tipped.cheap.close()
-
-    return run(main(), timeout=900)
+    tipped = make_node(quick_family, TippedNode)
+    tipped.told = set()
+    tipped.cheap = cheap_engine(quick_family, tipped) if cheap else None
+    return live_committee(quick_family, tmp_path, PARAMS, tipped, play, share)
 
 
 @pytest.mark.parametrize("cheap", [True, False], ids=["cheap", "idle"])
