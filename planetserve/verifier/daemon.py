@@ -53,7 +53,6 @@ from planetserve.metrics import StatusCollector
 from planetserve.registry import codec, credits, epochs
 from planetserve.registry.entities import Member, ModelNode
 from planetserve.registry.epochs import (
-    INVALID,
     PLAN_COMMITTED,
     VALID,
     ChallengeResult,
@@ -479,11 +478,7 @@ class Daemon:
                      tags_per_tx: int) -> None:
         """Challenge, with a prompt of our own, each planned node the leader left without a valid result
         of the node's own (none, or one a peer computed, which shows the peer's model, not the node's)
-        once the results window has closed; at once, each node another member found without a valid
-        answer (an invalid result: a claim of none, or an answer by another model), so that one member's
-        report brings every member's and a node silent on all but the leader's challenge is cut when one
-        coin comes up, not only when the coins of members holding more than a third of the power do; and
-        a secret share of the nodes whatever the leader's result,
+        once the results window has closed, and a secret share of the nodes whatever the leader's result,
         each from its secret offset into the epoch (`_sampled`, `_sample_offset`), which may lie in the
         closing windows of the epoch before (its `leader` then not yet known: None). Every challenge's tag
         was committed once the plan was (`_commit_tags`); only where some part of them was not is a
@@ -498,11 +493,10 @@ class Daemon:
         answered = {r.node for r in results
                     if r.submitter == leader and r.status == VALID and not r.served_by}
         mine = {r.node for r in results if r.submitter == self.me}
-        disputed = {r.node for r in results if r.status == INVALID and r.submitter != self.me}
         after_results = upcoming >= schedule.start(number) + schedule.results_blocks
         for entry in plan:
             key = (entry.node, "rechallenge")
-            needed = entry.node in disputed or (after_results and entry.node not in answered)
+            needed = after_results and entry.node not in answered
             sampled = (self._sampled(number, entry.node) and upcoming
                        >= schedule.start(number) + self._sample_offset(number, entry.node, schedule))
             if (not (needed or sampled) or entry.node in mine
