@@ -12,7 +12,7 @@ from planetserve.chain.challenge import Challenge, open_plan_entry, sign_respons
 from planetserve.chain.keys import KeySet
 from planetserve.registry import epochs, reputation
 from planetserve.registry.entities import ModelNode
-from planetserve.registry.epochs import Epoch, Fault, PlanEntry, Schedule, SignedResponse
+from planetserve.registry.epochs import ChallengeResult, Epoch, Fault, PlanEntry, Schedule, SignedResponse
 from planetserve.registry.params import Params
 
 EPOCH_PARAMS = Params(epoch_blocks=10, results_blocks=4, vrf_window_blocks=3, plan_window_blocks=3,
@@ -63,6 +63,11 @@ class Script:
     def planned_nodes(self, number: int) -> list[bytes]:
         """The nodes the plan of epoch `number` challenges, in key order."""
         return [PlanEntry.decode(v).node for _, v in self.h.store.batch().iterate(layout.plan_prefix(number))]
+
+    def results(self, number: int) -> list[ChallengeResult]:
+        """The epoch's submitted challenge results, in (node, submitter) order."""
+        return layout.decode_records(list(self.h.store.batch().iterate(layout.result_prefix(number))),
+                                     ChallengeResult)
 
     def faults(self, operator: bytes) -> list[str]:
         batch = self.h.store.batch()

@@ -21,14 +21,13 @@ from modelnodes import make_node
 from overlaynet import start_apart
 from waiting import run
 
-from planetserve.chain import layout
 from planetserve.chain.client import LedgerClient, Listing, Submitted
 from planetserve.chain.keys import KeySet
 from planetserve.chain.messages.base import Message
 from planetserve.chain.rpc import TxOutcome
 from planetserve.models import load
 from planetserve.node.model_node import ModelNode
-from planetserve.registry.epochs import ChallengeResult, Schedule
+from planetserve.registry.epochs import Schedule
 from planetserve.registry.params import Params
 from planetserve.verifier import ReferenceModel
 from planetserve.verifier.challenges import ChallengeSource
@@ -107,10 +106,6 @@ class LiveCommittee:
         while self.schedule.epoch_of(self.s.h.height) <= number:
             tick_all(self.s.h, self.daemons.values())
         return number
-
-    def results(self, number: int) -> list[ChallengeResult]:
-        return layout.decode_records(list(self.s.h.store.batch().iterate(layout.result_prefix(number))),
-                                     ChallengeResult)
 
 
 def live_committee(data: Path, tmp_path: Path, params: Params, node: ModelNode, play: Callable[[LiveCommittee], T],

@@ -213,7 +213,7 @@ class Daemon:
             if schedule.in_vrf_window(upcoming):
                 self._prove(number + 1, schedule)
             planned = current.plan_status == PLAN_COMMITTED
-            settled = upcoming >= schedule.start(number) + min(SETTLE_BLOCKS, params.results_blocks // 2)
+            settled = upcoming >= leader_start(schedule, number)
             if planned and leading and settled and "leader" not in overdue:
                 self._lead(number)
             self._attest(number)
@@ -604,6 +604,12 @@ def rechallenge_cutoff(schedule: Schedule, number: int) -> int:
     them revealed where a colluding member could leave them unattested without a fault; instead they are
     reported."""
     return schedule.attest_before(number) - 1
+
+
+def leader_start(schedule: Schedule, number: int) -> int:
+    """The first block the leader of epoch `number` sends its challenges in: `SETTLE_BLOCKS` into the
+    epoch, at most half its results window."""
+    return schedule.start(number) + min(SETTLE_BLOCKS, schedule.results_blocks // 2)
 
 
 def first_rechallenge(schedule: Schedule, number: int) -> int:

@@ -28,9 +28,9 @@ from planetserve.registry.epochs import Schedule
 from planetserve.registry.reputation import ReputationRule
 from planetserve.verifier import daemon as daemon_module
 from planetserve.verifier.daemon import (
-    SETTLE_BLOCKS,
     first_rechallenge,
     last_rechallenge,
+    leader_start,
     rechallenge_cutoff,
 )
 
@@ -66,8 +66,8 @@ class ClosingWindowNode(PartlyCheapNode):
 def unchecked_before(height: int) -> bool:
     """Whether block `height` lay where no re-challenge came before the next epoch's were sent early:
     after its epoch's last one, or before the leader starts."""
-    return (height > last_rechallenge(SCHEDULE, SCHEDULE.epoch_of(height))
-            or SCHEDULE.offset(height) < min(SETTLE_BLOCKS, PARAMS.results_blocks // 2))
+    number = SCHEDULE.epoch_of(height)
+    return height > last_rechallenge(SCHEDULE, number) or height < leader_start(SCHEDULE, number)
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ def test_a_node_cheating_in_the_closing_windows_meets_the_next_epochs_re_challen
             number = c.epoch()
             if number == 0:
                 continue
-            results = c.results(number)
+            results = s.results(number)
             cheap = sorted(node.cheated[r.prompt] for r in results
                            if r.node == node.keys.public and r.prompt in node.cheated and any(
                                score < HONEST for _, score, _ in s.state.attestations(number, r.node, r.submitter)))

@@ -27,7 +27,6 @@ from committee import EPOCH_PARAMS, HONEST, Script, finish
 from inprocess import LiveCommittee, live_committee
 from modelnodes import PartlyCheapNode, cheap_engine, make_node
 
-from planetserve.chain import layout
 from planetserve.chain.keys import KeySet
 from planetserve.node.api.openai import overloaded
 from planetserve.node.model_node import Job
@@ -83,10 +82,6 @@ def answered(daemon: Daemon, number: int) -> dict[str, list]:
     return daemon.results(number)
 
 
-def results(s: Script, number: int) -> list[ChallengeResult]:
-    return layout.decode_records(list(s.h.store.batch().iterate(layout.result_prefix(number))), ChallengeResult)
-
-
 def play(s: Script, daemons: dict[bytes, Daemon], colluder: KeySet, tipped: TippedNode, honest: bytes,
          number: int, withhold: bool = False, away: bytes | None = None) -> Played:
     """Epoch `number`, from its start to its end and the next one's plan. At its start every member but
@@ -123,7 +118,7 @@ def play(s: Script, daemons: dict[bytes, Daemon], colluder: KeySet, tipped: Tipp
                for member, daemon in present.items() if (entries := answered(daemon, number)["rechallenge"])]
     assert all(code == 0 for code, _ in s.block(*reveals))
 
-    valid = [r for r in results(s, number) if r.status == VALID]
+    valid = [r for r in s.results(number) if r.status == VALID]
     attestations = []
     for member, daemon in present.items():
         covering = member == colluder.public
