@@ -131,6 +131,52 @@ def test_listener_rereads_its_list_once_for_an_unknown_dialler():
     run(main(), 30)
 
 
+def test_a_closed_peering_dials_and_adopts_nothing():
+    """A node that stopped serving (its handler's work shut down) must not be reached through it: a
+    task still pinging its peers, or a handshake under way while it closed, would otherwise leave a
+    live connection whose requests meet the stopped handler."""
+    async def main():
+        listed: set[bytes] = set()
+        gate = asyncio.Event()
+        served = []
+
+        async def handler(peer: bytes, msg_type: str, body):
+            served.append(msg_type)
+            return body
+
+        a_keys, b_keys = KeySet.generate(), KeySet.generate()
+        a = Peering(a_keys, handler, lambda key: key == b_keys.public)
+        b = Peering(b_keys, handler, lambda key: key in listed)
+
+        async def refresh() -> None:  # holds b's handshake with a dialler until the test lets it go
+            await gate.wait()
+            listed.add(a_keys.public)
+
+        b.refresh = refresh
+        port = await b.listen("127.0.0.1", 0)
+
+        # a dial under way on both sides when each side closes
+        dialling = asyncio.create_task(a.connect(b_keys.public, f"127.0.0.1:{port}"))
+        await asyncio.sleep(0.3)
+        await a.close()
+        await b.close()
+        gate.set()
+        with pytest.raises(TransportError):
+            await dialling
+        await asyncio.sleep(0.1)
+        assert a.connections == {} and b.connections == {} and served == []
+
+        # and nothing dialled once closed, though the listener is up
+        c = Peering(KeySet.generate(), handler, lambda key: True)
+        port = await c.listen("127.0.0.1", 0)
+        with pytest.raises(TransportError, match="peer transport is closed"):
+            await a.connect(c.keys.public, f"127.0.0.1:{port}")
+        assert a.connections == {} and c.connections == {}
+        await c.close()
+
+    run(main(), 30)
+
+
 def test_dialler_refuses_unlisted_peer_before_connecting():
     async def main():
         a, _ = peers(allowed_for_a=lambda key: False)

@@ -424,6 +424,10 @@ class Peering:
         self.server: asyncio.Server | None = None
         self.runners: set[asyncio.Task] = set()
         self._dialling: dict[bytes, asyncio.Lock] = {}
+        self.stopped = False
+        """Set by `close`: no connection is dialled or adopted after it, so a handshake that was under
+        way, or a task of the node still pinging its peers, cannot leave a connection serving through a
+        handler whose node has stopped."""
 
     async def listen(self, host: str, port: int) -> int:
         self.server = await asyncio.start_server(self._accept, host, port, ssl=self.server_ctx,
@@ -437,6 +441,9 @@ class Peering:
     def _adopt(self, conn: Connection) -> Connection:
         """Start reading `conn` and make it the peer's connection, unless it crossed a live one that
         both sides agree to keep; the spare is closed once frames already sent on it are through."""
+        if self.stopped:
+            conn.writer.close()
+            raise TransportError("this node's peer transport is closed")
         old = self.connections.get(conn.peer)
         task = asyncio.create_task(conn.run())
         self.runners.add(task)
@@ -481,11 +488,14 @@ class Peering:
         except BaseException:  # cancelled mid-handshake (the transport is closing)
             writer.close()
             raise
-        self._adopt(Connection(peer, reader, writer, self.handler, self.limit, outbound=False,
-                               write_timeout=self.write_timeout, shared=self.held))
+        with contextlib.suppress(TransportError):  # closed while the handshake ran
+            self._adopt(Connection(peer, reader, writer, self.handler, self.limit, outbound=False,
+                                   write_timeout=self.write_timeout, shared=self.held))
 
     async def connect(self, peer: bytes, address: str) -> Connection:
         """The live connection to `peer`, dialling `address` (host:port) if there is none."""
+        if self.stopped:
+            raise TransportError("this node's peer transport is closed")
         conn = self.connections.get(peer)
         if conn is not None and not conn.closed.is_set():
             return conn
@@ -536,6 +546,7 @@ class Peering:
                           write_timeout=self.write_timeout, shared=self.held)
 
     async def close(self) -> None:
+        self.stopped = True
         if self.server is not None:
             self.server.close()
         for conn in list(self.connections.values()):
