@@ -97,14 +97,14 @@ def test_an_epoch_window_changed_at_an_epochs_first_block_sets_up_the_next_epoch
     blocks earlier; the epochs go on (the same change voted for mid-epoch, after the new setup block
     but before the old one, left epochs 1 and 2 without records)."""
     h = committee(tmp_path)
-    assert (h.app.params.epoch_blocks, h.app.params.plan_window_blocks) == (100, 10)
-    assert codes(h.block(h.tx(h.members[0], "propose-params", {"height": 101, "changes": {"plan_window_blocks": 20}}))) == [0]
+    assert (h.app.params.epoch_blocks, h.app.params.plan_window_blocks) == (100, 14)
+    assert codes(h.block(h.tx(h.members[0], "propose-params", {"height": 101, "changes": {"plan_window_blocks": 24}}))) == [0]
     assert events(vote(h, range(1, 3), 1), "params_scheduled") == [{"height": "101", "names": "plan_window_blocks"}]
-    while h.height < 180:
+    while h.height < 176:
         h.block()
     st = State(h.store.batch())
-    assert st.params().plan_window_blocks == 20 and st.epoch(1) is not None and st.epoch(2) is None
-    h.block()  # 181: the last 20 blocks of epoch 1 begin
+    assert st.params().plan_window_blocks == 24 and st.epoch(1) is not None and st.epoch(2) is None
+    h.block()  # 177: the last 24 blocks of epoch 1 begin
     assert State(h.store.batch()).epoch(2).start_height == 201
 
 

@@ -26,7 +26,7 @@ from planetserve.config import HomeError
 from planetserve.genesis.network import free_ports
 from planetserve.registry import codec
 from planetserve.registry.entities import ModelNode
-from planetserve.registry.epochs import Schedule
+from planetserve.registry.epochs import ATTEST_BLOCKS, Schedule
 from planetserve.registry.params import Params
 from planetserve.verifier import daemon as daemon_module
 from planetserve.verifier.config import CONFIG_FILE, STATUS_FILE, SUBMISSIONS_FILE, JsonLines, VerifierConfig
@@ -128,10 +128,10 @@ def test_sampled_rechallenges_come_before_the_epoch_inside_its_results_window_an
     two blocks after that epoch's setup height), to the last, four before the block before the epoch's
     last eight, whose results need not be attested (27): about a third of them before the epoch starts, a
     third inside the results window (16), where the leader's challenges come, the rest after it; the same
-    member draws the same after a restart, another member its own. On the localnet no block is left between
-    an epoch's last re-challenge and the next epoch's first; with the default parameters they reach from
-    offset 92 of the epoch before to offset 87, leaving four blocks free, where they stopped at 85 and
-    started at 5, leaving 19."""
+    member draws the same after a restart, another member its own. Neither on the localnet nor with the
+    default parameters is a block left between an epoch's last re-challenge and the next epoch's first:
+    with the defaults they reach from offset 88 of the epoch before to offset 87 (with a ten-block plan
+    window, from 92, leaving four blocks free; before that they stopped at 85 and started at 5)."""
     schedule = Schedule(epoch_blocks=40, results_blocks=16, vrf_window_blocks=10, plan_window_blocks=14)
     keys = KeySet.generate()
     channel = OverlayChannel("http://127.0.0.1:9")
@@ -150,8 +150,10 @@ def test_sampled_rechallenges_come_before_the_epoch_inside_its_results_window_an
     assert last_rechallenge(schedule, 3) >= first_rechallenge(schedule, 4) - 1
     defaults = Schedule.from_params(Params())
     spread = [member._sample_offset(3, node, defaults) for node in nodes]
-    assert (min(spread), max(spread)) == (-8, 87)
-    assert first_rechallenge(defaults, 4) - last_rechallenge(defaults, 3) - 1 == 4
+    assert (min(spread), max(spread)) == (-12, 87)
+    assert first_rechallenge(defaults, 4) == last_rechallenge(defaults, 3) + 1
+    assert max(defaults.vrf_window_blocks, defaults.plan_window_blocks) == (
+        daemon_module.AHEAD_BLOCKS + daemon_module.GIVE_UP_BLOCKS + ATTEST_BLOCKS)
     assert offsets == [restarted._sample_offset(3, node, schedule) for node in nodes]
     assert offsets != [other._sample_offset(3, node, schedule) for node in nodes]
     assert offsets != [member._sample_offset(4, node, schedule) for node in nodes]

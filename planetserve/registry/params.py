@@ -34,7 +34,9 @@ class Params(Record):
     epoch_blocks: int = 100
     results_blocks: int = 50
     vrf_window_blocks: int = 10
-    plan_window_blocks: int = 10
+    plan_window_blocks: int = 14
+    # the closing windows span AHEAD_BLOCKS + GIVE_UP_BLOCKS + ATTEST_BLOCKS (verifier/daemon.py,
+    # registry/epochs.py): the next epoch's re-challenges start where this epoch's end, no block between
     max_plan_nodes: int = 10_000
     response_slack_seconds: int = 120
     credibility_tolerance_ppm: int = 50_000
