@@ -542,7 +542,7 @@ class Daemon:
         colluding leader, honest on it and cheating on the rest, meets re-challenges inside the results
         window and after it alike; and the epoch before's closing windows, which its own re-challenges
         reach only in part, see this epoch's (leaving none free where those windows are at least
-        `AHEAD_BLOCKS + GIVE_UP_BLOCKS + ATTEST_BLOCKS` long: the localnet's 14; four of the defaults' 10)."""
+        `AHEAD_BLOCKS + GIVE_UP_BLOCKS + ATTEST_BLOCKS` long, as the localnet's and the defaults' 14)."""
         low = first_rechallenge(schedule, number) - schedule.start(number)
         high = max(low, last_rechallenge(schedule, number) - schedule.start(number))
         digest = hashlib.blake2b(b"when" + number.to_bytes(8, "big") + node, key=bytes(self.keys.x25519),
