@@ -32,6 +32,7 @@ from planetserve.registry.params import Params
 from planetserve.verifier import ReferenceModel
 from planetserve.verifier.challenges import ChallengeSource
 from planetserve.verifier.config import RECHALLENGE_SHARE
+from planetserve.verifier.coverage import SILENT_ESCAPE
 from planetserve.verifier.daemon import Daemon
 from planetserve.verifier.overlay import OverlayChannel
 
@@ -55,6 +56,9 @@ class InProcessLedger(LedgerClient):
     def __init__(self, h: AppHarness) -> None:
         super().__init__(_Status(h), None)  # type: ignore[arg-type]
         self.h = h
+        self.watchers: list[Daemon] = []
+        """Daemons that see each block this one's submissions make, as daemons running beside each other
+        would: each sends the re-challenges its schedule holds for the next block."""
 
     @contextlib.contextmanager
     def snapshot(self, height: int | None = None) -> Iterator[int]:
@@ -69,6 +73,8 @@ class InProcessLedger(LedgerClient):
     def submit(self, keys: KeySet, msg: Message, timeout: float = 30.0) -> Submitted:
         raw = self.h.tx(keys, msg.TYPE, msg.body())
         [result] = self.h.block(raw).tx_results
+        for daemon in self.watchers:
+            daemon.send_scheduled(self.h.height + 1)
         return Submitted(hashlib.sha256(raw).digest(), self.h.height,
                          TxOutcome(code=result.code, data=result.data, log=result.log))
 
@@ -83,6 +89,8 @@ def tick_all(h: AppHarness, daemons: Iterable[Daemon]) -> None:
         daemon.tick()
         concurrent.futures.wait(list(daemon.pending.values()), timeout=300)
     h.block()
+    for daemon in daemons:
+        daemon.send_scheduled(h.height + 1)
 
 
 @dataclass
@@ -109,10 +117,11 @@ class LiveCommittee:
 
 
 def live_committee(data: Path, tmp_path: Path, params: Params, node: ModelNode, play: Callable[[LiveCommittee], T],
-                   share: float = RECHALLENGE_SHARE) -> T:
+                   share: float = RECHALLENGE_SHARE, escape: float = SILENT_ESCAPE) -> T:
     """`play` on a LiveCommittee with `node` (its `cheap` engine, if any, closed after), the chain's
     clock starting now so that the nodes' signed times fall in its slack; the daemons re-challenge a
-    `share` of the nodes whatever the leader's result."""
+    `share` of the nodes whatever the leader's result, raised where four members need more for a silent
+    node to escape at most `escape` of epochs (verifier/coverage.py; 1 keeps `share`)."""
     reference = ReferenceModel.from_loaded(load("gt", data), model_id="gt")
 
     def committee(relay: str, honest: ModelNode) -> T:
@@ -129,7 +138,9 @@ def live_committee(data: Path, tmp_path: Path, params: Params, node: ModelNode, 
             (tmp_path / key.hex()).mkdir()
             daemons[key] = Daemon(member, InProcessLedger(s.h), {"gt": reference}, channel,
                                   ChallengeSource("mixed", scale=0.05, max_prompt_len=256, length=length),
-                                  tmp_path / key.hex(), rechallenge_share=share)
+                                  tmp_path / key.hex(), rechallenge_share=share, silent_escape=escape)
+        for daemon in daemons.values():
+            daemon.ledger.watchers = list(daemons.values())
         try:
             return play(LiveCommittee(s, daemons, honest, node))
         finally:

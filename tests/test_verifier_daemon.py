@@ -31,8 +31,10 @@ from planetserve.registry.params import Params
 from planetserve.verifier import daemon as daemon_module
 from planetserve.verifier.config import CONFIG_FILE, STATUS_FILE, SUBMISSIONS_FILE, JsonLines, VerifierConfig
 from planetserve.verifier.daemon import (
+    LATE,
     Daemon,
     Journal,
+    Scheduled,
     _parts,
     first_rechallenge,
     last_rechallenge,
@@ -62,6 +64,7 @@ def test_config_loads_strictly(tmp_path):
                          ({"keys": "k", "logprobs_share": 1.5}, "logprobs_share must lie in"),
                          ({"keys": "k", "logprobs_share": None}, "logprobs_share must lie in"),
                          ({"keys": "k", "rechallenge_share": None}, "rechallenge_share must lie in"),
+                         ({"keys": "k", "silent_escape": 2}, "silent_escape must lie in"),
                          ({"keys": "k", "witness": "10.0.0.8:26657"}, "witness must be an http:// URL"),
                          ({"keys": "k", "witness": "http://127.0.0.1:26657/"},
                           "witness must be another endpoint than rpc"),
@@ -173,6 +176,47 @@ def test_the_next_epochs_re_challenges_are_held_until_it_starts_and_dropped_by_i
     daemon._drop_rechallenges(4)
     assert set(daemon.pending) == {(3, node, "leader"), (3, node, "rechallenge"), (4, node, "leader")}
     assert waiting[4, node, "rechallenge"].cancelled()
+
+
+def test_a_re_challenge_sent_late_is_not_claimed_unanswered_at_the_cutoff(tmp_path):
+    """A tick that spent blocks on its transactions can pass over a sampled offset: the re-challenge then
+    goes out after `last_rechallenge`, up to the cutoff, and where its answer has not come by the cutoff
+    nothing is claimed, since the node had less than `GIVE_UP_BLOCKS` to answer. One sent in time that has
+    not come back is claimed unanswered, naming its commitment."""
+    daemon = Daemon(KeySet.generate(), None, {}, OverlayChannel("http://127.0.0.1:9"), None, tmp_path)
+    late, on_time = KeySet.generate().public, KeySet.generate().public
+    challenges = {node: Challenge.new("Why is the sky blue?", 500, max_tokens=12) for node in (late, on_time)}
+    for node, challenge in challenges.items():
+        daemon.journal.add(3, node, challenge)
+        daemon.pending[3, node, "rechallenge"] = Future()
+    daemon.late.add((3, late))
+    claimed = daemon.results(3, {"rechallenge"})["rechallenge"]
+    assert [(e.node, e.invalid, e.commitment) for e in claimed] == [(on_time, LATE, challenges[on_time].commitment)]
+    assert daemon.pending == {}
+    daemon._forget_before(4)
+    assert daemon.late == set()
+
+
+def test_a_scheduled_re_challenge_goes_out_at_the_first_block_seen_from_its_offset_until_the_cutoff(tmp_path):
+    """Sampled re-challenges wait in `scheduled` for their blocks and go out at the first block the daemon
+    sees from then on (a tick's start, or after any of its transactions): one whose block a long tick
+    passed over goes out late, flagged so that it is not claimed; one that finds the cutoff come is
+    dropped unsent."""
+    daemon = Daemon(KeySet.generate(), None, {}, OverlayChannel("http://127.0.0.1:9"), None, tmp_path)
+    registered = ModelNode(KeySet.generate().public, "org1", "gt", "10.0.0.7:7000", "cpu", 1, "eu", "active", 0)
+    challenge = Challenge.new("Why is the sky blue?", 500, max_tokens=12)
+    nodes = [KeySet.generate().public for _ in range(3)]
+    for node, height in zip(nodes, (10, 12, 15), strict=True):
+        daemon.scheduled[3, node] = Scheduled(height, last=12, cutoff=16, challenge=challenge, node=registered)
+    daemon.send_scheduled(9)
+    assert daemon.pending == {} and len(daemon.scheduled) == 3
+    daemon.send_scheduled(11)
+    assert set(daemon.pending) == {(3, nodes[0], "rechallenge")} and daemon.late == set()
+    daemon.send_scheduled(14)  # after a transaction that took blocks, past `last`: sent late
+    assert (3, nodes[1], "rechallenge") in daemon.pending and daemon.late == {(3, nodes[1])}
+    daemon.send_scheduled(16)  # the cutoff: the third is dropped unsent
+    assert daemon.scheduled == {} and (3, nodes[2], "rechallenge") not in daemon.pending
+    daemon.pool.shutdown(wait=False, cancel_futures=True)
 
 
 @pytest.mark.parametrize("stream", [False, True])

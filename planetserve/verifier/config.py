@@ -10,12 +10,14 @@ from typing import Any, ClassVar
 
 from planetserve import workloads
 from planetserve.config import HomeError, LedgerHome
+from planetserve.verifier.coverage import SILENT_ESCAPE
 from planetserve.verifier.credibility import TOLERANCE
 
 RECHALLENGE_SHARE = 0.67
 """With four members, about three answers per node and epoch (the leader's and two re-challenges): the
 number bench/detection.py needs to untrust every node whose tokens differ from the model's within five
-epochs (docs/detection.md)."""
+epochs (docs/detection.md). A committee too small for it to see a silent node reported (`silent_escape`)
+raises it: four members re-challenge every node, four answers per node and epoch."""
 
 CONFIG_FILE = "verifier.json"
 USED_PROMPTS_FILE = "used_prompts"
@@ -108,7 +110,13 @@ class VerifierConfig(LedgerHome):
     rechallenge_share: float = RECHALLENGE_SHARE
     """Share of the planned nodes the leader did answer that this member challenges again with a prompt
     of its own, each epoch, drawn secretly (verifier/daemon.py): more answers per node and epoch, so a
-    node that cheats on some requests, or deviates on a few tokens, is caught sooner."""
+    node that cheats on some requests, or deviates on a few tokens, is caught sooner. The daemon raises
+    it where the committee is too small for `silent_escape`."""
+    silent_escape: float = SILENT_ESCAPE
+    """The most a node silent on all but the leader's challenge may expect to escape an epoch unreported:
+    the share above is raised until members the node cannot count on (all but the leader and a colluding
+    third of the power) report it with at least 1 - this (verifier/coverage.py; every member, every node,
+    in a committee of four). 1 keeps `rechallenge_share` as it is."""
     max_prompt_tokens: int = 256
     max_tokens: int = 64
     challenge_timeout: float = 60.0
@@ -133,7 +141,8 @@ class VerifierConfig(LedgerHome):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise HomeError(f"{CONFIG_FILE}: {name} must be a positive integer")
         for name, nullable in (("greedy_share", True), ("chat_share", True), ("stop_share", True),
-                               ("logprobs_share", False), ("rechallenge_share", False)):
+                               ("logprobs_share", False), ("rechallenge_share", False),
+                               ("silent_escape", False)):
             share = getattr(self, name)
             if share is None and nullable:
                 continue

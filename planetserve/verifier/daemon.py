@@ -69,6 +69,7 @@ from planetserve.verifier.config import (
     SUBMISSIONS_FILE,
     JsonLines,
 )
+from planetserve.verifier.coverage import SILENT_ESCAPE, rechallenge_share
 from planetserve.verifier.credibility import Answer, ReferenceModel, Verdict
 from planetserve.verifier.overlay import NoAnswer, OverlayChannel, RelayUnavailable, Reply
 
@@ -113,6 +114,20 @@ class Asked:
     failure: str = ""
 
 
+@dataclass(frozen=True)
+class Scheduled:
+    """A sampled re-challenge whose offset is still ahead: sent from block `height` at the first block
+    the daemon sees, between its tick's transactions as well as at a tick's start (`send_scheduled`)."""
+
+    height: int
+    last: int
+    """`last_rechallenge` of its epoch: one sent after it is `late`."""
+    cutoff: int
+    """`rechallenge_cutoff` of its epoch: none is sent from it on."""
+    challenge: Challenge
+    node: ModelNode
+
+
 class Journal:
     """Re-challenge prompts and salts, appended and fsynced before their commitment is submitted."""
 
@@ -142,7 +157,8 @@ class Daemon:
     def __init__(self, keys: KeySet, ledger: LedgerClient, references: dict[str, ReferenceModel],
                  channel: OverlayChannel, source: ChallengeSource, home: Path, *,
                  calibrated: bool = True, concurrency: int = 8, attempts: int = 2,
-                 rechallenge_share: float = RECHALLENGE_SHARE, retired: KeySet | None = None) -> None:
+                 rechallenge_share: float = RECHALLENGE_SHARE, silent_escape: float = SILENT_ESCAPE,
+                 retired: KeySet | None = None) -> None:
         self.keys = keys
         self.earlier_x25519 = (retired.x25519,) if retired is not None else ()
         """The X25519 key this member had before its last rotation: the plan sealed before it took
@@ -154,6 +170,10 @@ class Daemon:
         self.source = source
         self.calibrated = calibrated
         self.rechallenge_share = rechallenge_share
+        self.silent_escape = silent_escape
+        self.shares: dict[int, float] = {}
+        """Epoch → the share this member re-challenges at in it (`coverage.rechallenge_share`), fixed by
+        the committee as first read for it, so that a coin drawn once is drawn alike later."""
         self.attempts = attempts
         """Tries per challenge before the node is reported: one failure may be the network's (a
         forwarded answer cut off), and a user would ask again too."""
@@ -167,6 +187,12 @@ class Daemon:
         self.given_up: set[tuple[int, Hashable]] = set()
         self.tagged: set[int] = set()
         """Epochs whose re-challenge tags this member has all committed."""
+        self.scheduled: dict[tuple[int, bytes], Scheduled] = {}
+        """(epoch, node) → its sampled re-challenge, tag committed, waiting for its offset."""
+        self.late: set[tuple[int, bytes]] = set()
+        """(epoch, node) of re-challenges sent after `last_rechallenge`: a tick that spent blocks on its
+        transactions passed over their offsets. Their answers are revealed if they come before the cutoff;
+        one that does not is not claimed, since the node had less than `GIVE_UP_BLOCKS` to answer."""
         self.status: dict[str, Any] = {"member": self.me.hex(), "started": int(time.time()), "ticks": 0,
                                        "submitted": 0, "rejected": 0, "challenges": 0, "scored": 0,
                                        "last_error": None}
@@ -219,29 +245,36 @@ class Daemon:
             self._attest(number)
             tags_per_tx = (params.max_tx_bytes - TX_MARGIN_BYTES) // TAG_BYTES
             if planned:
-                self._rechallenge(number, current.leader, schedule, upcoming, tags_per_tx)
+                self._rechallenge(number, current.leader, schedule, tags_per_tx)
             if upcoming > schedule.setup_height(number):  # the next epoch's plan may be committed
                 following = self.ledger.epoch(number + 1)
                 if following is not None and following.plan_status == PLAN_COMMITTED:
-                    self._rechallenge(number + 1, None, schedule, upcoming, tags_per_tx)
+                    self._rechallenge(number + 1, None, schedule, tags_per_tx)
 
     def _forget_before(self, number: int) -> None:
         """Past epochs' scores and refusals are of no more use (their transactions would be refused)."""
         self.scores = {k: v for k, v in self.scores.items() if k[0] >= number}
         self.given_up = {k for k in self.given_up if k[0] >= number}
         self.tagged = {n for n in self.tagged if n >= number}
+        self.shares = {n: v for n, v in self.shares.items() if n >= number}
+        self.late = {k for k in self.late if k[0] >= number}
+        self.scheduled = {k: v for k, v in self.scheduled.items() if k[0] >= number}
 
     def _drop_rechallenges(self, number: int) -> None:
         """The leader of epoch `number` re-challenges nothing in it, and it submits one result per node:
         the re-challenges it sent in the closing windows before, not knowing it would lead, go unrevealed."""
         for key in [k for k in self.pending if k[0] == number and k[2] == "rechallenge"]:
             self.pending.pop(key).cancel()
+        self.scheduled = {k: v for k, v in self.scheduled.items() if k[0] != number}
 
     def _open(self, window: Callable[[int], bool]) -> bool:
-        """Whether the window still holds for the next block, by the endpoint's latest height: only a
-        matter of timing (a wrong answer costs a refused transaction), so it is not verified."""
-        latest = int(self.ledger.rpc.status()["sync_info"]["latest_block_height"])
-        return window(latest + 1)
+        """Whether the window still holds for the next block, by the endpoint's latest height."""
+        return window(self._next_height())
+
+    def _next_height(self) -> int:
+        """The next block by the endpoint's latest height: only a matter of timing (a wrong answer costs a
+        refused transaction, or a re-challenge sent a block early or late), so it is not verified."""
+        return int(self.ledger.rpc.status()["sync_info"]["latest_block_height"]) + 1
 
     # -- submitting ------------------------------------------------------------------------------
 
@@ -251,6 +284,8 @@ class Daemon:
         endpoint says a block made is first checked against the verified headers (`verified_outcome`:
         where it does not check, the tick fails and the work is tried again)."""
         done = self.ledger.submit(self.keys, msg)
+        if done.height:
+            self.send_scheduled(done.height + 1)
         if done.height and not done.outcome.ok:
             done = self.ledger.verified_outcome(done)
         tx_type = msg.TYPE
@@ -390,6 +425,10 @@ class Daemon:
                 if kind in overdue:
                     future.cancel()
                     del self.pending[key]
+                    if kind == "rechallenge" and (epoch, node) in self.late:
+                        log.info("node %s has not answered a re-challenge sent late in epoch %d: not claimed",
+                                 node.hex()[:16], number)
+                        continue
                     log.warning("node %s has not answered the %s in epoch %d: claimed unanswered",
                                 node.hex()[:16], "leader's challenge" if kind == "leader" else "re-challenge",
                                 number)
@@ -474,20 +513,22 @@ class Daemon:
                 entry = replace(entry, credibility=self.scores[number, asked.node, self.me][0])
         return entry
 
-    def _rechallenge(self, number: int, leader: bytes | None, schedule: Schedule, upcoming: int,
-                     tags_per_tx: int) -> None:
+    def _rechallenge(self, number: int, leader: bytes | None, schedule: Schedule, tags_per_tx: int) -> None:
         """Challenge, with a prompt of our own, each planned node the leader left without a valid result
         of the node's own (none, or one a peer computed, which shows the peer's model, not the node's)
         once the results window has closed, and a secret share of the nodes whatever the leader's result,
         each from its secret offset into the epoch (`_sampled`, `_sample_offset`), which may lie in the
-        closing windows of the epoch before (its `leader` then not yet known: None). Every challenge's tag
-        was committed once the plan was (`_commit_tags`); only where some part of them was not is a
-        challenge's own tag looked up before it is sent."""
+        closing windows of the epoch before (its `leader` then not yet known: None): each is scheduled,
+        and sent once its block has come (`send_scheduled`). Every challenge's tag was committed once the
+        plan was (`_commit_tags`); only where some part of them was not is a challenge's own tag looked up
+        before it is scheduled."""
         if self.me == leader:
             return
         plan = self.ledger.plan(number)[1]
         self._commit_tags(number, plan, tags_per_tx)
-        if upcoming > last_rechallenge(schedule, number):
+        upcoming = self._next_height()  # not the tick's: its transactions may have taken blocks since
+        last, cutoff = last_rechallenge(schedule, number), rechallenge_cutoff(schedule, number)
+        if upcoming >= cutoff:
             return
         results = self.ledger.results(number)
         answered = {r.node for r in results
@@ -497,17 +538,34 @@ class Daemon:
         for entry in plan:
             key = (entry.node, "rechallenge")
             needed = after_results and entry.node not in answered
-            sampled = (self._sampled(number, entry.node) and upcoming
-                       >= schedule.start(number) + self._sample_offset(number, entry.node, schedule))
-            if (not (needed or sampled) or entry.node in mine
-                    or (number, *key) in self.pending or not self._due(number, key)):
+            sampled = self._sampled(number, entry.node)
+            if (not (needed or sampled) or entry.node in mine or (number, *key) in self.pending
+                    or ((number, entry.node) in self.scheduled and not needed) or not self._due(number, key)):
                 continue
             node = self._verifiable(entry.node)
             challenge = self.journal.get(number, entry.node)
             if node is None or challenge is None or (number not in self.tagged and self.ledger.rechallenge(
                     number, self.me, challenge.tag(entry.node)) is None):
                 continue
-            self._ask((number, entry.node, "rechallenge"), challenge, node)
+            offset = self._sample_offset(number, entry.node, schedule)
+            start = upcoming if needed else schedule.start(number) + offset
+            self.scheduled[number, entry.node] = Scheduled(start, last, cutoff, challenge, node)
+        self.send_scheduled(upcoming)
+
+    def send_scheduled(self, upcoming: int) -> None:
+        """Send each scheduled re-challenge whose block has come, `upcoming` being the next block: called at
+        the start of a re-challenge round and after each of this member's transactions, so that a tick
+        whose transactions take blocks does not pass over an offset. One whose cutoff has come is dropped
+        unsent; one sent after `last_rechallenge` is `late`."""
+        for (number, key), item in sorted(self.scheduled.items()):
+            if item.height > upcoming:
+                continue
+            del self.scheduled[number, key]
+            if upcoming >= item.cutoff or (number, key, "rechallenge") in self.pending:
+                continue
+            self._ask((number, key, "rechallenge"), item.challenge, item.node)
+            if upcoming > item.last:
+                self.late.add((number, key))
 
     def _commit_tags(self, number: int, plan: list[PlanEntry], tags_per_tx: int) -> None:
         """A challenge of every planned node this member can verify, journalled, its tag committed with
@@ -551,11 +609,19 @@ class Daemon:
 
     def _sampled(self, number: int, node: bytes) -> bool:
         """Whether this member challenges `node` again in epoch `number` although the leader got its
-        answer: a coin of `rechallenge_share` keyed by this member's secret, so no node can tell which
-        of its requests are re-challenges, and a restarted daemon draws the same."""
+        answer: a coin of the epoch's share (`_share`) keyed by this member's secret, so no node can tell
+        which of its requests are re-challenges, and a restarted daemon draws the same."""
         digest = hashlib.blake2b(number.to_bytes(8, "big") + node, key=bytes(self.keys.x25519),
                                  digest_size=8).digest()
-        return int.from_bytes(digest, "big") < self.rechallenge_share * 2**64
+        return int.from_bytes(digest, "big") < self._share(number) * 2**64
+
+    def _share(self, number: int) -> float:
+        """`rechallenge_share`, raised where the committee is too small for it to see a silent node
+        reported by more than a third of the power in all but `silent_escape` of epochs."""
+        if number not in self.shares:
+            powers = [m.power for m in self.ledger.committee()[1]]
+            self.shares[number] = rechallenge_share(powers, self.rechallenge_share, self.silent_escape)
+        return self.shares[number]
 
     # -- attestations ----------------------------------------------------------------------------
 
@@ -598,7 +664,8 @@ class Daemon:
 
 def rechallenge_cutoff(schedule: Schedule, number: int) -> int:
     """The block from which a member claims each of its re-challenges of epoch `number` still out as
-    unanswered (it sends none after `last_rechallenge`): the one before the epoch's last blocks, where a
+    unanswered (it sends none from this block on, and does not claim those it sent after
+    `last_rechallenge`, `Daemon.late`): the one before the epoch's last blocks, where a
     revealed result need not be attested (`Schedule.attest_before`), so that every answer it reveals must
     be attested by every member. A node holding its answers back until those blocks would otherwise have
     them revealed where a colluding member could leave them unattested without a fault; instead they are
@@ -620,8 +687,8 @@ def first_rechallenge(schedule: Schedule, number: int) -> int:
 
 
 def last_rechallenge(schedule: Schedule, number: int) -> int:
-    """The last block a member sends a re-challenge of epoch `number` in: `GIVE_UP_BLOCKS` before
-    `rechallenge_cutoff`, so its answer has time to come back before it would be claimed."""
+    """The last block a member's secret offsets place a re-challenge of epoch `number` in: `GIVE_UP_BLOCKS`
+    before `rechallenge_cutoff`, so its answer has time to come back before it would be claimed."""
     return rechallenge_cutoff(schedule, number) - GIVE_UP_BLOCKS
 
 

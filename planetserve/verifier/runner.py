@@ -73,7 +73,8 @@ def build_daemon(home: Path) -> tuple[Daemon, VerifierConfig]:
                              logprobs_share=config.logprobs_share)
     daemon = Daemon(keys, ledger, references, channel, source, home,
                     calibrated=config.credibility == "calibrated", concurrency=config.concurrency,
-                    attempts=config.attempts, rechallenge_share=config.rechallenge_share, retired=retired)
+                    attempts=config.attempts, rechallenge_share=config.rechallenge_share,
+                    silent_escape=config.silent_escape, retired=retired)
     return daemon, config
 
 
