@@ -73,8 +73,7 @@ class InProcessLedger(LedgerClient):
     def submit(self, keys: KeySet, msg: Message, timeout: float = 30.0) -> Submitted:
         raw = self.h.tx(keys, msg.TYPE, msg.body())
         [result] = self.h.block(raw).tx_results
-        for daemon in self.watchers:
-            daemon.send_scheduled(self.h.height + 1)
+        see_block(self.h, self.watchers)
         return Submitted(hashlib.sha256(raw).digest(), self.h.height,
                          TxOutcome(code=result.code, data=result.data, log=result.log))
 
@@ -82,15 +81,25 @@ class InProcessLedger(LedgerClient):
         return done
 
 
+def see_block(h: AppHarness, daemons: Iterable[Daemon]) -> None:
+    """Each daemon sends what its schedule holds for the next block, as it would on seeing the block just
+    made; the answers are waited for, so that a node answers at the height it was asked at."""
+    daemons = list(daemons)
+    for daemon in daemons:
+        daemon.send_scheduled(h.height + 1)
+    concurrent.futures.wait([f for daemon in daemons for f in daemon.pending.values()], timeout=300)
+
+
 def tick_all(h: AppHarness, daemons: Iterable[Daemon]) -> None:
     """Each daemon's tick at the chain's height, waiting for the answers to what it sent before the next
-    one ticks (so that a node answers at the height it was asked at); then an empty block."""
+    one ticks (so that a node answers at the height it was asked at); then an empty block, which every
+    daemon sees."""
+    daemons = list(daemons)
     for daemon in daemons:
         daemon.tick()
         concurrent.futures.wait(list(daemon.pending.values()), timeout=300)
     h.block()
-    for daemon in daemons:
-        daemon.send_scheduled(h.height + 1)
+    see_block(h, daemons)
 
 
 @dataclass
@@ -108,10 +117,12 @@ class LiveCommittee:
     def schedule(self) -> Schedule:
         return self.s.schedule
 
-    def epoch(self) -> int:
-        """Through the epoch of the next block to its end, where it is finalized; its number."""
+    def epoch(self, each: Callable[[], None] = lambda: None) -> int:
+        """Through the epoch of the next block to its end, where it is finalized, calling `each` before every
+        round of ticks; its number."""
         number = self.schedule.epoch_of(self.s.h.height + 1)
         while self.schedule.epoch_of(self.s.h.height) <= number:
+            each()
             tick_all(self.s.h, self.daemons.values())
         return number
 

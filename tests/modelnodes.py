@@ -14,6 +14,7 @@ from planetserve.chain.challenge import response_from_extension, response_valid
 from planetserve.chain.keys import KeySet
 from planetserve.genesis.network import free_ports
 from planetserve.models import load
+from planetserve.node.api.openai import overloaded
 from planetserve.node.engine.builtin import BuiltinEngine
 from planetserve.node.home import ModelNodeConfig
 from planetserve.node.model_node import Job, ModelNode
@@ -59,6 +60,22 @@ class PartlyCheapNode(ModelNode):
             return super()._local(job, prompt_ids, generation, route_reason)
         finally:
             self.engine = registered
+
+
+class TippedNode(PartlyCheapNode):
+    """Answers the prompts it was told (by a colluding member) with the model it registered; every other
+    request, users' and re-challenges alike, with `cheap` or, without one, not at all (503, as an
+    overloaded node would)."""
+
+    told: set[str]
+
+    def cheats(self, job: Job) -> bool:
+        return job.prompt not in self.told
+
+    async def produce(self, job, prompt_ids, generation, options, *, whole=False):  # type: ignore[no-untyped-def]
+        if job.prompt not in self.told and self.cheap is None:
+            raise overloaded()
+        return await super().produce(job, prompt_ids, generation, options, whole=whole)
 
 
 def cheap_engine(data: Path, node: ModelNode) -> BuiltinEngine:

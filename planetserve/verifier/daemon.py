@@ -116,8 +116,9 @@ class Asked:
 
 @dataclass(frozen=True)
 class Scheduled:
-    """A sampled re-challenge whose offset is still ahead: sent from block `height` at the first block
-    the daemon sees, between its tick's transactions as well as at a tick's start (`send_scheduled`)."""
+    """A re-challenge waiting for block `height` (a sampled one's offset; the next block for one the
+    leader's result left needed): sent at the first block from it the daemon sees, between its tick's
+    transactions as well as at a tick's start (`send_scheduled`)."""
 
     height: int
     last: int
@@ -188,7 +189,8 @@ class Daemon:
         self.tagged: set[int] = set()
         """Epochs whose re-challenge tags this member has all committed."""
         self.scheduled: dict[tuple[int, bytes], Scheduled] = {}
-        """(epoch, node) → its sampled re-challenge, tag committed, waiting for its offset."""
+        """(epoch, node) → its re-challenge, tag committed, waiting for its block: at most one per planned
+        node of this epoch and the next."""
         self.late: set[tuple[int, bytes]] = set()
         """(epoch, node) of re-challenges sent after `last_rechallenge`: a tick that spent blocks on its
         transactions passed over their offsets. Their answers are revealed if they come before the cutoff;

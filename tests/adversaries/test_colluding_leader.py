@@ -27,11 +27,9 @@ from pathlib import Path
 import pytest
 from committee import EPOCH_PARAMS, HONEST, Script, finish
 from inprocess import LiveCommittee, live_committee
-from modelnodes import PartlyCheapNode, cheap_engine, make_node
+from modelnodes import TippedNode, cheap_engine, make_node
 
 from planetserve.chain.keys import KeySet
-from planetserve.node.api.openai import overloaded
-from planetserve.node.model_node import Job
 from planetserve.registry import finalization
 from planetserve.registry.epochs import VALID, ChallengeResult
 from planetserve.registry.reputation import ReputationRule
@@ -46,21 +44,6 @@ RULE = ReputationRule.from_params(PARAMS)
 MAX_EPOCHS = 16
 """Epochs played until the node is caught. The idle node escapes an epoch with probability 0.26 (the
 colluder leads) to 0.55 (an honest member leads, and two coins must come up): all sixteen about 1e-5."""
-
-
-class TippedNode(PartlyCheapNode):
-    """Answers the prompts it was told with the model it registered; every other request, users' and
-    re-challenges alike, with `cheap` or, without one, not at all."""
-
-    told: set[str]
-
-    def cheats(self, job: Job) -> bool:
-        return job.prompt not in self.told
-
-    async def produce(self, job, prompt_ids, generation, options, *, whole=False):  # type: ignore[no-untyped-def]
-        if job.prompt not in self.told and self.cheap is None:
-            raise overloaded()
-        return await super().produce(job, prompt_ids, generation, options, whole=whole)
 
 
 @dataclass(frozen=True)

@@ -15,11 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from committee import EPOCH_PARAMS
-from inprocess import LiveCommittee, live_committee, tick_all
-from modelnodes import make_node
+from inprocess import LiveCommittee, live_committee
+from modelnodes import TippedNode, make_node
 
-from planetserve.node.api.openai import overloaded
-from planetserve.node.model_node import ModelNode
 from planetserve.registry.epochs import INVALID, PLAN_COMMITTED, VALID
 from planetserve.verifier import daemon as daemon_module
 
@@ -29,18 +27,6 @@ PARAMS = replace(EPOCH_PARAMS, epoch_blocks=40, results_blocks=16, vrf_window_bl
 EPOCHS = 3
 """Scored epochs played: at the configured share alone, the two or three honest members but the leader
 all re-challenge the node in one epoch with probability at most 0.67 ** 2, in all three with 9%."""
-
-
-class SilentNode(ModelNode):
-    """Answers the prompts it was told (the challenge and the earlier turns sent before it under one
-    session); refuses every other request (503, as an overloaded node would)."""
-
-    told: set[str]
-
-    async def produce(self, job, prompt_ids, generation, options, *, whole=False):  # type: ignore[no-untyped-def]
-        if job.prompt not in self.told:
-            raise overloaded()
-        return await super().produce(job, prompt_ids, generation, options, whole=whole)
 
 
 @dataclass(frozen=True)
@@ -65,7 +51,7 @@ def test_a_node_silent_on_all_but_its_told_challenge_is_re_challenged_and_report
 
     def play(c: LiveCommittee) -> list[Played]:
         node, s = c.node, c.s
-        assert isinstance(node, SilentNode)
+        assert isinstance(node, TippedNode) and node.cheap is None
         key = node.keys.public
         colluder = min(s.members)
         reference = c.daemons[colluder].references["gt"]
@@ -81,10 +67,7 @@ def test_a_node_silent_on_all_but_its_told_challenge_is_re_challenged_and_report
 
         played: list[Played] = []
         while len(played) < EPOCHS:
-            number = c.schedule.epoch_of(s.h.height + 1)
-            while c.schedule.epoch_of(s.h.height) <= number:
-                tell()
-                tick_all(s.h, c.daemons.values())
+            number = c.epoch(tell)
             if number == 0:
                 continue
             leader = s.epoch(number).leader
@@ -101,8 +84,8 @@ def test_a_node_silent_on_all_but_its_told_challenge_is_re_challenged_and_report
         assert all(s.faults(m) == [] for m in s.members), {m.hex()[:8]: s.faults(m) for m in s.members}
         return played
 
-    node = make_node(quick_family, SilentNode)
-    node.told = set()
+    node = make_node(quick_family, TippedNode)
+    node.told = set()  # and no cheap engine: it answers nothing else
     played = live_committee(quick_family, tmp_path, PARAMS, node, play)
     # the leader had the node's answer to its challenge; every honest member but the leader re-challenged the
     # node and was refused, and their reports alone, more than a third of the power, cut it every epoch
