@@ -32,7 +32,7 @@ from planetserve.registry.params import Params
 from planetserve.verifier import ReferenceModel
 from planetserve.verifier.challenges import ChallengeSource
 from planetserve.verifier.config import RECHALLENGE_SHARE
-from planetserve.verifier.coverage import SILENT_ESCAPE
+from planetserve.verifier.coverage import KEEP_SHARE
 from planetserve.verifier.daemon import Daemon
 from planetserve.verifier.overlay import OverlayChannel
 
@@ -128,11 +128,11 @@ class LiveCommittee:
 
 
 def live_committee(data: Path, tmp_path: Path, params: Params, node: ModelNode, play: Callable[[LiveCommittee], T],
-                   share: float = RECHALLENGE_SHARE, escape: float = SILENT_ESCAPE) -> T:
+                   share: float = RECHALLENGE_SHARE, escape: float = KEEP_SHARE) -> T:
     """`play` on a LiveCommittee with `node` (its `cheap` engine, if any, closed after), the chain's
     clock starting now so that the nodes' signed times fall in its slack; the daemons re-challenge a
     `share` of the nodes whatever the leader's result, raised where four members need more for a silent
-    node to escape at most `escape` of epochs (verifier/coverage.py; 1 keeps `share`)."""
+    node to escape at most `escape` of epochs (verifier/coverage.py; the default keeps `share`)."""
     reference = ReferenceModel.from_loaded(load("gt", data), model_id="gt")
 
     def committee(relay: str, honest: ModelNode) -> T:

@@ -29,19 +29,19 @@ def test_four_members_re_challenge_every_node_where_two_thirds_left_a_silent_nod
     # the leader and a colluding member cannot be counted on: the other two must both report
     assert counted_on(four) == [10, 10]
     assert reported(four, RECHALLENGE_SHARE) == pytest.approx(RECHALLENGE_SHARE ** 2)  # 55% escaped
-    assert rechallenge_share(four, RECHALLENGE_SHARE) == 1.0
+    assert rechallenge_share(four, RECHALLENGE_SHARE, SILENT_ESCAPE) == 1.0
     assert reported(four, 1.0) == 1.0
 
 
 def test_a_large_committee_keeps_the_configured_share():
-    assert rechallenge_share([10] * 100, RECHALLENGE_SHARE) == RECHALLENGE_SHARE
-    assert rechallenge_share([10] * 100, 0.9) == 0.9  # never lowered
+    assert rechallenge_share([10] * 100, RECHALLENGE_SHARE, SILENT_ESCAPE) == RECHALLENGE_SHARE
+    assert rechallenge_share([10] * 100, 0.9, SILENT_ESCAPE) == 0.9  # never lowered
 
 
 @pytest.mark.parametrize("members", [2, 3, 5, 7, 10, 13, 20, 30, 50])
 def test_the_share_is_the_least_that_meets_the_escape(members):
     powers = [10] * members
-    share = rechallenge_share(powers, RECHALLENGE_SHARE)
+    share = rechallenge_share(powers, RECHALLENGE_SHARE, SILENT_ESCAPE)
     assert RECHALLENGE_SHARE <= share <= 1.0
     assert share == 1.0 or reported(powers, share) >= 1 - SILENT_ESCAPE
     if share > RECHALLENGE_SHARE:
@@ -55,11 +55,11 @@ def test_escape_one_keeps_the_configured_share():
 def test_unequal_powers_count_on_what_a_leader_and_a_colluding_third_leave():
     # the largest may lead; the next, 30 of 100, may collude; 20 and 20 must both report (40 > 33)
     assert counted_on([30, 20, 30, 20]) == [20, 20]
-    assert rechallenge_share([30, 20, 30, 20], RECHALLENGE_SHARE) == 1.0
+    assert rechallenge_share([30, 20, 30, 20], RECHALLENGE_SHARE, SILENT_ESCAPE) == 1.0
     # a member holding more than two thirds leaves a third at most, which may all collude
     assert counted_on([70, 10, 10, 10]) == [] and reported([70, 10, 10, 10], 1.0) == 0.0
-    assert rechallenge_share([70, 10, 10, 10], RECHALLENGE_SHARE) == 1.0
-    assert rechallenge_share([], RECHALLENGE_SHARE) == 1.0
+    assert rechallenge_share([70, 10, 10, 10], RECHALLENGE_SHARE, SILENT_ESCAPE) == 1.0
+    assert rechallenge_share([], RECHALLENGE_SHARE, SILENT_ESCAPE) == 1.0
 
 
 @settings(max_examples=60, deadline=None)

@@ -124,11 +124,7 @@ def test_a_node_cheating_in_the_closing_windows_meets_the_next_epochs_re_challen
     node = make_node(quick_family, ClosingWindowNode)
     node.asked, node.cheated = {}, {}
     node.cheap = cheap_engine(quick_family, node)
-    # the coins at the configured share, as MAX_EPOCHS reckons (escape 1: not raised for a silent node). The
-    # in-process chain makes a block of each transaction, so the answers and attestations of every member
-    # re-challenging every node hurry it past the leader's and attesters' deadlines between their ticks;
-    # on a real network blocks come at their own pace (tests/test_verifier_network.py runs the defaults)
-    *escaped, last = live_committee(quick_family, tmp_path, PARAMS, node, play, escape=1.0)
+    *escaped, last = live_committee(quick_family, tmp_path, PARAMS, node, play)
     assert last.cheap, f"not caught in {MAX_EPOCHS} epochs: {[*escaped, last]}"
     # caught: a re-challenge sent in the closing windows of the epoch before, or before its leader started,
     # met the cheap model, and its answer cut the node's C(T)

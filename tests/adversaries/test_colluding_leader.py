@@ -7,9 +7,8 @@ paid for serving no one). The leader's and the members' real daemons ask through
 with the reference model and submit on the in-process chain; the colluding member attests its partner's
 answers as honest.
 
-Each honest member re-challenges the node on its own secret coin (`Daemon._sampled`, here at the
-configured share; at the default settings four members' coins always come up, verifier/coverage.py, as
-tests/adversaries/test_going_silent_node.py shows). In every epoch in
+Each honest member re-challenges the node on its own secret coin (`Daemon._sampled`, at the configured
+share; set `silent_escape` raises it, tests/adversaries/test_going_silent_node.py). In every epoch in
 which enough coins came up (one for the cheap node, whose cheap answer is scored, unless it happens to be
 the registered model's own, as a short greedy answer can be; members holding more
 than a third of the power for the idle one, whose silence is reported), the node's C(T) is cut and its
@@ -131,8 +130,7 @@ def collude(quick_family: Path, tmp_path: Path, cheap: bool, epochs: Epochs, sha
             ) -> tuple[Script, KeySet, list[Played]]:
     """An honest node and a tipped one (answering the rest with tiny where `cheap`) behind a real overlay,
     four members' real daemons reading the in-process chain, and the epochs played (the test, not the
-    daemons' ticks, drives each epoch). The coins come up at `share` as given, not raised for a silent
-    node (tests/adversaries/test_going_silent_node.py runs the default)."""
+    daemons' ticks, drives each epoch)."""
 
     def play(c: LiveCommittee) -> tuple[Script, KeySet, list[Played]]:
         assert isinstance(c.node, TippedNode)
@@ -143,7 +141,7 @@ def collude(quick_family: Path, tmp_path: Path, cheap: bool, epochs: Epochs, sha
     tipped = make_node(quick_family, TippedNode)
     tipped.told = set()
     tipped.cheap = cheap_engine(quick_family, tipped) if cheap else None
-    return live_committee(quick_family, tmp_path, PARAMS, tipped, play, share, escape=1.0)
+    return live_committee(quick_family, tmp_path, PARAMS, tipped, play, share)
 
 
 @pytest.mark.parametrize("cheap", [True, False], ids=["cheap", "idle"])
