@@ -25,9 +25,10 @@ POWER_STEPS = 3000
 SHARE_STEP = 0.01
 SILENT_ESCAPE = 0.01
 """The most a silent node may expect to escape an epoch unreported, where a member sets it: every node
-with four members. Not the default (`KEEP_SHARE`) while, on the localnet's network test, the extra
-re-challenges it brings were seen once to leave an honest node with deviating answers of no `served_by`
-(docs/threat-model.md, "Drops requests or stays silent")."""
+with four members. Not the default (`KEEP_SHARE`) while the chain charges an honest node with the
+answer of a peer it forwarded a re-challenge to before the epoch, once that peer is delisted at the
+epoch's start: the extra re-challenges made that happen on the localnet's network test
+(docs/threat-model.md, "Known open attacks")."""
 KEEP_SHARE = 1.0
 """`silent_escape` that keeps `rechallenge_share` as configured: the default."""
 
