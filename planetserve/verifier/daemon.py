@@ -549,8 +549,8 @@ class Daemon:
             if node is None or challenge is None or (number not in self.tagged and self.ledger.rechallenge(
                     number, self.me, challenge.tag(entry.node)) is None):
                 continue
-            offset = self._sample_offset(number, entry.node, schedule)
-            start = upcoming if needed else schedule.start(number) + offset
+            start = upcoming if needed else schedule.start(number) + self._sample_offset(
+                number, entry.node, schedule)
             self.scheduled[number, entry.node] = Scheduled(start, last, cutoff, challenge, node)
         self.send_scheduled(upcoming)
 
@@ -619,7 +619,10 @@ class Daemon:
 
     def _share(self, number: int) -> float:
         """`rechallenge_share`, raised where the committee is too small for it to see a silent node
-        reported by more than a third of the power in all but `silent_escape` of epochs."""
+        reported by more than a third of the power in all but `silent_escape` of epochs. Kept as it is
+        (`KEEP_SHARE`), it needs no reading of the committee."""
+        if self.silent_escape >= KEEP_SHARE:
+            return self.rechallenge_share
         if number not in self.shares:
             powers = [m.power for m in self.ledger.committee()[1]]
             self.shares[number] = rechallenge_share(powers, self.rechallenge_share, self.silent_escape)
