@@ -231,7 +231,7 @@ class Evidence:
             st.put_org(Organisation(f"org-{o:03d}", f"Organisation {o}", owner, self.chain.time))
         for node, prev in zip(self.nodes, self.previous, strict=True):
             st.put_reputation(prev)
-            st.put_node(node, prev.listable)
+            st.put_node(node, at=self.chain.time, listable=prev.listable)
 
     def write_plan(self, st: State, number: int = EPOCH) -> None:
         """The committed plan of epoch `number` and its leader (the plan of the epoch after the

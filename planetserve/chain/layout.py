@@ -13,6 +13,7 @@ or region can never match another (model ids may contain '/').
     model/<model>                           Model
     node/<pubkey hex>                       ModelNode
     nlist/<model>/<region>/<pubkey hex>     ModelNode       (the signed node list, per model/region)
+    delist/<pubkey hex>                     int             (block time the node last left the list)
     orgnode/<org>/<pubkey hex>              b""             (every node an organisation registered)
     member/<operator hex>                   Member
     proposal/<id:012d>                      Proposal
@@ -135,6 +136,10 @@ def node_list_prefix(model_id: str | None = None, region: str | None = None) -> 
 
 def node_list_key(node: ModelNode) -> bytes:
     return node_list_prefix(node.model_id, node.region) + node.pubkey.hex().encode()
+
+
+def delisted_key(pubkey: bytes) -> bytes:
+    return key("delist", pubkey.hex())
 
 
 def org_node_prefix(org_id: str) -> bytes:

@@ -8,13 +8,13 @@ what it computed itself."""
 from __future__ import annotations
 
 import pytest
-from committee import EPOCH_PARAMS, HONEST, TEMPERATURE, Script, expected, finish
+from committee import EPOCH_PARAMS, HONEST, TEMPERATURE, Script, expected, finish, listed
 from harness import AppHarness, sqlite_url
 
 from planetserve.chain.challenge import Challenge
 from planetserve.registry import finalization
 from planetserve.registry.epochs import VALID, ChallengeResult
-from planetserve.registry.params import PPM
+from planetserve.registry.params import PPM, Params
 
 WEAK = 200_000
 
@@ -24,21 +24,22 @@ def s(tmp_path) -> Script:
     return Script(AppHarness(sqlite_url(tmp_path), members=4, params=EPOCH_PARAMS))
 
 
-def forwarded_epoch(s: Script, delist_peer: bool = False, peer_scores: int = WEAK
+def forwarded_epoch(s: Script, delisted_for: int | None = None, peer_scores: int = WEAK
                     ) -> tuple[bytes, bytes, ChallengeResult]:
     """Epoch 1 in which node0 signs, as its own answer, the answer node1 computed for node0's challenge
-    (attested `peer_scores`); node1 answers its own challenge well. With `delist_peer`, node1's
-    organisation takes it off the list once the plan is committed. Returns node0, node1 and node0's
-    stored result."""
+    (attested `peer_scores`); node1 answers its own challenge well. With `delisted_for`, node1's
+    organisation takes it off the list once the plan is committed, and the leader's results land that
+    many seconds later. Returns node0, node1 and node0's stored result."""
     s.run_election_and_plan(1)
     leader = s.leader(1)
     node0, node1 = list(s.nodes)
-    if delist_peer:
+    if delisted_for is not None:
         update = s.tx(s.owner, "update-model-node", {"node_pubkey": node1, "status": "inactive"})
         assert s.block(update) == [(0, "ok")]
+        s.h.time += delisted_for - 5  # the harness's blocks are 5 seconds apart
     body = s.leader_results(1, HONEST)
     challenge = s.planned(1, node0, leader)
-    returned = s.answer(node0, challenge)
+    returned = s.answer(node0, challenge, time=s.h.time + 5)
     computed = s.answer(node1, challenge, time=returned.time - 1)
     body["results"][0] = {**challenge.reveal(returned, served=computed).body(), "credibility": peer_scores}
     assert s.block(s.tx(leader, "submit-results", body)) == [(0, "ok")]
@@ -59,15 +60,65 @@ def test_a_node_that_forwards_its_challenge_is_scored_on_what_it_returned(s):
     assert all(s.faults(m) == [] for m in s.members)
 
 
-def test_a_serving_peer_off_the_list_is_not_credited(s):
-    """node1 was taken off the list (inactive) before the results came in: node0 still answers for the
-    answer, and node1 is not credited with it."""
-    node0, node1, result = forwarded_epoch(s, delist_peer=True)
-    assert result.served_by == b"" and "not listed" in result.reason
+@pytest.mark.parametrize("past_slack", [False, True])
+def test_a_serving_peer_off_the_list_is_credited_only_within_the_response_slack_of_leaving_it(s, past_slack):
+    """node1 was taken off the list (inactive) before the results came in. Within the response slack of
+    that (an honest node forwards on a view of the list a few seconds old, and the answer is revealed as
+    soon as it comes back) node1 is credited with the answer it computed; past it, it is not, and node0
+    answers for the answer: a node cannot have a peer long off the list answer for it."""
+    slack = Params().response_slack_seconds
+    node0, node1, result = forwarded_epoch(s, delisted_for=slack + past_slack)
+    if past_slack:
+        assert result.served_by == b"" and "not listed" in result.reason
+    else:
+        assert result.served_by == node1 and result.reason == ""
     back = s.tx(s.owner, "update-model-node", {"node_pubkey": node1, "status": "active"})
     assert s.block(back) == [(0, "ok")]  # listed again, so that the next plan covers it
     finish(s, 1)
-    assert s.reputation(node0) == expected(WEAK)
+    assert s.reputation(node0) == expected(WEAK)  # it computed nothing, so it answers for what it returned
+    assert s.reputation(node1) == expected(HONEST if past_slack else WEAK)
+    assert all(s.faults(m) == [] for m in s.members)
+
+
+@pytest.mark.parametrize("forwarded", ["before the delisting", "past the response slack"])
+def test_a_re_challenge_forwarded_to_a_peer_the_finalization_delists_counts_against_the_peer(s, forwarded):
+    """A member re-challenges node0 in epoch 1's closing windows (a sampled re-challenge of epoch 2) and
+    node0 forwards it to its listed peer node1, which answers it badly, as it answered its own challenge;
+    epoch 1's finalization delists node1, and the member reveals the answer at epoch 2's start. node1 is
+    credited with it and node0 is scored on what it computed itself. A forward made, and revealed, past
+    the response slack after the delisting is node0's to answer for."""
+    s.run_election_and_plan(1)
+    node0, node1 = list(s.nodes)
+    honest_epoch_scores = {node0: HONEST, node1: 0}
+    assert s.block(s.tx(s.leader(1), "submit-results", s.leader_results(1, honest_epoch_scores))) == [(0, "ok")]
+    assert all(c == 0 for c, _ in s.block(*s.attest_txs(1, s.epoch(1).leader, honest_epoch_scores)))
+    s.run_to(s.schedule.setup_height(1))
+    s.h.block()
+    plan_txs, _ = s.plan_txs(2)
+    assert all(c == 0 for c, _ in s.block(*plan_txs, *s.vrf_txs(2)))
+    member = next(m for k, m in sorted(s.members.items()) if k != s.epoch(2).leader)
+    early = Challenge.new("Asked before the epoch: how do tides work?", TEMPERATURE)
+    assert node1 in listed(s) and s.h.height + 1 == s.schedule.end(1)
+    returned = s.answer(node0, early, time=s.h.time + 5)
+    assert s.block(s.tx(member, "commit-rechallenge", {"epoch": 2, "tags": [early.tag(node0)]})) == [(0, "ok")]
+    assert node1 not in listed(s) and s.epoch(1).finalized
+    if forwarded == "past the response slack":
+        s.h.time += Params().response_slack_seconds
+        returned = s.answer(node0, early, time=s.h.time + 5)
+    served = s.answer(node1, early, time=returned.time - 1)
+    reveal = {"epoch": 2, "kind": "rechallenge", "results": [early.reveal(returned, served=served)]}
+    assert s.block(s.tx(member, "submit-results", reveal)) == [(0, "ok")]
+    result = s.state.result(2, node0, member.public)
+    assert result.served_by == (node1 if forwarded == "before the delisting" else b"")
+    assert s.block(s.tx(s.leader(2), "submit-results", s.leader_results(2, honest_epoch_scores))) == [(0, "ok")]
+    assert all(c == 0 for c, _ in s.block(*s.attest_txs(2, s.epoch(2).leader, honest_epoch_scores),
+                                          *s.attest_txs(2, member.public, {node0: 0})))
+    finish(s, 2)
+    if forwarded == "before the delisting":
+        assert s.reputation(node0) == expected(HONEST, HONEST)
+    else:
+        assert s.reputation(node0) == expected(HONEST, 0)
+    assert s.reputation(node1) == expected(0, 0)
     assert all(s.faults(m) == [] for m in s.members)
 
 

@@ -270,7 +270,7 @@ class Application:
         self._expire_rate_windows(self.block, req.height)
         self._expire_users(self.block, self.block_time)
         deployments.expire(self.block, self.block_time)
-        rotated = rotations.begin_block(self.block, self.params, req.height)
+        rotated = rotations.begin_block(self.block, self.params, req.height, self.block_time)
         epochs.begin_block(self.block, self.params, req.height, self.block_time)
         epochs.record_commit(self.block, self.params, req.height,
                              (v.validator.address for v in req.decided_last_commit.votes

@@ -232,7 +232,7 @@ def _finalize(batch: Batch, st: State, params: Params, epoch: Epoch, committee: 
         st.put_reputation(record)
         node = ModelNode.decode(raw)
         if record.listable != previous.listable:
-            st.put_node(node, record.listable)
+            st.put_node(node, at=time, listable=record.listable)
         if record.listable and verdict.scored and record.window[-1] >= rule.abnormal:
             serving = time - max(epoch.start_time, node.registered_at)
             earnings[node.org_id] += credits.earned(st.price(node.hardware), serving)

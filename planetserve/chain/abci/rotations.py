@@ -40,18 +40,18 @@ def next_epoch_start(params: Params, height: int) -> int:
     return schedule.start(schedule.epoch_of(height) + 1)
 
 
-def begin_block(batch: IterableKV, params: Params, height: int) -> Rotated:
+def begin_block(batch: IterableKV, params: Params, height: int, time: int) -> Rotated:
     st = State(batch)
     epoch = Schedule.from_params(params).epoch_of(height)
     out = Rotated()
     for rotation in st.node_rotations_due(height):
-        out.events.append(_move_node(st, epoch, rotation))
+        out.events.append(_move_node(st, epoch, rotation, time))
     for member_rotation in st.member_rotations_due(height):
         out.events.append(_move_member(st, batch, epoch, member_rotation, out.validator_updates))
     return out
 
 
-def _move_node(st: State, epoch: int, rotation: NodeRotation) -> tuple[str, dict[str, str]]:
+def _move_node(st: State, epoch: int, rotation: NodeRotation, time: int) -> tuple[str, dict[str, str]]:
     old, new = rotation.old, rotation.new
     st.finish_node_rotation(rotation)
     node = st.node(old)
@@ -62,7 +62,7 @@ def _move_node(st: State, epoch: int, rotation: NodeRotation) -> tuple[str, dict
         st.kv.delete(layout.reputation_key(old))
         st.put_reputation(replace(reputation, node=new))
     st.delete_node(node)
-    st.put_node(replace(node, pubkey=new), reputation is not None and reputation.listable)
+    st.put_node(replace(node, pubkey=new), at=time, listable=reputation is not None and reputation.listable)
     st.kv.delete(layout.org_node_key(node.org_id, old))
     st.add_org_node(node.org_id, new)
     deployment = st.deployment_of(old)

@@ -23,6 +23,7 @@ from planetserve.chain.layout import (
     attestation_key,
     commitment_key,
     credits_key,
+    delisted_key,
     deployment_expiry_key,
     deployment_key,
     epoch_key,
@@ -232,11 +233,13 @@ class State:
     def node(self, pubkey: bytes) -> ModelNode | None:
         return self._load(node_key(pubkey), ModelNode)
 
-    def put_node(self, node: ModelNode, listable: bool | None = None) -> None:
+    def put_node(self, node: ModelNode, *, at: int, listable: bool | None = None) -> None:
         """Store a model node with its list entry: only active nodes whose reputation record lets them
         be listed (trusted and past probation) are. `listable` is that record's verdict when the caller
-        already knows it."""
+        already knows it. A node that leaves the list at block time `at` keeps that time
+        (`delisted_at`)."""
         old = self.node(node.pubkey)
+        was_listed = old is not None and self.kv.get(node_list_key(old)) is not None
         if old is not None:
             self.kv.delete(node_list_key(old))
         record = node.encode()
@@ -245,10 +248,18 @@ class State:
             listable = self.listable(node.pubkey)
         if node.status == "active" and listable:
             self.kv.set(node_list_key(node), record)
+        elif was_listed:
+            self.put_int(delisted_key(node.pubkey), at)
 
     def delete_node(self, node: ModelNode) -> None:
         self.kv.delete(node_key(node.pubkey))
         self.kv.delete(node_list_key(node))
+        self.kv.delete(delisted_key(node.pubkey))
+
+    def delisted_at(self, node: bytes) -> int | None:
+        """The block time the node last left the verified list, if it ever did."""
+        raw = self.kv.get(delisted_key(node))
+        return None if raw is None else int(codec.unpack_stored(raw))
 
     def listed(self, node: ModelNode) -> bool:
         """Whether the node is on the verified node list: active, trusted and past probation."""

@@ -199,11 +199,20 @@ def _served_inconsistency(ctx: Context, node_model: str, served: SignedResponse)
     return None
 
 
-def _listed(ctx: Context, node: bytes) -> bool:
-    """Whether `node` is on the verified node list (active, trusted, past probation): only such a peer
-    is credited with an answer it computed, since only such a peer may be forwarded to."""
+def _credited(ctx: Context, node: bytes) -> bool:
+    """Whether the serving peer `node` is credited with an answer it computed: only a peer on the verified
+    node list (active, trusted, past probation) may be forwarded to, or one that left it no more than
+    the response slack before this reveal. A member reveals an answer as soon as it has it, so such a
+    peer was listed, or only just delisted, when it was forwarded to: an epoch's finalization delists
+    nodes while the re-challenges sent in its closing windows are out, and an honest node forwards on
+    a view of the list a few seconds old. Without the slack it would answer for its peer's model."""
     peer = ctx.state.node(node)
-    return peer is not None and ctx.state.listed(peer)
+    if peer is None:
+        return False
+    if ctx.state.listed(peer):
+        return True
+    delisted = ctx.state.delisted_at(node)
+    return delisted is not None and ctx.time <= delisted + ctx.params.response_slack_seconds
 
 
 def submit_results(ctx: Context, msg: SubmitResults) -> None:
@@ -246,7 +255,7 @@ def _submit_one(ctx: Context, epoch: Epoch, kind: str, entry: Revealed | Unanswe
         if problem is None and served is not None:
             problem = _served_inconsistency(ctx, model_id, served)
         status, reason = VALID, ""
-        if problem is None and served is not None and not _listed(ctx, served.node):
+        if problem is None and served is not None and not _credited(ctx, served.node):
             served = None
             reason = "the serving node is not listed (inactive, untrusted or on probation): not credited"
         if problem is not None:

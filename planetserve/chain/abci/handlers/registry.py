@@ -107,7 +107,7 @@ def register_model_node(ctx: Context, msg: RegisterModelNode) -> None:
         registered_at=ctx.time,
         memory_mib=msg.memory_mib or 0,
         gflops=msg.gflops or 0,
-    ))
+    ), at=ctx.time)
     ctx.emit("register_model_node", node=msg.node_pubkey.hex(), org_id=msg.org_id, model_id=msg.model_id,
              reputation=str(start.value), probation=str(start.probation))
 
@@ -151,7 +151,7 @@ def update_model_node(ctx: Context, msg: UpdateModelNode) -> None:
     updated = replace(node, **changes)
     if updated.model_id != node.model_id:
         _known_model(ctx, updated.model_id)
-    ctx.state.put_node(updated)
+    ctx.state.put_node(updated, at=ctx.time)
     ctx.emit("update_model_node", node=msg.node_pubkey.hex())
     for kind, attributes in heal_node(ctx.state, ctx.params, ctx.time, msg.node_pubkey):
         ctx.emit(kind, **attributes)
