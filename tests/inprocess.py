@@ -132,7 +132,9 @@ def live_committee(data: Path, tmp_path: Path, params: Params, node: ModelNode, 
     """`play` on a LiveCommittee with `node` (its `cheap` engine, if any, closed after), the chain's
     clock starting now so that the nodes' signed times fall in its slack; the daemons re-challenge a
     `share` of the nodes whatever the leader's result, raised where four members need more for a silent
-    node to escape at most `escape` of epochs (verifier/coverage.py; the default keeps `share`)."""
+    node to escape at most `escape` of epochs (verifier/coverage.py). Unlike the daemon's, this default
+    keeps `share`: this chain makes a block of each transaction, and with every member re-challenging
+    every node the closing-window test's chain ran past its deadlines between ticks."""
     reference = ReferenceModel.from_loaded(load("gt", data), model_id="gt")
 
     def committee(relay: str, honest: ModelNode) -> T:

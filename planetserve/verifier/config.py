@@ -10,14 +10,14 @@ from typing import Any, ClassVar
 
 from planetserve import workloads
 from planetserve.config import HomeError, LedgerHome
-from planetserve.verifier.coverage import KEEP_SHARE
+from planetserve.verifier.coverage import SILENT_ESCAPE
 from planetserve.verifier.credibility import TOLERANCE
 
 RECHALLENGE_SHARE = 0.67
 """With four members, about three answers per node and epoch (the leader's and two re-challenges): the
 number bench/detection.py needs to untrust every node whose tokens differ from the model's within five
-epochs (docs/detection.md). A member that sets `silent_escape` raises it where the committee is too
-small for it to see a silent node reported: with 0.01, four members re-challenge every node."""
+epochs (docs/detection.md). The daemon raises it where the committee is too small for it to see a silent
+node reported (`silent_escape`): four members re-challenge every node."""
 
 CONFIG_FILE = "verifier.json"
 USED_PROMPTS_FILE = "used_prompts"
@@ -112,11 +112,11 @@ class VerifierConfig(LedgerHome):
     of its own, each epoch, drawn secretly (verifier/daemon.py): more answers per node and epoch, so a
     node that cheats on some requests, or deviates on a few tokens, is caught sooner. The daemon raises
     it where the committee is too small for `silent_escape`."""
-    silent_escape: float = KEEP_SHARE
+    silent_escape: float = SILENT_ESCAPE
     """The most a node silent on all but the leader's challenge may expect to escape an epoch unreported:
     the share above is raised until members the node cannot count on (all but the leader and a colluding
-    third of the power) report it with at least 1 - this (verifier/coverage.py; 0.01 has every member
-    re-challenge every node in a committee of four). The default, 1, keeps `rechallenge_share` as it
+    third of the power) report it with at least 1 - this (verifier/coverage.py; the default, 0.01, has
+    every member re-challenge every node in a committee of four). 1 keeps `rechallenge_share` as it
     is."""
     max_prompt_tokens: int = 256
     max_tokens: int = 64

@@ -24,13 +24,10 @@ POWER_STEPS = 3000
 (up to this many), and a lower bound for the rest."""
 SHARE_STEP = 0.01
 SILENT_ESCAPE = 0.01
-"""The most a silent node may expect to escape an epoch unreported, where a member sets it: every node
-with four members. Not the default (`KEEP_SHARE`) while the chain charges an honest node with the
-answer of a peer it forwarded a re-challenge to before the epoch, once that peer is delisted at the
-epoch's start: the extra re-challenges made that happen on the localnet's network test
-(docs/threat-model.md, "Known open attacks")."""
+"""The most a silent node may expect to escape an epoch unreported, by default: every member
+re-challenges every node with four members."""
 KEEP_SHARE = 1.0
-"""`silent_escape` that keeps `rechallenge_share` as configured: the default."""
+"""`silent_escape` that keeps `rechallenge_share` as configured."""
 
 
 def counted_on(powers: Sequence[int]) -> list[int]:

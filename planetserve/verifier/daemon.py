@@ -69,7 +69,7 @@ from planetserve.verifier.config import (
     SUBMISSIONS_FILE,
     JsonLines,
 )
-from planetserve.verifier.coverage import KEEP_SHARE, rechallenge_share
+from planetserve.verifier.coverage import KEEP_SHARE, SILENT_ESCAPE, rechallenge_share
 from planetserve.verifier.credibility import Answer, ReferenceModel, Verdict
 from planetserve.verifier.overlay import NoAnswer, OverlayChannel, RelayUnavailable, Reply
 
@@ -158,7 +158,7 @@ class Daemon:
     def __init__(self, keys: KeySet, ledger: LedgerClient, references: dict[str, ReferenceModel],
                  channel: OverlayChannel, source: ChallengeSource, home: Path, *,
                  calibrated: bool = True, concurrency: int = 8, attempts: int = 2,
-                 rechallenge_share: float = RECHALLENGE_SHARE, silent_escape: float = KEEP_SHARE,
+                 rechallenge_share: float = RECHALLENGE_SHARE, silent_escape: float = SILENT_ESCAPE,
                  retired: KeySet | None = None) -> None:
         self.keys = keys
         self.earlier_x25519 = (retired.x25519,) if retired is not None else ()

@@ -8,7 +8,8 @@ with the reference model and submit on the in-process chain; the colluding membe
 answers as honest.
 
 Each honest member re-challenges the node on its own secret coin (`Daemon._sampled`, at the configured
-share; set `silent_escape` raises it, tests/adversaries/test_going_silent_node.py). In every epoch in
+share alone: `silent_escape` 1 here, where the default raises the share to every node with four members,
+tests/adversaries/test_going_silent_node.py). In every epoch in
 which enough coins came up (one for the cheap node, whose cheap answer is scored, unless it happens to be
 the registered model's own, as a short greedy answer can be; members holding more
 than a third of the power for the idle one, whose silence is reported), the node's C(T) is cut and its

@@ -3,8 +3,8 @@ each epoch; it answers that one request with the model it registered and refuses
 and members' re-challenges alike (docs/threat-model.md, "Drops requests or stays silent"). Each
 re-challenge it refuses is a member's report, and reports from members holding more than a third of the
 power cut its C(T). At the configured share of two thirds, four members' coins left it unreported in
-26% of epochs (55% where the colluder does not lead); daemons set to `silent_escape` 0.01
-(`SILENT_ESCAPE`) raise the share until a silent node escapes at most that share of epochs, counting on
+26% of epochs (55% where the colluder does not lead); daemons at the default `silent_escape`, 0.01
+(`SILENT_ESCAPE`), raise the share until a silent node escapes at most that share of epochs, counting on
 neither the leader nor a colluding third of the power (verifier/coverage.py): with four members, every
 member re-challenges every node.
 

@@ -202,10 +202,11 @@ def _served_inconsistency(ctx: Context, node_model: str, served: SignedResponse)
 def _credited(ctx: Context, node: bytes) -> bool:
     """Whether the serving peer `node` is credited with an answer it computed: only a peer on the verified
     node list (active, trusted, past probation) may be forwarded to, or one that left it no more than
-    the response slack before this reveal. A member reveals an answer as soon as it has it, so such a
-    peer was listed, or only just delisted, when it was forwarded to: an epoch's finalization delists
-    nodes while the re-challenges sent in its closing windows are out, and an honest node forwards on
-    a view of the list a few seconds old. Without the slack it would answer for its peer's model."""
+    the response slack before this reveal. A member reveals an answer as soon as it has it (the next
+    epoch's re-challenges, sent in an epoch's closing windows, once that epoch starts, just after the
+    finalization that may delist their serving peers), and an honest node forwards on a view of the list
+    a few seconds old: such a peer was listed, or only just delisted, when it was forwarded to. Without
+    the slack the honest node would answer for its peer's model."""
     peer = ctx.state.node(node)
     if peer is None:
         return False
