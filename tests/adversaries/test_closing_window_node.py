@@ -6,12 +6,12 @@ the next epoch; between the two it serves a cheaper model (tiny), and the model 
 Members now commit the next epoch's re-challenges as soon as its plan is, send them from
 `first_rechallenge`, in those windows, and reveal the answers once it starts.
 
-Four members' real daemons tick block by block against the in-process chain, doing all of an epoch's
-work themselves (proofs, plans, the leader's challenges, re-challenges, attestations), and ask through a
-real user relay; the node and an honest one beside it are real model nodes. Every epoch in which a member's
-secret offset put a re-challenge of the node in that window, its cheap answer is revealed and scored, and
-its C(T) is cut; the epochs it escapes are exactly the others. The honest node and the members are never
-touched."""
+Four members' real daemons, at their defaults, tick side by side against the in-process chain, doing all
+of an epoch's work themselves (proofs, plans, the leader's challenges, re-challenges, attestations), and
+ask through a real user relay; the node and an honest one beside it are real model nodes. Every epoch in
+which a member's secret offset put a re-challenge of the node in that window (four members each
+re-challenge every node by default), its cheap answer is revealed and scored, and its C(T) is cut; the
+epochs it escapes are exactly the others. The honest node and the members are never touched."""
 
 from __future__ import annotations
 
@@ -41,9 +41,10 @@ answers they sign by their clocks stay within the slack."""
 SCHEDULE = Schedule.from_params(PARAMS)
 RULE = ReputationRule.from_params(PARAMS)
 MAX_EPOCHS = 16
-"""Epochs played until the node is caught. Each honest member sends its re-challenge of the node (a coin
-of 2/3) from an offset in [-12, 27], 17 of the 40 in the window: a member catches it with probability
-about 0.28, one of three about 0.63 an epoch, and all sixteen epochs escape about 1e-7 of the time."""
+"""Epochs played until the node is caught. Each honest member re-challenges every node (four members, at
+the default `silent_escape`) from an offset in [-12, 27], 17 of the 40 in the window: a member catches it
+with probability about 0.43, one of three about 0.81 an epoch, and all sixteen epochs escape about 1e-11
+of the time."""
 
 
 class ClosingWindowNode(PartlyCheapNode):

@@ -35,6 +35,7 @@ from planetserve.registry.epochs import VALID, ChallengeResult
 from planetserve.registry.reputation import ReputationRule
 from planetserve.verifier import daemon as daemon_module
 from planetserve.verifier.config import RECHALLENGE_SHARE
+from planetserve.verifier.coverage import KEEP_SHARE
 from planetserve.verifier.daemon import Daemon
 
 PARAMS = replace(EPOCH_PARAMS, response_slack_seconds=3_600)
@@ -142,7 +143,7 @@ def collude(quick_family: Path, tmp_path: Path, cheap: bool, epochs: Epochs, sha
     tipped = make_node(quick_family, TippedNode)
     tipped.told = set()
     tipped.cheap = cheap_engine(quick_family, tipped) if cheap else None
-    return live_committee(quick_family, tmp_path, PARAMS, tipped, play, share)
+    return live_committee(quick_family, tmp_path, PARAMS, tipped, play, share, KEEP_SHARE)
 
 
 @pytest.mark.parametrize("cheap", [True, False], ids=["cheap", "idle"])

@@ -8,7 +8,7 @@ power cut its C(T). At the configured share of two thirds, four members' coins l
 neither the leader nor a colluding third of the power (verifier/coverage.py): with four members, every
 member re-challenges every node.
 
-Four members' real daemons, set so, tick block by block on the in-process chain
+Four members' real daemons, at their defaults, tick side by side on the in-process chain
 (`LiveCommittee`); the node and an honest one beside it are real model nodes behind a real user relay."""
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from modelnodes import TippedNode, make_node
 
 from planetserve.registry.epochs import INVALID, PLAN_COMMITTED, VALID
 from planetserve.verifier import daemon as daemon_module
-from planetserve.verifier.coverage import SILENT_ESCAPE
 
 PARAMS = replace(EPOCH_PARAMS, epoch_blocks=40, results_blocks=16, vrf_window_blocks=10, plan_window_blocks=14,
                  response_slack_seconds=3_600)
@@ -88,7 +87,7 @@ def test_a_node_silent_on_all_but_its_told_challenge_is_re_challenged_and_report
 
     node = make_node(quick_family, TippedNode)
     node.told = set()  # and no cheap engine: it answers nothing else
-    played = live_committee(quick_family, tmp_path, PARAMS, node, play, escape=SILENT_ESCAPE)
+    played = live_committee(quick_family, tmp_path, PARAMS, node, play)
     # the leader had the node's answer to its challenge; every honest member but the leader re-challenged the
     # node and was refused, and their reports alone, more than a third of the power, cut it every epoch
     for e in played:
