@@ -7,7 +7,18 @@ import hashlib
 from dataclasses import replace
 
 import pytest
-from committee import EPOCH_PARAMS, HONEST, RULE, TEMPERATURE, Script, expected, finish, honest_epoch, listed
+from committee import (
+    EPOCH_PARAMS,
+    HONEST,
+    NODE_ADDRESS,
+    RULE,
+    TEMPERATURE,
+    Script,
+    expected,
+    finish,
+    honest_epoch,
+    listed,
+)
 from harness import AppHarness, sqlite_url
 from nacl.public import PublicKey, SealedBox
 
@@ -19,6 +30,7 @@ from planetserve.chain.challenge import (
     SealedPromptError,
     open_plan_entry,
     padded_size,
+    sign_response,
 )
 from planetserve.chain.errors import Code
 from planetserve.chain.keys import KeySet
@@ -143,28 +155,51 @@ def test_altered_response_is_the_leaders_fault(s):
 
 
 @pytest.mark.faults
-@pytest.mark.parametrize("forgery", ["signature", "model"])
-def test_a_forged_serving_node_is_the_submitters_fault(s, forgery):
+def test_a_forged_serving_signature_is_the_submitters_fault(s):
+    """A member checks the serving peer's signature before it reveals, so one that does not verify was
+    altered by the submitter."""
     s.run_election_and_plan(1)
     leader = s.leader(1)
     node0, node1 = list(s.nodes)
     challenge = s.planned(1, node0, leader)
-    entry_answer = s.answer(node0, challenge)
-    computed = s.answer(node1, challenge)
-    if forgery == "signature":
-        computed = replace(computed, signature=bytes(64))
-    entry = {**challenge.reveal(entry_answer, served=computed).body(), "credibility": HONEST}
-    if forgery == "model":  # a key that is no node of the model
-        stranger = KeySet.generate()
-        entry["served"]["node"] = stranger.public
-        entry["served"]["signature"] = stranger.sign(replace(computed, node=stranger.public).sign_bytes())
+    computed = replace(s.answer(node1, challenge), signature=bytes(64))
+    entry = {**challenge.reveal(s.answer(node0, challenge), served=computed).body(), "credibility": HONEST}
     itself = {**entry, "served": {**entry["served"], "node": node0}}
     code, log = s.block(s.tx(leader, "submit-results", {"epoch": 1, "kind": "leader", "results": [itself]}))[0]
     assert code == Code.INVALID_FIELD and "names the challenged node itself" in log
     assert s.block(s.tx(leader, "submit-results", {"epoch": 1, "kind": "leader", "results": [entry]})) == [(0, "ok")]
     result = s.state.result(1, node0, leader.public)
-    assert result.status == epochs.FAULTY and "serving node" in result.reason
+    assert result.status == epochs.FAULTY and "serving node's signature" in result.reason
     assert s.faults(leader.public) == ["altered-response"]
+
+
+@pytest.mark.parametrize("peer", ["a key of no node", "a node of another model"])
+def test_a_serving_peer_that_is_no_node_of_the_model_is_not_credited_and_no_fault(s, peer):
+    """Whether the key a challenged node names as its serving peer is a registered node of its model, now,
+    the member cannot check before it reveals (the node can name a key of its own making, or have its
+    peer change model before the reveal): the answer counts against the challenged node, and the
+    submitter has no fault."""
+    s.run_election_and_plan(1)
+    leader = s.leader(1)
+    node0, node1 = list(s.nodes)
+    challenge = s.planned(1, node0, leader)
+    returned = s.answer(node0, challenge)
+    if peer == "a key of no node":
+        stranger = KeySet.generate()
+        computed = sign_response(stranger, challenge.prompt, list(returned.token_ids), returned.text, "gt",
+                                 returned.time, NODE_ADDRESS, returned.temperature, challenge.seed, challenge.top_p)
+    else:  # node1 served it, then moved to another model before the reveal
+        member = next(iter(s.members.values()))
+        assert s.block(s.tx(member, "register-model", {"model_id": "other", "name": "Other"})) == [(0, "ok")]
+        computed = s.answer(node1, challenge, time=returned.time - 1)
+        changed = s.tx(s.owner, "update-model-node", {"node_pubkey": node1, "model_id": "other"})
+        assert s.block(changed) == [(0, "ok")]
+    entry = {**challenge.reveal(returned, served=computed).body(), "credibility": 200_000}
+    assert s.block(s.tx(leader, "submit-results", {"epoch": 1, "kind": "leader", "results": [entry]})) == [(0, "ok")]
+    result = s.state.result(1, node0, leader.public)
+    assert result.status == epochs.VALID and result.served_by == b""
+    assert result.reason == "the serving node is not a registered node of the challenged node's model: not credited"
+    assert s.faults(leader.public) == []
 
 
 @pytest.mark.faults

@@ -16,6 +16,7 @@ from planetserve.chain.messages.epochs import PlanItem, Revealed, Served
 from planetserve.registry import codec, epochs
 from planetserve.registry.entities import Member
 from planetserve.registry.epochs import PlanEntry, SignedResponse
+from planetserve.registry.errors import InvalidField
 
 DEFAULT_MAX_TOKENS = 64
 MAX_CHALLENGE_TOKENS = 1 << 16
@@ -273,7 +274,8 @@ def served_extension(peer: SignedResponse) -> dict:
 
 def served_from_extension(served: object, answer: SignedResponse) -> SignedResponse | None:
     """The serving peer's signed response for `answer` (same prompt, ids, text and model) when `served`
-    is well formed and its signature verifies; None otherwise (the entry node alone answers for it)."""
+    is well formed, as the chain reads it, and its signature verifies; None otherwise (the entry node
+    alone answers for it)."""
     if not isinstance(served, dict) or type(served.get("time")) is not int:
         return None
     if not all(isinstance(served.get(k), str) for k in ("node", "address", "signature")):
@@ -283,4 +285,8 @@ def served_from_extension(served: object, answer: SignedResponse) -> SignedRespo
     except ValueError:
         return None
     peer = replace(answer, node=node, time=served["time"], address=served["address"], signature=signature)
+    try:
+        Served.from_body(Served.of(peer).body())
+    except InvalidField:
+        return None
     return peer if peer.node != answer.node and response_valid(peer) else None

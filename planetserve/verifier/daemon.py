@@ -403,7 +403,7 @@ class Daemon:
         transactions of at most `limit` bytes as hold them: the daemon waits for each transaction's
         block, so one per answer took a leader's results past its window on a slow machine."""
         for kind, entries in self.results(number, overdue).items():
-            for part in _parts(entries, limit):
+            for part in _parts([_revealable(entry, kind, limit) for entry in entries], limit):
                 if part:
                     self._submit(SubmitResults(number, kind, tuple(part)), number,
                                  [(entry.node, kind) for entry in part])
@@ -700,6 +700,21 @@ def last_rechallenge(schedule: Schedule, number: int) -> int:
 def _reason(text: str) -> str:
     """A reason as the ledger takes it: one line of at most 256 characters, never empty."""
     return " ".join(text.split())[:256] or "no answer"
+
+
+def _revealable(entry: Revealed | Unanswered, kind: str, limit: int) -> Revealed | Unanswered:
+    """The entry, or a claim of no valid response where the node's answer takes more than half of the
+    `limit` bytes a part holds: a challenge asks for a few dozen tokens, so only a node that ignored
+    that, or padded its text, gives one, and revealed it would have the transaction refused (the member
+    would lose the result, a leader its plan's coverage)."""
+    if isinstance(entry, Unanswered) or 2 * (size := len(codec.pack(entry.response.to_record()))) <= limit:
+        return entry
+    log.warning("node %s's answer takes %d bytes, too many to reveal: claimed as none", entry.node.hex()[:16],
+                size)
+    commitment = (epochs.commitment(entry.prompt, entry.temperature, entry.salt, entry.top_p)
+                  if kind == "rechallenge" else None)
+    return Unanswered(entry.node, f"an answer of {size} bytes, more than a result transaction may carry",
+                      commitment)
 
 
 def _parts(entries: list[Entry], limit: int) -> list[list[Entry]]:

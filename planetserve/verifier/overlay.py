@@ -22,8 +22,10 @@ from planetserve.chain.challenge import (
     response_from_extension,
     served_from_extension,
 )
+from planetserve.chain.messages.epochs import parse_response
 from planetserve.chain.rpc import TooLarge, read_limited
 from planetserve.registry.epochs import MILLI, SEED_BITS, SignedResponse
+from planetserve.registry.errors import InvalidField
 
 MAX_ANSWER_BYTES = 4 << 20
 ONE = 1_000_000
@@ -57,9 +59,11 @@ class OverlayChannel:
     def ask(self, node: bytes, model_id: str, challenge: Challenge) -> Reply:
         """The node's signed answer to `challenge` (a chat when it has a question, else a completion),
         sampled at its temperature, or NoAnswer. A follow-up's earlier turns go first, under the session
-        id the challenge then uses; a failed earlier turn is the node's failure to answer.
-        Whether the answer is the right one (its signer, prompt, temperature and content) is for the
-        caller to check."""
+        id the challenge then uses; a failed earlier turn is the node's failure to answer. An answer
+        the ledger would not read (an address that is no host:port, a model id it refuses, more tokens
+        or characters than a result holds) is none: revealed, it would have the submitter's whole
+        transaction refused, and every result batched with it. Whether the answer is the right one
+        (its signer, prompt, temperature and content) is for the caller to check."""
         stream = secrets.randbelow(ONE) < self.stream_share * ONE
         logprobs = secrets.randbelow(workloads.MAX_TOP_LOGPROBS + 1)
         if secrets.randbelow(ONE) >= self.logprobs_share * ONE:
@@ -109,6 +113,9 @@ class OverlayChannel:
                 raise TypeError("text")
             extension = payload.get("planetserve")
             response = response_from_extension(extension, text)
+            parse_response(response.to_record())
+        except InvalidField as exc:
+            raise NoAnswer(f"an answer the ledger would refuse: {exc}"[:256]) from None
         except (KeyError, IndexError, TypeError, ResponseFormatError) as exc:
             raise NoAnswer(f"malformed answer: {exc}"[:256]) from None
         return Reply(response, served_from_extension(extension.get("served"), response))

@@ -8,17 +8,31 @@ and untrusted, and no member is faulted."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 from committee import EPOCH_PARAMS, HONEST, TEMPERATURE, Script, expected, finish, listed
 from harness import AppHarness, sqlite_url
+from inprocess import LiveCommittee, live_committee
+from modelnodes import make_node
 
-from planetserve.chain.challenge import Challenge, response_extension, sign_response
+from planetserve.chain.challenge import (
+    Challenge,
+    response_extension,
+    response_from_extension,
+    served_extension,
+    sign_response,
+)
+from planetserve.chain.errors import Code
 from planetserve.chain.keys import KeySet
-from planetserve.chain.messages.epochs import Unanswered
+from planetserve.chain.messages.epochs import MAX_RESPONSE_CHARS, MAX_RESPONSE_TOKENS, Unanswered
+from planetserve.node.model_node import ModelNode as LiveNode
 from planetserve.registry.entities import ModelNode
+from planetserve.registry.epochs import INVALID, VALID, SignedResponse
+from planetserve.registry.params import Params
 from planetserve.verifier import daemon as daemon_module
-from planetserve.verifier.daemon import SIGNED_TIME_TOLERANCE_S, Daemon
+from planetserve.verifier.daemon import SIGNED_TIME_TOLERANCE_S, TX_MARGIN_BYTES, Asked, Daemon, _revealable
 from planetserve.verifier.overlay import OverlayChannel
 
 ASKED = 700
@@ -99,3 +113,133 @@ def test_a_framing_node_is_scored_and_untrusted_and_no_member_is_faulted(relay, 
     assert framing not in listed(s) and honest in listed(s)
     assert s.reputation(honest) == expected(HONEST)
     assert all(s.faults(m) == [] for m in s.members)
+
+
+def spoiled(relay, tmp_path, **fields: object) -> Asked:
+    """What the member's daemon makes of an answer signed as asked but with `fields` changed (and signed)."""
+    node = KeySet.generate()
+    challenge = Challenge.new("Why?", ASKED, top_p=900)
+    response = replace(sign_response(node, "Why?", [5, 6], "Light.", "gt", int(time.time()), "h:1", ASKED,
+                                     challenge.seed, 900), **fields)
+    response = replace(response, signature=node.sign(response.sign_bytes()))
+    relay.body = {"choices": [{"text": response.text}], "planetserve": response_extension(response)}
+    registered = ModelNode(node.public, "org", "gt", "h:1", "cpu", 1, "eu", "active", 0)
+    daemon = Daemon(KeySet.generate(), None, {}, OverlayChannel(relay.url), None, tmp_path, attempts=2)
+    daemon._ask((1, node.public, "leader"), challenge, registered)
+    return daemon.pending[1, node.public, "leader"].result(timeout=30)
+
+
+@pytest.mark.parametrize(("fields", "refused"), [
+    ({"address": "nowhere"}, "field 'address'"),
+    ({"model_id": "g t"}, "field 'model_id'"),
+    ({"token_ids": (2**32,)}, "field 'token_ids'"),
+    ({"token_ids": (5,) * (MAX_RESPONSE_TOKENS + 1)}, "field 'token_ids'"),
+    ({"text": "L" * (MAX_RESPONSE_CHARS + 1)}, "field 'text'"),
+], ids=["address", "model id", "token id", "tokens", "text"])
+def test_an_answer_the_ledger_would_not_read_is_claimed_invalid_not_revealed(relay, tmp_path, monkeypatch, fields,
+                                                                             refused):
+    """Revealed, it would have the member's whole transaction refused, and every result batched with it."""
+    monkeypatch.setattr(daemon_module, "RETRY_DELAY_S", 0.0)
+    done = spoiled(relay, tmp_path, **fields)
+    assert done.reply is None and "an answer the ledger would refuse" in done.failure and refused in done.failure
+    assert done.failure.startswith("2 attempts")
+
+
+@pytest.mark.parametrize("served", [{"address": "nowhere"}, {"time": -1}], ids=["address", "time"])
+def test_a_serving_peer_the_ledger_would_not_read_is_left_out(relay, tmp_path, served):
+    """The answer is revealed without it: the node that answered answers for it."""
+    node, peer = KeySet.generate(), KeySet.generate()
+    challenge = Challenge.new("Why?", ASKED, top_p=900)
+    response = sign_response(node, "Why?", [5, 6], "Light.", "gt", int(time.time()), "h:1", ASKED,
+                             challenge.seed, 900)
+    computed = replace(response, node=peer.public, **served)
+    computed = replace(computed, signature=peer.sign(computed.sign_bytes()))
+    relay.body = {"choices": [{"text": "Light."}], "planetserve": {**response_extension(response),
+                                                                     "served": served_extension(computed)}}
+    reply = OverlayChannel(relay.url).ask(node.public, "gt", challenge)
+    assert reply.response == response and reply.served is None
+
+
+def test_an_answer_too_large_for_a_transaction_is_claimed_as_none():
+    """A node that pads its answer beyond what a challenge asked for (a few dozen tokens) would have the
+    transaction carrying it refused for its size: the daemon claims no valid response instead, naming
+    the re-challenge's commitment, and keeps an answer of ordinary size."""
+    node = KeySet.generate()
+    challenge = Challenge.new("Why?", ASKED, top_p=900)
+    limit = Params().max_tx_bytes - TX_MARGIN_BYTES
+    text = "Light. " * 1_200
+    padded = challenge.reveal(sign_response(node, "Why?", [5, 6], text, "gt", int(time.time()), "h:1", ASKED,
+                                            challenge.seed, 900))
+    claim = _revealable(padded, "rechallenge", limit)
+    assert isinstance(claim, Unanswered) and claim.commitment == challenge.commitment
+    assert claim.invalid.startswith("an answer of") and "more than a result transaction may carry" in claim.invalid
+    assert isinstance(_revealable(padded, "leader", limit), Unanswered)
+    ordinary = challenge.reveal(sign_response(node, "Why?", [5, 6], "Light.", "gt", int(time.time()), "h:1", ASKED,
+                                              challenge.seed, 900))
+    assert _revealable(ordinary, "rechallenge", limit) is ordinary
+
+
+class SpoilingNode(LiveNode):
+    """A real model node that answers with the model it registered but signs each answer as `spoil` has it."""
+
+    spoil: Callable[[KeySet, SignedResponse, dict], dict]
+
+    def _sign(self, job, state, route_reason, served_by):  # type: ignore[no-untyped-def]
+        extension = super()._sign(job, state, route_reason, served_by)
+        return self.spoil(self.keys, response_from_extension(extension, state.text), extension)
+
+
+def unreadable_address(keys: KeySet, signed: SignedResponse, extension: dict) -> dict:
+    """Its own signature over an address that is no host:port."""
+    spoilt = replace(signed, address="nowhere")
+    return {**extension, **response_extension(replace(spoilt, signature=keys.sign(spoilt.sign_bytes())))}
+
+
+def served_by_a_stranger(keys: KeySet, signed: SignedResponse, extension: dict) -> dict:
+    """The same answer signed by a fresh key, named as the peer that computed it."""
+    stranger = KeySet.generate()
+    peer = replace(signed, node=stranger.public)
+    return {**extension, "served": served_extension(replace(peer, signature=stranger.sign(peer.sign_bytes())))}
+
+
+LIVE = replace(EPOCH_PARAMS, epoch_blocks=40, results_blocks=16, vrf_window_blocks=10, plan_window_blocks=14,
+               response_slack_seconds=3_600)
+"""The localnet's epochs; the in-process chain's clock runs ahead of the nodes' own, within the slack."""
+
+
+@pytest.mark.parametrize("spoil", [unreadable_address, served_by_a_stranger], ids=["address", "stranger"])
+def test_a_node_signing_what_the_ledger_would_not_take_frames_no_member(quick_family, tmp_path, monkeypatch,
+                                                                         spoil):
+    """Four members' real daemons challenge a real node whose every answer carries what the ledger would
+    not take from a member: an address it cannot read (the whole transaction of results refused, the
+    leader's with the honest node's result in it, and the leader faulted for withholding them) or a
+    serving peer that is no node of the model (the submitter's `altered-response` fault, before). Each
+    member claims no valid response to the first, which cuts the node; the second is revealed without
+    the peer, and the node answers for its own answer. No transaction is refused and no member faulted."""
+    monkeypatch.setattr(daemon_module, "RETRY_DELAY_S", 0.0)
+
+    def play(c: LiveCommittee) -> tuple[list, bytes, int]:
+        s, key = c.s, c.node.keys.public
+        number = 0
+        while number == 0:
+            number = c.epoch()
+        refused = [entry for d in c.daemons.values() for entry in d.submissions.read() if entry["code"]
+                   and not (entry["type"] == "attest" and entry["code"] == Code.EXPIRED)]
+        assert not refused, refused
+        assert all(s.faults(m) == [] for m in s.members), {m.hex()[:8]: s.faults(m) for m in s.members}
+        honest = s.state.reputation(c.honest.keys.public)
+        assert honest.last_epoch == number and honest.trusted and honest.window[-1] == HONEST, honest
+        rep = s.state.reputation(key)
+        assert rep is not None and rep.last_epoch == number
+        return [r for r in s.results(number) if r.node == key], s.epoch(number).leader, rep.window[-1]
+
+    node = make_node(quick_family, SpoilingNode)
+    node.spoil = spoil
+    results, leader, credibility = live_committee(quick_family, tmp_path, LIVE, node, play)
+    assert any(r.submitter == leader and r.kind == "leader" for r in results)
+    if spoil is unreadable_address:
+        assert {r.status for r in results} == {INVALID} and len(results) == 4 and credibility == 0
+        assert all("an answer the ledger would refuse" in r.reason for r in results)
+    else:
+        assert results and all(r.status == VALID and r.served_by == b"" for r in results)
+        assert all("not a registered node of the challenged node's model" in r.reason for r in results)

@@ -94,7 +94,7 @@ class CommitPlan(Message):
         return cls(epoch, tuple(PlanItem.from_body(as_map(item, "entries")) for item in raw), final)
 
 
-def _response(value: Any) -> SignedResponse:
+def parse_response(value: Any) -> SignedResponse:
     raw = as_map(value, "response")
     fields.check_keys(raw, {"node", "prompt_hash", "token_ids", "text", "model_id", "temperature", "seed",
                             "top_p", "time", "address", "signature"})
@@ -163,7 +163,7 @@ class Revealed(Body):
             prompt=fields.free_text(body, "prompt", MAX_PROMPT_CHARS),
             salt=fields.key32(body, "salt"),
             temperature=fields.integer(body, "temperature", 0, MAX_TEMPERATURE),
-            response=_response(body.get("response")),
+            response=parse_response(body.get("response")),
             credibility=fields.integer(body, "credibility", 0, PPM) if "credibility" in body else None,
             served=Served.from_body(as_map(body["served"], "served")) if "served" in body else None,
             top_p=fields.integer(body, "top_p", 0, epochs.MILLI),

@@ -189,31 +189,34 @@ def _inconsistency(ctx: Context, node_model: str, entry: Revealed, commitment: b
     return None
 
 
-def _served_inconsistency(ctx: Context, node_model: str, served: SignedResponse) -> tuple[str, str] | None:
-    """Why a claimed serving peer cannot be credited: its signature or its model does not match."""
+def _forged_serving(served: SignedResponse) -> tuple[str, str] | None:
+    """A serving peer's signature that does not verify: a member checks it before it reveals, so only a
+    submitter that altered it reveals one."""
     if not verify_signature(served.node, served.sign_bytes(), served.signature):
         return "altered-response", "the serving node's signature does not verify"
-    peer = ctx.state.node(served.node)
-    if peer is None or peer.model_id != node_model:
-        return "altered-response", "the serving node is not a registered node of the challenged node's model"
     return None
 
 
-def _credited(ctx: Context, node: bytes) -> bool:
-    """Whether the serving peer `node` is credited with an answer it computed: only a peer on the verified
-    node list (active, trusted, past probation) may be forwarded to, or one that left it no more than
-    the response slack before this reveal. A member reveals an answer as soon as it has it (the next
-    epoch's re-challenges, sent in an epoch's closing windows, once that epoch starts, just after the
-    finalization that may delist their serving peers), and an honest node forwards on a view of the list
-    a few seconds old: such a peer was listed, or only just delisted, when it was forwarded to. Without
-    the slack the honest node would answer for its peer's model."""
+def _uncredited(ctx: Context, node_model: str, node: bytes) -> str:
+    """Why the serving peer `node` is not credited with an answer it computed, or "" if it is. Only a
+    node of the challenged node's model on the verified node list (active, trusted, past probation) may
+    be forwarded to, or one that left the list no more than the response slack before this reveal. A
+    member reveals an answer as soon as it has it (the next epoch's re-challenges, sent in an epoch's
+    closing windows, once that epoch starts, just after the finalization that may delist their serving
+    peers), and an honest node forwards on a view of the list a few seconds old: such a peer was listed,
+    or only just delisted, when it was forwarded to. Without the slack the honest node would answer for
+    its peer's model. What a member cannot check before it reveals (whether a key the challenged node
+    names is registered for the model; a peer that changes its model or key between the answer and the
+    reveal) is not the member's fault: the challenged node answers for the answer."""
     peer = ctx.state.node(node)
-    if peer is None:
-        return False
+    if peer is None or peer.model_id != node_model:
+        return "the serving node is not a registered node of the challenged node's model: not credited"
     if ctx.state.listed(peer):
-        return True
+        return ""
     delisted = ctx.state.delisted_at(node)
-    return delisted is not None and ctx.time <= delisted + ctx.params.response_slack_seconds
+    if delisted is not None and ctx.time <= delisted + ctx.params.response_slack_seconds:
+        return ""
+    return "the serving node is not listed (inactive, untrusted or on probation): not credited"
 
 
 def submit_results(ctx: Context, msg: SubmitResults) -> None:
@@ -254,11 +257,10 @@ def _submit_one(ctx: Context, epoch: Epoch, kind: str, entry: Revealed | Unanswe
         served = entry.served.response(response) if entry.served is not None else None
         problem = _inconsistency(ctx, model_id, entry, commitment, since)
         if problem is None and served is not None:
-            problem = _served_inconsistency(ctx, model_id, served)
+            problem = _forged_serving(served)
         status, reason = VALID, ""
-        if problem is None and served is not None and not _credited(ctx, served.node):
+        if problem is None and served is not None and (reason := _uncredited(ctx, model_id, served.node)):
             served = None
-            reason = "the serving node is not listed (inactive, untrusted or on probation): not credited"
         if problem is not None:
             fault_kind, reason = problem
             status = FAULTY if fault_kind else INVALID
