@@ -65,6 +65,7 @@ def test_config_loads_strictly(tmp_path):
                          ({"keys": "k", "logprobs_share": None}, "logprobs_share must lie in"),
                          ({"keys": "k", "rechallenge_share": None}, "rechallenge_share must lie in"),
                          ({"keys": "k", "silent_escape": 2}, "silent_escape must lie in"),
+                         ({"keys": "k", "max_tokens": 513}, "max_tokens must be at most 512"),
                          ({"keys": "k", "witness": "10.0.0.8:26657"}, "witness must be an http:// URL"),
                          ({"keys": "k", "witness": "http://127.0.0.1:26657/"},
                           "witness must be another endpoint than rpc"),

@@ -703,18 +703,18 @@ def _reason(text: str) -> str:
 
 
 def _revealable(entry: Revealed | Unanswered, kind: str, limit: int) -> Revealed | Unanswered:
-    """The entry, or a claim of no valid response where the node's answer takes more than half of the
-    `limit` bytes a part holds: a challenge asks for a few dozen tokens, so only a node that ignored
-    that, or padded its text, gives one, and revealed it would have the transaction refused (the member
-    would lose the result, a leader its plan's coverage)."""
-    if isinstance(entry, Unanswered) or 2 * (size := len(codec.pack(entry.response.to_record()))) <= limit:
+    """The entry, or a claim of no valid response where it takes more than the `limit` bytes a part
+    holds: the transaction carrying it would be refused (the member would lose the result, a leader its
+    plan's coverage). A challenge asks for at most `config.MAX_CHALLENGE_TOKENS` tokens, for a prompt the
+    ledger bounds, which fit, so only a node that ignored that, or padded its text, gives such an answer."""
+    if isinstance(entry, Unanswered) or (size := len(codec.pack(entry.body()))) <= limit:
         return entry
-    log.warning("node %s's answer takes %d bytes, too many to reveal: claimed as none", entry.node.hex()[:16],
-                size)
+    log.warning("node %s's answer makes a result of %d bytes, too many to reveal: claimed as none",
+                entry.node.hex()[:16], size)
     commitment = (epochs.commitment(entry.prompt, entry.temperature, entry.salt, entry.top_p)
                   if kind == "rechallenge" else None)
-    return Unanswered(entry.node, f"an answer of {size} bytes, more than a result transaction may carry",
-                      commitment)
+    return Unanswered(entry.node, f"an answer whose result takes {size} bytes, more than a transaction "
+                                  "carries", commitment)
 
 
 def _parts(entries: list[Entry], limit: int) -> list[list[Entry]]:

@@ -26,12 +26,18 @@ from planetserve.chain.challenge import (
 )
 from planetserve.chain.errors import Code
 from planetserve.chain.keys import KeySet
-from planetserve.chain.messages.epochs import MAX_RESPONSE_CHARS, MAX_RESPONSE_TOKENS, Unanswered
+from planetserve.chain.messages.epochs import (
+    MAX_PROMPT_CHARS,
+    MAX_RESPONSE_CHARS,
+    MAX_RESPONSE_TOKENS,
+    Unanswered,
+)
 from planetserve.node.model_node import ModelNode as LiveNode
 from planetserve.registry.entities import ModelNode
 from planetserve.registry.epochs import INVALID, VALID, SignedResponse
 from planetserve.registry.params import Params
 from planetserve.verifier import daemon as daemon_module
+from planetserve.verifier.config import MAX_CHALLENGE_TOKENS
 from planetserve.verifier.daemon import SIGNED_TIME_TOLERANCE_S, TX_MARGIN_BYTES, Asked, Daemon, _revealable
 from planetserve.verifier.overlay import OverlayChannel
 
@@ -161,22 +167,25 @@ def test_a_serving_peer_the_ledger_would_not_read_is_left_out(relay, tmp_path, s
 
 
 def test_an_answer_too_large_for_a_transaction_is_claimed_as_none():
-    """A node that pads its answer beyond what a challenge asked for (a few dozen tokens) would have the
-    transaction carrying it refused for its size: the daemon claims no valid response instead, naming
-    the re-challenge's commitment, and keeps an answer of ordinary size."""
+    """A node that pads its answer beyond what a challenge asked for would have the transaction carrying
+    it refused for its size: the daemon claims no valid response instead, naming the re-challenge's
+    commitment. The largest answer a challenge may ask for, to the longest prompt the ledger takes,
+    is revealed."""
     node = KeySet.generate()
-    challenge = Challenge.new("Why?", ASKED, top_p=900)
     limit = Params().max_tx_bytes - TX_MARGIN_BYTES
-    text = "Light. " * 1_200
-    padded = challenge.reveal(sign_response(node, "Why?", [5, 6], text, "gt", int(time.time()), "h:1", ASKED,
-                                            challenge.seed, 900))
+    challenge = Challenge.new("Why?", ASKED, top_p=900)
+    padded = challenge.reveal(sign_response(node, "Why?", [5, 6], "Light. " * 2_500, "gt", int(time.time()),
+                                            "h:1", ASKED, challenge.seed, 900))
     claim = _revealable(padded, "rechallenge", limit)
     assert isinstance(claim, Unanswered) and claim.commitment == challenge.commitment
-    assert claim.invalid.startswith("an answer of") and "more than a result transaction may carry" in claim.invalid
-    assert isinstance(_revealable(padded, "leader", limit), Unanswered)
-    ordinary = challenge.reveal(sign_response(node, "Why?", [5, 6], "Light.", "gt", int(time.time()), "h:1", ASKED,
-                                              challenge.seed, 900))
-    assert _revealable(ordinary, "rechallenge", limit) is ordinary
+    assert claim.invalid.startswith("an answer whose result takes") and "more than a transaction" in claim.invalid
+    leader_claim = _revealable(padded, "leader", limit)
+    assert isinstance(leader_claim, Unanswered) and leader_claim.commitment is None
+    longest = Challenge.new("Why? " * (MAX_PROMPT_CHARS // 5), ASKED, top_p=900)
+    largest = longest.reveal(sign_response(node, longest.prompt, [2**31 - 1] * MAX_CHALLENGE_TOKENS,
+                                           "words " * MAX_CHALLENGE_TOKENS, "gt", int(time.time()), "h:1", ASKED,
+                                           longest.seed, 900))
+    assert _revealable(largest, "rechallenge", limit) is largest
 
 
 class SpoilingNode(LiveNode):
