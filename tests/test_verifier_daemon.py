@@ -9,6 +9,9 @@ from concurrent.futures import Future
 
 import pytest
 from click.testing import CliRunner
+from committee import EPOCH_PARAMS, HONEST, TEMPERATURE, Script
+from harness import AppHarness, sqlite_url
+from inprocess import InProcessLedger, Rounds
 
 from planetserve import workloads
 from planetserve.chain.challenge import (
@@ -20,18 +23,19 @@ from planetserve.chain.challenge import (
 )
 from planetserve.chain.keys import KeySet
 from planetserve.chain.lightclient import DEFAULT_MAX_AGE
-from planetserve.chain.messages.epochs import PlanItem
+from planetserve.chain.messages.epochs import MAX_ENTRIES, PlanItem
 from planetserve.cli import main
 from planetserve.config import HomeError
 from planetserve.genesis.network import free_ports
 from planetserve.registry import codec
 from planetserve.registry.entities import ModelNode
-from planetserve.registry.epochs import ATTEST_BLOCKS, Schedule
+from planetserve.registry.epochs import ATTEST_BLOCKS, VALID, Schedule
 from planetserve.registry.params import Params
 from planetserve.verifier import daemon as daemon_module
 from planetserve.verifier.config import CONFIG_FILE, STATUS_FILE, SUBMISSIONS_FILE, JsonLines, VerifierConfig
 from planetserve.verifier.daemon import (
     LATE,
+    TX_MARGIN_BYTES,
     Daemon,
     Journal,
     Scheduled,
@@ -121,6 +125,42 @@ def test_plan_parts_stay_under_the_limit_and_end_in_a_final_part():
     assert [e for p in parts for e in p] == entries
     assert all(len(codec.pack([e.body() for e in p])) <= 3 * size + 4 for p in parts)
     assert _parts([], 1000) == [[]]  # nothing left to cover: one empty, final part
+    scores = [(bytes(32), bytes(32), 0, 0)] * (2 * MAX_ENTRIES + 1)
+    many = _parts(scores, 1 << 30, lambda score: len(codec.pack(list(score))))  # a chain voted to huge txs
+    assert [len(p) for p in many] == [MAX_ENTRIES, MAX_ENTRIES, 1]  # still no more than a list holds
+
+
+def test_attestations_of_more_results_than_one_transaction_holds_go_in_parts(tmp_path):
+    """Fifty-six planned nodes, each answered to the leader and re-challenged by the three other members
+    (as four members do by default): 224 valid results, whose scores take more than one transaction of
+    the default 16 KiB, which the chain refuses whole. A member's daemon attests them all, in parts."""
+    s = Script(AppHarness(sqlite_url(tmp_path), members=4, params=EPOCH_PARAMS), nodes=56)
+    s.run_election_and_plan(1)
+    leader, nodes = s.leader(1), list(s.nodes)
+    chunks = [nodes[i:i + 20] for i in range(0, len(nodes), 20)]
+    assert s.block(*(s.tx(leader, "submit-results", s.leader_results(1, HONEST, chunk))
+                     for chunk in chunks)) == [(0, "ok")] * len(chunks)
+    members = [m for k, m in s.members.items() if k != leader.public]
+    own = {(m.public, n): Challenge.new(f"Member {i} asks node {j}: why do tides turn?", TEMPERATURE)
+           for i, m in enumerate(members) for j, n in enumerate(nodes)}
+    assert s.block(*(s.tx(m, "commit-rechallenge", {"epoch": 1, "tags": [own[m.public, n].tag(n) for n in nodes]})
+                     for m in members)) == [(0, "ok")] * len(members)
+    reveals = [s.tx(m, "submit-results", {"epoch": 1, "kind": "rechallenge", "results": [
+        own[m.public, n].reveal(s.answer(n, own[m.public, n])) for n in chunk]}) for m in members for chunk in chunks]
+    assert s.block(*reveals) == [(0, "ok")] * len(reveals)
+    valid = [r for r in s.results(1) if r.status == VALID]
+    assert len(valid) == 224
+    attesting = next(iter(s.members.values()))
+    whole = s.h.tx(attesting, "attest", {"epoch": 1, "scores": [[r.node, r.submitter, HONEST, 0] for r in valid]},
+                 sequence=s.h.sequences.get(attesting.public, 0))
+    assert s.h.check(whole).code != 0  # one transaction cannot carry them
+    daemon = Daemon(attesting, InProcessLedger(s.h, Rounds(s.h)), {}, None, None, tmp_path)  # type: ignore[arg-type]
+    daemon.scores.update({(1, r.node, r.submitter): (HONEST, 0) for r in valid})
+    daemon._attest(1, Params().max_tx_bytes - TX_MARGIN_BYTES)
+    submitted = daemon.submissions.read()
+    assert len(submitted) == 2 and all(entry["code"] == 0 and entry["type"] == "attest" for entry in submitted)
+    assert all(any(m == attesting.public for m, *_ in s.state.attestations(1, r.node, r.submitter))
+               for r in valid)
 
 
 # -- reading a relay's answers ------------------------------------------------------------------

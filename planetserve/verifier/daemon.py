@@ -38,8 +38,9 @@ from planetserve.chain.challenge import DEFAULT_MAX_TOKENS, Challenge, SealedPro
 from planetserve.chain.client import TRANSIENT, LedgerClient
 from planetserve.chain.errors import Code
 from planetserve.chain.keys import KeySet
-from planetserve.chain.messages.base import Body, Message
+from planetserve.chain.messages.base import Message
 from planetserve.chain.messages.epochs import (
+    MAX_ENTRIES,
     Attest,
     CommitPlan,
     CommitRechallenge,
@@ -75,7 +76,7 @@ from planetserve.verifier.overlay import NoAnswer, OverlayChannel, RelayUnavaila
 
 log = logging.getLogger(__name__)
 
-Entry = TypeVar("Entry", bound=Body)
+Entry = TypeVar("Entry")
 
 TX_MARGIN_BYTES = 1_024
 """Room left in max_tx_bytes for the envelope around a part of a plan or of results."""
@@ -244,8 +245,8 @@ class Daemon:
             settled = upcoming >= leader_start(schedule, number)
             if planned and leading and settled and "leader" not in overdue:
                 self._lead(number)
-            self._attest(number)
-            tags_per_tx = (params.max_tx_bytes - TX_MARGIN_BYTES) // TAG_BYTES
+            self._attest(number, params.max_tx_bytes - TX_MARGIN_BYTES)
+            tags_per_tx = min(MAX_ENTRIES, (params.max_tx_bytes - TX_MARGIN_BYTES) // TAG_BYTES)
             if planned:
                 self._rechallenge(number, current.leader, schedule, tags_per_tx)
             if upcoming > schedule.setup_height(number):  # the next epoch's plan may be committed
@@ -354,7 +355,7 @@ class Daemon:
         """A fresh challenge for `node`, drawn again while its sealed copies would not fit a transaction."""
         for _ in range(PLAN_DRAWS):
             entry = self._fresh(model_id)[0].plan_entry(node, committee)
-            if len(codec.pack(entry.body())) <= params.max_tx_bytes - TX_MARGIN_BYTES:
+            if _body_size(entry) <= params.max_tx_bytes - TX_MARGIN_BYTES:
                 return entry
         raise ChallengeError(f"no challenge small enough for a {len(committee)}-member plan entry in "
                              f"{PLAN_DRAWS} draws; lower max_prompt_tokens")
@@ -630,7 +631,10 @@ class Daemon:
 
     # -- attestations ----------------------------------------------------------------------------
 
-    def _attest(self, number: int) -> None:
+    def _attest(self, number: int, limit: int) -> None:
+        """Score every valid result not yet attested, in as few transactions of at most `limit` bytes as
+        hold the scores: with every member re-challenging every node, a plan of some sixty nodes has more
+        results than one transaction holds, and a refused one would cost each of its results."""
         results = [r for r in self.ledger.results(number) if r.status == VALID]
         if not results:
             return
@@ -643,9 +647,10 @@ class Daemon:
             score = self._attested_score(number, result)
             if score is not None:
                 scores.append((result.node, result.submitter, *score))
-        if scores:
-            self._submit(Attest(number, tuple(scores)), number,
-                         [(node, submitter, "attest") for node, submitter, *_ in scores])
+        for part in _parts(scores, limit, lambda score: len(codec.pack(list(score)))):
+            if part:
+                self._submit(Attest(number, tuple(part)), number,
+                             [(node, submitter, "attest") for node, submitter, *_ in part])
 
     def _attested_score(self, number: int, result: ChallengeResult) -> tuple[int, int] | None:
         key = (number, result.node, result.submitter)
@@ -707,7 +712,7 @@ def _revealable(entry: Revealed | Unanswered, kind: str, limit: int) -> Revealed
     holds: the transaction carrying it would be refused (the member would lose the result, a leader its
     plan's coverage). A challenge asks for at most `config.MAX_CHALLENGE_TOKENS` tokens, for a prompt the
     ledger bounds, which fit, so only a node that ignored that, or padded its text, gives such an answer."""
-    if isinstance(entry, Unanswered) or (size := len(codec.pack(entry.body()))) <= limit:
+    if isinstance(entry, Unanswered) or (size := _body_size(entry)) <= limit:
         return entry
     log.warning("node %s's answer makes a result of %d bytes, too many to reveal: claimed as none",
                 entry.node.hex()[:16], size)
@@ -717,19 +722,23 @@ def _revealable(entry: Revealed | Unanswered, kind: str, limit: int) -> Revealed
                                   "carries", commitment)
 
 
-def _parts(entries: list[Entry], limit: int) -> list[list[Entry]]:
-    """Plan or result entries in consecutive parts of at most `limit` encoded bytes (an entry larger
-    than that alone in its part); at least one (maybe empty) part, so that the last one of a plan,
-    marked final, always exists."""
+def _body_size(entry: Any) -> int:
+    return len(codec.pack(entry.body()))
+
+
+def _parts(entries: list[Entry], limit: int, size: Callable[[Entry], int] = _body_size) -> list[list[Entry]]:
+    """Plan, result or score entries in consecutive parts of at most `limit` bytes by `size` (an entry
+    larger than that alone in its part) and at most `MAX_ENTRIES` entries, as a transaction's list holds;
+    at least one (maybe empty) part, so that the last one of a plan, marked final, always exists."""
     parts: list[list[Entry]] = [[]]
-    size = 0
+    used = 0
     for entry in entries:
-        length = len(codec.pack(entry.body()))
-        if parts[-1] and size + length > limit:
+        length = size(entry)
+        if parts[-1] and (used + length > limit or len(parts[-1]) == MAX_ENTRIES):
             parts.append([])
-            size = 0
+            used = 0
         parts[-1].append(entry)
-        size += length
+        used += length
     return parts
 
 
