@@ -362,6 +362,8 @@ def test_a_forwarded_answer_names_the_node_that_computed_it(relay):
     (502, {"error": {"code": "node_unreachable", "message": "proxies could not reach it"}}, NoAnswer,
      "HTTP 502 node_unreachable: proxies could not reach it"),
     (404, {"error": {"code": "node_not_found", "message": "no such node"}}, NoAnswer, "node_not_found"),
+    (500, {"error": {"code": "x\x07", "message": "no\x00\x1b\nanswer"}}, NoAnswer,
+     "^HTTP 500 x : no answer$"),  # a node's own words, kept to one printable line
     (200, {"choices": [{"text": "x"}]}, NoAnswer, "no planetserve extension"),
     (200, {"choices": []}, NoAnswer, "malformed answer"),
     (200, {"choices": [{"text": 5}], "planetserve": {}}, NoAnswer, "malformed answer"),

@@ -60,6 +60,12 @@ def text(body: dict[str, Any], name: str, max_len: int) -> str:
     return value
 
 
+def one_line(value: str, max_len: int) -> str:
+    """Text from elsewhere (a peer's error message) as one line that `text` takes, but for being empty:
+    unprintable characters become spaces, runs of whitespace one space, and it is cut to `max_len`."""
+    return " ".join("".join(c if c.isprintable() else " " for c in value).split())[:max_len]
+
+
 def free_text(body: dict[str, Any], name: str, max_len: int) -> str:
     """Text people write at length, such as a prompt: line breaks and tabs allowed, other control
     characters not."""

@@ -51,7 +51,7 @@ from planetserve.chain.messages.epochs import (
     Unanswered,
 )
 from planetserve.metrics import StatusCollector
-from planetserve.registry import codec, credits, epochs
+from planetserve.registry import codec, credits, epochs, fields
 from planetserve.registry.entities import Member, ModelNode
 from planetserve.registry.epochs import (
     PLAN_COMMITTED,
@@ -703,8 +703,10 @@ def last_rechallenge(schedule: Schedule, number: int) -> int:
 
 
 def _reason(text: str) -> str:
-    """A reason as the ledger takes it: one line of at most 256 characters, never empty."""
-    return " ".join(text.split())[:256] or "no answer"
+    """A reason as the ledger takes it: one line of at most 256 printable characters, never empty. It
+    quotes what the node sent (an error's message), which must not get the claim refused, and with it
+    every entry batched beside it."""
+    return fields.one_line(text, 256) or "no answer"
 
 
 def _revealable(entry: Revealed | Unanswered, kind: str, limit: int) -> Revealed | Unanswered:

@@ -24,6 +24,7 @@ from planetserve.chain.challenge import (
 )
 from planetserve.chain.messages.epochs import parse_response
 from planetserve.chain.rpc import TooLarge, read_limited
+from planetserve.registry import fields
 from planetserve.registry.epochs import MILLI, SEED_BITS, SignedResponse
 from planetserve.registry.errors import InvalidField
 
@@ -41,7 +42,12 @@ class Reply:
 
 
 class NoAnswer(Exception):
-    """The node gave no usable answer: the reason is what the ledger records as an invalid response."""
+    """The node gave no usable answer: the reason is what the ledger records as an invalid response. It
+    may quote the node (an error's message), so it is kept to one printable line: a node's control
+    characters reach neither the ledger, which would refuse the claim, nor an operator's terminal."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(fields.one_line(reason, 256))
 
 
 @dataclass(frozen=True)

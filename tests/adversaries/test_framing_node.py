@@ -32,6 +32,7 @@ from planetserve.chain.messages.epochs import (
     MAX_RESPONSE_TOKENS,
     Unanswered,
 )
+from planetserve.node.api.openai import overloaded
 from planetserve.node.model_node import ModelNode as LiveNode
 from planetserve.registry.entities import ModelNode
 from planetserve.registry.epochs import INVALID, VALID, SignedResponse
@@ -211,20 +212,30 @@ def served_by_a_stranger(keys: KeySet, signed: SignedResponse, extension: dict) 
     return {**extension, "served": served_extension(replace(peer, signature=stranger.sign(peer.sign_bytes())))}
 
 
+class CursingNode(LiveNode):
+    """A real model node that refuses every request with an error whose message holds control characters,
+    which a member's claim of no valid response quotes."""
+
+    async def produce(self, job, prompt_ids, generation, options, *, whole=False):  # type: ignore[no-untyped-def]
+        raise overloaded("busy\x00\x07\x1b[2J now")
+
+
 LIVE = replace(EPOCH_PARAMS, epoch_blocks=40, results_blocks=16, vrf_window_blocks=10, plan_window_blocks=14,
                response_slack_seconds=3_600)
 """The localnet's epochs; the in-process chain's clock runs ahead of the nodes' own, within the slack."""
 
 
-@pytest.mark.parametrize("spoil", [unreadable_address, served_by_a_stranger], ids=["address", "stranger"])
+@pytest.mark.parametrize("spoil", [unreadable_address, served_by_a_stranger, None],
+                         ids=["address", "stranger", "error"])
 def test_a_node_signing_what_the_ledger_would_not_take_frames_no_member(quick_family, tmp_path, monkeypatch,
                                                                          spoil):
     """Four members' real daemons challenge a real node whose every answer carries what the ledger would
-    not take from a member: an address it cannot read (the whole transaction of results refused, the
-    leader's with the honest node's result in it, and the leader faulted for withholding them) or a
-    serving peer that is no node of the model (the submitter's `altered-response` fault, before). Each
-    member claims no valid response to the first, which cuts the node; the second is revealed without
-    the peer, and the node answers for its own answer. No transaction is refused and no member faulted."""
+    not take from a member: an address it cannot read, or an error message with control characters
+    (the whole transaction of results refused, the leader's with the honest node's result in it, and the
+    leader faulted for withholding them), or a serving peer that is no node of the model (the
+    submitter's `altered-response` fault, before). Each member claims no valid response to the first
+    two, which cuts the node; the third is revealed without the peer, and the node answers for its own
+    answer. No transaction is refused and no member faulted."""
     monkeypatch.setattr(daemon_module, "RETRY_DELAY_S", 0.0)
 
     def play(c: LiveCommittee) -> tuple[list, bytes, int]:
@@ -242,13 +253,17 @@ def test_a_node_signing_what_the_ledger_would_not_take_frames_no_member(quick_fa
         assert rep is not None and rep.last_epoch == number
         return [r for r in s.results(number) if r.node == key], s.epoch(number).leader, rep.window[-1]
 
-    node = make_node(quick_family, SpoilingNode)
-    node.spoil = spoil
+    if spoil is None:
+        node = make_node(quick_family, CursingNode)
+    else:
+        node = make_node(quick_family, SpoilingNode)
+        node.spoil = spoil
     results, leader, credibility = live_committee(quick_family, tmp_path, LIVE, node, play)
     assert any(r.submitter == leader and r.kind == "leader" for r in results)
-    if spoil is unreadable_address:
+    if spoil is not served_by_a_stranger:
         assert {r.status for r in results} == {INVALID} and len(results) == 4 and credibility == 0
-        assert all("an answer the ledger would refuse" in r.reason for r in results)
+        said = "an answer the ledger would refuse" if spoil else "HTTP 503 overloaded: busy [2J now"
+        assert all(said in r.reason for r in results), [r.reason for r in results]
     else:
         assert results and all(r.status == VALID and r.served_by == b"" for r in results)
         assert all("not a registered node of the challenged node's model" in r.reason for r in results)
