@@ -19,6 +19,7 @@ class FakeRelayAnswers:
 
     def __init__(self) -> None:
         self.status, self.body, self.delay = 200, {}, 0.0
+        """`body`: a dict answered as JSON (or streamed as events), or bytes answered as they are."""
         self.first: list[tuple[int, dict]] = []
         """(status, body) answered before the standing ones, in order."""
         self.received: list[dict] = []
@@ -37,6 +38,9 @@ class FakeRelayAnswers:
             self.received.append({"path": request.path, **asked})
             await asyncio.sleep(self.delay)
             status, body = self.first.pop(0) if self.first else (self.status, self.body)
+            if isinstance(body, bytes):  # as it is, JSON or not
+                kind = "text/event-stream" if status == 200 and asked.get("stream") else "application/json"
+                return web.Response(body=body, status=status, content_type=kind)
             if status == 200 and asked.get("stream"):
                 return web.Response(text=streamed(body), content_type="text/event-stream")
             return web.json_response(body, status=status)

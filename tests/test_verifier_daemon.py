@@ -357,6 +357,20 @@ def test_a_forwarded_answer_names_the_node_that_computed_it(relay):
     assert OverlayChannel(relay.url).ask(entry.public, "gt", Challenge.new("Why?", 0)).served is None
 
 
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(("body", "message"), [
+    (b"[" * 5_000 + b"]" * 5_000, "not JSON|carried no choice"),
+    (b"[" + b"[]," * 300_000 + b"[]]", "holds more than|may build"),
+    (b"data: " + b"[" * 5_000 + b"]" * 5_000 + b"\n\n", "not JSON"),
+], ids=["deep", "wide", "deep event"])
+def test_an_answer_built_to_exhaust_its_reader_is_no_answer(relay, stream, body, message):
+    """JSON nested past the interpreter's recursion (a RecursionError ended the daemon's tick, and with it
+    every answer it had collected) or built to decode into many objects, in 1.2 MB."""
+    relay.body = body
+    with pytest.raises(NoAnswer, match=message):
+        OverlayChannel(relay.url, stream_share=float(stream)).ask(bytes(32), "gt", Challenge.new("Why?", 0))
+
+
 @pytest.mark.parametrize(("status", "body", "error", "message"), [
     (503, {"error": {"code": "too_few_paths", "message": "2 live"}}, RelayUnavailable, "too_few_paths"),
     (502, {"error": {"code": "node_unreachable", "message": "proxies could not reach it"}}, NoAnswer,

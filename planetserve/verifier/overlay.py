@@ -8,7 +8,6 @@ sent it."""
 
 from __future__ import annotations
 
-import json
 import secrets
 from dataclasses import dataclass
 from typing import Any
@@ -24,11 +23,16 @@ from planetserve.chain.challenge import (
 )
 from planetserve.chain.messages.epochs import parse_response
 from planetserve.chain.rpc import TooLarge, read_limited
-from planetserve.registry import fields
+from planetserve.registry import codec, fields
 from planetserve.registry.epochs import MILLI, SEED_BITS, SignedResponse
 from planetserve.registry.errors import InvalidField
 
 MAX_ANSWER_BYTES = 4 << 20
+MAX_ANSWER_VALUES = 1 << 18
+"""JSON values a node's answer may build, by `codec.json_values_bound`: `config.MAX_CHALLENGE_TOKENS`
+tokens streamed with twenty alternative log-probabilities each, their bytes spelled out, come to
+185,000 (challenges ask for at most five)."""
+MAX_ANSWER_CONTAINERS = 1 << 16
 ONE = 1_000_000
 
 
@@ -102,7 +106,7 @@ class OverlayChannel:
             raise RelayUnavailable(f"the user relay at {self.relay} is unreachable: {exc}") from exc
         try:
             streamed = stream and answer.status_code == 200
-            payload = _assembled(content, chat) if streamed else json.loads(content)
+            payload = _assembled(content, chat) if streamed else _decoded(content)
         except ValueError:
             raise NoAnswer(f"HTTP {answer.status_code} with a body that is not JSON") from None
         if answer.status_code != 200:
@@ -154,10 +158,27 @@ def request_body(model_id: str, challenge: Challenge, text: str, chat: bool, str
     return body
 
 
+def _decoded(raw: bytes) -> Any:
+    """A node's JSON, decoded only where it builds no more than an answer of `MAX_ANSWER_VALUES` values
+    needs: 4 MiB of `[[],[],...]` would be some 90 MB of lists, and of `[[[...]]]` a RecursionError
+    that ended the daemon's tick, with every answer it had collected (ValueError for what is not JSON,
+    or nests too deeply)."""
+    try:
+        return codec.json_loads_bounded(raw, MAX_ANSWER_VALUES, MAX_ANSWER_CONTAINERS)
+    except codec.LimitExceeded as exc:
+        raise NoAnswer(f"an answer that holds {exc}") from None
+    except codec.CodecError as exc:
+        raise ValueError(str(exc)) from None
+
+
 def _assembled(content: bytes, chat: bool) -> Any:
     """A streamed answer as the one body it would have been: its text joined, the signed extension of
-    its last chunk (ValueError for an event that is not JSON)."""
-    chunks = [json.loads(line[6:]) for line in content.decode(errors="replace").splitlines()
+    its last chunk (ValueError for an event that is not JSON). The events together are held to what
+    one answer may build (`_decoded`)."""
+    containers, values = codec.json_values_bound(content)
+    if containers > MAX_ANSWER_CONTAINERS or values > MAX_ANSWER_VALUES:
+        raise NoAnswer(f"a streamed answer that may build {values} values in {containers} arrays and objects")
+    chunks = [_decoded(line[6:].encode()) for line in content.decode(errors="replace").splitlines()
               if line.startswith("data: ") and line != "data: [DONE]"]
     text, extension, choices = [], None, 0
     for chunk in chunks:
