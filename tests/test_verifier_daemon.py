@@ -36,6 +36,7 @@ from planetserve.verifier.config import CONFIG_FILE, STATUS_FILE, SUBMISSIONS_FI
 from planetserve.verifier.daemon import (
     LATE,
     TX_MARGIN_BYTES,
+    Asked,
     Daemon,
     Journal,
     Scheduled,
@@ -44,7 +45,7 @@ from planetserve.verifier.daemon import (
     last_rechallenge,
     rechallenge_cutoff,
 )
-from planetserve.verifier.overlay import MAX_ANSWER_BYTES, NoAnswer, OverlayChannel, RelayUnavailable
+from planetserve.verifier.overlay import MAX_ANSWER_BYTES, NoAnswer, OverlayChannel, RelayUnavailable, Reply
 
 
 def test_config_loads_strictly(tmp_path):
@@ -217,6 +218,23 @@ def test_the_next_epochs_re_challenges_are_held_until_it_starts_and_dropped_by_i
     daemon._drop_rechallenges(4)
     assert set(daemon.pending) == {(3, node, "leader"), (3, node, "rechallenge"), (4, node, "leader")}
     assert waiting[4, node, "rechallenge"].cancelled()
+
+
+def test_a_challenge_that_failed_here_leaves_the_other_answers_to_be_revealed(tmp_path):
+    """A failure of this member's own (an exception no answer should raise) is logged and the challenge
+    tried again; the answers collected beside it are still submitted, where they were lost with the tick."""
+    daemon = Daemon(KeySet.generate(), None, {}, OverlayChannel("http://127.0.0.1:9"), None, tmp_path)
+    daemon.ledger = type("Unregistered", (), {"node": lambda self, key: None})()
+    node = KeySet.generate()
+    challenge = Challenge.new("Why?", 0)
+    response = sign_response(node, "Why?", [5, 6], "Light.", "gt", int(time.time()), "h:1", 0, challenge.seed)
+    broken, answered = Future(), Future()
+    broken.set_exception(RecursionError("maximum recursion depth exceeded"))
+    answered.set_result(Asked(challenge, node.public, Reply(response)))
+    daemon.pending.update({(1, bytes(32), "leader"): broken, (1, node.public, "leader"): answered})
+    entries = daemon.results(1)
+    assert [e.node for e in entries["leader"]] == [node.public] and entries["leader"][0].response == response
+    assert daemon.pending == {}
 
 
 def test_a_re_challenge_sent_late_is_not_claimed_unanswered_at_the_cutoff(tmp_path):

@@ -443,6 +443,9 @@ class Daemon:
             except RelayUnavailable as exc:
                 log.warning("challenge of %s not sent, will retry: %s", node.hex()[:16], exc)
                 continue
+            except Exception:  # this member's fault, not the node's: the other answers collected still go
+                log.exception("challenge of %s failed here, will retry", node.hex()[:16])
+                continue
             entries[kind].append(self._entry(number, asked, kind))
         return entries
 
