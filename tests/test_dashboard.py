@@ -167,8 +167,9 @@ def test_chat_refuses_what_is_not_json_or_too_large(nowhere):
     url = f"{nowhere['url']}api/chat"
     before = httpx.get(f"{nowhere['url']}api/state").json()["chat"]
     as_json = {"Content-Type": "application/json"}
-    reply = httpx.post(url, content=b"{not json", headers=as_json)
-    assert reply.status_code == 400 and reply.json()["error"]["code"] == "invalid_json"
+    for garbage in (b"{not json", b"[" * 5_000 + b"]" * 5_000):
+        reply = httpx.post(url, content=garbage, headers=as_json)
+        assert reply.status_code == 400 and reply.json()["error"]["code"] == "invalid_json"
     reply = httpx.post(url, content=json.dumps({"prompt": "x" * MAX_CHAT_BODY}).encode(), headers=as_json)
     assert reply.status_code == 413 and reply.json()["error"]["code"] == "too_large"
     reply = httpx.post(url, content=json.dumps({"prompt": "hi"}).encode())  # JSON, but not said to be
@@ -262,6 +263,25 @@ def answering(tmp_path_factory):
 
 def chats(url: str) -> dict[str, int]:
     return httpx.get(f"{url}/api/state", timeout=30).json()["chat"]
+
+
+@pytest.mark.parametrize(("body", "said"), [
+    (b"[" * 5_000 + b"]" * 5_000, "with something that is not JSON"),
+    (b"[" + b"[]," * 100_000 + b"[]]", "more than an answer needs"),
+], ids=["deep", "wide"])
+def test_an_answer_built_to_exhaust_the_dashboard_is_a_clear_error(answering, body, said):
+    """A model node's answer reaches the dashboard through the relay as the node wrote it: nested past the
+    interpreter's recursion limit it was an internal error, and wide it built one object per byte."""
+    url, relay = answering
+    relay.body = body
+    try:
+        reply = httpx.post(f"{url}/api/chat", json={"prompt": "What does os do?"}, timeout=30)
+    finally:
+        relay.body = ANSWER
+    assert reply.status_code == 502 and reply.json()["error"]["code"] == "bad_answer"
+    assert said in reply.json()["error"]["message"]
+    again = httpx.post(f"{url}/api/chat", json={"prompt": "What does os do?"}, timeout=30)
+    assert again.status_code == 200 and again.json()["answer"] == "It runs programs."
 
 
 def test_other_sites_pages_send_no_prompt_and_rebinding_pages_read_nothing(answering):

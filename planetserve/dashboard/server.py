@@ -34,6 +34,7 @@ from planetserve.chain.browserguard import BrowserGuard
 from planetserve.chain.challenge import ResponseFormatError, response_from_extension, response_valid
 from planetserve.dashboard import HEALTH_PATH
 from planetserve.dashboard.collect import Collector, Settings, error_text
+from planetserve.registry import codec
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,9 @@ MAX_PROMPT_CHARS = 4000
 DEFAULT_MAX_TOKENS = 64
 MAX_TOKENS = 256
 MAX_ANSWER_BYTES = 1 << 20
+MAX_ANSWER_VALUES = 1 << 16
+MAX_REQUEST_VALUES = 1 << 10
+"""JSON values a chat answer may build: its text is one string, and the chat asks for no log-probabilities."""
 """The most a relay's answer (or /v1/models) may hold."""
 CHAT_TIMEOUT = 90.0
 CHAT_ATTEMPTS = 3
@@ -177,8 +181,8 @@ class Dashboard:
         except web.HTTPRequestEntityTooLarge:
             raise ChatError(413, f"the request is larger than {MAX_CHAT_BODY} bytes", "too_large") from None
         try:
-            body = json.loads(raw)
-        except ValueError:
+            body = codec.json_loads_bounded(raw, MAX_REQUEST_VALUES)
+        except codec.CodecError:  # LimitExceeded too: a chat request is a few values
             raise ChatError(400, 'the request must be JSON: {"prompt": "..."}', "invalid_json") from None
         if not isinstance(body, dict):
             raise ChatError(400, 'the request must be a JSON object: {"prompt": "..."}', "invalid_json")
@@ -283,9 +287,12 @@ class Dashboard:
         except httpx.HTTPError as exc:
             raise ChatError(502, f"the relay at {self.settings.relay} cannot be reached: {error_text(exc)}",
                             "relay_unreachable") from None
-        try:
-            return reply.status_code, json.loads(b"".join(chunks))
-        except ValueError:
+        try:  # the model node's words: nested past the recursion limit, or built to be many objects
+            return reply.status_code, codec.json_loads_bounded(b"".join(chunks), MAX_ANSWER_VALUES)
+        except codec.LimitExceeded as exc:
+            raise ChatError(502, f"the relay's answer holds {exc}, more than an answer needs",
+                            "bad_answer") from None
+        except codec.CodecError:
             raise ChatError(502, f"the relay answered {reply.status_code} with something that is not JSON",
                             "bad_answer") from None
 
