@@ -4,7 +4,7 @@ from the verified list instead)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
 
@@ -14,7 +14,7 @@ from planetserve.chain.challenge import response_from_extension, response_valid
 from planetserve.chain.keys import KeySet
 from planetserve.genesis.network import free_ports
 from planetserve.models import load
-from planetserve.node.api.openai import overloaded
+from planetserve.node.api.openai import ApiError, overloaded
 from planetserve.node.engine.builtin import BuiltinEngine
 from planetserve.node.home import ModelNodeConfig
 from planetserve.node.model_node import Job, ModelNode
@@ -64,17 +64,18 @@ class PartlyCheapNode(ModelNode):
 
 class TippedNode(PartlyCheapNode):
     """Answers the prompts it was told (by a colluding member) with the model it registered; every other
-    request, users' and re-challenges alike, with `cheap` or, without one, not at all (503, as an
-    overloaded node would)."""
+    request, users' and re-challenges alike, with `cheap` or, without one, not at all (`refusal`: by
+    default 503, as an overloaded node would)."""
 
     told: set[str]
+    refusal: Callable[[], ApiError] = staticmethod(overloaded)
 
     def cheats(self, job: Job) -> bool:
         return job.prompt not in self.told
 
     async def produce(self, job, prompt_ids, generation, options, *, whole=False):  # type: ignore[no-untyped-def]
         if job.prompt not in self.told and self.cheap is None:
-            raise overloaded()
+            raise self.refusal()
         return await super().produce(job, prompt_ids, generation, options, whole=whole)
 
 

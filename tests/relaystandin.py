@@ -19,6 +19,8 @@ class FakeRelayAnswers:
 
     def __init__(self) -> None:
         self.status, self.body, self.delay = 200, {}, 0.0
+        self.headers: dict[str, str] = {}
+        """Set on every answer: a relay says whose words an answer is (`challenge.ANSWERED_BY`)."""
         """`body`: a dict answered as JSON (or streamed as events), or bytes answered as they are."""
         self.first: list[tuple[int, dict]] = []
         """(status, body) answered before the standing ones, in order."""
@@ -40,10 +42,10 @@ class FakeRelayAnswers:
             status, body = self.first.pop(0) if self.first else (self.status, self.body)
             if isinstance(body, bytes):  # as it is, JSON or not
                 kind = "text/event-stream" if status == 200 and asked.get("stream") else "application/json"
-                return web.Response(body=body, status=status, content_type=kind)
+                return web.Response(body=body, status=status, content_type=kind, headers=self.headers)
             if status == 200 and asked.get("stream"):
-                return web.Response(text=streamed(body), content_type="text/event-stream")
-            return web.json_response(body, status=status)
+                return web.Response(text=streamed(body), content_type="text/event-stream", headers=self.headers)
+            return web.json_response(body, status=status, headers=self.headers)
 
         app = web.Application()
         app.router.add_post("/v1/completions", completions)

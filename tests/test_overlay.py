@@ -20,6 +20,7 @@ from openai import AsyncOpenAI
 from overlaynet import FAST, chat, faulty, make_user, record, relays_on_one_path, start_overlay
 from waiting import run, until
 
+from planetserve.chain.challenge import ANSWERED_BY
 from planetserve.node.api.openai import ApiError
 from planetserve.node.home import HomeError, UserConfig
 from planetserve.node.overlay import onion, sida
@@ -89,6 +90,7 @@ def test_a_prompt_arrives_and_the_answer_streams_back(quick_family):
         try:
             answer = await chat(net.client, "What does the json module do?")
             assert answer.status_code == 200, answer.text
+            assert answer.headers[ANSWERED_BY] == "node"  # whose words: the relay's own are "relay"
             body = answer.json()
             response = signed(body)  # signed by a listed model node, over exactly this text
             server = next(n for n in net.nodes if n.keys.public == response.node)
@@ -201,7 +203,7 @@ def test_a_user_without_enough_relays_gets_a_clear_error(quick_family):
             net.users.append(lonely)
             net.publish(users=[lonely, net.users[1], net.users[2]])
             answer = await chat(lonely, "hello?")
-            assert answer.status_code == 503
+            assert answer.status_code == 503 and answer.headers[ANSWERED_BY] == "relay"
             error = answer.json()["error"]
             assert error["code"] == "too_few_paths" and "2 usable relays" in error["message"]
         finally:

@@ -15,6 +15,7 @@ from inprocess import InProcessLedger, Rounds
 
 from planetserve import workloads
 from planetserve.chain.challenge import (
+    ANSWERED_BY,
     Challenge,
     response_extension,
     response_valid,
@@ -404,8 +405,20 @@ def test_an_answer_built_to_exhaust_its_reader_is_no_answer(relay, stream, body,
 @pytest.mark.parametrize("stream", [False, True])
 def test_what_is_not_an_answer(relay, status, body, error, message, stream):
     relay.status, relay.body = status, body
+    relay.headers = {ANSWERED_BY: "node" if status == 200 else "relay"}
     with pytest.raises(error, match=message):
         OverlayChannel(relay.url, stream_share=float(stream)).ask(bytes(32), "gt", Challenge.new("Why?", 0))
+
+
+@pytest.mark.parametrize("said", ["node", None])
+def test_a_node_saying_the_relay_cannot_send_is_no_answer(relay, said):
+    """A node's answer reaches the verifier as the node wrote it, so a node could answer each challenge
+    with the relay's "cannot send now" and be tried again, never reported: only the relay's own word
+    (`ANSWERED_BY`, which the relay sets) makes the relay unavailable."""
+    relay.status, relay.body = 503, {"error": {"code": "too_few_paths", "message": "0 live"}}
+    relay.headers = {ANSWERED_BY: said} if said else {}
+    with pytest.raises(NoAnswer, match="HTTP 503 too_few_paths: 0 live"):
+        OverlayChannel(relay.url).ask(bytes(32), "gt", Challenge.new("Why?", 0))
 
 
 def test_a_challenge_is_tried_again_before_the_node_is_reported(relay, tmp_path, monkeypatch):

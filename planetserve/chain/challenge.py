@@ -265,6 +265,13 @@ def response_from_extension(extension: object, text: str) -> SignedResponse:
                           extension["top_p"])
 
 
+ANSWERED_BY = "Planetserve-Answered-By"
+"""The header a user relay sets on each answer it returns over HTTP: `relay` on an answer it made itself
+(it cannot send now, no node serves the model), `node` on a model node's. A node's answer reaches the
+client as the node wrote it, so only this tells the relay's words from the node's: a node answering
+challenges with the relay's "cannot send now" would otherwise be retried, never reported."""
+
+
 def served_extension(peer: SignedResponse) -> dict:
     """What an entry node that forwarded adds to its own signed answer: the serving peer's signature
     over the same answer, so the credibility of the answer can be credited to the node that computed it."""

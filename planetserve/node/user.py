@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from planetserve.chain.challenge import ANSWERED_BY
 from planetserve.chain.keys import KeySet
 from planetserve.node.api.openai import (
     ApiError,
@@ -63,6 +64,7 @@ MAX_PARTS_AHEAD = 64
 """Reply parts kept beyond the next one expected (parts overtake each other on different paths)."""
 INF = float("inf")
 MAX_ANSWER_BYTES = 16 << 20
+BY_RELAY, BY_NODE = {ANSWERED_BY: "relay"}, {ANSWERED_BY: "node"}
 """The most of one answer a model node can send: more is refused, streamed or not."""
 
 
@@ -390,14 +392,14 @@ class UserRelay:
             first = await exchange.next_part(self.config.response_timeout)
             self.paths.replenish()
             if first.content_type == EVENT_STREAM:
-                return Reply(first.status, first.content_type, self._stream(exchange, first))
+                return Reply(first.status, first.content_type, self._stream(exchange, first), BY_NODE)
             body = b"".join([data async for data in exchange.data(first, self.config.response_timeout)])
         except BaseException:
             self.paths.replenish()
             self._finish(exchange, False)
             raise
         self._finish(exchange, True)
-        return Reply(first.status, first.content_type, single_part(body))
+        return Reply(first.status, first.content_type, single_part(body), BY_NODE)
 
     async def _stream(self, exchange: Exchange, first: Part) -> AsyncIterator[bytes]:
         ok = False
@@ -501,7 +503,7 @@ class UserRelay:
                 node, session = self.choose_node(request, model)
             return await self.ask(node, endpoint, relayed_body(request, model, session))
         except ApiError as exc:
-            return Reply.json(exc.body(), exc.status)
+            return Reply.json(exc.body(), exc.status, BY_RELAY)
 
     def status(self) -> dict[str, Any]:
         now = time.monotonic()

@@ -16,6 +16,7 @@ import httpx
 
 from planetserve import workloads
 from planetserve.chain.challenge import (
+    ANSWERED_BY,
     Challenge,
     ResponseFormatError,
     response_from_extension,
@@ -112,7 +113,8 @@ class OverlayChannel:
         if answer.status_code != 200:
             error = payload.get("error", {}) if isinstance(payload, dict) else {}
             code = error.get("code") if isinstance(error, dict) else None
-            if answer.status_code == 503 and code in ("too_few_paths", "no_model_nodes"):
+            relay_said = answer.headers.get(ANSWERED_BY) == "relay"  # not a node's words, which could say it
+            if answer.status_code == 503 and code in ("too_few_paths", "no_model_nodes") and relay_said:
                 raise RelayUnavailable(f"the user relay cannot send now ({code})")
             message = error.get("message", "") if isinstance(error, dict) else ""
             raise NoAnswer(f"HTTP {answer.status_code} {code or ''}: {message}"[:256])

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import pytest
 from committee import EPOCH_PARAMS
 from inprocess import LiveCommittee, live_committee
 from modelnodes import TippedNode, make_node
 
+from planetserve.node.api.openai import ApiError, overloaded
 from planetserve.registry.epochs import INVALID, PLAN_COMMITTED, VALID
 from planetserve.verifier import daemon as daemon_module
 
@@ -46,8 +48,18 @@ class Played:
                 f"{name(self.honest)}, reporters {name(self.reporters)}, C(T) {self.credibility}")
 
 
+def as_the_relay() -> ApiError:
+    """What a user relay answers when it cannot send now: a verifier tries such a challenge again later."""
+    return ApiError(503, "Only 0 anonymous path(s) survive; 3 are needed.", type="server_error",
+                    code="too_few_paths")
+
+
+@pytest.mark.parametrize(("refusal", "epochs"), [(overloaded, EPOCHS), (as_the_relay, 1)],
+                         ids=["overloaded", "as the relay"])
 def test_a_node_silent_on_all_but_its_told_challenge_is_re_challenged_and_reported_by_every_honest_member(
-        quick_family, tmp_path, monkeypatch):
+        quick_family, tmp_path, monkeypatch, refusal, epochs):
+    """Refusing as an overloaded node, or in the relay's words that it cannot send now (which a relay
+    marks as its own, so a node saying them is not believed: it was tried again and never reported)."""
     monkeypatch.setattr(daemon_module, "RETRY_DELAY_S", 0.0)
 
     def play(c: LiveCommittee) -> list[Played]:
@@ -67,7 +79,7 @@ def test_a_node_silent_on_all_but_its_told_challenge_is_re_challenged_and_report
                     node.told |= {told.prompt, *earlier, *(reference.chat_prompt(t) for t in earlier)}
 
         played: list[Played] = []
-        while len(played) < EPOCHS:
+        while len(played) < epochs:
             number = c.epoch(tell)
             if number == 0:
                 continue
@@ -87,6 +99,7 @@ def test_a_node_silent_on_all_but_its_told_challenge_is_re_challenged_and_report
 
     node = make_node(quick_family, TippedNode)
     node.told = set()  # and no cheap engine: it answers nothing else
+    node.refusal = refusal
     played = live_committee(quick_family, tmp_path, PARAMS, node, play)
     # the leader had the node's answer to its challenge; every honest member but the leader re-challenged the
     # node and was refused, and their reports alone, more than a third of the power, cut it every epoch

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from aiohttp import web
@@ -50,10 +50,12 @@ class Reply:
     status: int
     content_type: str
     parts: AsyncIterator[bytes]
+    headers: Mapping[str, str] = field(default_factory=dict)
+    """Set by whoever made the reply, over HTTP only: an answer carried over the overlay takes none."""
 
     @classmethod
-    def json(cls, body: dict[str, Any], status: int = 200) -> Reply:
-        return cls(status, JSON, single_part(json.dumps(body).encode()))
+    def json(cls, body: dict[str, Any], status: int = 200, headers: Mapping[str, str] | None = None) -> Reply:
+        return cls(status, JSON, single_part(json.dumps(body).encode()), headers or {})
 
     @property
     def streamed(self) -> bool:
@@ -87,9 +89,10 @@ async def send_reply(http: web.Request, reply: Reply) -> web.StreamResponse:
     """Write a Reply as the HTTP response; a client that goes away ends (and closes) the reply."""
     if not reply.streamed:
         body = b"".join([part async for part in reply.parts])
-        return web.Response(body=body, status=reply.status, content_type=reply.content_type)
-    response = web.StreamResponse(status=reply.status,
-                                  headers={"Content-Type": EVENT_STREAM, "Cache-Control": "no-cache"})
+        return web.Response(body=body, status=reply.status, content_type=reply.content_type,
+                            headers=reply.headers)
+    response = web.StreamResponse(status=reply.status, headers={
+        **reply.headers, "Content-Type": EVENT_STREAM, "Cache-Control": "no-cache"})
     http[STREAMING] = True
     await response.prepare(http)
     try:
