@@ -715,7 +715,7 @@ def _reason(text: str) -> str:
 def _revealable(entry: Revealed | Unanswered, kind: str, limit: int) -> Revealed | Unanswered:
     """The entry, or a claim of no valid response where it takes more than the `limit` bytes a part
     holds: the transaction carrying it would be refused (the member would lose the result, a leader its
-    plan's coverage). A challenge asks for at most `config.MAX_CHALLENGE_TOKENS` tokens, for a prompt the
+    plan's coverage). A challenge asks for at most `config.MAX_ASKED_TOKENS` tokens, for a prompt the
     ledger bounds, which fit, so only a node that ignored that, or padded its text, gives such an answer."""
     if isinstance(entry, Unanswered) or (size := _body_size(entry)) <= limit:
         return entry
