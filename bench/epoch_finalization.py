@@ -245,8 +245,8 @@ class Evidence:
             else:
                 prompt, salt = words(self.rnd, 200), self.rnd.randbytes(32)
             commitment = epochs.commitment(prompt, TEMPERATURE, salt, epochs.MILLI)
-            sealed = tuple([op, self.rnd.randbytes(300)] for op in self.chain.operators)
-            st.put_plan_entry(number, PlanEntry(pk, commitment, sealed))
+            sealed = tuple([op, self.rnd.randbytes(80)] for op in self.chain.operators)
+            st.put_plan_entry(number, PlanEntry(pk, commitment, sealed, self.rnd.randbytes(1_064)))
             st.use_commitment(number, commitment, pk)
         outputs = {op: self.rnd.randbytes(64) for op in self.chain.operators}
         leader = self.leader if number == EPOCH else self.rnd.choice(self.chain.operators)

@@ -4,6 +4,7 @@ finalization, and each of the leader's attacks of seed section 4.4, with a scrip
 from __future__ import annotations
 
 import hashlib
+import secrets
 from dataclasses import replace
 
 import pytest
@@ -21,6 +22,7 @@ from committee import (
 )
 from harness import AppHarness, sqlite_url
 from nacl.public import PublicKey, SealedBox
+from nacl.secret import SecretBox
 
 from planetserve.chain import layout, vrf
 from planetserve.chain.abci.state import members
@@ -36,8 +38,10 @@ from planetserve.chain.errors import Code
 from planetserve.chain.keys import KeySet
 from planetserve.chain.messages.epochs import PlanItem
 from planetserve.registry import codec, epochs, reputation
+from planetserve.registry.entities import Member
 from planetserve.registry.epochs import PlanEntry
 from planetserve.registry.params import Params
+from planetserve.verifier.daemon import TX_MARGIN_BYTES
 
 
 @pytest.fixture
@@ -376,6 +380,20 @@ def test_a_sealed_challenge_opens_whole_for_every_member_and_only_in_range(s):
             open_plan_entry(entry, member.public, member.x25519)
 
 
+def test_a_committee_of_twenty_plans_and_every_member_opens_its_challenges(tmp_path):
+    """A challenge is encrypted once and only its key sealed to each member: with a copy sealed to each,
+    no plan entry fit a transaction past thirteen members, and such a committee planned nothing."""
+    s = Script(AppHarness(sqlite_url(tmp_path), members=20, params=EPOCH_PARAMS))
+    challenges = s.run_election_and_plan(1)
+    assert s.epoch(1).plan_status == epochs.PLAN_COMMITTED and set(challenges) == set(s.nodes)
+    for node, challenge in challenges.items():
+        assert all(s.planned(1, node, member) == challenge for member in s.members.values())
+    committee = [Member(k.public, k.public, bytes(k.vrf.verify_key), bytes(k.x25519.public_key), f"m{i}", 10)
+                 for i, k in enumerate(KeySet.generate() for _ in range(100))]
+    entry = Challenge.new("Why is the sky blue? " * 40, TEMPERATURE).plan_entry(bytes(32), committee)
+    assert len(codec.pack(entry.body())) <= Params().max_tx_bytes - TX_MARGIN_BYTES  # a hundred members
+
+
 def test_a_challenge_sealed_in_another_layout_is_refused_by_its_version(s):
     """A planner on another release seals fields this member's daemon would misread (a field added,
     moved or dropped): the member refuses the entry naming the layout's version, before reading any
@@ -389,12 +407,13 @@ def test_a_challenge_sealed_in_another_layout_is_refused_by_its_version(s):
         packed = codec.pack(packed_fields)
         framed = len(packed).to_bytes(4, "big") + packed
         plaintext = framed + bytes(padded_size(len(framed)) - len(framed))
-        boxes = tuple(sorted((m.operator, SealedBox(PublicKey(m.x25519_key)).encrypt(plaintext))
-                             for m in committee))
-        return PlanEntry.from_record(PlanItem(bytes(32), good.commitment, boxes).body())
+        key = secrets.token_bytes(SecretBox.KEY_SIZE)
+        boxes = tuple(sorted((m.operator, SealedBox(PublicKey(m.x25519_key)).encrypt(key)) for m in committee))
+        item = PlanItem(bytes(32), good.commitment, boxes, bytes(SecretBox(key).encrypt(plaintext)))
+        return PlanEntry.from_record(item.body())
 
     assert open_plan_entry(sealed([SEALED_VERSION, *fields]), member.public, member.x25519) == good
-    refusals = (([SEALED_VERSION + 1, *fields, "new"], "layout version 2; this member reads version 1"),
+    refusals = (([SEALED_VERSION + 1, *fields, "new"], "layout version 3; this member reads version 2"),
                 ([0, *fields], "layout version 0;"),
                 (fields, r"layout version 'Why\?';"),
                 ([True, *fields], "layout version True;"),

@@ -120,7 +120,7 @@ def test_a_journal_line_cut_by_a_crash_is_skipped_and_ended(tmp_path):
 
 
 def test_plan_parts_stay_under_the_limit_and_end_in_a_final_part():
-    entries = [PlanItem(bytes([i]) * 32, bytes(32), ((bytes(32), bytes(900)),)) for i in range(10)]
+    entries = [PlanItem(bytes([i]) * 32, bytes(32), ((bytes(32), bytes(80)),), bytes(900)) for i in range(10)]
     size = len(codec.pack(entries[0].body()))
     parts = _parts(entries, 3 * size)
     assert [len(p) for p in parts] == [3, 3, 3, 1]

@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 
 from nacl.exceptions import CryptoError
 from nacl.public import PrivateKey, PublicKey, SealedBox
+from nacl.secret import SecretBox
 
 from planetserve.chain.keys import KeySet, verify_signature
 from planetserve.chain.messages.epochs import PlanItem, Revealed, Served
@@ -28,11 +29,12 @@ TOKEN_ID_LIMIT = 1 << 31
 """A challenge's stop strings and stop token ids are bounded as a model node's API bounds a request's
 (`node/api/openai.py` `ApiLimits`, token ids up to `engine/wire.py` `MAX_TOKEN_ID`), so that a planner
 cannot seal one the node must refuse; a test holds the two sets of bounds equal."""
-SEALED_VERSION = 1
+SEALED_VERSION = 2
 """The layout of a sealed challenge (its first field): a member whose daemon reads another layout, say
-one that left an upgrade behind, is told so by name instead of failing to unpack the fields."""
+one that left an upgrade behind, is told so by name instead of failing to unpack the fields. Version 2
+encrypts the challenge once and seals its key to each member (version 1 sealed a copy to each)."""
 SEALED_BUCKET_BYTES = 1024
-"""Sealed copies are padded to a multiple of this, so an entry's length on the ledger says only
+"""Encrypted challenges are padded to a multiple of this, so an entry's length on the ledger says only
 roughly how long its prompt is (about 200 tokens a step), and nothing of its temperature or cap."""
 
 
@@ -120,16 +122,20 @@ class Challenge:
         return epochs.rechallenge_tag(node, self.commitment)
 
     def plan_entry(self, node: bytes, committee: list[Member]) -> PlanItem:
-        """A commit-plan entry: the commitment, and the challenge sealed to every member's X25519 key
-        (whichever member leads sends it), padded to its size bucket."""
+        """A commit-plan entry: the commitment, the challenge padded to its size bucket and encrypted once
+        under a fresh key, and that key sealed to every member's X25519 key (whichever member leads sends
+        it). An entry grows by about 115 bytes a member: with a sealed copy of the challenge each (1 KiB
+        at least), no entry fit a transaction past thirteen members, and such a committee planned
+        nothing."""
         packed = codec.pack([SEALED_VERSION, self.prompt, self.salt, self.temperature, self.question,
                              self.max_tokens, list(self.earlier), self.top_p, list(self.stop),
                              list(self.stop_token_ids)])
         framed = len(packed).to_bytes(4, "big") + packed
         plaintext = framed + bytes(padded_size(len(framed)) - len(framed))
-        sealed = sorted((m.operator, SealedBox(PublicKey(m.x25519_key)).encrypt(plaintext))
-                        for m in committee)
-        return PlanItem(node, self.commitment, tuple(sealed))
+        key = secrets.token_bytes(SecretBox.KEY_SIZE)
+        ciphertext = bytes(SecretBox(key).encrypt(plaintext))
+        sealed = sorted((m.operator, SealedBox(PublicKey(m.x25519_key)).encrypt(key)) for m in committee)
+        return PlanItem(node, self.commitment, tuple(sealed), ciphertext)
 
     def reveal(self, response: SignedResponse, served: SignedResponse | None = None) -> Revealed:
         """A submit-results entry (without the leader's proposed credibility); `served` is the serving
@@ -148,14 +154,14 @@ def _unseal(box: bytes, keys: tuple[PrivateKey, ...]) -> bytes:
 
 
 def open_plan_entry(entry: PlanEntry, operator: bytes, key: PrivateKey, *older: PrivateKey) -> Challenge:
-    """Decrypt this member's copy of a planned prompt and check it against the commitment. A member
-    that rotated its X25519 key passes the key it had too: the plan of the epoch its rotation reached
-    was sealed at the end of the one before."""
+    """Open this member's key to a planned prompt, decrypt the prompt and check it against the
+    commitment. A member that rotated its X25519 key passes the key it had too: the plan of the epoch its
+    rotation reached was sealed at the end of the one before."""
     box = next((sealed for member, sealed in entry.sealed if member == operator), None)
     if box is None:
         raise SealedPromptError("the plan entry holds no prompt sealed to this member")
     try:
-        plaintext = _unseal(box, (key, *older))
+        plaintext = SecretBox(_unseal(box, (key, *older))).decrypt(entry.ciphertext)
         length = int.from_bytes(plaintext[:4], "big")
         unpacked = codec.unpack(plaintext[4:4 + length])
     except (CryptoError, codec.CodecError, ValueError) as exc:

@@ -216,12 +216,13 @@ class VrfEntry(Record):
 
 @dataclass(frozen=True)
 class PlanEntry(Record):
-    """One challenge of a plan; `sealed` holds [member operator, sealed box of [prompt, salt, temperature,
-    question]]."""
+    """One challenge of a plan: `ciphertext` is the challenge (`chain/challenge.py` `plan_entry`) encrypted
+    under a key of its own, and `sealed` holds [member operator, that key sealed to the member]."""
 
     node: bytes
     commitment: bytes
     sealed: tuple[list, ...]
+    ciphertext: bytes
 
 
 @dataclass(frozen=True)

@@ -75,7 +75,7 @@ def test_the_densest_valid_transactions_decode_within_the_container_bound():
         "submit-results": densest(lambda n: tx(SubmitResults(1, "leader", tuple(
             Unanswered(bytes(32), "") for _ in range(n))))),
         "commit-plan": densest(lambda n: tx(CommitPlan(1, (PlanItem(bytes(32), bytes(32), tuple(
-            (b"", bytes(49)) for _ in range(n))),), False))),
+            (b"", bytes(80)) for _ in range(n)), bytes(41)),), False))),
     }
     # bytes that look like container heads (in keys, signatures, padding) make the decoder count, not refuse
     heads = bytes(range(0x80, 0xA0)) * 400

@@ -12,6 +12,7 @@ from harness import AppHarness, sqlite_url
 from planetserve.chain.abci.state import members
 from planetserve.chain.challenge import SEALED_BUCKET_BYTES, Challenge, open_plan_entry
 from planetserve.chain.errors import Code
+from planetserve.chain.messages.epochs import SEALED_KEY_BYTES
 from planetserve.registry import epochs
 from planetserve.registry.epochs import PlanEntry
 
@@ -92,8 +93,9 @@ def test_a_re_challenge_opens_only_for_its_node_once_and_within_the_plan(s):
 
 
 def test_a_planned_entry_shows_only_its_size_bucket(s):
-    """Greedy or sampled, chat or completion, short or three times as long: the sealed copies have one
-    length, so a node reading its plan entry learns nothing of the prompt it is about to get."""
+    """Greedy or sampled, chat or completion, short or three times as long: the encrypted challenges have
+    one length, and so have the keys sealed to each member, so a node reading its plan entry learns
+    nothing of the prompt it is about to get."""
     committee = list(members(s.h.store.batch()).values())
     node = next(iter(s.nodes))
     variants = [Challenge.new("Why?", 0), Challenge.new("Why is the sky blue? " * 3, 700, max_tokens=5),
@@ -101,12 +103,13 @@ def test_a_planned_entry_shows_only_its_size_bucket(s):
     lengths = set()
     for challenge in variants:
         entry = PlanEntry.from_record(challenge.plan_entry(node, committee).body())
-        lengths |= {len(sealed) for _, sealed in entry.sealed}
+        assert {len(sealed) for _, sealed in entry.sealed} == {SEALED_KEY_BYTES}
+        lengths.add(len(entry.ciphertext))
         opened = open_plan_entry(entry, s.h.members[0].public, s.h.members[0].x25519)
         assert opened == challenge  # whole, max_tokens included
     assert len(lengths) == 1
     long = Challenge.new("word " * SEALED_BUCKET_BYTES, 0).plan_entry(node, committee)
-    assert {len(sealed) for _, sealed in long.sealed} != lengths  # a longer bucket, not an unbounded one
+    assert len(long.ciphertext) not in lengths  # a longer bucket, not an unbounded one
     assert epochs.commitment(variants[0].prompt, 0, variants[0].salt, variants[0].top_p) == variants[0].commitment
 
 

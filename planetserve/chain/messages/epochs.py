@@ -14,6 +14,11 @@ from planetserve.registry.reputation import PPM
 
 MAX_EPOCH = 2**62
 MAX_SEALED_BYTES = 8_192
+"""The most an encrypted challenge may take, its nonce and tag aside."""
+SEALED_KEY_BYTES = 32 + 48
+"""A challenge's key sealed to one member: 32 bytes, an ephemeral key and a tag."""
+BOX_OVERHEAD = 24 + 16
+"""An encrypted challenge's nonce and tag."""
 MAX_PROMPT_CHARS = 4_096
 MAX_TEMPERATURE = 2 * epochs.MILLI
 MAX_SEED = (1 << 64) - 1
@@ -52,27 +57,37 @@ class SubmitVrf(Message):
 
 def _sealed(value: Any) -> tuple[tuple[bytes, bytes], ...]:
     if not isinstance(value, list) or len(value) > MAX_ENTRIES:
-        raise InvalidField("sealed", "must hold one sealed box per committee member")
+        raise InvalidField("sealed", "must hold one sealed key per committee member")
     boxes = []
     for item in value:
         if (not isinstance(item, list) or len(item) != 2 or not isinstance(item[0], bytes)
-                or not isinstance(item[1], bytes) or not 48 < len(item[1]) <= MAX_SEALED_BYTES):
-            raise InvalidField("sealed", f"entries must be [member, sealed box of 49..{MAX_SEALED_BYTES} B]")
+                or not isinstance(item[1], bytes) or len(item[1]) != SEALED_KEY_BYTES):
+            raise InvalidField("sealed", f"entries must be [member, sealed key of {SEALED_KEY_BYTES} B]")
         boxes.append((item[0], item[1]))
     return tuple(boxes)
 
 
+def _ciphertext(value: Any) -> bytes:
+    if not isinstance(value, bytes) or not BOX_OVERHEAD < len(value) <= BOX_OVERHEAD + MAX_SEALED_BYTES:
+        raise InvalidField("ciphertext", f"must be an encrypted challenge of {BOX_OVERHEAD + 1}.."
+                                         f"{BOX_OVERHEAD + MAX_SEALED_BYTES} B")
+    return value
+
+
 @dataclass(frozen=True)
 class PlanItem(Body):
-    """One planned challenge: its commitment, and the challenge sealed to each member, by operator key."""
+    """One planned challenge: its commitment, the challenge encrypted once, and its key sealed to each
+    member, by operator key."""
 
     node: bytes
     commitment: bytes
     sealed: tuple[tuple[bytes, bytes], ...]
+    ciphertext: bytes
 
     @classmethod
     def parse(cls, body: dict[str, Any]) -> Self:
-        return cls(fields.key32(body, "node"), fields.key32(body, "commitment"), _sealed(body.get("sealed")))
+        return cls(fields.key32(body, "node"), fields.key32(body, "commitment"), _sealed(body.get("sealed")),
+                   _ciphertext(body.get("ciphertext")))
 
 
 @dataclass(frozen=True)

@@ -135,7 +135,7 @@ def commit_plan(ctx: Context, msg: CommitPlan) -> None:
         if ctx.state.commitment_used(target.number, commitment):
             raise AlreadyExists(f"commitment {commitment.hex()} repeats one of this epoch's")
         sealed = _sealed(entry.sealed, committee)
-        ctx.state.put_plan_entry(target.number, PlanEntry(node, commitment, sealed))
+        ctx.state.put_plan_entry(target.number, PlanEntry(node, commitment, sealed, entry.ciphertext))
         ctx.state.use_commitment(target.number, commitment, node)
         added += 1
     planned = target.plan_nodes + added
