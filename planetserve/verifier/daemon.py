@@ -38,7 +38,7 @@ from planetserve.chain.challenge import DEFAULT_MAX_TOKENS, Challenge, SealedPro
 from planetserve.chain.client import TRANSIENT, LedgerClient
 from planetserve.chain.errors import Code
 from planetserve.chain.keys import KeySet
-from planetserve.chain.messages.base import Message
+from planetserve.chain.messages.base import Body, Message
 from planetserve.chain.messages.epochs import (
     MAX_ENTRIES,
     Attest,
@@ -352,7 +352,7 @@ class Daemon:
                 return
 
     def _plan_entry(self, node: bytes, model_id: str, committee: list[Member], params: Params) -> PlanItem:
-        """A fresh challenge for `node`, drawn again while its sealed copies would not fit a transaction."""
+        """A fresh challenge for `node`, drawn again while its plan entry would not fit a transaction."""
         for _ in range(PLAN_DRAWS):
             entry = self._fresh(model_id)[0].plan_entry(node, committee)
             if _body_size(entry) <= params.max_tx_bytes - TX_MARGIN_BYTES:
@@ -636,7 +636,7 @@ class Daemon:
 
     def _attest(self, number: int, limit: int) -> None:
         """Score every valid result not yet attested, in as few transactions of at most `limit` bytes as
-        hold the scores: with every member re-challenging every node, a plan of some sixty nodes has more
+        hold the scores: with every member re-challenging every node, a plan of some fifty-five nodes has more
         results than one transaction holds, and a refused one would cost each of its results."""
         results = [r for r in self.ledger.results(number) if r.status == VALID]
         if not results:
@@ -727,7 +727,7 @@ def _revealable(entry: Revealed | Unanswered, kind: str, limit: int) -> Revealed
                                   "carries", commitment)
 
 
-def _body_size(entry: Any) -> int:
+def _body_size(entry: Body) -> int:
     return len(codec.pack(entry.body()))
 
 
