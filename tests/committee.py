@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import secrets
 from typing import Any
 
 from harness import AppHarness, node_body
+from nacl.public import PrivateKey, SealedBox
 
 from planetserve.chain import layout, vrf
 from planetserve.chain.abci.state import State, members
@@ -208,3 +210,17 @@ def finish(s: Script, number: int) -> None:
     """To the end of the epoch, electing and planning the next one on the way."""
     s.run_election_and_plan(number + 1)
     assert s.epoch(number).finalized
+
+
+def unopenable_plan(s: Script, node: bytes) -> None:
+    """Epoch 1 elected and planned, the planner having sealed `node`'s key to every member as garbage (an
+    80-byte sealed box of random bytes to a key no member holds): the chain cannot tell."""
+    s.run_to(s.schedule.setup_height(0))
+    s.h.block()
+    body, _ = s.plan(1)
+    for entry in body["entries"]:
+        if entry["node"] == node:
+            entry["sealed"] = [[member, SealedBox(PrivateKey.generate().public_key).encrypt(secrets.token_bytes(32))]
+                               for member, _ in entry["sealed"]]
+    assert all(c == 0 for c, _ in s.block(s.tx(s.leader(0), "commit-plan", body), *s.vrf_txs(1)))
+    s.run_to(s.schedule.start(1))

@@ -19,6 +19,7 @@ from committee import (
     finish,
     honest_epoch,
     listed,
+    unopenable_plan,
 )
 from harness import AppHarness, sqlite_url
 from nacl.public import PublicKey, SealedBox
@@ -37,9 +38,9 @@ from planetserve.chain.challenge import (
 from planetserve.chain.errors import Code
 from planetserve.chain.keys import KeySet
 from planetserve.chain.messages.epochs import PlanItem
-from planetserve.registry import codec, epochs, reputation
+from planetserve.registry import codec, epochs, finalization, reputation
 from planetserve.registry.entities import Member
-from planetserve.registry.epochs import PlanEntry
+from planetserve.registry.epochs import UNOPENED, ChallengeResult, PlanEntry
 from planetserve.registry.params import Params
 from planetserve.verifier.daemon import TX_MARGIN_BYTES
 
@@ -457,6 +458,53 @@ def test_an_unconfirmed_invalid_report_is_recorded(s):
     assert s.faults(leader.public) == ["unconfirmed-report"]
     assert s.state.faults_in(leader.public, range(0, 2)) == 0
     assert s.reputation(node0) == expected(HONEST)  # one report (the leader's) is not more than 1/3: not cut
+
+
+def test_a_leader_whose_planned_challenge_does_not_open_says_so_and_is_not_faulted(s):
+    """A planner can seal a node's challenge so that the next leader cannot open it. The leader says so
+    (`UNOPENED`) rather than leave the node out (its `skipped-node` fault, for what the planner sealed):
+    the claim names no fault of the node and counts as no report, so a planner cannot have an honest
+    leader report a node; members re-challenge the node, as for any leader result that is not valid, and
+    it is scored on their answers. A claim of no response in other words is a report, as before."""
+    node0, node1 = list(s.nodes)
+    unopenable_plan(s, node0)
+    leader = s.leader(1)
+    with pytest.raises(SealedPromptError, match="does not open"):
+        s.planned(1, node0, leader)
+    body = s.leader_results(1, HONEST, [node1])
+    body["results"].append({"node": node0, "invalid": UNOPENED})
+    assert s.block(s.tx(leader, "submit-results", body)) == [(0, "ok")]
+    assert s.state.reports(1, node0) == []
+    members = others(s, 1)
+    own = {m.public: Challenge.new(f"Member {i}: what is a prime number?", TEMPERATURE) for i, m in enumerate(members)}
+    assert all(c == 0 for c, _ in s.block(*[
+        s.tx(m, "commit-rechallenge", {"epoch": 1, "tags": [own[m.public].tag(node0)]}) for m in members]))
+    assert all(c == 0 for c, _ in s.block(*[
+        s.tx(m, "submit-results", {"epoch": 1, "kind": "rechallenge",
+                                   "results": [own[m.public].reveal(s.answer(node0, own[m.public]))]})
+        for m in members]))
+    assert all(c == 0 for c, _ in s.block(*(tx for m in members for tx in s.attest_txs(1, m.public, {node0: HONEST})),
+                                          *s.attest_txs(1, leader.public, {node1: HONEST})))
+    finish(s, 1)
+    assert s.faults(leader.public) == []  # no skipped-node, no unconfirmed report
+    assert s.reputation(node0) == expected(HONEST) and s.reputation(node1) == expected(HONEST)
+
+
+def test_a_claim_that_the_challenge_did_not_open_counts_as_no_report():
+    """The pure rule: with the leader's report, one member's would pass a third of the power and cut the
+    node; the leader's `UNOPENED` claim leaves the member's alone, which does not."""
+    leader, member, node = b"L" * 32, b"M" * 32, b"N" * 32
+    power = {leader: 10, member: 10, b"A" * 32: 10, b"B" * 32: 10}
+
+    def decided(reason: str) -> int | None:
+        own = ChallengeResult(node, leader, "leader", epochs.INVALID, reason, "", b"", {}, -1, 5)
+        evidence = finalization.Evidence(leader, [node], {node: [own]}, {}, {node: (member,)}, power, 50_000, 10,
+                                         frozenset())
+        verdicts, _ = finalization.decide(evidence)
+        return next((v.credibility for v in verdicts if v.node == node), None)
+
+    assert decided("no response within 60 s") == 0
+    assert decided(UNOPENED) is None
 
 
 @pytest.mark.faults

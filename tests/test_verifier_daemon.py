@@ -9,7 +9,7 @@ from concurrent.futures import Future
 
 import pytest
 from click.testing import CliRunner
-from committee import EPOCH_PARAMS, HONEST, TEMPERATURE, Script
+from committee import EPOCH_PARAMS, HONEST, TEMPERATURE, Script, unopenable_plan
 from harness import AppHarness, sqlite_url
 from inprocess import InProcessLedger, Rounds
 
@@ -28,10 +28,12 @@ from planetserve.chain.messages.epochs import MAX_ENTRIES, PlanItem
 from planetserve.cli import main
 from planetserve.config import HomeError
 from planetserve.genesis.network import free_ports
+from planetserve.models import load
 from planetserve.registry import codec
 from planetserve.registry.entities import ModelNode
-from planetserve.registry.epochs import ATTEST_BLOCKS, VALID, Schedule
+from planetserve.registry.epochs import ATTEST_BLOCKS, INVALID, UNOPENED, VALID, Schedule
 from planetserve.registry.params import Params
+from planetserve.verifier import ReferenceModel
 from planetserve.verifier import daemon as daemon_module
 from planetserve.verifier.config import CONFIG_FILE, STATUS_FILE, SUBMISSIONS_FILE, JsonLines, VerifierConfig
 from planetserve.verifier.daemon import (
@@ -219,6 +221,24 @@ def test_the_next_epochs_re_challenges_are_held_until_it_starts_and_dropped_by_i
     daemon._drop_rechallenges(4)
     assert set(daemon.pending) == {(3, node, "leader"), (3, node, "rechallenge"), (4, node, "leader")}
     assert waiting[4, node, "rechallenge"].cancelled()
+
+
+def test_a_leader_whose_planned_challenge_does_not_open_says_so(tmp_path, quick_family):
+    """The leader's real daemon, facing a plan entry whose key was sealed to it as garbage, claims
+    `UNOPENED` for that node in its results window (it left the node out before: a `skipped-node` fault
+    for what the planner sealed), and asks the other node as planned."""
+    s = Script(AppHarness(sqlite_url(tmp_path), members=4, params=EPOCH_PARAMS))
+    node0, node1 = list(s.nodes)
+    unopenable_plan(s, node0)
+    reference = ReferenceModel.from_loaded(load("gt", quick_family), model_id="gt")
+    leader = Daemon(s.leader(1), InProcessLedger(s.h, Rounds(s.h)), {"gt": reference},
+                    OverlayChannel("http://127.0.0.1:9"), None, tmp_path)  # type: ignore[arg-type]
+    leader._lead(1)
+    assert leader.unopened == {(1, node0)} and (1, node1, "leader") in leader.pending
+    leader._collect(1, Params().max_tx_bytes - TX_MARGIN_BYTES)
+    claim = s.state.result(1, node0, s.epoch(1).leader)
+    assert claim is not None and claim.status == INVALID and claim.reason == UNOPENED
+    assert s.state.reports(1, node0) == [] and leader.unopened == set()
 
 
 def test_a_challenge_that_failed_here_leaves_the_other_answers_to_be_revealed(tmp_path):

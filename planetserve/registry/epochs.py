@@ -53,6 +53,11 @@ within which a revealed result need not be attested (`Schedule.attest_before`). 
 transaction was seen to take to land on two loaded cores: members that all attest late would each be
 faulted, and lose their power after `member_fault_limit` such epochs."""
 VALID, INVALID, FAULTY = "valid", "invalid", "faulty"
+UNOPENED = "the planned challenge does not open for the leader"
+"""A leader's claim that names no fault of the node: its copy of the planned challenge did not open
+(the planner sealed it garbage or another's key, or in a layout this leader's daemon does not read).
+It counts as no report, so a planner cannot have an honest leader report a node; members re-challenge
+the node, as for any leader result that is not valid."""
 
 
 @dataclass(frozen=True)

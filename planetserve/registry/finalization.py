@@ -19,7 +19,8 @@ Per node of the plan, in key order:
   product of its attested results, so a forward never hides it. A verdict also counts the tokens those
   answers had checked and how many deviated, which accumulate across epochs (registry/evidence.py).
 - A node that members holding more than 1/3 of the power reported as giving no valid response is cut
-  (C(T) = 0), whatever it answered: the leader's own "invalid" claim counts as its report. A node told
+  (C(T) = 0), whatever it answered: the leader's own "invalid" claim counts as its report, unless it says its
+  challenge did not open (`UNOPENED`, the planner's doing, not the node's). A node told
   its challenge by a colluding member answers that one and could drop every other request, users' and
   re-challenges alike; reports from members whose power cannot all be faulty show it served no one.
   Its answers' checked and deviating tokens still count toward its evidence.
@@ -42,7 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from planetserve.registry import rules
-from planetserve.registry.epochs import INVALID, VALID, ChallengeResult
+from planetserve.registry.epochs import INVALID, UNOPENED, VALID, ChallengeResult
 from planetserve.registry.params import PPM
 from planetserve.registry.reputation import median
 
@@ -176,7 +177,8 @@ def decide(ev: Evidence) -> tuple[list[Verdict], list[Finding]]:
             findings.append(Finding(ev.leader, "skipped-node", node, "planned node left out of the results"))
         verdict = _verdict(node, attested[node], computed)
         reporters = set(ev.reports.get(node, ()))
-        if own is not None and own.status == INVALID:
+        claimed = own is not None and own.status == INVALID and own.reason != UNOPENED
+        if claimed:
             reporters.add(ev.leader)
         if 3 * _power(reporters, ev.power) > total:
             verdict = (Verdict(node, 0, "invalid-reports") if verdict is None
@@ -184,7 +186,7 @@ def decide(ev: Evidence) -> tuple[list[Verdict], list[Finding]]:
         if verdict is not None:
             verdicts.append(verdict)
             scored.add(verdict.node)
-        if own is not None and own.status == INVALID:
+        if claimed:
             answered = {r.submitter for r in node_results if r.kind == "rechallenge" and r.status == VALID}
             if rules.supermajority(_power(answered, ev.power), total):
                 findings.append(Finding(ev.leader, "unconfirmed-report", node,

@@ -55,6 +55,7 @@ from planetserve.registry import codec, credits, epochs, fields
 from planetserve.registry.entities import Member, ModelNode
 from planetserve.registry.epochs import (
     PLAN_COMMITTED,
+    UNOPENED,
     VALID,
     ChallengeResult,
     PlanEntry,
@@ -196,6 +197,9 @@ class Daemon:
         """(epoch, node) of re-challenges sent after `last_rechallenge`: a tick that spent blocks on its
         transactions passed over their offsets. Their answers are revealed if they come before the cutoff;
         one that does not is not claimed, since the node had less than `GIVE_UP_BLOCKS` to answer."""
+        self.unopened: set[tuple[int, bytes]] = set()
+        """(epoch, node) of planned challenges this leader could not open: it says so (`UNOPENED`) rather
+        than leave the node out, which was its `skipped-node` fault for what the planner sealed."""
         self.status: dict[str, Any] = {"member": self.me.hex(), "started": int(time.time()), "ticks": 0,
                                        "submitted": 0, "rejected": 0, "challenges": 0, "scored": 0,
                                        "last_error": None}
@@ -262,6 +266,7 @@ class Daemon:
         self.shares = {n: v for n, v in self.shares.items() if n >= number}
         self.late = {k for k in self.late if k[0] >= number}
         self.scheduled = {k: v for k, v in self.scheduled.items() if k[0] >= number}
+        self.unopened = {k for k in self.unopened if k[0] >= number}
 
     def _drop_rechallenges(self, number: int) -> None:
         """The leader of epoch `number` re-challenges nothing in it, and it submits one result per node:
@@ -447,6 +452,10 @@ class Daemon:
                 log.exception("challenge of %s failed here, will retry", node.hex()[:16])
                 continue
             entries[kind].append(self._entry(number, asked, kind))
+        for epoch, node in sorted(self.unopened):
+            if epoch == number:
+                entries["leader"].append(Unanswered(node, UNOPENED))
+        self.unopened = {k for k in self.unopened if k[0] != number}
         return entries
 
     def _unanswered(self, number: int, node: bytes, kind: str) -> Unanswered:
@@ -469,7 +478,8 @@ class Daemon:
             try:
                 challenge = open_plan_entry(entry, self.me, self.keys.x25519, *self.earlier_x25519)
             except SealedPromptError as exc:
-                log.error("planned challenge of %s does not open: %s", entry.node.hex()[:16], exc)
+                log.error("planned challenge of %s does not open: %s; saying so", entry.node.hex()[:16], exc)
+                self.unopened.add((number, entry.node))
                 continue
             self._ask((number, entry.node, "leader"), challenge, node)
 

@@ -28,6 +28,7 @@ from planetserve.registry.epochs import (
     NO_PLAN,
     PLAN_COMMITTED,
     PLAN_PARTIAL,
+    UNOPENED,
     VALID,
     ChallengeResult,
     Epoch,
@@ -270,7 +271,7 @@ def _submit_one(ctx: Context, epoch: Epoch, kind: str, entry: Revealed | Unanswe
                                  response.to_record(), credibility, ctx.height,
                                  served.node if served is not None else b"")
     ctx.state.put_result(epoch.number, result)
-    if result.status == INVALID:
+    if result.status == INVALID and not (kind == "leader" and result.reason == UNOPENED):
         _add_report(ctx, epoch.number, node)
 
 
