@@ -45,10 +45,11 @@ MAX_PROMPT_CHARS = 4000
 DEFAULT_MAX_TOKENS = 64
 MAX_TOKENS = 256
 MAX_ANSWER_BYTES = 1 << 20
-MAX_ANSWER_VALUES = 1 << 16
-MAX_REQUEST_VALUES = 1 << 10
-"""JSON values a chat answer may build: its text is one string, and the chat asks for no log-probabilities."""
 """The most a relay's answer (or /v1/models) may hold."""
+MAX_ANSWER_VALUES = 1 << 16
+"""JSON values a chat answer may build: its text is one string, and the chat asks for no log-probabilities."""
+MAX_REQUEST_VALUES = 1 << 10
+"""JSON values a chat request may build: a prompt and a few options."""
 CHAT_TIMEOUT = 90.0
 CHAT_ATTEMPTS = 3
 """A relay's 502 and 503 (a path that just broke, a node its proxies cannot reach yet) are retried."""

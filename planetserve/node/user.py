@@ -64,8 +64,9 @@ MAX_PARTS_AHEAD = 64
 """Reply parts kept beyond the next one expected (parts overtake each other on different paths)."""
 INF = float("inf")
 MAX_ANSWER_BYTES = 16 << 20
-BY_RELAY, BY_NODE = {ANSWERED_BY: "relay"}, {ANSWERED_BY: "node"}
 """The most of one answer a model node can send: more is refused, streamed or not."""
+BY_RELAY, BY_NODE = {ANSWERED_BY: "relay"}, {ANSWERED_BY: "node"}
+"""Whose words an answer is, as the relay's HTTP answers say (`challenge.ANSWERED_BY`)."""
 
 
 def too_few_paths(live: int, needed: int, detail: str = "") -> ApiError:

@@ -127,7 +127,7 @@ class OverlayChannel:
             response = response_from_extension(extension, text)
             parse_response(response.to_record())
         except InvalidField as exc:
-            raise NoAnswer(f"an answer the ledger would refuse: {exc}"[:256]) from None
+            raise NoAnswer(f"an answer the ledger would refuse: {exc}") from None
         except (KeyError, IndexError, TypeError, ResponseFormatError) as exc:
             raise NoAnswer(f"malformed answer: {exc}"[:256]) from None
         return Reply(response, served_from_extension(extension.get("served"), response))
