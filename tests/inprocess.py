@@ -82,6 +82,11 @@ class InProcessLedger(LedgerClient):
         return done
 
 
+def answered(daemons: Iterable[Daemon]) -> None:
+    """Wait for the answers to every challenge the daemons have out."""
+    concurrent.futures.wait([f for daemon in daemons for f in list(daemon.pending.values())], timeout=300)
+
+
 class Rounds:
     """Blocks as a chain makes them for daemons running side by side: in a round every daemon ticks at
     once, in a thread of its own; a transaction waits for its block, which is made once each daemon
@@ -120,7 +125,7 @@ class Rounds:
         daemons = list(self.daemons.values() if daemons is None else daemons)
         for daemon in daemons:
             daemon.send_scheduled(self.h.height + 1)
-        concurrent.futures.wait([f for daemon in daemons for f in list(daemon.pending.values())], timeout=300)
+        answered(daemons)
 
     def submit(self, member: bytes, raw: bytes) -> tuple[Any, int]:
         """The outcome of `raw` and its block's height, once the block that carries it is made."""
@@ -144,7 +149,7 @@ class Rounds:
     def _make_if_all_wait(self) -> None:
         if not self.waiting or self.waiting.keys() != self.ticking:
             return
-        concurrent.futures.wait([f for d in self.daemons.values() for f in list(d.pending.values())], timeout=300)
+        answered(self.daemons.values())
         members = sorted(self.waiting)
         result = self.block(*(self.waiting[m] for m in members))
         self.made.update((m, (r, self.h.height)) for m, r in zip(members, result.tx_results, strict=True))

@@ -52,12 +52,16 @@ def asked(relay, tmp_path, node: KeySet, signed_temperature: int, signed_time: i
     challenge = Challenge.new("Why?", ASKED, top_p=900)
     response = sign_response(node, "Why?", [5, 6], "Light.", "gt", signed_time, "h:1", signed_temperature,
                              challenge.seed + seed_offset, signed_top_p)
-    relay.body = {"choices": [{"text": "Light."}], "planetserve": response_extension(response)}
-    registered = ModelNode(node.public, "org", "gt", "h:1", "cpu", 1, "eu", "active", 0)
+    return ask_answered(relay, tmp_path, challenge, response)
+
+
+def ask_answered(relay, tmp_path, challenge: Challenge, response: SignedResponse) -> tuple[Daemon, Asked]:
+    """A member's daemon asking `challenge` of the node that signed `response`, which the relay carries."""
+    relay.body = {"choices": [{"text": response.text}], "planetserve": response_extension(response)}
+    registered = ModelNode(response.node, "org", "gt", "h:1", "cpu", 1, "eu", "active", 0)
     daemon = Daemon(KeySet.generate(), None, {}, OverlayChannel(relay.url), None, tmp_path, attempts=2)
-    daemon._ask((1, node.public, "leader"), challenge, registered)
-    done = daemon.pending[1, node.public, "leader"].result(timeout=30)
-    return daemon, done
+    daemon._ask((1, response.node, "leader"), challenge, registered)
+    return daemon, daemon.pending[1, response.node, "leader"].result(timeout=30)
 
 
 @pytest.mark.parametrize(("temperature", "skew", "seed_offset", "top_p", "reason"), [
@@ -128,12 +132,7 @@ def spoiled(relay, tmp_path, **fields: object) -> Asked:
     challenge = Challenge.new("Why?", ASKED, top_p=900)
     response = replace(sign_response(node, "Why?", [5, 6], "Light.", "gt", int(time.time()), "h:1", ASKED,
                                      challenge.seed, 900), **fields)
-    response = replace(response, signature=node.sign(response.sign_bytes()))
-    relay.body = {"choices": [{"text": response.text}], "planetserve": response_extension(response)}
-    registered = ModelNode(node.public, "org", "gt", "h:1", "cpu", 1, "eu", "active", 0)
-    daemon = Daemon(KeySet.generate(), None, {}, OverlayChannel(relay.url), None, tmp_path, attempts=2)
-    daemon._ask((1, node.public, "leader"), challenge, registered)
-    return daemon.pending[1, node.public, "leader"].result(timeout=30)
+    return ask_answered(relay, tmp_path, challenge, replace(response, signature=node.sign(response.sign_bytes())))[1]
 
 
 @pytest.mark.parametrize(("fields", "refused"), [
