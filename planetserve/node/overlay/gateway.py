@@ -16,7 +16,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from planetserve.node.api.openai import Endpoint
-from planetserve.node.api.surface import Reply
+from planetserve.node.api.surface import Reply, close_stream
 from planetserve.node.overlay import onion, sida
 from planetserve.node.overlay.messages import MessageError, Part, Prompt, open_message
 from planetserve.node.overlay.relay import Send
@@ -28,6 +28,13 @@ log = logging.getLogger(__name__)
 
 MAX_PART_BYTES = 60 << 10
 MAX_ANSWERS = 256
+MAX_ANSWERS_PER_PEER = 64
+"""Answers under way at once, in all and for the prompts one proxy delivered: past either, a prompt is
+refused (busy) before it is answered, so one proxy (a user that is its own) cannot take every slot."""
+SEND_TIMEOUT = 10.0
+"""The longest one part may take to reach one proxy. A proxy that misses it, or cannot be reached, gets
+none of the answer's later parts; once fewer than the prompt's k proxies are left the answer is given
+up, since the user could not recover it (a prompt naming unreachable proxies held its slot for hours)."""
 PROMPT_MAX_AGE = 120.0
 PROMPT_MAX_AHEAD = 30.0
 PROMPT_MEMORY = 65_536
@@ -83,6 +90,10 @@ async def batched(parts: AsyncIterator[bytes], limit: int = MAX_PART_BYTES,
         task.cancel()
 
 
+class Undeliverable(Exception):
+    """Too few of a prompt's proxies are left for the user to recover its answer."""
+
+
 class Gateway:
     def __init__(self, me: bytes, secret: bytes, respond: Respond, send: Send,
                  clock: Callable[[], float] = time.time) -> None:
@@ -94,8 +105,10 @@ class Gateway:
         self.answered = ReplayWindow(PROMPT_MAX_AGE, PROMPT_MAX_AHEAD, PROMPT_MEMORY, clock=clock)
         """The request ids of the prompts taken for an answer, while within their window."""
         self.tasks: set[asyncio.Task] = set()
+        self.held: dict[bytes | None, int] = {}
+        """Answers under way, by the proxy that delivered their prompt's last clove."""
         self.counters = {"cloves": 0, "bad_cloves": 0, "bad_messages": 0, "prompts": 0, "parts_sent": 0,
-                         "busy": 0, "failed": 0, "replays": 0, "stale": 0}
+                         "busy": 0, "failed": 0, "replays": 0, "stale": 0, "undeliverable": 0}
 
     async def on_clove(self, data: bytes, peer: bytes | None = None) -> None:
         """A clove from `peer` (the proxy that delivered it; the reassembler's bounds are per peer)."""
@@ -118,14 +131,21 @@ class Gateway:
             return
         if not self._first_time(prompt):
             return
-        if len(self.tasks) >= MAX_ANSWERS or self.answered.full():
+        if (len(self.tasks) >= MAX_ANSWERS or self.held.get(peer, 0) >= MAX_ANSWERS_PER_PEER
+                or self.answered.full()):
             self.counters["busy"] += 1
             return
         self.answered.remember(prompt.request_id, prompt.sent)
         self.counters["prompts"] += 1
         task = asyncio.create_task(self._answer(prompt))
         self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+        self.held[peer] = self.held.get(peer, 0) + 1
+        task.add_done_callback(lambda t: self._done(t, peer))
+
+    def _done(self, task: asyncio.Task, peer: bytes | None) -> None:
+        self.tasks.discard(task)
+        if (left := self.held.pop(peer) - 1) > 0:
+            self.held[peer] = left
 
     def _first_time(self, prompt: Prompt) -> bool:
         """Whether the prompt is within its window and not answered before (else counted as stale or a
@@ -145,32 +165,51 @@ class Gateway:
     async def _answer(self, prompt: Prompt) -> None:
         try:
             await self._reply(prompt)
+        except Undeliverable as exc:
+            self.counters["undeliverable"] += 1
+            log.info("answer given up: %s", exc)
         except Exception:  # one broken answer must not go unnoticed, nor stop the others
             self.counters["failed"] += 1
             log.exception("answering an overlay prompt failed")
 
     async def _reply(self, prompt: Prompt) -> None:
         reply = await self.respond(prompt.endpoint, prompt.body)  # type: ignore[arg-type]
+        live = set(range(len(prompt.reply_to)))
         seq = 0
-        async for data in batched(reply.parts):
-            part = Part(prompt.request_id, seq, reply.status, reply.content_type, data, False)
-            await self._send(prompt, part)
-            seq += 1
-        await self._send(prompt, Part(prompt.request_id, seq, reply.status, reply.content_type, b"", True))
+        try:
+            async for data in batched(reply.parts):
+                part = Part(prompt.request_id, seq, reply.status, reply.content_type, data, False)
+                await self._send(prompt, part, live)
+                seq += 1
+            last = Part(prompt.request_id, seq, reply.status, reply.content_type, b"", True)
+            await self._send(prompt, last, live)
+        finally:
+            await close_stream(reply.parts)
 
-    async def _send(self, prompt: Prompt, part: Part) -> None:
+    async def _send(self, prompt: Prompt, part: Part, live: set[int]) -> None:
+        """One part to the proxies in `live`; those it does not reach in time leave `live`."""
         n = len(prompt.reply_to)
         cloves = sida.split_encoded(part.seal(), n, prompt.k)
         sealed = [onion.seal_payload(key, onion.REPLY, onion.Payload("clove", clove))
                   for (_, _, key), clove in zip(prompt.reply_to, cloves, strict=True)]
-        results = await asyncio.gather(
-            *(self.send(proxy, "reply", [reply_id, data])
-              for (proxy, reply_id, _), data in zip(prompt.reply_to, sealed, strict=True)),
-            return_exceptions=True)
-        failed = [r for r in results if isinstance(r, TransportError)]
-        if failed:
-            log.info("%d of %d proxies unreachable for an answer part", len(failed), n)
+        targets = sorted(live)
+        results = await asyncio.gather(*(self._deliver(prompt.reply_to[i], sealed[i]) for i in targets),
+                                       return_exceptions=True)
+        for i, result in zip(targets, results, strict=True):
+            if isinstance(result, (TransportError, TimeoutError)):
+                live.discard(i)
+            elif isinstance(result, BaseException):
+                raise result
+        if len(live) < len(targets):
+            log.info("%d of %d proxies unreachable for an answer part", len(targets) - len(live), n)
+        if len(live) < prompt.k:
+            raise Undeliverable(f"{len(live)} of {n} proxies left, fewer than the answer's k {prompt.k}")
         self.counters["parts_sent"] += 1
+
+    async def _deliver(self, proxy: tuple[bytes, bytes, bytes], data: bytes) -> None:
+        key, reply_id, _ = proxy
+        async with asyncio.timeout(SEND_TIMEOUT):
+            await self.send(key, "reply", [reply_id, data])
 
     async def close(self) -> None:
         await stop_tasks(self.tasks)

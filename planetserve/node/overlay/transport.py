@@ -423,7 +423,7 @@ class Peering:
         self.connections: dict[bytes, Connection] = {}
         self.server: asyncio.Server | None = None
         self.runners: set[asyncio.Task] = set()
-        self._dialling: dict[bytes, asyncio.Lock] = {}
+        self._dials: dict[bytes, asyncio.Task[Connection]] = {}
         self.stopped = False
         """Set by `close`: no connection is dialled or adopted after it, so a handshake that was under
         way, or a task of the node still pinging its peers, cannot leave a connection serving through a
@@ -499,12 +499,32 @@ class Peering:
         conn = self.connections.get(peer)
         if conn is not None and not conn.closed.is_set():
             return conn
-        lock = self._dialling.setdefault(peer, asyncio.Lock())
-        async with lock:
-            conn = self.connections.get(peer)
-            if conn is not None and not conn.closed.is_set():
-                return conn
-            return self._adopt(await self._dial(peer, address))
+        dial = self._dials.get(peer)
+        if dial is None:
+            dial = asyncio.create_task(self._dial_and_adopt(peer, address))
+            self._dials[peer] = dial
+            self.runners.add(dial)
+            dial.add_done_callback(lambda done: self._dialled(peer, done))
+        try:
+            return await asyncio.shield(dial)
+        except asyncio.CancelledError:
+            if dial.cancelled() and not asyncio.current_task().cancelling():  # type: ignore[union-attr]
+                raise TransportError("this node's peer transport closed while dialling") from None
+            raise
+
+    async def _dial_and_adopt(self, peer: bytes, address: str) -> Connection:
+        return self._adopt(await self._dial(peer, address))
+
+    def _dialled(self, peer: bytes, dial: asyncio.Task[Connection]) -> None:
+        """Every caller that asked for `peer` while `dial` ran shares its outcome, and it runs to its
+        end whoever of them gives up waiting: a peer whose address accepts and never answers would
+        otherwise hold each of them for a handshake of its own, one after the other (a model node's
+        answer naming one proxy sixteen times waited 160 s a part)."""
+        self.runners.discard(dial)
+        if self._dials.get(peer) is dial:
+            del self._dials[peer]
+        if not dial.cancelled():
+            dial.exception()  # retrieved here when every caller stopped waiting
 
     async def notify(self, peer: bytes, address: str, msg_type: str, body: Any) -> None:
         """A one-way message to `peer`, over its live connection or a new one to `address`."""
