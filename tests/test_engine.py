@@ -21,6 +21,7 @@ from planetserve.node.engine.base import (
     BlockStored,
     CacheEvent,
     EngineError,
+    EngineFailure,
     EngineLoad,
     EngineOverloaded,
     GenerationRequest,
@@ -544,6 +545,34 @@ def test_a_full_queue_is_refused_as_overloaded(model: LlamaForCausalLM) -> None:
             assert len(await queued) == 5
 
     serve(model, body, max_batch=1, max_queue=1)
+
+
+def test_prompts_are_scored_one_at_a_time_and_a_full_wait_is_refused(model: LlamaForCausalLM) -> None:
+    """`prompt_logprobs` passes hold a prompt's logits over the whole vocabulary outside the batch's KV
+    budget: one runs at a time, `max_queue` wait, more are refused, and a caller that leaves does not
+    free its pass's place while the pass still runs. A pass the device fails fails alone."""
+    first, second, third = prompts(3, 20, seed=23)
+
+    async def body(engine: BuiltinEngine) -> None:
+        with fault(model, lambda ids: ids.shape[1] == len(first) + 1) as paused:
+            paused.gate.clear()  # the first pass stalls inside its forward
+            running = asyncio.ensure_future(engine.prompt_logprobs(first, 1))
+            await asyncio.sleep(0.1)
+            waiting = asyncio.ensure_future(engine.prompt_logprobs(second, 1))
+            await asyncio.sleep(0.05)
+            with pytest.raises(EngineOverloaded, match="1 prompts already wait to be scored"):
+                await engine.prompt_logprobs(third, 1)
+            running.cancel()
+            await asyncio.sleep(0.1)
+            assert not waiting.done() and engine.stats().prompts_scored == 1
+            paused.gate.set()
+            assert len(await waiting) == len(second)
+            assert engine.stats().prompts_scored == 2
+            with pytest.raises(EngineFailure, match="injected device fault"):
+                await engine.prompt_logprobs((*first, 1), 1)
+            assert len(await tokens(engine, GenerationRequest(third, 3))) == 3
+
+    serve(model, body, max_queue=1)
 
 
 def test_the_node_home_sizes_the_engines_prefill_chunk_and_kv_budget(tmp_path) -> None:

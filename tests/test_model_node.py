@@ -535,6 +535,23 @@ def test_bad_client_input_gets_specific_errors_and_the_node_keeps_serving(quick_
                     r = await client.post(f"{url}/v1/completions", json=body)
                     assert r.status_code == status, (body, r.text)
                     assert words in r.json()["error"]["message"]
+                # refused by its length before the tokeniser spends seconds on it (and before scoring)
+                for endpoint, body in (
+                        ("completions", {"model": "gt", "prompt": "x" * (1 << 20), "prompt_logprobs": 1}),
+                        ("chat/completions", {"model": "gt", "messages": [
+                            {"role": "user", "content": "x" * (1 << 20)}]})):
+                    r = await client.post(f"{url}/v1/{endpoint}", json=body)
+                    assert r.status_code == 413 and r.json()["error"]["code"] == "prompt_too_long", r.text
+                    assert "characters; no prompt of more than" in r.json()["error"]["message"]
+                scored = nodes[0].engine.stats().prompts_scored
+                r = await client.post(f"{url}/v1/completions", json={
+                    "model": "gt", "prompt": "word " * 200, "prompt_logprobs": 1, "max_tokens": 1})
+                assert r.status_code == 413 and "accepts at most 64" in r.json()["error"]["message"]
+                assert nodes[0].engine.stats().prompts_scored == scored
+                r = await client.post(f"{url}/v1/completions", json={
+                    "model": "gt", "prompt": "A short one.", "prompt_logprobs": 1, "max_tokens": 1})
+                assert r.status_code == 200 and r.json()["choices"][0]["prompt_logprobs"], r.text
+                assert nodes[0].engine.stats().prompts_scored == scored + 1
                 r = await client.post(f"{url}/v1/completions", content=b"{not json",
                                       headers={"Content-Type": "application/json"})
                 assert r.status_code == 400
@@ -611,6 +628,9 @@ def test_garbage_from_a_listed_peer_is_refused_and_counted(quick_family):
                     await conn.call("generate", bad_job)
             with pytest.raises(TransportError, match="unknown message type"):
                 await conn.call("steal-keys", None)
+            huge = Job("x" * (1 << 20), False, 4, 0.0, 1, (), (), False, None)
+            with pytest.raises(TransportError, match="characters; no prompt of more than"):
+                await conn.call("generate", huge.to_wire())
             answer = (await complete(node, "Are you fine?", planetserve={"no_forward": True})).json()
             signed(answer)
             await rogue.close()

@@ -42,8 +42,10 @@ from planetserve.node.api.openai import (
     PlanetServeOptions,
     bad_request,
     build_generation,
+    check_prompt_tokens,
     prompt_text,
     render_prompt,
+    tokenize_prompt,
     too_large,
 )
 from planetserve.node.behaviours import ALTER_PROMPTS, clickbait
@@ -236,7 +238,8 @@ class ModelNodeServer(EngineServer):
         super().__init__(node.engine, node.tokenizer, model_name=node.config.model_id, limits=limits,
                          vocab_size=node.vocab_size, eos_token_ids=node.eos_ids,
                          documents={"/v1/planetserve/status": node.status},
-                         hosts=(node.config.peer, node.config.advertise))
+                         hosts=(node.config.peer, node.config.advertise),
+                         max_prompt_tokens=node.config.max_prompt_tokens)
         self.node = node
 
     async def produce(self, request: ApiRequest, prompt_ids: Sequence[int],
@@ -436,7 +439,7 @@ class ModelNode:
         """A peer's forwarded job, served here (never forwarded again)."""
         job = Job.from_wire(body)
         request = job.api_request()
-        prompt_ids = tuple(self.tokenizer(job.prompt, add_special_tokens=job.special)["input_ids"])
+        prompt_ids = tokenize_prompt(job.prompt, job.special, self.tokenizer, self.http.max_prompt_chars)
         generation = self._generation(request, prompt_ids)
         production = self._local(job, prompt_ids, generation, "forwarded")
         state = Generation(request, prompt_ids, self.tokenizer)
@@ -454,13 +457,8 @@ class ModelNode:
 
     # -- serving -------------------------------------------------------------------------------------
 
-    def _check_length(self, prompt_ids: Sequence[int]) -> None:
-        if len(prompt_ids) > self.config.max_prompt_tokens:
-            raise too_large(f"The prompt has {len(prompt_ids)} tokens; this node accepts at most "
-                            f"{self.config.max_prompt_tokens}.", code="prompt_too_long")
-
     def _generation(self, request: ApiRequest, prompt_ids: tuple[int, ...]) -> GenerationRequest:
-        self._check_length(prompt_ids)
+        check_prompt_tokens(prompt_ids, self.config.max_prompt_tokens)
         return build_generation(request, prompt_ids, max_model_len=self.engine.max_model_len,
                                 vocab_size=self.vocab_size, eos_token_ids=self.eos_ids)
 
@@ -485,7 +483,6 @@ class ModelNode:
         A request asking for `logprobs` is served here, never forwarded: a peer's signature covers the
         tokens and text it returns, not their log-probabilities, so the entry node returns only
         log-probabilities it computed itself (and a `Job` carries none across the peer link)."""
-        self._check_length(prompt_ids)
         self.sync.observe(prompt_ids)
         if generation.logprobs is not None:
             self._remember(job.session_id, self.node_id)
@@ -529,7 +526,7 @@ class ModelNode:
         sign for the original prompt (job.prompt). Served here, never forwarded: a peer would answer
         the original."""
         asked = clickbait_request(request)
-        prompt_ids = render_prompt(asked, self.tokenizer)
+        prompt_ids = render_prompt(asked, self.tokenizer, self.http.max_prompt_chars)
         generation = self._generation(asked, prompt_ids)
         self.routes[ALTER_PROMPTS] = self.routes.get(ALTER_PROMPTS, 0) + 1
         return self._local(job, prompt_ids, generation, Reason.NO_CANDIDATES.value)  # as a cheat would claim

@@ -22,7 +22,9 @@ from planetserve.node.api.openai import (
     TokenTexts,
     build_generation,
     check_model,
+    check_prompt_tokens,
     chunk_body,
+    max_prompt_chars,
     models_body,
     overloaded,
     parse_request,
@@ -131,9 +133,12 @@ class EngineServer:
         documents: Mapping[str, Document] | None = None,
         prompt_tokens_details: bool = True,
         hosts: Iterable[str] = (),
+        max_prompt_tokens: int | None = None,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
+        self.max_prompt_tokens = max_prompt_tokens
+        self.max_prompt_chars = max_prompt_chars(tokenizer, max_prompt_tokens or engine.max_model_len)
         self.model_name = model_name or engine.model_id
         self.limits = limits
         self.max_queued = max_queued
@@ -174,7 +179,9 @@ class EngineServer:
             model = check_model(request, [self.model_name])
             if self.max_queued is not None and self.engine.load().queued >= self.max_queued:
                 raise overloaded()
-            prompt_ids = render_prompt(request, self.tokenizer)
+            prompt_ids = render_prompt(request, self.tokenizer, self.max_prompt_chars)
+            if self.max_prompt_tokens is not None:
+                check_prompt_tokens(prompt_ids, self.max_prompt_tokens)
             generation = build_generation(
                 request, prompt_ids, max_model_len=self.engine.max_model_len, vocab_size=self.vocab_size,
                 eos_token_ids=self.eos_token_ids,

@@ -503,12 +503,41 @@ def prompt_text(request: ApiRequest, tokenizer: Tokenizer) -> tuple[str, bool]:
     return text, False
 
 
-def render_prompt(request: ApiRequest, tokenizer: Tokenizer) -> tuple[int, ...]:
-    """The prompt's token ids: given, or tokenised from its text (see prompt_text)."""
+def render_prompt(request: ApiRequest, tokenizer: Tokenizer, max_chars: int | None = None) -> tuple[int, ...]:
+    """The prompt's token ids: given, or tokenised from its text (see prompt_text and tokenize_prompt)."""
     if isinstance(request.prompt, tuple):
         return request.prompt
     text, special = prompt_text(request, tokenizer)
+    return tokenize_prompt(text, special, tokenizer, max_chars)
+
+
+def tokenize_prompt(text: str, special: bool, tokenizer: Tokenizer,
+                    max_chars: int | None = None) -> tuple[int, ...]:
+    """`text`'s token ids, refused by its length before the tokeniser runs where it has more than
+    `max_chars` characters (see max_prompt_chars): tokenising 4 MiB of text held a node's event loop
+    for six seconds, only to refuse the prompt afterwards."""
+    if max_chars is not None and len(text) > max_chars:
+        raise too_large(f"The prompt has {len(text)} characters; no prompt of more than {max_chars} fits "
+                        "the tokens this server accepts.", code="prompt_too_long")
     return tuple(tokenizer(text, add_special_tokens=special)["input_ids"])
+
+
+def max_prompt_chars(tokenizer: Tokenizer, max_tokens: int) -> int | None:
+    """The most characters a text of at most `max_tokens` tokens can have: no token stands for more
+    characters than its vocabulary entry has (a byte-level entry spells each byte as one character), so
+    a longer text needs more tokens. None where the tokenizer does not list its vocabulary. (A tokenizer
+    whose normaliser drops characters could fit more; those this project serves do not.)"""
+    vocabulary = getattr(tokenizer, "get_vocab", None)
+    if vocabulary is None:
+        return None
+    return max_tokens * max(map(len, vocabulary()), default=1)
+
+
+def check_prompt_tokens(prompt_ids: Sequence[int], max_tokens: int) -> None:
+    """Refuse a prompt of more than `max_tokens` tokens (a server's own bound, below the context)."""
+    if len(prompt_ids) > max_tokens:
+        raise too_large(f"The prompt has {len(prompt_ids)} tokens; this node accepts at most {max_tokens}.",
+                        code="prompt_too_long")
 
 
 def build_generation(

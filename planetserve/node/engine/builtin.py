@@ -201,6 +201,8 @@ class EngineStats:
     evictions: int
     cached_blocks: int
     steps: int
+    prompts_scored: int
+    """Teacher-forced passes for `prompt_logprobs`."""
 
 
 @dataclass(eq=False)
@@ -284,6 +286,9 @@ class BuiltinEngine:
         self._outbox: list[tuple[_Sequence, TokenChunk | EngineError]] = []
         self._closed = False
         self._prefill_tokens = self._cached_tokens = self._decode_tokens = self._steps = 0
+        self._scoring = asyncio.Semaphore(1)
+        self._scoring_waits = 0
+        self._scored = 0
         self._thread = threading.Thread(target=self._run, name=f"engine-{model_id}", daemon=True)
         self._thread.start()
 
@@ -323,12 +328,32 @@ class BuiltinEngine:
 
     async def prompt_logprobs(self, ids: Sequence[int], top: int) -> PromptLogprobs:
         """One teacher-forced pass over the prompt, beside the generation thread (inference reads the
-        weights only)."""
+        weights only). One pass runs at a time, and at most `max_queue` wait for it (then EngineOverloaded):
+        each holds the prompt's logits for the whole vocabulary, outside the batch's KV budget, and
+        requests scored as they came ran one forward each in the thread pool at once."""
         if not ids or len(ids) > self.max_model_len:
             raise EngineError(f"a scored prompt needs 1 to {self.max_model_len} tokens, got {len(ids)}")
         if any(not 0 <= t < self.vocab_size for t in ids):
             raise EngineError(f"token ids must lie in [0, {self.vocab_size})")
-        return await asyncio.to_thread(self._prompt_logprobs, list(ids), top)
+        if self._scoring_waits >= self.max_queue:
+            raise EngineOverloaded(f"{self._scoring_waits} prompts already wait to be scored; retry later")
+        self._scoring_waits += 1
+        try:
+            await self._scoring.acquire()
+        finally:
+            self._scoring_waits -= 1
+        self._scored += 1
+        work = asyncio.ensure_future(asyncio.to_thread(self._prompt_logprobs, list(ids), top))
+        work.add_done_callback(self._scored_one)
+        try:
+            return await asyncio.shield(work)  # a caller that leaves does not free the pass's place
+        except Exception as exc:  # the device failed this pass (out of memory, say): it fails alone
+            raise EngineFailure(_failure(exc)) from exc
+
+    def _scored_one(self, work: asyncio.Future[PromptLogprobs]) -> None:
+        self._scoring.release()
+        if not work.cancelled():
+            work.exception()  # retrieved here when its caller left
 
     @torch.inference_mode()
     def _prompt_logprobs(self, ids: list[int], top: int) -> PromptLogprobs:
@@ -354,6 +379,7 @@ class BuiltinEngine:
             prefill_tokens=self._prefill_tokens, decode_tokens=self._decode_tokens,
             cached_tokens=self._cached_tokens, cache_hits=s.hits, cache_misses=s.misses,
             evictions=s.evictions, cached_blocks=len(self.cache), steps=self._steps,
+            prompts_scored=self._scored,
         )
 
     async def close(self) -> None:
