@@ -148,7 +148,7 @@ def test_the_endpoint_answers_bad_requests_with_specific_errors(quick_family):
                 too_long = await http.post(f"{url}/v1/completions", json={
                     "model": "gt", "prompt": "word " * 2000, "max_tokens": 4})
                 assert too_long.status_code == 413  # refused by the model node, relayed as it answered
-                assert too_long.json()["error"]["code"] == "context_length_exceeded"
+                assert too_long.json()["error"]["code"] == "prompt_too_long"
             assert (await chat(net.client, "Still there?")).status_code == 200
         finally:
             await net.close()

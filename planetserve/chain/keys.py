@@ -12,6 +12,7 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
+from nacl.bindings import crypto_sign_ed25519_pk_to_curve25519
 from nacl.exceptions import CryptoError
 from nacl.public import PrivateKey
 from nacl.signing import SigningKey, VerifyKey
@@ -103,6 +104,17 @@ def write_private(path: Path, text: str) -> None:
     os.fchmod(fd, 0o600)
     with os.fdopen(fd, "w") as fh:
         fh.write(text)
+
+
+def exchange_capable(public_key: bytes) -> bool:
+    """Whether an ed25519 key converts to the X25519 key that onion layers and cloves are sealed to.
+    libsodium refuses a key with a small-order part (aB + T, T of order 8), although signatures under it
+    verify: listed as a relay or a model node, such a key made every path or clove built to it fail."""
+    try:
+        crypto_sign_ed25519_pk_to_curve25519(public_key)
+    except (CryptoError, ValueError, TypeError):
+        return False
+    return True
 
 
 def verify_signature(public_key: bytes, message: bytes, signature: bytes) -> bool:

@@ -212,8 +212,14 @@ def unwrap_all(hop_keys: Sequence[bytes], direction: bytes, wrapped: bytes) -> b
 
 @functools.lru_cache(maxsize=4096)
 def exchange_key(identity: bytes) -> bytes:
-    """A registered ed25519 identity key as the X25519 key that onion layers are sealed to."""
-    return bytes(VerifyKey(identity).to_curve25519_public_key())
+    """A registered ed25519 identity key as the X25519 key that onion layers are sealed to. The ledger
+    registers no key that does not convert (`chain.keys.exchange_capable`); one listed all the same is
+    an OnionError, not a library error that ends the caller's loop."""
+    try:
+        return bytes(VerifyKey(identity).to_curve25519_public_key())
+    except CryptoError as exc:
+        reason = f"key {identity.hex()[:16]} has no X25519 form: nothing can be sealed to it"
+        raise OnionError(reason) from exc
 
 
 @functools.lru_cache(maxsize=16)

@@ -218,7 +218,7 @@ class PathManager:
             path.hop_keys = hop_keys[:-1]
             await self.send(path.first, "setup", [path.link, packet])
             await asyncio.wait_for(asyncio.shield(path.ready), self.settings.setup_timeout)
-        except (TransportError, TimeoutError, asyncio.CancelledError) as exc:
+        except (TransportError, TimeoutError, onion.OnionError, asyncio.CancelledError) as exc:
             self.paths.pop((path.first, path.link), None)
             self.counters["setup_failures"] += 1
             self.last_error = f"path setup failed: {exc or type(exc).__name__}"
@@ -257,10 +257,13 @@ class PathManager:
     async def maintain(self) -> None:
         """Forever: ping every live path, replace the dead, rotate one that is due."""
         while True:
-            await self.fill()
-            await asyncio.gather(*(self.ping(p) for p in self.live()))
-            if (due := self.due()) is not None:
-                await self.rotate(due)
+            try:
+                await self.fill()
+                await asyncio.gather(*(self.ping(p) for p in self.live()))
+                if (due := self.due()) is not None:
+                    await self.rotate(due)
+            except Exception:  # one round's failure must not end the user's paths for good
+                log.exception("a round of path maintenance failed")
             await asyncio.sleep(self.settings.ping_interval)
 
     # -- rotating ------------------------------------------------------------------------------------

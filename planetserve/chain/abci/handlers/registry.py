@@ -8,7 +8,7 @@ from dataclasses import replace
 from planetserve.chain.abci.deployments import heal_node
 from planetserve.chain.abci.handlers.context import Context
 from planetserve.chain.abci.rotations import next_epoch_start
-from planetserve.chain.keys import verify_signature
+from planetserve.chain.keys import exchange_capable, verify_signature
 from planetserve.chain.messages.registry import (
     Heartbeat,
     RegisterModel,
@@ -44,8 +44,15 @@ def register_org(ctx: Context, msg: RegisterOrg) -> None:
     ctx.emit("register_org", org_id=msg.org_id)
 
 
+def _sealable(key: bytes, name: str) -> None:
+    if not exchange_capable(key):
+        raise InvalidField(name, "is an ed25519 key with a small-order part: no onion layer or clove can be "
+                                 "sealed to it")
+
+
 def register_user(ctx: Context, msg: RegisterUser) -> None:
     _check_work(ctx, msg)
+    _sealable(ctx.signer, "signer")
     existing = ctx.state.user(ctx.signer)
     if existing is not None and not rules.is_expired(existing, ctx.time):
         raise AlreadyExists("user key is already registered; send a heartbeat to renew it")
@@ -93,6 +100,7 @@ def register_model_node(ctx: Context, msg: RegisterModelNode) -> None:
         raise InvalidField("pop", "is not a signature by node_pubkey over the registration")
     if ctx.state.node(msg.node_pubkey) is not None:
         raise AlreadyExists("model node key is already registered")
+    _sealable(msg.node_pubkey, "node_pubkey")
     _not_rotated(ctx, msg.node_pubkey, "node_pubkey")
     start = _new_standing(ctx, msg.org_id, msg.node_pubkey)
     ctx.state.put_node(ModelNode(
@@ -170,6 +178,7 @@ def rotate_node_key(ctx: Context, msg: RotateNodeKey) -> None:
         raise AlreadyExists(f"node already rotates to {pending.new.hex()[:16]} at height {pending.height}")
     if ctx.state.node(msg.new_pubkey) is not None:
         raise AlreadyExists("new_pubkey is already a registered model node's key")
+    _sealable(msg.new_pubkey, "new_pubkey")
     _not_rotated(ctx, msg.new_pubkey, "new_pubkey")
     height = next_epoch_start(ctx.params, ctx.height)
     ctx.state.put_node_rotation(NodeRotation(msg.node_pubkey, msg.new_pubkey, node.org_id, height))
