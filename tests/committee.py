@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
 from typing import Any
 
 from harness import AppHarness, node_body
@@ -215,12 +216,31 @@ def finish(s: Script, number: int) -> None:
 def unopenable_plan(s: Script, node: bytes) -> None:
     """Epoch 1 elected and planned, the planner having sealed `node`'s key to every member as garbage (an
     80-byte sealed box of random bytes to a key no member holds): the chain cannot tell."""
+    def garbage(entry: dict) -> None:
+        entry["sealed"] = [[member, SealedBox(PrivateKey.generate().public_key).encrypt(secrets.token_bytes(32))]
+                           for member, _ in entry["sealed"]]
+
+    framed_plan(s, node, garbage)
+
+
+def unsound_plan(s: Script, node: bytes, challenge: Challenge) -> None:
+    """Epoch 1 elected and planned, the planner having sealed `challenge` for `node`, one an honest node
+    cannot answer as sent, or whose reveal the ledger would refuse: the chain sees only its commitment."""
+    committee = list(members(s.h.store.batch()).values())
+
+    def unsound(entry: dict) -> None:
+        entry.update(challenge.plan_entry(node, committee).body())
+
+    framed_plan(s, node, unsound)
+
+
+def framed_plan(s: Script, node: bytes, alter: Callable[[dict], None]) -> None:
+    """Epoch 1 elected and planned, `alter` having changed `node`'s plan entry before it was committed."""
     s.run_to(s.schedule.setup_height(0))
     s.h.block()
     body, _ = s.plan(1)
     for entry in body["entries"]:
         if entry["node"] == node:
-            entry["sealed"] = [[member, SealedBox(PrivateKey.generate().public_key).encrypt(secrets.token_bytes(32))]
-                               for member, _ in entry["sealed"]]
+            alter(entry)
     assert all(c == 0 for c, _ in s.block(s.tx(s.leader(0), "commit-plan", body), *s.vrf_txs(1)))
     s.run_to(s.schedule.start(1))

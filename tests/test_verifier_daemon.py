@@ -4,12 +4,13 @@ how it reads a user relay's answers (a real HTTP server answering as a relay wou
 from __future__ import annotations
 
 import json
+import secrets
 import time
 from concurrent.futures import Future
 
 import pytest
 from click.testing import CliRunner
-from committee import EPOCH_PARAMS, HONEST, TEMPERATURE, Script, unopenable_plan
+from committee import EPOCH_PARAMS, HONEST, TEMPERATURE, Script, unopenable_plan, unsound_plan
 from harness import AppHarness, sqlite_url
 from inprocess import InProcessLedger, Rounds
 
@@ -239,6 +240,40 @@ def test_a_leader_whose_planned_challenge_does_not_open_says_so(tmp_path, quick_
     claim = s.state.result(1, node0, s.epoch(1).leader)
     assert claim is not None and claim.status == INVALID and claim.reason == UNOPENED
     assert s.state.reports(1, node0) == [] and leader.unopened == set()
+
+
+SKY = "Why is the sky blue?"
+UNSOUND = {
+    "salt of 31 bytes": Challenge(SKY, secrets.token_bytes(31), 0),
+    "blank prompt": Challenge("  \n ", secrets.token_bytes(32), 0),
+    "prompt with a control character": Challenge("Why\x07?", secrets.token_bytes(32), 0),
+    "more tokens asked than a challenge asks": Challenge(SKY, secrets.token_bytes(32), 0, max_tokens=65_536),
+    "question rendered otherwise": Challenge(SKY, secrets.token_bytes(32), 0, question="Why is grass green?"),
+    "stop token id outside the vocabulary": Challenge(SKY, secrets.token_bytes(32), 0, stop_token_ids=(5_000,)),
+    "prompt too long for a node": Challenge("word " * 800, secrets.token_bytes(32), 0),
+}
+
+
+@pytest.mark.parametrize("sealed", UNSOUND.values(), ids=UNSOUND.keys())
+def test_a_leader_does_not_send_a_planned_challenge_a_node_cannot_answer(tmp_path, quick_family, sealed):
+    """A planner that seals a challenge whose reveal the ledger refuses had the honest leader's whole batch
+    of results refused (a `skipped-node` fault per node: five reach the member fault limit), and one an
+    honest node refuses (a cap of 65,536 tokens, a stop id outside the vocabulary, a prompt past what a
+    node accepts) or answers for another prompt had the leader report the node, which the planner's own
+    claim took past a third of the power. The leader claims such a challenge `UNOPENED` and asks the
+    other node as planned."""
+    s = Script(AppHarness(sqlite_url(tmp_path), members=4, params=EPOCH_PARAMS))
+    node0, node1 = list(s.nodes)
+    unsound_plan(s, node0, sealed)
+    reference = ReferenceModel.from_loaded(load("gt", quick_family), model_id="gt")
+    leader = Daemon(s.leader(1), InProcessLedger(s.h, Rounds(s.h)), {"gt": reference},
+                    OverlayChannel("http://127.0.0.1:9"), None, tmp_path)  # type: ignore[arg-type]
+    leader._lead(1)
+    assert leader.unopened == {(1, node0)} and (1, node1, "leader") in leader.pending
+    leader._collect(1, Params().max_tx_bytes - TX_MARGIN_BYTES)
+    claim = s.state.result(1, node0, s.epoch(1).leader)
+    assert claim is not None and claim.status == INVALID and claim.reason == UNOPENED
+    assert s.state.reports(1, node0) == []
 
 
 def test_a_challenge_that_failed_here_leaves_the_other_answers_to_be_revealed(tmp_path):

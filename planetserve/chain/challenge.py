@@ -13,14 +13,21 @@ from nacl.public import PrivateKey, PublicKey, SealedBox
 from nacl.secret import SecretBox
 
 from planetserve.chain.keys import KeySet, verify_signature
-from planetserve.chain.messages.epochs import PlanItem, Revealed, Served
-from planetserve.registry import codec, epochs
+from planetserve.chain.messages.epochs import MAX_PROMPT_CHARS, PlanItem, Revealed, Served
+from planetserve.registry import codec, epochs, fields
 from planetserve.registry.entities import Member
 from planetserve.registry.epochs import PlanEntry, SignedResponse
 from planetserve.registry.errors import InvalidField
 
 DEFAULT_MAX_TOKENS = 64
-MAX_CHALLENGE_TOKENS = 1 << 16
+MAX_CHALLENGE_TOKENS = 512
+"""The most tokens a challenge asks for: a revealed answer, with its prompt, must fit one transaction of
+results (`max_tx_bytes`, 16 KiB by default), and a planner sealing more for an honest leader to send had
+the node refuse it (413), which the leader then reported."""
+MAX_CHALLENGE_PROMPT_TOKENS = 768
+"""The most tokens a challenge's prompt may have under its model's tokenizer, below the 896 a model node
+accepts by default (`max_prompt_tokens`): a leader sends no longer one, which a node could refuse."""
+SALT_BYTES = 32
 MAX_EARLIER_TURNS = 32
 MAX_CHALLENGE_STOPS = 16
 MAX_STOP_CHARS = 256
@@ -75,8 +82,8 @@ class Challenge:
     def new(cls, prompt: str, temperature: int, question: str = "", max_tokens: int = DEFAULT_MAX_TOKENS,
             earlier: tuple[int, ...] = (), top_p: int = epochs.MILLI, stop: tuple[str, ...] = (),
             stop_token_ids: tuple[int, ...] = ()) -> Challenge:
-        return cls(prompt, secrets.token_bytes(32), temperature, question, max_tokens, tuple(earlier), top_p,
-                   tuple(stop), tuple(stop_token_ids))
+        return cls(prompt, secrets.token_bytes(SALT_BYTES), temperature, question, max_tokens, tuple(earlier),
+                   top_p, tuple(stop), tuple(stop_token_ids))
 
     def turns(self) -> list[str]:
         """What is sent, in order and under one session id: the earlier turns, then the challenge."""
@@ -183,8 +190,16 @@ def open_plan_entry(entry: PlanEntry, operator: bytes, key: PrivateKey, *older: 
     if type(max_tokens) is not int or not 1 <= max_tokens <= MAX_CHALLENGE_TOKENS:
         raise SealedPromptError(f"sealed max_tokens {max_tokens!r} is not an integer in "
                                 f"[1, {MAX_CHALLENGE_TOKENS}]")
+    if type(salt) is not bytes or len(salt) != SALT_BYTES:
+        raise SealedPromptError(f"sealed salt is not {SALT_BYTES} bytes, so its reveal would be refused")
     if not all(isinstance(text, str) for text in (prompt, question)):
         raise SealedPromptError("sealed prompt or question is not text")
+    for name, text in (("prompt", prompt), ("question", question)):
+        try:
+            if text or name == "prompt":
+                fields.free_text({name: text}, name, MAX_PROMPT_CHARS)
+        except InvalidField as exc:
+            raise SealedPromptError(f"sealed {exc}: the challenge could not be revealed or asked") from None
     if not _turn_lengths(earlier, len(question or prompt)):
         raise SealedPromptError(f"sealed earlier turns {earlier!r} are not increasing prefix lengths of "
                                 f"the text (at most {MAX_EARLIER_TURNS})")

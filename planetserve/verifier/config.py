@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from planetserve import workloads
+from planetserve.chain.challenge import MAX_CHALLENGE_TOKENS
 from planetserve.config import HomeError, LedgerHome
 from planetserve.verifier.coverage import SILENT_ESCAPE
 from planetserve.verifier.credibility import TOLERANCE
@@ -19,9 +20,6 @@ number bench/detection.py needs to untrust every node whose tokens differ from t
 epochs (docs/detection.md). The daemon raises it where the committee is too small for it to see a silent
 node reported (`silent_escape`): four members re-challenge every node."""
 
-MAX_ASKED_TOKENS = 512
-"""The most tokens `max_tokens` may ask a challenge's answer for: a revealed answer, with its prompt, must
-fit one transaction of results (`max_tx_bytes`, 16 KiB by default), or it cannot be revealed."""
 
 CONFIG_FILE = "verifier.json"
 USED_PROMPTS_FILE = "used_prompts"
@@ -145,8 +143,8 @@ class VerifierConfig(LedgerHome):
         for name in ("max_prompt_tokens", "max_tokens", "concurrency", "attempts"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise HomeError(f"{CONFIG_FILE}: {name} must be a positive integer")
-        if self.max_tokens > MAX_ASKED_TOKENS:
-            raise HomeError(f"{CONFIG_FILE}: max_tokens must be at most {MAX_ASKED_TOKENS}, so that an "
+        if self.max_tokens > MAX_CHALLENGE_TOKENS:
+            raise HomeError(f"{CONFIG_FILE}: max_tokens must be at most {MAX_CHALLENGE_TOKENS}, so that an "
                             "answer fits the transaction that reveals it")
         for name, nullable in (("greedy_share", True), ("chat_share", True), ("stop_share", True),
                                ("logprobs_share", False), ("rechallenge_share", False),

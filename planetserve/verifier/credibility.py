@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
-from planetserve.chain.challenge import Challenge, response_valid
+from planetserve.chain.challenge import MAX_CHALLENGE_PROMPT_TOKENS, Challenge, response_valid
 from planetserve.models.detokenize import TextAssembler
 from planetserve.registry.epochs import MILLI, SignedResponse, prompt_hash
 from planetserve.registry.params import PPM
@@ -200,6 +200,24 @@ class ReferenceModel:
         bos = self.tokenizer.bos_token
         special = not (bos and prompt.startswith(bos))
         return list(self.tokenizer(prompt, add_special_tokens=special)["input_ids"])
+
+    def unanswerable(self, challenge: Challenge) -> str:
+        """Why a node of this model could not answer `challenge` as it is sent, or could only answer
+        another prompt (empty when it can): sealed so by a planner, it had the honest leader that sent it
+        report the node. Its question must render as its committed prompt, the prompt fit
+        `MAX_CHALLENGE_PROMPT_TOKENS` and, with the tokens asked, the context, and its stop ids the
+        vocabulary."""
+        if challenge.question and self.chat_prompt(challenge.question) != challenge.prompt:
+            return "its question is not the committed prompt in this model's chat template"
+        length = len(self.prompt_ids(challenge.prompt))
+        if length > MAX_CHALLENGE_PROMPT_TOKENS:
+            return f"its prompt has {length} tokens, more than a challenge's {MAX_CHALLENGE_PROMPT_TOKENS}"
+        if length + challenge.max_tokens > self.max_len:
+            return (f"its prompt of {length} tokens and {challenge.max_tokens} asked exceed the model's "
+                    f"context of {self.max_len}")
+        if (bad := next((t for t in challenge.stop_token_ids if t >= self.vocab_size), None)) is not None:
+            return f"its stop token id {bad} is outside the vocabulary of {self.vocab_size}"
+        return ""
 
     def ending(self, challenge: Challenge, response: SignedResponse) -> str:
         """Why `response` does not end where an answer to `challenge` must (empty when it does): at the

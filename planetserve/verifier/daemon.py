@@ -357,13 +357,17 @@ class Daemon:
                 return
 
     def _plan_entry(self, node: bytes, model_id: str, committee: list[Member], params: Params) -> PlanItem:
-        """A fresh challenge for `node`, drawn again while its plan entry would not fit a transaction."""
+        """A fresh challenge for `node`, drawn again while its plan entry would not fit a transaction or a
+        node could not answer it (`ReferenceModel.unanswerable`: the leader would claim it unopened)."""
+        reference = self.references.get(model_id)
         for _ in range(PLAN_DRAWS):
-            entry = self._fresh(model_id)[0].plan_entry(node, committee)
-            if _body_size(entry) <= params.max_tx_bytes - TX_MARGIN_BYTES:
+            challenge = self._fresh(model_id)[0]
+            entry = challenge.plan_entry(node, committee)
+            if (_body_size(entry) <= params.max_tx_bytes - TX_MARGIN_BYTES
+                    and not (reference is not None and reference.unanswerable(challenge))):
                 return entry
-        raise ChallengeError(f"no challenge small enough for a {len(committee)}-member plan entry in "
-                             f"{PLAN_DRAWS} draws; lower max_prompt_tokens")
+        raise ChallengeError(f"no answerable challenge small enough for a {len(committee)}-member plan entry "
+                             f"in {PLAN_DRAWS} draws; lower max_prompt_tokens")
 
     # -- challenges ------------------------------------------------------------------------------
 
@@ -479,6 +483,11 @@ class Daemon:
                 challenge = open_plan_entry(entry, self.me, self.keys.x25519, *self.earlier_x25519)
             except SealedPromptError as exc:
                 log.error("planned challenge of %s does not open: %s; saying so", entry.node.hex()[:16], exc)
+                self.unopened.add((number, entry.node))
+                continue
+            if reason := self.references[node.model_id].unanswerable(challenge):
+                log.error("planned challenge of %s cannot be answered as sealed: %s; saying so",
+                          entry.node.hex()[:16], reason)
                 self.unopened.add((number, entry.node))
                 continue
             self._ask((number, entry.node, "leader"), challenge, node)
@@ -725,7 +734,7 @@ def _reason(text: str) -> str:
 def _revealable(entry: Revealed | Unanswered, kind: str, limit: int) -> Revealed | Unanswered:
     """The entry, or a claim of no valid response where it takes more than the `limit` bytes a part
     holds: the transaction carrying it would be refused (the member would lose the result, a leader its
-    plan's coverage). A challenge asks for at most `config.MAX_ASKED_TOKENS` tokens, for a prompt the
+    plan's coverage). A challenge asks for at most `challenge.MAX_CHALLENGE_TOKENS` tokens, for a prompt the
     ledger bounds, which fit, so only a node that ignored that, or padded its text, gives such an answer."""
     if isinstance(entry, Unanswered) or (size := _body_size(entry)) <= limit:
         return entry

@@ -30,7 +30,7 @@ from planetserve.registry.errors import InvalidField
 
 MAX_ANSWER_BYTES = 4 << 20
 MAX_ANSWER_VALUES = 1 << 18
-"""JSON values a node's answer may build, by `codec.json_values_bound`: `config.MAX_ASKED_TOKENS`
+"""JSON values a node's answer may build, by `codec.json_values_bound`: `challenge.MAX_CHALLENGE_TOKENS`
 tokens streamed with twenty alternative log-probabilities each, their bytes spelled out, come to
 185,000 (challenges ask for at most five)."""
 MAX_ANSWER_CONTAINERS = 1 << 16

@@ -18,6 +18,7 @@ from inprocess import LiveCommittee, live_committee
 from modelnodes import make_node
 
 from planetserve.chain.challenge import (
+    MAX_CHALLENGE_TOKENS,
     Challenge,
     response_extension,
     response_from_extension,
@@ -38,7 +39,6 @@ from planetserve.registry.entities import ModelNode
 from planetserve.registry.epochs import INVALID, VALID, SignedResponse
 from planetserve.registry.params import Params
 from planetserve.verifier import daemon as daemon_module
-from planetserve.verifier.config import MAX_ASKED_TOKENS
 from planetserve.verifier.daemon import SIGNED_TIME_TOLERANCE_S, TX_MARGIN_BYTES, Asked, Daemon, _revealable
 from planetserve.verifier.overlay import OverlayChannel
 
@@ -182,8 +182,8 @@ def test_an_answer_too_large_for_a_transaction_is_claimed_as_none():
     leader_claim = _revealable(padded, "leader", limit)
     assert isinstance(leader_claim, Unanswered) and leader_claim.commitment is None
     longest = Challenge.new("Why? " * (MAX_PROMPT_CHARS // 5), ASKED, top_p=900)
-    largest = longest.reveal(sign_response(node, longest.prompt, [2**31 - 1] * MAX_ASKED_TOKENS,
-                                           "words " * MAX_ASKED_TOKENS, "gt", int(time.time()), "h:1", ASKED,
+    largest = longest.reveal(sign_response(node, longest.prompt, [2**31 - 1] * MAX_CHALLENGE_TOKENS,
+                                           "words " * MAX_CHALLENGE_TOKENS, "gt", int(time.time()), "h:1", ASKED,
                                            longest.seed, 900))
     assert _revealable(largest, "rechallenge", limit) is largest
 
