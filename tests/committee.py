@@ -13,6 +13,7 @@ from planetserve.chain import layout, vrf
 from planetserve.chain.abci.state import State, members
 from planetserve.chain.challenge import Challenge, open_plan_entry, sign_response
 from planetserve.chain.keys import KeySet
+from planetserve.chain.layout import NEXT_PROPOSAL_KEY
 from planetserve.registry import epochs, reputation
 from planetserve.registry.entities import ModelNode
 from planetserve.registry.epochs import ChallengeResult, Epoch, Fault, PlanEntry, Schedule, SignedResponse
@@ -81,6 +82,16 @@ class Script:
 
     def block(self, *txs: bytes) -> list[tuple[int, str]]:
         return [(r.code, r.log) for r in self.h.block(*txs).tx_results]
+
+    def register_model(self, **body: Any) -> None:
+        """A model registered by the committee's vote in one block: one member proposes it, two more
+        approve it (more than 2/3 of the four members' power)."""
+        proposer, *others = self.members.values()
+        proposal_id = self.state.get_int(NEXT_PROPOSAL_KEY) + 1
+        vote = {"proposal_id": proposal_id, "approve": True}
+        assert self.block(self.tx(proposer, "register-model", body),
+                          *(self.tx(m, "vote-member", vote) for m in others[:2])) == [(0, "ok")] * 3
+        assert self.state.model(body["model_id"]) is not None
 
     def run_to(self, height: int) -> None:
         """Empty blocks until the next block is `height`."""

@@ -52,6 +52,12 @@ def node_body(node: KeySet, org_id: str = "org1", **fields: Any) -> dict[str, An
             **fields}
 
 
+def events(result: abci.ResponseFinalizeBlock, kind: str) -> list[dict[str, str]]:
+    """The block's events of `kind`, and its transactions'."""
+    found = [*result.events, *(e for r in result.tx_results for e in r.events)]
+    return [{a.key: a.value for a in e.attributes} for e in found if e.type == kind]
+
+
 class AppHarness:
     def __init__(self, db_url: str, members: int = 1, params: Params | None = None,
                  models: tuple[tuple[str, str], ...] = (("gt", "reference"),),

@@ -85,9 +85,7 @@ def test_a_deployment_without_standby_nodes_shrinks_then_ends_with_a_refund(c, t
 
 def big(c: Chain, memories: list[int]) -> list[bytes]:
     """Register model big (8 layers of LAYER_MIB) and org1 nodes of it declaring these memories."""
-    member = next(iter(c.s.members.values()))
-    assert c.s.block(c.s.tx(member, "register-model", {"model_id": "big", "name": "Big", "layers": 8,
-                                                       "layer_mib": LAYER_MIB})) == [(0, "ok")]
+    c.s.register_model(model_id="big", name="Big", layers=8, layer_mib=LAYER_MIB)
     return [key for memory in memories for key in c.register("big", 1, memory_mib=memory, gflops=100_000)]
 
 

@@ -194,8 +194,7 @@ def test_a_serving_peer_that_is_no_node_of_the_model_is_not_credited_and_no_faul
         computed = sign_response(stranger, challenge.prompt, list(returned.token_ids), returned.text, "gt",
                                  returned.time, NODE_ADDRESS, returned.temperature, challenge.seed, challenge.top_p)
     else:  # node1 served it, then moved to another model before the reveal
-        member = next(iter(s.members.values()))
-        assert s.block(s.tx(member, "register-model", {"model_id": "other", "name": "Other"})) == [(0, "ok")]
+        s.register_model(model_id="other", name="Other")
         computed = s.answer(node1, challenge, time=returned.time - 1)
         changed = s.tx(s.owner, "update-model-node", {"node_pubkey": node1, "model_id": "other"})
         assert s.block(changed) == [(0, "ok")]

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from harness import AppHarness, sqlite_url
+from harness import AppHarness, events, sqlite_url
 from tendermint.abci import types_pb2 as abci
 
 from planetserve.chain.abci.app import Application
@@ -35,12 +35,6 @@ def committee(tmp_path: Path) -> AppHarness:
 
 def codes(result: abci.ResponseFinalizeBlock) -> list[int]:
     return [r.code for r in result.tx_results]
-
-
-def events(result: abci.ResponseFinalizeBlock, kind: str) -> list[dict[str, str]]:
-    """The block's events of `kind`, and its transactions'."""
-    found = [*result.events, *(e for r in result.tx_results for e in r.events)]
-    return [{a.key: a.value for a in e.attributes} for e in found if e.type == kind]
 
 
 def vote(h: AppHarness, voters: range, proposal_id: int, approve: bool = True) -> abci.ResponseFinalizeBlock:

@@ -10,8 +10,7 @@ from dataclasses import replace
 
 import pytest
 from committee import EPOCH_PARAMS, HONEST, Script, honest_epoch, listed
-from harness import AppHarness, node_body, sqlite_url
-from test_governance import events
+from harness import AppHarness, events, node_body, sqlite_url
 
 from planetserve.chain.abci.state import members
 from planetserve.chain.challenge import SealedPromptError, open_plan_entry

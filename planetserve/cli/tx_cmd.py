@@ -174,7 +174,9 @@ def heartbeat(ledger: LedgerClient, keys_path: Path, address: str | None, region
 @ledger_options(verify=True, required=False)
 def register_model(ledger: LedgerClient, keys_path: Path, model_id: str, name: str, layers: int | None,
                    layer_mib: int | None, as_json: bool) -> None:
-    """Register a model that nodes may serve (committee members only)."""
+    """Propose a model that nodes may serve (committee members only). It is registered once members with
+    more than 2/3 of the power approve (`tx vote-member --proposal N --approve`): every member must then
+    hold its reference model, so approve only a model you can verify."""
     submit(ledger, load_keys(keys_path), RegisterModel(model_id, name, layers, layer_mib), as_json)
 
 

@@ -11,9 +11,9 @@ from planetserve.registry import codec
 
 NODE_STATUSES = ("active", "inactive")
 MEMBER_ACTIONS = ("add", "remove", "renew")
-GOVERNANCE_ACTIONS = ("params", "upgrade")
-"""What a committee proposal does besides admitting or removing a member: change parameters at a
-height, or require a newer app from a height on."""
+GOVERNANCE_ACTIONS = ("model", "params", "upgrade")
+"""What a committee proposal does besides admitting or removing a member: register a model, change
+parameters at a height, or require a newer app from a height on."""
 
 
 @functools.cache
@@ -154,10 +154,10 @@ class MemberRotation(Record):
 
 @dataclass(frozen=True)
 class Proposal(Record):
-    """A pending committee decision (an admission or removal, a parameter change, an upgrade): approved
-    at more than 2/3 of the power, rejected at 1/3 or more. `subject` is the member's record, the
-    parameters' new values with their height (`{"height": h, "changes": {...}}`), or the UpgradePlan's
-    record."""
+    """A pending committee decision (an admission or removal, a model, a parameter change, an upgrade):
+    approved at more than 2/3 of the power, rejected at 1/3 or more. `subject` is the member's record, the
+    model's (registered at the approval's time), the parameters' new values with their height
+    (`{"height": h, "changes": {...}}`), or the UpgradePlan's record."""
 
     proposal_id: int
     action: str

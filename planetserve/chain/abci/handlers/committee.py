@@ -1,6 +1,6 @@
-"""Handlers of the committee family: a proposal (to admit or remove a member, change parameters at a
-height, or require a newer app from a height on) is applied once more than 2/3 of the voting power
-approves it, and dropped once more than 1/3 rejects it. A proposal for a height expires the block
+"""Handlers of the committee family: a proposal (to admit or remove a member, register a model, change
+parameters at a height, or require a newer app from a height on) is applied once more than 2/3 of the
+voting power approves it, and dropped once more than 1/3 rejects it. A proposal for a height expires the block
 before it: what is approved always lies in the future (chain/abci/governance.py applies it)."""
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from planetserve.chain.messages.committee import (
     RotateMemberKey,
     VoteMember,
 )
+from planetserve.chain.messages.registry import RegisterModel
 from planetserve.registry import rules
-from planetserve.registry.entities import Member, MemberRotation, Proposal, UpgradePlan
+from planetserve.registry.entities import Member, MemberRotation, Model, Proposal, UpgradePlan
 from planetserve.registry.epochs import Schedule
 from planetserve.registry.errors import AlreadyExists, Expired, InvalidField, UnknownEntity
 from planetserve.registry.params import EPOCH_WINDOWS
@@ -57,6 +58,17 @@ def propose_member(ctx: Context, msg: ProposeMember) -> None:
     else:
         member = replace(_existing(ctx, msg.operator), credential=msg.credential)
     _propose(ctx, msg.action, member.to_record(), "propose_member")
+
+
+def register_model(ctx: Context, msg: RegisterModel) -> None:
+    """A model is registered by vote: every node of a registered model is planned each epoch, and each
+    member must hold its reference model to lead and attest, so one member registering a model only it
+    held had every other leader faulted for the nodes it could not verify, until it was left alone."""
+    ctx.require_member()
+    if ctx.state.model(msg.model_id) is not None:
+        raise AlreadyExists(f"model {msg.model_id!r} is already registered")
+    model = Model(msg.model_id, msg.name, 0, msg.layers or 0, msg.layer_mib or 0)
+    _propose(ctx, "model", model.to_record(), "propose_model")
 
 
 def propose_params(ctx: Context, msg: ProposeParams) -> None:
@@ -130,6 +142,9 @@ def _settle(ctx: Context, proposal: Proposal) -> None:
         if proposal.action == "params":
             _schedule_params(ctx, proposal.subject["height"], proposal.subject["changes"])
             return
+        if proposal.action == "model":
+            _register(ctx, proposal)
+            return
         if proposal.action == "upgrade":
             plan = UpgradePlan.from_record(proposal.subject)
             ctx.state.put_upgrade(plan)
@@ -171,6 +186,15 @@ def _settle(ctx: Context, proposal: Proposal) -> None:
         ctx.state.put_proposal(proposal)
 
 
+def _register(ctx: Context, proposal: Proposal) -> None:
+    model = replace(Model.from_record(proposal.subject), registered_at=ctx.time)
+    if ctx.state.model(model.model_id) is not None:  # registered by an earlier proposal since
+        ctx.emit("proposal_void", proposal_id=str(proposal.proposal_id))
+        return
+    ctx.state.put_model(model)
+    ctx.emit("register_model", model_id=model.model_id)
+
+
 def rotate_member_key(ctx: Context, msg: RotateMemberKey) -> None:
     ctx.require_member()
     message = msg.message(ctx.chain_id, ctx.signer)
@@ -203,4 +227,4 @@ def _schedule_params(ctx: Context, height: int, changes: dict[str, int]) -> None
 
 
 HANDLERS = {ProposeMember: propose_member, ProposeParams: propose_params, ProposeUpgrade: propose_upgrade,
-            VoteMember: vote_member, RotateMemberKey: rotate_member_key}
+            VoteMember: vote_member, RotateMemberKey: rotate_member_key, RegisterModel: register_model}

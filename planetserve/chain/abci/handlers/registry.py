@@ -11,7 +11,6 @@ from planetserve.chain.abci.rotations import next_epoch_start
 from planetserve.chain.keys import exchange_capable, verify_signature
 from planetserve.chain.messages.registry import (
     Heartbeat,
-    RegisterModel,
     RegisterModelNode,
     RegisterOrg,
     RegisterUser,
@@ -22,7 +21,7 @@ from planetserve.chain.messages.registry import (
     node_rotation_message,
 )
 from planetserve.registry import reputation, rules, work
-from planetserve.registry.entities import Model, ModelNode, NodeRotation, Organisation, User
+from planetserve.registry.entities import ModelNode, NodeRotation, Organisation, User
 from planetserve.registry.epochs import Reputation
 from planetserve.registry.errors import AlreadyExists, Expired, InsufficientWork, InvalidField, UnknownEntity
 
@@ -77,14 +76,6 @@ def heartbeat(ctx: Context, msg: Heartbeat) -> None:
     )
     ctx.state.put_user(renewed)
     ctx.emit("heartbeat", user=ctx.signer.hex())
-
-
-def register_model(ctx: Context, msg: RegisterModel) -> None:
-    ctx.require_member()
-    if ctx.state.model(msg.model_id) is not None:
-        raise AlreadyExists(f"model {msg.model_id!r} is already registered")
-    ctx.state.put_model(Model(msg.model_id, msg.name, ctx.time, msg.layers or 0, msg.layer_mib or 0))
-    ctx.emit("register_model", model_id=msg.model_id)
 
 
 def _known_model(ctx: Context, model_id: str) -> None:
@@ -189,7 +180,6 @@ HANDLERS = {
     RegisterOrg: register_org,
     RegisterUser: register_user,
     Heartbeat: heartbeat,
-    RegisterModel: register_model,
     RegisterModelNode: register_model_node,
     UpdateModelNode: update_model_node,
     RotateNodeKey: rotate_node_key,
