@@ -14,7 +14,7 @@ from planetserve.chain.abci.state import State, members
 from planetserve.chain.challenge import Challenge, open_plan_entry, sign_response
 from planetserve.chain.keys import KeySet
 from planetserve.chain.layout import NEXT_PROPOSAL_KEY
-from planetserve.registry import epochs, reputation
+from planetserve.registry import reputation
 from planetserve.registry.entities import ModelNode
 from planetserve.registry.epochs import ChallengeResult, Epoch, Fault, PlanEntry, Schedule, SignedResponse
 from planetserve.registry.params import Params
@@ -122,8 +122,7 @@ class Script:
         """A final commit-plan body for `nodes` (default: those of the Script's nodes that the plan must
         cover, as a planning member computes them), and the challenges it commits."""
         if nodes is None:
-            required = set(epochs.plan_nodes(self.epoch(target), self.state.iterate_nodes(),
-                                             self.state.params().max_plan_nodes))
+            required = set(self.state.plan_required(target))
             nodes = [n for n in self.nodes if n in required]
         committee = list(members(self.h.store.batch()).values())
         challenges = {n: Challenge.new(f"Question {i} for epoch {target}: why is the sky blue?", TEMPERATURE)

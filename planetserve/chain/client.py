@@ -456,6 +456,11 @@ class LedgerClient:
         deployment = self.deployment_of(node)
         return None if deployment is None else deployment.stage_of(node)
 
+    def plan_required(self, number: int) -> list[bytes]:
+        """The nodes the plan of epoch `number` must cover, fixed at its setup block."""
+        return [bytes.fromhex(k.rsplit(b"/", 1)[1].decode())
+                for k, _ in self.entries(layout.required_prefix(number)).entries]
+
     def plan(self, number: int) -> tuple[Listing, list[PlanEntry]]:
         listing = self.entries(layout.plan_prefix(number))
         return listing, layout.decode_records(listing.entries, PlanEntry)

@@ -25,6 +25,8 @@ or region can never match another (model ids may contain '/').
 Verification epochs (<e> is the epoch number as %010d):
     epoch/<e>                               Epoch
     vrf/<e>/<operator hex>                  VrfEntry        (proofs electing the leader of e)
+    preq/<e>/<node hex>                     b""             (the nodes the plan of e must cover, fixed at
+                                                             its setup block)
     plan/<e>/<node hex>                     PlanEntry
     pcom/<e>/<commitment hex>               node pubkey     (no commitment twice in an epoch)
     rch/<e>/<member hex>/<tag hex>          Rechallenge     (the tag hides the node until the reveal)
@@ -174,6 +176,14 @@ def epoch_key(epoch: int) -> bytes:
 
 def vrf_prefix(epoch: int) -> bytes:
     return key("vrf", _e(epoch), "")
+
+
+def required_prefix(epoch: int) -> bytes:
+    return key("preq", _e(epoch), "")
+
+
+def required_key(epoch: int, node: bytes) -> bytes:
+    return required_prefix(epoch) + node.hex().encode()
 
 
 def plan_prefix(epoch: int) -> bytes:

@@ -51,7 +51,7 @@ from planetserve.chain.messages.epochs import (
     Unanswered,
 )
 from planetserve.metrics import StatusCollector
-from planetserve.registry import codec, credits, epochs, fields
+from planetserve.registry import codec, epochs, fields
 from planetserve.registry.entities import Member, ModelNode
 from planetserve.registry.epochs import (
     PLAN_COMMITTED,
@@ -341,12 +341,9 @@ class Daemon:
             window = schedule.in_backup_plan_window
             log.warning("the plan of epoch %d is not committed: completing it as its backup planner",
                         target_number)
-        pipelines = credits.pipelines(self.ledger.deployments()[1])
-        followers = {node for later in pipelines.values() for node in later}
-        registered = self.ledger.registered_nodes()
-        required = epochs.plan_nodes(target, registered, params.max_plan_nodes, followers)
+        required = self.ledger.plan_required(target_number)
         planned = {entry.node for entry in self.ledger.plan(target_number)[1]}
-        models = {n.pubkey: n.model_id for n in registered}
+        models = {n.pubkey: n.model_id for n in self.ledger.registered_nodes()}
         entries = [self._plan_entry(node, models.get(node, ""), committee, params)
                    for node in required if node not in planned]
         parts = _parts(entries, params.max_tx_bytes - TX_MARGIN_BYTES)

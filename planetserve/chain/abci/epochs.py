@@ -56,6 +56,16 @@ def begin_block(batch: Batch, params: Params, height: int, time: int) -> None:
             election="pending", plan_leader=current.leader if current else b"", plan_status=PLAN_NONE,
             plan_nodes=0, plan_cutoff=time, finalized=False, scored=0, faults=0,
         ))
+        _require_planned(st, params, st.epoch(number + 1))
+
+
+def _require_planned(st: State, params: Params, target: Epoch) -> None:
+    """Fix the nodes the plan of `target` must cover as they stand at its setup block (active, registered,
+    not a later pipeline stage): read at each part of the plan, an organisation that switched a node
+    between active and inactive every block had every plan, built from state a block old, refused."""
+    followers = {node for later in credits.pipelines(st.iterate_deployments()).values() for node in later}
+    st.require_planned(target.number, epochs.plan_nodes(target, st.iterate_nodes(), params.max_plan_nodes,
+                                                        followers))
 
 
 def validator_address(consensus_key: bytes) -> bytes:

@@ -3,7 +3,7 @@ write buffer."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from typing import Protocol
 
@@ -52,6 +52,8 @@ from planetserve.chain.layout import (
     rechallenge_key,
     report_key,
     reputation_key,
+    required_key,
+    required_prefix,
     result_key,
     retired_key,
     user_key,
@@ -307,6 +309,15 @@ class State:
 
     def put_vrf_entry(self, epoch: int, entry: VrfEntry) -> None:
         self._put(vrf_prefix(epoch) + entry.operator.hex().encode(), entry)
+
+    def require_planned(self, epoch: int, nodes: Iterable[bytes]) -> None:
+        for node in nodes:
+            self.kv.set(required_key(epoch, node), b"")
+
+    def plan_required(self, epoch: int) -> list[bytes]:
+        """The nodes the plan of `epoch` must cover, in key order: fixed at its setup block."""
+        return [bytes.fromhex(k.rsplit(b"/", 1)[1].decode())
+                for k, _ in self.kv.iterate(required_prefix(epoch))]
 
     def plan_entry(self, epoch: int, node: bytes) -> PlanEntry | None:
         return self._load(plan_key(epoch, node), PlanEntry)

@@ -21,7 +21,7 @@ from planetserve.chain.messages.epochs import (
     SubmitVrf,
     Unanswered,
 )
-from planetserve.registry import credits, epochs
+from planetserve.registry import epochs
 from planetserve.registry.epochs import (
     FAULTY,
     INVALID,
@@ -91,12 +91,6 @@ def submit_vrf(ctx: Context, msg: SubmitVrf) -> None:
 # -- challenge plan -----------------------------------------------------------------------------
 
 
-def required_nodes(ctx: Context, target: Epoch) -> list[bytes]:
-    """The nodes the plan of `target` must cover: active at the plan's cutoff, sampled above the cap."""
-    followers = {n for later in credits.pipelines(ctx.state.iterate_deployments()).values() for n in later}
-    return epochs.plan_nodes(target, ctx.state.iterate_nodes(), ctx.params.max_plan_nodes, followers)
-
-
 def _sealed(sealed: tuple[tuple[bytes, bytes], ...], committee: list[bytes]) -> tuple[list, ...]:
     if len(sealed) != len(committee):
         raise InvalidField("sealed", "must hold one sealed box per committee member")
@@ -125,7 +119,7 @@ def commit_plan(ctx: Context, msg: CommitPlan) -> None:
     if target.plan_status == PLAN_COMMITTED:
         raise AlreadyExists(f"the plan of epoch {target.number} is already committed")
     committee = sorted(ctx.committee)
-    required = set(required_nodes(ctx, target))
+    required = set(ctx.state.plan_required(target.number))
     added = 0
     for entry in msg.entries:
         node, commitment = entry.node, entry.commitment
