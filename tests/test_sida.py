@@ -439,6 +439,32 @@ def test_reassembler_attempt_budget() -> None:
     assert reassembler.add(cloves[3]) is None
 
 
+def failing_set(n: int, k: int) -> list[Clove]:
+    """A set built to make recovery search: valid key shares (each subset passes the key check) over
+    random fragments (none authenticates)."""
+    return [dataclasses.replace(c, fragment=secrets.token_bytes(len(c.fragment)))
+            for c in split(secrets.token_bytes(4096), n, k)]
+
+
+def test_a_set_built_to_make_recovery_search_is_refused_or_given_up_within_the_budget() -> None:
+    """More cloves than `max_n` are refused before anything is stored; a set of 16 on 8 indices that
+    no subset authenticates is given up once 16 subsets were tried (after its tenth clove: 1 + 8 + 36
+    subsets include the eighth, ninth and tenth), where 128 let it run to its eleventh."""
+    reassembler = Reassembler(max_n=16)
+    for clove in split(b"x" * 1000, 17, 2):
+        with pytest.raises(MalformedCloveError, match="a set of 17, more than the 16 taken here"):
+            reassembler.add(encode(clove), "peer")
+    assert len(reassembler) == 0 and reassembler.pending_bytes == 0
+    cloves = failing_set(16, 8)
+    for clove in cloves[:7]:
+        assert reassembler.add(clove, "peer") is None
+    for clove in cloves[7:10]:
+        with pytest.raises(AuthenticationError):
+            reassembler.add(clove, "peer")
+    assert len(reassembler) == 0
+    assert reassembler.add(cloves[10], "peer") is None  # given up: its late cloves are dropped
+
+
 def test_reassembler_caps_pending_messages() -> None:
     reassembler = Reassembler(max_pending=2)
     sets = [split(bytes([i]) * 10) for i in range(3)]

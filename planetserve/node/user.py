@@ -45,7 +45,15 @@ from planetserve.node.engine.wire import SSE_DONE, sse
 from planetserve.node.home import UserConfig
 from planetserve.node.overlay import onion, sida
 from planetserve.node.overlay.directory import Directory, DirectoryView, OnDemand
-from planetserve.node.overlay.messages import MAX_MESSAGE, MessageError, Part, Prompt, open_message, sent_now
+from planetserve.node.overlay.messages import (
+    MAX_MESSAGE,
+    MAX_PROXIES,
+    MessageError,
+    Part,
+    Prompt,
+    open_message,
+    sent_now,
+)
 from planetserve.node.overlay.paths import Path, PathManager, PathSettings
 from planetserve.node.overlay.relay import Relay
 from planetserve.node.overlay.transport import Peering, TransportError
@@ -195,7 +203,7 @@ class UserRelay:
                            is_user=lambda key: key in self.view.users,
                            is_node=lambda key: self.view.node(key) is not None,
                            refresh=self.refresh_directory, owner=self.paths)
-        self.reassembler = sida.Reassembler()
+        self.reassembler = sida.Reassembler(max_n=MAX_PROXIES)
         self.exchanges: dict[bytes, Exchange] = {}
         self.reply_keys: dict[bytes, bytes] = {}
         """The reply ids of requests in flight (and for a grace period after), with their keys."""

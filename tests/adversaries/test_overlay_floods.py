@@ -7,6 +7,7 @@ never has to forget a setup that could still be replayed."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import secrets
 import time
@@ -16,6 +17,7 @@ from nacl.signing import SigningKey
 from overlaynet import FAST, chat, directory, make_user, start_overlay
 from waiting import run, until
 
+from planetserve.node.overlay import gateway as gateway_module
 from planetserve.node.overlay import onion, relay, sida
 from planetserve.node.overlay.messages import Prompt, sent_now
 from planetserve.node.overlay.relay import MAX_HOPS_PER_PEER, MAX_SETUPS_PER_PEER, Relay
@@ -256,6 +258,68 @@ def test_one_user_cannot_fill_a_proxys_reply_ids(quick_family):
             assert len(victim.relay.replies) <= held + 64  # the adversary's, and the few of honest requests
             for question in ("Still answering?", "And now?"):
                 assert (await chat(net.client, question)).status_code == 200
+        finally:
+            await net.close()
+
+    run(main(), timeout=120)
+
+
+def test_cloves_built_to_make_a_node_search_are_refused_or_given_up(quick_family):
+    """A listed user sends a model node cloves built so that recovery searches: valid key shares over
+    random fragments, in sets of up to 255 cloves on 64 indices (each subset tried cost an erasure decode
+    and a decryption of up to 4 MiB, 128 of them a message, on the node's event loop: 8.5 MiB held it
+    45 s). A set larger than a prompt's 16 paths is refused before it is stored; a set of 16 is given
+    up after 16 subsets; the node keeps answering."""
+    async def main():
+        net = await start_overlay(quick_family, [make_user() for _ in range(6)], 1)
+        try:
+            node = net.nodes[0]
+            key, gateway = node.keys.public, node.gateway
+            adversary = net.users[1]
+            before = dict(gateway.counters)
+            wide = [dataclasses.replace(c, fragment=secrets.token_bytes(len(c.fragment)))
+                    for c in sida.split(secrets.token_bytes(64 << 10), 255, 64)][:80]
+            narrow = [dataclasses.replace(c, fragment=secrets.token_bytes(len(c.fragment)))
+                      for c in sida.split(secrets.token_bytes(64 << 10), 16, 8)]
+            for clove in [*wide, *narrow]:
+                await adversary._send(key, "clove", onion.seal_to(key, sida.encode(clove)))
+            await until(lambda: gateway.counters["cloves"] == before["cloves"] + len(wide) + len(narrow))
+            assert gateway.counters["bad_cloves"] - before["bad_cloves"] == len(wide) + 3  # 8th, 9th, 10th
+            assert len(gateway.reassembler) == 0 and gateway.counters["prompts"] == before["prompts"]
+            assert (await chat(net.client, "Still answering?")).status_code == 200
+        finally:
+            await net.close()
+
+    run(main(), timeout=120)
+
+
+def test_one_proxy_cannot_fill_a_nodes_prompt_window(quick_family, monkeypatch):
+    """A listed user delivers prompts with a junk body itself, each answered at once with a 400, but its
+    request id held for the prompt window (150 s): one proxy filled the whole window (65,536 ids in
+    about 85 s) and the node then refused every other prompt, challenges included. A proxy's ids take at
+    most PROMPT_MEMORY_PER_PEER of the window (here 50 of 200); past it its prompts are refused as busy,
+    and another user's chat is answered."""
+    monkeypatch.setattr(gateway_module, "PROMPT_MEMORY_PER_PEER", 50)
+
+    async def main():
+        net = await start_overlay(quick_family, [make_user() for _ in range(6)], 1)
+        try:
+            node = net.nodes[0]
+            key, gateway = node.keys.public, node.gateway
+            gateway.answered.capacity = 200
+            adversary = net.users[1]
+            before = dict(gateway.counters)
+            for _ in range(250):
+                prompt = Prompt(secrets.token_bytes(16), key, "chat", b"junk",
+                                ((adversary.keys.public, secrets.token_bytes(16), secrets.token_bytes(32)),),
+                                1, sent_now())
+                [clove] = sida.split_encoded(prompt.seal(), 1, 1)
+                await adversary._send(key, "clove", onion.seal_to(key, clove))
+            await until(lambda: gateway.counters["prompts"] + gateway.counters["busy"]
+                        == before["prompts"] + before["busy"] + 250)
+            assert gateway.counters["prompts"] - before["prompts"] == 50
+            assert gateway.answered.held_by(adversary.keys.public) == 50
+            assert (await chat(net.client, "Room for me?")).status_code == 200
         finally:
             await net.close()
 

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from planetserve.node.api.openai import Endpoint
 from planetserve.node.api.surface import Reply, close_stream
 from planetserve.node.overlay import onion, sida
-from planetserve.node.overlay.messages import MessageError, Part, Prompt, open_message
+from planetserve.node.overlay.messages import MAX_PROXIES, MessageError, Part, Prompt, open_message
 from planetserve.node.overlay.relay import Send
 from planetserve.node.overlay.replay import ReplayWindow
 from planetserve.node.overlay.transport import TransportError
@@ -38,11 +38,14 @@ up, since the user could not recover it (a prompt naming unreachable proxies hel
 PROMPT_MAX_AGE = 120.0
 PROMPT_MAX_AHEAD = 30.0
 PROMPT_MEMORY = 65_536
+PROMPT_MEMORY_PER_PEER = 4_096
 """A prompt is answered only from PROMPT_MAX_AGE before to PROMPT_MAX_AHEAD after this node's clock
 (its `sent` is the user's, rounded down to `messages.SENT_STEP`), and once: its request id is remembered
 until it leaves that window. The reassembler alone forgets a finished message after 30 s, so a proxy
 that kept a prompt's cloves could have the node compute its answer again and again. Past
-PROMPT_MEMORY ids within the window, prompts are refused (busy) rather than any id forgotten."""
+PROMPT_MEMORY ids within the window, or PROMPT_MEMORY_PER_PEER of one delivering proxy's, prompts are
+refused (busy) rather than any id forgotten: one proxy sending cheap prompts (a junk body is a quick
+400) filled the whole window in about 85 s, and the node then refused every other prompt."""
 PART_LINGER_SECONDS = 0.02
 """The least time between two parts of one answer: tokens faster than this travel a few to a part, which
 halves the relays' CPU per streamed token (docs/benchmarks.md, "The overlay's cost per token")."""
@@ -101,7 +104,7 @@ class Gateway:
         self.secret = secret
         self.respond = respond
         self.send = send
-        self.reassembler = sida.Reassembler()
+        self.reassembler = sida.Reassembler(max_n=MAX_PROXIES)
         self.answered = ReplayWindow(PROMPT_MAX_AGE, PROMPT_MAX_AHEAD, PROMPT_MEMORY, clock=clock)
         """The request ids of the prompts taken for an answer, while within their window."""
         self.tasks: set[asyncio.Task] = set()
@@ -129,13 +132,12 @@ class Gateway:
             self.counters["bad_messages"] += 1
             log.info("overlay message refused: %s", exc)
             return
-        if not self._first_time(prompt):
+        if not self._first_time(prompt, peer):
             return
-        if (len(self.tasks) >= MAX_ANSWERS or self.held.get(peer, 0) >= MAX_ANSWERS_PER_PEER
-                or self.answered.full()):
+        if len(self.tasks) >= MAX_ANSWERS or self.held.get(peer, 0) >= MAX_ANSWERS_PER_PEER:
             self.counters["busy"] += 1
             return
-        self.answered.remember(prompt.request_id, prompt.sent)
+        self.answered.remember(prompt.request_id, prompt.sent, peer)
         self.counters["prompts"] += 1
         task = asyncio.create_task(self._answer(prompt))
         self.tasks.add(task)
@@ -147,16 +149,19 @@ class Gateway:
         if (left := self.held.pop(peer) - 1) > 0:
             self.held[peer] = left
 
-    def _first_time(self, prompt: Prompt) -> bool:
-        """Whether the prompt is within its window and not answered before (else counted as stale or a
-        replay)."""
+    def _first_time(self, prompt: Prompt, peer: bytes | None) -> bool:
+        """Whether the prompt is within its window, not answered before, and the window has room for its
+        id, in all and for its proxy's (else counted as a replay, busy or stale)."""
         now = self.answered.now()
         self.answered.forget(now)
         if prompt.request_id in self.answered:
             self.counters["replays"] += 1
             log.info("replayed prompt refused")
             return False
-        if self.answered.outside(prompt.request_id, prompt.sent, now):
+        if self.answered.full() or self.answered.held_by(peer) >= PROMPT_MEMORY_PER_PEER:
+            self.counters["busy"] += 1
+            return False
+        if self.answered.outside(prompt.request_id, prompt.sent, now, peer):  # its room checked above
             self.counters["stale"] += 1
             log.info("prompt sent %.0f s from this node's clock refused", prompt.sent - now)
             return False

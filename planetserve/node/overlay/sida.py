@@ -59,7 +59,11 @@ MAX_N = 255
 DEFAULT_N = 4
 DEFAULT_K = 3
 DEFAULT_MAX_MESSAGE = 4 * 1024 * 1024
-DEFAULT_MAX_ATTEMPTS = 128
+DEFAULT_MAX_ATTEMPTS = 16
+"""AEAD checks per message before it is given up: each costs an erasure decode and a decryption of the
+whole message (up to 4 MiB), and a set of many cloves on many indices has more k-subsets than anyone
+can try (at 128, 8.5 MiB of cloves built to fail held a node's event loop for 45 s). With one corrupted
+clove among n, an honest message needs a few."""
 
 _HEAD_SET, _HEAD_TAIL = struct.Struct(">B16sBB"), struct.Struct(">I12s")
 """A clove's header before and after its index byte: what all cloves of one set share."""
@@ -471,8 +475,11 @@ class Reassembler:
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         max_sets: int = 4,
         max_variants: int = 2,
+        max_n: int = MAX_N,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`max_n`: the most cloves a message may be split into (the overlay's is its paths' bound): a
+        larger set is refused before it is stored, as it can only be built to make recovery search."""
         self.max_pending = max_pending
         self.max_pending_bytes = max_pending_bytes
         self.max_pending_per_peer = max_pending_per_peer
@@ -482,6 +489,7 @@ class Reassembler:
         self.max_attempts = max_attempts
         self.max_sets = max_sets
         self.max_variants = max_variants
+        self.max_n = max_n
         self.clock = clock
         self.pending_bytes = 0
         self.dropped = 0
@@ -512,6 +520,8 @@ class Reassembler:
             clove = decode(bytes(clove), max_message=self.max_message)
         elif clove.length > self.max_message + TAG_SIZE:
             raise MalformedCloveError("clove exceeds the message size limit")
+        if clove.n > self.max_n:
+            raise MalformedCloveError(f"clove of a set of {clove.n}, more than the {self.max_n} taken here")
         now = self.clock()
         self.expire(now)
         message_id = clove.message_id
