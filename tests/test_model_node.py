@@ -364,8 +364,13 @@ def test_a_peer_answer_that_does_not_check_fails_and_is_never_signed(quick_famil
             assert failed.status_code == 500 and "planetserve" not in failed.json()
             assert "answer does not check (its signature does not verify)" in failed.json()["error"]["message"]
             assert entry.routes.get("hit") == 1 and forger.counters["received_forwards"] == 1
-            events = await streamed(entry, SHARED + "What is a set?", 6)
-            assert "does not check" in events[-2] and "planetserve" not in "".join(events)
+            # the forger would fail every request it drew (a challenge among them): it is sent no more
+            for _ in range(2):
+                answer = await complete(entry, SHARED + "What is a set?")
+                assert answer.status_code == 200 and signed(answer.json()).node == entry.keys.public
+            events = await streamed(entry, SHARED + "What is a list?", 6)
+            assert events[-1] == "[DONE]" and "planetserve" in "".join(events)
+            assert forger.counters["received_forwards"] == 1 and entry.counters["forward_failures"] == 1
 
     run(main())
 
@@ -477,6 +482,39 @@ def test_a_peer_that_babbles_or_stalls_is_cut_off_and_the_job_served_here(quick_
             whole = await complete(entry, SHARED + "What is a dict?")
             assert whole.status_code == 200, whole.text
             assert signed(whole.json()).node.hex() == entry.node_id
+            assert entry.counters["forward_failures"] == 1 and bad.counters["received_forwards"] == 1
+
+    run(main())
+
+
+class PaddingNode(ModelNode):
+    """A peer that answers a forwarded job with chunks whose cached count is a MiB of bytes: an entry
+    node buffering a whole answer held about 400 MB for one request."""
+
+    async def _serve_forward(self, body):
+        for _ in range(3):
+            yield ["chunk", [], None, 0, b"x" * (1 << 20)]
+
+
+class GarbledNode(ModelNode):
+    """A peer that answers a forwarded job with token ids that are not integers."""
+
+    async def _serve_forward(self, body):
+        yield ["chunk", ["x"], None, 3, 0]
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize("peer", [PaddingNode, GarbledNode, BabblingNode])
+def test_a_peer_sending_what_no_honest_peer_sends_is_refused_at_once_and_sent_no_more(quick_family, peer):
+    """Each reply of a forwarded job is checked as it comes (token ids in the vocabulary, counts that are
+    integers, no more than asked): the first bad one ends the forward, the entry computes the answer
+    itself, and sends that peer nothing for FAILED_PEER_AVOID_S."""
+    async def main():
+        async with holder_and_entry(quick_family, peer) as (bad, entry):
+            for question in ("What is a dict?", "What is a set?"):
+                whole = await complete(entry, SHARED + question)
+                assert whole.status_code == 200, whole.text
+                assert signed(whole.json()).node.hex() == entry.node_id
             assert entry.counters["forward_failures"] == 1 and bad.counters["received_forwards"] == 1
 
     run(main())

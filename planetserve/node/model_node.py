@@ -96,10 +96,38 @@ async def _replay(items: list[Any]) -> AsyncIterator[Any]:
         yield item
 
 
-async def _bounded(replies: AsyncIterator[Any], max_tokens: int, idle: float) -> AsyncIterator[Any]:
-    """A forwarded job's replies, ended with TransportError once the peer sends more tokens, or more
-    replies, than the job asks for, or nothing for `idle` seconds: a peer in the group must not hold
-    our memory or one of our answers without end."""
+FINISH_REASONS = frozenset({"stop", "length"})
+FAILED_PEER_AVOID_S = 300.0
+"""How long a peer whose answer did not check (a signature that fails, none at all, a malformed reply) is
+sent no forwards: it failed the request that reached it, and would fail every other (a challenge among
+them) while it drew them."""
+
+
+class PeerMisbehaved(TransportError):
+    """A peer's reply to a forwarded job is not what `_serve_forward` sends."""
+
+
+def _checked_reply(reply: Any, vocab_size: int) -> Any:
+    """A peer's reply as `_serve_forward` sends it, field by field: a chunk of token ids in the
+    vocabulary with its finish reason and counts, or the signed extension. Anything else, or a field of
+    another type or size, is PeerMisbehaved: a peer padding a field held 400 MB of an entry node's
+    memory for one buffered answer."""
+    if isinstance(reply, list) and len(reply) == 5 and reply[0] == "chunk":
+        _, ids, finish, prompt_tokens, cached = reply
+        if (isinstance(ids, list) and all(type(t) is int and 0 <= t < vocab_size for t in ids)
+                and (finish is None or finish in FINISH_REASONS)
+                and all(type(n) is int and n >= 0 for n in (prompt_tokens, cached))):
+            return reply
+    elif isinstance(reply, list) and len(reply) == 2 and reply[0] == "signed" and isinstance(reply[1], dict):
+        return reply
+    raise PeerMisbehaved("the peer sent a malformed reply")
+
+
+async def _bounded(replies: AsyncIterator[Any], max_tokens: int, idle: float,
+                   vocab_size: int) -> AsyncIterator[Any]:
+    """A forwarded job's replies, each checked (`_checked_reply`), ended with TransportError once the
+    peer sends more tokens, or more replies, than the job asks for, or nothing for `idle` seconds: a peer
+    in the group must not hold our memory or one of our answers without end."""
     tokens = 0
     for count in itertools.count(1):
         try:
@@ -109,11 +137,12 @@ async def _bounded(replies: AsyncIterator[Any], max_tokens: int, idle: float) ->
         except TimeoutError:
             raise TransportError(f"the peer sent nothing for {idle:g} s") from None
         if count > max_tokens + 2:  # a chunk per token, an empty last chunk, the signature
-            raise TransportError(f"the peer sent more than {max_tokens + 2} replies")
-        if isinstance(reply, list) and len(reply) == 5 and reply[0] == "chunk" and isinstance(reply[1], list):
+            raise PeerMisbehaved(f"the peer sent more than {max_tokens + 2} replies")
+        reply = _checked_reply(reply, vocab_size)
+        if reply[0] == "chunk":
             tokens += len(reply[1])
             if tokens > max_tokens:
-                raise TransportError(f"the peer sent more than the {max_tokens} tokens asked for")
+                raise PeerMisbehaved(f"the peer sent more than the {max_tokens} tokens asked for")
         yield reply
 
 
@@ -209,6 +238,8 @@ class Forwards:
         self._open: dict[str, dict[int, float]] = {}
         self._latency: dict[str, LatencyEWMA] = {}
         self._tokens = itertools.count()
+        self._failed: dict[str, float] = {}
+        """Peers whose answer did not check, until when they are sent nothing."""
 
     def start(self, peer_id: str, now: float) -> int:
         token = next(self._tokens)
@@ -229,6 +260,14 @@ class Forwards:
 
     def latency(self) -> dict[str, float]:
         return {peer: ewma.value for peer, ewma in self._latency.items() if ewma.value is not None}
+
+    def fail(self, peer_id: str, now: float) -> None:
+        self._failed[peer_id] = now + FAILED_PEER_AVOID_S
+
+    def avoided(self, now: float) -> set[str]:
+        for peer in [p for p, until in self._failed.items() if until <= now]:
+            del self._failed[peer]
+        return set(self._failed)
 
 
 class ModelNodeServer(EngineServer):
@@ -467,8 +506,9 @@ class ModelNode:
         and the one-hop rule."""
         affinity = self.sessions.get(options.session_id) if options.session_id else None
         now = time.monotonic()
-        candidates = checked(self.sync.nodes(), self.node_id, inflight=self.forwards.inflight(now),
-                             latency=self.forwards.latency(),
+        avoided = self.forwards.avoided(now)
+        candidates = checked([c for c in self.sync.nodes() if c.node_id not in avoided], self.node_id,
+                             inflight=self.forwards.inflight(now), latency=self.forwards.latency(),
                              capacity={k.hex(): n.capacity for k, n in self.view.members.items()})
         return route(self.node_id, candidates, holders=result.holders if result.matched else (),
                      forwarded=options.hops > 0 or options.no_forward, affinity=affinity,
@@ -598,12 +638,15 @@ class ModelNode:
         token = self.forwards.start(peer_id, time.monotonic())
         try:
             conn = await self.peering.connect(bytes.fromhex(peer_id), address)
-            replies = _bounded(conn.request("generate", job.to_wire()), job.max_tokens, FORWARD_IDLE_S)
+            replies = _bounded(conn.request("generate", job.to_wire()), job.max_tokens, FORWARD_IDLE_S,
+                               self.vocab_size)
             first = await anext(replies)
             if whole:
                 replies = _replay([reply async for reply in replies])
         except BaseException as exc:
             self.forwards.end(peer_id, token)
+            if isinstance(exc, PeerMisbehaved):
+                self.forwards.fail(peer_id, time.monotonic())
             if isinstance(exc, StopAsyncIteration):
                 raise TransportError("the peer ended the stream without an answer") from None
             if isinstance(exc, RemoteError):
@@ -632,6 +675,7 @@ class ModelNode:
                     except StopAsyncIteration:
                         return
                     except TransportError as exc:
+                        self._failed_peer(peer_id)
                         raise EngineError(f"the peer failed mid-answer: {exc}") from exc
             finally:
                 self.forwards.end(peer_id, token, time.monotonic() if signed else None)
@@ -639,15 +683,25 @@ class ModelNode:
         stream = chunks()
 
         async def finish(state: Generation) -> dict[str, Any]:
-            async for _extra in stream:  # drain to the signature, which follows the last chunk
-                raise EngineError("the peer sent tokens after the end of its answer")
-            if not signed:
-                raise EngineError("the peer's answer carries no signature")
-            if claimed:
-                self._check_claim(peer_id, claimed, found[0])
-            return self._countersign(peer_id, job, state, signed, route_reason)
+            try:
+                async for _extra in stream:  # drain to the signature, which follows the last chunk
+                    raise EngineError("the peer sent tokens after the end of its answer")
+                if not signed:
+                    raise EngineError("the peer's answer carries no signature")
+                if claimed:
+                    self._check_claim(peer_id, claimed, found[0])
+                return self._countersign(peer_id, job, state, signed, route_reason)
+            except EngineError:
+                self._failed_peer(peer_id)
+                raise
 
         return Production(stream, finish)
+
+    def _failed_peer(self, peer_id: str) -> None:
+        self.counters["forward_failures"] += 1
+        self.forwards.fail(peer_id, time.monotonic())
+        log.warning("peer %s failed an answer; it is sent no forwards for %.0f s", peer_id[:16],
+                    FAILED_PEER_AVOID_S)
 
     def _check_claim(self, peer_id: str, claimed: int, cached: int) -> None:
         now = time.monotonic()
