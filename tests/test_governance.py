@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from committee import EPOCH_PARAMS, HONEST, Script, honest_epoch
 from harness import AppHarness, events, sqlite_url
 from tendermint.abci import types_pb2 as abci
 
@@ -17,6 +18,7 @@ from planetserve.chain.abci.state import State, members
 from planetserve.chain.abci.store import StateStore
 from planetserve.chain.errors import Code
 from planetserve.chain.keys import KeySet
+from planetserve.chain.layout import NEXT_PROPOSAL_KEY
 from planetserve.registry.params import Params
 
 MARK = b"upgraded/v2"
@@ -176,3 +178,26 @@ def test_the_last_member_keeps_its_power_when_every_credential_lapses(tmp_path: 
     end = h.block()
     assert len(removed(end)) == 2
     assert len(members(h.store.batch())) == 1
+
+
+def test_a_vote_shortening_the_reputation_window_applies_without_halting_the_chain(tmp_path):
+    """Nodes' stored windows hold the last five credibilities when a vote lowers `reputation_window` to
+    three: the next finalization keeps each node's last three (every validator raised there before, and
+    the chain halted), and the nodes are scored on."""
+    s = Script(AppHarness(sqlite_url(tmp_path), members=4, params=EPOCH_PARAMS))
+    s.run_election_and_plan(1)
+    for number in range(1, 6):
+        honest_epoch(s, number, dict.fromkeys(s.nodes, HONEST))
+    node = next(iter(s.nodes))
+    assert len(s.state.reputation(node).window) == 5
+    proposer, *others = s.members.values()
+    height = s.h.height + 3
+    assert s.block(s.tx(proposer, "propose-params", {"height": height, "changes": {"reputation_window": 3}})) \
+        == [(0, "ok")]
+    proposal = s.state.get_int(NEXT_PROPOSAL_KEY)
+    assert s.block(*(s.tx(m, "vote-member", {"proposal_id": proposal, "approve": True}) for m in others[:2])) \
+        == [(0, "ok")] * 2
+    honest_epoch(s, 6, dict.fromkeys(s.nodes, HONEST))
+    assert s.state.params().reputation_window == 3
+    scored = s.state.reputation(node)
+    assert scored.epochs == 6 and len(scored.window) == 3

@@ -190,7 +190,6 @@ def test_clamped_when_alpha_plus_beta_exceeds_one():
     (500_000, 0.5, (), "credibility"),
     (-1, 500_000, (), "previous reputation"),
     (PPM + 1, 500_000, (), "previous reputation"),
-    (500_000, 500_000, (1,) * 6, "more than W"),
     (500_000, 500_000, (PPM + 1,), "window credibility"),
 ])
 def test_invalid_update_inputs_are_refused(previous, credibility, window, message):

@@ -79,12 +79,12 @@ def update(rule: ReputationRule, previous: int, credibility: int,
            window: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
     """One epoch: (new reputation ppm, new window of the last W credibilities, oldest first).
 
-    `window` is the one returned by the previous update (empty for a new node), so it holds at most W values.
+    `window` is the one returned by the previous update (empty for a new node): at most W values, or
+    more where a vote has lowered W since, of which the last W - 1 count with this epoch's. (Refusing a
+    longer window raised in every validator's FinalizeBlock once such a vote applied: a chain halt.)
     """
     _check_ppm("previous reputation", previous)
     _check_ppm("credibility", credibility)
-    if len(window) > rule.window:
-        raise ValueError(f"window holds {len(window)} values, more than W = {rule.window}")
     for value in window:
         _check_ppm("window credibility", value)
     new_window = (*window, credibility)[-rule.window:]
