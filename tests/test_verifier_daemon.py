@@ -445,6 +445,15 @@ def test_an_answer_built_to_exhaust_its_reader_is_no_answer(relay, stream, body,
         OverlayChannel(relay.url, stream_share=float(stream)).ask(bytes(32), "gt", Challenge.new("Why?", 0))
 
 
+@pytest.mark.parametrize("event", [b'{"choices": 1}', b'{"choices": [1]}', b"[1, 2]", b'"text"'])
+def test_a_streamed_event_of_another_shape_is_no_answer(relay, event):
+    """A streamed event whose `choices` is no list raised a TypeError past the challenge's tries, so the
+    challenge was neither claimed nor revealed; an event that is no object is no answer either."""
+    relay.body = b"data: " + event + b"\n\ndata: [DONE]\n\n"
+    with pytest.raises(NoAnswer, match="malformed answer"):
+        OverlayChannel(relay.url, stream_share=1.0).ask(bytes(32), "gt", Challenge.new("Why?", 0))
+
+
 @pytest.mark.parametrize(("status", "body", "error", "message"), [
     (503, {"error": {"code": "too_few_paths", "message": "2 live"}}, RelayUnavailable, "too_few_paths"),
     (502, {"error": {"code": "node_unreachable", "message": "proxies could not reach it"}}, NoAnswer,

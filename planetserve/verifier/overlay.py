@@ -185,10 +185,13 @@ def _assembled(content: bytes, chat: bool) -> Any:
     text, extension, choices = [], None, 0
     for chunk in chunks:
         if not isinstance(chunk, dict):
-            raise ValueError("a streamed event is not an object")
+            raise NoAnswer("malformed answer: a streamed event is not an object")
         if "error" in chunk:
             return chunk
-        for choice in chunk.get("choices") or []:
+        listed = chunk.get("choices") or []
+        if not isinstance(listed, list):  # iterated, it raised past the tries (nothing claimed)
+            raise NoAnswer("malformed answer: a streamed event's choices are not a list")
+        for choice in listed:
             if not isinstance(choice, dict) or (chat and not isinstance(choice.get("delta"), dict)):
                 raise NoAnswer("malformed answer: a streamed choice is not a chat delta" if chat
                                else "malformed answer: a streamed choice is not an object")
