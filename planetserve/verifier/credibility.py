@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from planetserve.chain.challenge import MAX_CHALLENGE_PROMPT_TOKENS, Challenge, response_valid
 from planetserve.models.detokenize import TextAssembler
+from planetserve.models.prompts import adds_special_tokens
 from planetserve.registry.epochs import MILLI, SignedResponse, prompt_hash
 from planetserve.registry.params import PPM
 from planetserve.verifier.scoring import Decoding, OnePassScorer, Scorer, TokenScores
@@ -194,12 +195,9 @@ class ReferenceModel:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def prompt_ids(self, prompt: str) -> list[int]:
-        """The prompt's ids as the model node computed them: text that already starts with the BOS token
-        (a rendered chat template) as is, other text (a completion prompt) with the tokenizer's special
-        tokens, so BOS is neither missing nor doubled."""
-        bos = self.tokenizer.bos_token
-        special = not (bos and prompt.startswith(bos))
-        return list(self.tokenizer(prompt, add_special_tokens=special)["input_ids"])
+        """The prompt's ids as the model node computed them (`models.prompts`)."""
+        return list(self.tokenizer(prompt, add_special_tokens=adds_special_tokens(prompt, self.tokenizer))
+                    ["input_ids"])
 
     def unanswerable(self, challenge: Challenge) -> str:
         """Why a node of this model could not answer `challenge` as it is sent, or could only answer

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from planetserve.models.prompts import adds_special_tokens
 from planetserve.node.engine.base import MAX_LOGPROBS, GenerationRequest, Tokenizer, TokenLogprob
 from planetserve.node.engine.wire import MAX_TOKEN_ID
 from planetserve.registry import codec
@@ -481,10 +482,11 @@ def check_model(request: ApiRequest, served: Iterable[str]) -> str:
 
 def prompt_text(request: ApiRequest, tokenizer: Tokenizer) -> tuple[str, bool]:
     """A text prompt as the model reads it, and whether tokenising it adds special tokens: a
-    completion prompt as given (with special tokens, as vLLM does), chat messages rendered with the
-    tokenizer's chat template (which adds its own). Model nodes sign responses over this text."""
+    completion prompt as given (with special tokens, as vLLM does, unless it begins with BOS:
+    `models.prompts`), chat messages rendered with the tokenizer's chat template (which adds its own).
+    Model nodes sign responses over this text."""
     if isinstance(request.prompt, str):
-        return request.prompt, True
+        return request.prompt, adds_special_tokens(request.prompt, tokenizer)
     if request.prompt is not None:
         raise bad_request("Send the prompt as text: answers are signed over it.", "prompt",
                           code="text_required")
