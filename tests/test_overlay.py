@@ -25,7 +25,7 @@ from planetserve.node.api.openai import ApiError
 from planetserve.node.home import HomeError, UserConfig
 from planetserve.node.overlay import onion, sida
 from planetserve.node.overlay.directory import DirectoryView
-from planetserve.node.overlay.messages import Part, Prompt, sent_now
+from planetserve.node.overlay.messages import MAX_MESSAGE, Part, Prompt, sent_now
 from planetserve.node.user import MAX_ANSWER_BYTES, MAX_PARTS_AHEAD, Exchange, path_settings
 
 RELAYS = 12
@@ -637,6 +637,50 @@ def test_an_answer_is_reassembled_in_order_and_parts_far_ahead_are_dropped():
         assert exchange.parts == {}
 
     run(main())
+
+
+def test_parts_held_ahead_are_bounded_by_the_answers_bytes():
+    """What is read and what is kept ahead together stay within MAX_ANSWER_BYTES: a part that would pass
+    it fails the answer (502 `answer_too_large`) rather than being kept."""
+    async def main():
+        exchange = Exchange(b"r" * 16, b"n" * 32, (), 1)
+        quarter = b"x" * (MAX_ANSWER_BYTES // 4)
+        for seq in range(1, 5):
+            exchange.add(_part(seq, quarter))
+        assert exchange.held == MAX_ANSWER_BYTES and exchange.failure is None
+        exchange.add(_part(3, quarter))  # the same part again holds no more
+        exchange.add(_part(0, b"a"))
+        with pytest.raises(ApiError) as caught:
+            await exchange.next_part(1.0)
+        assert caught.value.code == "answer_too_large" and exchange.held == MAX_ANSWER_BYTES
+
+    run(main())
+
+
+def test_a_node_sending_parts_ahead_of_one_it_never_sends_gets_answer_too_large(quick_family):
+    """A real model node answers with parts 1 to 8, each of 4 MiB, and never part 0: the user's relay
+    kept every one (64 parts ahead were allowed, counted but not weighed) until the request timed out.
+    Now the answer fails once the parts kept pass 16 MiB."""
+    async def main():
+        net = await start_overlay(quick_family, [make_user() for _ in range(6)], 1)
+        try:
+            gateway = net.nodes[0].gateway
+            data = b"x" * (MAX_MESSAGE - 200)
+
+            async def ahead(prompt):
+                live = set(range(len(prompt.reply_to)))
+                for seq in range(1, 9):
+                    await gateway._send(prompt, Part(prompt.request_id, seq, 200, "application/json", data,
+                                                     False), live)
+
+            gateway._reply = ahead
+            answered = await chat(net.client, "Hello?")
+            assert answered.status_code == 502 and answered.json()["error"]["code"] == "answer_too_large"
+            assert net.client.exchanges == {}
+        finally:
+            await net.close()
+
+    run(main(), timeout=120)
 
 
 def test_parts_out_of_order_do_not_extend_the_wait_for_the_next_one():

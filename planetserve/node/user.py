@@ -132,17 +132,29 @@ class Exchange:
     parts: dict[int, Part] = field(default_factory=dict)
     unreachable: set[Path] = field(default_factory=set)
     next_seq: int = 0
+    held: int = 0
+    """Bytes of the parts kept, not yet read."""
+    consumed: int = 0
+    """Bytes of the answer read so far."""
     messages: int = 0
     delivered: Counter = field(default_factory=Counter)
     failure: ApiError | None = None
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     def add(self, part: Part) -> None:
-        """Keep a part of the answer; one far ahead of the next expected is dropped, so a node
-        cannot make us hold an unbounded answer out of order."""
-        if self.next_seq <= part.seq < self.next_seq + MAX_PARTS_AHEAD:
-            self.parts[part.seq] = part
-            self.changed.set()
+        """Keep a part of the answer; one far ahead of the next expected is dropped, and one that would
+        take what is read and kept past MAX_ANSWER_BYTES fails the answer, so a node cannot make us hold
+        an unbounded answer out of order (64 parts of 4 MiB ahead of a part it never sent were kept)."""
+        if not self.next_seq <= part.seq < self.next_seq + MAX_PARTS_AHEAD:
+            return
+        replaced = self.parts.get(part.seq)
+        held = self.held + len(part.data) - (len(replaced.data) if replaced is not None else 0)
+        if self.consumed + held > MAX_ANSWER_BYTES:
+            self.fail(answer_too_large())
+            return
+        self.held = held
+        self.parts[part.seq] = part
+        self.changed.set()
 
     def fail(self, error: ApiError) -> None:
         if self.failure is None:
@@ -161,7 +173,9 @@ class Exchange:
         while True:
             if self.next_seq in self.parts:
                 self.next_seq += 1
-                return self.parts.pop(self.next_seq - 1)
+                part = self.parts.pop(self.next_seq - 1)
+                self.held -= len(part.data)
+                return part
             if self.failure is not None:
                 raise self.failure
             self.changed.clear()
@@ -173,10 +187,10 @@ class Exchange:
     async def data(self, first: Part, timeout: float) -> AsyncIterator[bytes]:
         """The answer's bytes part by part, from `first` to the last; ApiError when it cannot finish
         or grows past MAX_ANSWER_BYTES."""
-        part, size = first, 0
+        part = first
         while True:
-            size += len(part.data)
-            if size > MAX_ANSWER_BYTES:
+            self.consumed += len(part.data)
+            if self.consumed > MAX_ANSWER_BYTES:
                 raise answer_too_large()
             yield part.data
             if part.last:
