@@ -27,7 +27,14 @@ from planetserve.node.routing.cachesync import (
     UnknownPeer,
     WireCodec,
 )
-from planetserve.node.routing.sentry import ChunkPlan, Sentry, SentryConfig
+from planetserve.node.routing.sentry import (
+    MAX_CHUNK_TOKENS,
+    MAX_VERSION,
+    MAX_VERSION_STEP,
+    ChunkPlan,
+    Sentry,
+    SentryConfig,
+)
 
 KEY = b"group-key-0123456789abcdef012345"
 CONFIG = SyncConfig()
@@ -604,6 +611,30 @@ def test_plans_are_adopted_from_trusted_peers_only() -> None:
     b.tree.table.upsert("a", trusted=True)
     assert b.receive("a", snapshot, 1.0).reason == "snapshot applied"
     assert b.plan == newer and b.sentry.plan == newer
+
+
+@pytest.mark.parametrize("plan", [
+    ChunkPlan(default_chunk=MAX_CHUNK_TOKENS, version=1, origin="a"),
+    ChunkPlan(default_chunk=64, block_size=2, version=1, origin="a"),
+    ChunkPlan(lengths=(32,), version=MAX_VERSION, origin="a"),
+], ids=["chunks of 2^20 tokens", "another block size", "the largest version"])
+def test_a_peer_cannot_push_a_plan_that_cuts_otherwise_or_runs_far_ahead(plan) -> None:
+    """One snapshot with chunks of 2^20 tokens at the largest version was adopted by every peer: no prompt
+    had a complete chunk (the group's routing matched nothing), no later plan could follow it, and each
+    node's Sentry raised at its next refresh. A plan must cut as the group does and be at most
+    MAX_VERSION_STEP ahead; a refused one changes nothing."""
+    a, b = pair()
+    prompt = list(range(10, 310))
+    a.stored(prompt)
+    for m in a.poll(1.0):
+        b.receive("a", m, 1.0)
+    assert b.search(prompt).holders == {"a"}
+    snapshot = a.codec.encode(Snapshot("a", 9, 0, plan, ()))
+    assert b.receive("a", snapshot, 2.0).reason == "a plan this group does not cut by, or too far ahead"
+    assert b.plan.version == 0 and b.search(prompt).holders == {"a"}
+    b.sentry.refresh()  # raised ValueError at the largest version
+    step = ChunkPlan(lengths=(32,), version=MAX_VERSION_STEP, origin="a")
+    assert b.receive("a", a.codec.encode(Snapshot("a", 10, 0, step, ())), 3.0).applied
 
 
 def test_deltas_under_another_plan_are_ignored() -> None:

@@ -800,7 +800,9 @@ class CacheSync:
             if entry is None or not entry.trusted:
                 self._take_load(peer_id, msg.load)
                 return ReceiveResult(False, "newer plan from an untrusted peer")
-            self.sentry.adopt(msg.plan)
+            if not self.sentry.adopt(msg.plan):
+                self._take_load(peer_id, msg.load)
+                return ReceiveResult(False, "a plan this group does not cut by, or too far ahead")
             self._adopt()
         elif peer.synced and msg.incarnation == peer.incarnation and msg.seq < peer.next_seq - 1:
             return ReceiveResult(False, "stale snapshot")

@@ -30,6 +30,9 @@ MAX_PLAN_CHUNKS = 512
 MAX_CHUNK_TOKENS = 1 << 20
 MAX_ORIGIN_LEN = 128
 MAX_VERSION = (1 << 63) - 1
+MAX_VERSION_STEP = 1 << 10
+"""The most a peer's plan may be ahead of ours: plans go up one version a change, so a group's nodes are
+never far apart, where a plan at the largest version could never be followed."""
 
 
 @dataclass(frozen=True)
@@ -186,6 +189,8 @@ class Sentry:
     def refresh(self) -> ChunkPlan | None:
         """Recompute L from the sample; a new plan (next version, this node as origin) only if L changed,
         so a group whose prompts are stable does not churn through plans (each one invalidates paths)."""
+        if self.plan.version >= MAX_VERSION:
+            return None
         candidate = self.config.plan_for(self.detect(), version=self.plan.version + 1, origin=self.node_id)
         if candidate.lengths == self.plan.lengths and candidate.default_chunk == self.plan.default_chunk \
                 and candidate.block_size == self.plan.block_size:
@@ -194,8 +199,13 @@ class Sentry:
         return candidate
 
     def adopt(self, plan: ChunkPlan) -> bool:
-        """Take a peer's plan if it is newer by (version, origin); the group ends on the greatest one."""
-        if plan.id <= self.plan.id:
+        """Take a peer's plan if it is newer by (version, origin), by at most MAX_VERSION_STEP versions,
+        and cuts as this group does (its block size and default chunk; only L, what the Sentry detects,
+        may differ); the group ends on the greatest one. One snapshot with chunks of 2^20 tokens at the
+        largest version turned a group's cache-aware routing off for good."""
+        initial = self.config.initial_plan()
+        if (plan.id <= self.plan.id or plan.version > self.plan.version + MAX_VERSION_STEP
+                or plan.block_size != initial.block_size or plan.default_chunk != initial.default_chunk):
             return False
         self.plan = plan
         return True
