@@ -301,23 +301,35 @@ def test_bad_steps_are_refused_and_the_server_keeps_serving(deep_gt: LoadedModel
 
 
 def test_caches_are_freed_when_idle_and_bounded_in_number(deep_gt: LoadedModel):
-    server = StageServer(StageModel(deep_gt.model, 0, 2), max_requests=2, idle_timeout=0.2)
-    peer = b"p" * 32
+    """A stage holds `max_requests` caches, one peer's at most half of them (one coordinator held all 64
+    with steps the stage refused, each of which kept its request alive); a step the stage refuses keeps
+    nothing alive, so an idle request is dropped however many refused steps name it."""
+    server = StageServer(StageModel(deep_gt.model, 0, 2), max_requests=4, idle_timeout=0.2)
+    peer, other, third = b"p" * 32, b"q" * 32, b"r" * 32
 
     def start(request: bytes) -> dict:
         return {"op": "start", "id": request, "layers": [0, 2], "pos": 0, "tokens": [5, 6]}
 
+    def keep_alive(request: bytes) -> dict:
+        return {**start(request), "op": "continue", "pos": 7, "tokens": [7]}
+
     async def main():
         await server.handle(peer, "stage", start(b"1"))
         await server.handle(peer, "stage", start(b"2"))
-        with pytest.raises(StageError, match="already holds 2 requests"):
+        with pytest.raises(StageError, match="already holds 2 of this peer's requests"):
             await server.handle(peer, "stage", start(b"3"))
-        assert len(server.sessions) == 2
-        await asyncio.sleep(0.3)
-        await server.handle(peer, "stage", start(b"3"))  # the idle two are dropped first
-        assert set(server.sessions) == {(peer, b"3")}
+        await server.handle(other, "stage", start(b"1"))
+        await server.handle(other, "stage", start(b"2"))
+        with pytest.raises(StageError, match="already holds 4 requests"):
+            await server.handle(third, "stage", start(b"1"))
+        await asyncio.sleep(0.12)
+        with pytest.raises(StageError, match="pos 7 does not follow the 2 positions"):
+            await server.handle(peer, "stage", keep_alive(b"1"))
+        await asyncio.sleep(0.12)
         with pytest.raises(StageError, match="unknown request 31 .*idle for over 0.2 s"):
-            await server.handle(peer, "stage", {**start(b"1"), "op": "continue", "pos": 2, "tokens": [7]})
+            await server.handle(peer, "stage", keep_alive(b"1"))
+        await server.handle(third, "stage", start(b"3"))  # the idle ones were dropped first
+        assert set(server.sessions) == {(third, b"3")}
         # requests are private to the peer that started them
         with pytest.raises(StageError, match="unknown request 33"):
             await server.handle(b"q" * 32, "stage", {**start(b"3"), "op": "continue", "pos": 2, "tokens": [7]})

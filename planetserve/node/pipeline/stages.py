@@ -60,7 +60,9 @@ IDLE_TIMEOUT_S = 60.0
 """A request whose stage has heard nothing of it for this long is dropped with its cache: its client
 died or moved it to another chain without ending it here."""
 MAX_REQUESTS = 64
-"""Requests a stage holds a cache for at once (each up to `max_tokens` positions of KV)."""
+"""Requests a stage holds a cache for at once (each up to `max_tokens` positions of KV); one peer's at
+most half of them, so that one coordinator cannot hold every other out (a pipeline's coordinator runs
+as many as its node's capacity)."""
 
 
 class StageError(ValueError):
@@ -293,12 +295,13 @@ class StageServer:
                 (a, b), (c, d) = session.layers, step.layers
                 raise StageError(f"request {step.request.hex()[:32]} runs layers [{a}, {b}) here, "
                                  f"not [{c}, {d})")
-            session.used = time.monotonic()
             return session
         if session is not None:
             raise StageError(f"request {step.request.hex()[:32]} was already started")
         if len(self.sessions) >= self.max_requests:
             raise StageError(f"this stage already holds {self.max_requests} requests")
+        if sum(peer == key[0] for peer, _ in self.sessions) >= self.max_requests // 2:
+            raise StageError(f"this stage already holds {self.max_requests // 2} of this peer's requests")
         session = _Session(self.stage.new_cache(), step.layers, time.monotonic())
         self.sessions[key] = session
         return session
