@@ -186,7 +186,7 @@ def test_sampled_rechallenges_come_before_the_epoch_inside_its_results_window_an
     channel = OverlayChannel("http://127.0.0.1:9")
     member, restarted = (Daemon(keys, None, {}, channel, None, tmp_path / name) for name in ("a", "b"))
     other = Daemon(KeySet.generate(), None, {}, channel, None, tmp_path / "c")
-    nodes = [KeySet.generate().public for _ in range(400)]
+    nodes = [secrets.token_bytes(32) for _ in range(4_000)]  # each of 100 offsets missed by (0.99)^4000
     offsets = [member._sample_offset(3, node, schedule) for node in nodes]
     assert (min(offsets), max(offsets)) == (-12, 27)
     assert schedule.start(3) - 12 == schedule.setup_height(2) + daemon_module.AHEAD_BLOCKS
