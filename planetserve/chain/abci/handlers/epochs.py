@@ -351,6 +351,8 @@ def _opened_rechallenge(ctx: Context, number: int, entry: Revealed | Unanswered)
     if rech is None:
         raise UnknownEntity(f"signer committed no re-challenge of node {entry.node.hex()} with this "
                             "challenge")
+    if rech.time >= ctx.time:  # a proposer could commit another's revealed challenge and open it first
+        raise InvalidField("commitment", "opens a tag committed in this block; a tag opens from the next")
     if ctx.state.commitment_used(number, commitment):
         raise AlreadyExists(f"commitment {commitment.hex()} repeats one of this epoch's")
     ctx.state.use_commitment(number, commitment, entry.node)
