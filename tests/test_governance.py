@@ -201,3 +201,23 @@ def test_a_vote_shortening_the_reputation_window_applies_without_halting_the_cha
     assert s.state.params().reputation_window == 3
     scored = s.state.reputation(node)
     assert scored.epochs == 6 and len(scored.window) == 3
+
+
+def test_a_member_has_at_most_eight_proposals_pending(tmp_path):
+    """Every block reads each pending proposal to expire it, and nothing bounded how many a member sent
+    (5,000 a block made each block take a second, and 40,000 pending added 270 ms to an empty block): a
+    member's ninth pending proposal is refused as rate-limited until one of its own is settled."""
+    s = Script(AppHarness(sqlite_url(tmp_path), members=4, params=EPOCH_PARAMS))
+    spammer, other, third, _ = s.members.values()
+
+    def propose(member, value: int) -> bytes:
+        return s.tx(member, "propose-params", {"height": s.h.height + 500, "changes": {"max_signer_txs": value}})
+
+    first = s.state.get_int(NEXT_PROPOSAL_KEY) + 1
+    assert s.block(*(propose(spammer, 20 + i) for i in range(8))) == [(0, "ok")] * 8
+    code, log = s.block(propose(spammer, 40))[0]
+    assert code == Code.RATE_LIMITED and "signer has 8 proposals pending" in log
+    assert s.block(propose(other, 41)) == [(0, "ok")]
+    reject = {"proposal_id": first, "approve": False}
+    assert s.block(s.tx(other, "vote-member", reject), s.tx(third, "vote-member", reject)) == [(0, "ok")] * 2
+    assert s.block(propose(spammer, 42)) == [(0, "ok")]

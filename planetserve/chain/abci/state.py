@@ -16,6 +16,7 @@ from planetserve.chain.layout import (
     NEXT_PROPOSAL_KEY,
     NODE_PREFIX,
     PARAMS_KEY,
+    PROPOSAL_PREFIX,
     UPGRADE_KEY,
     R,
     account_key,
@@ -291,6 +292,10 @@ class State:
 
     def proposal(self, proposal_id: int) -> Proposal | None:
         return self._load(proposal_key(proposal_id), Proposal)
+
+    def proposals(self) -> Iterator[Proposal]:
+        for _, value in self.kv.iterate(PROPOSAL_PREFIX):
+            yield Proposal.decode(value)
 
     def put_proposal(self, proposal: Proposal) -> None:
         self._put(proposal_key(proposal.proposal_id), proposal)

@@ -22,7 +22,7 @@ from planetserve.chain.messages.registry import RegisterModel
 from planetserve.registry import rules
 from planetserve.registry.entities import Member, MemberRotation, Model, Proposal, UpgradePlan
 from planetserve.registry.epochs import Schedule
-from planetserve.registry.errors import AlreadyExists, Expired, InvalidField, UnknownEntity
+from planetserve.registry.errors import AlreadyExists, Expired, InvalidField, RateLimited, UnknownEntity
 from planetserve.registry.params import EPOCH_WINDOWS
 
 
@@ -101,7 +101,16 @@ def _future(ctx: Context, height: int) -> None:
         raise InvalidField("height", f"must be after the next block ({ctx.height + 1}): a vote needs time")
 
 
+MAX_OPEN_PROPOSALS = 8
+"""Proposals one member may have pending at once: every block reads each pending proposal to expire it,
+and a member sending proposals without end (5,000 a block) slowed every block of the chain."""
+
+
 def _propose(ctx: Context, action: str, subject: dict, event: str, until: int | None = None) -> None:
+    pending = sum(p.proposer == ctx.signer for p in ctx.state.proposals())
+    if pending >= MAX_OPEN_PROPOSALS:
+        raise RateLimited(f"signer has {pending} proposals pending, the most a member may; propose again "
+                          "once one is settled or expires")
     expires = ctx.height + ctx.params.proposal_ttl_blocks
     proposal = Proposal(
         proposal_id=ctx.state.next_proposal_id(),
