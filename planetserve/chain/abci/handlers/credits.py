@@ -57,13 +57,17 @@ def deploy_model(ctx: Context, msg: DeployModel) -> None:
     rate = ctx.state.price(hardware)
     if rate == 0:
         raise InvalidField("hardware", f"hardware class {hardware!r} has no price in this chain's genesis")
-    pool = Pool.read(ctx.state, ctx.params)
+    rule = reputation.ReputationRule.from_params(ctx.params)
     org_rep = reputation.organisation_reputation(ctx.state.org_reputations(org_id))
-    if not reputation.is_trusted(pool.rule, org_rep):
+    if not reputation.is_trusted(rule, org_rep):
         raise LowReputation(f"organisation {org_id!r} has reputation {org_rep / PPM:.6f}, below the "
-                            f"{pool.rule.untrusted / PPM:.6f} needed to deploy "
+                            f"{rule.untrusted / PPM:.6f} needed to deploy "
                             f"(it must contribute trusted nodes)")
     account = ctx.state.credits(org_id)
+    # the least any deployment of this length costs, before every node is read: CheckTx refused without
+    # counting against the signer, so an organisation without credits read them all at no cost
+    _afford(account, credits.cost(rate, 1, seconds))
+    pool = Pool.read(ctx.state, ctx.params)
     available = pool.available(model_id, hardware)
     if not available:
         raise Unavailable(f"no listed, unassigned {hardware} node is registered for model {model_id!r}; "
