@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import secrets
+import time
 
 import msgpack
 import pytest
@@ -37,6 +38,18 @@ def test_each_hop_reads_exactly_its_layer_from_a_packet_of_constant_size(hops):
         assert layer == expected and layer.hop_key == hop_key
     assert len(packet) == onion.PACKET_SIZE
     assert len(set(hop_keys)) == hops and bytes(32) not in hop_keys
+
+
+def test_every_layer_carries_its_issue_time_rounded_down_to_ten_seconds():
+    """The relays of a path read when its user made each setup layer; to the second, the offset between
+    arrival and issue, over a user's many setups, told users with skewed clocks apart."""
+    signers = keys(3)
+    route = [bytes(k.verify_key) for k in signers]
+    before = time.time()
+    packet, _ = onion.build(route, layers_for(route))
+    for signer in signers:
+        layer, packet = onion.peel(onion.exchange_secret(signer), packet)
+        assert layer.issued % onion.ISSUED_STEP == 0 and before - onion.ISSUED_STEP < layer.issued <= before
 
 
 def test_a_relay_cannot_read_another_relays_layer_or_a_tampered_packet():

@@ -122,8 +122,14 @@ class Layer:
         return cls(role, out_id, next_key, token, path_key, issued)
 
 
+ISSUED_STEP = 10
+"""A setup layer's `issued` is the user's clock rounded down to this many seconds, as a prompt's `sent` is
+(`messages.SENT_STEP`): to the second, the offset between arrival and issue, over the many setups a user
+makes, told users with skewed clocks apart and let a proxy match a path to what a first relay saw."""
+
+
 def _now(issued: int | None) -> int:
-    return int(time.time()) if issued is None else issued
+    return int(time.time()) // ISSUED_STEP * ISSUED_STEP if issued is None else issued
 
 
 def relay_layer(out_id: bytes, next_key: bytes, issued: int | None = None) -> Layer:
