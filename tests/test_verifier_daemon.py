@@ -3,9 +3,11 @@ how it reads a user relay's answers (a real HTTP server answering as a relay wou
 
 from __future__ import annotations
 
+import functools
 import json
 import secrets
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 
 import pytest
@@ -224,24 +226,6 @@ def test_the_next_epochs_re_challenges_are_held_until_it_starts_and_dropped_by_i
     assert waiting[4, node, "rechallenge"].cancelled()
 
 
-def test_a_leader_whose_planned_challenge_does_not_open_says_so(tmp_path, quick_family):
-    """The leader's real daemon, facing a plan entry whose key was sealed to it as garbage, claims
-    `UNOPENED` for that node in its results window (it left the node out before: a `skipped-node` fault
-    for what the planner sealed), and asks the other node as planned."""
-    s = Script(AppHarness(sqlite_url(tmp_path), members=4, params=EPOCH_PARAMS))
-    node0, node1 = list(s.nodes)
-    unopenable_plan(s, node0)
-    reference = ReferenceModel.from_loaded(load("gt", quick_family), model_id="gt")
-    leader = Daemon(s.leader(1), InProcessLedger(s.h, Rounds(s.h)), {"gt": reference},
-                    OverlayChannel("http://127.0.0.1:9"), None, tmp_path)  # type: ignore[arg-type]
-    leader._lead(1)
-    assert leader.unopened == {(1, node0)} and (1, node1, "leader") in leader.pending
-    leader._collect(1, Params().max_tx_bytes - TX_MARGIN_BYTES)
-    claim = s.state.result(1, node0, s.epoch(1).leader)
-    assert claim is not None and claim.status == INVALID and claim.reason == UNOPENED
-    assert s.state.reports(1, node0) == [] and leader.unopened == set()
-
-
 SKY = "Why is the sky blue?"
 UNSOUND = {
     "salt of 31 bytes": Challenge(SKY, secrets.token_bytes(31), 0),
@@ -252,19 +236,24 @@ UNSOUND = {
     "stop token id outside the vocabulary": Challenge(SKY, secrets.token_bytes(32), 0, stop_token_ids=(5_000,)),
     "prompt too long for a node": Challenge("word " * 800, secrets.token_bytes(32), 0),
 }
+PLANNERS: dict[str, Callable[[Script, bytes], None]] = {
+    "keys sealed as garbage": unopenable_plan,
+    **{name: functools.partial(unsound_plan, challenge=challenge) for name, challenge in UNSOUND.items()},
+}
 
 
-@pytest.mark.parametrize("sealed", UNSOUND.values(), ids=UNSOUND.keys())
-def test_a_leader_does_not_send_a_planned_challenge_a_node_cannot_answer(tmp_path, quick_family, sealed):
-    """A planner that seals a challenge whose reveal the ledger refuses had the honest leader's whole batch
-    of results refused (a `skipped-node` fault per node: five reach the member fault limit), and one an
-    honest node refuses (a cap of 65,536 tokens, a stop id outside the vocabulary, a prompt past what a
-    node accepts) or answers for another prompt had the leader report the node, which the planner's own
-    claim took past a third of the power. The leader claims such a challenge `UNOPENED` and asks the
-    other node as planned."""
+@pytest.mark.parametrize("plan", PLANNERS.values(), ids=PLANNERS.keys())
+def test_a_leader_whose_planned_challenge_does_not_open_says_so(tmp_path, quick_family, plan):
+    """The leader's real daemon, facing a plan entry that does not open (its key sealed as garbage: it
+    left the node out before, a `skipped-node` fault for what the planner sealed), whose reveal the
+    ledger would refuse (its whole batch of results was refused: a `skipped-node` fault per node, five of
+    which reach the member fault limit), or that an honest node refuses (a cap of 65,536 tokens, a stop
+    id outside the vocabulary, a prompt past what a node accepts) or answers for another prompt (it
+    reported the node, and the planner's own claim took the report past a third of the power), claims
+    `UNOPENED` for that node in its results window and asks the other node as planned."""
     s = Script(AppHarness(sqlite_url(tmp_path), members=4, params=EPOCH_PARAMS))
     node0, node1 = list(s.nodes)
-    unsound_plan(s, node0, sealed)
+    plan(s, node0)
     reference = ReferenceModel.from_loaded(load("gt", quick_family), model_id="gt")
     leader = Daemon(s.leader(1), InProcessLedger(s.h, Rounds(s.h)), {"gt": reference},
                     OverlayChannel("http://127.0.0.1:9"), None, tmp_path)  # type: ignore[arg-type]
@@ -273,7 +262,7 @@ def test_a_leader_does_not_send_a_planned_challenge_a_node_cannot_answer(tmp_pat
     leader._collect(1, Params().max_tx_bytes - TX_MARGIN_BYTES)
     claim = s.state.result(1, node0, s.epoch(1).leader)
     assert claim is not None and claim.status == INVALID and claim.reason == UNOPENED
-    assert s.state.reports(1, node0) == []
+    assert s.state.reports(1, node0) == [] and leader.unopened == set()
 
 
 def test_a_challenge_that_failed_here_leaves_the_other_answers_to_be_revealed(tmp_path):
