@@ -4,6 +4,7 @@ on deployments (the seed's 5 servers x 30 days = 30 servers x 5 days), and every
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
@@ -59,10 +60,12 @@ def deploy(s: Script, owner: KeySet, org_id: str = "org1", **overrides) -> tuple
     return s.block(s.tx(owner, "deploy-model", {**body, **overrides}))[0]
 
 
-def earn_thirty_days(s: Script) -> None:
-    """Epoch 1 scores org1's five nodes, and its last block comes 30 days after its first."""
+def earn_thirty_days(s: Script, meanwhile: Callable[[], None] = lambda: None) -> None:
+    """Epoch 1 scores org1's five nodes, and its last block comes 30 days after its first; `meanwhile`
+    runs once the epoch has started."""
     s.h.block()  # the epoch's first block records its start time
     start = s.epoch(1).start_time
+    meanwhile()
     leader = s.epoch(1).leader
     assert s.block(s.tx(s.leader(1), "submit-results", s.leader_results(1, 800_000))) == [(0, "ok")]
     assert all(c == 0 for c, _ in s.block(*s.attest_txs(1, leader, dict.fromkeys(s.nodes, 800_000))))
@@ -107,6 +110,23 @@ def test_credits_are_earned_then_spent_on_a_deployment_that_expires(s):
     s.h.block(seconds=5 * DAY)
     assert s.state.deployment(1) is None
     assert list(s.h.store.batch().iterate(layout.ASSIGNED_PREFIX)) == []
+
+
+def test_a_node_taken_off_the_list_during_the_epoch_earns_nothing_for_it(s):
+    """An organisation set a planned node inactive once the epoch started (it answers its challenge,
+    serves no users, takes no deployment) and active again before the epoch's end: it was paid for the
+    whole epoch. A node off the list for part of an epoch earns nothing for it; the others earn as before."""
+    s.run_election_and_plan(1)
+    away = next(iter(s.nodes))
+
+    def off_and_on() -> None:
+        for status in ("inactive", "active"):
+            assert s.block(s.tx(s.owner, "update-model-node", {"node_pubkey": away, "status": status})) \
+                == [(0, "ok")]
+
+    earn_thirty_days(s, off_and_on)
+    account = s.state.credits("org1")
+    assert account.earned == (len(s.nodes) - 1) * credits.earned(A100, 30 * DAY)
 
 
 def test_an_organisation_without_credits_is_refused_before_the_nodes_are_read(s):

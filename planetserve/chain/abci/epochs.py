@@ -205,6 +205,15 @@ def _evidence(batch: Batch, epoch: Epoch, committee: dict[bytes, Member], absent
     )
 
 
+def _listed_throughout(st: State, node: ModelNode, since: int) -> bool:
+    """Whether the node is active now and has not left the list since `since` (the epoch's start): one
+    its organisation set inactive after the plan answered its challenge, served no users and took no
+    deployment, and was paid for the whole epoch. A node off the list for part of an epoch earns nothing
+    for it (the state keeps when a node last left the list, not when it came back)."""
+    left = st.delisted_at(node.pubkey)
+    return node.status == "active" and (left is None or left < since)
+
+
 def _scored(rule: reputation.ReputationRule, evidence_rule: evidence.EvidenceRule,
             previous: epochs.Reputation, verdict: finalization.Verdict, number: int) -> epochs.Reputation:
     """A node's reputation record after epoch `number` gave it `verdict`: its evidence first, then C(T),
@@ -243,7 +252,8 @@ def _finalize(batch: Batch, st: State, params: Params, epoch: Epoch, committee: 
         node = ModelNode.decode(raw)
         if record.listable != previous.listable:
             st.put_node(node, at=time, listable=record.listable)
-        if record.listable and verdict.scored and record.window[-1] >= rule.abnormal:
+        if record.listable and verdict.scored and record.window[-1] >= rule.abnormal and _listed_throughout(
+                st, node, epoch.start_time):
             serving = time - max(epoch.start_time, node.registered_at)
             earnings[node.org_id] += credits.earned(st.price(node.hardware), serving)
     for org_id in sorted(earnings):
