@@ -915,3 +915,23 @@ def test_a_disagreeing_witness_is_refused(net: Net, proxy: TamperProxy) -> None:
     dead = RpcClient(f"http://127.0.0.1:{free_ports(1)[0]}", timeout=0.5)
     with pytest.raises(ProviderError, match=r"witness http://127.0.0.1:\d+ gave no usable header \d+: .*unreachable"):
         net.client(witness=dead).verified_header()
+
+
+@pytest.mark.parametrize(("path", "value"), [
+    (("version", "app"), "-1"),
+    (("height",), "9223372036854775808"),
+    (("height",), "\u0663"),
+    (("height",), "--1"),
+], ids=["app version -1", "height 2^63", "an Arabic-Indic digit", "--1"])
+def test_a_lying_endpoints_fields_are_a_verification_error_whatever_they_hold(path, value) -> None:
+    """A header field no encoder takes (an app version of -1, a height of 2^63) raised a ValueError from
+    the header's hash, and digits other than ASCII passed as numbers: past the callers' handlers, which
+    ended a relay's directory and a model node's group refreshes for good. Each is a VerificationError."""
+    chain = FakeChain([uniform(make_keys(4, "lies"))] * 6)
+    rpc = chain.rpc()
+    field = rpc.commits[4]["header"]
+    for name in path[:-1]:
+        field = field[name]
+    field[path[-1]] = value
+    with pytest.raises(VerificationError):
+        LightClient(chain.genesis(), rpc, max_age=None).verified_header(4)  # type: ignore[arg-type]

@@ -33,7 +33,15 @@ from planetserve.chain.lightclient import (
 )
 from planetserve.chain.messages.base import Message
 from planetserve.chain.messages.registry import Worked
-from planetserve.chain.rpc import AbciQuery, RpcClient, RpcError, RpcResponseError, TxOutcome
+from planetserve.chain.rpc import (
+    AbciQuery,
+    RpcClient,
+    RpcError,
+    RpcMalformed,
+    RpcResponseError,
+    TxOutcome,
+    obj,
+)
 from planetserve.chain.tx import sign
 from planetserve.registry import codec
 from planetserve.registry.credits import Credits, Deployment
@@ -147,8 +155,17 @@ def decode_entries(value: bytes, prefix: bytes) -> list[tuple[bytes, bytes]]:
 
 
 def _sequence(raw: bytes | None) -> int:
-    """An account entry's next sequence (0: no account)."""
-    return 0 if raw is None else int(codec.unpack(raw))
+    """An account entry's next sequence (0: no account); RpcMalformed for anything else (the entry can
+    come from an endpoint's unverified answer)."""
+    if raw is None:
+        return 0
+    try:
+        value = codec.unpack(raw)
+    except codec.CodecError as exc:
+        raise RpcMalformed(f"account sequence: {exc}") from exc
+    if type(value) is not int or value < 0:
+        raise RpcMalformed(f"account sequence: expected a non-negative integer, got {value!r:.40}")
+    return value
 
 
 def holding_node(prefix: bytes, proof: trie.PrefixProof) -> tuple[bytes, list[int]]:
@@ -536,7 +553,10 @@ class LedgerClient:
     # -- writes ----------------------------------------------------------------------------------
 
     def chain_id(self) -> str:
-        return self.rpc.status()["node_info"]["network"]
+        network = obj(self.rpc.status().get("node_info"), "status.node_info").get("network")
+        if not isinstance(network, str):
+            raise RpcMalformed("status.node_info.network: expected the chain id")
+        return network
 
     def submit(self, keys: KeySet, msg: Message, timeout: float = 30.0) -> Submitted:
         """Sign with the account's next sequence (`sequence`), broadcast, and wait until the tx is in a

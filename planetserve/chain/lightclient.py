@@ -54,7 +54,7 @@ from tendermint.crypto import keys_pb2
 from tendermint.types import canonical_pb2, types_pb2, validator_pb2
 from tendermint.version import types_pb2 as version_pb2
 
-from planetserve.chain.rpc import RpcClient, RpcError, RpcMalformed, b64, hexb
+from planetserve.chain.rpc import INT64, RpcClient, RpcError, RpcMalformed, b64, hexb
 from planetserve.chain.varint import encode_uvarint
 
 BLOCK_PROTOCOL = 11
@@ -213,11 +213,11 @@ def _get(d: Any, key: str, what: str) -> Any:
 
 
 def _int(v: Any, what: str) -> int:
-    if isinstance(v, int) and not isinstance(v, bool):
+    if isinstance(v, str) and re.fullmatch(r"-?[0-9]{1,19}", v):
+        v = int(v)
+    if isinstance(v, int) and not isinstance(v, bool) and v in INT64:
         return v
-    if isinstance(v, str) and re.fullmatch(r"-?\d{1,19}", v):
-        return int(v)
-    raise VerificationError(f"malformed {what}: not an integer")
+    raise VerificationError(f"malformed {what}: not an int64")
 
 
 def _hex(v: Any, what: str, size: int | None = None) -> bytes:
@@ -902,7 +902,16 @@ class LightClient:
 
     def verified_light_block(self, height: int | None = None) -> LightBlock:
         """The light block at `height` (None: the endpoint's latest, which must be fresh), verified
-        from genesis and, with a witness, confirmed by it."""
+        from genesis and, with a witness, confirmed by it. Whatever an answer holds, what goes wrong is
+        a VerificationError: a field no encoder takes (a height of 2^63, an app version of -1) raised
+        a ValueError from the header's hash that ended the callers' refresh loops."""
+        try:
+            return self._verified_light_block(height)
+        except (TypeError, ValueError, KeyError, AttributeError, OverflowError) as exc:
+            raise VerificationError(f"malformed answer from {_url(self.rpc) or 'the endpoint'}: "
+                                    f"{exc!r:.200}") from exc
+
+    def _verified_light_block(self, height: int | None) -> LightBlock:
         self.last_trace = []
         latest = height is None
         if height is None:

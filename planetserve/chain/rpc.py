@@ -14,6 +14,8 @@ from __future__ import annotations
 import base64
 import binascii
 import itertools
+import re
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +24,8 @@ import httpx
 from planetserve.registry import codec
 
 DEFAULT_TIMEOUT = 5.0
+CALL_DEADLINE_READS = 6
+"""A call's whole deadline, in read timeouts."""
 DEFAULT_MAX_RESPONSE_BYTES = 32 * 1024 * 1024
 MAX_ANSWER_VALUES = 1 << 19
 MAX_ANSWER_CONTAINERS = 1 << 17
@@ -81,15 +85,20 @@ def hexb(value: Any, what: str = "field") -> bytes:
         raise RpcMalformed(f"{what}: invalid hex") from exc
 
 
+INT64 = range(-(1 << 63), 1 << 63)
+
+
 def integer(value: Any, what: str = "field") -> int:
-    """An integer that CometBFT may send as a JSON number or a decimal string."""
+    """An integer that CometBFT may send as a JSON number or a decimal string, within int64 as all of
+    its integers are: `str.isdigit` took "--1" and "²", which `int` then refused with a ValueError no
+    caller expected (a lying endpoint ended a relay's list refreshes for good)."""
     if isinstance(value, bool):
         raise RpcMalformed(f"{what}: expected an integer, got a boolean")
-    if isinstance(value, int):
+    if isinstance(value, str) and re.fullmatch(r"-?[0-9]{1,19}", value):
+        value = int(value)
+    if isinstance(value, int) and value in INT64:
         return value
-    if isinstance(value, str) and value.lstrip("-").isdigit() and len(value) <= 20:
-        return int(value)
-    raise RpcMalformed(f"{what}: expected an integer, got {value!r:.40}")
+    raise RpcMalformed(f"{what}: expected an int64, got {value!r:.40}")
 
 
 def obj(value: Any, what: str) -> dict[str, Any]:
@@ -210,14 +219,21 @@ class TooLarge(Exception):
     """An HTTP answer longer than its reader accepts."""
 
 
-def read_limited(response: httpx.Response, limit: int) -> bytes:
+class TooSlow(Exception):
+    """A streamed answer still coming when its deadline passed."""
+
+
+def read_limited(response: httpx.Response, limit: int, deadline: float | None = None) -> bytes:
     """The body of a streamed response; TooLarge as soon as it passes `limit` bytes, so that a
-    peer cannot make us hold more than that."""
+    peer cannot make us hold more than that, and TooSlow once the monotonic `deadline` has passed: a
+    client's timeout bounds each read, so a peer sending a byte just within it held a call for ever."""
     chunks, size = [], 0
     for chunk in response.iter_bytes():
         size += len(chunk)
         if size > limit:
             raise TooLarge(f"answer larger than {limit} bytes")
+        if deadline is not None and time.monotonic() > deadline:
+            raise TooSlow("answer still coming at its deadline")
         chunks.append(chunk)
     return b"".join(chunks)
 
@@ -238,6 +254,8 @@ class RpcClient:
     ) -> None:
         self.url = url.rstrip("/")
         self.max_response_bytes = max_response_bytes
+        self.deadline = CALL_DEADLINE_READS * timeout
+        """The longest a whole call may take, however its answer trickles in."""
         self._http = httpx.Client(timeout=timeout, trust_env=False)
         self._ids = itertools.count(1)
 
@@ -286,14 +304,18 @@ class RpcClient:
         return answer["result"]
 
     def _post(self, method: str, body: dict[str, Any]) -> bytes:
+        deadline = time.monotonic() + self.deadline
         try:
             with self._http.stream("POST", self.url, json=body) as resp:
                 try:
-                    data = read_limited(resp, self.max_response_bytes)
+                    data = read_limited(resp, self.max_response_bytes, deadline)
                 except TooLarge:
                     raise RpcUnreachable(
                         f"{method}: answer from {self.url} exceeds {self.max_response_bytes} bytes"
                     ) from None
+                except TooSlow:
+                    raise RpcUnreachable(f"{method}: {self.url} took over {self.deadline:g} s to answer") \
+                        from None
                 if resp.status_code >= 400 and not data.lstrip().startswith(b"{"):
                     raise RpcUnreachable(f"{method}: HTTP {resp.status_code} from {self.url}")
                 return data

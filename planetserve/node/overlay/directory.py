@@ -109,5 +109,8 @@ class OnDemand(Generic[T]):
         async with self._lock:
             if time.monotonic() - self._last < self.min_interval:
                 return
-            self.apply(await asyncio.to_thread(self.fetch))
+            try:
+                self.apply(await asyncio.to_thread(self.fetch))
+            except Exception:  # what a fetch did not foresee must not end the loops that call it
+                log.exception("reading the verified lists failed")
             self._last = time.monotonic()

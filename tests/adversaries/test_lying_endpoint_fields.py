@@ -1,0 +1,114 @@
+"""A lying RPC endpoint, a real HTTP server, that answers with what no CometBFT sends: integers spelled
+"--1" or "²" (which `str.isdigit` took and `int` refused), a status without its chain id, an account
+entry that is not a sequence, or an answer that trickles in a byte at a time within each read's timeout.
+Each raised an error no caller handled, or held a call for ever: a relay's directory loop and a model
+node's group loop ended for good (so lists past `max_age` were never dropped), a user's heartbeat task
+died. Now each is an RpcError, a whole call has a deadline, and the list loops outlive whatever a read
+raises."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from waiting import run
+
+from planetserve.chain.client import LedgerClient, _sequence
+from planetserve.chain.rpc import RpcClient, RpcMalformed, RpcUnreachable
+from planetserve.node.overlay.directory import OnDemand
+from planetserve.registry import codec
+
+Answer = Callable[[BaseHTTPRequestHandler], None]
+
+
+def json_answer(result: object) -> Answer:
+    def write(handler: BaseHTTPRequestHandler) -> None:
+        body = json.dumps({"jsonrpc": "2.0", "id": 1, "result": result}).encode()
+        handler.send_response(200)
+        handler.send_header("Content-Length", str(len(body)))
+        handler.end_headers()
+        handler.wfile.write(body)
+
+    return write
+
+
+def trickle(handler: BaseHTTPRequestHandler) -> None:
+    """The answer a byte every 0.3 s, for ever, each byte within a read's timeout."""
+    handler.send_response(200)
+    handler.end_headers()
+    for _ in range(200):
+        handler.wfile.write(b" ")
+        handler.wfile.flush()
+        time.sleep(0.3)
+
+
+@pytest.fixture
+def endpoint() -> Iterator[tuple[str, list[Answer]]]:
+    answers: list[Answer] = []
+
+    class Lying(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            answers[0](self)
+
+        def log_message(self, *args: object) -> None:
+            return None
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Lying)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", answers
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.parametrize("height", ["--1", "\u00b2", "\u0663", "9223372036854775808", 2**63, "1e3"])
+def test_an_integer_no_cometbft_sends_is_malformed(endpoint, height):
+    url, answers = endpoint
+    answers.append(json_answer({"sync_info": {"latest_block_height": height}}))
+    with RpcClient(url) as rpc, pytest.raises(RpcMalformed, match="expected an int64"):
+        rpc.latest_height()
+
+
+def test_a_status_without_its_chain_id_and_an_account_that_is_no_sequence_are_malformed(endpoint):
+    url, answers = endpoint
+    answers.append(json_answer({"sync_info": {}}))
+    with RpcClient(url) as rpc, pytest.raises(RpcMalformed, match="node_info"):
+        LedgerClient(rpc, None).chain_id()  # type: ignore[arg-type]
+    for entry, words in ((codec.pack("seven"), "non-negative integer"), (codec.pack(-1), "non-negative integer"),
+                         (b"\xc1", "account sequence")):
+        with pytest.raises(RpcMalformed, match=words):
+            _sequence(entry)
+
+
+def test_an_answer_that_trickles_in_ends_at_the_calls_deadline(endpoint):
+    url, answers = endpoint
+    answers.append(trickle)
+    with RpcClient(url, timeout=0.5) as rpc:
+        started = time.monotonic()
+        with pytest.raises(RpcUnreachable, match="took over 3 s to answer"):
+            rpc.status()
+        assert time.monotonic() - started < 3 + 1.0  # the deadline and at most one read's wait
+
+
+def test_the_loops_go_on_reading_after_a_read_fails(endpoint):
+    """A list read (`OnDemand`, what a relay's directory loop and a model node's group loop run) over an
+    endpoint that answers garbage: the failure is logged, and the next read takes the honest answer."""
+    url, answers = endpoint
+    answers.append(json_answer({"sync_info": {"latest_block_height": "--1"}}))
+    seen: list[int] = []
+
+    async def main() -> None:
+        with RpcClient(url) as rpc:
+            refresh = OnDemand(rpc.latest_height, seen.append, min_interval=0)
+            await refresh()
+            answers[0] = json_answer({"sync_info": {"latest_block_height": "7"}})
+            await asyncio.wait_for(refresh(), 10)
+
+    run(main())
+    assert seen == [7]
