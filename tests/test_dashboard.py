@@ -28,6 +28,7 @@ from click.testing import CliRunner
 from crosssite import allowed, attacks, check_refusal, post
 from relaystandin import FakeRelayAnswers
 
+from planetserve.chain.challenge import response_extension, sign_response
 from planetserve.chain.keys import KeySet
 from planetserve.chain.lightclient import DEFAULT_MAX_AGE
 from planetserve.cli import main
@@ -282,6 +283,21 @@ def test_an_answer_built_to_exhaust_the_dashboard_is_a_clear_error(answering, bo
     assert said in reply.json()["error"]["message"]
     again = httpx.post(f"{url}/api/chat", json={"prompt": "What does os do?"}, timeout=30)
     assert again.status_code == 200 and again.json()["answer"] == "It runs programs."
+
+
+def test_an_answer_signed_with_a_time_nothing_can_pack_is_shown_as_unsigned(answering):
+    """A node's signed time of 10^30 raised from the signature check (msgpack packs no such integer): the
+    page got an internal error. Such an answer is shown as it is, its signature not valid."""
+    url, relay = answering
+    node = KeySet.generate()
+    signed = sign_response(node, "x", [5], "It runs programs.", "gt", 1, "h:1", 0, 0)
+    relay.body = {**ANSWER, "planetserve": {**response_extension(signed), "time": 10**30}}
+    try:
+        reply = httpx.post(f"{url}/api/chat", json={"prompt": "What does os do?"}, timeout=30)
+    finally:
+        relay.body = ANSWER
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["answer"] == "It runs programs." and reply.json()["signature_valid"] is False
 
 
 def test_other_sites_pages_send_no_prompt_and_rebinding_pages_read_nothing(answering):

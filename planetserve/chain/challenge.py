@@ -271,8 +271,10 @@ def response_from_extension(extension: object, text: str) -> SignedResponse:
         if not isinstance(extension.get(name), kind) or isinstance(extension.get(name), bool):
             raise ResponseFormatError(f"extension field {name!r} is missing or not a {kind.__name__}")
     ids = extension["token_ids"]
-    if not all(type(t) is int and t >= 0 for t in ids):
-        raise ResponseFormatError("extension token_ids must be non-negative integers")
+    if not all(type(t) is int and 0 <= t < epochs.SEED_LIMIT for t in ids):
+        raise ResponseFormatError("extension token_ids must be integers in [0, 2**64)")
+    if not all(0 <= extension[name] < epochs.SEED_LIMIT for name in ("temperature", "time")):
+        raise ResponseFormatError("extension temperature and time must lie in [0, 2**64)")  # what packs
     try:
         node, digest, signature = (bytes.fromhex(extension[k]) for k in ("node", "prompt_hash", "signature"))
     except ValueError as exc:
