@@ -99,6 +99,11 @@ class Verifier(Protocol):
     """A second endpoint, asked too before a transaction's refusal or outcome is believed
     (`LedgerClient.submit`)."""
 
+    @property
+    def chain_id(self) -> str:
+        """The genesis file's chain id."""
+        ...
+
     def verified_light_block(self, height: int | None = None) -> LightBlock: ...
     def verified_header_after(self, height: int) -> Header: ...
     def check_fresh(self, header: Header) -> None: ...
@@ -553,6 +558,11 @@ class LedgerClient:
     # -- writes ----------------------------------------------------------------------------------
 
     def chain_id(self) -> str:
+        """The chain transactions are signed for: the genesis file's where a light client verifies the
+        endpoint (an endpoint naming another chain had us sign for it, so that what we signed could be
+        replayed there), else the endpoint's."""
+        if self.verifier is not None:
+            return self.verifier.chain_id
         network = obj(self.rpc.status().get("node_info"), "status.node_info").get("network")
         if not isinstance(network, str):
             raise RpcMalformed("status.node_info.network: expected the chain id")

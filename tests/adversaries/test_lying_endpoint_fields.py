@@ -16,9 +16,11 @@ from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from test_lightclient import FakeChain, make_keys, uniform
 from waiting import run
 
 from planetserve.chain.client import LedgerClient, _sequence
+from planetserve.chain.lightclient import LightClient
 from planetserve.chain.rpc import RpcClient, RpcMalformed, RpcUnreachable
 from planetserve.node.overlay.directory import OnDemand
 from planetserve.registry import codec
@@ -112,3 +114,15 @@ def test_the_loops_go_on_reading_after_a_read_fails(endpoint):
 
     run(main())
     assert seen == [7]
+
+
+def test_a_verified_client_signs_for_its_genesis_chain_whatever_the_endpoint_names(endpoint):
+    """A client verifying the endpoint against a genesis file signed for the chain id the endpoint named:
+    a transaction it made could be replayed on that other chain. It signs for the genesis file's."""
+    url, answers = endpoint
+    answers.append(json_answer({"node_info": {"network": "another-chain"}}))
+    chain = FakeChain([uniform(make_keys(4, "genesis"))] * 4, chain_id="the-genesis-chain")
+    with RpcClient(url) as rpc:
+        assert LedgerClient(rpc, None).chain_id() == "another-chain"
+        verified = LedgerClient(rpc, LightClient(chain.genesis(), chain.rpc()))  # type: ignore[arg-type]
+        assert verified.chain_id() == "the-genesis-chain"
