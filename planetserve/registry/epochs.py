@@ -285,6 +285,8 @@ class Rechallenge(Record):
     member: bytes
     tag: bytes
     time: int
+    height: int
+    """The block that committed it: a tag opens only in a later block."""
 
 
 @dataclass(frozen=True)

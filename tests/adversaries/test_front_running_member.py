@@ -30,6 +30,7 @@ def test_a_proposer_cannot_open_anothers_revealed_challenge_before_it(s):
     assert s.block(s.tx(honest, "commit-rechallenge", {"epoch": 1, "tags": [own.tag(node0)]})) == [(0, "ok")]
     reveal = s.tx(honest, "submit-results", {"epoch": 1, "kind": "rechallenge",
                                              "results": [own.reveal(s.answer(node0, own))]})
+    assert s.h.check(reveal).code == 0  # sent once its commit's block is in, it enters the mempool
     stolen = s.tx(colluder, "commit-rechallenge", {"epoch": 1, "tags": [own.tag(node0)]})
     claim = s.tx(colluder, "submit-results", {"epoch": 1, "kind": "rechallenge", "results": [
         Unanswered(node0, "no answer", own.commitment)]})

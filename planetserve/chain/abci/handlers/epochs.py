@@ -334,7 +334,7 @@ def commit_rechallenge(ctx: Context, msg: CommitRechallenge) -> None:
         raise Unauthorized(f"signer would commit more re-challenges than epoch {number} plans nodes "
                            f"({epoch.plan_nodes})")
     for tag in msg.tags:
-        ctx.state.put_rechallenge(number, Rechallenge(ctx.signer, tag, ctx.time))
+        ctx.state.put_rechallenge(number, Rechallenge(ctx.signer, tag, ctx.time, ctx.height))
     ctx.emit("commit_rechallenge", epoch=str(number), tags=str(len(msg.tags)))
 
 
@@ -351,7 +351,7 @@ def _opened_rechallenge(ctx: Context, number: int, entry: Revealed | Unanswered)
     if rech is None:
         raise UnknownEntity(f"signer committed no re-challenge of node {entry.node.hex()} with this "
                             "challenge")
-    if rech.time >= ctx.time:  # a proposer could commit another's revealed challenge and open it first
+    if rech.height >= ctx.height:  # a proposer could commit another's revealed challenge and open it first
         raise InvalidField("commitment", "opens a tag committed in this block; a tag opens from the next")
     if ctx.state.commitment_used(number, commitment):
         raise AlreadyExists(f"commitment {commitment.hex()} repeats one of this epoch's")
