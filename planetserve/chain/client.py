@@ -480,8 +480,7 @@ class LedgerClient:
 
     def plan_required(self, number: int) -> list[bytes]:
         """The nodes the plan of epoch `number` must cover, fixed at its setup block."""
-        return [bytes.fromhex(k.rsplit(b"/", 1)[1].decode())
-                for k, _ in self.entries(layout.required_prefix(number)).entries]
+        return [layout.last_key_bytes(k) for k, _ in self.entries(layout.required_prefix(number)).entries]
 
     def plan(self, number: int) -> tuple[Listing, list[PlanEntry]]:
         listing = self.entries(layout.plan_prefix(number))

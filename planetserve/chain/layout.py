@@ -342,5 +342,10 @@ REGISTRY_PREFIXES = tuple(key(family, "") for family in (
 registry, reputations and credits; not its committee, proposals, epochs or counters of its heights."""
 
 
+def last_key_bytes(k: bytes) -> bytes:
+    """The bytes a key ends with, written as hex after its last '/' (the node of `plan/<e>/<node hex>`)."""
+    return bytes.fromhex(k.rsplit(b"/", 1)[1].decode())
+
+
 def decode_records(entries: list[tuple[bytes, bytes]], cls: type[R]) -> list[R]:
     return [cls.decode(v) for _, v in entries]

@@ -54,7 +54,7 @@ from tendermint.crypto import keys_pb2
 from tendermint.types import canonical_pb2, types_pb2, validator_pb2
 from tendermint.version import types_pb2 as version_pb2
 
-from planetserve.chain.rpc import INT64, RpcClient, RpcError, RpcMalformed, b64, hexb
+from planetserve.chain.rpc import RpcClient, RpcError, RpcMalformed, b64, hexb, integer
 from planetserve.chain.varint import encode_uvarint
 
 BLOCK_PROTOCOL = 11
@@ -213,11 +213,10 @@ def _get(d: Any, key: str, what: str) -> Any:
 
 
 def _int(v: Any, what: str) -> int:
-    if isinstance(v, str) and re.fullmatch(r"-?[0-9]{1,19}", v):
-        v = int(v)
-    if isinstance(v, int) and not isinstance(v, bool) and v in INT64:
-        return v
-    raise VerificationError(f"malformed {what}: not an int64")
+    try:
+        return integer(v, what)
+    except RpcMalformed:
+        raise VerificationError(f"malformed {what}: not an int64") from None
 
 
 def _hex(v: Any, what: str, size: int | None = None) -> bytes:

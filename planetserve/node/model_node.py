@@ -659,17 +659,13 @@ class ModelNode:
         async def chunks() -> AsyncIterator[TokenChunk]:
             reply = first
             try:
-                while True:
-                    if isinstance(reply, list) and len(reply) == 5 and reply[0] == "chunk":
-                        _, ids, finish, prompt_tokens, cached = reply
-                        if type(cached) is int:
-                            found[0] = max(found[0], cached)
-                        yield TokenChunk(tuple(ids), finish, prompt_tokens, cached)
-                    elif isinstance(reply, list) and len(reply) == 2 and reply[0] == "signed":
-                        signed.update(reply[1] if isinstance(reply[1], dict) else {})
+                while True:  # each reply was checked as it came (`_checked_reply`)
+                    if reply[0] == "signed":
+                        signed.update(reply[1])
                         return
-                    else:
-                        raise EngineError("the peer sent a malformed reply")
+                    _, ids, finish, prompt_tokens, cached = reply
+                    found[0] = max(found[0], cached)
+                    yield TokenChunk(tuple(ids), finish, prompt_tokens, cached)
                     try:
                         reply = await anext(replies)
                     except StopAsyncIteration:

@@ -20,7 +20,6 @@ number bench/detection.py needs to untrust every node whose tokens differ from t
 epochs (docs/detection.md). The daemon raises it where the committee is too small for it to see a silent
 node reported (`silent_escape`): four members re-challenge every node."""
 
-
 CONFIG_FILE = "verifier.json"
 USED_PROMPTS_FILE = "used_prompts"
 """sha256 of every challenge prompt ever drawn, so none is sent twice (challenges.ChallengeSource)."""

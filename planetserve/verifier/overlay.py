@@ -90,7 +90,7 @@ class OverlayChannel:
                 body = request_body(model_id, challenge, before, chat, stream, options, fresh, logprobs)
                 self._answer(body, chat, stream)
             except NoAnswer as exc:
-                raise NoAnswer(f"turn {turn} of the session failed: {exc}"[:256]) from None
+                raise NoAnswer(f"turn {turn} of the session failed: {exc}") from None
         return self._answer(request_body(model_id, challenge, text, chat, stream, options, logprobs=logprobs),
                             chat, stream)
 
@@ -117,7 +117,7 @@ class OverlayChannel:
             if answer.status_code == 503 and code in ("too_few_paths", "no_model_nodes") and relay_said:
                 raise RelayUnavailable(f"the user relay cannot send now ({code})")
             message = error.get("message", "") if isinstance(error, dict) else ""
-            raise NoAnswer(f"HTTP {answer.status_code} {code or ''}: {message}"[:256])
+            raise NoAnswer(f"HTTP {answer.status_code} {code or ''}: {message}")
         try:
             choice = payload["choices"][0]
             text = choice["message"]["content"] if chat else choice["text"]
@@ -129,7 +129,7 @@ class OverlayChannel:
         except InvalidField as exc:
             raise NoAnswer(f"an answer the ledger would refuse: {exc}") from None
         except (KeyError, IndexError, TypeError, ResponseFormatError) as exc:
-            raise NoAnswer(f"malformed answer: {exc}"[:256]) from None
+            raise NoAnswer(f"malformed answer: {exc}") from None
         return Reply(response, served_from_extension(extension.get("served"), response))
 
 

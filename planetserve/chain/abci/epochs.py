@@ -50,13 +50,14 @@ def begin_block(batch: Batch, params: Params, height: int, time: int) -> None:
         drawn = [(e.operator, e.output) for e in layout.decode_records(
             list(batch.iterate(layout.vrf_prefix(number))), VrfEntry)]
         seed = epochs.epoch_seed(current.seed if current else b"", drawn, number + 1)
-        st.put_epoch(Epoch(
+        target = Epoch(
             number=number + 1, start_height=schedule.start(number + 1), start_time=0,
             seed=seed, leader=b"", leader_output=b"",
             election="pending", plan_leader=current.leader if current else b"", plan_status=PLAN_NONE,
             plan_nodes=0, plan_cutoff=time, finalized=False, scored=0, faults=0,
-        ))
-        _require_planned(st, params, st.epoch(number + 1))
+        )
+        st.put_epoch(target)
+        _require_planned(st, params, target)
 
 
 def _require_planned(st: State, params: Params, target: Epoch) -> None:
@@ -184,7 +185,7 @@ def _remove_lapsed(st: State, committee: dict[bytes, Member], time: int) -> list
 def _evidence(batch: Batch, epoch: Epoch, committee: dict[bytes, Member], absent: frozenset[bytes],
               params: Params) -> finalization.Evidence:
     n = epoch.number
-    plan = [bytes.fromhex(k.rsplit(b"/", 1)[1].decode()) for k, _ in batch.iterate(layout.plan_prefix(n))]
+    plan = [layout.last_key_bytes(k) for k, _ in batch.iterate(layout.plan_prefix(n))]
     results: dict[bytes, list[ChallengeResult]] = defaultdict(list)
     for _, value in batch.iterate(layout.result_prefix(n)):
         result = ChallengeResult.decode(value)
@@ -194,7 +195,7 @@ def _evidence(batch: Batch, epoch: Epoch, committee: dict[bytes, Member], absent
         node_hex, submitter_hex = k.decode().rsplit("/", 2)[1:]
         attestations[(bytes.fromhex(node_hex), bytes.fromhex(submitter_hex))] = [
             (m, c, d) for m, c, d in codec.unpack_stored(value)]
-    reports = {bytes.fromhex(k.rsplit(b"/", 1)[1].decode()): tuple(codec.unpack_stored(v))
+    reports = {layout.last_key_bytes(k): tuple(codec.unpack_stored(v))
                for k, v in batch.iterate(layout.report_prefix(n))}
     return finalization.Evidence(
         leader=epoch.leader, plan_nodes=plan, results=dict(results), attestations=attestations,

@@ -33,6 +33,7 @@ from planetserve.chain.layout import (
     fault_epoch_prefix,
     fault_key,
     fault_prefix,
+    last_key_bytes,
     member_key,
     member_rotation_key,
     member_rotation_prefix,
@@ -321,8 +322,7 @@ class State:
 
     def plan_required(self, epoch: int) -> list[bytes]:
         """The nodes the plan of `epoch` must cover, in key order: fixed at its setup block."""
-        return [bytes.fromhex(k.rsplit(b"/", 1)[1].decode())
-                for k, _ in self.kv.iterate(required_prefix(epoch))]
+        return [last_key_bytes(k) for k, _ in self.kv.iterate(required_prefix(epoch))]
 
     def plan_entry(self, epoch: int, node: bytes) -> PlanEntry | None:
         return self._load(plan_key(epoch, node), PlanEntry)
