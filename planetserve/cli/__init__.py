@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import unicodedata
 from pathlib import Path
 from typing import Any
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 console = Console(soft_wrap=True)
 err_console = Console(stderr=True, soft_wrap=True)
@@ -27,25 +30,62 @@ def jsonable(value: Any) -> Any:
     return value
 
 
+HIDDEN_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Co", "Zl", "Zp"})
+"""Characters a terminal acts on or hides rather than shows: controls (escape sequences, bells, line
+breaks), format characters (bidi overrides, zero-width joiners), surrogates, private use, line and
+paragraph separators."""
+
+
+def shown(value: Any) -> str:
+    """`value` as console markup that prints it as it is. Text from outside the process (a ledger
+    field, an endpoint's answer or error, a peer's message) may hold rich markup, which would restyle
+    the output or end the command with a MarkupError, and characters a terminal acts on (an escape
+    sequence can set the clipboard or retitle the window; a bidi override reorders what follows):
+    the markup is escaped and those characters are written as Python escapes."""
+    return escape(visible(str(value)))
+
+
+def visible(text: str) -> str:
+    """`text` with the characters a terminal acts on or hides written as Python escapes."""
+    return "".join(_visible(ch) for ch in text)
+
+
+def _visible(ch: str) -> str:
+    if unicodedata.category(ch) not in HIDDEN_CATEGORIES:
+        return ch
+    return ch.encode("unicode_escape", "backslashreplace").decode("ascii")
+
+
+class VisibleFormatter(logging.Formatter):
+    """A log line whose message, which may quote a peer, an endpoint or a request, cannot forge another
+    line or send the terminal an escape sequence; a traceback keeps its lines."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        return visible(super().formatMessage(record))
+
+
 def emit_json(value: Any) -> None:
     click.echo(json.dumps(jsonable(value), indent=2, sort_keys=True))
 
 
 def table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
     """A table for people; a value too wide for the terminal folds onto more lines instead of being
-    cut (keys and addresses are copied from here)."""
+    cut (keys and addresses are copied from here). `title` is markup; a cell is shown as it is
+    (`shown`) unless it is a rich Text, styled by its maker."""
     t = Table(title=title)
     for col in columns:
         t.add_column(col, overflow="fold")
     for row in rows:
-        t.add_row(*(str(jsonable(c)) for c in row))
+        t.add_row(*(c if isinstance(c, Text) else shown(jsonable(c)) for c in row))
     console.print(t)
 
 
 def setup_logging(level: str) -> None:
     """A long-running role's own messages at `level`; the HTTP client's one line per request only when
     debugging."""
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    handler = logging.StreamHandler()
+    handler.setFormatter(VisibleFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level.upper(), handlers=[handler])
     if level != "debug":
         logging.getLogger("httpx").setLevel(logging.WARNING)
 
@@ -144,7 +184,10 @@ EXIT_REFUSED = 4
 
 
 def fail(message: str, code: int = 1) -> None:
-    err_console.print(f"[bold red]error:[/] {message}")
+    """Print `message` (which may quote an endpoint, a file or the ledger: shown as it is, its own line
+    breaks kept) and exit with `code`."""
+    lines = "\n".join(shown(line) for line in message.split("\n"))
+    err_console.print(f"[bold red]error:[/] {lines}")
     sys.exit(code)
 
 

@@ -20,6 +20,7 @@ from planetserve.cli import (
     keep_heights_option,
     log_level_option,
     setup_logging,
+    shown,
 )
 from planetserve.cli.ledger import ledger_options
 from planetserve.genesis.network import (
@@ -126,7 +127,7 @@ def init(home: Path, genesis: Path, peers: tuple[str, ...], moniker: str, p2p: s
                    "vrf_key": keys["vrf"], "x25519_key": keys["x25519"], "propose": propose,
                    "state_sync": trusted})
         return
-    console.print(f"created node home [bold]{joined.home}[/] for chain {joined.chain_id}; "
+    console.print(f"created node home [bold]{shown(joined.home)}[/] for chain {shown(joined.chain_id)}; "
                   f"node id {joined.node_id}")
     if trusted is not None:
         console.print(f"it joins by state sync, trusting header {trusted['height']} ({trusted['hash']})")
@@ -248,7 +249,8 @@ def export(home: Path, out: Path, chain_id: str | None, as_json: bool) -> None:
     if as_json:
         emit_json(summary)
         return
-    console.print(f"wrote {out}: chain {summary['chain_id']} from height {summary['initial_height']}, "
+    console.print(f"wrote {shown(out)}: chain {shown(summary['chain_id'])} from height "
+                  f"{summary['initial_height']}, "
                   f"{summary['entries']} state entries, app hash {app_hash}")
 
 

@@ -7,8 +7,9 @@ from typing import Any
 
 import click
 from rich.progress import Progress
+from rich.text import Text
 
-from planetserve.cli import console, emit_json, err_console, fail, table
+from planetserve.cli import console, emit_json, err_console, fail, shown, table
 from planetserve.localnet import net
 
 root_option = click.option("--root", type=click.Path(file_okay=False, path_type=Path),
@@ -49,7 +50,7 @@ def up(root: Path, config_path: Path | None, as_json: bool) -> None:
             def note(message: str) -> None:  # each step once, as a line above the training bars
                 if not shown or shown[-1] != message:
                     shown.append(message)
-                    progress.console.print(f"[dim]{message}[/]")
+                    progress.console.print(f"[dim]{shown(message)}[/]")
 
             result = net.up(root, config, note, RichReporter(progress))
     except net.LocalnetError as exc:  # says what to do
@@ -78,7 +79,7 @@ def _print_up(result: net.UpResult) -> None:
     if result.answer is not None:
         name = result.names.get(result.answer.node, result.answer.node[:16] + "…")
         console.print(f"[bold]asked[/] through the client relay; [bold]{name}[/] answered in "
-                      f"{result.answer.seconds:.1f} s:\n  {result.answer.text!r}")
+                      f"{result.answer.seconds:.1f} s:\n  {shown(repr(result.answer.text))}")
     if result.client is not None:
         console.print(f"client endpoint (OpenAI-compatible, anonymous): [bold]{result.client}[/]")
     if result.dashboard is not None:
@@ -112,7 +113,8 @@ def status(root: Path, as_json: bool) -> None:
     if as_json:
         emit_json(groups)
         return
-    rows = [[kind[:-1], entry["name"], "up" if entry["up"] else "[red]down[/]", _detail(kind, entry)]
+    down = Text("down", style="red")
+    rows = [[kind[:-1], entry["name"], "up" if entry["up"] else down, _detail(kind, entry)]
             for kind in health.GROUPS for entry in groups[kind]]
     table(f"localnet under {root}", ["role", "name", "process", "health"], rows)
 

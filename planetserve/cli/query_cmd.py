@@ -10,7 +10,7 @@ import click
 from planetserve.chain.client import LedgerClient, Listing, QueryRefused
 from planetserve.chain.lightclient import VerificationError
 from planetserve.chain.rpc import RpcError
-from planetserve.cli import EXIT_NOT_FOUND, console, emit_json, fail, table
+from planetserve.cli import EXIT_NOT_FOUND, console, emit_json, fail, shown, table
 from planetserve.cli.ledger import ledger_options
 from planetserve.cli.tx_cmd import key_bytes
 from planetserve.registry.credits import format_credits
@@ -247,4 +247,4 @@ def show_record(record: dict[str, Any], as_json: bool) -> None:
         emit_json(record)
         return
     for name, value in record.items():
-        console.print(f"  [bold]{name:15}[/] {value.hex() if isinstance(value, bytes) else value}")
+        console.print(f"  [bold]{name:15}[/] {shown(value.hex() if isinstance(value, bytes) else value)}")

@@ -29,7 +29,7 @@ from planetserve.chain.messages import (
 )
 from planetserve.chain.messages.base import Message
 from planetserve.chain.rpc import RpcError
-from planetserve.cli import EXIT_REFUSED, console, emit_json, err_console, fail
+from planetserve.cli import EXIT_REFUSED, console, emit_json, err_console, fail, shown
 from planetserve.cli.ledger import ledger_options
 
 CAPACITY = click.IntRange(1, 1_000_000)
@@ -112,8 +112,8 @@ def submit(ledger: LedgerClient, keys: KeySet, msg: Message, as_json: bool) -> N
         console.print(f"[green]committed[/] {tx_type} in block {done.height} (tx {result['hash']})"
                       + (", outcome verified" if verified else ""))
         for event in events:
-            shown = " ".join(f"{k}={v}" for k, v in event["attributes"].items())
-            console.print(f"  {event['type']}: {shown}")
+            attributes = " ".join(f"{k}={v}" for k, v in event["attributes"].items())
+            console.print(f"  {shown(event['type'])}: {shown(attributes)}")
     if done.outcome.code != 0:
         name = Code(done.outcome.code).name if done.outcome.code in Code._value2member_map_ else "?"
         fail(f"{tx_type} refused with code {done.outcome.code} ({name}): {done.outcome.log}",

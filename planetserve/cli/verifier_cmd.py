@@ -17,6 +17,7 @@ from planetserve.cli import (
     metrics_option,
     rpc_option,
     setup_logging,
+    shown,
     table,
     witness_option,
 )
@@ -159,7 +160,7 @@ def status(home: Path, last: int, as_json: bool) -> None:
                   f"{'leader' if state.get('leader') else 'member'}; {state['submitted']} committed, "
                   f"{state['rejected']} refused, {state.get('pending', 0)} challenge(s) in flight")
     if state.get("last_error"):
-        console.print(f"[yellow]last error: {state['last_error']}[/]")
+        console.print(f"[yellow]last error: {shown(state['last_error'])}[/]")
     table("latest submissions", ["epoch", "type", "height", "code", "log"],
           [[s.get("epoch"), s.get("type"), s.get("height"), s.get("code"), str(s.get("log", ""))[:80]]
            for s in recent])

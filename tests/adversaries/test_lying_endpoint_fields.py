@@ -9,13 +9,12 @@ raises."""
 from __future__ import annotations
 
 import asyncio
-import json
-import threading
 import time
-from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler
 
 import pytest
+from lyingrpc import Answer, json_answer, lying_endpoint
 from test_lightclient import FakeChain, make_keys, uniform
 from waiting import run
 
@@ -24,19 +23,6 @@ from planetserve.chain.lightclient import LightClient
 from planetserve.chain.rpc import RpcClient, RpcMalformed, RpcUnreachable
 from planetserve.node.overlay.directory import OnDemand
 from planetserve.registry import codec
-
-Answer = Callable[[BaseHTTPRequestHandler], None]
-
-
-def json_answer(result: object) -> Answer:
-    def write(handler: BaseHTTPRequestHandler) -> None:
-        body = json.dumps({"jsonrpc": "2.0", "id": 1, "result": result}).encode()
-        handler.send_response(200)
-        handler.send_header("Content-Length", str(len(body)))
-        handler.end_headers()
-        handler.wfile.write(body)
-
-    return write
 
 
 def trickle(handler: BaseHTTPRequestHandler) -> None:
@@ -51,22 +37,8 @@ def trickle(handler: BaseHTTPRequestHandler) -> None:
 
 @pytest.fixture
 def endpoint() -> Iterator[tuple[str, list[Answer]]]:
-    answers: list[Answer] = []
-
-    class Lying(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            self.rfile.read(int(self.headers.get("Content-Length", 0)))
-            answers[0](self)
-
-        def log_message(self, *args: object) -> None:
-            return None
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Lying)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}", answers
-    server.shutdown()
-    server.server_close()
+    with lying_endpoint() as script:
+        yield script.url, script.answers
 
 
 @pytest.mark.parametrize("height", ["--1", "\u00b2", "\u0663", "9223372036854775808", 2**63, "1e3"])
