@@ -1,5 +1,5 @@
 """What a web page can make the user's browser send to an HTTP service on the user's machine, as
-headers on real requests, for the tests of each service's browser guard (`chain/browserguard.py`):
+headers on real requests, for the tests of each service's browser guard (`browserguard.py`):
 another site's fetch and form posts (CSRF), a page whose DNS name was re-pointed at 127.0.0.1 (DNS
 rebinding), and the simple-request bodies a browser sends across sites without asking first; and the
 requests that must still pass (programs that send no Origin, the service's own pages)."""

@@ -16,7 +16,7 @@ import planetserve
 
 PACKAGE = Path(planetserve.__file__).parent
 
-NODE_OUTSIDE = {"chain", "registry", "models", "config", "sampling", "metrics"}
+NODE_OUTSIDE = {"chain", "registry", "models", "config", "sampling", "metrics", "browserguard"}
 NODE = {"node", "node.engine", "node.api", "node.routing", "node.overlay", "node.pipeline", "node.tasks",
         "node.home", "node.behaviours"}
 """node/'s roles (model_node, user, registration, runner), its wings and its shared modules."""
@@ -24,7 +24,8 @@ ALLOWED: dict[str, set[str]] = {
     "registry": set(),
     "models": set(),
     "config": set(),
-    "metrics": set(),
+    "browserguard": set(),
+    "metrics": {"browserguard"},
     "sampling": {"registry"},
     "workloads": {"models"},
     "chain": {"registry"},
@@ -40,7 +41,7 @@ ALLOWED: dict[str, set[str]] = {
     "node.behaviours": set(),
     "node.home": NODE_OUTSIDE | {"node.behaviours"},
     "genesis": {"chain", "chain.abci", "registry"},
-    "dashboard": {"chain", "registry"},
+    "dashboard": {"chain", "registry", "browserguard"},
     "localnet": {"chain", "chain.abci", "registry", "models", "config", "genesis", "verifier", "dashboard",
                  "workloads", "sampling"} | NODE,
     "cli": {"chain", "chain.abci", "registry", "models", "config", "metrics", "workloads", "sampling", "genesis",

@@ -13,10 +13,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
 from chromium import CHROMIUM, browser_missing
+from crosssite import EVIL
 from promscrape import scrape, value
 from roles import localnet, quick_config
 from waiting import wait_until
@@ -70,6 +72,12 @@ def check_metrics(root: Path) -> None:
     verifier = next(f"http://{VerifierConfig.load(h).metrics}/metrics" for kind, h in homes if kind == "verifier")
     ticks = value(scrape(verifier), "planetserve_verifier_ticks_total")
     wait_until(lambda: value(scrape(verifier), "planetserve_verifier_ticks_total") > ticks, timeout=20, interval=0.5)
+    roles = [(ModelNodeConfig if kind == "node" else UserConfig).load(h).metrics
+             for kind, h in homes if kind in ("node", "relay")]
+    for where in [app, verifier, *roles]:  # a page re-pointing its own name here (DNS rebinding) reads nothing
+        url = where if where.startswith("http") else f"http://{where}/metrics"
+        answer = httpx.get(url, headers={"Host": f"{EVIL}:{urlsplit(url).port}"}, timeout=5)
+        assert answer.status_code == 403 and "planetserve_" not in answer.text, url
 
 
 def dashboard_state(url: str, names: set[str], timeout: float = 20.0) -> dict:

@@ -9,7 +9,7 @@
                            "seconds", "attempts"} or {"error": {"message", "code"}} with a 4xx/5xx status
     GET  /api/health       {"ok": true}
 
-Every route is behind the browser guard (`chain/browserguard.py`): a Host the dashboard does not answer
+Every route is behind the browser guard (`browserguard.py`): a Host the dashboard does not answer
 to (a page re-pointing its DNS name here), another site's Origin or `Sec-Fetch-Site: cross-site` get 403,
 and a POST that is not application/json gets 415, all as {"error": {"message", "code"}}, so no other
 page in the user's browser can send a prompt or read the state.
@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 from aiohttp import web
 
-from planetserve.chain.browserguard import BrowserGuard
+from planetserve.browserguard import BrowserGuard
 from planetserve.chain.challenge import ResponseFormatError, response_from_extension, response_valid
 from planetserve.dashboard import HEALTH_PATH
 from planetserve.dashboard.collect import Collector, Settings, error_text

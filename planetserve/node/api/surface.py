@@ -4,7 +4,7 @@ engine and forwarding (`EngineServer`, and the model node's server over it) or a
 
 The HTTP handling is all here: the routes (/health, /v1/models, /v1/models/{id}, /v1/completions,
 /v1/chat/completions, and the GET routes of JSON documents an owner adds, such as /load or
-/v1/planetserve/status), the browser guard in front of them (`chain/browserguard.py`: a Host this server
+/v1/planetserve/status), the browser guard in front of them (`browserguard.py`: a Host this server
 does not answer to or another site's Origin is refused with 403, a body that is not application/json
 with 415), reading a body under its limit (413 past it), and writing an answer as one JSON document or
 as server-sent events while they are produced (a client that goes away closes the answer). Every error,
@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from planetserve.chain.browserguard import BrowserGuard
+from planetserve.browserguard import BrowserGuard
 from planetserve.node.api.openai import (
     ApiError,
     Endpoint,

@@ -1,5 +1,7 @@
 """What a web browser may ask of planetserve's HTTP services: the one aiohttp middleware that a user
-relay's OpenAI endpoint, a model node's API and the dashboard put in front of every route.
+relay's OpenAI endpoint, a model node's API and the dashboard put in front of every route, and the Host
+check alone, which every role's Prometheus endpoint makes (`metrics.py`: it serves GETs only, whose
+answers a cross-site page cannot read unless it rebinds a name).
 
 A page the user opens can make the browser send requests to a service on the user's machine. A
 cross-site POST (a form, or `fetch` in no-cors mode) reaches the handler even though the page cannot
@@ -27,8 +29,8 @@ The port of Host is not compared with the listening port: a rebinding page is to
 and a browser's Origin is compared with Host port included. A service reached through a forwarded port
 (`ssh -L 18080:127.0.0.1:8080`) keeps working that way.
 
-The guard lives on chain's shared side because that is the lowest package that the node roles and the
-dashboard may both import and that may do I/O (registry/ is pure).
+The guard sits beside `metrics.py`, below every role, because the node roles, the dashboard and every
+role's metrics endpoint put it in front of what they serve.
 """
 
 from __future__ import annotations
@@ -129,17 +131,20 @@ class BrowserGuard:
         """The refusal of `request`, or None when it may reach its handler."""
         return self._host(request) or self._origin(request) or self._content_type(request)
 
-    def _host(self, request: web.Request) -> web.StreamResponse | None:
-        host = request.headers.get("Host")
+    def host_refusal(self, host: str | None) -> str | None:
+        """Why a request addressed to Host `host` (None: it sent none) is refused, or None."""
         if host is None:
-            return self.refuse(403, HOST_NOT_ALLOWED, "The request has no Host header.")
+            return "The request has no Host header."
         authority = _authority(host)
         if authority is None or not self.answers_to(authority[0]):
-            return self.refuse(403, HOST_NOT_ALLOWED,
-                               f"Host {_shown(host)} is not a name this server answers to; address it as "
-                               f"{', '.join(sorted(self._shown_names()))}. Requests under other names are "
-                               "refused (a web page re-pointing its own name here, DNS rebinding).")
+            return (f"Host {_shown(host)} is not a name this server answers to; address it as "
+                    f"{', '.join(sorted(self._shown_names()))}. Requests under other names are refused (a "
+                    "web page re-pointing its own name here, DNS rebinding).")
         return None
+
+    def _host(self, request: web.Request) -> web.StreamResponse | None:
+        refusal = self.host_refusal(request.headers.get("Host"))
+        return None if refusal is None else self.refuse(403, HOST_NOT_ALLOWED, refusal)
 
     def _shown_names(self) -> set[str]:
         shown = {f"[{n}]" if ":" in n else n for n in self.names}
