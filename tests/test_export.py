@@ -9,7 +9,9 @@ import json
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 from committee import EPOCH_PARAMS, Script
+from google.protobuf.timestamp_pb2 import Timestamp
 from harness import CHAIN_ID, AppHarness, sqlite_url
 from tendermint.abci import types_pb2 as abci
 from tendermint.crypto import keys_pb2
@@ -18,8 +20,10 @@ from planetserve.chain import layout
 from planetserve.chain.abci.app import Application
 from planetserve.chain.abci.state import State, members
 from planetserve.chain.abci.store import StateStore
+from planetserve.chain.errors import Code
 from planetserve.chain.keys import KeySet
 from planetserve.chain.messages import RotateNodeKey
+from planetserve.cli import main
 from planetserve.genesis.export import ExportError, export_genesis, registry_of
 from planetserve.registry.entities import Member
 from planetserve.registry.errors import InvalidField
@@ -65,7 +69,7 @@ def test_a_new_chain_takes_the_registry_of_an_export_and_a_committee_of_its_own(
     h, users = populated(tmp_path)
     path = tmp_path / "exported.json"
     path.write_text(json.dumps(export_genesis(h.store, {"chain_id": CHAIN_ID, "consensus_params": CONSENSUS})))
-    registry = registry_of(path)
+    registry = registry_of(path, "planetserve-next")
     assert registry and all(k.startswith(layout.REGISTRY_PREFIXES) for k, _ in registry)
     assert not any(k.startswith((layout.MEMBER_PREFIX, b"epoch/")) for k, _ in registry)
     newcomer = KeySet.generate()
@@ -99,7 +103,7 @@ def test_exports_that_are_not_whole_are_refused(tmp_path: Path) -> None:
     not_export = tmp_path / "plain.json"
     not_export.write_text(json.dumps({"app_state": {"committee": []}}))
     with pytest.raises(ExportError, match="is not a genesis written by"):
-        registry_of(not_export)
+        registry_of(not_export, "planetserve-next")
     with StateStore(sqlite_url(tmp_path, "empty.db")) as store, pytest.raises(ExportError, match="no committed"):
         export_genesis(store, {"chain_id": CHAIN_ID, "consensus_params": CONSENSUS})
 
@@ -117,12 +121,54 @@ def test_an_export_with_a_node_rotation_pending_gives_no_registry_until_it_took_
     path = tmp_path / "exported.json"
     path.write_text(json.dumps(export_genesis(s.h.store, {"chain_id": CHAIN_ID, "consensus_params": CONSENSUS})))
     with pytest.raises(ExportError) as refused:
-        registry_of(path)
+        registry_of(path, "planetserve-next")
     assert str(refused.value) == (
         f"{path} holds 1 node rotation(s) not yet in effect ({old.hex()[:16]}… → {new.public.hex()[:16]}…), due "
         f"by height {due} of the exported chain: a new network would keep those nodes under their old keys; "
         f"export again once the chain is past that height")
     s.run_to(due + 1)  # block `due` moved the node
     path.write_text(json.dumps(export_genesis(s.h.store, {"chain_id": CHAIN_ID, "consensus_params": CONSENSUS})))
-    nodes = [k for k, _ in registry_of(path) if k.startswith(layout.key("node", ""))]
+    nodes = [k for k, _ in registry_of(path, "planetserve-next") if k.startswith(layout.key("node", ""))]
     assert layout.key("node", new.public.hex()) in nodes and layout.key("node", old.hex()) not in nodes
+
+
+def test_a_transaction_signed_on_the_exported_chain_is_refused_by_the_new_one(tmp_path: Path) -> None:
+    """Whoever holds a transaction of the old chain that it never committed (one in its mempool when it
+    stopped, say) replays it on a new network that carried the accounts and their sequences over. The new
+    network has a chain id of its own, so the transaction names the wrong chain (and its signature covers
+    the name); under the old id the export is
+    refused."""
+    h, users = populated(tmp_path)
+    path = tmp_path / "exported.json"
+    path.write_text(json.dumps(export_genesis(h.store, {"chain_id": CHAIN_ID, "consensus_params": CONSENSUS})))
+    with pytest.raises(ExportError, match=f"is an export of chain '{CHAIN_ID}': give the new network a chain id"):
+        registry_of(path, CHAIN_ID)
+    newcomer = KeySet.generate()
+    member = Member(newcomer.public, KeySet.generate().public, bytes(newcomer.vrf.verify_key),
+                    bytes(newcomer.x25519.public_key), "new committee", 10)
+    fresh = AppState(h.app.params, (member,), models=(), exported=registry_of(path, "planetserve-next"))
+    with StateStore(sqlite_url(tmp_path, "new.db")) as store:
+        app = Application(store)
+        app.init_chain(init_request({"chain_id": "planetserve-next", "app_state": fresh.to_json()}, 1))
+        replayed = h.tx(users[0], "heartbeat", {}, sequence=1)  # signed for the old chain, never sent there
+        own = h.tx(users[0], "heartbeat", {}, sequence=1, chain_id="planetserve-next")
+        block = app.finalize_block(abci.RequestFinalizeBlock(txs=[replayed, own], height=1,
+                                                             time=Timestamp(seconds=h.time + 5)))
+        assert [r.code for r in block.tx_results] == [Code.WRONG_CHAIN_ID, 0]  # the sequence was open to both
+
+
+def test_genesis_init_from_an_export_needs_a_chain_id_of_its_own(tmp_path: Path) -> None:
+    h, _ = populated(tmp_path)
+    path = tmp_path / "exported.json"
+    path.write_text(json.dumps(export_genesis(h.store, {"chain_id": "planetserve-local",
+                                                        "consensus_params": CONSENSUS})))
+    for named, message in [((), "--from-export needs --chain-id"),
+                           (("--chain-id", "planetserve-local"), "is an export of chain 'planetserve-local'")]:
+        out = tmp_path / f"net{len(named)}"
+        done = CliRunner().invoke(main, ["genesis", "init", str(out), "-n", "1", "--from-export", str(path), *named])
+        assert done.exit_code == 1 and message in done.output, done.output
+        assert not out.exists()
+    done = CliRunner().invoke(main, ["genesis", "init", str(tmp_path / "next"), "-n", "1", "--from-export", str(path),
+                                     "--chain-id", "planetserve-next", "--json"])
+    assert done.exit_code == 0, done.output
+    assert json.loads(done.output)["chain_id"] == "planetserve-next"

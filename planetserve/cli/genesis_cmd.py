@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 from planetserve.chain.abci.store import masked_url
 from planetserve.cli import console, emit_json, fail, keep_heights_option, table
@@ -86,7 +87,8 @@ def group() -> None:
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--validators", "-n", default=4, show_default=True, help="Number of validators.")
 @click.option("--chain-id", default="planetserve-local", show_default=True,
-              help="The network's name; every transaction is signed for it.")
+              help="The network's name; every transaction is signed for it. Required with --from-export, "
+                   "and other than the exported chain's.")
 @click.option("--model", "models", multiple=True, metavar="ID=NAME[:LAYERS:LAYER_MIB]",
               help="A model registered at genesis (repeatable). Add :LAYERS:LAYER_MIB to declare its size "
                    "(number of layers, MiB per layer), so that deployments on nodes too small to hold it "
@@ -105,7 +107,9 @@ def group() -> None:
 @click.option("--from-export", "from_export", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Start from the registry (accounts, organisations, users, models, model nodes, "
                    "reputations, credits, deployments) of a genesis that `planetserve chain export` wrote; "
-                   "the committee and its epochs begin afresh.")
+                   "the committee and its epochs begin afresh. Name the new network with --chain-id, other "
+                   "than the exported chain's: accounts keep their sequences, so under the old name each "
+                   "chain would take the other's transactions.")
 @click.option("--json", "as_json", is_flag=True, help="Print the validators' homes and ports as JSON.")
 def init(out: Path, validators: int, chain_id: str, models: tuple[str, ...], orgs: tuple[str, ...],
          credential: str, timeout_commit: str, db_urls: tuple[str, ...], keep_heights: int,
@@ -119,8 +123,13 @@ def init(out: Path, validators: int, chain_id: str, models: tuple[str, ...], org
     """
     if db_urls and len(db_urls) != validators:
         fail(f"--db given {len(db_urls)} times for {validators} validators")
+    named = click.get_current_context().get_parameter_source("chain_id") is not ParameterSource.DEFAULT
+    if from_export and not named:
+        fail("--from-export needs --chain-id: the new network must be named apart from the exported chain "
+             "and from any other network started from the same export, whose transactions it would "
+             "otherwise take")
     try:
-        exported = registry_of(from_export) if from_export else ()
+        exported = registry_of(from_export, chain_id) if from_export else ()
     except ExportError as exc:
         fail(str(exc))
     try:

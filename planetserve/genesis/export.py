@@ -66,15 +66,22 @@ def export_genesis(store: StateStore, genesis: dict[str, Any], chain_id: str | N
     }
 
 
-def registry_of(path: Path) -> tuple[tuple[bytes, bytes], ...]:
-    """The registry's entries (`REGISTRY_PREFIXES`) of an exported genesis file. An export with a node
-    rotation still pending is refused: the rotation is due at a height of the old chain, so the new one
-    would keep the node under its old key, its new key reserved (`rkey`) for ever."""
+def registry_of(path: Path, chain_id: str) -> tuple[tuple[bytes, bytes], ...]:
+    """The registry's entries (`REGISTRY_PREFIXES`) of an exported genesis file, for a new network named
+    `chain_id`. The accounts carry their sequences over, so a new network under the exported chain's id
+    would take every transaction signed for the old chain at a sequence it has not reached: refused. An
+    export with a node rotation still pending is refused: the rotation is due at a height of the old
+    chain, so the new one would keep the node under its old key, its new key reserved (`rkey`) for ever."""
     try:
         doc = json.loads(path.read_text())
         exported = parse_exported(doc["app_state"]["exported"])
+        old_chain_id = str(doc["chain_id"])
     except (OSError, ValueError, KeyError, TypeError, RegistryError) as exc:
         raise ExportError(f"{path} is not a genesis written by `planetserve chain export`: {exc}") from None
+    if chain_id == old_chain_id:
+        raise ExportError(f"{path} is an export of chain {old_chain_id!r}: give the new network a chain id "
+                          "of its own, or a transaction signed for either chain could be replayed on the "
+                          "other (the accounts and their sequences are carried over)")
     pending = [NodeRotation.decode(v) for k, v in exported if k.startswith(NODE_ROTATION_PREFIX)]
     if pending:
         due = max(r.height for r in pending)
