@@ -16,6 +16,7 @@ from planetserve.chain import layout
 from planetserve.chain.abci.app import Application
 from planetserve.chain.abci.snapshots import (
     FORMAT,
+    LOAD_BYTES_PER_CHUNK_BYTE,
     MAX_CHUNK_BYTES,
     Metadata,
     Snapshots,
@@ -24,6 +25,7 @@ from planetserve.chain.abci.snapshots import (
 )
 from planetserve.chain.abci.store import StateStore
 from planetserve.chain.keys import KeySet
+from planetserve.chain.trie import EMPTY_ROOT
 
 OFFER = abci.ResponseOfferSnapshot
 CHUNK = abci.ResponseApplySnapshotChunk
@@ -171,6 +173,74 @@ def test_a_snapshot_is_refused_before_its_chunks_take_the_disks_reserve(tmp_path
     assert app.store.height == 0 and not (tmp_path / "full-snapshots" / "restoring").exists()
     # with room, the same snapshot restores
     app.snapshots.disk_reserve = 0
+    assert offer(app, snapshot, h.store.app_hash) == OFFER.ACCEPT
+    assert all(apply(app, i, c).result == CHUNK.ACCEPT for i, c in enumerate(chunks))
+    assert app.store.app_hash == h.store.app_hash
+
+
+def assert_nothing_kept(app: Application, snapshots: Path) -> None:
+    """What a refused snapshot leaves: an empty state and no restore folder."""
+    assert (app.store.height, app.store.app_hash) == (0, EMPTY_ROOT)
+    assert list(app.store.batch().iterate(b"")) == []
+    assert not (snapshots / "restoring").exists()
+
+
+def test_a_snapshot_is_refused_before_its_load_takes_the_disks_reserve(tmp_path: Path) -> None:
+    """The chunks fit above the reserve, but loading their entries writes several times their bytes
+    (rows, trie nodes, SQLite's WAL) before the root can be checked: the restore refuses the snapshot
+    before it loads anything, and nothing of it stays."""
+    h = chain_with_snapshots(tmp_path, users=1600, chunk_bytes=64 << 10)
+    snapshot = h.app.list_snapshots(abci.RequestListSnapshots()).snapshots[-1]
+    chunks = chunks_of(h.app, snapshot)
+    held = sum(map(len, chunks))
+    app = joiner(tmp_path)
+    # the reserve begins halfway into what the load would write, once the chunks are kept
+    app.snapshots.disk_reserve = shutil.disk_usage(tmp_path).free - held - held * LOAD_BYTES_PER_CHUNK_BYTE // 2
+    assert offer(app, snapshot, h.store.app_hash) == OFFER.ACCEPT
+    results = [apply(app, i, c).result for i, c in enumerate(chunks)]
+    assert results == [CHUNK.ACCEPT] * (len(chunks) - 1) + [CHUNK.REJECT_SNAPSHOT]
+    assert_nothing_kept(app, tmp_path / "joiner-snapshots")
+    # with room, the same snapshot restores
+    app.snapshots.disk_reserve = 0
+    assert offer(app, snapshot, h.store.app_hash) == OFFER.ACCEPT
+    assert all(apply(app, i, c).result == CHUNK.ACCEPT for i, c in enumerate(chunks))
+    assert app.store.app_hash == h.store.app_hash
+
+
+def test_a_load_that_fills_the_disk_is_refused_and_leaves_nothing(tmp_path: Path) -> None:
+    """A forged snapshot whose entries the database cannot hold: the load meets SQLite's real
+    SQLITE_FULL ("database or disk is full", from a cap of 1 MiB on the joiner's database), rolls back
+    and refuses the snapshot instead of stopping the node, which then restores the honest one."""
+    h = chain_with_snapshots(tmp_path)
+    snapshot = h.app.list_snapshots(abci.RequestListSnapshots()).snapshots[-1]
+    chunks = chunks_of(h.app, snapshot)
+    # 25,000 entries: bulk_load writes its first 20,000 before it can compare the root
+    bulky = [b"".join(encode_entry(b"zz/%06d" % i, b"v" * 100) for i in range(start, start + 5_000))
+             for start in range(0, 25_000, 5_000)]
+    store = StateStore(sqlite_url(tmp_path, "capped.db"), sqlite_max_pages=256)
+    app = Application(store, Snapshots(tmp_path / "capped-snapshots"), chain_id=CHAIN_ID)
+    assert offer(app, forged(snapshot, bulky), h.store.app_hash) == OFFER.ACCEPT
+    results = [apply(app, i, c).result for i, c in enumerate(bulky)]
+    assert results == [CHUNK.ACCEPT] * (len(bulky) - 1) + [CHUNK.REJECT_SNAPSHOT]
+    assert_nothing_kept(app, tmp_path / "capped-snapshots")
+    assert offer(app, snapshot, h.store.app_hash) == OFFER.ACCEPT
+    assert all(apply(app, i, c).result == CHUNK.ACCEPT for i, c in enumerate(chunks))
+    assert app.store.app_hash == h.store.app_hash
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs Linux's /dev/full")
+def test_a_chunk_that_meets_a_full_disk_refuses_the_snapshot(tmp_path: Path) -> None:
+    """Keeping a chunk fails with the kernel's own ENOSPC (its file is /dev/full): the snapshot is
+    refused instead of the node stopped, nothing stays, and the snapshot restores once there is room."""
+    h = chain_with_snapshots(tmp_path)
+    snapshot = h.app.list_snapshots(abci.RequestListSnapshots()).snapshots[-1]
+    chunks = chunks_of(h.app, snapshot)
+    app = joiner(tmp_path)
+    assert offer(app, snapshot, h.store.app_hash) == OFFER.ACCEPT
+    (tmp_path / "joiner-snapshots" / "restoring" / "1.chunk").symlink_to("/dev/full")
+    assert [apply(app, 0, chunks[0]).result, apply(app, 1, chunks[1]).result] == [
+        CHUNK.ACCEPT, CHUNK.REJECT_SNAPSHOT]
+    assert_nothing_kept(app, tmp_path / "joiner-snapshots")
     assert offer(app, snapshot, h.store.app_hash) == OFFER.ACCEPT
     assert all(apply(app, i, c).result == CHUNK.ACCEPT for i, c in enumerate(chunks))
     assert app.store.app_hash == h.store.app_hash

@@ -45,7 +45,8 @@ SQLite durability: WAL with synchronous=NORMAL. A transaction is in the WAL when
 so a killed process (SIGKILL) loses nothing; an operating-system crash or power cut may lose the
 last commits, which CometBFT replays from its block store at the next handshake. Pass
 `sqlite_synchronous="FULL"` to fsync every commit as well. Checkpoints (copying the WAL into the
-database file) run in a background thread, not inside commit().
+database file) run in a background thread, not inside commit(). `sqlite_max_pages` caps the
+database's size (PRAGMA max_page_count; 0: SQLite's own cap): past it a write fails as on a full disk.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql as pg_dialect
 from sqlalchemy.dialects import sqlite as sqlite_dialect
 from sqlalchemy.engine import URL, Connection, Engine, make_url
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.pool import StaticPool
 
 from planetserve.chain.trie import (
@@ -786,6 +788,7 @@ class StateStore:
         cache_bytes: int = 384 << 20,
         value_cache_bytes: int = 64 << 20,
         sqlite_synchronous: str = "NORMAL",
+        sqlite_max_pages: int = 0,
         keep_heights: int = 0,
         echo: bool = False,
     ) -> None:
@@ -801,7 +804,7 @@ class StateStore:
         self._value_cache_bytes = value_cache_bytes
         self._values = _ValueCache(value_cache_bytes)
         self._generation = 0
-        self._engine = self._make_engine(u, sqlite_synchronous.upper(), echo)
+        self._engine = self._make_engine(u, sqlite_synchronous.upper(), sqlite_max_pages, echo)
         self._rconn: Connection | None = None
         self._rcur: Any = None
         self._checkpointer: _Checkpointer | None = None
@@ -839,10 +842,12 @@ class StateStore:
             weakref.finalize(self, self._checkpointer.stop)
 
     @staticmethod
-    def _make_engine(u: URL, sync: str, echo: bool) -> Engine:
+    def _make_engine(u: URL, sync: str, max_pages: int, echo: bool) -> Engine:
         if u.get_backend_name() == "sqlite":
             if sync not in _SQLITE_SYNC:
                 raise ValueError(f"sqlite_synchronous must be one of {_SQLITE_SYNC}")
+            if type(max_pages) is not int or max_pages < 0:
+                raise ValueError("sqlite_max_pages must be an int of at least 0")
             if u.database in (None, "", ":memory:"):
                 engine = create_engine(
                     u, poolclass=StaticPool, connect_args={"check_same_thread": False}, echo=echo
@@ -862,6 +867,8 @@ class StateStore:
                 cur.execute("PRAGMA mmap_size=2147418112")
                 cur.execute("PRAGMA wal_autocheckpoint=0")  # see _Checkpointer
                 cur.execute("PRAGMA busy_timeout=30000")
+                if max_pages:
+                    cur.execute(f"PRAGMA max_page_count={max_pages}")
                 cur.close()
 
             return engine
@@ -996,10 +1003,20 @@ class StateStore:
                 # the cache was warmed with ids that the rolled-back nodes had: forget them
                 self._cache = _NodeCache(self._cache_bytes)
                 raise
+            finally:
+                self._truncate_wal()
             self._committed(height, root, root_id, written)
             self._base = height
-            self.checkpoint()
         return root
+
+    def _truncate_wal(self) -> None:
+        """After bulk_load: a committed load's WAL copied into the database file, a rolled-back one's
+        space given back (SQLite keeps a WAL file's size: a refused snapshot would go on holding the
+        disk). Best effort: the load's outcome is decided, and a commit is durable in the WAL."""
+        try:
+            self.checkpoint()
+        except SQLAlchemyError as exc:
+            log.warning("state store: checkpoint after bulk_load failed: %s", exc)
 
     def checkpoint(self) -> None:
         """SQLite: copy the whole WAL into the database file now and truncate it (bulk_load does
