@@ -3,6 +3,7 @@ and a CheckTx flood through one validator's public RPC."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import itertools
@@ -45,6 +46,7 @@ from planetserve.genesis.network import edit_toml, free_ports
 from planetserve.localnet.processes import read_pids
 from planetserve.node.home import UserConfig
 from planetserve.node.overlay.directory import Directory
+from planetserve.node.overlay.transport import Peering, TransportError
 from planetserve.node.routing.group import Group
 from planetserve.node.user import UserRelay
 from planetserve.registry import codec
@@ -598,6 +600,71 @@ def test_a_relay_drops_lists_from_a_stalled_endpoint_keeps_running_and_recovers(
     frozen = 0
     try:
         run(scenario(), timeout=60)
+    finally:
+        proxy.close()
+
+
+def test_fresh_keys_knocking_at_a_relay_cost_its_endpoint_small_lookups_not_list_reads(net):
+    """A hello needs only a fresh key pair. Before, each one the relay did not know made it read every
+    list again (every user and node with their proofs), up to twice a second for as long as the knocks
+    went on. Now a knocking key is first looked up alone: fresh keys cost the endpoint a few small
+    lookups a second (each key at most once) and no list read, and a user who registered after the
+    relay's last read is still let in, after one read."""
+    honest = ledger(net, 0)
+    proxy = TamperProxy(net.rpc_url(2))
+    calls: list[str] = []
+
+    def count(method, params, answer):
+        calls.append(str(params.get("path", method)))
+        return answer
+
+    rpc = RpcClient(proxy.url)
+    client = LedgerClient(rpc, LightClient.from_genesis_file(net.spec.genesis_path, rpc),
+                          min_height=honest.min_height)
+
+    async def knock(relay: UserRelay, keys: KeySet) -> bool:
+        async def nothing(peer, msg_type, body):
+            return None
+
+        knocker = Peering(keys, nothing, lambda key: True)
+        try:
+            await knocker.connect(relay.keys.public, f"127.0.0.1:{relay.peer_port}")
+            return True
+        except TransportError:
+            return False
+        finally:
+            await knocker.close()
+
+    async def scenario():
+        relay = UserRelay(UserConfig(peer="127.0.0.1:0", list_interval=600), KeySet.generate(), Directory(client))
+        await relay.start(serve_http=False)
+        try:
+            await until(lambda: relay.view.height > 0)
+            proxy.rewrite = count
+            started = time.monotonic()
+            first = [KeySet.generate() for _ in range(4)]
+            refused = []
+            for _ in range(6):  # a round of fresh keys, and the first ones again, every 0.6 s for 3 s
+                refused += [not await knock(relay, keys) for keys in [*first, *(KeySet.generate() for _ in range(8))]]
+                await asyncio.sleep(0.6)
+            elapsed = time.monotonic() - started
+            assert len(refused) == 72 and all(refused)
+            assert "/prefix" not in calls  # no list read
+            counts = relay.knocks.counts
+            assert counts["lookups"] <= 8 + 4 * elapsed + 1 and calls.count("/key") <= 2 * counts["lookups"]
+            assert counts["absent"] >= 4 * 4 and counts["absent"] + counts["limited"] + counts["lookups"] == 72
+            newcomer = KeySet.generate()  # registers after the relay's last read of the lists
+            done = honest.submit(newcomer, RegisterUser("127.0.0.1:9111", "global"))
+            assert done.outcome.code == 0
+            await until(lambda: rpc.latest_height() >= done.height)  # the relay's validator has it too
+            await asyncio.sleep(8 / 4)  # the lookups' bucket fills again
+            assert await knock(relay, newcomer)
+            assert "/prefix" in calls and newcomer.public in relay.view.users
+        finally:
+            await relay.close()
+
+    try:
+        run(scenario(), timeout=90)
     finally:
         proxy.close()
 

@@ -11,6 +11,7 @@ import time
 from waiting import run
 
 from planetserve.node.overlay import onion
+from planetserve.node.overlay.directory import Knocks
 from planetserve.node.overlay.relay import MAX_REPLIES_PER_PATH, REPLY_IDLE_SECONDS, Hop, Relay
 
 NODE = b"n" * 32
@@ -101,8 +102,9 @@ def test_idle_reply_ids_are_forgotten_and_so_are_those_of_a_path_torn_down():
 
 def test_a_clove_for_a_key_the_proxys_list_lacks_reads_the_list_again_and_else_says_unreachable():
     """A model node's new key (registered or rotated to since the proxy's last read) is delivered to
-    once the lists are read again; a key no list holds comes back "unreachable" at once, so the user's
-    request fails now instead of at its timeout. One read serves both calls here (OnDemand's interval)."""
+    once the lists are read again; a key the ledger does not hold comes back "unreachable" at once, with
+    no read of the lists (`Knocks` looked it up alone), so the user's request fails now instead of at
+    its timeout."""
     async def main():
         registered = {NODE}
         reads = []
@@ -116,16 +118,18 @@ def test_a_clove_for_a_key_the_proxys_list_lacks_reads_the_list_again_and_else_s
         async def send(peer: bytes, msg_type: str, body: object) -> None:
             sent.append((peer, msg_type, body))
 
+        knocks = Knocks(lambda key: key == ROTATED, refresh)  # the ledger holds the rotated key
         relay = Relay(bytes(32), send, is_user=lambda k: k in PEERS, is_node=lambda k: k in registered,
-                      refresh=refresh)
+                      knock=knocks)
         hop = path_to(relay, PEERS[0])
         await clove(relay, hop, destination=ROTATED)
-        assert reads and sent[-1][:2] == (ROTATED, "clove") and relay.counters["to_nodes"] == 1
+        assert reads == [True] and sent[-1][:2] == (ROTATED, "clove") and relay.counters["to_nodes"] == 1
         await clove(relay, hop, destination=STRANGER)
         peer, kind, (link, sealed) = sent[-1]
         assert (peer, kind, link) == (PEERS[0], "back", hop.in_id)
         assert onion.open_payload(hop.key, onion.BACKWARD, sealed).first == "unreachable"
         assert relay.counters["refused"] == 1 and relay.counters["to_nodes"] == 1
         assert len(relay.replies) == 1  # the refused clove's reply id was never stored
+        assert reads == [True] and knocks.counts["lookups"] == 2
 
     run(main())

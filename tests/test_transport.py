@@ -117,14 +117,14 @@ def test_listener_rereads_its_list_once_for_an_unknown_dialler():
         reads = []
         a, b = peers(allowed_for_b=lambda key: key in listed)
 
-        async def refresh() -> None:  # the dialler registered a moment ago
-            reads.append(1)
-            listed.add(a.keys.public)
+        async def knock(key: bytes) -> None:  # the dialler registered a moment ago
+            reads.append(key)
+            listed.add(key)
 
-        b.refresh = refresh
+        b.knock = knock
         port = await b.listen("127.0.0.1", 0)
         conn = await a.connect(b.keys.public, f"127.0.0.1:{port}")
-        assert (await conn.call("echo", 7))["body"] == 7 and reads == [1]
+        assert (await conn.call("echo", 7))["body"] == 7 and reads == [a.keys.public]
         await a.close()
         await b.close()
 
@@ -148,11 +148,11 @@ def test_a_closed_peering_dials_and_adopts_nothing():
         a = Peering(a_keys, handler, lambda key: key == b_keys.public)
         b = Peering(b_keys, handler, lambda key: key in listed)
 
-        async def refresh() -> None:  # holds b's handshake with a dialler until the test lets it go
+        async def knock(key: bytes) -> None:  # holds b's handshake with a dialler until the test lets it go
             await gate.wait()
-            listed.add(a_keys.public)
+            listed.add(key)
 
-        b.refresh = refresh
+        b.knock = knock
         port = await b.listen("127.0.0.1", 0)
 
         # a dial under way on both sides when each side closes

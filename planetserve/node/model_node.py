@@ -22,6 +22,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 from planetserve.chain.challenge import (
@@ -60,7 +61,7 @@ from planetserve.node.engine.base import (
 from planetserve.node.engine.kvevents import PrefixMirror
 from planetserve.node.home import ModelNodeConfig
 from planetserve.node.metrics import TTFT_BUCKETS
-from planetserve.node.overlay.directory import Directory, DirectoryView, OnDemand
+from planetserve.node.overlay.directory import Directory, DirectoryView, Knocks, OnDemand, registered
 from planetserve.node.overlay.gateway import Gateway
 from planetserve.node.overlay.onion import exchange_secret
 from planetserve.node.overlay.transport import Peering, RemoteError, TransportError
@@ -323,7 +324,10 @@ class ModelNode:
         self.users = users
         self.users_view = DirectoryView(0)
         self.refresh_lists = OnDemand(self._lists, self._apply_lists)
-        self.peering = Peering(keys, self._on_peer, self._authorized, refresh=self.refresh_lists)
+        ledger = group.ledger if group is not None else users.ledger if users is not None else None
+        self.knocks = (Knocks(partial(registered, ledger, nodes=True), self.refresh_lists)
+                       if ledger is not None else None)
+        self.peering = Peering(keys, self._on_peer, self._authorized, knock=self.knocks)
         self.http = ModelNodeServer(self, limits or ApiLimits())
         self.gateway = Gateway(keys.public, exchange_secret(keys.identity), self.http.respond,
                                self._send_to_user)

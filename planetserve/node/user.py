@@ -23,6 +23,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 from planetserve.chain.challenge import ANSWERED_BY
@@ -44,7 +45,7 @@ from planetserve.node.api.surface import EVENT_STREAM, ApiServer, Reply, single_
 from planetserve.node.engine.wire import SSE_DONE, sse
 from planetserve.node.home import UserConfig
 from planetserve.node.overlay import onion, sida
-from planetserve.node.overlay.directory import Directory, DirectoryView, OnDemand
+from planetserve.node.overlay.directory import Directory, DirectoryView, Knocks, OnDemand, registered
 from planetserve.node.overlay.messages import (
     MAX_MESSAGE,
     MAX_PROXIES,
@@ -204,9 +205,13 @@ class UserRelay:
         self.config = config
         self.keys = keys
         self.view = DirectoryView(0)
-        self.refresh_directory = OnDemand(directory.refresh, self.apply_view) if directory else None
+        self.refresh_directory: OnDemand | None = None
+        self.knocks: Knocks | None = None
+        if directory is not None:
+            self.refresh_directory = OnDemand(directory.refresh, self.apply_view)
+            self.knocks = Knocks(partial(registered, directory.ledger, nodes=True), self.refresh_directory)
         self.peering = Peering(keys, self._on_peer, self._authorized, on_close=self._peer_closed,
-                               refresh=self.refresh_directory)
+                               knock=self.knocks)
         self.paths = PathManager(keys.public, self._send, lambda: sorted(self.view.users),
                                  settings=settings or path_settings(config), rng=rng)
         self.paths.on_clove = self._on_clove
@@ -216,7 +221,7 @@ class UserRelay:
         self.relay = Relay(onion.exchange_secret(keys.identity), self._send,
                            is_user=lambda key: key in self.view.users,
                            is_node=lambda key: self.view.node(key) is not None,
-                           refresh=self.refresh_directory, owner=self.paths)
+                           knock=self.knocks, owner=self.paths)
         self.reassembler = sida.Reassembler(max_n=MAX_PROXIES)
         self.exchanges: dict[bytes, Exchange] = {}
         self.reply_keys: dict[bytes, bytes] = {}

@@ -14,7 +14,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -94,9 +95,91 @@ class Directory:
         return self.view
 
 
+def registered(ledger: LedgerClient, key: bytes, *, nodes: bool) -> bool | None:
+    """Whether the ledger holds `key` as a user's (or, with `nodes`, a model node's), read as that one
+    proven entry: None when it could not be read."""
+    try:
+        return ledger.user(key) is not None or (nodes and ledger.node(key) is not None)
+    except (QueryRefused, VerificationError, RpcError) as exc:
+        log.info("could not look up a knocking key: %s", exc)
+        return None
+
+
+KNOCK_LOOKUPS_PER_S = 4.0
+"""Lookups of unknown keys a relay or model node makes a second, on average."""
+KNOCK_BURST = 8
+"""Lookups it may make at once after a quiet spell."""
+ABSENT_FOR_S = 10.0
+"""How long a key the ledger did not hold is refused without a lookup: a registration takes a block or
+two, and a key that knocked just before its own commits may knock again soon after."""
+ABSENT_MEMORY = 4096
+"""Keys remembered absent, the least recently found first forgotten."""
+
+
+class Knocks:
+    """What a knock from a key the lists do not hold may cost. A hello needs only a fresh key pair, so
+    the lists (every user, every node, with their proofs) are read again only for a key the ledger
+    holds: first that key alone is looked up (`lookup`, one proven entry). Lookups are limited to
+    `rate` a second (a bucket of `burst`), and a key found absent is refused without one for
+    `absent_for` seconds. A flood of fresh keys costs the validator's RPC a few small lookups a second,
+    and while it lasts a newcomer whose knock finds the bucket empty waits for the periodic read of the
+    lists, or knocks again."""
+
+    def __init__(self, lookup: Callable[[bytes], bool | None], refresh: Callable[[], Awaitable[None]], *,
+                 rate: float = KNOCK_LOOKUPS_PER_S, burst: int = KNOCK_BURST,
+                 absent_for: float = ABSENT_FOR_S, memory: int = ABSENT_MEMORY) -> None:
+        self.lookup = lookup
+        self.refresh = refresh
+        self.rate = rate
+        self.burst = burst
+        self.absent_for = absent_for
+        self.memory = memory
+        self._tokens = float(burst)
+        self._filled = time.monotonic()
+        self._absent: OrderedDict[bytes, float] = OrderedDict()
+        self.counts = {"lookups": 0, "refreshes": 0, "absent": 0, "limited": 0}
+
+    async def __call__(self, key: bytes) -> None:
+        """Read the lists again if `key` may be one they now hold."""
+        if self._recently_absent(key):
+            self.counts["absent"] += 1
+            return
+        if not self._take():
+            self.counts["limited"] += 1
+            return
+        self.counts["lookups"] += 1
+        found = await asyncio.to_thread(self.lookup, key)
+        if found:
+            self.counts["refreshes"] += 1
+            await self.refresh()
+        elif found is not None:
+            self._absent[key] = time.monotonic()
+            self._absent.move_to_end(key)
+            while len(self._absent) > self.memory:
+                self._absent.popitem(last=False)
+
+    def _recently_absent(self, key: bytes) -> bool:
+        since = self._absent.get(key)
+        if since is None:
+            return False
+        if time.monotonic() - since < self.absent_for:
+            return True
+        del self._absent[key]
+        return False
+
+    def _take(self) -> bool:
+        now = time.monotonic()
+        self._tokens = min(float(self.burst), self._tokens + (now - self._filled) * self.rate)
+        self._filled = now
+        if self._tokens < 1:
+            return False
+        self._tokens -= 1
+        return True
+
+
 class OnDemand(Generic[T]):
-    """A blocking list read run when someone unknown knocks: at most once per `min_interval`, and
-    callers that arrive during a read share it."""
+    """A blocking list read run when a key the ledger holds knocks unknown (`Knocks`) and periodically:
+    at most once per `min_interval`, and callers that arrive during a read share it."""
 
     def __init__(self, fetch: Callable[[], T], apply: Callable[[T], None], min_interval: float = 0.5) -> None:
         self.fetch = fetch

@@ -129,7 +129,7 @@ def _link(value: Any) -> bytes:
 
 class Relay:
     def __init__(self, secret: bytes, send: Send, *, is_user: Callable[[bytes], bool],
-                 is_node: Callable[[bytes], bool], refresh: Callable[[], Awaitable[None]] | None = None,
+                 is_node: Callable[[bytes], bool], knock: Callable[[bytes], Awaitable[None]] | None = None,
                  owner: PathOwner | None = None,
                  max_hops: int = MAX_HOPS_STORED, max_hops_per_peer: int = MAX_HOPS_PER_PEER,
                  replay_memory: int | None = None, max_setups_per_peer: int = MAX_SETUPS_PER_PEER,
@@ -139,9 +139,9 @@ class Relay:
         self.send = send
         self.is_user = is_user
         self.is_node = is_node
-        self.refresh = refresh
-        """Reads the lists again (at most once per interval, shared by all callers): a node registered
-        or rotated to its key since the last read is a destination already."""
+        self.knock = knock
+        """Reads the lists again if the ledger holds the key (`directory.Knocks`): a node registered or
+        rotated to its key since the last read is a destination already."""
         self.owner = owner
         self.max_hops = max_hops
         self.max_hops_per_peer = max_hops_per_peer
@@ -380,8 +380,8 @@ class Relay:
         does not hold it (it may be older than the node's registration or key rotation)."""
         if self.is_node(key):
             return True
-        if self.refresh is not None:
-            await self.refresh()
+        if self.knock is not None:
+            await self.knock(key)
         return self.is_node(key)
 
     async def _on_reply(self, body: Any) -> None:

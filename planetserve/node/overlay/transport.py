@@ -404,11 +404,13 @@ class Connection:
 class Peering:
     """Our side of the peer network: a listener and a pool of outgoing connections, both limited to
     the keys `authorize` accepts (the verified list's members). `on_close` hears of each peer whose
-    connection ended without being replaced (relays tear down the paths it carried)."""
+    connection ended without being replaced (relays tear down the paths it carried); `knock` hears of a
+    key whose hello verified but that `authorize` refused, before it is asked again (the lists may be
+    older than the key's registration)."""
 
     def __init__(self, keys: KeySet, handler: Handler, authorize: Callable[[bytes], bool],
                  limit: int = MAX_FRAME, on_close: Callable[[bytes], None] | None = None,
-                 refresh: Callable[[], Awaitable[None]] | None = None,
+                 knock: Callable[[bytes], Awaitable[None]] | None = None,
                  write_timeout: float = WRITE_TIMEOUT) -> None:
         self.keys = keys
         self.handler = handler
@@ -417,7 +419,7 @@ class Peering:
         self.write_timeout = write_timeout
         self.held = ByteBudget(MAX_HELD_TOTAL)
         self.on_close = on_close
-        self.refresh = refresh
+        self.knock = knock
         self.server_ctx = _context(keys, ssl.PROTOCOL_TLS_SERVER)
         self.client_ctx = _context(keys, ssl.PROTOCOL_TLS_CLIENT)
         self.connections: dict[bytes, Connection] = {}
@@ -474,8 +476,8 @@ class Peering:
             peer, signature = hello
             if not verify_signature(peer, _hello_message(self.keys.public, nonce), signature):
                 raise TransportError("hello signature does not verify")
-            if not self.authorize(peer) and self.refresh is not None:
-                await self.refresh()
+            if not self.authorize(peer) and self.knock is not None:
+                await self.knock(peer)
             if not self.authorize(peer):
                 raise TransportError(f"peer {peer.hex()[:16]} is not in the verified list")
             await write_frame(writer, ["ok"], self.limit, HANDSHAKE_TIMEOUT)
