@@ -324,3 +324,42 @@ def test_one_proxy_cannot_fill_a_nodes_prompt_window(quick_family, monkeypatch):
             await net.close()
 
     run(main(), timeout=120)
+
+
+def test_a_busy_node_says_so_at_once_and_a_flood_cannot_make_it_say_so_faster_than_its_rate(
+        quick_family, monkeypatch):
+    """A prompt the node refuses as busy got no answer: its user waited out the relay's response timeout
+    (30 s here), unable to tell busy from lost. Now it is answered 503 `node_busy` at once. A flood of
+    prompts naming other users as their proxies, while the node is busy, makes it answer at most
+    BUSY_BURST at once and BUSY_ANSWERS_PER_S a second: it cannot be turned into a reflector of parts."""
+    monkeypatch.setattr(gateway_module, "MAX_ANSWERS", 0)  # every answer slot taken
+
+    async def main():
+        net = await start_overlay(quick_family, [make_user() for _ in range(6)], 1)
+        try:
+            node = net.nodes[0]
+            key, gateway = node.keys.public, node.gateway
+            started = time.monotonic()
+            answer = await chat(net.client, "Anyone there?")
+            assert answer.status_code == 503 and answer.json()["error"]["code"] == "node_busy"
+            assert "busy" in answer.json()["error"]["message"]
+            assert time.monotonic() - started < 10  # not the relay's 30 s timeout
+            adversary, victims = net.users[1], [u.keys.public for u in net.users[2:6]]
+            before = dict(gateway.counters)
+            flood = time.monotonic()
+            for _ in range(200):
+                prompt = Prompt(secrets.token_bytes(16), key, "chat", b"junk",
+                                tuple((v, secrets.token_bytes(16), secrets.token_bytes(32)) for v in victims),
+                                1, sent_now())
+                clove = sida.split_encoded(prompt.seal(), len(victims), 1)[0]
+                await adversary._send(key, "clove", onion.seal_to(key, clove))
+            await until(lambda: gateway.counters["busy"] == before["busy"] + 200)
+            elapsed = time.monotonic() - flood
+            answered = gateway.counters["busy_answered"] - before["busy_answered"]
+            assert 1 <= answered <= gateway_module.BUSY_BURST + gateway_module.BUSY_ANSWERS_PER_S * elapsed + 1
+            await until(lambda: not gateway.refusals)
+            assert gateway.counters["parts_sent"] - before["parts_sent"] <= 2 * answered  # a body and an end
+        finally:
+            await net.close()
+
+    run(main(), timeout=120)

@@ -22,6 +22,7 @@ from typing import Generic, TypeVar
 from planetserve.chain.client import LedgerClient, QueryRefused
 from planetserve.chain.lightclient import Header, VerificationError
 from planetserve.chain.rpc import RpcError
+from planetserve.node.overlay.rate import TokenBucket
 from planetserve.registry.entities import ModelNode, User
 
 log = logging.getLogger(__name__)
@@ -130,12 +131,9 @@ class Knocks:
                  absent_for: float = ABSENT_FOR_S, memory: int = ABSENT_MEMORY) -> None:
         self.lookup = lookup
         self.refresh = refresh
-        self.rate = rate
-        self.burst = burst
+        self.lookups = TokenBucket(rate, burst)
         self.absent_for = absent_for
         self.memory = memory
-        self._tokens = float(burst)
-        self._filled = time.monotonic()
         self._absent: OrderedDict[bytes, float] = OrderedDict()
         self.counts = {"lookups": 0, "refreshes": 0, "absent": 0, "limited": 0}
 
@@ -144,7 +142,7 @@ class Knocks:
         if self._recently_absent(key):
             self.counts["absent"] += 1
             return
-        if not self._take():
+        if not self.lookups.take():
             self.counts["limited"] += 1
             return
         self.counts["lookups"] += 1
@@ -166,15 +164,6 @@ class Knocks:
             return True
         del self._absent[key]
         return False
-
-    def _take(self) -> bool:
-        now = time.monotonic()
-        self._tokens = min(float(self.burst), self._tokens + (now - self._filled) * self.rate)
-        self._filled = now
-        if self._tokens < 1:
-            return False
-        self._tokens -= 1
-        return True
 
 
 class OnDemand(Generic[T]):

@@ -15,10 +15,11 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from planetserve.node.api.openai import Endpoint
+from planetserve.node.api.openai import ApiError, Endpoint
 from planetserve.node.api.surface import Reply, close_stream
 from planetserve.node.overlay import onion, sida
 from planetserve.node.overlay.messages import MAX_PROXIES, MessageError, Part, Prompt, open_message
+from planetserve.node.overlay.rate import TokenBucket
 from planetserve.node.overlay.relay import Send
 from planetserve.node.overlay.replay import ReplayWindow
 from planetserve.node.overlay.transport import TransportError
@@ -46,6 +47,13 @@ that kept a prompt's cloves could have the node compute its answer again and aga
 PROMPT_MEMORY ids within the window, or PROMPT_MEMORY_PER_PEER of one delivering proxy's, prompts are
 refused (busy) rather than any id forgotten: one proxy sending cheap prompts (a junk body is a quick
 400) filled the whole window in about 85 s, and the node then refused every other prompt."""
+BUSY_ANSWERS_PER_S = 8.0
+BUSY_BURST = 16
+"""A prompt refused as busy (answer slots or the prompt window full, in all or for its proxy) is answered
+503 `node_busy`, so that its user's program can retry at once rather than wait out its relay's timeout;
+at most this many a second, `BUSY_BURST` at once, and silently past that. Each such answer is a part to
+every proxy the prompt names: a flood that keeps the node busy cannot make it send more than these."""
+
 PART_LINGER_SECONDS = 0.02
 """The least time between two parts of one answer: tokens faster than this travel a few to a part, which
 halves the relays' CPU per streamed token (docs/benchmarks.md, "The overlay's cost per token")."""
@@ -108,10 +116,14 @@ class Gateway:
         self.answered = ReplayWindow(PROMPT_MAX_AGE, PROMPT_MAX_AHEAD, PROMPT_MEMORY, clock=clock)
         """The request ids of the prompts taken for an answer, while within their window."""
         self.tasks: set[asyncio.Task] = set()
+        self.busy_answers = TokenBucket(BUSY_ANSWERS_PER_S, BUSY_BURST)
+        self.refusals: set[asyncio.Task] = set()
+        """Busy answers being sent (at most what `busy_answers` lets through)."""
         self.held: dict[bytes | None, int] = {}
         """Answers under way, by the proxy that delivered their prompt's last clove."""
         self.counters = {"cloves": 0, "bad_cloves": 0, "bad_messages": 0, "prompts": 0, "parts_sent": 0,
-                         "busy": 0, "failed": 0, "replays": 0, "stale": 0, "undeliverable": 0}
+                         "busy": 0, "busy_answered": 0, "failed": 0, "replays": 0, "stale": 0,
+                         "undeliverable": 0}
 
     async def on_clove(self, data: bytes, peer: bytes | None = None) -> None:
         """A clove from `peer` (the proxy that delivered it; the reassembler's bounds are per peer)."""
@@ -135,7 +147,7 @@ class Gateway:
         if not self._first_time(prompt, peer):
             return
         if len(self.tasks) >= MAX_ANSWERS or self.held.get(peer, 0) >= MAX_ANSWERS_PER_PEER:
-            self.counters["busy"] += 1
+            self._busy(prompt, "as many prompts as it takes at once")
             return
         self.answered.remember(prompt.request_id, prompt.sent, peer)
         self.counters["prompts"] += 1
@@ -159,7 +171,7 @@ class Gateway:
             log.info("replayed prompt refused")
             return False
         if self.answered.full() or self.answered.held_by(peer) >= PROMPT_MEMORY_PER_PEER:
-            self.counters["busy"] += 1
+            self._busy(prompt, "as many prompts as it remembers")
             return False
         if self.answered.outside(prompt.request_id, prompt.sent, now, peer):  # its room checked above
             self.counters["stale"] += 1
@@ -167,9 +179,22 @@ class Gateway:
             return False
         return True
 
-    async def _answer(self, prompt: Prompt) -> None:
+    def _busy(self, prompt: Prompt, holding: str) -> None:
+        """Answer `prompt` 503 if the busy answers' rate allows (see BUSY_ANSWERS_PER_S)."""
+        self.counters["busy"] += 1
+        if not self.busy_answers.take():
+            return
+        self.counters["busy_answered"] += 1
+        refusal = ApiError(503, f"This model node is busy: it holds {holding}. Retry, or ask another node.",
+                           type="server_error", code="node_busy")
+        task = asyncio.create_task(self._answer(prompt, Reply.json(refusal.body(), refusal.status)))
+        self.refusals.add(task)
+        task.add_done_callback(self.refusals.discard)
+
+    async def _answer(self, prompt: Prompt, reply: Reply | None = None) -> None:
+        """Send `reply`, or the node's answer to the prompt, to the proxies it names."""
         try:
-            await self._reply(prompt)
+            await self._reply(prompt, reply or await self.respond(prompt.endpoint, prompt.body))  # type: ignore[arg-type]
         except Undeliverable as exc:
             self.counters["undeliverable"] += 1
             log.info("answer given up: %s", exc)
@@ -177,8 +202,7 @@ class Gateway:
             self.counters["failed"] += 1
             log.exception("answering an overlay prompt failed")
 
-    async def _reply(self, prompt: Prompt) -> None:
-        reply = await self.respond(prompt.endpoint, prompt.body)  # type: ignore[arg-type]
+    async def _reply(self, prompt: Prompt, reply: Reply) -> None:
         live = set(range(len(prompt.reply_to)))
         seq = 0
         try:
@@ -217,4 +241,4 @@ class Gateway:
             await self.send(key, "reply", [reply_id, data])
 
     async def close(self) -> None:
-        await stop_tasks(self.tasks)
+        await stop_tasks(self.tasks | self.refusals)
