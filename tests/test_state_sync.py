@@ -4,8 +4,10 @@ gets (refused, nothing stored). tests/test_network_state_sync.py runs it between
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import shutil
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -226,6 +228,29 @@ def test_a_load_that_fills_the_disk_is_refused_and_leaves_nothing(tmp_path: Path
     assert offer(app, snapshot, h.store.app_hash) == OFFER.ACCEPT
     assert all(apply(app, i, c).result == CHUNK.ACCEPT for i, c in enumerate(chunks))
     assert app.store.app_hash == h.store.app_hash
+
+
+def test_a_forged_snapshot_of_large_values_is_refused_in_bounded_memory(tmp_path: Path) -> None:
+    """A forged snapshot whose 96 entries are values of 1 MiB, 12 to a chunk: the restore holds two
+    chunks at most and the load its byte budget (4 MiB here, for a small test), not the 192 MiB of
+    rows and trie leaves it writes before its root can be compared with the trusted app hash."""
+    h = chain_with_snapshots(tmp_path)
+    snapshot = h.app.list_snapshots(abci.RequestListSnapshots()).snapshots[-1]
+    large = [b"".join(encode_entry(b"zz/%04d" % i, bytes([i]) * (1 << 20)) for i in range(start, start + 12))
+             for start in range(0, 96, 12)]
+    app = joiner(tmp_path)
+    budget = 4 << 20
+    app.store.bulk_load = functools.partial(app.store.bulk_load, max_bytes=budget)  # type: ignore[method-assign]
+    assert offer(app, forged(snapshot, large), h.store.app_hash) == OFFER.ACCEPT
+    tracemalloc.start()
+    try:
+        results = [apply(app, i, c).result for i, c in enumerate(large)]
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert results == [CHUNK.ACCEPT] * (len(large) - 1) + [CHUNK.REJECT_SNAPSHOT]
+    assert peak < 2 * len(large[0]) + 2 * budget, f"the restore held {peak >> 20} MiB"
+    assert_nothing_kept(app, tmp_path / "joiner-snapshots")
 
 
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs Linux's /dev/full")

@@ -9,8 +9,10 @@ import subprocess
 import sys
 import textwrap
 import time
+import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -20,6 +22,7 @@ from sqlalchemy import select
 from planetserve.chain import trie
 from planetserve.chain.abci import store as store_module
 from planetserve.chain.abci.store import (
+    RootMismatch,
     StaleBatchError,
     StateStore,
     StoreError,
@@ -498,6 +501,66 @@ def test_bulk_load_rejects_unsorted(tmp_path: Path) -> None:
         s.bulk_load([(b"b", b"1"), (b"a", b"1")], 1)
     assert s.height == 0
     assert StateStore(f"sqlite:///{tmp_path / 'x.db'}").batch().get(b"b") is None
+
+
+def _all_rows(s: StateStore) -> dict[str, list[tuple[Any, ...]]]:
+    """Every row of every table of the store, in primary-key order."""
+    with s._engine.connect() as conn:
+        return {
+            t.name: [tuple(r) for r in conn.execute(select(t).order_by(*t.primary_key.columns))]
+            for t in store_module._md.sorted_tables
+        }
+
+
+def _mixed_entries() -> list[tuple[bytes, bytes]]:
+    """Entries of sizes from none to 6 KB, under shared prefixes (a deep trie)."""
+    rnd = random.Random(17)
+    keys = {f"{rnd.choice(['u', 'user/', 'user/a'])}{rnd.getrandbits(12):x}".encode() for _ in range(600)}
+    return [(k, rnd.randbytes(rnd.choice([0, 1, 40, 700, 6000]))) for k in sorted(keys)]
+
+
+@pytest.mark.parametrize(
+    ("chunk", "max_bytes"),
+    [(1, 1 << 40), (7, 1 << 40), (20_000, 1), (20_000, 5_000), (20_000, 100_000), (50, 20_000)],
+)
+def test_bulk_load_stores_the_same_rows_whatever_it_holds_between_writes(
+    store_url: str, tmp_path: Path, chunk: int, max_bytes: int
+) -> None:
+    """The app hash and every stored row (trie nodes and their ids, kv rows, roots, meta) are the
+    same whether the load writes after every entry, every few bytes or all at the end."""
+    entries = _mixed_entries()
+    reference = StateStore(f"sqlite:///{tmp_path / 'reference.db'}")
+    root = reference.bulk_load(entries, 3, {"origin": b"bulk"}, chunk=len(entries) + 1, max_bytes=1 << 40)
+    assert root == subtree_root(entries)
+    s = StateStore(store_url)
+    loaded = s.bulk_load(iter(entries), 3, {"origin": b"bulk"}, chunk=chunk, max_bytes=max_bytes, expect_root=root)
+    assert loaded == root
+    assert _all_rows(s) == _all_rows(reference)
+    reference.close()
+    s.close()
+
+
+def test_a_load_of_large_values_holds_its_byte_budget_not_all_of_them(tmp_path: Path) -> None:
+    """A forged snapshot's values may each be as large as a chunk: a load of 256 values of 1 MiB
+    holds about its byte budget, not the 512 MiB of rows and trie leaves it writes before its root
+    is compared with the trusted one and the load refused."""
+    budget = 8 << 20
+
+    def entries() -> Iterator[tuple[bytes, bytes]]:
+        for i in range(256):
+            yield b"big/%04d" % i, bytes([i]) * (1 << 20)
+
+    s = StateStore(f"sqlite:///{tmp_path / 'state.db'}")
+    tracemalloc.start()
+    try:
+        with pytest.raises(RootMismatch):
+            s.bulk_load(entries(), 1, max_bytes=budget, expect_root=EMPTY_ROOT)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 2 * budget, f"the load held {peak >> 20} MiB"
+    assert s.height == 0 and s.app_hash == EMPTY_ROOT and all_entries(s) == []
+    s.close()
 
 
 # -- durability ----------------------------------------------------------------------------------

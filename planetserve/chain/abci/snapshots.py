@@ -266,7 +266,9 @@ class Restore:
     metadata may promise any number of chunks); after the last, the entries are loaded in one
     transaction that commits only if their root is the trusted app hash. That load writes several
     times the chunks' bytes before the root can be checked, so it starts only if its estimate too
-    leaves the reserve free, and a disk that fills all the same refuses the snapshot."""
+    leaves the reserve free, and a disk that fills all the same refuses the snapshot. Its memory is
+    bounded whatever a forged snapshot's values: two chunks at most (the one applied, one read back
+    while loading) and what the load holds, which `StateStore.bulk_load` bounds by bytes too."""
 
     def __init__(self, offer: abci.RequestOfferSnapshot, metadata: Metadata, folder: Path,
                  disk_reserve: int = DISK_RESERVE) -> None:

@@ -113,6 +113,15 @@ SCHEMA_VERSION = b"3"
 DEFAULT_MAX_ENTRIES = 10_000
 MIN_KEEP_HEIGHTS = 2
 """Clients verify the state one height before the latest header, so at least two are kept."""
+BULK_LOAD_ENTRIES = 20_000
+"""Entries bulk_load holds before it writes them (one executemany for many rows)."""
+BULK_LOAD_BYTES = 64 << 20
+"""Bytes bulk_load holds before it writes them, each entry's key and value counted twice (its row,
+and its trie leaf until written). State sync loads a snapshot before its root can be compared with
+the trusted app hash, and a forged snapshot's values may each be as large as a chunk (15 MiB): a
+bound by entries alone would let it make a joining node hold gigabytes. With both bounds the load
+holds about this much plus one entry whatever the entries' sizes (the rest it holds, inner trie
+nodes and per-entry overhead, grows with the entries, not with their bytes)."""
 PRUNE_MAX_IDS = 100_000
 """Most nodes one commit deletes, unless one height alone has more (about 0.3 s of SQLite deletes
 at 3 µs each)."""
@@ -377,6 +386,18 @@ def _check_value(value: Any) -> bytes:
     if isinstance(value, bytearray | memoryview):
         return bytes(value)
     raise TypeError(f"state value must be bytes, not {type(value).__name__}")
+
+
+def _increasing(entries: Iterable[tuple[bytes, bytes]]) -> Iterator[tuple[bytes, bytes]]:
+    """bulk_load's entries, checked: valid keys in strictly increasing order, values as bytes."""
+    prev = b""
+    for key, value in entries:
+        check_key(key)
+        value = _check_value(value)
+        if key <= prev:
+            raise ValueError(f"bulk_load entries not strictly increasing at {key!r}")
+        prev = key
+        yield key, value
 
 
 def _check_meta(meta: Mapping[str, bytes]) -> dict[str, bytes]:
@@ -984,12 +1005,15 @@ class StateStore:
         height: int,
         meta: Mapping[str, bytes] | None = None,
         *,
-        chunk: int = 20_000,
+        chunk: int = BULK_LOAD_ENTRIES,
+        max_bytes: int = BULK_LOAD_BYTES,
         expect_root: bytes | None = None,
     ) -> bytes:
         """Build the state from `entries` (sorted by key, distinct) in one pass and commit it as
         `height`, in one transaction. Only on an empty store (height 0). Returns the app hash; with
-        `expect_root`, raises RootMismatch and stores nothing unless the entries make that root."""
+        `expect_root`, raises RootMismatch and stores nothing unless the entries make that root.
+        What it holds is written (inside the transaction) once it reaches `chunk` entries or
+        `max_bytes` bytes (see BULK_LOAD_BYTES); what is stored does not depend on these limits."""
         if type(height) is not int or height <= 0:
             raise ValueError("height must be a positive int")
         checked_meta = _check_meta(meta or {})
@@ -998,7 +1022,9 @@ class StateStore:
                 raise StoreError("bulk_load needs an empty store (height 0)")
             self._values = _ValueCache(self._value_cache_bytes)  # it may hold absences of these keys
             try:
-                root, root_id, written = self._bulk_load_tx(entries, height, checked_meta, chunk, expect_root)
+                root, root_id, written = self._bulk_load_tx(
+                    entries, height, checked_meta, chunk, max_bytes, expect_root
+                )
             except BaseException:
                 # the cache was warmed with ids that the rolled-back nodes had: forget them
                 self._cache = _NodeCache(self._cache_bytes)
@@ -1031,41 +1057,45 @@ class StateStore:
         entries: Iterable[tuple[bytes, bytes]],
         height: int,
         meta: dict[str, bytes],
-        chunk: int,
+        max_entries: int,
+        max_bytes: int,
         expect_root: bytes | None,
     ) -> tuple[bytes, int | None, int]:
+        """bulk_load's transaction, writing what it holds at `max_entries` entries or `max_bytes`
+        bytes. Node ids follow the order in which the builder makes the nodes, so the rows written
+        do not depend on these limits."""
         ids = itertools.count(self._next_id)
         builder = TrieBuilder(collect=True, new_ref=lambda _h: next(ids))
-        add_leaf = builder.add_leaf
-        kv_rows: list[tuple[bytes, bytes]] = []
-        written = 0
-        prev = b""
+        rows: list[tuple[bytes, bytes]] = []
+        held = written = 0
         with self._engine.begin() as conn:
             cur = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
-            for key, value in entries:
-                check_key(key)
-                value = _check_value(value)
-                if key <= prev:
-                    raise ValueError(f"bulk_load entries not strictly increasing at {key!r}")
-                prev = key
-                add_leaf(key, value)
-                kv_rows.append((key, value))
-                if len(kv_rows) >= chunk:
-                    self._warm(self._write_nodes(conn, builder.nodes or []))
-                    written += len(builder.nodes or [])
-                    cur.executemany(self._sql_ins_kv, kv_rows)
-                    builder.nodes = []
-                    kv_rows = []
+            for key, value in _increasing(entries):
+                builder.add_leaf(key, value)
+                rows.append((key, value))
+                held += 2 * (len(key) + len(value))  # its row, and its leaf in builder.nodes
+                if len(rows) >= max_entries or held >= max_bytes:
+                    written += self._write_loaded(conn, cur, builder, rows)
+                    rows, held = [], 0
             root = builder.finish()
             if expect_root is not None and root != expect_root:  # leaving the block rolls it all back
                 raise RootMismatch(f"the entries' root {root.hex()} is not the expected {expect_root.hex()}")
-            self._warm(self._write_nodes(conn, builder.nodes or []))
-            written += len(builder.nodes or [])
-            if kv_rows:
-                cur.executemany(self._sql_ins_kv, kv_rows)
+            written += self._write_loaded(conn, cur, builder, rows)
             cur.close()
             self._write_head(conn, height, root, builder.root_ref, {**meta, _BASE: height.to_bytes(8, "big")})
         return root, builder.root_ref, written
+
+    def _write_loaded(
+        self, conn: Connection, cur: Any, builder: TrieBuilder, rows: list[tuple[bytes, bytes]]
+    ) -> int:
+        """Write a bulk load's `rows` and the nodes `builder` made since the last call, and let go of
+        those nodes (its leaves carry their values). Returns how many nodes."""
+        nodes = builder.nodes or []
+        builder.nodes = []
+        self._warm(self._write_nodes(conn, nodes))
+        if rows:
+            cur.executemany(self._sql_ins_kv, rows)
+        return len(nodes)
 
     def prove_prefix(
         self,
