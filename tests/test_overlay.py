@@ -667,7 +667,7 @@ def test_a_node_sending_parts_ahead_of_one_it_never_sends_gets_answer_too_large(
             gateway = net.nodes[0].gateway
             data = b"x" * (MAX_MESSAGE - 200)
 
-            async def ahead(prompt):
+            async def ahead(prompt, reply):
                 live = set(range(len(prompt.reply_to)))
                 for seq in range(1, 9):
                     await gateway._send(prompt, Part(prompt.request_id, seq, 200, "application/json", data,
