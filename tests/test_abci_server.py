@@ -13,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from tendermint.abci import types_pb2 as abci
 
+from planetserve.chain.abci.address import TcpAddress
 from planetserve.chain.abci.server import (
     MAX_MESSAGE_BYTES,
     AbciServer,
@@ -53,6 +54,10 @@ def test_requests_split_across_reads_and_packed_into_one():
         assert asyncio.run(read_all(pieces)) == requests
 
 
+LOOPBACK = TcpAddress("127.0.0.1", 0)
+"""A free port on loopback."""
+
+
 @pytest.fixture
 def server(tmp_path):
     harness = AppHarness(sqlite_url(tmp_path))
@@ -61,12 +66,12 @@ def server(tmp_path):
     ports: list[int] = []
     ready = threading.Event()
 
-    def on_ready(port: int) -> None:
-        ports.append(port)
+    def on_ready(bound: TcpAddress) -> None:
+        ports.append(bound.port)
         ready.set()
 
     thread = threading.Thread(
-        target=asyncio.run, args=(srv.serve("127.0.0.1", 0, handle_signals=False, ready=on_ready),), daemon=True
+        target=asyncio.run, args=(srv.serve(LOOPBACK, handle_signals=False, ready=on_ready),), daemon=True
     )
     thread.start()
     assert ready.wait(10)
@@ -141,8 +146,8 @@ def test_error_in_a_consensus_method_stops_the_server(tmp_path):
 
     def run() -> None:
         try:
-            asyncio.run(srv.serve("127.0.0.1", 0, handle_signals=False,
-                                  ready=lambda p: (ports.append(p), ready.set())))
+            asyncio.run(srv.serve(LOOPBACK, handle_signals=False,
+                                  ready=lambda bound: (ports.append(bound.port), ready.set())))
         except SystemExit as exc:
             outcome.append(exc)
 
@@ -175,7 +180,7 @@ def test_a_query_in_progress_holds_up_no_other_connection(tmp_path):
     ports: list[int] = []
     ready = threading.Event()
     thread = threading.Thread(target=asyncio.run, daemon=True, args=(srv.serve(
-        "127.0.0.1", 0, handle_signals=False, ready=lambda p: (ports.append(p), ready.set())),))
+        LOOPBACK, handle_signals=False, ready=lambda bound: (ports.append(bound.port), ready.set())),))
     thread.start()
     assert ready.wait(10)
     flush = frame(abci.Request(flush=abci.RequestFlush()))

@@ -6,9 +6,12 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
+import stat
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -17,6 +20,7 @@ from click.testing import CliRunner
 
 from planetserve.chain.rpc import RpcClient, RpcError
 from planetserve.cli import main
+from planetserve.genesis.network import free_ports
 from planetserve.registry import credits
 from planetserve.registry.genesis import parse_app_state
 
@@ -306,22 +310,36 @@ def test_genesis_init_refuses_malformed_orgs_and_models_before_building(tmp_path
 
 
 def test_chain_start_runs_app_and_cometbft_until_terminated(tmp_path):
-    spec = json.loads(run("genesis", "init", str(tmp_path / "one"), "-n", "1", "--timeout-commit", "200ms", "--json"))
-    home = spec["validators"][0]["home"]
-    rpc = RpcClient(f"http://127.0.0.1:{spec['validators'][0]['ports']['rpc']}")
-    proc = subprocess.Popen([sys.executable, "-m", "planetserve", "chain", "start", "--home", home],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 60
-        height = 0
-        while height < 3 and time.monotonic() < deadline:
-            with contextlib.suppress(RpcError):
-                height = rpc.latest_height()
-            time.sleep(0.2)
-        assert height >= 3
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=30)
+    """A home made by `chain init` has its app on a Unix socket in a directory of its own; holding the
+    genesis validator's consensus key, it is a one-validator chain, and CometBFT makes blocks through
+    that socket."""
+    spec = json.loads(run("genesis", "init", str(tmp_path / "one"), "-n", "1", "--json"))
+    v0 = spec["validators"][0]
+    rpc_port, p2p_port = free_ports(2)
+    rpc = RpcClient(f"http://127.0.0.1:{rpc_port}")
+    with tempfile.TemporaryDirectory(prefix="ps-") as short:  # a socket path fits wherever pytest's paths are
+        home = Path(short) / "solo"
+        made = run_json("chain", "init", "--home", str(home), "--genesis", spec["genesis"], "--moniker", "solo",
+                        "--peer", f"{v0['node_id']}@127.0.0.1:{v0['ports']['p2p']}", "--p2p", f"127.0.0.1:{p2p_port}",
+                        "--rpc", f"127.0.0.1:{rpc_port}", "--metrics", "", "--app-metrics", "", "--local", "--json")
+        socket_path = home / "abci" / "app.sock"
+        assert made["abci"] == f"unix://{socket_path}"
+        shutil.copy(Path(v0["home"]) / "config" / "priv_validator_key.json", home / "config")
+        proc = subprocess.Popen([sys.executable, "-m", "planetserve", "chain", "start", "--home", str(home)],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 60
+            height = 0
+            while height < 3 and time.monotonic() < deadline:
+                with contextlib.suppress(RpcError):
+                    height = rpc.latest_height()
+                time.sleep(0.2)
+            assert height >= 3
+            assert stat.S_IMODE(socket_path.stat().st_mode) == 0o600
+            assert stat.S_IMODE(socket_path.parent.stat().st_mode) == 0o700
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0, out.decode()
     with pytest.raises(RpcError):
         rpc.latest_height()

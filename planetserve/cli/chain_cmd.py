@@ -7,10 +7,18 @@ import json
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import click
 
+from planetserve.chain.abci.address import (
+    AbciAddress,
+    AbciAddressError,
+    UnixAddress,
+    listening,
+    parse_abci_address,
+)
 from planetserve.chain.client import LedgerClient
 from planetserve.cli import (
     check_listen,
@@ -46,6 +54,32 @@ def app_config(home: Path) -> dict:
     raise AssertionError("unreachable")
 
 
+def abci_address(home: Path, config: dict) -> AbciAddress:
+    """The app's address from the home's planetserve.json."""
+    try:
+        return parse_abci_address(str(config.get("abci_listen", "")))
+    except ValueError as exc:
+        fail(f"{home}/config/{APP_CONFIG_FILE}: abci_listen: {exc}")
+    raise AssertionError("unreachable")
+
+
+def check_abci(_ctx: click.Context, _param: click.Parameter, value: str | None) -> AbciAddress | None:
+    """--abci as an address, refused before anything is written when it is not one."""
+    try:
+        return None if value is None else parse_abci_address(value)
+    except AbciAddressError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+def abci_note(address: AbciAddress, chosen: bool) -> str:
+    """What `chain init` tells the operator about where the app listens, and who can reach it."""
+    if isinstance(address, UnixAddress):
+        return f"its app listens on {address}: only this user can connect to it"
+    why = "" if chosen else " (the home's path is too long for a Unix socket)"
+    return (f"its app listens on {address}{why}: on TCP any local process can drive it; "
+            f"--abci unix:///SHORT/PATH.sock keeps it to this user")
+
+
 @click.group("chain")
 def group() -> None:
     """Run a validator: the planetserve ABCI app and CometBFT."""
@@ -63,8 +97,9 @@ def group() -> None:
 @click.option("--external", default="", help="P2P address others reach this node at (host:port).")
 @click.option("--rpc", default="127.0.0.1:26657", show_default=True,
               help="CometBFT RPC listen address (clients and the verifier daemon read the ledger here).")
-@click.option("--abci", default="127.0.0.1:26658", show_default=True,
-              help="Where the planetserve app listens.")
+@click.option("--abci", metavar="unix:///PATH|HOST:PORT", callback=check_abci,
+              help="Where the planetserve app listens. Default: unix://HOME/abci/app.sock, which only this "
+                   "user can reach (127.0.0.1:26658 when that path is too long for a socket).")
 @click.option("--db", default="", help="State database URL (default: SQLite in the home; or "
                                         "postgresql+psycopg://...).")
 @click.option("--local", is_flag=True, help="Nodes share one address (all on one machine): accept "
@@ -90,7 +125,7 @@ def group() -> None:
               help="Where the planetserve app serves its Prometheus metrics ('' for nowhere).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def init(home: Path, genesis: Path, peers: tuple[str, ...], moniker: str, p2p: str, external: str, rpc: str,
-         abci: str, db: str, local: bool, keep_heights: int, state_sync_rpc: tuple[str, ...],
+         abci: AbciAddress | None, db: str, local: bool, keep_heights: int, state_sync_rpc: tuple[str, ...],
          trust_height: int | None, trust_hash: str | None, snapshot_interval: int, retain_blocks: int,
          metrics: str, app_metrics: str, as_json: bool) -> None:
     """Make a node's home to join a running network (an institution joining the committee).
@@ -125,10 +160,11 @@ def init(home: Path, genesis: Path, peers: tuple[str, ...], moniker: str, p2p: s
         emit_json({"home": str(joined.home), "chain_id": joined.chain_id, "node_id": joined.node_id,
                    "operator": keys["identity"], "consensus_key": joined.consensus_key.hex(),
                    "vrf_key": keys["vrf"], "x25519_key": keys["x25519"], "propose": propose,
-                   "state_sync": trusted})
+                   "state_sync": trusted, "abci": str(joined.abci)})
         return
     console.print(f"created node home [bold]{shown(joined.home)}[/] for chain {shown(joined.chain_id)}; "
                   f"node id {joined.node_id}")
+    console.print(shown(abci_note(joined.abci, chosen=abci is not None)))
     if trusted is not None:
         console.print(f"it joins by state sync, trusting header {trusted['height']} ({trusted['hash']})")
     console.print(f"run it with: planetserve chain start --home {joined.home}")
@@ -185,7 +221,7 @@ def app(home: Path, db: str | None, keep_heights: int | None, log_level: str) ->
 
     setup_logging(log_level)
     config = app_config(home)
-    host, _, port = config["abci_listen"].rpartition(":")
+    address = abci_address(home, config)
     keep = config.get("keep_heights", 0) if keep_heights is None else keep_heights
     url = db or config["db"]
     try:
@@ -209,7 +245,10 @@ def app(home: Path, db: str | None, keep_heights: int | None, log_level: str) ->
         fail(f"cannot serve the app's metrics at {listen}: {exc}")
     server = AbciServer(application)
     tune_gc()
-    asyncio.run(server.serve(host, int(port)))
+    try:
+        asyncio.run(server.serve(address))
+    except AbciAddressError as exc:
+        fail(f"cannot serve the app at {address}: {exc}")
 
 
 @group.command("export")
@@ -342,7 +381,7 @@ def stop_all(procs: dict[str, subprocess.Popen], grace: float) -> list[str]:
               help="Seconds the app and CometBFT together get to exit after SIGTERM before they are killed.")
 def start(home: Path, stop_timeout: float) -> None:
     """Run the ABCI app and CometBFT together until interrupted; if either exits, stop both."""
-    app_config(home)
+    address = abci_address(home, app_config(home))
     try:
         cometbft = cometbft_binary()
     except NetworkBuildError as exc:
@@ -356,16 +395,26 @@ def start(home: Path, stop_timeout: float) -> None:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     procs = {"app": subprocess.Popen(app_command(home))}
-    time.sleep(1.0)
-    procs["cometbft"] = subprocess.Popen([cometbft, "start", "--home", str(home)])
-    pids = ", ".join(f"{name} pid {proc.pid}" for name, proc in procs.items())
-    console.print(f"validator {home} running ({pids})")
+    if app_up(procs["app"], address, lambda: stopping):
+        procs["cometbft"] = subprocess.Popen([cometbft, "start", "--home", str(home)])
+        pids = ", ".join(f"{name} pid {proc.pid}" for name, proc in procs.items())
+        console.print(f"validator {home} running ({pids})")
     while not stopping and all(p.poll() is None for p in procs.values()):
         time.sleep(0.2)
     killed = stop_all(procs, stop_timeout)
     if killed:
         fail(f"{' and '.join(killed)} did not exit within {stop_timeout:g} s of SIGTERM and "
              f"{'was' if len(killed) == 1 else 'were'} killed")
-    codes = [p.returncode for p in procs.values()]
     if not stopping:
-        fail(f"a process exited unexpectedly (app {codes[0]}, cometbft {codes[1]})")
+        codes = ", ".join(f"{name} {proc.returncode}" for name, proc in procs.items())
+        fail(f"a process exited unexpectedly ({codes})")
+
+
+def app_up(app: subprocess.Popen, address: AbciAddress, stopping: Callable[[], bool]) -> bool:
+    """Wait until the app accepts connections at `address` (CometBFT gives up on an app it cannot reach
+    at start); False when the app exits first or a stop is asked."""
+    while not stopping() and app.poll() is None:
+        if listening(address):
+            return True
+        time.sleep(0.2)
+    return False

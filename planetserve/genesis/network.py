@@ -8,6 +8,9 @@ planetserve files next to CometBFT's own:
 - `config/planetserve_keys.json`: the validator's planetserve KeySet (identity, VRF, X25519);
 - `config/planetserve.json`: where its ABCI app listens, its database URL and the chain id.
 
+Nodes built here share one machine and listen on loopback TCP; a home made by `join_home` (one
+operator's node) has its app on a Unix socket in the home by default (`default_abci`).
+
 The whole layout is recorded in `<root>/network.json` so that other processes (the localnet CLI,
 tests) can reload it with `NetworkSpec.load(root)`.
 """
@@ -32,6 +35,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from planetserve.chain.abci.address import AbciAddress, TcpAddress, UnixAddress, fits_socket
 from planetserve.chain.keys import KeySet, write_private
 
 SPEC_FILE = "network.json"
@@ -43,6 +47,12 @@ DEFAULT_SNAPSHOT_INTERVAL = 1000
 SNAPSHOT_KEEP = 2
 STATE_SYNC_TRUST_PERIOD = "168h0m0s"
 """How old a trusted header may be: within a week, the validators that signed it are still accountable."""
+ABCI_SOCKET = Path("abci") / "app.sock"
+"""The app's socket in a home, in a directory of its own that the app keeps 0700. Not in data/: that is
+CometBFT's (`unsafe-reset-all` deletes and remakes it) and holds what operators back up or share, so its
+mode is not the app's to enforce."""
+ABCI_TCP = TcpAddress("127.0.0.1", 26658)
+"""CometBFT's default `proxy_app`: the app's address when the home's path is too long for a socket."""
 
 
 @dataclass(frozen=True)
@@ -109,8 +119,12 @@ class ValidatorInfo:
         return f"{self.node_id}@127.0.0.1:{self.ports.p2p}"
 
     @property
+    def abci_address(self) -> TcpAddress:
+        return TcpAddress("127.0.0.1", self.ports.abci)
+
+    @property
     def abci_listen(self) -> str:
-        return f"127.0.0.1:{self.ports.abci}"
+        return str(self.abci_address)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -411,7 +425,7 @@ def build_network(
 
     for info in infos:
         edits = node_config(
-            moniker=info.moniker, proxy_app="kvstore" if use_kvstore else f"tcp://{info.abci_listen}",
+            moniker=info.moniker, proxy_app="kvstore" if use_kvstore else info.abci_address.proxy_app,
             rpc=f"127.0.0.1:{info.ports.rpc}", p2p=f"127.0.0.1:{info.ports.p2p}",
             peers=[o.p2p_address for o in infos if o.index != info.index], log_level=log_level,
             local=True, metrics=f"127.0.0.1:{info.ports.cometbft_metrics}")
@@ -485,18 +499,27 @@ class JoiningNode:
     consensus_key: bytes
     keys: dict[str, str]
     """KeySet.public_summary(): the operator (identity), VRF and X25519 keys, hex."""
+    abci: AbciAddress
+    """Where its app listens."""
+
+
+def default_abci(home: Path) -> AbciAddress:
+    """The app's Unix socket in `home` (absolute), or ABCI_TCP when that path is too long for one."""
+    path = home / ABCI_SOCKET
+    return UnixAddress(path) if fits_socket(path) else ABCI_TCP
 
 
 def join_home(home: Path, genesis_path: Path, peers: Sequence[str], *, moniker: str,
-              rpc: str = "127.0.0.1:26657", p2p: str = "0.0.0.0:26656", abci: str = "127.0.0.1:26658",
+              rpc: str = "127.0.0.1:26657", p2p: str = "0.0.0.0:26656", abci: AbciAddress | None = None,
               external: str = "", db_url: str = "", local: bool = False,
               log_level: str = "state:info,*:error", keep_heights: int = 0,
               snapshot_interval: int = DEFAULT_SNAPSHOT_INTERVAL, retain_blocks: int = 0,
               state_sync: StateSync | None = None, metrics: str = "", app_metrics: str = "") -> JoiningNode:
     """A full node's home for the network of `genesis_path` (another institution's copy of it),
     following `peers` (node_id@host:port). Once it has synced (from genesis, or from a snapshot with
-    `state_sync`), the committee can admit it. `metrics`, `app_metrics`: where CometBFT and the app
-    serve their Prometheus metrics (host:port; empty: nowhere)."""
+    `state_sync`), the committee can admit it. `abci`: where its app listens (default: `default_abci`).
+    `metrics`, `app_metrics`: where CometBFT and the app serve their Prometheus metrics (host:port;
+    empty: nowhere)."""
     try:
         genesis_text = genesis_path.read_text()
         chain_id = json.loads(genesis_text)["chain_id"]
@@ -508,17 +531,18 @@ def join_home(home: Path, genesis_path: Path, peers: Sequence[str], *, moniker: 
     if not peers:
         raise NetworkBuildError("a joining node needs at least one peer of the network (node_id@host:port)")
     home = home.absolute()
+    abci = abci or default_abci(home)
     keyset = init_home(home, cometbft_binary())
-    edits = node_config(moniker=moniker, proxy_app=f"tcp://{abci}", rpc=rpc, p2p=p2p, peers=peers,
+    edits = node_config(moniker=moniker, proxy_app=abci.proxy_app, rpc=rpc, p2p=p2p, peers=peers,
                         log_level=log_level, local=local, external=external, metrics=metrics)
     if state_sync is not None:
         edits["statesync"] = state_sync.config()
-    write_home(home, genesis_text, edits, abci_listen=abci,
+    write_home(home, genesis_text, edits, abci_listen=str(abci),
                db_url=db_url or f"sqlite:///{home}/data/planetserve.db", chain_id=chain_id,
                keep_heights=keep_heights, snapshot_interval=snapshot_interval, retain_blocks=retain_blocks,
                metrics_listen=app_metrics)
     return JoiningNode(home, chain_id, node_id_from_key_file(home / "config" / "node_key.json"),
-                       consensus_pubkey(home), keyset.public_summary())
+                       consensus_pubkey(home), keyset.public_summary(), abci)
 
 
 def genesis_doc(

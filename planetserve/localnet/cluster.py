@@ -8,16 +8,15 @@ so `stop_all(root)` can stop a network from another process that only knows the 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
+from planetserve.chain.abci.address import AbciAddress, TcpAddress, listening
 from planetserve.chain.rpc import RpcClient, RpcError, hexb, integer
 from planetserve.genesis.network import NetworkSpec, ValidatorInfo, cometbft_binary
 from planetserve.localnet.processes import (
@@ -112,7 +111,7 @@ class Cluster:
     def _spawn(self, info: ValidatorInfo, name: str, cmd: list[str]) -> None:
         self._procs[(info.index, name)] = spawn(info.home, name, cmd, self.env)
 
-    def _wait_port(self, info: ValidatorInfo, port: int, name: str) -> None:
+    def _wait_listening(self, info: ValidatorInfo, name: str, address: AbciAddress) -> None:
         proc = self._procs[(info.index, name)]
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
@@ -121,10 +120,10 @@ class Cluster:
                     f"{info.moniker}: {name} exited with {proc.returncode}; "
                     f"see {info.home / 'logs' / (name + '.log')}"
                 )
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+            if listening(address):
                 return
             time.sleep(POLL)
-        raise ClusterError(f"{info.moniker}: {name} did not listen on port {port} in time")
+        raise ClusterError(f"{info.moniker}: {name} did not listen at {address} in time")
 
     def running(self, i: int) -> dict[str, bool]:
         home = self.spec.validators[i].home
@@ -138,12 +137,12 @@ class Cluster:
             state = self.running(idx)
             if self.app_cmd is not None and not state["app"]:
                 self._spawn(info, "app", self.app_cmd(info))
-                self._wait_port(info, info.ports.abci, "app")
+                self._wait_listening(info, "app", info.abci_address)
             if not state["cometbft"]:
                 self._spawn(info, "cometbft", [self._binary, "start", "--home", str(info.home)])
                 started.append(info)
         for info in started:
-            self._wait_port(info, info.ports.rpc, "cometbft")
+            self._wait_listening(info, "cometbft", TcpAddress("127.0.0.1", info.ports.rpc))
 
     def stop(
         self, i: int, sig: int = signal.SIGTERM, part: Part = "all", timeout: float = 10.0

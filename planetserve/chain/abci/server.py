@@ -1,5 +1,6 @@
 """ABCI 2.0 socket server: unsigned-varint length-prefixed protobuf over the four connections
-CometBFT opens (consensus, mempool, query, snapshot).
+CometBFT opens (consensus, mempool, query, snapshot), on TCP or on a Unix socket in a directory that
+only the validator's user may enter (`address.py`: whoever connects drives the app).
 
 Requests on one connection are answered strictly in order; a Flush request is answered once every
 earlier response has been written out. The application is synchronous and the event loop runs one
@@ -16,13 +17,17 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 import signal
+import stat
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from google.protobuf.message import DecodeError
 from tendermint.abci import types_pb2 as abci
 
+from planetserve.chain.abci.address import AbciAddress, AbciAddressError, TcpAddress, UnixAddress, listening
 from planetserve.chain.abci.app import Application
 from planetserve.chain.varint import encode_uvarint
 
@@ -207,18 +212,17 @@ class AbciServer:
         finally:
             writer.close()
 
-    async def serve(self, host: str, port: int, handle_signals: bool = True,
-                    ready: Callable[[int], None] | None = None) -> None:
-        """Serve until SIGTERM/SIGINT (when handled here), `stop()`, or a fatal error.
-        `ready(port)` is called once listening (port 0 picks a free one)."""
+    async def serve(self, address: AbciAddress, handle_signals: bool = True,
+                    ready: Callable[[AbciAddress], None] | None = None) -> None:
+        """Serve at `address` until SIGTERM/SIGINT (when handled here), `stop()`, or a fatal error.
+        `ready(bound)` is called once listening (a TCP port 0 picks a free one, which `bound` names)."""
         self._loop = asyncio.get_running_loop()
         self._stopped = asyncio.Event()
-        self._server = await asyncio.start_server(self._serve_connection, host, port)
-        bound = self._server.sockets[0].getsockname()[1]
+        self._server, bound = await self._listen(address)
         if handle_signals:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._loop.add_signal_handler(sig, self._stopped.set)
-        log.info("ABCI server listening on %s:%d", host, bound)
+        log.info("ABCI server listening on %s", bound)
         if ready is not None:
             ready(bound)
         try:
@@ -230,7 +234,53 @@ class AbciServer:
         if self.fatal is not None:
             raise SystemExit(f"stopped after a fatal error: {self.fatal}")
 
+    async def _listen(self, address: AbciAddress) -> tuple[asyncio.Server, AbciAddress]:
+        """The server listening at `address`, and the address it is bound to. A socket file is made
+        0600 as well, for systems that check a socket's own mode; its directory is what keeps others out."""
+        if isinstance(address, TcpAddress):
+            server = await asyncio.start_server(self._serve_connection, address.host, address.port)
+            return server, TcpAddress(address.host, server.sockets[0].getsockname()[1])
+        prepare_socket(address.path)
+        server = await asyncio.start_unix_server(self._serve_connection, str(address.path))
+        address.path.chmod(0o600)
+        return server, address
+
     def stop(self) -> None:
         """Stop serving; safe to call from any thread."""
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._stopped.set)
+
+
+def prepare_socket(path: Path) -> None:
+    """Make `path` ready for the app's socket. Its directory is created 0700 if missing, and must be
+    this user's and closed to group and others: whoever can enter it can connect, and drive the app.
+    A socket file left by an earlier run is removed; a socket something still accepts on is another
+    app's, and a file that is no socket is not ours to delete: both are refused."""
+    directory = path.parent
+    try:
+        directory.mkdir(mode=0o700)
+        directory.chmod(0o700)  # mkdir's mode passes through the umask
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise AbciAddressError(f"cannot create the socket directory {directory}: {exc.strerror}") from exc
+    st = directory.stat()
+    if not stat.S_ISDIR(st.st_mode):
+        raise AbciAddressError(f"{directory} is not a directory: the socket {path} needs one")
+    if st.st_uid != os.geteuid():
+        raise AbciAddressError(f"the socket directory {directory} is owned by uid {st.st_uid}, not by "
+                               f"this user (uid {os.geteuid()}): its owner could reach the app; use a "
+                               "directory of your own")
+    if st.st_mode & 0o077:
+        raise AbciAddressError(f"the socket directory {directory} has mode {stat.S_IMODE(st.st_mode):04o}: "
+                               f"group and others could reach the app; run `chmod 700 {directory}`")
+    try:
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise AbciAddressError(f"{path} exists and is not a socket: remove it, or listen elsewhere")
+    if listening(UnixAddress(path)):
+        raise AbciAddressError(f"something already serves at {path}: is this validator's app running "
+                               "already?")
+    path.unlink()
