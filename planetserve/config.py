@@ -78,7 +78,7 @@ class HomeConfig:
     def save(self, home: Path) -> None:
         """Write the configuration, refusing (HomeError) settings that `load` would refuse."""
         self.check()
-        home.mkdir(parents=True, exist_ok=True)
+        home.mkdir(mode=0o700, parents=True, exist_ok=True)  # journals of what the role did live here too
         (home / self.FILE).write_text(json.dumps(asdict(self), indent=2, sort_keys=True) + "\n")  # type: ignore[call-overload]
 
 

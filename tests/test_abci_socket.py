@@ -9,11 +9,9 @@ import contextlib
 import json
 import os
 import re
-import shutil
 import socket
 import stat
 import subprocess
-import tempfile
 import threading
 import time
 import tomllib
@@ -23,6 +21,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 from harness import AppHarness, sqlite_url
+from nobody import NOBODY, as_nobody, as_root, shared_directory
 from tendermint.abci import types_pb2 as abci
 
 from planetserve.chain.abci.address import (
@@ -40,9 +39,6 @@ from planetserve.cli import main
 from planetserve.genesis.network import free_ports
 from planetserve.localnet.net import app_command
 
-NOBODY = 65534
-as_root = pytest.mark.skipif(os.geteuid() != 0, reason="the unprivileged adversary is this process dropping "
-                                                       "root for nobody (uid 65534), which only root can do")
 FLUSH = frame(abci.Request(flush=abci.RequestFlush()))
 GARBAGE_GENESIS = frame(abci.Request(init_chain=abci.RequestInitChain(chain_id="x", app_state_bytes=b"garbage")))
 
@@ -79,15 +75,8 @@ def test_a_malformed_address_is_refused_saying_why(text: str, message: str) -> N
 
 @pytest.fixture
 def shared_dir() -> Iterator[Path]:
-    """A directory in the system's temporary one: short (pytest's paths can come near the 100 bytes a
-    socket's path may take) and open for others to traverse (pytest's are root's alone), so that only
-    the app's socket directory stands between an adversary and the socket."""
-    path = Path(tempfile.mkdtemp(prefix="ps-abci-"))
-    path.chmod(0o755)
-    try:
+    with shared_directory("ps-abci-") as path:
         yield path
-    finally:
-        shutil.rmtree(path)
 
 
 def chain_init(home: Path, tmp_path: Path, *args: str) -> tuple[int, str]:
@@ -222,32 +211,6 @@ def test_the_server_makes_a_missing_socket_directory_private(tmp_path: Path) -> 
 
 
 # --- an unprivileged local process against a real app ---------------------------------------------
-
-
-def as_nobody(attempt: Callable[[], str]) -> str:
-    """What `attempt` returns in a child process that dropped root for nobody (uid and gid 65534, no
-    supplementary groups): a real unprivileged local process. Forked, not run from a program file: the
-    interpreter may sit where nobody can read it (a root user's pyenv)."""
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child never returns into pytest
-        outcome = "child failed"
-        try:
-            os.close(read)
-            os.setgroups([])
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
-            outcome = attempt()
-        except Exception as exc:  # reported to the parent; the child exits whatever happens
-            outcome = f"{type(exc).__name__}: {exc}"
-        finally:
-            os.write(write, outcome.encode())
-            os._exit(0)
-    os.close(write)
-    with os.fdopen(read, "rb") as pipe:
-        outcome = pipe.read().decode()
-    os.waitpid(pid, 0)
-    return outcome
 
 
 def init_chain_of_garbage(address: AbciAddress) -> Callable[[], str]:

@@ -267,7 +267,13 @@ def test_genesis_init_builds_homes(tmp_path):
 
 def test_genesis_init_keeps_database_passwords_to_the_owner(tmp_path):
     url = "postgresql+psycopg://ps:s3cret@127.0.0.1:5432/state"
-    printed = run("genesis", "init", str(tmp_path / "net"), "-n", "1", "--db", url, "--json")
+    refused = CliRunner().invoke(main, ["genesis", "init", str(tmp_path / "net"), "-n", "1", "--db", url])
+    assert refused.exit_code == 2 and "environment variable PLANETSERVE_DB" in refused.output  # not in argv
+    assert "s3cret" not in refused.output and not (tmp_path / "net").exists()
+    done = CliRunner().invoke(main, ["genesis", "init", str(tmp_path / "net"), "-n", "1", "--json"],
+                              env={"PLANETSERVE_DB": url}, catch_exceptions=False)
+    assert done.exit_code == 0, done.output
+    printed = done.stdout
     assert "s3cret" not in printed
     assert json.loads(printed)["validators"][0]["db_url"] == "postgresql+psycopg://ps:***@127.0.0.1:5432/state"
     home = Path(json.loads(printed)["validators"][0]["home"])

@@ -6,9 +6,11 @@ prints a secret.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,12 +100,35 @@ def retired_key_file(path: Path) -> Path:
 
 
 def write_private(path: Path, text: str) -> None:
-    """Write a file only its owner can read (mode 0600, also when it existed): for anything that may
-    hold a secret, such as a database URL with its password."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    """Write a file only its owner can read: for anything that may hold a secret, such as a database URL
+    with its password. The text goes to a new 0600 file that then replaces `path`: rewriting a file
+    that was readable in place would let whoever opened it before read the new secret through that
+    descriptor (a file's mode is checked when it is opened), and a link at `path` is replaced, not
+    followed."""
+    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary)
+        raise
+
+
+def append_private(path: Path, text: str, durable: bool = False) -> None:
+    """Append `text` to a file only its owner can read (made 0600 if it was not): for journals that
+    hold what others must not see, such as the digests of the challenges a member has sent.
+    `durable` returns only once it is on disk."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     os.fchmod(fd, 0o600)
-    with os.fdopen(fd, "w") as fh:
+    with os.fdopen(fd, "a") as fh:
         fh.write(text)
+        if durable:
+            fh.flush()
+            os.fsync(fh.fileno())
 
 
 def exchange_capable(public_key: bytes) -> bool:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+from click.core import ParameterSource
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -175,6 +176,31 @@ def keep_heights_option(default: int | None = 0, where: str = "") -> Any:
         help="Recent heights whose state stays provable; trie nodes that only older heights used are "
              "deleted. 0 keeps every height (an archive, whose database grows by the trie paths each block "
              "replaces); at least 2 otherwise." + where)
+
+
+DB_ENV = "PLANETSERVE_DB"
+
+
+def _db_urls(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+    """--db, refused on the command line when a URL holds a password: every local account reads a
+    process's arguments (/proc/PID/cmdline), not its environment."""
+    from planetserve.chain.abci.store import carries_password
+
+    urls = value if isinstance(value, tuple) else (value,) if value else ()
+    if ctx.get_parameter_source(param.name or "") is ParameterSource.COMMANDLINE and any(
+            carries_password(url) for url in urls):
+        raise click.BadParameter(f"a database URL holding a password would be readable by every local "
+                                 f"account in the process list: give it in the environment variable {DB_ENV} "
+                                 "instead")
+    return value
+
+
+def db_option(help_text: str, *, multiple: bool = False, default: str | None = None) -> Any:
+    """--db (env PLANETSERVE_DB; several URLs there are separated by spaces)."""
+    return click.option("--db", "db_urls" if multiple else "db", multiple=multiple, default=default,
+                        metavar="URL", envvar=DB_ENV, callback=_db_urls,
+                        help=f"{help_text} A URL with a password goes in the environment variable {DB_ENV}, "
+                             "not on the command line.")
 
 
 EXIT_NOT_FOUND = 3

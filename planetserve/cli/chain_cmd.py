@@ -23,6 +23,7 @@ from planetserve.chain.client import LedgerClient
 from planetserve.cli import (
     check_listen,
     console,
+    db_option,
     emit_json,
     fail,
     keep_heights_option,
@@ -100,8 +101,7 @@ def group() -> None:
 @click.option("--abci", metavar="unix:///PATH|HOST:PORT", callback=check_abci,
               help="Where the planetserve app listens. Default: unix://HOME/abci/app.sock, which only this "
                    "user can reach (127.0.0.1:26658 when that path is too long for a socket).")
-@click.option("--db", default="", help="State database URL (default: SQLite in the home; or "
-                                        "postgresql+psycopg://...).")
+@db_option("State database URL (default: SQLite in the home; or postgresql+psycopg://...).", default="")
 @click.option("--local", is_flag=True, help="Nodes share one address (all on one machine): accept "
                                             "duplicate IPs and unroutable peers.")
 @keep_heights_option()
@@ -205,7 +205,7 @@ HOME_HELP = "The validator's home (CometBFT's config/ and data/, the app's confi
 @group.command("app")
 @click.option("--home", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
               help=HOME_HELP)
-@click.option("--db", help="State database URL (default: from the home's planetserve.json).")
+@db_option("State database URL (default: from the home's planetserve.json).")
 @keep_heights_option(None, " Default: keep_heights in the home's planetserve.json, else 0.")
 @log_level_option()
 def app(home: Path, db: str | None, keep_heights: int | None, log_level: str) -> None:

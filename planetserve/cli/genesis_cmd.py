@@ -9,7 +9,7 @@ import click
 from click.core import ParameterSource
 
 from planetserve.chain.abci.store import masked_url
-from planetserve.cli import console, emit_json, fail, keep_heights_option, table
+from planetserve.cli import console, db_option, emit_json, fail, keep_heights_option, table
 from planetserve.genesis.committee import ModelSpec, app_state_builder
 from planetserve.genesis.export import ExportError, registry_of
 from planetserve.genesis.network import NetworkBuildError, build_network
@@ -101,8 +101,7 @@ def group() -> None:
 @click.option("--credential", default="{moniker}: founding committee member", show_default=True,
               help="Credential text of each founding member; {moniker} is replaced.")
 @click.option("--timeout-commit", default="1s", show_default=True, help="CometBFT timeout_commit.")
-@click.option("--db", "db_urls", multiple=True, metavar="URL",
-              help="Database URL per validator, in order (default: SQLite in each home).")
+@db_option("Database URL per validator, in order (default: SQLite in each home).", multiple=True)
 @keep_heights_option()
 @click.option("--from-export", "from_export", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Start from the registry (accounts, organisations, users, models, model nodes, "

@@ -58,10 +58,11 @@ class ModelNodeConfig(LedgerHome):
     engine_url: str = ""
     """An OpenAI-compatible server (e.g. `vllm serve`) to use instead of the built-in engine."""
     kv_events: str = ""
-    """That server's KV-event ZMQ endpoint, e.g. tcp://127.0.0.1:5557."""
+    """That server's KV-event ZMQ endpoint, e.g. ipc:///run/ps-mn1/kv-events.sock (a socket in a directory
+    only the engine's account may enter: the events carry every cached prompt's token ids)."""
     kv_events_replay: str = ""
-    """Its KV-event replay endpoint (vLLM's `replay_endpoint`), e.g. tcp://127.0.0.1:5558: events the node
-    misses are asked for there rather than forgetting the mirrored cache."""
+    """Its KV-event replay endpoint (vLLM's `replay_endpoint`), e.g. ipc:///run/ps-mn1/kv-replay.sock:
+    events the node misses are asked for there rather than forgetting the mirrored cache."""
     engine_sampling: str = "server"
     """How that server samples (ENGINE_SAMPLING): "vllm-processor" for `vllm serve` with planetserve's
     logits processor, whose sampled answers verify; "server" leaves sampling to the server."""

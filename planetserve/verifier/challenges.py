@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import os
 import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from typing import Any
 
 from planetserve import workloads
 from planetserve.chain.challenge import Challenge
+from planetserve.chain.keys import append_private
 from planetserve.registry.epochs import milli
 
 MAX_REDRAWS = 64
@@ -197,11 +197,9 @@ class ChallengeSource:
         return (self.length(text) if self.length is not None else pieces) > self.max_prompt_len
 
     def _record(self, drawn: list[ChallengePrompt]) -> None:
-        """Append before the prompts are used, and flush to disk, so a crash cannot lead to a repeat."""
+        """Append before the prompts are used, and flush to disk, so a crash cannot lead to a repeat. The
+        file is the owner's alone: whoever reads it recognises each challenge by its prompt's digest."""
         if self.used_file is None or not drawn:
             return
-        self.used_file.parent.mkdir(parents=True, exist_ok=True)
-        with self.used_file.open("a") as fh:
-            fh.write("".join(prompt_digest(c.text) + "\n" for c in drawn))
-            fh.flush()
-            os.fsync(fh.fileno())
+        self.used_file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        append_private(self.used_file, "".join(prompt_digest(c.text) + "\n" for c in drawn), durable=True)

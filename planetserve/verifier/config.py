@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 
 from planetserve import workloads
 from planetserve.chain.challenge import MAX_CHALLENGE_TOKENS
+from planetserve.chain.keys import append_private
 from planetserve.config import HomeError, LedgerHome
 from planetserve.verifier.coverage import SILENT_ESCAPE
 from planetserve.verifier.credibility import TOLERANCE
@@ -70,12 +71,7 @@ class JsonLines:
 
     def append(self, entry: dict[str, Any], durable: bool = False) -> None:
         """Add one entry; `durable` returns only once it is on disk."""
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        with os.fdopen(fd, "a") as fh:
-            fh.write(json.dumps(entry) + "\n")
-            if durable:
-                fh.flush()
-                os.fsync(fh.fileno())
+        append_private(self.path, json.dumps(entry) + "\n", durable)
 
 
 @dataclass

@@ -79,7 +79,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql as pg_dialect
 from sqlalchemy.dialects import sqlite as sqlite_dialect
 from sqlalchemy.engine import URL, Connection, Engine, make_url
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from sqlalchemy.pool import StaticPool
 
 from planetserve.chain.trie import (
@@ -217,8 +217,24 @@ class TooManyEntriesError(StoreError, ValueError):
 
 
 def masked_url(url: str) -> str:
-    """A database URL as it may be shown: its password replaced by ***."""
-    return make_url(url).render_as_string(hide_password=True) if "://" in url else url
+    """A database URL as it may be shown: its password replaced by ***, and one that does not parse
+    (a port that is no number, say) by its scheme alone, since it may hold a password."""
+    if "://" not in url:
+        return url
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except (ArgumentError, ValueError):
+        return f"{url.partition('://')[0]}://… (not a URL that parses)"
+
+
+def carries_password(url: str) -> bool:
+    """Whether a database URL holds a password (one that does not parse may, and counts as holding one)."""
+    if "://" not in url:
+        return False
+    try:
+        return make_url(url).password is not None
+    except (ArgumentError, ValueError):
+        return True
 
 
 def normalise_url(url: str) -> URL:
