@@ -10,6 +10,7 @@ import shutil
 import tracemalloc
 from pathlib import Path
 
+import msgpack
 import pytest
 from harness import CHAIN_ID, AppHarness, sqlite_url
 from tendermint.abci import types_pb2 as abci
@@ -290,6 +291,12 @@ def test_offers_that_cannot_be_restored_are_refused(tmp_path: Path) -> None:
     assert offer(app, snapshot, b"") == OFFER.REJECT
     junk = b"\x92" + b"\xc4\x20" + b"\0" * 32
     assert offer(app, variant(metadata=junk, hash=hashlib.sha256(junk).digest()), trusted) == OFFER.REJECT
+    for hashes in (5, 0, "x" * 32, {b"k": b"v"}, [b"\0" * 32, 7], [[b"\0" * 32]], b"\0" * 32):
+        # each refused: a TypeError escaping OfferSnapshot reached CometBFT as an exception response,
+        # on which it stops, so one peer's snapshot stopped every node that joined by state sync
+        forged = msgpack.packb([1, hashes, 0, CHAIN_ID], use_bin_type=True)
+        assert offer(app, variant(metadata=forged, hash=hashlib.sha256(forged).digest(), chunks=1),
+                     trusted) == OFFER.REJECT, hashes
     other = Metadata(Metadata.decode(snapshot.metadata).chunk_hashes, 0, "another-chain").encode()
     assert offer(app, variant(metadata=other, hash=hashlib.sha256(other).digest()), trusted) == OFFER.REJECT
     assert apply(app, 0, b"").result == CHUNK.ABORT  # nothing accepted

@@ -85,7 +85,8 @@ class Metadata:
             raise SnapshotError(f"undecodable metadata: {exc}") from None
         if fmt != FORMAT or type(block_time) is not int or block_time < 0 or type(chain_id) is not str:
             raise SnapshotError("metadata is not format 1")
-        if not hashes or not all(isinstance(h, bytes) and len(h) == 32 for h in hashes):
+        if not isinstance(hashes, list | tuple) or not hashes or not all(
+                type(h) is bytes and len(h) == 32 for h in hashes):
             raise SnapshotError("metadata must list one 32-byte hash per chunk")
         return cls(tuple(hashes), block_time, chain_id)
 
