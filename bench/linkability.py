@@ -192,9 +192,9 @@ def record_gateway(gateway: Gateway, obs: Observations) -> None:
             obs.see_clove(peer or b"", sida.decode(onion.open_sealed(gateway.secret, data)).message_id)
         await on_clove(data, peer)
 
-    async def replying(prompt: Prompt) -> None:
+    async def replying(prompt: Prompt, answer: Reply) -> None:
         obs.see_prompt(prompt)
-        await reply(prompt)
+        await reply(prompt, answer)
 
     gateway.on_clove = receiving  # type: ignore[method-assign]
     gateway._reply = replying  # type: ignore[method-assign]

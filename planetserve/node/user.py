@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import logging
 import random
 import re
@@ -32,6 +31,7 @@ from planetserve.node.api.openai import (
     ApiError,
     ApiLimits,
     ApiRequest,
+    ChatMessage,
     Endpoint,
     PlanetServeOptions,
     bad_request,
@@ -58,12 +58,12 @@ from planetserve.node.overlay.messages import (
 from planetserve.node.overlay.paths import Path, PathManager, PathSettings
 from planetserve.node.overlay.relay import Relay
 from planetserve.node.overlay.transport import Peering, TransportError
+from planetserve.node.sessions import Sessions, conversation_key, new_session_id, remembered, session_key
 from planetserve.node.tasks import stop_tasks
 from planetserve.registry.epochs import SEED_BITS, to_seed
 
 log = logging.getLogger(__name__)
 
-MAX_SESSIONS = 10_000
 MAX_TRACKED_MESSAGES = 4096
 DROP_GRACE_SECONDS = 1.0
 NODE_AVOID_SECONDS = 60.0
@@ -102,21 +102,6 @@ def node_not_found(key: bytes) -> ApiError:
 def answer_too_large() -> ApiError:
     return ApiError(502, f"The model node's answer exceeds {MAX_ANSWER_BYTES} bytes.", type="server_error",
                     code="answer_too_large")
-
-
-def session_key(request: ApiRequest) -> str | None:
-    """Requests of one conversation share a key: the explicit session id, or for chat the messages up
-    to the first user turn (every follow-up repeats them)."""
-    if request.planetserve.session_id:
-        return "id:" + request.planetserve.session_id
-    if request.endpoint != "chat" or not request.messages:
-        return None
-    head = []
-    for message in request.messages:
-        head.append([message.role, message.content])
-        if message.role == "user":
-            break
-    return "chat:" + hashlib.sha256(json.dumps([request.model, head]).encode()).hexdigest()
 
 
 @dataclass(eq=False)
@@ -230,7 +215,7 @@ class UserRelay:
         self.arrivals: OrderedDict[bytes, list[Path]] = OrderedDict()
         """Per answer message still being reassembled: the paths its cloves came by."""
         self.answered: OrderedDict[bytes, Exchange] = OrderedDict()
-        self.sessions: OrderedDict[str, tuple[bytes, str]] = OrderedDict()
+        self.sessions = Sessions()
         self.seed_key = secrets.token_bytes(32)
         """Keys the seeds programs choose (`relayed_seed`): this relay's alone, for its lifetime."""
         self.avoided_nodes: dict[bytes, float] = {}
@@ -475,33 +460,39 @@ class UserRelay:
         """A trusted node of the model, and the session id to give it: every request of a conversation
         goes to the same entry node under the same random session id, so the group serves it where its
         KV cache is; any other request gets a fresh one (so a session id says nothing of who sent it)."""
-        key = session_key(request)
-        if key is not None and (known := self.sessions.get(key)) is not None and known[0] in self.view.nodes:
-            self.sessions.move_to_end(key)
+        known = self.sessions.get(session_key(request))
+        if known is not None and known[0] in self.view.nodes:
             return known
         nodes = self.view.models().get(model, [])
         now = time.monotonic()
         reachable = [n for n in nodes if self.avoided_nodes.get(n.pubkey, 0.0) <= now]
         chosen = secrets.choice(reachable or nodes).pubkey
-        return chosen, self._start_session(key, chosen)
+        return chosen, self._start_session(request, chosen)
 
     def named_session(self, request: ApiRequest, node: bytes) -> str:
         """The session id for a request to a node it names: its conversation's, when that was with this
         node, else a new one (so a challenge's follow-up arrives like a user's)."""
-        key = session_key(request)
-        known = self.sessions.get(key) if key is not None else None
+        known = self.sessions.get(session_key(request))
         if known is not None and known[0] == node:
-            self.sessions.move_to_end(key)
             return known[1]
-        return self._start_session(key, node)
+        return self._start_session(request, node)
 
-    def _start_session(self, key: str | None, node: bytes) -> str:
+    def _start_session(self, request: ApiRequest, node: bytes) -> str:
         session = new_session_id()
-        if key is not None:
-            self.sessions[key] = (node, session)
-            while len(self.sessions) > MAX_SESSIONS:
-                self.sessions.popitem(last=False)
+        self.sessions.keep(session_key(request), node, session)
         return session
+
+    def _continued(self, request: ApiRequest, node: bytes, session: str, reply: Reply) -> Reply:
+        """`reply`, recording as it passes the conversation its answer continues (`sessions.py`): the
+        program's next turn goes to the same node under the same session id."""
+        if reply.status != 200 or request.endpoint != "chat" or request.planetserve.session_id:
+            return reply
+
+        def delivered(text: str) -> None:
+            answered = (*request.messages, ChatMessage("assistant", text))
+            self.sessions.keep(conversation_key(request.model, answered), node, session)
+
+        return replace(reply, parts=remembered(reply.parts, reply.streamed, delivered))
 
     # -- the local OpenAI-compatible endpoint (answers for `surface`) ------------------------------------
 
@@ -529,7 +520,8 @@ class UserRelay:
             else:
                 model = self.trusted_model(request)
                 node, session = self.choose_node(request, model)
-            return await self.ask(node, endpoint, relayed_body(request, model, session))
+            reply = await self.ask(node, endpoint, relayed_body(request, model, session))
+            return self._continued(request, node, session, reply)
         except ApiError as exc:
             return Reply.json(exc.body(), exc.status, BY_RELAY)
 
@@ -560,10 +552,6 @@ def path_settings(config: UserConfig) -> PathSettings:
     return PathSettings(target=max(config.proxies, config.n), ping_interval=config.ping_interval,
                         lifetime=config.path_lifetime, retire_grace=config.response_timeout,
                         uses=config.path_uses)
-
-
-def new_session_id() -> str:
-    return secrets.token_hex(16)
 
 
 def relayed_body(request: ApiRequest, model: str, session_id: str) -> bytes:

@@ -145,3 +145,55 @@ def test_a_request_right_after_another_waits_for_n_paths_rather_than_going_over_
     """A request over fewer paths than n would stand out to the model node by the n of its prompt (the
     "n and k" row above) and lose the slack of a lost path."""
     assert run(back_to_back(quick_family), timeout=120) == [4, 4]
+
+
+SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
+TOPICS = ["the list type", "dictionaries", "file handling"]
+
+
+async def chat_turn(user, messages: list[dict], stream: bool) -> str:  # type: ignore[no-untyped-def]
+    """The assistant's text of one chat turn through `user`'s relay, streamed or not."""
+    body = {"model": "gt", "messages": messages, "max_tokens": 3, "temperature": 0, "stream": stream}
+    reply = await user.respond("chat", json.dumps(body).encode())
+    raw = b"".join([part async for part in reply.parts]).decode()
+    if not stream:
+        return json.loads(raw)["choices"][0]["message"]["content"]
+    events = [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: {")]
+    return "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e.get("choices"))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_model_node_cannot_link_conversations_that_open_alike_by_their_session_id(quick_family, stream):
+    """A program opens three conversations alike (a system prompt and "Hi!", answered greedily, so
+    identically) and continues each on its own topic. Keyed by their opening, all three went to one
+    node under one session id, which linked them to one user (20 of 20 pairs in the review's run, none
+    across users). Now each first turn starts a session of its own, and a follow-up keeps the session of
+    the conversation whose answer the relay delivered: no two conversations share an id, and each
+    conversation's turns do."""
+
+    async def main() -> list[tuple[str, str]]:
+        net = await start_overlay(quick_family, [make_user() for _ in range(6)], 2)
+        seen: list[str] = []
+        for node in net.nodes:
+            respond = node.gateway.respond
+
+            async def recorded(endpoint, body, respond=respond):  # type: ignore[no-untyped-def]
+                seen.append(json.loads(body)["planetserve"]["session_id"])
+                return await respond(endpoint, body)
+
+            node.gateway.respond = recorded
+        try:
+            turns = []
+            for topic in TOPICS:
+                opening = [SYSTEM, {"role": "user", "content": "Hi!"}]
+                answer = await chat_turn(net.client, opening, stream)
+                await chat_turn(net.client, [*opening, {"role": "assistant", "content": answer},
+                                             {"role": "user", "content": f"Tell me about {topic}."}], stream)
+                turns.append((seen[-2], seen[-1]))
+            return turns
+        finally:
+            await net.close()
+
+    turns = run(main(), timeout=120)
+    assert all(first == follow_up for first, follow_up in turns)  # a conversation keeps its node's cache
+    assert len({first for first, _ in turns}) == len(TOPICS)  # no two conversations share an id

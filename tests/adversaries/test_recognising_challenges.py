@@ -41,7 +41,8 @@ from planetserve.node.api.openai import (
     parse_request_body,
 )
 from planetserve.node.model_node import ModelNode
-from planetserve.node.user import new_session_id, relayed_body, taken_request
+from planetserve.node.sessions import new_session_id
+from planetserve.node.user import relayed_body, taken_request
 from planetserve.registry.epochs import SEED_BITS
 from planetserve.verifier import ReferenceModel
 from planetserve.verifier.challenges import RUN, ChallengeSource, to_challenge
