@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 from google.protobuf.timestamp_pb2 import Timestamp
 from tendermint.abci import types_pb2 as abci
 from tendermint.crypto import keys_pb2
@@ -15,7 +18,8 @@ from tendermint.types import validator_pb2
 from planetserve.chain import tx as txlib
 from planetserve.chain.abci.app import Application
 from planetserve.chain.abci.epochs import validator_address
-from planetserve.chain.abci.store import StateStore
+from planetserve.chain.abci.state import TxScope
+from planetserve.chain.abci.store import Batch, StateStore
 from planetserve.chain.errors import TxError
 from planetserve.chain.keys import KeySet
 from planetserve.chain.messages import REGISTRATIONS
@@ -166,6 +170,21 @@ class AppHarness:
 
     def query(self, path: str, data: bytes) -> abci.ResponseQuery:
         return self.app.query(abci.RequestQuery(path=path, data=data, prove=True))
+
+
+def count_prefix_reads(monkeypatch: pytest.MonkeyPatch) -> Counter[bytes]:
+    """How often the application iterates over each key family ("orgnode/", "preq/", ...) from now on:
+    a spy on the store's and the transaction scope's iterate that passes every read through."""
+    seen: Counter[bytes] = Counter()
+    for cls in (Batch, TxScope):
+        original = cls.iterate
+
+        def counted(self: Any, prefix: bytes = b"", original: Any = original) -> Iterator[tuple[bytes, bytes]]:
+            seen[prefix.split(b"/", 1)[0] + b"/"] += 1
+            return original(self, prefix)
+
+        monkeypatch.setattr(cls, "iterate", counted)
+    return seen
 
 
 def sqlite_url(tmp_path: Path, name: str = "state.db") -> str:

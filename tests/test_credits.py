@@ -4,7 +4,7 @@ on deployments (the seed's 5 servers x 30 days = 30 servers x 5 days), and every
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import pytest
@@ -60,9 +60,9 @@ def deploy(s: Script, owner: KeySet, org_id: str = "org1", **overrides) -> tuple
     return s.block(s.tx(owner, "deploy-model", {**body, **overrides}))[0]
 
 
-def earn_thirty_days(s: Script, meanwhile: Callable[[], None] = lambda: None) -> None:
-    """Epoch 1 scores org1's five nodes, and its last block comes 30 days after its first; `meanwhile`
-    runs once the epoch has started."""
+def earn_thirty_days(s: Script, meanwhile: Callable[[], None] = lambda: None, last: Sequence[bytes] = ()) -> None:
+    """Epoch 1 scores org1's five nodes, and its last block, holding `last`, comes 30 days after its
+    first; `meanwhile` runs once the epoch has started."""
     s.h.block()  # the epoch's first block records its start time
     start = s.epoch(1).start_time
     meanwhile()
@@ -70,7 +70,7 @@ def earn_thirty_days(s: Script, meanwhile: Callable[[], None] = lambda: None) ->
     assert s.block(s.tx(s.leader(1), "submit-results", s.leader_results(1, 800_000))) == [(0, "ok")]
     assert all(c == 0 for c, _ in s.block(*s.attest_txs(1, leader, dict.fromkeys(s.nodes, 800_000))))
     s.run_to(s.schedule.end(1))
-    s.h.block(seconds=start + 30 * DAY - s.h.time)
+    assert all(r.code == 0 for r in s.h.block(*last, seconds=start + 30 * DAY - s.h.time).tx_results)
     assert s.epoch(1).finalized
 
 
@@ -127,6 +127,23 @@ def test_a_node_taken_off_the_list_during_the_epoch_earns_nothing_for_it(s):
     earn_thirty_days(s, off_and_on)
     account = s.state.credits("org1")
     assert account.earned == (len(s.nodes) - 1) * credits.earned(A100, 30 * DAY)
+
+
+def test_a_node_off_the_list_from_before_the_epoch_until_its_last_block_earns_nothing_for_it(s):
+    """Set inactive once the setup block had fixed the plan (so it is still challenged) but before the
+    epoch began, and active again in the epoch's last block: the time it last left the list came before
+    the epoch, and it was paid for an epoch spent wholly off the list. A node must have been on the list
+    since the epoch's start."""
+    away = next(iter(s.nodes))
+    s.run_to(s.schedule.setup_height(0))
+    s.h.block()
+    plan_txs, _ = s.plan_txs(1)
+    assert all(code == 0 for code, _ in s.block(*plan_txs, *s.vrf_txs(1)))
+    assert s.block(s.tx(s.owner, "update-model-node", {"node_pubkey": away, "status": "inactive"})) == [(0, "ok")]
+    s.run_to(s.schedule.start(1))
+    earn_thirty_days(s, last=[s.tx(s.owner, "update-model-node", {"node_pubkey": away, "status": "active"})])
+    assert s.state.credits("org1").earned == (len(s.nodes) - 1) * credits.earned(A100, 30 * DAY)
+    assert away in {n.pubkey for n in s.state.iterate_nodes() if s.state.listed(n)}  # back, for the next
 
 
 def test_an_organisation_without_credits_is_refused_before_the_nodes_are_read(s):

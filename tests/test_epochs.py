@@ -584,7 +584,7 @@ def test_above_max_plan_nodes_the_seed_picks_the_nodes_and_the_leader_cannot(tmp
                       s.tx(planner, "commit-plan", s.plan(1, chosen[:1])[0]))  # the plan window has 2 blocks left
     assert refused[:-1] == [(Code.INVALID_FIELD, f"invalid field: field 'node': {other.hex()} is not among the "
                                                  f"nodes this plan must cover") for other in others]
-    assert refused[-1][0] == Code.INVALID_FIELD and "the plan omits 1 node(s) it must cover" in refused[-1][1]
+    assert refused[-1][0] == Code.INVALID_FIELD and "the plan omits 1 of the 2 node(s) it must cover" in refused[-1][1]
     body, _ = s.plan(1, chosen)
     assert s.block(s.tx(planner, "commit-plan", body)) == [(0, "ok")]
     assert s.epoch(1).plan_status == epochs.PLAN_COMMITTED and s.planned_nodes(1) == chosen
@@ -658,7 +658,7 @@ def test_refusals(s):
     assert codes == [Code.INVALID_FIELD, 0, Code.ALREADY_EXISTS, Code.UNAUTHORIZED, Code.UNAUTHORIZED,
                      Code.INVALID_FIELD, Code.ALREADY_EXISTS, Code.EXPIRED], results
     assert "does not verify" in results[0][1]
-    assert "omits 1 node" in results[5][1]
+    assert "omits 1 of the 2 node(s)" in results[5][1]
     assert "repeats" in results[6][1]
     body, challenges = s.plan(1)
     (ok, _), (code, log) = s.block(s.tx(leader0, "commit-plan", body), s.tx(leader0, "commit-plan", body))

@@ -9,12 +9,13 @@ import secrets
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import replace
 
 import pytest
 from click.testing import CliRunner
 from committee import EPOCH_PARAMS, HONEST, TEMPERATURE, Script, unopenable_plan, unsound_plan
-from harness import AppHarness, sqlite_url
-from inprocess import InProcessLedger, Rounds
+from harness import CHAIN_ID, AppHarness, events, sqlite_url
+from inprocess import InProcessLedger, Rounds, answered
 
 from planetserve import workloads
 from planetserve.chain.challenge import (
@@ -28,17 +29,19 @@ from planetserve.chain.challenge import (
 from planetserve.chain.keys import KeySet
 from planetserve.chain.lightclient import DEFAULT_MAX_AGE
 from planetserve.chain.messages.epochs import MAX_ENTRIES, PlanItem
+from planetserve.chain.messages.registry import RotateNodeKey
 from planetserve.cli import main
 from planetserve.config import HomeError
 from planetserve.genesis.network import free_ports
 from planetserve.models import load
 from planetserve.registry import codec
 from planetserve.registry.entities import ModelNode
-from planetserve.registry.epochs import ATTEST_BLOCKS, INVALID, UNOPENED, VALID, Schedule
+from planetserve.registry.epochs import ATTEST_BLOCKS, INVALID, UNOPENED, VALID, Schedule, SignedResponse
 from planetserve.registry.params import Params
 from planetserve.verifier import ReferenceModel
 from planetserve.verifier import daemon as daemon_module
 from planetserve.verifier.config import CONFIG_FILE, STATUS_FILE, SUBMISSIONS_FILE, JsonLines, VerifierConfig
+from planetserve.verifier.credibility import Answer, Rejection, Verdict
 from planetserve.verifier.daemon import (
     LATE,
     TX_MARGIN_BYTES,
@@ -321,6 +324,147 @@ def test_a_scheduled_re_challenge_goes_out_at_the_first_block_seen_from_its_offs
     daemon.send_scheduled(16)  # the cutoff: the third is dropped unsent
     assert daemon.scheduled == {} and (3, nodes[2], "rechallenge") not in daemon.pending
     daemon.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def test_a_re_challenge_waits_for_its_epochs_keys_once_the_epoch_has_started(tmp_path):
+    """Key rotations take effect at an epoch's first block: a scheduled re-challenge of the epoch is not
+    sent after that block (a transaction of a tick that began before it landed after it) until the daemon
+    has read the plan as the block left it (`_follow_rotations`), so it never goes to a key the node
+    left. Before the epoch's first block it goes out as scheduled."""
+    daemon = Daemon(KeySet.generate(), None, {}, OverlayChannel("http://127.0.0.1:9"), None, tmp_path)
+    registered = ModelNode(KeySet.generate().public, "org1", "gt", "10.0.0.7:7000", "cpu", 1, "eu", "active", 0)
+    challenge = Challenge.new("Why is the sky blue?", 500, max_tokens=12)
+    before, after = KeySet.generate().public, KeySet.generate().public
+    daemon.starts[3] = 20
+    daemon.scheduled[3, before] = Scheduled(19, last=25, cutoff=28, challenge=challenge, node=registered)
+    daemon.send_scheduled(20)  # block 20 is the next: the epoch has not started
+    assert set(daemon.pending) == {(3, before, "rechallenge")}
+    daemon.scheduled[3, after] = Scheduled(21, last=25, cutoff=28, challenge=challenge, node=registered)
+    daemon.send_scheduled(22)
+    assert (3, after) in daemon.scheduled and (3, after, "rechallenge") not in daemon.pending
+    daemon.followed.add(3)
+    daemon.send_scheduled(22)
+    assert (3, after, "rechallenge") in daemon.pending and daemon.scheduled == {}
+    daemon.pool.shutdown(wait=False, cancel_futures=True)
+
+
+class _Reference:
+    """A reference model that scores 1 every answer signed by the key it is told (`ReferenceModel.check`'s
+    first check: whose answer it is) and refuses any other as `wrong_node`."""
+
+    def verify(self, answers: list[Answer]) -> list[Verdict]:
+        return [Verdict.reject(Rejection.WRONG_NODE, "another key") if a.response.node != a.node
+                else Verdict(1.0, 1.0, len(a.response.token_ids)) for a in answers]
+
+    def ending(self, challenge: Challenge, response: object) -> str:
+        return ""
+
+
+class _Nodes:
+    """The overlay as the daemon sees it: a challenge sent to a key is answered by whoever holds that key
+    now (`keys`), signed with it; a key nobody holds gets no answer."""
+
+    max_tokens = 64
+
+    def __init__(self, keys: dict[bytes, KeySet]) -> None:
+        self.keys = keys
+
+    def ask(self, pubkey: bytes, model_id: str, challenge: Challenge) -> Reply:
+        keys = self.keys.get(pubkey)
+        if keys is None:
+            raise NoAnswer("no node answers under this key")
+        return Reply(sign_response(keys, challenge.prompt, [11, 12, 13], "Because of Rayleigh scattering.", model_id,
+                                   int(time.time()), "10.0.0.7:7000", challenge.temperature, challenge.seed,
+                                   challenge.top_p))
+
+
+def test_a_member_re_challenges_a_node_that_rotated_under_its_new_key_and_so_does_a_restarted_one(tmp_path):
+    """A node's rotation takes effect at the first block of an epoch whose re-challenges three members
+    tagged, under the key it had, in the closing windows before. The first sent its challenge then: its
+    daemon reveals the answer, signed with the old key, under the new one. The second's offset comes after
+    the rotation: the challenge it scheduled goes to the new key. The third's daemon restarts after the
+    rotation: it finds its journalled challenge under the old key, commits no tag again (it holds as many
+    as the plan has nodes), keeps the offset drawn for the key the node was planned under, sends the
+    challenge to the new key and reveals it. Each attests the others' results at their score (the answer
+    signed with the old key is the node's, not `wrong_node`), and the chain refuses nothing. Before, the
+    first revealed under the old key (refused: not in the plan), the second asked the old key, which no
+    node answers any more, and the third looked its journal up by the new key and drew a new challenge,
+    whose tag the chain refused (more than the plan has nodes): the node escaped all three."""
+    params = replace(EPOCH_PARAMS, epoch_blocks=20, vrf_window_blocks=5, plan_window_blocks=5,
+                     response_slack_seconds=3_600)
+    s = Script(AppHarness(sqlite_url(tmp_path), members=4, params=params, genesis_time=int(time.time())))
+    schedule = s.schedule
+    rotating, control = list(s.nodes)
+    new = KeySet.generate()
+    assert s.block(s.tx(s.owner, "rotate-node-key",
+                        RotateNodeKey.signed(CHAIN_ID, "org1", s.nodes[rotating], new).body())) == [(0, "ok")]
+    s.run_to(schedule.setup_height(0))
+    s.h.block()
+    plan_txs, _ = s.plan_txs(1)
+    assert all(c == 0 for c, _ in s.block(*plan_txs, *s.vrf_txs(1)))
+    leader = s.leader(1)
+    early, waiting, restarting = [m for m in s.members.values() if m.public != leader.public]
+    overlay = _Nodes(dict(s.nodes))
+    rounds = Rounds(s.h)
+    offsets = {early.public: -1, waiting.public: 3, restarting.public: 3}  # the epoch's first block is offset 0
+    drawn: list[bytes] = []
+
+    def daemon(member: KeySet) -> Daemon:
+        d = Daemon(member, InProcessLedger(s.h, rounds), {"gt": _Reference()}, overlay, None,  # type: ignore[arg-type]
+                   tmp_path / member.public.hex(), rechallenge_share=1.0, silent_escape=1.0)
+
+        def offset(number: int, node: bytes, schedule: Schedule) -> int:
+            drawn.append(node)
+            return offsets[member.public]
+
+        def fresh(model_id: str, count: int = 1) -> list[Challenge]:
+            return [Challenge.new(f"{secrets.token_hex(4)}: why do tides turn?", TEMPERATURE) for _ in range(count)]
+
+        d._sample_offset = offset  # type: ignore[method-assign]
+        d._fresh = fresh  # type: ignore[method-assign]
+        return d
+
+    for member in (early, waiting, restarting):
+        (tmp_path / member.public.hex()).mkdir()
+    daemons = [daemon(early), daemon(waiting), daemon(restarting)]
+    for d in daemons:
+        d.tick()  # each commits its tags of epoch 1 over the planned keys, in a block of its own
+    assert s.h.height == schedule.start(1) - 1
+    daemons[0].tick()  # the first one's offset has come: it asks both nodes before the rotation
+    answered(daemons)
+    assert set(daemons[0].pending) == {(1, rotating, "rechallenge"), (1, control, "rechallenge")}
+    assert daemons[0].pending[1, rotating, "rechallenge"].result().reply.response.node == rotating
+
+    s.run_to(schedule.start(1))
+    assert events(s.h.block(), "node_key_rotated")  # the node moves to its new key and answers under it
+    overlay.keys = {new.public: new, control: s.nodes[control]}
+    s.nodes[new.public] = s.nodes.pop(rotating)
+    s.nodes[new.public] = new
+    assert s.block(s.tx(leader, "submit-results", s.leader_results(1, HONEST, sorted([new.public, control])))) == [
+        (0, "ok")]
+    assert (1, rotating) in daemons[1].scheduled
+    daemons[2] = daemon(restarting)  # restarted: its journal is all it kept
+    drawn.clear()
+    for _ in range(schedule.start(1) + offsets[restarting.public] - s.h.height + 2):
+        for d in daemons:
+            d.tick()
+            answered([d])
+        s.h.block()
+
+    refused = [entry["log"] for d in daemons for entry in d.submissions.read() if entry["code"] != 0]
+    mine = {m: s.state.result(1, new.public, m) for m in offsets}
+    assert {m: r and r.status for m, r in mine.items()} == dict.fromkeys(offsets, VALID), refused
+    signed = {m: SignedResponse.from_record(r.response).node for m, r in mine.items()}
+    assert signed == {early.public: rotating, waiting.public: new.public, restarting.public: new.public}
+    assert rotating in drawn and new.public not in drawn  # the restart drew for the key it was planned under
+    for submitter in offsets:
+        assert {m: (c, d) for m, c, d in s.state.attestations(1, new.public, submitter)} == {
+            m: (HONEST, 0) for m in offsets}
+    for d in daemons:
+        submitted = d.submissions.read()
+        assert all(entry["code"] == 0 for entry in submitted), submitted
+        assert sum(entry["type"] == "commit-rechallenge" for entry in submitted) == 1
+        d.pool.shutdown(wait=False, cancel_futures=True)
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -14,7 +14,9 @@ or region can never match another (model ids may contain '/').
     node/<pubkey hex>                       ModelNode
     nlist/<model>/<region>/<pubkey hex>     ModelNode       (the signed node list, per model/region)
     delist/<pubkey hex>                     int             (block time the node last left the list)
+    lsince/<pubkey hex>                     int             (block time the node last came onto the list)
     orgnode/<org>/<pubkey hex>              b""             (every node an organisation registered)
+    orgrep/<org>                            int             (the least reputation of those nodes, ppm)
     member/<operator hex>                   Member
     proposal/<id:012d>                      Proposal
     next/proposal                           int
@@ -27,6 +29,7 @@ Verification epochs (<e> is the epoch number as %010d):
     vrf/<e>/<operator hex>                  VrfEntry        (proofs electing the leader of e)
     preq/<e>/<node hex>                     b""             (the nodes the plan of e must cover, fixed at
                                                              its setup block)
+    preqn/<e>                               int             (how many: the plan is whole at that many)
     plan/<e>/<node hex>                     PlanEntry
     pcom/<e>/<commitment hex>               node pubkey     (no commitment twice in an epoch)
     rch/<e>/<member hex>/<tag hex>          Rechallenge     (the tag hides the node until the reveal)
@@ -144,12 +147,22 @@ def delisted_key(pubkey: bytes) -> bytes:
     return key("delist", pubkey.hex())
 
 
+def listed_key(node: bytes) -> bytes:
+    """The block time the node last came onto the list (State.listed_since)."""
+    return key("lsince", node.hex())
+
+
 def org_node_prefix(org_id: str) -> bytes:
     return key("orgnode", _c(org_id), "")
 
 
 def org_node_key(org_id: str, node: bytes) -> bytes:
     return org_node_prefix(org_id) + node.hex().encode()
+
+
+def org_reputation_key(org_id: str) -> bytes:
+    """The least reputation of the organisation's nodes, kept as they change (State.org_reputation)."""
+    return key("orgrep", _c(org_id))
 
 
 def member_key(operator: bytes) -> bytes:
@@ -184,6 +197,10 @@ def required_prefix(epoch: int) -> bytes:
 
 def required_key(epoch: int, node: bytes) -> bytes:
     return required_prefix(epoch) + node.hex().encode()
+
+
+def required_count_key(epoch: int) -> bytes:
+    return key("preqn", _e(epoch))
 
 
 def plan_prefix(epoch: int) -> bytes:
@@ -336,8 +353,8 @@ NEXT_PROPOSAL_KEY = key("next", "proposal")
 
 
 REGISTRY_PREFIXES = tuple(key(family, "") for family in (
-    "acct", "org", "user", "ulist", "uexp", "model", "node", "nlist", "orgnode", "rep", "price", "credit",
-    "deploy", "dnode", "dexp", "rkey")) + (key("next", "deployment"),)
+    "acct", "org", "user", "ulist", "uexp", "model", "node", "nlist", "orgnode", "orgrep", "lsince", "rep",
+    "price", "credit", "deploy", "dnode", "dexp", "rkey")) + (key("next", "deployment"),)
 """The families a new chain takes from another's export (`genesis init --from-export`): its accounts,
 registry, reputations and credits; not its committee, proposals, epochs or counters of its heights."""
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
+from typing import Any, Self
 
 from planetserve.registry import codec, rules
 from planetserve.registry.entities import ModelNode, Record
@@ -222,12 +223,29 @@ class VrfEntry(Record):
 @dataclass(frozen=True)
 class PlanEntry(Record):
     """One challenge of a plan: `ciphertext` is the challenge (`chain/challenge.py` `plan_entry`) encrypted
-    under a key of its own, and `sealed` holds [member operator, that key sealed to the member]."""
+    under a key of its own, and `sealed` holds [member operator, that key sealed to the member].
+
+    `moved_from`: the key the node was planned under when its key rotation took effect at the epoch's
+    first block (`chain/abci/rotations.py`), empty otherwise. Members committed their re-challenge tags
+    of the epoch over that key, and sent some of those challenges to it, in the epoch before: such a tag
+    still opens, and an answer signed with that key still counts as the node's (`node_keys`), so that a
+    rotation never takes a node out of the members' re-challenges."""
 
     node: bytes
     commitment: bytes
     sealed: tuple[list, ...]
     ciphertext: bytes
+    moved_from: bytes = b""
+
+    @property
+    def node_keys(self) -> tuple[bytes, ...]:
+        """The keys this epoch's challenges of the node may name in their tags and be answered under: its
+        key, then the one it was planned under if it rotated at the epoch's start."""
+        return (self.node, self.moved_from) if self.moved_from else (self.node,)
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> Self:
+        return super().from_record({"moved_from": b"", **record})
 
 
 @dataclass(frozen=True)

@@ -200,6 +200,14 @@ class Daemon:
         self.unopened: set[tuple[int, bytes]] = set()
         """(epoch, node) of planned challenges this leader could not open: it says so (`UNOPENED`) rather
         than leave the node out, which was its `skipped-node` fault for what the planner sealed."""
+        self.starts: dict[int, int] = {}
+        """Epoch → its first block, where key rotations take effect (`_follow_rotations`)."""
+        self.followed: set[int] = set()
+        """Epochs whose plan this member has read as its first block left it: the keys it names are final."""
+        self.moved: dict[tuple[int, bytes], bytes] = {}
+        """(epoch, node's key) → the key the node was planned under, for a node whose rotation took effect
+        at the epoch's first block (`PlanEntry.moved_from`): the key its tags name and its answers to the
+        challenges sent before then are signed with."""
         self.status: dict[str, Any] = {"member": self.me.hex(), "started": int(time.time()), "ticks": 0,
                                        "submitted": 0, "rejected": 0, "challenges": 0, "scored": 0,
                                        "last_error": None}
@@ -234,6 +242,8 @@ class Daemon:
             if current is None:
                 return
             self._forget_before(number)
+            self.starts.update({number: schedule.start(number), number + 1: schedule.start(number + 1)})
+            self._follow_rotations(number, verified)
             if current.leader == self.me:
                 self._drop_rechallenges(number)
             leading = current.leader == self.me and schedule.in_results(upcoming)
@@ -267,6 +277,50 @@ class Daemon:
         self.late = {k for k in self.late if k[0] >= number}
         self.scheduled = {k: v for k, v in self.scheduled.items() if k[0] >= number}
         self.unopened = {k for k in self.unopened if k[0] >= number}
+        self.starts = {n: v for n, v in self.starts.items() if n >= number}
+        self.followed = {n for n in self.followed if n >= number}
+        self.moved = {k: v for k, v in self.moved.items() if k[0] >= number}
+
+    def _follow_rotations(self, number: int, verified: int) -> None:
+        """Once epoch `number`'s first block is in, where key rotations take effect: what this member holds
+        under a key that the epoch's plan moved (`PlanEntry.moved_from`) goes on under the node's new key.
+        Its re-challenges scheduled, out or answered are revealed or claimed under it (their tags name the
+        old key, which the chain opens for the new one, and an answer signed with the old key before the
+        rotation counts as the node's), and those not yet sent go to the new key: a node that rotated
+        would otherwise escape them all (and the chain refused each reveal under the old key)."""
+        if number in self.followed or verified < self.starts[number]:
+            return
+        for entry in self.ledger.plan(number)[1]:
+            if not entry.moved_from:
+                continue
+            old, new = entry.moved_from, entry.node
+            self.moved[number, new] = old
+            for kind in ("leader", "rechallenge"):
+                if (number, old, kind) in self.pending:
+                    self.pending[number, new, kind] = self.pending.pop((number, old, kind))
+            if (number, old) in self.late:
+                self.late.discard((number, old))
+                self.late.add((number, new))
+            item = self.scheduled.pop((number, old), None)
+            if item is not None and (node := self._verifiable(new)) is not None:
+                self.scheduled[number, new] = replace(item, node=node)
+            log.info("node %s was rotated to %s at epoch %d's start: its re-challenges follow it",
+                     old.hex()[:16], new.hex()[:16], number)
+        self.followed.add(number)
+
+    def _node_keys(self, number: int, node: bytes) -> tuple[bytes, ...]:
+        """`node`'s keys in epoch `number`, as `PlanEntry.node_keys` gives them."""
+        old = self.moved.get((number, node))
+        return (node, old) if old is not None else (node,)
+
+    def _journalled(self, number: int, keys: tuple[bytes, ...]) -> tuple[bytes, Challenge] | None:
+        """This member's re-challenge of a node in epoch `number` and the key it was journalled and tagged
+        under: one of the node's `keys` (its key in the plan, then the one it had when the plan was
+        committed, if it rotated since)."""
+        for key in keys:
+            if (challenge := self.journal.get(number, key)) is not None:
+                return key, challenge
+        return None
 
     def _drop_rechallenges(self, number: int) -> None:
         """The leader of epoch `number` re-challenges nothing in it, and it submits one result per node:
@@ -452,7 +506,7 @@ class Daemon:
             except Exception:  # this member's fault, not the node's: the other answers collected still go
                 log.exception("challenge of %s failed here, will retry", node.hex()[:16])
                 continue
-            entries[kind].append(self._entry(number, asked, kind))
+            entries[kind].append(self._entry(number, asked, kind, node))
         for epoch, node in sorted(self.unopened):
             if epoch == number:
                 entries["leader"].append(Unanswered(node, UNOPENED))
@@ -462,10 +516,10 @@ class Daemon:
     def _unanswered(self, number: int, node: bytes, kind: str) -> Unanswered:
         if kind == "leader":
             return Unanswered(node, OVERDUE)
-        challenge = self.journal.get(number, node)
-        if challenge is None:
+        journalled = self._journalled(number, self._node_keys(number, node))
+        if journalled is None:
             raise RuntimeError(f"re-challenge of {node.hex()} in epoch {number} is not in the journal")
-        return Unanswered(node, LATE, challenge.commitment)
+        return Unanswered(node, LATE, journalled[1].commitment)
 
     def _lead(self, number: int) -> None:
         mine = {r.node for r in self.ledger.results(number) if r.submitter == self.me}
@@ -498,10 +552,13 @@ class Daemon:
             return None
         return node
 
-    def _verdict(self, node: ModelNode | None, response: SignedResponse, prompt: str) -> Verdict | None:
+    def _verdict(self, node: ModelNode | None, response: SignedResponse, prompt: str,
+                 signer: bytes | None = None) -> Verdict | None:
+        """The answer checked and scored with `node`'s reference model, as signed by `signer` (by default
+        the node's key; a node that rotated since it was asked signed with the key it had)."""
         if node is None or node.model_id not in self.references:
             return None
-        return self.references[node.model_id].verify([Answer(response, prompt, node.pubkey)])[0]
+        return self.references[node.model_id].verify([Answer(response, prompt, signer or node.pubkey)])[0]
 
     def _score(self, verdict: Verdict) -> tuple[int, int]:
         """The credibility and count of deviating tokens this member stands behind: a response the node
@@ -513,26 +570,29 @@ class Daemon:
         value = verdict.calibrated_ppm if self.calibrated else verdict.credibility_ppm
         return (value if value is not None else 0), (verdict.deviations if self.calibrated else 0)
 
-    def _entry(self, number: int, asked: Asked, kind: str) -> Revealed | Unanswered:
+    def _entry(self, number: int, asked: Asked, kind: str,
+               named: bytes | None = None) -> Revealed | Unanswered:
         """A submit-results entry: the revealed challenge, or an invalid claim when there is no answer
-        the node can be held to (a re-challenger's names its challenge, which opens its tag)."""
+        the node can be held to (a re-challenger's names its challenge, which opens its tag). It names
+        the node by `named`, its key in the plan now (`_follow_rotations`; by default the key it was asked
+        under), and the answer must be signed with the key it was asked under."""
+        named = named or asked.node
         commitment = asked.challenge.commitment if kind == "rechallenge" else None
         if asked.reply is None:
-            log.warning("node %s gave no answer in epoch %d: %s", asked.node.hex()[:16], number,
-                        asked.failure)
-            return Unanswered(asked.node, _reason(asked.failure), commitment)
-        node = self.ledger.node(asked.node)
+            log.warning("node %s gave no answer in epoch %d: %s", named.hex()[:16], number, asked.failure)
+            return Unanswered(named, _reason(asked.failure), commitment)
+        node = self.ledger.node(named)
         response = asked.reply.response
-        verdict = self._verdict(node, response, asked.challenge.prompt)
+        verdict = self._verdict(node, response, asked.challenge.prompt, asked.node)
         if verdict is not None and not verdict.ok and not verdict.rejection.node_fault:
-            log.warning("node %s's answer in epoch %d is not its own: %s", asked.node.hex()[:16], number,
+            log.warning("node %s's answer in epoch %d is not its own: %s", named.hex()[:16], number,
                         verdict.detail)
-            return Unanswered(asked.node, _reason(f"{verdict.rejection.value}: {verdict.detail}"), commitment)
-        entry = asked.challenge.reveal(response, asked.reply.served)
+            return Unanswered(named, _reason(f"{verdict.rejection.value}: {verdict.detail}"), commitment)
+        entry = replace(asked.challenge.reveal(response, asked.reply.served), node=named)
         if verdict is not None:
-            self.scores[number, asked.node, self.me] = self._score(verdict)
+            self.scores[number, named, self.me] = self._score(verdict)
             if kind == "leader":
-                entry = replace(entry, credibility=self.scores[number, asked.node, self.me][0])
+                entry = replace(entry, credibility=self.scores[number, named, self.me][0])
         return entry
 
     def _rechallenge(self, number: int, leader: bytes | None, schedule: Schedule, tags_per_tx: int) -> None:
@@ -559,18 +619,20 @@ class Daemon:
         after_results = upcoming >= schedule.start(number) + schedule.results_blocks
         for entry in plan:
             key = (entry.node, "rechallenge")
+            planned_as = entry.moved_from or entry.node  # the coin and offset drawn before a rotation stand
             needed = after_results and entry.node not in answered
-            sampled = self._sampled(number, entry.node)
+            sampled = self._sampled(number, planned_as)
             if (not (needed or sampled) or entry.node in mine or (number, *key) in self.pending
                     or ((number, entry.node) in self.scheduled and not needed) or not self._due(number, key)):
                 continue
             node = self._verifiable(entry.node)
-            challenge = self.journal.get(number, entry.node)
-            if node is None or challenge is None or (number not in self.tagged and self.ledger.rechallenge(
-                    number, self.me, challenge.tag(entry.node)) is None):
+            journalled = self._journalled(number, entry.node_keys)
+            if node is None or journalled is None or (number not in self.tagged and self.ledger.rechallenge(
+                    number, self.me, journalled[1].tag(journalled[0])) is None):
                 continue
+            challenge = journalled[1]
             start = upcoming if needed else schedule.start(number) + self._sample_offset(
-                number, entry.node, schedule)
+                number, planned_as, schedule)
             self.scheduled[number, entry.node] = Scheduled(start, last, cutoff, challenge, node)
         self.send_scheduled(upcoming)
 
@@ -580,8 +642,9 @@ class Daemon:
         whose transactions take blocks does not pass over an offset. One whose cutoff has come is dropped
         unsent; one sent after `last_rechallenge` is `late`."""
         for (number, key), item in sorted(self.scheduled.items()):
-            if item.height > upcoming:
-                continue
+            started = upcoming > self.starts.get(number, upcoming)
+            if item.height > upcoming or (started and number not in self.followed):
+                continue  # not yet due, or its epoch has started and may have moved the node to a new key
             del self.scheduled[number, key]
             if upcoming >= item.cutoff or (number, key, "rechallenge") in self.pending:
                 continue
@@ -600,14 +663,16 @@ class Daemon:
         unjournalled: dict[str, list[bytes]] = {}
         for entry in plan:
             node = self._verifiable(entry.node)
-            if node is not None and self.journal.get(number, entry.node) is None:
+            if node is not None and self._journalled(number, entry.node_keys) is None:
                 unjournalled.setdefault(node.model_id, []).append(entry.node)
         for model_id, nodes in unjournalled.items():
             for node_key, challenge in zip(nodes, self._fresh(model_id, len(nodes)), strict=True):
                 self.journal.add(number, node_key, challenge)
         committed = {r.tag for r in self.ledger.rechallenges(number, self.me)}
-        untagged = [tag for entry in plan if (challenge := self.journal.get(number, entry.node)) is not None
-                    and (tag := challenge.tag(entry.node)) not in committed]
+        # a node that rotated at the epoch's start keeps the tag over the key it was planned under
+        untagged = [tag for entry in plan
+                    if (journalled := self._journalled(number, entry.node_keys)) is not None
+                    and (tag := journalled[1].tag(journalled[0])) not in committed]
         for i in range(0, len(untagged), tags_per_tx):
             part = CommitRechallenge(number, tuple(untagged[i:i + tags_per_tx]))
             if not self._submit(part, number, ["tags"]):
@@ -675,7 +740,10 @@ class Daemon:
         key = (number, result.node, result.submitter)
         if key not in self.scores:
             node = self.ledger.node(result.node)
-            verdict = self._verdict(node, SignedResponse.from_record(result.response), result.prompt)
+            response = SignedResponse.from_record(result.response)
+            # signed with the key the node had when it answered: its own, or the one it rotated from
+            signer = response.node if response.node in self._node_keys(number, result.node) else result.node
+            verdict = self._verdict(node, response, result.prompt, signer)
             if verdict is None:
                 log.error("cannot attest node %s: no reference model for its model", result.node.hex()[:16])
                 return None

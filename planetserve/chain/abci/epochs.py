@@ -207,12 +207,13 @@ def _evidence(batch: Batch, epoch: Epoch, committee: dict[bytes, Member], absent
 
 
 def _listed_throughout(st: State, node: ModelNode, since: int) -> bool:
-    """Whether the node is active now and has not left the list since `since` (the epoch's start): one
-    its organisation set inactive after the plan answered its challenge, served no users and took no
-    deployment, and was paid for the whole epoch. A node off the list for part of an epoch earns nothing
-    for it (the state keeps when a node last left the list, not when it came back)."""
-    left = st.delisted_at(node.pubkey)
-    return node.status == "active" and (left is None or left < since)
+    """Whether the node is on the list now and has been since `since` (the epoch's start) or before. A
+    node off the list for any part of the epoch earns nothing for it: one its organisation set inactive
+    once the plan had fixed its challenge served no users and took no deployment, yet was paid for the
+    whole epoch, whether it left during the epoch or just before it and came back in its last block;
+    nor does a node that came onto the list at this epoch's end (its probation passed) earn for it."""
+    joined = st.listed_since(node.pubkey)
+    return st.listed(node) and joined is not None and joined <= since
 
 
 def _scored(rule: reputation.ReputationRule, evidence_rule: evidence.EvidenceRule,
@@ -243,6 +244,7 @@ def _finalize(batch: Batch, st: State, params: Params, epoch: Epoch, committee: 
     evidence_rule = evidence.EvidenceRule.from_params(params)
     batch.prefetch([k for v in verdicts for k in (layout.node_key(v.node), layout.reputation_key(v.node))])
     earnings: dict[str, int] = defaultdict(int)
+    rescored: set[str] = set()
     for verdict in verdicts:
         raw = batch.get(layout.node_key(verdict.node))
         previous = st.reputation(verdict.node)
@@ -251,12 +253,15 @@ def _finalize(batch: Batch, st: State, params: Params, epoch: Epoch, committee: 
         record = _scored(rule, evidence_rule, previous, verdict, epoch.number)
         st.put_reputation(record)
         node = ModelNode.decode(raw)
+        rescored.add(node.org_id)
         if record.listable != previous.listable:
             st.put_node(node, at=time, listable=record.listable)
         if record.listable and verdict.scored and record.window[-1] >= rule.abnormal and _listed_throughout(
                 st, node, epoch.start_time):
             serving = time - max(epoch.start_time, node.registered_at)
             earnings[node.org_id] += credits.earned(st.price(node.hardware), serving)
+    for org_id in sorted(rescored):
+        st.put_org_reputation(org_id, reputation.organisation_reputation(st.org_reputations(org_id)))
     for org_id in sorted(earnings):
         if earnings[org_id]:
             account = st.credits(org_id)

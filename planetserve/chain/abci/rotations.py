@@ -3,12 +3,13 @@ key: the first block of an epoch, so that the epoch that ends before it is final
 and the one that starts with it runs under the new.
 
 A model node's record, list entry, reputation, place in its organisation's record, deployment and the
-challenge planned for it this epoch (committed under the old key at the end of the last) move to the
-new key; the old key stays retired. A member's record moves to its new keys, its validator's power to
-the new consensus key (CometBFT applies that two blocks on, and until then the member's misses are counted
-under the old one), and its faults, votes, leadership and
-boxes in this epoch's plan to its new operator key. A rotation whose subject is gone, or whose new key
-another took meanwhile, is void."""
+challenge planned for it this epoch (committed under the old key at the end of the last) move to the new
+key; the old key stays retired, except that the plan entry remembers it (`PlanEntry.moved_from`):
+members' re-challenges of this epoch, tagged and partly sent in the last one, name it. A member's record
+moves to its new keys, its validator's power to the new consensus key (CometBFT applies that two blocks
+on, and until then the member's misses are counted under the old one), and its faults, votes, leadership
+and boxes in this epoch's plan to its new operator key. A rotation whose subject is gone, or whose new
+key another took meanwhile, is void."""
 
 from __future__ import annotations
 
@@ -74,7 +75,9 @@ def _move_node(st: State, epoch: int, rotation: NodeRotation, time: int) -> tupl
     planned = st.plan_entry(epoch, old)
     if planned is not None:
         st.kv.delete(layout.plan_key(epoch, old))
-        st.put_plan_entry(epoch, replace(planned, node=new))
+        # members' re-challenge tags of this epoch name the old key (committed in the epoch before):
+        # the entry keeps it, so they still open under the new one
+        st.put_plan_entry(epoch, replace(planned, node=new, moved_from=old))
         st.use_commitment(epoch, planned.commitment, new)
     return "node_key_rotated", {"node": old.hex(), "new": new.hex(), "org_id": node.org_id}
 

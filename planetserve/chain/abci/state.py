@@ -34,6 +34,7 @@ from planetserve.chain.layout import (
     fault_key,
     fault_prefix,
     last_key_bytes,
+    listed_key,
     member_key,
     member_rotation_key,
     member_rotation_prefix,
@@ -46,6 +47,7 @@ from planetserve.chain.layout import (
     org_key,
     org_node_key,
     org_node_prefix,
+    org_reputation_key,
     param_change_key,
     plan_key,
     price_key,
@@ -54,6 +56,7 @@ from planetserve.chain.layout import (
     rechallenge_key,
     report_key,
     reputation_key,
+    required_count_key,
     required_key,
     required_prefix,
     result_key,
@@ -240,8 +243,8 @@ class State:
     def put_node(self, node: ModelNode, *, at: int, listable: bool | None = None) -> None:
         """Store a model node with its list entry: only active nodes whose reputation record lets them
         be listed (trusted and past probation) are. `listable` is that record's verdict when the caller
-        already knows it. A node that leaves the list at block time `at` keeps that time
-        (`delisted_at`)."""
+        already knows it. A node that comes onto the list at block time `at` keeps that time
+        (`listed_since`), and one that leaves it keeps that (`delisted_at`)."""
         old = self.node(node.pubkey)
         was_listed = old is not None and self.kv.get(node_list_key(old)) is not None
         if old is not None:
@@ -252,6 +255,8 @@ class State:
             listable = self.listable(node.pubkey)
         if node.status == "active" and listable:
             self.kv.set(node_list_key(node), record)
+            if not was_listed:
+                self.put_int(listed_key(node.pubkey), at)
         elif was_listed:
             self.put_int(delisted_key(node.pubkey), at)
 
@@ -259,6 +264,12 @@ class State:
         self.kv.delete(node_key(node.pubkey))
         self.kv.delete(node_list_key(node))
         self.kv.delete(delisted_key(node.pubkey))
+        self.kv.delete(listed_key(node.pubkey))
+
+    def listed_since(self, node: bytes) -> int | None:
+        """The block time the node last came onto the verified list, if it ever did."""
+        raw = self.kv.get(listed_key(node))
+        return None if raw is None else int(codec.unpack_stored(raw))
 
     def delisted_at(self, node: bytes) -> int | None:
         """The block time the node last left the verified list, if it ever did."""
@@ -274,10 +285,22 @@ class State:
 
     def org_reputations(self, org_id: str) -> list[int]:
         """The reputations of every node the organisation registered, deactivated ones included, in
-        key order: its record, which a node taken out of service does not leave."""
+        key order: its record, which a node taken out of service does not leave. Reads them all: for
+        the epoch's end, which rescores them anyway (`org_reputation` reads one entry)."""
         prefix = org_node_prefix(org_id)
         return [rep.value for k, _ in self.kv.iterate(prefix)
                 if (rep := self.reputation(bytes.fromhex(k[len(prefix):].decode()))) is not None]
+
+    def org_reputation(self, org_id: str) -> int | None:
+        """The least of `org_reputations`, None before the organisation's first node. Kept in one entry
+        as reputations change (a new node's start, the epoch's scores): a registration and a deployment
+        read it, where reading every node made a block of one organisation's registrations cost the
+        square of its nodes."""
+        raw = self.kv.get(org_reputation_key(org_id))
+        return None if raw is None else int(codec.unpack_stored(raw))
+
+    def put_org_reputation(self, org_id: str, value: int) -> None:
+        self.put_int(org_reputation_key(org_id), value)
 
     def is_member(self, operator: bytes) -> bool:
         return self.kv.get(member_key(operator)) is not None
@@ -317,12 +340,23 @@ class State:
         self._put(vrf_prefix(epoch) + entry.operator.hex().encode(), entry)
 
     def require_planned(self, epoch: int, nodes: Iterable[bytes]) -> None:
+        count = 0
         for node in nodes:
             self.kv.set(required_key(epoch, node), b"")
+            count += 1
+        self.put_int(required_count_key(epoch), count)
 
     def plan_required(self, epoch: int) -> list[bytes]:
         """The nodes the plan of `epoch` must cover, in key order: fixed at its setup block."""
         return [last_key_bytes(k) for k, _ in self.kv.iterate(required_prefix(epoch))]
+
+    def plan_requires(self, epoch: int, node: bytes) -> bool:
+        """Whether the plan of `epoch` must cover `node`: one entry read, where a plan part that read
+        them all cost the square of the nodes over the whole plan."""
+        return self.kv.get(required_key(epoch, node)) is not None
+
+    def plan_required_count(self, epoch: int) -> int:
+        return self.get_int(required_count_key(epoch))
 
     def plan_entry(self, epoch: int, node: bytes) -> PlanEntry | None:
         return self._load(plan_key(epoch, node), PlanEntry)

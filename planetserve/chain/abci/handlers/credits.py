@@ -58,7 +58,8 @@ def deploy_model(ctx: Context, msg: DeployModel) -> None:
     if rate == 0:
         raise InvalidField("hardware", f"hardware class {hardware!r} has no price in this chain's genesis")
     rule = reputation.ReputationRule.from_params(ctx.params)
-    org_rep = reputation.organisation_reputation(ctx.state.org_reputations(org_id))
+    floor = ctx.state.org_reputation(org_id)
+    org_rep = reputation.organisation_reputation(() if floor is None else (floor,))
     if not reputation.is_trusted(rule, org_rep):
         raise LowReputation(f"organisation {org_id!r} has reputation {org_rep / PPM:.6f}, below the "
                             f"{rule.untrusted / PPM:.6f} needed to deploy "

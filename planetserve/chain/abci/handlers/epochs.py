@@ -119,11 +119,10 @@ def commit_plan(ctx: Context, msg: CommitPlan) -> None:
     if target.plan_status == PLAN_COMMITTED:
         raise AlreadyExists(f"the plan of epoch {target.number} is already committed")
     committee = sorted(ctx.committee)
-    required = set(ctx.state.plan_required(target.number))
     added = 0
     for entry in msg.entries:
         node, commitment = entry.node, entry.commitment
-        if node not in required:
+        if not ctx.state.plan_requires(target.number, node):
             raise InvalidField("node", f"{node.hex()} is not among the nodes this plan must cover")
         if ctx.state.plan_entry(target.number, node) is not None:
             raise AlreadyExists(f"node {node.hex()} is already in the plan")
@@ -136,10 +135,10 @@ def commit_plan(ctx: Context, msg: CommitPlan) -> None:
     planned = target.plan_nodes + added
     status = PLAN_PARTIAL
     if msg.final:
-        missing = sorted(n for n in required if ctx.state.plan_entry(target.number, n) is None)
-        if missing:
-            raise InvalidField("entries", f"the plan omits {len(missing)} node(s) it must cover, "
-                                          f"first {missing[0].hex()}")
+        required = ctx.state.plan_required_count(target.number)
+        if planned != required:  # each entry is a required node, none twice: whole at that count
+            raise InvalidField("entries", f"the plan omits {required - planned} of the {required} node(s) "
+                                          "it must cover")
         status = PLAN_COMMITTED
         if ctx.signer != target.plan_leader:
             ctx.state.add_fault(Fault(target.plan_leader, current, NO_PLAN, b"", f"did not commit the plan "
@@ -152,11 +151,12 @@ def commit_plan(ctx: Context, msg: CommitPlan) -> None:
 
 
 def _inconsistency(ctx: Context, node_model: str, entry: Revealed, commitment: bytes,
-                   since: int) -> tuple[str, str] | None:
-    """Why a submitted challenge contradicts the plan or the node's signature, if it does."""
+                   since: int, signers: tuple[bytes, ...]) -> tuple[str, str] | None:
+    """Why a submitted challenge contradicts the plan or the node's signature, if it does. `signers`:
+    the node's keys for this epoch (`PlanEntry.node_keys`), the key it rotated away from at the epoch's
+    start too, which its answers to challenges sent before then are signed with."""
     slack = ctx.params.response_slack_seconds
-    node, prompt, temperature, salt, response = (entry.node, entry.prompt, entry.temperature, entry.salt,
-                                                 entry.response)
+    prompt, temperature, salt, response = entry.prompt, entry.temperature, entry.salt, entry.response
     if epochs.commitment(prompt, temperature, salt, entry.top_p) != commitment:
         return "altered-prompt", ("revealed prompt, temperature, salt and top_p do not match the committed "
                                   "challenge")
@@ -164,7 +164,8 @@ def _inconsistency(ctx: Context, node_model: str, entry: Revealed, commitment: b
         return "altered-prompt", (f"challenge temperature {temperature} is above "
                                   f"{epochs.MAX_CHALLENGE_TEMPERATURE} thousandths, where no answer scores "
                                   f"fairly")
-    if response.node != node or not verify_signature(node, response.sign_bytes(), response.signature):
+    if response.node not in signers or not verify_signature(response.node, response.sign_bytes(),
+                                                            response.signature):
         return "altered-response", "response is not signed by the challenged node"
     if response.prompt_hash != epochs.prompt_hash(prompt):
         return "altered-prompt", "the node answered a different prompt than the committed one"
@@ -214,6 +215,14 @@ def _uncredited(ctx: Context, node_model: str, node: bytes) -> str:
     return "the serving node is not listed (inactive, untrusted or on probation): not credited"
 
 
+def _moved(ctx: Context, node: bytes) -> str:
+    """For a refusal naming a key its node rotated away from: the key to name instead."""
+    rotation = ctx.state.retired(node)
+    if rotation is None or rotation.old != node or rotation.height > ctx.height:
+        return ""
+    return f"; it was rotated to {rotation.new.hex()} at height {rotation.height}: name that key"
+
+
 def submit_results(ctx: Context, msg: SubmitResults) -> None:
     ctx.require_member()
     number, epoch = _current(ctx)
@@ -235,13 +244,17 @@ def _submit_one(ctx: Context, epoch: Epoch, kind: str, entry: Revealed | Unanswe
     node = entry.node
     plan = ctx.state.plan_entry(epoch.number, node)
     if plan is None or epoch.plan_status != PLAN_COMMITTED:
-        raise UnknownEntity(f"node {node.hex()} is not in the plan of epoch {epoch.number}")
+        raise UnknownEntity(f"node {node.hex()} is not in the plan of epoch {epoch.number}"
+                            f"{_moved(ctx, node)}")
     if ctx.state.result(epoch.number, node, ctx.signer) is not None:
         raise AlreadyExists(f"signer already submitted a result for node {node.hex()}")
+    signers = plan.node_keys
+    if isinstance(entry, Revealed) and entry.served is not None and entry.served.node in signers:
+        raise InvalidField("served", "names the challenged node itself; omit it for a direct answer")
     if kind == "leader":
         commitment, since = plan.commitment, epoch.start_time
     else:
-        commitment, since = _opened_rechallenge(ctx, epoch.number, entry)
+        commitment, since = _opened_rechallenge(ctx, epoch.number, entry, signers)
     registered = ctx.state.node(node)
     model_id = registered.model_id if registered is not None else ""
     if isinstance(entry, Unanswered):
@@ -250,7 +263,7 @@ def _submit_one(ctx: Context, epoch: Epoch, kind: str, entry: Revealed | Unanswe
         response = entry.response
         credibility = entry.credibility if entry.credibility is not None else -1
         served = entry.served.response(response) if entry.served is not None else None
-        problem = _inconsistency(ctx, model_id, entry, commitment, since)
+        problem = _inconsistency(ctx, model_id, entry, commitment, since, signers)
         if problem is None and served is not None:
             problem = _forged_serving(served)
         status, reason = VALID, ""
@@ -338,16 +351,23 @@ def commit_rechallenge(ctx: Context, msg: CommitRechallenge) -> None:
     ctx.emit("commit_rechallenge", epoch=str(number), tags=str(len(msg.tags)))
 
 
-def _opened_rechallenge(ctx: Context, number: int, entry: Revealed | Unanswered) -> tuple[bytes, int]:
+def _opened_rechallenge(ctx: Context, number: int, entry: Revealed | Unanswered,
+                        signers: tuple[bytes, ...]) -> tuple[bytes, int]:
     """The commitment of the signer's re-challenge of `entry.node` and when it was committed: the entry
-    opens one of the signer's tags, whose commitment no other challenge of the epoch used."""
+    opens one of the signer's tags, whose commitment no other challenge of the epoch used. The tag names
+    one of the node's keys of the epoch (`signers`): a node that rotated at the epoch's start was tagged
+    under its old key in the epoch before, and would otherwise escape every member's re-challenge."""
     if isinstance(entry, Revealed):
         commitment = epochs.commitment(entry.prompt, entry.temperature, entry.salt, entry.top_p)
     elif entry.commitment is not None:
         commitment = entry.commitment
     else:
         raise InvalidField("commitment", "a re-challenge claimed unanswered names its challenge's commitment")
-    rech = ctx.state.rechallenge(number, ctx.signer, epochs.rechallenge_tag(entry.node, commitment))
+    rech = None
+    for key in signers:
+        rech = ctx.state.rechallenge(number, ctx.signer, epochs.rechallenge_tag(key, commitment))
+        if rech is not None:
+            break
     if rech is None:
         raise UnknownEntity(f"signer committed no re-challenge of node {entry.node.hex()} with this "
                             "challenge")

@@ -115,10 +115,12 @@ def _new_standing(ctx: Context, org_id: str, node: bytes) -> Reputation:
     """A new key's reputation record, stored before its node so that the node is listed only once it
     has earned it: bounded by its organisation's record, on probation for the genesis' epochs."""
     rule = reputation.ReputationRule.from_params(ctx.params)
-    value = reputation.starting(rule, ctx.state.org_reputations(org_id))
+    floor = ctx.state.org_reputation(org_id)
+    value = reputation.starting(rule, () if floor is None else (floor,))
     record = Reputation(node, value, (), 0, 0, reputation.is_trusted(rule, value), rule.probation)
     ctx.state.put_reputation(record)
     ctx.state.add_org_node(org_id, node)
+    ctx.state.put_org_reputation(org_id, value)  # at most the floor it started from
     return record
 
 
