@@ -43,13 +43,13 @@ def up(root: Path, config_path: Path | None, as_json: bool) -> None:
         config = load_config(config_path)
     except ConfigError as exc:
         fail(str(exc))
-    shown: list[str] = []
+    noted: list[str] = []
     try:
         with Progress(*PROGRESS_COLUMNS, console=err_console if as_json else console) as progress:
 
             def note(message: str) -> None:  # each step once, as a line above the training bars
-                if not shown or shown[-1] != message:
-                    shown.append(message)
+                if not noted or noted[-1] != message:
+                    noted.append(message)
                     progress.console.print(f"[dim]{shown(message)}[/]")
 
             result = net.up(root, config, note, RichReporter(progress))
