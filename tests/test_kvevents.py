@@ -232,6 +232,17 @@ def stored(i: int) -> list[CacheEvent]:
     return [BlockStored((1000 + i,), None, (i, i), 2)]
 
 
+async def publish_until_seen(publisher: KVEventPublisher, got: Collector, first: int = 0) -> int:
+    """Publish batches `first`, `first` + 1, ... until the subscriber has one (a PUB socket drops what
+    it sends before a subscription reaches it); the number of the next batch to publish."""
+    i = first
+    while not got.seqs:
+        publisher.publish(stored(i))
+        i += 1
+        await asyncio.sleep(0.02)
+    return i
+
+
 def test_stream_in_order_over_zmq_and_late_join_is_replayed() -> None:
     async def body() -> None:
         publisher = KVEventPublisher(LOOPBACK, replay_endpoint=LOOPBACK)
@@ -242,11 +253,7 @@ def test_stream_in_order_over_zmq_and_late_join_is_replayed() -> None:
                 publisher.publish(stored(i))
             await until(lambda: publisher.sent == 3)
             subscriber.start()
-            i = 3
-            while not got.seqs:
-                publisher.publish(stored(i))
-                i += 1
-                await asyncio.sleep(0.02)
+            i = await publish_until_seen(publisher, got, 3)
             publisher.publish(stored(i))
             await until(lambda: got.seqs and got.seqs[-1] == i)
             assert got.seqs == list(range(i + 1))

@@ -8,14 +8,13 @@ both ways and a process that dropped root for nobody asks each for a replay."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import zmq
 from nobody import as_nobody, as_root, shared_directory
-from test_kvevents import Collector, stored
+from test_kvevents import Collector, publish_until_seen
 from waiting import run
 
 from planetserve.node.engine.kvevents import KVEventPublisher
@@ -55,11 +54,7 @@ def publish_and_check(events: str, replay: str) -> tuple[KVEventPublisher, bool]
         subscriber = got.subscriber(publisher)
         try:
             subscriber.start()
-            i = 0
-            while not got.seqs:
-                publisher.publish(stored(i))
-                i += 1
-                await asyncio.sleep(0.02)
+            await publish_until_seen(publisher, got)
         finally:
             await subscriber.close()
 
