@@ -262,8 +262,7 @@ def prepare_prompt(message: bytes, node: bytes, path_key: bytes, hop_keys: list[
     the path key with a fresh reply id, and one layer per relay before the proxy."""
     payloads = [onion.Payload(node, onion.seal_to(node, sida.encode(c)), os.urandom(16))
                 for c in sida.split(message)]
-    return [onion.wrap_all(hop_keys, onion.FORWARD, onion.seal_payload(path_key, onion.FORWARD, p))
-            for p in payloads]
+    return [onion.seal_forward(path_key, hop_keys, p) for p in payloads]
 
 
 def preparation(iterations: int) -> list[str]:

@@ -63,7 +63,7 @@ class FaultyRelay(Relay):
                 await asyncio.sleep(self.DELAY_S)
                 return await super()._pass_on(peer, msg_type, body)
             data = bytearray(body[1])  # type: ignore[index]
-            data[-1] ^= 0x01
+            data[len(data) // 2] ^= 0x01  # not the last bytes, which the next relay cuts (`onion.wrap_backward`)
             body = [body[0], bytes(data)]  # type: ignore[index]
         return await super()._pass_on(peer, msg_type, body)
 

@@ -4,6 +4,8 @@ buckets and decoded strictly."""
 
 from __future__ import annotations
 
+import functools
+import itertools
 import random
 import secrets
 import time
@@ -97,24 +99,98 @@ def test_path_payloads_open_only_with_their_key_and_direction():
         onion.open_payload(key, onion.FORWARD, b"short")
 
 
+def forward_hops(path_key: bytes, hop_keys: list[bytes], payload: onion.Payload) -> list[bytes]:
+    """A forward payload as each hop receives it, the proxy last."""
+    seen = [onion.seal_forward(path_key, hop_keys, payload)]
+    for hop_key in hop_keys:
+        seen.append(onion.unwrap_forward(hop_key, seen[-1]))
+    return seen
+
+
+def backward_hops(path_key: bytes, hop_keys: list[bytes], payload: onion.Payload) -> list[bytes]:
+    """A backward payload as each hop sends it, the proxy first and the first relay (to the user) last."""
+    seen = [onion.seal_backward(path_key, payload)]
+    for hop_key in reversed(hop_keys):
+        seen.append(onion.wrap_backward(hop_key, seen[-1]))
+    return seen
+
+
 def test_hop_layers_change_every_byte_of_a_payload_at_every_hop_and_refuse_tampering():
-    hop_keys = [secrets.token_bytes(32) for _ in range(2)]
-    sealed = onion.seal_payload(secrets.token_bytes(32), onion.FORWARD, onion.Payload(b"n" * 32, bytes(300)))
-    first = onion.wrap_all(hop_keys, onion.FORWARD, sealed)
-    second = onion.unwrap(hop_keys[0], onion.FORWARD, first)
-    assert onion.unwrap(hop_keys[1], onion.FORWARD, second) == sealed
-    assert len(first) == len(second) + onion.HOP_OVERHEAD == len(sealed) + 2 * onion.HOP_OVERHEAD
-    windows = {sealed[i:i + 16] for i in range(len(sealed) - 15)}
-    assert not any(link[i:i + 16] in windows for link in (first, second) for i in range(0, len(link) - 15))
-    assert onion.wrap_all(hop_keys, onion.FORWARD, sealed) != first  # a fresh nonce per layer
-    backward = onion.wrap(hop_keys[0], onion.BACKWARD, onion.wrap(hop_keys[1], onion.BACKWARD, sealed))
-    assert onion.unwrap_all(hop_keys, onion.BACKWARD, backward) == sealed
+    path_key, hop_keys = secrets.token_bytes(32), [secrets.token_bytes(32) for _ in range(2)]
+    payload = onion.Payload(b"n" * 32, bytes(300), secrets.token_bytes(16))
+    plain = msgpack.packb([payload.first, payload.data, payload.reply_id])
+    windows = {plain[i:i + 16] for i in range(len(plain) - 15)}
+    for links in (forward_hops(path_key, hop_keys, payload), backward_hops(path_key, hop_keys, payload)):
+        assert len(set(links)) == 3
+        assert not any(link[i:i + 16] in windows for link in links for i in range(len(link) - 15))
+        for one, other in itertools.combinations(links, 2):  # no 16 bytes in common between links
+            assert not {one[i:i + 16] for i in range(len(one) - 15)} & {other[i:i + 16] for i in range(len(other) - 15)}
+    first = forward_hops(path_key, hop_keys, payload)[0]
+    assert onion.seal_forward(path_key, hop_keys, payload) != first  # a fresh nonce per layer
+    assert onion.open_forward(path_key, onion.unwrap_forward(hop_keys[1], onion.unwrap_forward(hop_keys[0], first))) \
+        == payload
     with pytest.raises(onion.OnionError, match="hop layer does not authenticate"):
-        onion.unwrap(hop_keys[0], onion.BACKWARD, first)  # reflected
-    with pytest.raises(onion.OnionError, match="hop layer does not authenticate"):
-        onion.unwrap(hop_keys[0], onion.FORWARD, first[:-1] + bytes([first[-1] ^ 1]))
-    with pytest.raises(onion.OnionError):
-        onion.unwrap(hop_keys[0], onion.FORWARD, b"short")
+        onion.unwrap_forward(hop_keys[1], first)  # not the second relay's layer
+    back = backward_hops(path_key, hop_keys, payload)[-1]
+    assert onion.open_backward(path_key, hop_keys, back) == payload
+    with pytest.raises(onion.OnionError, match="authenticate"):
+        onion.open_backward(path_key, hop_keys, first)  # a forward payload reflected back
+    with pytest.raises(onion.OnionError, match="authenticate"):
+        onion.open_backward(path_key, hop_keys[::-1], back)
+    for short in (b"short", first[:onion.PATH_OVERHEAD - 1]):
+        for refuse in (lambda p: onion.unwrap_forward(hop_keys[0], p), lambda p: onion.open_forward(path_key, p),
+                       lambda p: onion.wrap_backward(hop_keys[0], p),
+                       lambda p: onion.open_backward(path_key, hop_keys, p)):
+            with pytest.raises(onion.OnionError, match="shorter"):
+                refuse(short)
+
+
+@pytest.mark.parametrize("hops", [0, 1, 2])
+def test_a_path_payload_has_one_length_at_every_hop_in_both_directions(hops):
+    """What a relay receives or sends on a path is as long at every position (and on paths of every
+    length), so its size does not tell a first relay that its predecessor is the sender."""
+    path_key, hop_keys = secrets.token_bytes(32), [secrets.token_bytes(32) for _ in range(hops)]
+    for payload in (onion.Payload(b"", secrets.token_bytes(16)), onion.Payload("ready", secrets.token_bytes(16)),
+                    onion.Payload(b"n" * 32, secrets.token_bytes(messages.BUCKETS[0]), secrets.token_bytes(16)),
+                    onion.Payload("clove", secrets.token_bytes(70_000), secrets.token_bytes(16))):
+        size = len(msgpack.packb([payload.first, payload.data, payload.reply_id])) + onion.PATH_OVERHEAD
+        forward = forward_hops(path_key, hop_keys, payload)
+        assert [len(p) for p in forward] == [size] * (hops + 1)
+        assert onion.open_forward(path_key, forward[-1]) == payload
+        backward = backward_hops(path_key, hop_keys, payload)
+        assert [len(p) for p in backward] == [size] * (hops + 1)
+        assert onion.open_backward(path_key, hop_keys, backward[-1]) == payload
+
+
+def test_every_byte_a_hop_receives_is_authenticated_where_it_is_opened():
+    """Forward, a bit flipped anywhere in what a hop receives (the fillers appended by the relays before
+    it included) is refused by that hop; backward, anywhere in what a hop sends but the last bytes,
+    which the next relay cuts (and the user recomputes), is refused by the user."""
+    path_key, hop_keys = secrets.token_bytes(32), [secrets.token_bytes(32) for _ in range(2)]
+    payload = onion.Payload(b"n" * 32, secrets.token_bytes(100), secrets.token_bytes(16))
+    forward = forward_hops(path_key, hop_keys, payload)
+    size = len(forward[0])
+    openers = [*(functools.partial(onion.unwrap_forward, k) for k in hop_keys),
+               functools.partial(onion.open_forward, path_key)]
+    for received, opener in zip(forward, openers, strict=True):
+        for position in range(0, size, 7):
+            tampered = bytearray(received)
+            tampered[position] ^= 0x10
+            with pytest.raises(onion.OnionError, match="authenticate"):
+                opener(bytes(tampered))
+    backward = backward_hops(path_key, hop_keys, payload)
+    for hop, sent in enumerate(backward):
+        for position in range(0, size, 7):
+            tampered = bytearray(sent)
+            tampered[position] ^= 0x10
+            later = bytes(tampered)
+            for hop_key in reversed(hop_keys[:len(hop_keys) - hop]):
+                later = onion.wrap_backward(hop_key, later)
+            if hop < len(hop_keys) and position >= size - onion.HOP_OVERHEAD:
+                assert onion.open_backward(path_key, hop_keys, later) == payload  # cut: nothing changed
+            else:
+                with pytest.raises(onion.OnionError, match="authenticate"):
+                    onion.open_backward(path_key, hop_keys, later)
 
 
 def test_cloves_sealed_to_a_node_open_only_there():
@@ -133,10 +209,11 @@ def test_cloves_sealed_to_a_node_open_only_there():
 def test_layer_decoding_refuses_unknown_versions_roles_and_relays_without_a_successor():
     good = onion.relay_layer(bytes(16), bytes(range(32)))
     assert onion.Layer.decode(good.encode()) == good
-    raw = bytearray(good.encode())
-    raw[0] = 9
-    with pytest.raises(onion.OnionError, match="version"):
-        onion.Layer.decode(bytes(raw))
+    for version in (3, 9):  # 3: paths whose payloads lost a layer's length at every hop
+        raw = bytearray(good.encode())
+        raw[0] = version
+        with pytest.raises(onion.OnionError, match="version"):
+            onion.Layer.decode(bytes(raw))
     raw = bytearray(good.encode())
     raw[1] = 7
     with pytest.raises(onion.OnionError, match="role"):

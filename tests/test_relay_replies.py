@@ -39,7 +39,7 @@ async def clove(relay: Relay, hop: Hop, reply_id: bytes | None = None, destinati
     """A prompt clove for `destination` on `hop`'s path under a fresh reply id (or `reply_id`); the id it
     used."""
     reply_id = reply_id or secrets.token_bytes(onion.ID_SIZE)
-    sealed = onion.seal_payload(hop.key, onion.FORWARD, onion.Payload(destination, b"clove", reply_id))
+    sealed = onion.seal_forward(hop.key, (), onion.Payload(destination, b"clove", reply_id))
     await relay.handle(hop.pred, "fwd", [hop.in_id, sealed])
     return reply_id
 
@@ -55,7 +55,7 @@ def test_a_path_holds_its_most_recent_reply_ids_and_answers_come_back_under_them
         await relay.handle(NODE, "reply", [ids[-1], b"answer"])
         peer, kind, (link, sealed) = sent[-1]
         assert (peer, kind, link) == (PEERS[0], "back", hop.in_id)
-        assert onion.open_payload(hop.key, onion.BACKWARD, sealed) == onion.Payload("clove", b"answer", ids[-1])
+        assert onion.open_backward(hop.key, (), sealed) == onion.Payload("clove", b"answer", ids[-1])
         await relay.handle(NODE, "reply", [ids[0], b"answer"])  # replaced by a newer one of its path
         assert relay.counters["unknown_path"] == 1 and len(sent) == len(ids) + 1
         other = path_to(relay, PEERS[1])
@@ -127,7 +127,7 @@ def test_a_clove_for_a_key_the_proxys_list_lacks_reads_the_list_again_and_else_s
         await clove(relay, hop, destination=STRANGER)
         peer, kind, (link, sealed) = sent[-1]
         assert (peer, kind, link) == (PEERS[0], "back", hop.in_id)
-        assert onion.open_payload(hop.key, onion.BACKWARD, sealed).first == "unreachable"
+        assert onion.open_backward(hop.key, (), sealed).first == "unreachable"
         assert relay.counters["refused"] == 1 and relay.counters["to_nodes"] == 1
         assert len(relay.replies) == 1  # the refused clove's reply id was never stored
         assert reads == [True] and knocks.counts["lookups"] == 2

@@ -10,21 +10,36 @@ short window of that time, so it need remember the ephemeral keys it has seen (i
 for that window (`relay.py`). The same key agreement gives each relay a hop key (`Layer.hop_key`),
 which the user knows too.
 
-Afterwards, everything on the path between the user and its proxy is sealed under the path key
-(`seal_payload`) and then re-encrypted at every hop under the hop keys (`wrap`, `unwrap`): the user
-wraps a forward payload once per relay before the proxy and each relay removes its layer; each relay
-adds its layer to a backward payload and the user removes them all. So the bytes a payload has on one
-link are unrelated to its bytes on any other link, and a first relay and a proxy that collude cannot
-match what they carry by its bytes. Symmetric only. The cloves themselves are sealed end to end as
-well, to the model node's key on the way there (`seal_to`) and under a reply key the user chose for
-that request and path on the way back, so not even colluding proxies can link the cloves of one
-message by their headers.
+Afterwards, everything on the path between the user and its proxy is a path payload: (destination
+or kind, data, reply id) sealed under the path key, inside one layer per relay before the proxy under
+that relay's hop key, every layer ChaCha20-Poly1305 with a fresh random nonce. The user seals a forward
+payload in all of them and each relay removes its own (`seal_forward`, `unwrap_forward`,
+`open_forward`); the proxy seals a backward payload and each relay adds its own (`seal_backward`,
+`wrap_backward`, `open_backward`). So the bytes a payload has on one link are unrelated to its bytes on
+any other link, and a first relay and a proxy that collude cannot match what they carry by its bytes.
+Symmetric only. The cloves themselves are sealed end to end as well, to the model node's key on the way
+there (`seal_to`) and under a reply key the user chose for that request and path on the way back
+(`seal_payload`), so not even colluding proxies can link the cloves of one message by their headers.
 
-Every packet has the same size at every hop, so a relay cannot tell its position on the path: after
-removing its layer, a relay appends `LAYER_SIZE` bytes of filler derived from its own layer key, and
-the user, who knows every layer key, builds each inner layer so that its authenticated ciphertext
-already ends with the filler the relays before it will have appended (the filler technique of mix
-network formats such as Sphinx, with one explicit ephemeral key per layer).
+A path payload has the same length on every link of its path, in both directions, so its size does not
+tell a relay its position (in particular the first relay does not learn that its predecessor is the
+sender): its length is that of its encoding plus PATH_OVERHEAD, room for MAX_HOPS layers whatever the
+path's length. Layers are nonce 12 | tag 16 | ciphertext. Forward, a relay removes its layer and appends
+HOP_OVERHEAD bytes of filler, a PRF (keyed BLAKE2b) of its hop key and its layer's nonce; the user, who
+knows every hop key and chose every nonce, builds each inner layer so that its authenticated ciphertext
+already ends with the filler the relays before it will have appended (as setup packets do, below).
+Backward, a relay cuts the last HOP_OVERHEAD bytes of what it receives and seals the rest in its layer;
+the proxy's plaintext ends in (MAX_HOPS - 1) · HOP_OVERHEAD zeros, so the user can compute every byte
+the relays cut (the keystreams under the path and hop keys, their nonces read from the layers inside)
+and check every layer whole, the path key's last. Every byte is authenticated where it is opened: a
+forward layer by the next relay (or the proxy), a backward one by the user; the bytes a relay cuts on
+the way back carry nothing (the user recomputes them), so altering them changes nothing.
+
+Setup packets, too, have one size at every hop, so a relay cannot tell its position on the path from
+its setup either: after removing its layer, a relay appends `LAYER_SIZE` bytes of filler derived from
+its own layer key, and the user, who knows every layer key, builds each inner layer so that its
+authenticated ciphertext already ends with the filler the relays before it will have appended (the
+filler technique of mix network formats such as Sphinx, with one explicit ephemeral key per layer).
 
 Packet: ephemeral key 32 | tag 16 | ciphertext (PACKET_SIZE - 48); the plaintext is a header of
 HEADER_SIZE bytes then the next packet without its last LAYER_SIZE bytes.
@@ -33,6 +48,7 @@ HEADER_SIZE bytes then the next packet without its last LAYER_SIZE bytes.
 from __future__ import annotations
 
 import functools
+import hashlib
 import secrets
 import struct
 import time
@@ -53,7 +69,8 @@ from nacl.signing import SigningKey, VerifyKey
 from planetserve.node.overlay.routes import PATH_LENGTH
 from planetserve.registry.codec import CodecError, Limits, unpack_bounded
 
-VERSION = 3
+VERSION = 4
+"""Onion layer version: 4 since path payloads have one length at every hop (3 added the time of issue)."""
 ID_SIZE = 16
 TOKEN_SIZE = 16
 KEY_SIZE = 32
@@ -70,10 +87,18 @@ _NONCE = bytes(12)
 _INFO = b"planetserve/onion/v2"
 _ZERO_KEY = bytes(KEY_SIZE)
 _PAYLOAD_DOMAIN = b"planetserve/path/v2/"
-_HOP_DOMAIN = b"planetserve/hop/v1/"
+"""`seal_payload`'s (the answer cloves under their reply keys)."""
+_PATH_DOMAIN = b"planetserve/path/v3/"
+_HOP_DOMAIN = b"planetserve/hop/v2/"
+_FILLER_PERSON = b"planetserve/fill"
 NONCE_SIZE = 12
 HOP_OVERHEAD = NONCE_SIZE + TAG_SIZE
-"""Bytes one hop's layer adds to a path payload."""
+"""Bytes of one layer's nonce and tag: what a relay removes and appends as filler (forward), or cuts and
+adds (backward)."""
+_LENGTH = struct.Struct(">I")
+PATH_OVERHEAD = MAX_HOPS * HOP_OVERHEAD + _LENGTH.size
+"""Bytes a path payload has beyond its encoding, on every link: MAX_HOPS layers' nonces and tags, whatever
+the path's length, and the encoding's length."""
 FORWARD = b"fwd"
 BACKWARD = b"back"
 REPLY = b"reply"
@@ -168,17 +193,21 @@ def _open(key: bytes, domain: bytes, sealed: bytes, what: str) -> bytes:
 
 
 def seal_payload(path_key: bytes, direction: bytes, payload: Payload) -> bytes:
-    """A payload sealed for the other end of the path; a fresh random nonce each time, and the
-    direction bound in, so a payload cannot be reflected back."""
+    """A payload sealed under `path_key` alone (an answer clove under its reply key, REPLY): a fresh
+    random nonce each time, and the direction bound in, so a payload cannot be reflected back. What
+    travels on a path is sealed by `seal_forward` and `seal_backward`."""
     plaintext = msgpack.packb([payload.first, payload.data, payload.reply_id], use_bin_type=True)
     return _seal(path_key, _PAYLOAD_DOMAIN + direction, plaintext)
 
 
 def open_payload(path_key: bytes, direction: bytes, sealed: bytes) -> Payload:
     """The payload inside a sealed one; OnionError if it was altered or is not for this path."""
-    plaintext = _open(path_key, _PAYLOAD_DOMAIN + direction, sealed, "path payload")
+    return _fields(_open(path_key, _PAYLOAD_DOMAIN + direction, sealed, "path payload"))
+
+
+def _fields(packed: bytes) -> Payload:
     try:
-        fields = unpack_bounded(plaintext, PAYLOAD_LIMITS)
+        fields = unpack_bounded(packed, PAYLOAD_LIMITS)
     except CodecError as exc:
         raise OnionError(f"malformed path payload: {exc}") from exc
     if not isinstance(fields, list) or len(fields) != 3:
@@ -191,29 +220,140 @@ def open_payload(path_key: bytes, direction: bytes, sealed: bytes) -> Payload:
     return Payload(first, data, reply_id)
 
 
-def wrap(hop_key: bytes, direction: bytes, sealed: bytes) -> bytes:
-    """One hop's layer around a path payload: a fresh nonce, so its bytes on the next link share
-    nothing with those on the last."""
-    return _seal(hop_key, _HOP_DOMAIN + direction, sealed)
+def _layer(key: bytes, domain: bytes, nonce: bytes, plaintext: bytes) -> bytes:
+    """nonce | tag | ciphertext: the tag before the ciphertext, so that filler appended after it is
+    ciphertext the layer authenticates."""
+    sealed = ChaCha20Poly1305(key).encrypt(nonce, plaintext, domain)
+    return b"".join((nonce, sealed[-TAG_SIZE:], memoryview(sealed)[:-TAG_SIZE]))
 
 
-def unwrap(hop_key: bytes, direction: bytes, wrapped: bytes) -> bytes:
-    """A path payload without this hop's layer; OnionError if the layer was altered."""
-    return _open(hop_key, _HOP_DOMAIN + direction, wrapped, "hop layer")
+def _open_layer(key: bytes, domain: bytes, layer: bytes, what: str) -> bytes:
+    try:
+        return ChaCha20Poly1305(key).decrypt(layer[:NONCE_SIZE], b"".join(
+            (memoryview(layer)[HOP_OVERHEAD:], layer[NONCE_SIZE:HOP_OVERHEAD])), domain)
+    except InvalidTag:
+        raise OnionError(f"{what} does not authenticate") from None
 
 
-def wrap_all(hop_keys: Sequence[bytes], direction: bytes, sealed: bytes) -> bytes:
-    """A payload as the first of `hop_keys` receives it, each hop's layer outside the next's."""
-    for key in reversed(hop_keys):
-        sealed = wrap(key, direction, sealed)
+def _stream(key: bytes, nonce: bytes, start: int, size: int) -> bytes:
+    """ChaCha20-Poly1305's keystream under `key` and `nonce` for plaintext bytes [start, start + size)
+    (its ChaCha20 counter starts at 1)."""
+    block, skip = divmod(start, 64)
+    cipher = Cipher(algorithms.ChaCha20(key, (1 + block).to_bytes(4, "little") + nonce), mode=None)
+    return cipher.encryptor().update(bytes(skip + size))[skip:]
+
+
+def _filler(hop_key: bytes, nonce: bytes) -> bytes:
+    """What a relay appends to a forward payload after removing its layer: unpredictable without its hop
+    key, so the next relay cannot tell it from ciphertext, and fixed by the layer, so the user can build
+    the inner layers to authenticate it."""
+    return hashlib.blake2b(nonce, digest_size=HOP_OVERHEAD, key=hop_key, person=_FILLER_PERSON).digest()
+
+
+def _check_size(payload: bytes) -> None:
+    if type(payload) is not bytes or len(payload) < PATH_OVERHEAD:
+        raise OnionError(f"path payload shorter than {PATH_OVERHEAD} bytes")
+
+
+def _check_hops(hop_keys: Sequence[bytes]) -> None:
+    if len(hop_keys) >= MAX_HOPS:
+        raise ValueError(f"a path has at most {MAX_HOPS - 1} relays before its proxy, not {len(hop_keys)}")
+
+
+def _encode(payload: Payload) -> bytes:
+    packed = msgpack.packb([payload.first, payload.data, payload.reply_id], use_bin_type=True)
+    return _LENGTH.pack(len(packed)) + packed
+
+
+def _decode(plaintext: bytes) -> Payload:
+    if len(plaintext) < _LENGTH.size:
+        raise OnionError("malformed path payload")
+    (size,) = _LENGTH.unpack_from(plaintext)
+    if size > len(plaintext) - _LENGTH.size:
+        raise OnionError("malformed path payload: its length runs past its end")
+    return _fields(plaintext[_LENGTH.size:_LENGTH.size + size])
+
+
+def seal_forward(path_key: bytes, hop_keys: Sequence[bytes], payload: Payload) -> bytes:
+    """A payload for the proxy, as the first relay receives it: sealed under the path key, inside one
+    layer per relay of `hop_keys` (the relays before the proxy, first relay first), of the same length
+    at every hop (its encoding's plus PATH_OVERHEAD)."""
+    _check_hops(hop_keys)
+    body = _encode(payload)
+    room = len(body) + (MAX_HOPS - 1) * HOP_OVERHEAD  # every layer's plaintext (and ciphertext) length
+    nonces = [secrets.token_bytes(NONCE_SIZE) for _ in range(len(hop_keys) + 1)]
+    # tail: the fillers the relays before the next layer's reader will have appended, as it receives them
+    tail = b""
+    for hop_key, nonce in zip(hop_keys, nonces[:-1], strict=True):
+        if tail:
+            tail = _xor(tail, _stream(hop_key, nonce, room - len(tail), len(tail)))
+        tail += _filler(hop_key, nonce)
+    spare = secrets.token_bytes(room - len(body) - len(tail))  # random: the proxy learns no path length
+    if tail:
+        tail = _xor(tail, _stream(path_key, nonces[-1], room - len(tail), len(tail)))
+    plaintext = body + spare + tail
+    sealed = _layer(path_key, _PATH_DOMAIN + FORWARD, nonces[-1], plaintext)
+    for hop_key, nonce in zip(reversed(hop_keys), reversed(nonces[:-1]), strict=True):
+        sealed = _layer(hop_key, _HOP_DOMAIN + FORWARD, nonce, sealed[:room])
     return sealed
 
 
-def unwrap_all(hop_keys: Sequence[bytes], direction: bytes, wrapped: bytes) -> bytes:
-    """A payload that crossed the hops of `hop_keys`, the first outermost, without their layers."""
-    for key in hop_keys:
-        wrapped = unwrap(key, direction, wrapped)
-    return wrapped
+def unwrap_forward(hop_key: bytes, payload: bytes) -> bytes:
+    """A forward payload without this relay's layer, with its filler appended: as long as it came.
+    OnionError if the layer was altered (or the filler of the relay before)."""
+    _check_size(payload)
+    inner = _open_layer(hop_key, _HOP_DOMAIN + FORWARD, payload, "hop layer")
+    return inner + _filler(hop_key, payload[:NONCE_SIZE])
+
+
+def open_forward(path_key: bytes, payload: bytes) -> Payload:
+    """The proxy's reading of a forward payload; OnionError if it was altered or is not for this path."""
+    _check_size(payload)
+    return _decode(_open_layer(path_key, _PATH_DOMAIN + FORWARD, payload, "path payload"))
+
+
+def seal_backward(path_key: bytes, payload: Payload) -> bytes:
+    """The proxy's payload for the user: sealed under the path key, its plaintext ending in the zeros
+    that the relays' cuts come from, so that the user can recompute what they cut."""
+    body = _encode(payload)
+    zeros = bytes((MAX_HOPS - 1) * HOP_OVERHEAD)
+    return _layer(path_key, _PATH_DOMAIN + BACKWARD, secrets.token_bytes(NONCE_SIZE), body + zeros)
+
+
+def wrap_backward(hop_key: bytes, payload: bytes) -> bytes:
+    """A backward payload with this relay's layer around all of it but its last HOP_OVERHEAD bytes: as
+    long as it came."""
+    _check_size(payload)
+    return _layer(hop_key, _HOP_DOMAIN + BACKWARD, secrets.token_bytes(NONCE_SIZE), payload[:-HOP_OVERHEAD])
+
+
+def open_backward(path_key: bytes, hop_keys: Sequence[bytes], payload: bytes) -> Payload:
+    """A payload from the proxy, as the first relay of `hop_keys` passed it on; OnionError if anyone
+    altered what it carries."""
+    _check_hops(hop_keys)
+    _check_size(payload)
+    if not hop_keys:
+        return _decode(_open_layer(path_key, _PATH_DOMAIN + BACKWARD, payload, "path payload"))
+    hops, room = len(hop_keys), len(payload) - HOP_OVERHEAD
+    keys = [*hop_keys, path_key]  # keys[m]: the layer hop m (the proxy last) put around what it sent back
+    inner = _open_layer(hop_keys[0], _HOP_DOMAIN + BACKWARD, payload, "hop layer")  # whole: nobody cut it
+    # The nonces of the layers inside, read before those layers can be checked (each is at the start of
+    # what the layer outside it encloses); the checks below cover them.
+    nonces, head = [b""] * (hops + 1), inner[:(hops - 1) * HOP_OVERHEAD + NONCE_SIZE]
+    for m in range(1, hops):
+        nonces[m] = head[:NONCE_SIZE]
+        head = _xor(head[HOP_OVERHEAD:], _stream(keys[m], nonces[m], 0, len(head) - HOP_OVERHEAD))
+    nonces[hops] = head
+    # cut[m]: the last bytes of what hop m sent back, which hop m - 1 cut: the path key's keystream over
+    # the proxy's zeros, through the layers added since.
+    cut, tail = [b""] * (hops + 1), bytes(HOP_OVERHEAD * (hops + 1))
+    for m in range(hops, 0, -1):
+        size = HOP_OVERHEAD * m
+        tail = _xor(tail[:size], _stream(keys[m], nonces[m], room - size, size))
+        cut[m] = tail[-HOP_OVERHEAD:]
+    for m in range(1, hops):
+        inner = _open_layer(keys[m], _HOP_DOMAIN + BACKWARD, inner + cut[m], "hop layer")
+    return _decode(_open_layer(path_key, _PATH_DOMAIN + BACKWARD, inner + cut[hops], "path payload"))
 
 
 @functools.lru_cache(maxsize=4096)

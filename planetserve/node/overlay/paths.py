@@ -129,14 +129,13 @@ class Path:
 
     def seal(self, destination: bytes, data: bytes, reply_id: bytes = b"") -> bytes:
         """A payload only our proxy can open, as our first relay receives it: data for the model node
-        `destination` (empty: a ping), to be answered under `reply_id`."""
-        sealed = onion.seal_payload(self.key, onion.FORWARD, onion.Payload(destination, data, reply_id))
-        return onion.wrap_all(self.hop_keys, onion.FORWARD, sealed)
+        `destination` (empty: a ping), to be answered under `reply_id`. Every relay of the path receives
+        it at this length (`onion.seal_forward`)."""
+        return onion.seal_forward(self.key, self.hop_keys, onion.Payload(destination, data, reply_id))
 
     def open(self, wrapped: bytes) -> onion.Payload:
         """A payload from our proxy, as our first relay passed it on; OnionError if anyone altered it."""
-        sealed = onion.unwrap_all(self.hop_keys, onion.BACKWARD, wrapped)
-        return onion.open_payload(self.key, onion.BACKWARD, sealed)
+        return onion.open_backward(self.key, self.hop_keys, wrapped)
 
 
 CloveSink = Callable[[Path, bytes], None]

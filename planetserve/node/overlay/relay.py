@@ -2,12 +2,15 @@
 
 Peer messages between relays (one-way, over `transport`):
   "setup" [link id, packet]   builds a path hop by hop; the packet is peeled here (`onion`)
-  "fwd"   [link id, sealed]   toward the proxy: each relay removes its hop layer; the proxy opens
+  "fwd"   [link id, sealed]   toward the proxy: each relay removes its hop layer and appends filler
+                              (the payload keeps its length, `onion.unwrap_forward`); the proxy opens
                               (destination, data, reply id) with the path key, keeps the reply id for
                               the answer and sends data to the model node `destination`, any registered
                               active one, trusted or not (empty: a ping, echoed)
-  "back"  [link id, sealed]   toward the user, each relay adding its hop layer: (kind, data, reply id),
-                              kind "ready", "pong", "clove" (with the reply id it came under), or
+  "back"  [link id, sealed]   toward the user, each relay adding its hop layer around all but the last
+                              bytes it received (the payload keeps its length, `onion.wrap_backward`):
+                              (kind, data, reply id), kind "ready", "pong", "clove" (with the reply
+                              id it came under), or
                               "unreachable" (the proxy could not reach the model node named, or
                               found no registered one of that key even after reading the lists again)
   "down"  [link id]           the path is gone (sent both ways when a neighbour disappears)
@@ -338,7 +341,7 @@ class Relay:
 
     async def _back(self, hop: Hop, kind: str, data: bytes, reply_id: bytes = b"") -> None:
         """Originate a payload toward the user (we are its proxy)."""
-        sealed = onion.seal_payload(hop.key, onion.BACKWARD, onion.Payload(kind, data, reply_id))
+        sealed = onion.seal_backward(hop.key, onion.Payload(kind, data, reply_id))
         await self._pass_on(hop.pred, "back", [hop.in_id, sealed])
 
     async def _on_fwd(self, peer: bytes, body: Any) -> None:
@@ -351,11 +354,11 @@ class Relay:
             return
         hop.used = time.monotonic()
         if hop.succ is not None:
-            inner = onion.unwrap(hop.key, onion.FORWARD, body[1])
+            inner = onion.unwrap_forward(hop.key, body[1])
             self.counters["forwarded"] += 1
             await self._pass_on(hop.succ, "fwd", [hop.out_id, inner])
             return
-        payload = onion.open_payload(hop.key, onion.FORWARD, body[1])
+        payload = onion.open_forward(hop.key, body[1])
         destination = payload.first
         if not destination:
             if len(payload.data) > MAX_PING:
@@ -405,7 +408,7 @@ class Relay:
         if hop is not None:
             hop.used = time.monotonic()
             self.counters["returned"] += 1
-            await self._pass_on(hop.pred, "back", [hop.in_id, onion.wrap(hop.key, onion.BACKWARD, body[1])])
+            await self._pass_on(hop.pred, "back", [hop.in_id, onion.wrap_backward(hop.key, body[1])])
         elif self.owner is None or not self.owner.deliver(peer, link, body[1]):
             self.counters["unknown_path"] += 1
 
