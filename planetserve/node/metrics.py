@@ -40,6 +40,11 @@ RELAY_COUNTERS = {
     "paths_died": ("paths", "died", "Paths found dead"),
     "path_rotations": ("paths", "rotated", "Paths replaced at the end of their lifetime"),
     "paths_used_up": ("paths", "used_up", "Paths retired after their uses"),
+    "paths_lost": ("paths", "lost", "Live paths a relay ended (down, or its connection closed)"),
+    "paths_rebuilt": ("paths", "rebuilt", "Lost paths built again over the same relays"),
+    "paths_lost_again": ("paths", "lost_again", "Rebuilt paths lost again soon after: their relays avoided"),
+    "requests_resent": ("counters", "resent", "Requests sent again over other proxies after too many "
+                        "said the node cannot be reached"),
     "cloves_forwarded": ("relay", "forwarded", "Cloves relayed for other users"),
     "cloves_to_nodes": ("relay", "to_nodes", "Cloves delivered to model nodes as a proxy"),
     "cloves_returned": ("relay", "returned", "Answer cloves relayed back"),

@@ -67,6 +67,18 @@ log = logging.getLogger(__name__)
 MAX_TRACKED_MESSAGES = 4096
 DROP_GRACE_SECONDS = 1.0
 NODE_AVOID_SECONDS = 60.0
+NODE_ATTEMPTS = 3
+"""Times one request is sent, each over paths to proxies none of its earlier sends used, while more than
+n - k of the proxies of each send say that the node cannot be reached (`UserRelay._node_unreachable`).
+A proxy's "unreachable" is its word alone, and colluding proxies said it of every node but theirs: two
+of a request's four failed it and had the node avoided for NODE_AVOID_SECONDS (about 31% of requests
+with 4 of 14 relays colluding). Each refused send takes at least n - k + 1 of the colluders out of the
+request's later draws, so L of them can refuse at most L / (n - k + 1) sends: 3 sends outlast 4 colluders
+among 14 relays, and where a fraction f of a large list colludes, a send is refused with a probability
+of about 6f² (0.33 at f = 0.29) and all three with about its cube (0.036). The node itself is avoided
+only when every proxy of one send says it cannot be reached and no send was answered: an honest proxy
+says so only when that is true, so a node that is down is still avoided after one send, and colluders
+must hold all n proxies of a send (about f⁴, 0.007 at f = 0.29) to have an honest node avoided."""
 USER_LIMITS = ApiLimits(max_body_bytes=MAX_MESSAGE - (64 << 10))
 NODE_KEY = re.compile(r"[0-9a-fA-F]{64}")
 MAX_PARTS_AHEAD = 64
@@ -83,10 +95,13 @@ def too_few_paths(live: int, needed: int, detail: str = "") -> ApiError:
                     f"being built; retry shortly.", type="server_error", code="too_few_paths")
 
 
-def node_unreachable(node: bytes, seconds: float) -> ApiError:
+def node_unreachable(node: bytes, seconds: float, sends: int = 1) -> ApiError:
+    """`seconds`: how long the node is avoided now (0: not, as only some proxies of each of the request's
+    `sends` said that it cannot be reached)."""
+    then = (f"it is avoided for {seconds:g} s, so a retry goes to another node." if seconds else
+            f"asked over {sends} set(s) of different proxies, not all said so, so it is not avoided.")
     return ApiError(502, f"The model node {node.hex()[:16]} cannot be reached by enough of our proxies; "
-                    f"it is avoided for {seconds:g} s, so a retry goes to another node.",
-                    type="server_error", code="node_unreachable")
+                    f"{then}", type="server_error", code="node_unreachable")
 
 
 def timed_out(seconds: float) -> ApiError:
@@ -117,6 +132,11 @@ class Exchange:
     one request recurs in another."""
     parts: dict[int, Part] = field(default_factory=dict)
     unreachable: set[Path] = field(default_factory=set)
+    """Paths whose proxy said that the node cannot be reached."""
+    refused: bool = False
+    """More than n - k of them did: the node cannot have the prompt, or answer over k proxies."""
+    asking: Asking | None = None
+    """The request this is one send of."""
     next_seq: int = 0
     held: int = 0
     """Bytes of the parts kept, not yet read."""
@@ -141,6 +161,11 @@ class Exchange:
         self.held = held
         self.parts[part.seq] = part
         self.changed.set()
+
+    @property
+    def begun(self) -> bool:
+        """An answer part arrived: the node had the prompt."""
+        return self.messages > 0 or self.next_seq > 0
 
     def fail(self, error: ApiError) -> None:
         if self.failure is None:
@@ -184,6 +209,20 @@ class Exchange:
             part = await self.next_part(timeout)
 
 
+@dataclass(eq=False)
+class Asking:
+    """One request, sent up to NODE_ATTEMPTS times."""
+
+    node: bytes
+    attempts: list[Exchange] = field(default_factory=list)
+    verdict: ApiError | None = None
+    """Set once every proxy of one send said the node cannot be reached: it is avoided."""
+
+    @property
+    def proxies(self) -> set[bytes]:
+        return {p.proxy for e in self.attempts for p in e.paths}
+
+
 class UserRelay:
     def __init__(self, config: UserConfig, keys: KeySet, directory: Directory | None, *,
                  settings: PathSettings | None = None, rng: random.Random | None = None) -> None:
@@ -219,7 +258,8 @@ class UserRelay:
         self.seed_key = secrets.token_bytes(32)
         """Keys the seeds programs choose (`relayed_seed`): this relay's alone, for its lifetime."""
         self.avoided_nodes: dict[bytes, float] = {}
-        self.counters = {"requests": 0, "answered": 0, "failed": 0, "bad_cloves": 0, "dropping_paths": 0}
+        self.counters = {"requests": 0, "answered": 0, "failed": 0, "bad_cloves": 0, "dropping_paths": 0,
+                         "resent": 0}
         self.surface = ApiServer(self, max_body_bytes=USER_LIMITS.max_body_bytes,
                                  documents={"/v1/planetserve/status": self.status},
                                  hosts=(config.peer, config.advertise))
@@ -292,6 +332,9 @@ class UserRelay:
         self.spawn(self.relay.peer_closed(peer))
 
     def _path_died(self, _path: Path) -> None:
+        """Requests that used the path may now have too few; the path is replaced. When a relay of it
+        ended it, the PathManager has already reserved its rebuild over the same relays (`paths._lost`),
+        which this fill counts: a relay that tears down our paths does not get them drawn again."""
         for exchange in self.exchanges.values():
             exchange.check_paths()
         self.spawn(self.paths.fill())
@@ -335,14 +378,32 @@ class UserRelay:
         exchange.add(part)
 
     def _node_unreachable(self, path: Path, node: bytes) -> None:
-        """A proxy could not reach the node: once too few cloves can have arrived there for it to
-        recover the prompt, the request fails now rather than at its timeout, and the node is avoided."""
-        for exchange in self.exchanges.values():
-            if exchange.node == node and path in exchange.paths:
-                exchange.unreachable.add(path)
-                if len(exchange.paths) - len(exchange.unreachable) < exchange.k:
-                    self.avoided_nodes[node] = time.monotonic() + NODE_AVOID_SECONDS
-                    exchange.fail(node_unreachable(node, NODE_AVOID_SECONDS))
+        """A path's proxy says it could not reach the node. That is the proxy's word (only the proxy can
+        say it: the answer is sealed under the path key), and a proxy that wants our requests to go to
+        another node says it falsely. So it weighs against this send of the request only: once more than
+        n - k of its proxies said so, the node cannot have the prompt or answer over k proxies, and the
+        request is sent again over paths to proxies it has not used (`ask`, NODE_ATTEMPTS). The node is
+        avoided only when every proxy of one send said so, which an honest proxy does only when it is
+        true; a request refused on every send fails without the node being avoided. The path itself is
+        neither retired nor are its relays avoided: the claim says nothing about the path, an honest
+        proxy makes it when a node is down, and replacing the path would be a fresh draw any proxy could
+        ask for (as "down" was, `paths._lost`)."""
+        for exchange in list(self.exchanges.values()):
+            if (exchange.node != node or path not in exchange.paths or path in exchange.unreachable
+                    or exchange.begun):
+                continue
+            exchange.unreachable.add(path)
+            sends = exchange.asking.attempts if exchange.asking is not None else [exchange]
+            if len(exchange.unreachable) == len(exchange.paths) and not any(s.begun for s in sends):
+                self.avoided_nodes[node] = time.monotonic() + NODE_AVOID_SECONDS
+                verdict = node_unreachable(node, NODE_AVOID_SECONDS)
+                if exchange.asking is not None:
+                    exchange.asking.verdict = verdict
+                for send in sends:
+                    send.fail(verdict)
+            elif len(exchange.paths) - len(exchange.unreachable) < exchange.k and not exchange.refused:
+                exchange.refused = True
+                exchange.fail(node_unreachable(node, 0, len(sends)))
 
     def _penalize_dropping(self, path: Path) -> None:
         self.counters["dropping_paths"] += 1
@@ -363,7 +424,55 @@ class UserRelay:
     # -- asking ------------------------------------------------------------------------------------------
 
     async def ask(self, node: bytes, endpoint: Endpoint, body: bytes) -> Reply:
-        """Send one API request to `node` through the overlay; the Reply streams its answer."""
+        """Send one API request to `node` through the overlay; the Reply streams its answer. A request
+        that more than n - k of its proxies say cannot reach the node is sent again over paths to other
+        proxies (`_first_part`)."""
+        asking = Asking(node)
+        try:
+            first = await self._first_part(asking, endpoint, body)
+            exchange = asking.attempts[-1]
+            self.paths.replenish()
+            for earlier in asking.attempts[:-1]:
+                self._finish(earlier, False, counted=False)
+            if first.content_type == EVENT_STREAM:
+                return Reply(first.status, first.content_type, self._stream(exchange, first), BY_NODE)
+            body = b"".join([data async for data in exchange.data(first, self.config.response_timeout)])
+        except BaseException:
+            self.paths.replenish()
+            for attempt in asking.attempts:
+                self._finish(attempt, False, counted=attempt is asking.attempts[-1])
+            raise
+        self._finish(exchange, True)
+        return Reply(first.status, first.content_type, single_part(body), BY_NODE)
+
+    async def _first_part(self, asking: Asking, endpoint: Endpoint, body: bytes) -> Part:
+        """Send the request, and again (NODE_ATTEMPTS in all) over paths to proxies that no earlier send
+        used while more than n - k of a send's proxies say the node cannot be reached; the first part of
+        the answer. The earlier sends stay in `exchanges` until then, so that a send all of whose proxies
+        say so has the node avoided and ends the request (`_node_unreachable`)."""
+        for attempt in range(NODE_ATTEMPTS):
+            if attempt == 0:
+                chosen = await self._request_paths()
+            else:
+                refusal = asking.attempts[-1].failure
+                chosen = await self._paths_avoiding(asking.proxies)
+                if asking.verdict is not None:
+                    raise asking.verdict
+                if len(chosen) < self.config.k:  # no other proxies to ask
+                    raise refusal  # type: ignore[misc]
+                self.counters["resent"] += 1
+            exchange = await self._launch(asking, endpoint, body, chosen)
+            try:
+                return await exchange.next_part(self.config.response_timeout)
+            except ApiError:
+                if asking.verdict is not None:
+                    raise asking.verdict from None
+                if not exchange.refused or attempt == NODE_ATTEMPTS - 1:
+                    raise
+        raise AssertionError("unreachable")
+
+    async def _request_paths(self) -> tuple[Path, ...]:
+        """n of the live paths, chosen at random."""
         n, k = self.config.n, self.config.k
         want = min(n, self.paths.settings.target)
         live = self.paths.live()
@@ -377,7 +486,31 @@ class UserRelay:
             if len(live) < k:
                 raise too_few_paths(len(live), k, f" (last error: {self.paths.last_error})"
                                     if self.paths.last_error else "")
-        chosen = tuple(secrets.SystemRandom().sample(live, min(n, len(live))))
+        return tuple(secrets.SystemRandom().sample(live, min(n, len(live))))
+
+    async def _paths_avoiding(self, proxies: set[bytes]) -> tuple[Path, ...]:
+        """n live paths to distinct proxies none of `proxies`, chosen at random, building what is missing
+        within the setup time; fewer if the list cannot give them."""
+        want = min(self.config.n, self.paths.settings.target)
+        deadline = time.monotonic() + self.paths.settings.setup_timeout
+        while True:
+            live = self.paths.live()
+            ends, fresh = set(proxies), []
+            for path in secrets.SystemRandom().sample(live, len(live)):
+                if path.proxy not in ends:
+                    ends.add(path.proxy)
+                    fresh.append(path)
+            if len(fresh) >= want or time.monotonic() >= deadline:
+                return tuple(fresh[:want])
+            built = await asyncio.gather(*(self.paths.build(proxies=ends) for _ in range(want - len(fresh))))
+            if not any(built):
+                await asyncio.sleep(0.2)
+
+    async def _launch(self, asking: Asking, endpoint: Endpoint, body: bytes,
+                      chosen: tuple[Path, ...]) -> Exchange:
+        """Send the prompt to `asking.node` over `chosen`, each path naming a fresh reply id and key; the
+        exchange its answer will come to."""
+        k, node = self.config.k, asking.node
         request_id = secrets.token_bytes(16)
         threshold = min(k, len(chosen))
         replies = [(secrets.token_bytes(onion.ID_SIZE), secrets.token_bytes(onion.KEY_SIZE)) for _ in chosen]
@@ -385,34 +518,25 @@ class UserRelay:
                         tuple((p.proxy, *reply) for p, reply in zip(chosen, replies, strict=True)), threshold,
                         sent_now())
         cloves = sida.split_encoded(prompt.seal(), len(chosen), threshold)
-        exchange = Exchange(request_id, node, chosen, threshold, dict(replies))
+        exchange = Exchange(request_id, node, chosen, threshold, dict(replies), asking=asking)
+        if not asking.attempts:
+            self.counters["requests"] += 1
+        asking.attempts.append(exchange)
         self.exchanges[request_id] = exchange
         self.paths.use(chosen)
         self.reply_keys.update(exchange.reply_keys)
-        self.counters["requests"] += 1
-        try:
-            payloads = [p.seal(node, onion.seal_to(node, c), reply_id)
-                        for p, c, (reply_id, _) in zip(chosen, cloves, replies, strict=True)]
-            sent = await asyncio.gather(*(self._send(p.first, "fwd", [p.link, data])
-                                          for p, data in zip(chosen, payloads, strict=True)),
-                                        return_exceptions=True)
-            for path, result in zip(chosen, sent, strict=True):
-                if result is not None:
-                    self.spawn(self.paths.drop(path, f"the prompt could not be sent: {result}"))
-            delivered = sum(r is None for r in sent)
-            if delivered < exchange.k:
-                raise too_few_paths(delivered, exchange.k, " the prompt could be sent on")
-            first = await exchange.next_part(self.config.response_timeout)
-            self.paths.replenish()
-            if first.content_type == EVENT_STREAM:
-                return Reply(first.status, first.content_type, self._stream(exchange, first), BY_NODE)
-            body = b"".join([data async for data in exchange.data(first, self.config.response_timeout)])
-        except BaseException:
-            self.paths.replenish()
-            self._finish(exchange, False)
-            raise
-        self._finish(exchange, True)
-        return Reply(first.status, first.content_type, single_part(body), BY_NODE)
+        payloads = [p.seal(node, onion.seal_to(node, c), reply_id)
+                    for p, c, (reply_id, _) in zip(chosen, cloves, replies, strict=True)]
+        sent = await asyncio.gather(*(self._send(p.first, "fwd", [p.link, data])
+                                      for p, data in zip(chosen, payloads, strict=True)),
+                                    return_exceptions=True)
+        for path, result in zip(chosen, sent, strict=True):
+            if result is not None:
+                self.spawn(self.paths.lose(path, f"the prompt could not be sent: {result}"))
+        delivered = sum(r is None for r in sent)
+        if delivered < exchange.k:
+            raise too_few_paths(delivered, exchange.k, " the prompt could be sent on")
+        return exchange
 
     async def _stream(self, exchange: Exchange, first: Part) -> AsyncIterator[bytes]:
         ok = False
@@ -427,10 +551,12 @@ class UserRelay:
         finally:
             self._finish(exchange, ok)
 
-    def _finish(self, exchange: Exchange, ok: bool) -> None:
+    def _finish(self, exchange: Exchange, ok: bool, counted: bool = True) -> None:
+        """The exchange is over; `counted` false for a send of a request that was sent again."""
         if self.exchanges.pop(exchange.request_id, None) is None:
             return
-        self.counters["answered" if ok else "failed"] += 1
+        if counted:
+            self.counters["answered" if ok else "failed"] += 1
         self.spawn(self._check_drops(exchange))
 
     def trusted_model(self, request: ApiRequest) -> str:

@@ -16,6 +16,36 @@ requests (`retiring`) and is torn down once the answers it carries are in (or af
 
 A path is used up after `PathSettings.uses` requests (one by default): it retires at once, and the
 paths that replace it are built while its answer comes back, so the next request finds fresh ones.
+
+A path lost to a relay is not a new draw. Any relay of a path can end it at will and for free: it
+sends "down" toward us, or (our first relay) closes its connection. Were the path then replaced by one
+over freshly drawn relays, colluding relays could tear down every path of ours they sit on without
+also holding its first relay and proxy, and keep those that they do: the paths that survive would be
+theirs far more often than a fair draw (a review measured 7.5% -> 28% of paths with colluding first
+relay and proxy, 15 users of which 4 colluded). So a live path that is lost (`_lost`) is built again
+over the same relays (fresh link ids and keys, the same remaining uses and lifetime): tearing it down
+gains its relays nothing but the same path back. A relay that really left makes that rebuild fail at
+once (its neighbour cannot reach it and answers "down"), which is a failed setup, and a failed setup's
+relays are avoided for `failed_setup_avoid_seconds`; so is a route lost again within that time of its
+rebuild, and then a fresh route is drawn. Every way a relay can force a fresh draw (failing a setup,
+ending a rebuilt path, dropping pings or cloves) thus costs it its own place in our draws, exactly as
+much as it costs each other relay of the path: the blame is shared equally by every relay of the path,
+once per event, because we cannot tell which of them caused it. While colluders are fewer than a third
+of the listed relays, each event takes a larger share of colluders than of honest relays out of what
+we draw from, so the colluders that keep ending our paths soon draw none of them (measured with 4 of 14
+relays colluding and ending every path they do not fully watch: 0-10% of paths with colluding first
+relay and proxy, against 6.6% for a fair draw and 34-37% before). How much may be avoided at once is
+bounded (`_shunned`), so that colluders above a third cannot have the honest relays avoided wholesale.
+
+Alternatives we did not take: a per-relay count of abnormal deaths with a threshold above one lets
+colluders keep their own counts below it while concentrating them on an honest relay that shares
+their paths (each of C colluders ends t - 1 paths through it), which is then avoided and they are not.
+A ration of fresh draws in place of failed paths (past it, a place stays empty until the next request)
+bounds the steering whatever the share of colluders, but turned the same attack on 15 users into a
+denial of service for every request until the ration's window ended; shared blame keeps requests
+answered. Where colluders are more than a third of the list no blame helps: the paths that survive
+are still chosen by them (measured with 6 of 12 relays: 70% of paths before, 80-94% now, against 25%
+for a fair draw).
 """
 
 from __future__ import annotations
@@ -28,7 +58,7 @@ import logging
 import random
 import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,7 +85,13 @@ class PathSettings:
     """Consecutive unanswered pings a path survives."""
     avoid_seconds: float = 600.0
     """How long relays of a path that dropped or corrupted traffic are avoided."""
+    avoided_share: float = 0.5
+    """The most of the other listed relays left out of new paths for failing or misbehaving at once
+    (`PathManager._shunned`)."""
     failed_setup_avoid_seconds: float = 60.0
+    """How long relays of a path whose setup failed are avoided; also those of a path lost again (torn
+    down by a relay, or its first relay's connection closed) within this time of being rebuilt over the
+    same relays after a loss (`PathManager._lost`)."""
     lifetime: float = 600.0
     """Seconds a path serves before it is replaced by one over freshly chosen relays (0: never). A path
     that lives long lets its proxy (and a colluding first relay) collect every request of the user that
@@ -165,8 +201,12 @@ class PathManager:
         """Whether a request in flight still waits for answers over the path (retiring waits for it)."""
         self._pings: dict[bytes, tuple[bytes, asyncio.Future]] = {}
         self._filling = asyncio.Lock()
+        self._rebuilt: dict[tuple[bytes, ...], float] = {}
+        """Routes rebuilt after a loss, with when (monotonic): one lost again within
+        `failed_setup_avoid_seconds` is treated as a failed setup."""
         self.counters = {"built": 0, "setup_failures": 0, "died": 0, "penalized": 0, "pings_failed": 0,
-                         "altered": 0, "rotated": 0, "rotation_failures": 0, "used_up": 0}
+                         "altered": 0, "rotated": 0, "rotation_failures": 0, "used_up": 0,
+                         "lost": 0, "rebuilt": 0, "lost_again": 0}
         self._tasks: set[asyncio.Task] = set()
         self.last_error: str | None = None
 
@@ -176,16 +216,29 @@ class PathManager:
     # -- building ------------------------------------------------------------------------------------
 
     def _shunned(self, users: Sequence[bytes]) -> tuple[set[bytes], set[bytes]]:
-        """Relays a new path leaves out (those avoided for misbehaving, unless too few would remain for a
-        path) and relays it uses only as a last resort (also those carrying our other paths). Retiring
-        paths count for neither: a used path's replacements are chosen as if it were gone, so that the
-        proxies of one request say nothing about those of the next, not even by avoiding them."""
+        """Relays a new path leaves out (those avoided for failing or misbehaving) and relays it uses only
+        as a last resort (also those carrying our other paths). Retiring paths count for neither: a used
+        path's replacements are chosen as if it were gone, so that the proxies of one request say nothing
+        about those of the next, not even by avoiding them.
+
+        At most `avoided_share` of the other listed relays are left out, and never so many that fewer
+        than a path's length remain; past either bound, those whose avoidance ends soonest (blamed
+        longest ago, or for less) are let back first, so the relays that failed us last stay out. Before,
+        past the second bound every avoided relay was let back at once: colluders that kept ending our
+        paths soon had the whole list avoided, and then avoiding meant nothing. The first bound is for
+        lists where colluders are more than a third: a blamed path holds one colluder and two honest
+        relays, so there each blame leaves a list with a larger share of colluders (with 6 of 12 relays
+        colluding and no bound, every path ended up over colluders alone); bounded, blame raises their
+        share f of what we draw from to at most (f - share / 3) / (1 - share), and lowers it when f is
+        below a third."""
         now = time.monotonic()
         self.avoided = {k: until for k, until in self.avoided.items() if until > now}
         busy = {r for p in self.paths.values() if p.state != "retiring" for r in p.route}
-        bad = set(self.avoided)
-        usable = {u for u in users if u != self.me} - bad
-        return (bad if len(usable) >= self.settings.length else set()), bad | busy
+        others = {u for u in users if u != self.me}
+        held = sorted((until, relay) for relay, until in self.avoided.items() if relay in others)
+        room = min(int(len(others) * self.settings.avoided_share), len(others) - self.settings.length)
+        bad = {relay for _, relay in held[max(len(held) - max(room, 0), 0):]}
+        return bad, set(self.avoided) | busy
 
     def _lifetime(self) -> float:
         settings = self.settings
@@ -194,24 +247,37 @@ class PathManager:
         spread = settings.lifetime * min(max(settings.lifetime_jitter, 0.0), 1.0)
         return (self.rng or _SYSTEM).uniform(settings.lifetime - spread, settings.lifetime + spread)
 
-    async def build(self, replacing: Path | None = None) -> Path | None:
+    async def build(self, replacing: Path | None = None, *, proxies: Collection[bytes] = ()) -> Path | None:
         """One new path, or None if its setup failed (its relays are then avoided for a while). Its
-        proxy ends none of our other paths whenever the list allows (`replacing`'s only as a last resort)."""
+        proxy ends none of our other paths whenever the list allows (`replacing`'s only as a last resort),
+        nor is one of `proxies` (those a request was sent to before, when it is sent again) but as a last
+        resort."""
         users = self.users()
-        proxies = {p.proxy for p in self.paths.values() if p is not replacing and p.state != "retiring"}
+        ends = {p.proxy for p in self.paths.values() if p is not replacing and p.state != "retiring"}
         left_out, last_resort = self._shunned(users)
         try:
             (route,) = choose_routes(users, 1, length=self.settings.length, exclude={self.me} | left_out,
-                                     avoid=last_resort, proxies=proxies, rng=self.rng)
+                                     avoid=last_resort, proxies=ends | set(proxies), rng=self.rng)
         except NotEnoughRelays as exc:
             self.last_error = str(exc)
             return None
-        links = [secrets.token_bytes(onion.ID_SIZE) for _ in route]
-        path = Path(links[0], route, secrets.token_bytes(onion.TOKEN_SIZE),
-                    secrets.token_bytes(onion.KEY_SIZE), listed=len(users))
+        return await self._set_up(self._reserve(route, len(users)))
+
+    def _reserve(self, route: tuple[bytes, ...], listed: int) -> Path:
+        """A path over `route`, in the table at once (before any await: concurrent builds avoid its
+        relays, and `fill` counts it)."""
+        path = Path(secrets.token_bytes(onion.ID_SIZE), route, secrets.token_bytes(onion.TOKEN_SIZE),
+                    secrets.token_bytes(onion.KEY_SIZE), listed=listed)
+        self.paths[(path.first, path.link)] = path
+        return path
+
+    async def _set_up(self, path: Path) -> Path | None:
+        """Send a reserved path's setup and wait for its proxy's token: the live path, or None if the
+        setup failed (its relays are then avoided for `failed_setup_avoid_seconds`)."""
+        route = path.route
+        links = [path.link, *(secrets.token_bytes(onion.ID_SIZE) for _ in route[1:])]
         layers = [onion.relay_layer(links[i + 1], route[i + 1]) for i in range(len(route) - 1)]
         layers.append(onion.proxy_layer(path.token, path.key))
-        self.paths[(path.first, path.link)] = path  # before any await: concurrent builds avoid its relays
         try:
             packet, hop_keys = await asyncio.to_thread(onion.build, route, layers)
             path.hop_keys = hop_keys[:-1]
@@ -228,7 +294,8 @@ class PathManager:
                 raise
             return None
         self.counters["built"] += 1
-        path.expires = time.monotonic() + self._lifetime()
+        if path.expires == float("inf"):  # a rebuilt path keeps the lifetime of the one it replaces
+            path.expires = time.monotonic() + self._lifetime()
         if path.suspect:  # a relay of it misbehaved on another path while it was built
             self._retire(path)
             return None
@@ -386,9 +453,61 @@ class PathManager:
         with contextlib.suppress(TransportError):
             await self.send(path.first, "down", [path.link])
 
+    def _lost(self, path: Path, reason: str) -> bool:
+        """A relay of the path ended it ("down"), or our connection to its first relay closed: events
+        any relay of the path can cause at will, so they must not give it a new draw. A live path lost
+        so is built again over the same relays at once (`_rebuild_lost`); a path still being built has
+        failed its setup (its relays are avoided for a while, `_set_up`); a retiring one was replaced
+        already."""
+        was_live = path.live
+        if not self._die(path, reason):
+            return False
+        if was_live:
+            self.counters["lost"] += 1
+            self._rebuild_lost(path)
+        return True
+
+    def _rebuild_lost(self, lost: Path) -> None:
+        """Reserve a path over `lost`'s relays now (so that the `fill` its death set off draws none
+        in its place), with the uses and lifetime it had left, and set it up. Not when its route is
+        no longer usable (a relay left the list or is avoided, or misbehaved on another path): then
+        `fill` draws a fresh one. A route lost again within `failed_setup_avoid_seconds` of its rebuild
+        is treated as a failed setup: all its relays are avoided for that long, the one that keeps
+        ending it with them, and `fill` draws a fresh route."""
+        now = time.monotonic()
+        window = self.settings.failed_setup_avoid_seconds
+        self._rebuilt = {r: t for r, t in self._rebuilt.items() if now - t < window}
+        route = lost.route
+        if route in self._rebuilt:
+            del self._rebuilt[route]
+            self.counters["lost_again"] += 1
+            self._avoid(route, window)
+            return
+        users = self.users()
+        left_out, _ = self._shunned(users)
+        if lost.suspect or not set(route) <= set(users) - {self.me} or set(route) & left_out:
+            return
+        if sum(p.state in ("building", "live") for p in self.paths.values()) >= self.settings.target:
+            return
+        path = self._reserve(route, lost.listed)
+        path.uses, path.expires = lost.uses, lost.expires
+        self._rebuilt[route] = now
+        self.counters["rebuilt"] += 1
+        self.spawn(self._rebuild(path))
+
+    async def _rebuild(self, path: Path) -> None:
+        if await self._set_up(path) is None:  # its relays are avoided now: draw another route at once
+            await self.fill()
+
+    async def lose(self, path: Path, reason: str) -> None:
+        """Our first relay could not be reached to carry something over the path: as `_lost` (it is
+        that relay's doing as much as a closed connection is), and tell the path's relays."""
+        if self._lost(path, reason):
+            await self._send_down(path)
+
     async def drop(self, path: Path, reason: str, ended: str = "dead") -> None:
-        """The path failed without anyone being at fault we can see (its first relay is unreachable), or
-        was replaced (`ended` "spent"): tear it down; the next fill replaces it."""
+        """The path was replaced (`ended` "spent"), or we are closing: tear it down. (A path whose first
+        relay cannot be reached is lost, `lose`.)"""
         if self._die(path, reason, ended):
             await self._send_down(path)
 
@@ -453,8 +572,8 @@ class PathManager:
 
     def path_down(self, peer: bytes, link: bytes) -> bool:
         path = self.paths.get((peer, link))
-        return path is not None and self._die(path, "a relay reported the path down")
+        return path is not None and self._lost(path, "a relay reported the path down")
 
     def peer_closed(self, peer: bytes) -> None:
         for path in [p for p in self.paths.values() if p.first == peer]:
-            self._die(path, "the first relay went away")
+            self._lost(path, "the first relay went away")
