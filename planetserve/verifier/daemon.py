@@ -204,10 +204,10 @@ class Daemon:
         """Epoch → its first block, where key rotations take effect (`_follow_rotations`)."""
         self.followed: set[int] = set()
         """Epochs whose plan this member has read as its first block left it: the keys it names are final."""
-        self.moved: dict[tuple[int, bytes], bytes] = {}
-        """(epoch, node's key) → the key the node was planned under, for a node whose rotation took effect
-        at the epoch's first block (`PlanEntry.moved_from`): the key its tags name and its answers to the
-        challenges sent before then are signed with."""
+        self.moved: dict[tuple[int, bytes], tuple[bytes, ...]] = {}
+        """(epoch, node's key) → the node's keys in the epoch (`PlanEntry.node_keys`), for a node whose
+        rotation took effect at the epoch's first block: the key it was planned under is the one its tags
+        name and its answers to the challenges sent before then are signed with."""
         self.status: dict[str, Any] = {"member": self.me.hex(), "started": int(time.time()), "ticks": 0,
                                        "submitted": 0, "rejected": 0, "challenges": 0, "scored": 0,
                                        "last_error": None}
@@ -294,7 +294,7 @@ class Daemon:
             if not entry.moved_from:
                 continue
             old, new = entry.moved_from, entry.node
-            self.moved[number, new] = old
+            self.moved[number, new] = entry.node_keys
             for kind in ("leader", "rechallenge"):
                 if (number, old, kind) in self.pending:
                     self.pending[number, new, kind] = self.pending.pop((number, old, kind))
@@ -310,8 +310,7 @@ class Daemon:
 
     def _node_keys(self, number: int, node: bytes) -> tuple[bytes, ...]:
         """`node`'s keys in epoch `number`, as `PlanEntry.node_keys` gives them."""
-        old = self.moved.get((number, node))
-        return (node, old) if old is not None else (node,)
+        return self.moved.get((number, node), (node,))
 
     def _journalled(self, number: int, keys: tuple[bytes, ...]) -> tuple[bytes, Challenge] | None:
         """This member's re-challenge of a node in epoch `number` and the key it was journalled and tagged

@@ -287,9 +287,8 @@ class State:
         """The reputations of every node the organisation registered, deactivated ones included, in
         key order: its record, which a node taken out of service does not leave. Reads them all: for
         the epoch's end, which rescores them anyway (`org_reputation` reads one entry)."""
-        prefix = org_node_prefix(org_id)
-        return [rep.value for k, _ in self.kv.iterate(prefix)
-                if (rep := self.reputation(bytes.fromhex(k[len(prefix):].decode()))) is not None]
+        return [rep.value for k, _ in self.kv.iterate(org_node_prefix(org_id))
+                if (rep := self.reputation(last_key_bytes(k))) is not None]
 
     def org_reputation(self, org_id: str) -> int | None:
         """The least of `org_reputations`, None before the organisation's first node. Kept in one entry

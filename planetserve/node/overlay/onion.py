@@ -196,8 +196,7 @@ def seal_payload(path_key: bytes, direction: bytes, payload: Payload) -> bytes:
     """A payload sealed under `path_key` alone (an answer clove under its reply key, REPLY): a fresh
     random nonce each time, and the direction bound in, so a payload cannot be reflected back. What
     travels on a path is sealed by `seal_forward` and `seal_backward`."""
-    plaintext = msgpack.packb([payload.first, payload.data, payload.reply_id], use_bin_type=True)
-    return _seal(path_key, _PAYLOAD_DOMAIN + direction, plaintext)
+    return _seal(path_key, _PAYLOAD_DOMAIN + direction, _packed(payload))
 
 
 def open_payload(path_key: bytes, direction: bytes, sealed: bytes) -> Payload:
@@ -260,8 +259,13 @@ def _check_hops(hop_keys: Sequence[bytes]) -> None:
         raise ValueError(f"a path has at most {MAX_HOPS - 1} relays before its proxy, not {len(hop_keys)}")
 
 
+def _packed(payload: Payload) -> bytes:
+    return msgpack.packb([payload.first, payload.data, payload.reply_id], use_bin_type=True)
+
+
 def _encode(payload: Payload) -> bytes:
-    packed = msgpack.packb([payload.first, payload.data, payload.reply_id], use_bin_type=True)
+    """A path payload's plaintext: its packed fields behind their length (the rest is filler)."""
+    packed = _packed(payload)
     return _LENGTH.pack(len(packed)) + packed
 
 
